@@ -1,0 +1,219 @@
+"""Benchmark cuflash against naive CuPy attention and PyTorch SDPA backends.
+
+Same input buffers for every contender (PyTorch reads CuPy's arrays through
+DLPack), CUDA-event timing after warm-up, median of repeated runs. FLOPs:
+4*B*H*Lq*Lk*D forward (halved when causal); forward+backward is 3.5x forward.
+Writes JSON, a Markdown table and a PNG plot into benchmarks/results/, named
+by device, and prints the table.
+
+    PYTHONPATH=. python benchmarks/bench.py [--quick] [--out benchmarks/results]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import cupy as cp
+from cupyx.profiler import benchmark as cupy_benchmark
+
+import cuflash
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except Exception:  # torch is optional
+    torch = None
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def _cp_dtype(name):
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32,
+            "float64": np.float64}[name]
+
+
+def _time(fn, repeat):
+    res = cupy_benchmark(fn, n_repeat=repeat, n_warmup=3)
+    return float(np.median(res.gpu_times[0]) * 1e3)
+
+
+def _extra_mib(fn):
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    t_before = torch.cuda.memory_allocated() if torch is not None else 0
+    if torch is not None:
+        torch.cuda.reset_peak_memory_stats()
+    fn()
+    cp.cuda.Device().synchronize()
+    grown = pool.total_bytes() - before
+    if torch is not None:
+        grown += max(0, torch.cuda.max_memory_allocated() - t_before)
+    return grown / 2**20
+
+
+def naive_cupy(q, k, v, scale, causal):
+    s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32 if q.dtype != cp.float64 else cp.float64) * scale
+    if causal:
+        s = cp.where(cp.tri(s.shape[-2], s.shape[-1], dtype=bool), s, -cp.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cp.matmul(p.astype(q.dtype), v)
+
+
+def contenders(q, k, v, do, causal, with_bwd):
+    """name -> callable running the forward (and backward when with_bwd)."""
+    d = q.shape[-1]
+    out = {}
+
+    def cf():
+        if with_bwd:
+            o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+            return cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+        return cuflash.attention_forward(q, k, v, causal=causal)
+
+    out["cuflash"] = cf
+    if not with_bwd and q.dtype != np.dtype(_cp_dtype("bfloat16")):
+        out["naive cupy"] = lambda: naive_cupy(q, k, v, 1 / math.sqrt(d), causal)
+    if torch is not None:
+        tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
+        if with_bwd:
+            tq, tk, tv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
+        backends = {"torch flash": SDPBackend.FLASH_ATTENTION, "torch efficient": SDPBackend.EFFICIENT_ATTENTION,
+                    "torch cudnn": SDPBackend.CUDNN_ATTENTION, "torch math": SDPBackend.MATH}
+        for name, backend in backends.items():
+            def run(backend=backend):
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(tq, tk, tv, is_causal=bool(causal))
+                    if with_bwd:
+                        return torch.autograd.grad(o, (tq, tk, tv), tdo)
+                    return o
+            out[name] = run
+    return out
+
+
+def run_case(dtype, b, h, n, d, causal, with_bwd, repeat):
+    rng = cp.random.default_rng(0)
+    shape = (b, h, n, d)
+    q, k, v, do = (rng.standard_normal(shape, dtype=cp.float32).astype(_cp_dtype(DTYPES[dtype]))
+                   for _ in range(4))
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * (3.5 if with_bwd else 1.0)
+    rows = []
+    for name, fn in contenders(q, k, v, do, causal, with_bwd).items():
+        try:
+            fn()
+            cp.cuda.Device().synchronize()
+            ms = _time(fn, repeat)
+            mib = _extra_mib(fn)
+            rows.append({"contender": name, "ms": ms, "tflops": flops / ms / 1e9, "extra_mib": mib})
+        except Exception as exc:   # backend not available for this dtype/shape, or out of memory
+            rows.append({"contender": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"})
+        finally:
+            cp.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+    return {"dtype": dtype, "B": b, "H": h, "L": n, "D": d, "causal": bool(causal),
+            "pass": "fwd+bwd" if with_bwd else "fwd", "results": rows}
+
+
+def cases(quick):
+    # B*L = 16384 tokens, H*D = 2048, as in KERNEL_NOTES' peer measurements.
+    out = []
+    lengths = (1024, 4096) if quick else (1024, 2048, 4096, 8192)
+    for dtype in ("bf16", "fp16"):
+        for d in (64, 128):
+            for n in lengths:
+                for causal in (False, True):
+                    out.append((dtype, 16384 // n, 2048 // d, n, d, causal, False))
+            out.append((dtype, 4, 2048 // d, 4096, d, True, True))
+    for dtype, d in (("fp32", 64), ("fp32", 128), ("fp64", 64)):
+        for causal in (False, True):
+            out.append((dtype, 4, 2048 // d, 4096, d, causal, False))
+        out.append((dtype, 4, 2048 // d, 4096, d, True, True))
+    return out
+
+
+def markdown(results, device):
+    lines = [f"# cuflash benchmark on {device}", "",
+             "| pass | dtype | B | H | L | D | causal | contender | ms | TFLOP/s | cuflash / this | extra MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case in results:
+        ours = next((r for r in case["results"] if r["contender"] == "cuflash" and "ms" in r), None)
+        for r in case["results"]:
+            head = (f"| {case['pass']} | {case['dtype']} | {case['B']} | {case['H']} | {case['L']} | {case['D']} "
+                    f"| {'yes' if case['causal'] else 'no'} | {r['contender']} |")
+            if "ms" not in r:
+                lines.append(head + f" n/a | | | {r['error']} |")
+                continue
+            ratio = f"{r['ms'] / ours['ms']:.2f}x" if ours else ""
+            lines.append(head + f" {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} | {r['extra_mib']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path, device):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fwd = [c for c in results if c["pass"] == "fwd" and c["dtype"] in ("bf16", "fp16")]
+    if not fwd:
+        return
+    keys = sorted({(c["dtype"], c["D"], c["causal"]) for c in fwd})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        sel = sorted((c for c in fwd if (c["dtype"], c["D"], c["causal"]) == key), key=lambda c: c["L"])
+        names = sorted({r["contender"] for c in sel for r in c["results"] if "ms" in r})
+        for name in names:
+            pts = [(c["L"], r["tflops"]) for c in sel for r in c["results"] if r["contender"] == name and "ms" in r]
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{key[0]} D={key[1]} {'causal' if key[2] else 'full'}", fontsize=9)
+        ax.set_xlabel("L")
+        ax.set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"forward, {device}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer lengths")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_")
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = lambda x, **k: x  # noqa: E731
+    results = [run_case(*c, repeat=args.repeat) for c in tqdm(cases(args.quick), file=sys.stderr)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": device, "cupy": cp.__version__, "torch": getattr(torch, "__version__", None),
+            "cuflash": cuflash.__version__}
+    (out / f"{slug}.json").write_text(json.dumps({"meta": meta, "cases": results}, indent=1))
+    table = markdown(results, device)
+    (out / f"{slug}.md").write_text(table)
+    plot(results, out / f"{slug}.png", device)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

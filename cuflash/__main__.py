@@ -1,0 +1,174 @@
+"""Command line: ``python -m cuflash info|demo|compile``."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+
+def _progress(items, desc: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, file=sys.stderr, leave=False)
+    except ImportError:
+        return items
+
+
+def cmd_compile(args) -> int:
+    """Compile every variant for each --arch with NVRTC (no GPU needed); report resources."""
+    from ._build import CompileError, compile_offline
+    from ._launch import all_variants
+
+    arches = [a.strip() for a in args.arch.split(",") if a.strip()]
+    jobs = [(arch, var) for arch in arches for var in all_variants()]
+    failures = spills = 0
+    print(f"{'arch':6} {'regs':>4} {'spill B':>7} {'smem KB':>7}  variant")
+    for arch, var in _progress(jobs, "compiling"):
+        try:
+            build = compile_offline(var.entry, var.name, arch)
+        except CompileError as exc:
+            failures += 1
+            print(f"{arch:6} FAILED  {var.name}\n{exc.log}")
+            continue
+        spills += build.spills > 0
+        print(f"{arch:6} {build.registers:4d} {build.spills:7d} {var.smem_bytes / 1024:7.1f}  {var.name}"
+              + ("   <-- SPILLS" if build.spills else ""))
+    print(f"{len(jobs)} variant builds: {failures} failed, {spills} with spills")
+    return 1 if failures or spills else 0
+
+
+def cmd_info(args) -> int:
+    from . import __version__
+    from ._build import kernel_dir, source_hash
+    from ._device import gpu_available
+    from ._launch import all_variants
+
+    print(f"cuflash      {__version__}  (kernels {kernel_dir()}, source hash {source_hash()})")
+    print(f"python       {platform.python_version()}  numpy {np.__version__}")
+    try:
+        import ml_dtypes
+
+        print(f"ml_dtypes    {ml_dtypes.__version__}")
+    except ImportError:
+        print("ml_dtypes    not installed (bfloat16 unavailable)")
+    try:
+        import cupy
+        from cupy_backends.cuda.libs import nvrtc
+
+        print(f"cupy         {cupy.__version__}")
+        try:
+            print("nvrtc        %d.%d" % nvrtc.getVersion())
+        except Exception as exc:
+            print(f"nvrtc        not loadable ({exc})")
+        cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+        print(f"kernel cache {cache}")
+    except ImportError:
+        print("cupy         not installed (NumPy reference path only)")
+    ok, what = gpu_available()
+    print(f"device       {what if ok else 'none: ' + what}")
+    variants = all_variants()
+    print(f"variants     {len(variants)} (build all ahead of time: python -m cuflash compile)")
+    return 0
+
+
+def _naive_cupy(q, k, v, scale, causal: bool):
+    import cupy
+
+    s = cupy.matmul(q, k.swapaxes(-1, -2)).astype(cupy.float32) * scale
+    if causal:
+        lq, lk = s.shape[-2:]
+        s = cupy.where(cupy.tri(lq, lk, dtype=bool), s, -cupy.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cupy.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cupy.matmul(p.astype(q.dtype), v)
+
+
+def _measure(fn):
+    """(median ms, pool growth in MiB) of fn() on the GPU."""
+    import cupy
+    from cupyx.profiler import benchmark
+
+    pool = cupy.get_default_memory_pool()
+    fn()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    fn()
+    cupy.cuda.Device().synchronize()
+    grown = (pool.total_bytes() - before) / 2**20
+    res = benchmark(fn, n_repeat=20, n_warmup=3)
+    return float(np.median(res.gpu_times[0]) * 1e3), grown
+
+
+def cmd_demo(args) -> int:
+    from . import attention_forward, reference
+    from ._device import gpu_available
+
+    ok, what = gpu_available()
+    if not ok:
+        print(f"No GPU here ({what}): running the NumPy reference path on a small problem.")
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((1, 2, 256, 64)) for _ in range(3))
+        t = time.perf_counter()
+        out, lse = attention_forward(q, k, v, causal=True)
+        ms = (time.perf_counter() - t) * 1e3
+        ref, _ = reference.attention_naive(q, k, v, causal=True)
+        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        print(f"numpy  B=1 H=2 L=256 D=64 float64 causal: {ms:.1f} ms, rel. error vs naive {err:.1e}")
+        return 0 if err < 1e-10 else 1
+
+    import cupy
+
+    b, h, n, d = args.batch, args.heads, args.seqlen, args.headdim
+    dtype = np.float16
+    print(f"device {what}; problem B={b} H={h} L={n} D={d} float16 causal")
+    rng = cupy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(dtype) for _ in range(3))
+    out, lse = attention_forward(q, k, v, causal=True)
+    # Check one (batch, head) slice against the float64 NumPy reference.
+    sl = (0, h - 1)
+    ref, ref_lse = reference.attention_naive(*(cupy.asnumpy(x[sl]).astype(np.float64) for x in (q, k, v)),
+                                             causal=True)
+    got = cupy.asnumpy(out[sl]).astype(np.float64)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    lse_err = np.abs(cupy.asnumpy(lse[sl]) - ref_lse).max()
+    print(f"check vs float64 reference on head {sl}: rel. error {err:.2e}, max lse error {lse_err:.2e}")
+    flops = 4 * b * h * n * n * d / 2
+    rows = [("cuflash", lambda: attention_forward(q, k, v, causal=True))]
+    rows.append(("naive cupy", lambda: _naive_cupy(q, k, v, 1 / np.sqrt(d), True)))
+    print(f"{'':12} {'ms':>8} {'TFLOP/s':>8} {'extra MiB':>10}")
+    for name, fn in rows:
+        try:
+            ms, mib = _measure(fn)
+            print(f"{name:12} {ms:8.3f} {flops / ms / 1e9:8.1f} {mib:10.1f}")
+        except cupy.cuda.memory.OutOfMemoryError:
+            print(f"{name:12} out of memory")
+    return 0 if err < 1e-2 else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("compile", help="compile every kernel variant (no GPU needed)")
+    p.add_argument("--arch", default="sm_80,sm_90", help="comma-separated, e.g. sm_80,sm_90")
+    p.set_defaults(fn=cmd_compile)
+    p = sub.add_parser("info", help="versions, device, cache, variants")
+    p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("demo", help="run attention on a representative problem")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--headdim", type=int, default=64)
+    p.set_defaults(fn=cmd_demo)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Kernel build: read ``kernels_cu/``, compile one variant per key with NVRTC.
+
+Sources are self-contained (they include no CUDA headers), and the local
+``#include "x.cuh"`` lines are inlined here before compilation.  The string
+handed to NVRTC is therefore the whole program, so CuPy's on-disk cache, which
+hashes the source string, can never serve a cubin built from an older header.
+
+Two paths use the same source text:
+
+* :func:`get_kernel` builds through ``cupy.RawModule`` for the current device
+  (first use compiles; later processes load from CuPy's cache).
+* :func:`compile_offline` calls NVRTC directly for a named architecture, with
+  ``--ptxas-options=-v``; it needs no GPU and reports registers, spills and
+  shared memory.  ``python -m cuflash compile`` and the CI test use it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CompileError", "kernel_dir", "load_source", "source_hash", "get_kernel",
+           "compile_offline", "OfflineBuild"]
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+class CompileError(RuntimeError):
+    """A kernel variant failed to compile. ``log`` holds the NVRTC log."""
+
+    def __init__(self, name: str, log: str):
+        super().__init__(f"cuflash kernel {name} failed to compile:\n{log}")
+        self.name = name
+        self.log = log
+
+
+def kernel_dir() -> Path:
+    """The directory holding the ``.cu``/``.cuh`` sources.
+
+    Installed wheels carry them as ``cuflash/kernels_cu``; a source checkout has
+    them at the repository root, beside the package.
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError("cuflash kernel sources (kernels_cu/) not found next to the package")
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    """SHA-256 (first 16 hex digits) over every file in ``kernels_cu/``."""
+    h = hashlib.sha256()
+    for path in sorted(kernel_dir().glob("*.cu*")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def load_source(entry: str) -> str:
+    """The entry file ``entry`` with its local includes inlined (each header once)."""
+    root = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return f"// cuflash sources {source_hash()}\n" + expand(entry)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(entry: str, name_expression: str):
+    import cupy
+
+    try:
+        return cupy.RawModule(code=load_source(entry), options=NVRTC_OPTIONS,
+                              name_expressions=[name_expression])
+    except cupy.cuda.compiler.CompileException as exc:  # pragma: no cover - needs a bad kernel
+        raise CompileError(name_expression, str(exc)) from exc
+
+
+@functools.lru_cache(maxsize=None)
+def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int):
+    # One RawModule per variant; the function handle is per device.
+    try:
+        func = _module(entry, name_expression).get_function(name_expression)
+    except Exception as exc:
+        import cupy
+
+        if isinstance(exc, cupy.cuda.compiler.CompileException):
+            raise CompileError(name_expression, str(exc)) from exc
+        raise
+    if smem_bytes > 48 * 1024:
+        func.max_dynamic_shared_size_bytes = smem_bytes
+    return func
+
+
+def get_kernel(entry: str, name_expression: str, smem_bytes: int):
+    """The compiled ``cupy.RawKernel`` for one variant on the current device."""
+    import cupy
+
+    return _function(entry, name_expression, cupy.cuda.Device().id, smem_bytes)
+
+
+@dataclass(frozen=True)
+class OfflineBuild:
+    """What ptxas reported for one variant."""
+
+    name: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+    log: str
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_offline(entry: str, name_expression: str, arch: str = "sm_90") -> OfflineBuild:
+    """Compile one variant to a cubin for ``arch`` with NVRTC, without a GPU.
+
+    Raises :class:`CompileError` with the NVRTC log on failure.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(load_source(entry), entry, [], [])
+    try:
+        nvrtc.addNameExpression(prog, name_expression)
+        options = list(NVRTC_OPTIONS) + [f"-arch={arch}", "--ptxas-options=-v"]
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise CompileError(name_expression, nvrtc.getProgramLog(prog) or str(exc)) from exc
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    regs = _PTXAS_REGS.search(log)
+    frame = _PTXAS_FRAME.search(log)
+    if regs is None or frame is None:
+        raise CompileError(name_expression, "could not read the ptxas report:\n" + log)
+    return OfflineBuild(name_expression, arch, int(regs.group(1)), int(frame.group(2)),
+                        int(frame.group(3)), int(frame.group(1)), log)

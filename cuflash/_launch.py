@@ -1,0 +1,284 @@
+"""Variant table, tile configs and kernel launches.
+
+One table maps (dtype, head-dim bucket) to a tile config; the kernel name
+expression, shared-memory size and grid all derive from it.  Every entry says
+why it was chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterator
+
+import numpy as np
+
+# Head dims are padded up to one of these buckets (the mma k-step is 16, and
+# the SIMT kernels split columns over 16 threads).
+HEAD_BUCKETS = (32, 64, 128, 256)
+
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+_CXX_TYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile config of one forward variant.
+
+    block_m query rows x block_n keys per tile; ``warps`` warps per CTA.
+    """
+
+    block_m: int
+    block_n: int
+    warps: int
+    why: str
+
+
+# Tensor-core forward (float16, bfloat16): each warp owns 16 query rows, so
+# block_m = 16 * warps. Registers (sm_90, ptxas -v): 32/64: ~150; 128: ~175;
+# 256: ~230 with 4 warps and 32-key tiles; all zero spills.
+_MMA_FWD = {
+    32: FwdConfig(128, 64, 8, "8 warps x 16 rows; 64-key tiles keep S at 32 fp32 registers per thread"),
+    64: FwdConfig(128, 64, 8, "as 32; FA2 uses 128-row blocks at d<=128 too"),
+    128: FwdConfig(128, 64, 8, "128x64 as FA2 at d=128; 104 KB shared (Q + 2 stages of K, V)"),
+    256: FwdConfig(64, 32, 4, "acc_o alone is 128 registers at d=256: 4 warps, 32-key tiles avoid spills"),
+}
+
+# CUDA-core forward (float32, float64): 16 x 16 threads, block_m / 16 rows per
+# thread. Shared memory holds Q, K, V and P tiles once (no double buffering).
+_SIMT_FWD = {
+    ("float32", 32): FwdConfig(64, 64, 8, "4x4 scores per thread"),
+    ("float32", 64): FwdConfig(64, 64, 8, "4x4 scores per thread"),
+    ("float32", 128): FwdConfig(64, 64, 8, "115 KB shared"),
+    ("float32", 256): FwdConfig(64, 32, 8, "140 KB shared; 32-key tiles"),
+    ("float64", 32): FwdConfig(64, 64, 8, "66 KB shared"),
+    ("float64", 64): FwdConfig(64, 64, 8, "131 KB shared"),
+    ("float64", 128): FwdConfig(32, 32, 8, "107 KB shared; 64-row tiles would not fit"),
+    ("float64", 256): FwdConfig(32, 32, 8, "205 KB shared, under the 227 KB limit"),
+}
+
+
+def head_bucket(d: int) -> int:
+    for bucket in HEAD_BUCKETS:
+        if d <= bucket:
+            return bucket
+    raise ValueError(f"head dim {d} is larger than the largest supported ({HEAD_BUCKETS[-1]})")
+
+
+@dataclass(frozen=True)
+class FwdVariant:
+    """One compiled forward kernel: its source entry, name expression and shared memory."""
+
+    dtype: str
+    head: int
+    causal: bool
+    vec: bool          # 16-byte cp.async loads (tensor-core kernels only)
+
+    @property
+    def uses_mma(self) -> bool:
+        return self.dtype in ("float16", "bfloat16")
+
+    @property
+    def config(self) -> FwdConfig:
+        return _MMA_FWD[self.head] if self.uses_mma else _SIMT_FWD[(self.dtype, self.head)]
+
+    @property
+    def entry(self) -> str:
+        return "flash_fwd.cu" if self.uses_mma else "flash_fwd_simt.cu"
+
+    @property
+    def name(self) -> str:
+        c, t, flag = self.config, _CXX_TYPE[self.dtype], str(self.causal).lower()
+        if self.uses_mma:
+            return f"flash_fwd_mma<{t}, {self.head}, {c.block_n}, {c.warps}, {flag}, {str(self.vec).lower()}>"
+        return f"flash_fwd_simt<{t}, {self.head}, {c.block_m}, {c.block_n}, {flag}>"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.config.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        c, size = self.config, _ITEMSIZE[self.dtype]
+        if self.uses_mma:
+            pitch = self.head + 8
+            return (c.block_m + 4 * c.block_n) * pitch * size
+        qk_pitch = self.head + 1
+        return (c.block_m * qk_pitch + c.block_n * qk_pitch + c.block_n * self.head
+                + c.block_m * (c.block_n + 1)) * size
+
+
+def all_fwd_variants() -> Iterator[FwdVariant]:
+    """Every forward variant the library can launch (what `compile` builds)."""
+    for dtype, head, causal in product(DTYPE_NAMES, HEAD_BUCKETS, (False, True)):
+        for vec in ((False, True) if dtype in ("float16", "bfloat16") else (False,)):
+            yield FwdVariant(dtype, head, causal, vec)
+
+
+# Backward (all dtypes, CUDA-core FMA): 16 x 16 threads. Shared memory holds K, V,
+# Q, dO tiles (input dtype) and P, dS tiles (accumulator dtype). Registers hold dK, dV.
+_BWD = {
+    (2, 32): (64, 64, "~100 KB shared at fp32 tiles; 4x4 scores per thread"),
+    (2, 64): (64, 64, "as 32"),
+    (2, 128): (64, 64, "166 KB shared with fp32 inputs"),
+    (2, 256): (32, 32, "140 KB shared; dK+dV are 64 registers"),
+    (8, 32): (32, 32, "fp64 P/dS tiles: 32x32 keeps shared memory near 84 KB"),
+    (8, 64): (32, 32, "fp64: 84 KB shared"),
+    (8, 128): (32, 32, "fp64: 149 KB shared"),
+    (8, 256): (16, 32, "fp64: 206 KB shared; dK+dV are 128 registers"),
+}
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    """One backward kernel: ``kind`` is "dkdv" (optionally with atomic dQ) or "dq"."""
+
+    dtype: str
+    head: int
+    causal: bool
+    kind: str
+    atomic_dq: bool = False
+
+    entry = "flash_bwd.cu"
+    threads = 256
+
+    @property
+    def tiles(self) -> tuple:
+        block_m, block_n, _ = _BWD[(8 if self.dtype == "float64" else 2, self.head)]
+        return block_m, block_n
+
+    @property
+    def name(self) -> str:
+        (bm, bn), t, flag = self.tiles, _CXX_TYPE[self.dtype], str(self.causal).lower()
+        if self.kind == "dkdv":
+            return f"flash_bwd_dkdv<{t}, {self.head}, {bm}, {bn}, {flag}, {str(self.atomic_dq).lower()}>"
+        return f"flash_bwd_dq<{t}, {self.head}, {bm}, {bn}, {flag}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        bm, bn = self.tiles
+        acc = 8 if self.dtype == "float64" else 4
+        return (2 * bn + 2 * bm) * (self.head + 1) * _ITEMSIZE[self.dtype] + (2 * bm * (bn + 1) + 2 * bm) * acc
+
+
+@dataclass(frozen=True)
+class HelperKernel:
+    """A small elementwise kernel of flash_bwd.cu (preprocess, dQ conversion)."""
+
+    dtype: str
+    kernel: str
+    entry = "flash_bwd.cu"
+    smem_bytes = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}<{_CXX_TYPE[self.dtype]}>"
+
+
+def all_bwd_variants() -> Iterator:
+    for dtype, head, causal in product(DTYPE_NAMES, HEAD_BUCKETS, (False, True)):
+        yield BwdVariant(dtype, head, causal, "dkdv", atomic_dq=True)
+        yield BwdVariant(dtype, head, causal, "dkdv", atomic_dq=False)
+        yield BwdVariant(dtype, head, causal, "dq")
+    for dtype in DTYPE_NAMES:
+        yield HelperKernel(dtype, "bwd_preprocess")
+        yield HelperKernel(dtype, "bwd_convert_dq")
+
+
+def all_variants() -> list:
+    """Every kernel variant of every direction (each has .entry, .name, .smem_bytes)."""
+    return list(all_fwd_variants()) + list(all_bwd_variants())
+
+
+def _elem_strides(x) -> list:
+    """Batch, head and row strides of a 4-D array, in elements."""
+    return [np.int64(s // x.itemsize) for s in x.strides[:3]]
+
+
+_MAX_GRID_YZ = 65535
+
+
+def launch_forward(q, k, v, out, lse, *, dtype: str, causal_offset: int | None,
+                   scale: float, group: int) -> None:
+    """Launch the forward kernel on 4-D views ``(B, H, L, D)`` (last axis unit-stride).
+
+    ``causal_offset`` is None for no causal mask, else key j is allowed for
+    query i iff ``j <= i + causal_offset``.
+    """
+    from ._build import get_kernel
+
+    b, hq, lq, d = q.shape
+    lk, dv = k.shape[2], v.shape[3]
+    itemsize = q.itemsize
+    vec = (dtype in ("float16", "bfloat16") and d % 8 == 0 and dv % 8 == 0
+           and all(x.data.ptr % 16 == 0 and (x.strides[2] // itemsize) % 8 == 0 for x in (q, k, v)))
+    variant = FwdVariant(dtype, head_bucket(max(d, dv)), causal_offset is not None, vec)
+    kernel = get_kernel(variant.entry, variant.name, variant.smem_bytes)
+    cfg = variant.config
+
+    scale_log2 = scale * np.log2(np.e)
+    scale_arg = np.float64(scale_log2) if not variant.uses_mma else np.float32(scale_log2)
+    m_blocks = -(-lq // cfg.block_m)
+    if hq > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} query heads are supported, got {hq}")
+    # The grid's z extent is limited: launch the batch in chunks.
+    for b0 in range(0, b, _MAX_GRID_YZ):
+        nb = min(_MAX_GRID_YZ, b - b0)
+        args = [q[b0:], k[b0:], v[b0:], out[b0:], lse[b0:],
+                *_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(out),
+                np.int64(lse.strides[0] // lse.itemsize), np.int64(lse.strides[1] // lse.itemsize),
+                np.int32(group), np.int32(lq), np.int32(lk), np.int32(d), np.int32(dv),
+                scale_arg, np.int32(causal_offset or 0)]
+        kernel((m_blocks, hq, nb), (variant.threads,), tuple(args), shared_mem=variant.smem_bytes)
+
+
+def launch_backward(dout, q, k, v, out, lse, *, dtype: str, causal_offset: int | None, scale: float,
+                    group: int, deterministic: bool):
+    """Gradients (dq, dk, dv) as new contiguous 4-D arrays, from 4-D views of the inputs.
+
+    ``lse`` must be contiguous (B, Hq, Lq) in the accumulator dtype.
+    """
+    import cupy
+
+    from ._build import get_kernel
+
+    b, hq, lq, d = q.shape
+    hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    acc_dtype = np.float64 if dtype == "float64" else np.float32
+    head = head_bucket(max(d, dv))
+    causal = causal_offset is not None
+    if hq > _MAX_GRID_YZ or b > _MAX_GRID_YZ:
+        raise ValueError(f"the backward supports at most {_MAX_GRID_YZ} heads and batch entries")
+
+    dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
+    pre = HelperKernel(dtype, "bwd_preprocess")
+    get_kernel(pre.entry, pre.name, 0)(
+        (-(-lq // 8), hq, b), (256,),
+        (dout, out, dsum, *_elem_strides(dout), *_elem_strides(out), np.int32(lq), np.int32(dv)))
+
+    dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)
+    dk = cupy.empty((b, hk, lk, d), dtype=q.dtype)
+    dv_ = cupy.empty((b, hk, lk, dv), dtype=q.dtype)
+    common = (*_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(dout),
+              np.int32(group), np.int32(lq), np.int32(lk), np.int32(d), np.int32(dv),
+              np.float64(scale), np.int32(causal_offset or 0))
+
+    dkdv = BwdVariant(dtype, head, causal, "dkdv", atomic_dq=not deterministic)
+    bm, bn = dkdv.tiles
+    dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d), dtype=acc_dtype)
+    get_kernel(dkdv.entry, dkdv.name, dkdv.smem_bytes)(
+        (-(-lk // bn), hk, b), (dkdv.threads,),
+        (q, k, v, dout, lse, dsum, dq_acc if dq_acc is not None else dsum, dk, dv_, *common),
+        shared_mem=dkdv.smem_bytes)
+
+    if deterministic:
+        dqv = BwdVariant(dtype, head, causal, "dq")
+        get_kernel(dqv.entry, dqv.name, dqv.smem_bytes)(
+            (-(-lq // bm), hq, b), (dqv.threads,), (q, k, v, dout, lse, dsum, dq, *common),
+            shared_mem=dqv.smem_bytes)
+    else:
+        conv = HelperKernel(dtype, "bwd_convert_dq")
+        n = dq.size
+        get_kernel(conv.entry, conv.name, 0)((min(-(-n // 256), 65535 * 4),), (256,),
+                                             (dq_acc, dq, np.int64(n)))
+    return dq, dk, dv_

@@ -1,0 +1,98 @@
+// common.cuh -- element types, conversions, exp2 and warp reductions.
+//
+// The kernels include no CUDA headers: 16-bit types are plain 16-bit storage and
+// every conversion is one PTX instruction. NVRTC then needs no include path, so
+// the same source compiles on a machine with only the NVRTC wheel.
+#pragma once
+
+typedef long long int64;
+
+// Storage-only 16-bit float types. The tensor cores read them as raw bits.
+struct half_t { unsigned short bits; };
+struct bf16_t { unsigned short bits; };
+
+// Accumulator type: fp32 for 16-bit and fp32 inputs, fp64 for fp64.
+template <typename T> struct AccumOf { typedef float type; };
+template <> struct AccumOf<double> { typedef double type; };
+
+__device__ __forceinline__ float to_float(half_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_float(bf16_t x) {
+    return __uint_as_float(((unsigned)x.bits) << 16);
+}
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_acc(float x);
+template <> __device__ __forceinline__ half_t from_acc<half_t>(float x) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(float x) {
+    bf16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <typename T> __device__ __forceinline__ T from_acc(double x) { return x; }
+
+template <typename T> __device__ __forceinline__ T zero_value() { T z; z.bits = 0; return z; }
+template <> __device__ __forceinline__ float zero_value<float>() { return 0.0f; }
+template <> __device__ __forceinline__ double zero_value<double>() { return 0.0; }
+
+// Two fp32 values -> one register of two 16-bit values, `lo` in the low half
+// (the order mma.sync expects for consecutive columns).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<half_t>(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ unsigned pack2<bf16_t>(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+__device__ __forceinline__ float log2_of(float x) { return log2f(x); }
+__device__ __forceinline__ double log2_of(double x) { return log2(x); }
+
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+// Reductions over the lanes that share one row. WIDTH lanes with consecutive
+// lane ids (WIDTH a power of two) hold pieces of the row.
+__device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
+
+template <int WIDTH, typename A>
+__device__ __forceinline__ A group_max(A x) {
+#pragma unroll
+    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+        x = amax(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+template <int WIDTH, typename A>
+__device__ __forceinline__ A group_sum(A x) {
+#pragma unroll
+    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+        x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// 32-bit shared-memory address of a generic pointer into shared memory (for PTX operands).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    return addr;
+}
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }

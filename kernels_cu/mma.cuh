@@ -1,0 +1,42 @@
+// mma.cuh -- tensor-core wrappers: ldmatrix and mma.sync m16n8k16 (fp16/bf16 in, fp32 out).
+//
+// Fragment layouts (PTX ISA, "mma.m16n8k16"), lane = threadIdx.x % 32:
+//   A (16x16, row-major): a0 = (row lane/4,     k 2*(lane%4)+{0,1})
+//                         a1 = (row lane/4 + 8, same k)
+//                         a2, a3 = the same rows at k + 8
+//   B (16x8, "col"):      b0 = (k 2*(lane%4)+{0,1}, n lane/4), b1 = the same at k + 8
+//   C (16x8, fp32):       c0,c1 = (row lane/4, n 2*(lane%4)+{0,1}); c2,c3 = row + 8
+#pragma once
+#include "common.cuh"
+
+// Four 8x8 matrices of 16-bit values; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_ptr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
+}
+
+// The same, each matrix transposed on the way (V is stored key-major but is the B operand).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row_ptr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
+}
+
+// C += A B on one 16x8 tile.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<half_t>(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<bf16_t>(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}

@@ -1,0 +1,184 @@
+"""Backward kernels on the GPU (marker `gpu`): reference, finite differences,
+determinism, empty rows, huge logits, memory."""
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import reference
+
+from _errors import FLOOR, budget, naive_backward_same_dtype, rel_error
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+          "float64": np.float64}
+HEAD_DIMS = [1, 8, 31, 32, 59, 64, 111, 128, 200, 256]
+CAUSAL = [False, True, "bottom_right"]
+
+
+def _make(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):
+    shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv), (b, hq, lq, dv))
+    host = [(rng.standard_normal(s) * (logit_scale if i == 0 else 1.0)).astype(DTYPES[dtype])
+            for i, s in enumerate(shapes)]
+    return [x.astype(np.float64) for x in host], [cp.asarray(x) for x in host]
+
+
+def _check_grads(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, deterministic=False, logit_scale=1.0):
+    rng = np.random.default_rng(seed)
+    (q, k, v, do), (qd, kd, vd, dod) = _make(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal)
+    grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=deterministic)
+    ref = reference.attention_backward_naive(do, q, k, v, causal=causal)
+    naive = naive_backward_same_dtype(do, q, k, v, causal=causal, scale=1 / np.sqrt(d), dtype=dtype,
+                                      group=hq // hk)
+    for name, g, x, r, n in zip("qkv", grads, (qd, kd, vd), ref, naive):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        got = cp.asnumpy(g).astype(np.float64)
+        assert np.isfinite(got).all(), f"d{name} has NaN/inf"
+        err, naive_err = rel_error(got, r), rel_error(n, r)
+        assert err <= budget(naive_err, dtype), (name, err, naive_err)
+        assert err < 5e-2, (name, err)
+    return grads
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(list(DTYPES)), b=st.integers(1, 2), hk=st.integers(1, 2),
+       group=st.sampled_from([1, 1, 2, 3]), lq=st.integers(1, 200), lk=st.integers(1, 200),
+       d=st.sampled_from(HEAD_DIMS), dv_same=st.booleans(), dv=st.sampled_from(HEAD_DIMS),
+       causal=st.sampled_from(CAUSAL), deterministic=st.booleans(), seed=st.integers(0, 2**31))
+def test_backward_matches_reference(dtype, b, hk, group, lq, lk, d, dv_same, dv, causal, deterministic, seed):
+    _check_grads(dtype, b, hk * group, hk, lq, lk, d, d if dv_same else dv, causal, seed, deterministic)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("lq,lk,d", [(97, 1025, 59), (1025, 97, 111), (130, 70, 256), (64, 64, 32)])
+def test_backward_grid(dtype, causal, deterministic, lq, lk, d):
+    """Every dtype x head bucket x causal mode x dQ strategy at odd sizes."""
+    _check_grads(dtype, 1, 2, 1, lq, lk, d, d, causal, seed=lq + lk * d, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_float64_kernel_matches_finite_differences(causal):
+    rng = np.random.default_rng(7)
+    b, hq, hk, lq, lk, d, dv = 1, 2, 1, 23, 31, 13, 9
+    q, k, v = (cp.asarray(rng.standard_normal(s)) for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
+    w = cp.asarray(rng.standard_normal((b, hq, lq, dv)))
+
+    def f(q_, k_, v_):
+        return float((cuflash.attention(q_, k_, v_, causal=causal) * w).sum())
+
+    out, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    grads = cuflash.attention_backward(w, q, k, v, out, lse, causal=causal)
+    eps = 1e-6
+    for i, g in enumerate(grads):
+        u = cp.asarray(rng.standard_normal(g.shape))
+        plus = [q, k, v]
+        minus = [q, k, v]
+        plus[i] = plus[i] + eps * u
+        minus[i] = minus[i] - eps * u
+        fd = (f(*plus) - f(*minus)) / (2 * eps)
+        an = float((g * u).sum())
+        assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), (i, fd, an)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_deterministic_is_bitwise_reproducible(dtype):
+    rng = np.random.default_rng(8)
+    _, (q, k, v, do) = _make(rng, dtype, 2, 4, 2, 700, 900, 64, 64)
+    out, lse = cuflash.attention_forward(q, k, v, causal=True)
+    first = cuflash.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True)
+    for _ in range(3):
+        again = cuflash.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True)
+        for a, b_ in zip(first, again):
+            assert cp.asnumpy(a).tobytes() == cp.asnumpy(b_).tobytes()
+    fast = cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+    for a, b_ in zip(first, fast):
+        assert rel_error(cp.asnumpy(b_).astype(np.float64), cp.asnumpy(a).astype(np.float64)) <= 4 * FLOOR[dtype] + 1e-12
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rows_with_nothing_to_attend_have_zero_gradients(dtype, deterministic):
+    rng = np.random.default_rng(9)
+    lq, lk = 150, 40
+    (q, k, v, do), dev = _make(rng, dtype, 1, 2, 2, lq, lk, 64, 64)
+    out, lse = cuflash.attention_forward(*dev[:3], causal="bottom_right")
+    dq, dk, dv = cuflash.attention_backward(dev[3], *dev[:3], out, lse, causal="bottom_right",
+                                            deterministic=deterministic)
+    dq = cp.asnumpy(dq).astype(np.float64)
+    assert (dq[:, :, : lq - lk] == 0).all()
+    for g in (dq, cp.asnumpy(dk).astype(np.float64), cp.asnumpy(dv).astype(np.float64)):
+        assert np.isfinite(g).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_huge_logits_gradients_finite(dtype):
+    _check_grads(dtype, 1, 2, 2, 64, 80, 64, 64, True, seed=10, logit_scale=1e4)   # |s| ~ 1e4
+
+
+def test_vjp_can_be_called_twice_and_matches():
+    rng = np.random.default_rng(11)
+    _, (q, k, v, do) = _make(rng, "float32", 2, 4, 1, 70, 90, 48, 40)
+    out, vjp_fn = cuflash.vjp(q, k, v, causal="bottom_right", deterministic=True)
+    g1 = vjp_fn(do)
+    g2 = vjp_fn(do)
+    g3 = vjp_fn(2 * do)
+    for a, b_, c in zip(g1, g2, g3):
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b_))
+        np.testing.assert_allclose(cp.asnumpy(c), 2 * cp.asnumpy(a), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(cuflash.attention(q, k, v, causal="bottom_right")))
+
+
+def test_strided_backward_matches_contiguous():
+    rng = np.random.default_rng(12)
+    b, lq, lk, h, d = 2, 77, 91, 3, 64
+    q, k, v, do = (cp.asarray(rng.standard_normal((b, n, h, d)).astype(np.float16)) for n in (lq, lk, lk, lq))
+    views = [x.swapaxes(1, 2) for x in (q, k, v, do)]
+    contig = [cp.ascontiguousarray(x) for x in views]
+    res = []
+    for qq, kk, vv, dd in (views, contig):
+        out, lse = cuflash.attention_forward(qq, kk, vv, causal=True)
+        res.append(cuflash.attention_backward(dd, qq, kk, vv, out, lse, causal=True, deterministic=True))
+    for a, b_ in zip(*res):
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b_))
+
+
+def test_backward_memory_is_linear():
+    """L=16384, D=64, one head: extra pool memory stays O(L*D), far below an L x L matrix."""
+    n, d = 16384, 64
+    rng = cp.random.default_rng(13)
+    q, k, v, do = (rng.standard_normal((1, 1, n, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
+    out, lse = cuflash.attention_forward(q, k, v, causal=True)
+    cuflash.attention_backward(do, q, k, v, out, lse, causal=True)   # compile outside the measurement
+    cp.cuda.Device().synchronize()
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+    cp.cuda.Device().synchronize()
+    extra = pool.total_bytes() - before
+    lxl = n * n * 4
+    print(f"backward extra memory at L={n}, D={d}: {extra / 2**20:.1f} MiB (one L x L fp32 matrix: {lxl / 2**20:.0f} MiB)")
+    assert extra <= 16 * n * d * 4, extra          # a small multiple of one L x D fp32 array
+    assert extra < lxl / 50
+    assert all(bool(cp.isfinite(g.astype(cp.float32)).all()) for g in grads)
+
+
+def test_backward_validation():
+    rng = np.random.default_rng(14)
+    _, (q, k, v, do) = _make(rng, "float32", 1, 2, 2, 10, 12, 8, 8)
+    out, lse = cuflash.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="dout must have shape"):
+        cuflash.attention_backward(do[..., :5, :], q, k, v, out, lse)
+    with pytest.raises(TypeError, match="dout must have q's dtype"):
+        cuflash.attention_backward(do.astype(cp.float64), q, k, v, out, lse)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        cuflash.attention_backward(do, q, k, v, out, lse[..., :3])
+    with pytest.raises(TypeError, match="numpy"):
+        cuflash.attention_backward(cp.asnumpy(do), q, k, v, out, lse)

@@ -1,0 +1,160 @@
+"""Forward kernels on the GPU against the float64 NumPy reference (marker `gpu`)."""
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import reference
+
+from _errors import budget, rel_error
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+          "float64": np.float64}
+HEAD_DIMS = [1, 8, 16, 31, 32, 59, 64, 72, 111, 128, 160, 200, 256]
+CAUSAL = [False, True, "bottom_right"]
+
+
+def _inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):
+    """Host float64 arrays already rounded to `dtype`, and their device copies."""
+    host = []
+    for shape in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)):
+        x = rng.standard_normal(shape) * (logit_scale if len(host) == 0 else 1.0)
+        host.append(x.astype(DTYPES[dtype]))
+    dev = [cp.asarray(x) for x in host]
+    return [x.astype(np.float64) for x in host], dev, host
+
+
+def _check(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0):
+    rng = np.random.default_rng(seed)
+    ref_in, dev, low = _inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale)
+    out, lse = cuflash.attention_forward(*dev, causal=causal)
+    assert out.dtype == np.dtype(DTYPES[dtype]) and out.shape == (b, hq, lq, dv)
+    assert lse.shape == (b, hq, lq)
+    ref, ref_lse = reference.attention_naive(*ref_in, causal=causal)
+    naive, _ = reference.attention_naive(*ref_in, causal=causal, dtype=dtype)
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all(), "NaN or inf in the output"
+    err, naive_err = rel_error(got, ref), rel_error(naive, ref)
+    assert err <= budget(naive_err, dtype), (err, naive_err)
+    assert err < 2e-2, err   # and absolutely small, whatever the naive computation did
+    got_lse = cp.asnumpy(lse).astype(np.float64)
+    seen = np.isfinite(ref_lse)
+    assert (np.isneginf(got_lse) == ~seen).all(), "lse must be -inf exactly for rows that see no key"
+    lse_tol = 1e-12 if dtype == "float64" else 2e-5
+    np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=lse_tol, atol=lse_tol)
+    return out
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(list(DTYPES)), b=st.integers(1, 2), hk=st.integers(1, 2),
+       group=st.sampled_from([1, 1, 2, 3]), lq=st.integers(1, 300), lk=st.integers(1, 300),
+       d=st.sampled_from(HEAD_DIMS), dv_same=st.booleans(), dv=st.sampled_from(HEAD_DIMS),
+       causal=st.sampled_from(CAUSAL), seed=st.integers(0, 2**31))
+def test_forward_matches_reference(dtype, b, hk, group, lq, lk, d, dv_same, dv, causal, seed):
+    _check(dtype, b, hk * group, hk, lq, lk, d, d if dv_same else dv, causal, seed)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("lq,lk,d", [(97, 1025, 59), (1025, 97, 111), (256, 256, 64), (128, 512, 128),
+                                     (200, 130, 256)])
+def test_forward_grid(dtype, causal, lq, lk, d):
+    """Every dtype x head bucket x causal mode at odd sizes (the variant matrix)."""
+    _check(dtype, 1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_huge_logits_stay_finite(dtype):
+    # q ~ 1e4 * N(0, 1), so |s| ~ 1e4: a naive exp would overflow.
+    out = _check(dtype, 1, 2, 2, 64, 80, 64, 64, True, seed=5, logit_scale=1e4)
+    assert np.isfinite(cp.asnumpy(out).astype(np.float64)).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", [64, 59])
+def test_every_output_element_written(dtype, d):
+    """Fill the pool blocks that out and lse will reuse with 0xFF bytes (NaN in
+    every float format), free them, then call: no NaN may survive."""
+    shape = (2, 3, 133, d)
+    rng = np.random.default_rng(1)
+    q, k, v = (cp.asarray(rng.standard_normal(shape).astype(DTYPES[dtype])) for _ in range(3))
+    out_bytes = q.nbytes
+    lse_bytes = q.nbytes // (q.itemsize * d) * (8 if dtype == "float64" else 4)
+    for _ in range(3):
+        poison = [cp.full(n, 0xFF, dtype=cp.uint8) for n in (out_bytes, lse_bytes)]
+        del poison
+        out, lse = cuflash.attention_forward(q, k, v, causal="bottom_right")
+        assert not np.isnan(cp.asnumpy(out).astype(np.float64)).any()
+        assert not np.isnan(cp.asnumpy(lse)).any()
+        del out, lse
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_rows_with_nothing_to_attend(dtype):
+    """Bottom-right causal with Lq > Lk: the first Lq - Lk rows see no key."""
+    rng = np.random.default_rng(2)
+    lq, lk = 150, 40
+    _, dev, _ = _inputs(rng, dtype, 1, 2, 2, lq, lk, 64, 64)
+    out, lse = cuflash.attention_forward(*dev, causal="bottom_right")
+    out = cp.asnumpy(out).astype(np.float64)
+    lse = cp.asnumpy(lse)
+    assert (out[:, :, : lq - lk] == 0).all()
+    assert np.isneginf(lse[:, :, : lq - lk]).all()
+    assert np.isfinite(out).all() and not np.isnan(lse).any()
+    assert np.isfinite(lse[:, :, lq - lk:]).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_strided_blhd_inputs(dtype):
+    """(B, L, H, D) data through swapaxes: no copy needed, same answer as contiguous."""
+    rng = np.random.default_rng(3)
+    b, lq, lk, h, d = 2, 77, 91, 3, 64
+    q, k, v = (cp.asarray(rng.standard_normal((b, n, h, d)).astype(DTYPES[dtype])) for n in (lq, lk, lk))
+    qs, ks, vs = (x.swapaxes(1, 2) for x in (q, k, v))
+    assert not qs.flags.c_contiguous
+    before = [x.copy() for x in (q, k, v)]
+    out = cuflash.attention(qs, ks, vs, causal=True)
+    out_contig = cuflash.attention(*(cp.ascontiguousarray(x) for x in (qs, ks, vs)), causal=True)
+    np.testing.assert_array_equal(cp.asnumpy(out).astype(np.float64), cp.asnumpy(out_contig).astype(np.float64))
+    for x, c in zip((q, k, v), before):   # inputs untouched
+        assert (x == c).all()
+    ref, _ = reference.attention_naive(*(cp.asnumpy(x).astype(np.float64) for x in (qs, ks, vs)), causal=True)
+    naive, _ = reference.attention_naive(*(cp.asnumpy(x).astype(np.float64) for x in (qs, ks, vs)),
+                                         causal=True, dtype=dtype)
+    assert rel_error(cp.asnumpy(out), ref) <= budget(rel_error(naive, ref), dtype)
+
+
+def test_2d_and_3d_inputs():
+    rng = np.random.default_rng(4)
+    q2 = cp.asarray(rng.standard_normal((45, 32)).astype(np.float32))
+    out2 = cuflash.attention(q2, q2, q2)
+    assert out2.shape == (45, 32)
+    out3 = cuflash.attention(q2[None], q2[None], q2[None])
+    np.testing.assert_array_equal(cp.asnumpy(out2), cp.asnumpy(out3[0]))
+
+
+def test_numpy_and_cupy_agree():
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 2, 70, 40)) for _ in range(3))
+    out_np = cuflash.attention(q, k, v, causal=True)
+    out_cp = cuflash.attention(*(cp.asarray(x) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(cp.asnumpy(out_cp), out_np, rtol=1e-12, atol=1e-13)
+
+
+def test_over_2_31_elements():
+    """64-bit offsets: q and out hold more than 2^31 elements."""
+    b, lq, lk, d = 32769, 1024, 64, 64      # b * lq * d = 2^31 + 2^16
+    q = cp.random.standard_normal((b, 1, lq, d), dtype=cp.float32).astype(cp.float16)
+    k = cp.random.standard_normal((b, 1, lk, d), dtype=cp.float32).astype(cp.float16)
+    v = cp.random.standard_normal((b, 1, lk, d), dtype=cp.float32).astype(cp.float16)
+    out = cuflash.attention(q, k, v)
+    for i in (0, b - 1):
+        ref, _ = reference.attention_naive(*(cp.asnumpy(x[i]).astype(np.float64) for x in (q, k, v)))
+        assert rel_error(cp.asnumpy(out[i]), ref) < 2e-3
+    del q, k, v, out
+    cp.get_default_memory_pool().free_all_blocks()
