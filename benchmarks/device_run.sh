@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, demo, benchmark; logs under $OUT, short summary last.
-#   bash benchmarks/device_run.sh [pytest args...]
+#   bash benchmarks/device_run.sh [pytest args...]      (BENCH=0 skips the benchmark)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cuflash_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m cuflash info 2>&1 | tee "$OUT/info.log"
-python3 -m pytest -q -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log" | tail -40
-python3 -m cuflash demo 2>&1 | tee "$OUT/demo.log"
+python3 -m cuflash info
+python3 -m pytest -m gpu -p no:cacheprovider -rfE "$@" > "$OUT/pytest.log" 2>&1
+echo "pytest exit code: $?" >> "$OUT/pytest.log"
+python3 -m cuflash demo > "$OUT/demo.log" 2>&1
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" 2>"$OUT/bench.err" | tee "$OUT/bench.log" | tail -80
+  python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" > "$OUT/bench.log" 2>&1
 fi
-echo "== summary =="
-tail -1 "$OUT/pytest.log"
-grep -E "check vs|cuflash|naive" "$OUT/demo.log"
+echo "== pytest (tail) =="
+tail -25 "$OUT/pytest.log"
+echo "== demo =="
+cat "$OUT/demo.log"

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import reference
 
-from _errors import budget, rel_error
+from _errors import exact, magnitude, naive_same_dtype, rel_error, within_budget
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -35,13 +35,16 @@ def _check(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0):
     out, lse = cuflash.attention_forward(*dev, causal=causal)
     assert out.dtype == np.dtype(DTYPES[dtype]) and out.shape == (b, hq, lq, dv)
     assert lse.shape == (b, hq, lq)
-    ref, ref_lse = reference.attention_naive(*ref_in, causal=causal)
-    naive, _ = reference.attention_naive(*ref_in, causal=causal, dtype=dtype)
+    scale = 1 / np.sqrt(d)
+    ref_lse = reference.attention_naive(*ref_in, causal=causal)[1]
+    ref = exact(*ref_in, causal=causal, scale=scale, dtype=dtype, group=hq // hk)
+    naive = naive_same_dtype(*ref_in, causal=causal, scale=scale, dtype=dtype, group=hq // hk)
     got = cp.asnumpy(out).astype(np.float64)
     assert np.isfinite(got).all(), "NaN or inf in the output"
-    err, naive_err = rel_error(got, ref), rel_error(naive, ref)
-    assert err <= budget(naive_err, dtype), (err, naive_err)
-    assert err < 2e-2, err   # and absolutely small, whatever the naive computation did
+    mag = magnitude(*ref_in, causal=causal, scale=scale, group=hq // hk)
+    ok, msg = within_budget(got, ref, naive, mag, dtype)
+    assert ok, msg
+    assert rel_error(got, ref) < 2e-2, msg   # and absolutely small, whatever the naive computation did
     got_lse = cp.asnumpy(lse).astype(np.float64)
     seen = np.isfinite(ref_lse)
     assert (np.isneginf(got_lse) == ~seen).all(), "lse must be -inf exactly for rows that see no key"
@@ -123,10 +126,11 @@ def test_strided_blhd_inputs(dtype):
     np.testing.assert_array_equal(cp.asnumpy(out).astype(np.float64), cp.asnumpy(out_contig).astype(np.float64))
     for x, c in zip((q, k, v), before):   # inputs untouched
         assert (x == c).all()
-    ref, _ = reference.attention_naive(*(cp.asnumpy(x).astype(np.float64) for x in (qs, ks, vs)), causal=True)
-    naive, _ = reference.attention_naive(*(cp.asnumpy(x).astype(np.float64) for x in (qs, ks, vs)),
-                                         causal=True, dtype=dtype)
-    assert rel_error(cp.asnumpy(out), ref) <= budget(rel_error(naive, ref), dtype)
+    host = [cp.asnumpy(x).astype(np.float64) for x in (qs, ks, vs)]
+    opts = dict(causal=True, scale=1 / np.sqrt(d))
+    ok, msg = within_budget(cp.asnumpy(out).astype(np.float64), exact(*host, dtype=dtype, **opts),
+                            naive_same_dtype(*host, dtype=dtype, **opts), magnitude(*host, **opts), dtype)
+    assert ok, msg
 
 
 def test_2d_and_3d_inputs():
