@@ -1,0 +1,27 @@
+"""Learn a query projection by plain gradient descent on CuPy arrays (no autograd).
+
+The loss is ||attention(x W, k, v) - target||^2 / 2, with target made by a hidden
+W_true; the gradient with respect to W is x^T dq, dq from cuflash.vjp.
+
+    PYTHONPATH=. python examples/learn_query_projection.py
+"""
+import cupy as cp
+
+import cuflash
+
+rng = cp.random.default_rng(0)
+n, d = 256, 64
+x = rng.standard_normal((n, d), dtype=cp.float32)
+k = rng.standard_normal((n, d), dtype=cp.float32)
+v = rng.standard_normal((n, d), dtype=cp.float32)
+target = cuflash.attention(x @ rng.standard_normal((d, d), dtype=cp.float32), k, v, causal=True)
+
+w = cp.zeros((d, d), dtype=cp.float32)
+for step in range(201):
+    out, vjp_fn = cuflash.vjp(x @ w, k, v, causal=True)
+    residual = out - target
+    loss = 0.5 * float((residual ** 2).sum())
+    dq, dk, dv = vjp_fn(residual)          # d loss / d (q, k, v)
+    w -= 0.01 * (x.T @ dq)                 # q = x w  =>  d loss / d w = x^T dq
+    if step % 50 == 0:
+        print(f"step {step:3d}  loss {loss:.4f}")
