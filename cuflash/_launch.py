@@ -115,8 +115,9 @@ def all_fwd_variants() -> Iterator[FwdVariant]:
             yield FwdVariant(dtype, head, causal, vec)
 
 
-# Backward (all dtypes, CUDA-core FMA): 16 x 16 threads. Shared memory holds K, V,
-# Q, dO tiles (input dtype) and P, dS tiles (accumulator dtype). Registers hold dK, dV.
+# Backward on CUDA cores (float32, float64, and 16-bit types at head dim 256):
+# 16 x 16 threads. Shared memory holds K, V, Q, dO tiles (input dtype) and P, dS
+# tiles (accumulator dtype); registers hold dK, dV.
 _BWD = {
     (2, 32): (64, 64, "~100 KB shared at fp32 tiles; 4x4 scores per thread"),
     (2, 64): (64, 64, "as 32"),
@@ -128,10 +129,20 @@ _BWD = {
     (8, 256): (16, 32, "fp64: 206 KB shared; dK+dV are 128 registers"),
 }
 
+# Tensor-core backward (float16, bfloat16, head dim <= 128): 4 warps, 64 keys per
+# dK/dV CTA, 64 query rows per step. At head dim 128 dK and dV are computed in two
+# passes (their fp32 accumulators alone are 128 registers a thread), and the
+# deterministic dQ kernel steps over 32 keys (64 spilled). Zero spills, sm_80/sm_90.
+MMA_BWD_MAX_HEAD = 128
+
+
+def _bwd_uses_mma(dtype: str, head: int) -> bool:
+    return dtype in ("float16", "bfloat16") and head <= MMA_BWD_MAX_HEAD
+
 
 @dataclass(frozen=True)
 class BwdVariant:
-    """One backward kernel: ``kind`` is "dkdv" (optionally with atomic dQ) or "dq"."""
+    """One CUDA-core backward kernel: ``kind`` is "dkdv" (optionally with atomic dQ) or "dq"."""
 
     dtype: str
     head: int
@@ -162,6 +173,49 @@ class BwdVariant:
 
 
 @dataclass(frozen=True)
+class BwdMmaVariant:
+    """One tensor-core backward kernel.
+
+    ``kind`` "dkdv": ``pass_`` 0 = dK and dV, 1 = dV only, 2 = dK only (with
+    ``atomic_dq``, also dQ). ``kind`` "dq": the deterministic dQ pass.
+    Causal masking is a runtime offset in these kernels (no causal flag).
+    """
+
+    dtype: str
+    head: int
+    kind: str
+    vec: bool
+    pass_: int = 0
+    atomic_dq: bool = False
+
+    entry = "flash_bwd_mma.cu"
+    threads = 128
+    block_m = 64
+
+    @property
+    def block_n(self) -> int:
+        return 32 if (self.kind == "dq" and self.head > 64) else 64
+
+    @property
+    def name(self) -> str:
+        t, vec = _CXX_TYPE[self.dtype], str(self.vec).lower()
+        if self.kind == "dkdv":
+            return (f"flash_bwd_dkdv_mma<{t}, {self.head}, {self.block_m}, {self.pass_}, "
+                    f"{str(self.atomic_dq).lower()}, {vec}>")
+        return f"flash_bwd_dq_mma<{t}, {self.head}, {self.block_n}, {vec}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        bm, bn, pitch = self.block_m, self.block_n, self.head + 8
+        return (2 * bn + 2 * bm) * pitch * 2 + bm * (bn + 8) * 2 + 2 * bm * 4
+
+
+def _mma_passes(head: int, atomic_dq: bool) -> list:
+    """(pass, atomic_dq) launches of the dK/dV kernel for one head bucket."""
+    return [(0, atomic_dq)] if head <= 64 else [(1, False), (2, atomic_dq)]
+
+
+@dataclass(frozen=True)
 class HelperKernel:
     """A small elementwise kernel of flash_bwd.cu (preprocess, dQ conversion)."""
 
@@ -169,6 +223,7 @@ class HelperKernel:
     kernel: str
     entry = "flash_bwd.cu"
     smem_bytes = 0
+    threads = 256
 
     @property
     def name(self) -> str:
@@ -176,10 +231,19 @@ class HelperKernel:
 
 
 def all_bwd_variants() -> Iterator:
-    for dtype, head, causal in product(DTYPE_NAMES, HEAD_BUCKETS, (False, True)):
-        yield BwdVariant(dtype, head, causal, "dkdv", atomic_dq=True)
-        yield BwdVariant(dtype, head, causal, "dkdv", atomic_dq=False)
-        yield BwdVariant(dtype, head, causal, "dq")
+    for dtype, head in product(DTYPE_NAMES, HEAD_BUCKETS):
+        if _bwd_uses_mma(dtype, head):
+            for vec in (False, True):
+                for atomic in (True, False):
+                    for pass_, atomic_dq in _mma_passes(head, atomic):
+                        if not (pass_ == 1 and not atomic):   # pass 1 is the same either way
+                            yield BwdMmaVariant(dtype, head, "dkdv", vec, pass_, atomic_dq)
+                yield BwdMmaVariant(dtype, head, "dq", vec)
+            continue
+        for causal in (False, True):
+            yield BwdVariant(dtype, head, causal, "dkdv", atomic_dq=True)
+            yield BwdVariant(dtype, head, causal, "dkdv", atomic_dq=False)
+            yield BwdVariant(dtype, head, causal, "dq")
     for dtype in DTYPE_NAMES:
         yield HelperKernel(dtype, "bwd_preprocess")
         yield HelperKernel(dtype, "bwd_convert_dq")
@@ -209,9 +273,7 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, causal_offset: int | None,
 
     b, hq, lq, d = q.shape
     lk, dv = k.shape[2], v.shape[3]
-    itemsize = q.itemsize
-    vec = (dtype in ("float16", "bfloat16") and d % 8 == 0 and dv % 8 == 0
-           and all(x.data.ptr % 16 == 0 and (x.strides[2] // itemsize) % 8 == 0 for x in (q, k, v)))
+    vec = dtype in ("float16", "bfloat16") and _vec_ok(d, dv, q, k, v)
     variant = FwdVariant(dtype, head_bucket(max(d, dv)), causal_offset is not None, vec)
     kernel = get_kernel(variant.entry, variant.name, variant.smem_bytes)
     cfg = variant.config
@@ -232,6 +294,12 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, causal_offset: int | None,
         kernel((m_blocks, hq, nb), (variant.threads,), tuple(args), shared_mem=variant.smem_bytes)
 
 
+def _vec_ok(d: int, dv: int, *arrays) -> bool:
+    """16-byte cp.async loads: 8-element rows, 16-byte aligned base and row stride."""
+    return (d % 8 == 0 and dv % 8 == 0
+            and all(x.data.ptr % 16 == 0 and (x.strides[2] // x.itemsize) % 8 == 0 for x in arrays))
+
+
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, causal_offset: int | None, scale: float,
                     group: int, deterministic: bool):
     """Gradients (dq, dk, dv) as new contiguous 4-D arrays, from 4-D views of the inputs.
@@ -246,39 +314,51 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, causal_offset: int |
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     acc_dtype = np.float64 if dtype == "float64" else np.float32
     head = head_bucket(max(d, dv))
-    causal = causal_offset is not None
     if hq > _MAX_GRID_YZ or b > _MAX_GRID_YZ:
         raise ValueError(f"the backward supports at most {_MAX_GRID_YZ} heads and batch entries")
 
+    def launch(variant, grid, args):
+        get_kernel(variant.entry, variant.name, variant.smem_bytes)(
+            grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+
+    # Dsum = rowsum(dO * O)
     dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
-    pre = HelperKernel(dtype, "bwd_preprocess")
-    get_kernel(pre.entry, pre.name, 0)(
-        (-(-lq // 8), hq, b), (256,),
-        (dout, out, dsum, *_elem_strides(dout), *_elem_strides(out), np.int32(lq), np.int32(dv)))
+    launch(HelperKernel(dtype, "bwd_preprocess"), (-(-lq // 8), hq, b),
+           (dout, out, dsum, *_elem_strides(dout), *_elem_strides(out), np.int32(lq), np.int32(dv)))
 
     dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)
     dk = cupy.empty((b, hk, lk, d), dtype=q.dtype)
     dv_ = cupy.empty((b, hk, lk, dv), dtype=q.dtype)
-    common = (*_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(dout),
-              np.int32(group), np.int32(lq), np.int32(lk), np.int32(d), np.int32(dv),
-              np.float64(scale), np.int32(causal_offset or 0))
-
-    dkdv = BwdVariant(dtype, head, causal, "dkdv", atomic_dq=not deterministic)
-    bm, bn = dkdv.tiles
     dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d), dtype=acc_dtype)
-    get_kernel(dkdv.entry, dkdv.name, dkdv.smem_bytes)(
-        (-(-lk // bn), hk, b), (dkdv.threads,),
-        (q, k, v, dout, lse, dsum, dq_acc if dq_acc is not None else dsum, dk, dv_, *common),
-        shared_mem=dkdv.smem_bytes)
+    mma = _bwd_uses_mma(dtype, head)
+    # The tensor-core kernels take "no causal mask" as offset lk (every key allowed).
+    offset = causal_offset if (causal_offset is not None or not mma) else lk
 
-    if deterministic:
-        dqv = BwdVariant(dtype, head, causal, "dq")
-        get_kernel(dqv.entry, dqv.name, dqv.smem_bytes)(
-            (-(-lq // bm), hq, b), (dqv.threads,), (q, k, v, dout, lse, dsum, dq, *common),
-            shared_mem=dqv.smem_bytes)
+    def common():
+        return (*_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(dout),
+                np.int32(group), np.int32(lq), np.int32(lk), np.int32(d), np.int32(dv),
+                np.float64(scale), np.int32(offset or 0))
+
+    grads_in = (q, k, v, dout, lse, dsum)
+    if mma:
+        vec = _vec_ok(d, dv, q, k, v, dout)
+        for pass_, atomic in _mma_passes(head, not deterministic):
+            var = BwdMmaVariant(dtype, head, "dkdv", vec, pass_, atomic)
+            launch(var, (-(-lk // 64), hk, b), (*grads_in, dq_acc if atomic else dsum, dk, dv_, *common()))
+        if deterministic:
+            var = BwdMmaVariant(dtype, head, "dq", vec)
+            launch(var, (-(-lq // var.block_m), hq, b), (*grads_in, dq, *common()))
     else:
-        conv = HelperKernel(dtype, "bwd_convert_dq")
+        causal = causal_offset is not None
+        var = BwdVariant(dtype, head, causal, "dkdv", atomic_dq=not deterministic)
+        bm, bn = var.tiles
+        launch(var, (-(-lk // bn), hk, b),
+               (*grads_in, dq_acc if dq_acc is not None else dsum, dk, dv_, *common()))
+        if deterministic:
+            var = BwdVariant(dtype, head, causal, "dq")
+            launch(var, (-(-lq // bm), hq, b), (*grads_in, dq, *common()))
+    if not deterministic:
         n = dq.size
-        get_kernel(conv.entry, conv.name, 0)((min(-(-n // 256), 65535 * 4),), (256,),
-                                             (dq_acc, dq, np.int64(n)))
+        launch(HelperKernel(dtype, "bwd_convert_dq"), (min(-(-n // 256), 65535 * 4),),
+               (dq_acc, dq, np.int64(n)))
     return dq, dk, dv_

@@ -1,211 +1,383 @@
-"""NumPy/CuPy reference attention: naive (materialised) and blocked (online softmax).
+"""NumPy/CuPy reference attention: naive (materialised) and blocked (FlashAttention-2).
 
 Everything here runs on whichever array library the inputs come from (NumPy, or
-CuPy when given CuPy arrays) and computes in float64 unless told otherwise.
-Conventions are the library's:
+CuPy when given CuPy arrays; CuPy is imported lazily, so this module imports fine
+without it or without a GPU) and computes in float64 unless told otherwise.
+Complex inputs are rejected. Conventions are the library's:
 
-* ``q (..., Hq, Lq, D)``, ``k (..., Hk, Lk, D)``, ``v (..., Hk, Lk, Dv)``; 2-D is one
-  head; ``Hq % Hk == 0`` (query head h reads K/V head ``h // (Hq // Hk)``).
-* scores ``s = scale * q k^T (+ bias)``, ``scale`` defaulting to ``1/sqrt(D)``;
-  ``mask`` False means "does not attend"; ``causal`` True/"top_left" allows key j
-  for query i iff ``j <= i``, "bottom_right" iff ``j <= i + Lk - Lq``.
-* ``lse`` is the natural-log logsumexp of the allowed scores; a row that allows
-  nothing has ``out = 0``, ``lse = -inf`` and zero gradients, never NaN.
+* ``q (..., Hq, Lq, D)``, ``k (..., Hk, Lk, D)``, ``v (..., Hk, Lk, Dv)``; 2-D
+  ``(L, D)`` inputs are one head. Leading dims are equal and ``Hq % Hk == 0``:
+  grouped-query attention, query head ``h`` reads K/V head ``h // (Hq // Hk)``.
+* scores ``s = scale * q k^T + bias`` with ``scale`` defaulting to ``1/sqrt(D)``;
+  ``bias`` (float) and ``mask`` (bool, False = does not attend) broadcast to
+  ``(..., Hq, Lq, Lk)``.
+* ``causal``: False (or None) for none; True or "top_left" allows key ``j`` for
+  query ``i`` iff ``j <= i``; "bottom_right" iff ``j <= i + Lk - Lq``. Anything
+  else raises ValueError.
+* ``out (..., Hq, Lq, Dv)``; ``lse (..., Hq, Lq)`` is the natural-log logsumexp of
+  the allowed scores. A row that allows nothing has ``out = 0``, ``lse = -inf`` and
+  zero gradients, never NaN, and no floating-point warnings are raised.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 __all__ = ["causal_mask", "attention_naive", "attention_blocked", "attention_backward_naive",
            "attention_backward_blocked", "round_to_dtype"]
 
+Array = Any                      # numpy.ndarray or cupy.ndarray
+Causal = Union[bool, str, None]  # False/None, True/"top_left", "bottom_right"
 
-def _xp(*arrays):
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@functools.lru_cache(maxsize=1)
+def _cupy():
+    """The cupy module, or None when it cannot be imported (missing, broken CUDA install)."""
     try:
         import cupy
-
-        for a in arrays:
-            if isinstance(a, cupy.ndarray):
-                return cupy
-    except ImportError:
-        pass
-    return np
-
-
-def _causal_offset(causal, lq: int, lk: int) -> Optional[int]:
-    if causal is False or causal is None:
+    except Exception:
         return None
-    if causal is True or (isinstance(causal, str) and causal == "top_left"):
+    return cupy
+
+
+def _array_module(*arrays):
+    """cupy when any argument is a CuPy array, else numpy."""
+    cp = _cupy()
+    if cp is None:
+        return np
+    return cp.get_array_module(*(a for a in arrays if a is not None))
+
+
+def _causal_offset(causal: Causal, lq: int, lk: int) -> Optional[int]:
+    """None without a causal mask; else key j is allowed for query i iff ``j <= i + offset``."""
+    if causal is None or (isinstance(causal, (bool, np.bool_)) and not causal):
+        return None
+    if isinstance(causal, (bool, np.bool_)) or (isinstance(causal, str) and causal == "top_left"):
         return 0
     if isinstance(causal, str) and causal == "bottom_right":
         return lk - lq
     raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
 
 
-def causal_mask(lq: int, lk: int, causal, xp=np):
-    """Boolean ``(lq, lk)`` matrix of allowed (query, key) pairs, or None without causal."""
+def causal_mask(lq: int, lk: int, causal: Causal, xp=np) -> Optional[Array]:
+    """The allowed (query, key) pairs of a causal mask.
+
+    Parameters
+    ----------
+    lq, lk : int
+        Query and key lengths.
+    causal : False, None, True, "top_left" or "bottom_right"
+    xp : module, optional
+        numpy (default) or cupy: where the result lives.
+
+    Returns
+    -------
+    bool array ``(lq, lk)``, True where key ``j`` may be attended by query ``i``;
+    None when ``causal`` is False/None.
+    """
     offset = _causal_offset(causal, lq, lk)
     if offset is None:
         return None
-    i = xp.arange(lq)[:, None]
-    j = xp.arange(lk)[None, :]
-    return j <= i + offset
+    return xp.arange(lk)[None, :] <= xp.arange(lq)[:, None] + offset
 
 
-def _prepare(q, k, v, scale, xp, dtype=np.float64):
-    """4-D float arrays with K/V heads repeated for grouped-query attention."""
-    q, k, v = (xp.asarray(x).astype(dtype) for x in (q, k, v))
+def _check_real(x, name: str) -> None:
+    if np.dtype(x.dtype).kind == "c":
+        raise TypeError(f"{name} is complex ({x.dtype}); complex inputs are not supported")
+
+
+def _prepare(q, k, v, scale, bias, mask, xp):
+    """Validate and convert to float64 with an explicit head axis; K/V heads repeated for GQA.
+
+    Returns ``q (..., Hq, Lq, D)``, ``k (..., Hq, Lk, D)``, ``v (..., Hq, Lk, Dv)`` (float64),
+    ``scale``, ``group = Hq // Hk``, ``squeeze`` (inputs were 2-D), and ``bias``/``mask``
+    as arrays (unchanged shape) or None.
+    """
+    q, k, v = (xp.asarray(x) for x in (q, k, v))
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_real(x, name)
+    if not (q.ndim == k.ndim == v.ndim) or q.ndim < 2:
+        raise ValueError(f"q, k, v must all be 2-D or all have a head axis; got {q.shape}, {k.shape}, {v.shape}")
+    full = q.shape[:-1] + (k.shape[-2],)            # the score shape as the caller sees it
     squeeze = q.ndim == 2
     if squeeze:
         q, k, v = q[None], k[None], v[None]
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     hq, hk = q.shape[-3], k.shape[-3]
-    if hq % hk:
+    if hk == 0 or hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     group = hq // hk
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
     if group > 1:
         k = xp.repeat(k, group, axis=-3)
         v = xp.repeat(v, group, axis=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return q, k, v, scale, group, squeeze
+    extra = []
+    for x, name in ((bias, "bias"), (mask, "mask")):
+        if x is not None:
+            x = xp.asarray(x)
+            _check_real(x, name)
+            try:
+                ok = np.broadcast_shapes(x.shape, full) == full
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{name} of shape {x.shape} does not broadcast to the scores' {full}")
+            x = x.astype(bool) if name == "mask" else x.astype(np.float64)
+        extra.append(x)
+    return q, k, v, scale, group, squeeze, extra[0], extra[1]
 
 
-def _allowed(lq, lk, causal, mask, xp):
-    """Broadcastable boolean array of allowed pairs (or None for all allowed)."""
+def _allowed(lq: int, lk: int, causal: Causal, mask, xp):
+    """Boolean array broadcastable to the scores: the allowed pairs (None when all are)."""
     allowed = causal_mask(lq, lk, causal, xp)
     if mask is not None:
-        m = xp.asarray(mask).astype(bool)
-        allowed = m if allowed is None else (allowed & m)
+        allowed = mask if allowed is None else (allowed & mask)
     return allowed
 
 
-def round_to_dtype(x, dtype):
-    """Round to ``dtype`` (float16, "bfloat16", float32, float64) and return float64 values."""
-    xp = _xp(x)
-    name = np.dtype(dtype).name if not (isinstance(dtype, str) and dtype == "bfloat16") else "bfloat16"
-    if name == "float64":
-        return x.astype(np.float64)
-    if name == "bfloat16":
-        f = x.astype(np.float32)
+def _tile(x, ndim: int, rows: slice, cols: slice):
+    """The (rows, cols) tile of a bias/mask broadcastable to an ``ndim``-D score array, unexpanded."""
+    x = x.reshape((1,) * (ndim - x.ndim) + x.shape)
+    return x[..., rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None)]
+
+
+def _check_blocks(block_m: int, block_n: int) -> Tuple[int, int]:
+    for b, name in ((block_m, "block_m"), (block_n, "block_n")):
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b < 1:
+            raise ValueError(f"{name} must be a positive integer, got {b!r}")
+    return int(block_m), int(block_n)
+
+
+def _as_shape(x, shape: tuple, squeeze: bool, name: str, xp):
+    """``x`` as a float64 array of the internal ``shape``; the caller's is ``shape[1:]`` if ``squeeze``."""
+    x = xp.asarray(x)
+    _check_real(x, name)
+    expected = shape[1:] if squeeze else shape
+    if x.shape != expected:
+        raise ValueError(f"{name} has shape {x.shape}, expected {expected}")
+    return x.astype(np.float64).reshape(shape)
+
+
+def _squeeze(squeeze: bool, *arrays):
+    return tuple(a[0] if squeeze else a for a in arrays)
+
+
+# ----------------------------------------------------------------------------- rounding
+
+def _dtype_name(dtype) -> str:
+    """'float16', 'bfloat16', 'float32' or 'float64' for the accepted spellings."""
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        return "bfloat16"
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in _FLOAT_NAMES:
+        raise ValueError(f"dtype must be float16, 'bfloat16', float32 or float64, got {dtype!r}")
+    return name
+
+
+def _bf16_round_bits(x, xp):
+    """Round float32 values to bfloat16 (nearest, ties to even) with integer arithmetic.
+
+    The bits are viewed as uint32; adding ``0x7FFF + lsb`` (lsb = bit 16) and clearing
+    the low 16 bits rounds to nearest-even, carrying into the exponent (and to inf at
+    the top of the range) exactly as a correctly rounded conversion does. inf and NaN
+    are left alone. Returns float32. Used for CuPy arrays (no bfloat16 dtype there).
+    """
+    f = xp.ascontiguousarray(x, dtype=np.float32)
+    bits = f.view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    return xp.where(xp.isfinite(f), rounded.view(np.float32), f)
+
+
+def _round(x, name: str, xp):
+    """Values of ``x`` rounded to ``name``, held in float32 for 16-bit types (else in ``name``)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if name == "float64":
+            return x.astype(np.float64)
+        if name == "float32":
+            return x.astype(np.float32)
+        if name == "float16":
+            return x.astype(np.float16).astype(np.float32)
         if xp is np:
             import ml_dtypes
 
-            return f.astype(ml_dtypes.bfloat16).astype(np.float64)
-        bits = f.view(np.uint32)
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        finite = xp.isfinite(f)
-        return xp.where(finite, rounded.view(np.float32), f).astype(np.float64)
-    return x.astype(name).astype(np.float64)
+            return x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+        return _bf16_round_bits(x, xp)
 
 
-def _softmax_rows(s, xp):
-    """(p, lse) of scores with -inf for disallowed entries; empty rows give p = 0, lse = -inf."""
-    m = s.max(axis=-1, keepdims=True)
-    m_safe = xp.where(xp.isfinite(m), m, 0.0)
-    e = xp.exp(s - m_safe)
-    total = e.sum(axis=-1, keepdims=True)
-    safe_total = xp.where(total > 0, total, 1.0)
-    p = xp.where(total > 0, e / safe_total, 0.0)
-    lse = xp.where(total[..., 0] > 0, m_safe[..., 0] + xp.log(safe_total[..., 0]), -xp.inf)
-    return p, lse
-
-
-def attention_naive(q, k, v, *, causal=False, scale=None, bias=None, mask=None, dtype=None):
-    """Materialised attention ``softmax(scale q k^T + bias) v``.
+def round_to_dtype(x: Array, dtype) -> Array:
+    """Round ``x`` to ``dtype`` and return the rounded values as float64.
 
     Parameters
     ----------
-    q, k, v : arrays ``(..., Hq, Lq, D)``, ``(..., Hk, Lk, D)``, ``(..., Hk, Lk, Dv)`` or 2-D.
-    causal, scale, bias, mask : see the module docstring.
-    dtype : None, or float16 / "bfloat16" / float32 / float64
-        None computes exactly in float64. Otherwise emulates the naive computation
-        in that dtype: inputs, scores, probabilities and the output are rounded to
-        it (matmuls accumulate in float64 here, softmax in float32 for 16-bit
-        types). Used to measure the error a naive same-dtype computation makes.
+    x : float array (NumPy or CuPy), any shape
+    dtype : float16, float32, float64, "bfloat16" or ``ml_dtypes.bfloat16``
+
+    Returns
+    -------
+    float64 array, same shape. bfloat16 rounds to nearest even (ml_dtypes on
+    NumPy, an equivalent bit manipulation on CuPy).
+    """
+    xp = _array_module(x)
+    return _round(xp.asarray(x), _dtype_name(dtype), xp).astype(np.float64)
+
+
+# ----------------------------------------------------------------------------- forward
+
+def _softmax_rows(s, xp):
+    """``(p, lse)`` of scores holding -inf where disallowed; rows with nothing give 0 and -inf.
+
+    Computed in ``s``'s dtype, the row max subtracted before ``exp``.
+    """
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, s.dtype.type(0))        # no (-inf) - (-inf)
+    e = xp.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    seen = total > 0
+    safe = xp.where(seen, total, s.dtype.type(1))
+    p = xp.where(seen, e / safe, s.dtype.type(0))
+    lse = xp.where(seen[..., 0], m[..., 0] + xp.log(safe[..., 0]), s.dtype.type(-np.inf))
+    return p, lse
+
+
+def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
+                    bias: Optional[Array] = None, mask: Optional[Array] = None,
+                    dtype: Any = None) -> Tuple[Array, Array]:
+    """Attention with the full score matrix materialised: ``softmax(scale q k^T + bias) v``.
+
+    Parameters
+    ----------
+    q : array ``(..., Hq, Lq, D)`` or ``(Lq, D)``
+    k : array ``(..., Hk, Lk, D)`` or ``(Lk, D)``
+    v : array ``(..., Hk, Lk, Dv)`` or ``(Lk, Dv)``
+        Real floating (or integer) NumPy or CuPy arrays; ``Hq % Hk == 0``.
+    causal : False, True, "top_left" or "bottom_right"
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    bias : float array broadcastable to ``(..., Hq, Lq, Lk)``, optional
+        Added to the scaled scores.
+    mask : bool array broadcastable to ``(..., Hq, Lq, Lk)``, optional
+        False where a query does not attend a key.
+    dtype : None, float16, "bfloat16" / ``ml_dtypes.bfloat16``, float32 or float64
+        None (or float64): exact float64 computation. Otherwise emulate a naive
+        framework computing in that dtype, to measure the error that computation
+        makes: q, k, v and bias are rounded to ``dtype``; every operation computes
+        in float32 for 16-bit types (in ``dtype`` itself for float32/float64) and
+        its result is rounded to ``dtype``: ``q k^T`` (float32 accumulation), the
+        scaling, the bias addition, the softmax probabilities (softmax in float32)
+        and the output ``P V``. ``lse`` is the softmax's, in float32. Scores that
+        overflow the dtype propagate inf/NaN as such a framework would (no
+        warnings are raised).
 
     Returns
     -------
     out : float64 array ``(..., Hq, Lq, Dv)``
     lse : float64 array ``(..., Hq, Lq)``
+        Natural-log logsumexp of the allowed scores (-inf for rows with nothing).
     """
-    xp = _xp(q, k, v)
-    q, k, v, scale, _, squeeze = _prepare(q, k, v, scale, xp)
-    r = (lambda x: x) if dtype is None else (lambda x: round_to_dtype(x, dtype))
-    q, k, v = r(q), r(k), r(v)
-    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
-    if bias is not None:
-        s = s + xp.asarray(bias).astype(np.float64)
-    s = r(s)
+    xp = _array_module(q, k, v)
+    q, k, v, scale, _, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
     allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, xp)
-    if allowed is not None:
-        s = xp.where(allowed, s, -xp.inf)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        if dtype is not None and np.dtype(np.float32 if dtype == "bfloat16" else dtype).itemsize <= 2:
-            p, lse = _softmax_rows(s.astype(np.float32).astype(np.float64), xp)
-        else:
-            p, lse = _softmax_rows(s, xp)
-    out = r(xp.matmul(r(p), v))
-    if squeeze:
-        out, lse = out[0], lse[0]
-    return out, lse
+    name = "float64" if dtype is None else _dtype_name(dtype)
+    if name == "float64":
+        s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
+        if bias is not None:
+            s = s + bias
+        if allowed is not None:
+            s = xp.where(allowed, s, -np.inf)
+        p, lse = _softmax_rows(s, xp)
+        out = xp.matmul(p, v)
+        return _squeeze(squeeze, out, lse)
+
+    r = functools.partial(_round, name=name, xp=xp)         # -> float32 arrays holding `name` values
+    q, k, v = r(q), r(k), r(v)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        s = r(xp.matmul(q, xp.swapaxes(k, -1, -2)))
+        s = r(s * np.float32(scale))
+        if bias is not None:
+            s = r(s + r(bias))
+        if allowed is not None:
+            s = xp.where(allowed, s, np.float32(-np.inf))
+        p, lse = _softmax_rows(s, xp)
+        out = r(xp.matmul(r(p), v))
+    return _squeeze(squeeze, out.astype(np.float64), lse.astype(np.float64))
 
 
-def _tile_bias(bias, shape, rows, cols, xp):
-    """The (rows, cols) slice of a bias/mask broadcast to ``shape`` without expanding it."""
-    b = xp.asarray(bias)
-    b = b.reshape((1,) * (len(shape) - b.ndim) + b.shape)
-    r = rows if b.shape[-2] != 1 else slice(None)
-    c = cols if b.shape[-1] != 1 else slice(None)
-    return b[..., r, c]
-
-
-def attention_blocked(q, k, v, *, causal=False, scale=None, bias=None, mask=None, block_m: int = 64,
+def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
+                      bias: Optional[Array] = None, mask: Optional[Array] = None, block_m: int = 64,
                       block_n: int = 64, return_stats: bool = False):
-    """FlashAttention-2's algorithm in float64: online softmax over key tiles.
+    """FlashAttention-2's forward algorithm in float64: online softmax over key tiles.
 
-    Per query tile: running max ``m`` (-inf), running sum ``l`` (0), running output
-    ``o`` (0); per key tile: ``m_new = max(m, rowmax(S))``, ``c = exp(m - m_new)``,
-    ``P = exp(S - m_new)``, ``l = l c + rowsum(P)``, ``o = o c + P V``; finally
-    ``out = o / l``, ``lse = m + log l``. Key tiles fully masked by ``causal`` are
-    skipped. Same parameters and returns as :func:`attention_naive`; with
-    ``return_stats`` a third value ``{"tiles_total", "tiles_computed"}``.
+    For each tile of ``block_m`` query rows: running max ``m = -inf``, running sum
+    ``l = 0`` and running output ``o = 0``; for each tile of ``block_n`` keys, with
+    ``S`` the tile's scaled, biased, masked scores: ``m_new = max(m, rowmax(S))``,
+    ``c = exp(m - m_new)``, ``P = exp(S - m_new)``, ``l = l c + rowsum(P)``,
+    ``o = o c + P V``, ``m = m_new``. Finally ``out = o / l`` and
+    ``lse = m + log(l)`` (0 and -inf where ``l == 0``). While ``m_new`` is -inf
+    (nothing allowed yet) it is replaced by 0 in the subtractions, so ``c = 0``
+    and ``P = 0`` without NaN. Key tiles lying entirely above the causal diagonal
+    are skipped. Leading and head dims are vectorised; only tiles are looped.
+
+    Parameters
+    ----------
+    q, k, v, causal, scale, bias, mask
+        As :func:`attention_naive`.
+    block_m, block_n : int
+        Query and key tile sizes (>= 1).
+    return_stats : bool
+        Also return ``{"tiles_total": int, "tiles_computed": int}``: the number of
+        (query tile, key tile) pairs, and of those not skipped by ``causal``.
+
+    Returns
+    -------
+    out : float64 array ``(..., Hq, Lq, Dv)``
+    lse : float64 array ``(..., Hq, Lq)``
+    stats : dict, only with ``return_stats``
     """
-    xp = _xp(q, k, v)
-    q, k, v, scale, _, squeeze = _prepare(q, k, v, scale, xp)
+    block_m, block_n = _check_blocks(block_m, block_n)
+    xp = _array_module(q, k, v)
+    q, k, v, scale, _, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
     lq, lk = q.shape[-2], k.shape[-2]
     offset = _causal_offset(causal, lq, lk)
     out = xp.zeros(q.shape[:-1] + (v.shape[-1],))
-    lse = xp.full(q.shape[:-1], -xp.inf)
-    full_shape = q.shape[:-1] + (lk,)
+    lse = xp.full(q.shape[:-1], -np.inf)
     total = computed = 0
     for m0 in range(0, lq, block_m):
         rows = slice(m0, min(m0 + block_m, lq))
         qi = q[..., rows, :]
-        m = xp.full(qi.shape[:-1], -xp.inf)
+        m = xp.full(qi.shape[:-1], -np.inf)
         l_ = xp.zeros(qi.shape[:-1])
         o = xp.zeros(qi.shape[:-1] + (v.shape[-1],))
         for n0 in range(0, lk, block_n):
             total += 1
             cols = slice(n0, min(n0 + block_n, lk))
             if offset is not None and n0 > rows.stop - 1 + offset:
-                continue   # every key of this tile is after every query's diagonal
+                continue            # the tile's first key is past the last query's diagonal
             computed += 1
             s = xp.matmul(qi, xp.swapaxes(k[..., cols, :], -1, -2)) * scale
             if bias is not None:
-                s = s + _tile_bias(bias, full_shape, rows, cols, xp).astype(np.float64)
+                s = s + _tile(bias, s.ndim, rows, cols)
             allowed = None
             if offset is not None:
-                allowed = (xp.arange(cols.start, cols.stop)[None, :]
-                           <= xp.arange(rows.start, rows.stop)[:, None] + offset)
+                allowed = xp.arange(cols.start, cols.stop)[None, :] <= xp.arange(rows.start, rows.stop)[:, None] + offset
             if mask is not None:
-                mt = _tile_bias(mask, full_shape, rows, cols, xp).astype(bool)
-                allowed = mt if allowed is None else allowed & mt
+                mt = _tile(mask, s.ndim, rows, cols)
+                allowed = mt if allowed is None else (allowed & mt)
             if allowed is not None:
-                s = xp.where(allowed, s, -xp.inf)
+                s = xp.where(allowed, s, -np.inf)
             m_new = xp.maximum(m, s.max(axis=-1))
-            ref = xp.where(xp.isfinite(m_new), m_new, 0.0)      # no (-inf) - (-inf)
+            ref = xp.where(xp.isfinite(m_new), m_new, 0.0)
             corr = xp.exp(m - ref)
             p = xp.exp(s - ref[..., None])
             l_ = l_ * corr + p.sum(axis=-1)
@@ -214,112 +386,155 @@ def attention_blocked(q, k, v, *, causal=False, scale=None, bias=None, mask=None
         seen = l_ > 0
         safe = xp.where(seen, l_, 1.0)
         out[..., rows, :] = xp.where(seen[..., None], o / safe[..., None], 0.0)
-        lse[..., rows] = xp.where(seen, m + xp.log(safe), -xp.inf)
-    if squeeze:
-        out, lse = out[0], lse[0]
+        lse[..., rows] = xp.where(seen, m + xp.log(safe), -np.inf)
+    out, lse = _squeeze(squeeze, out, lse)
     if return_stats:
         return out, lse, {"tiles_total": total, "tiles_computed": computed}
     return out, lse
 
 
-def _fold_groups(g, group, squeeze):
-    """Sum a K/V gradient over the query heads that share each K/V head."""
+# ----------------------------------------------------------------------------- backward
+
+def _fold_groups(g, group: int):
+    """Sum a repeated-heads K/V gradient over the query heads sharing each K/V head."""
     if group > 1:
         g = g.reshape(g.shape[:-3] + (g.shape[-3] // group, group) + g.shape[-2:]).sum(axis=-3)
-    return g[0] if squeeze else g
+    return g
 
 
-def _reduce_to(g, shape):
-    """Sum a (..., Hq, Lq, Lk) gradient down to a broadcast bias shape."""
+def _reduce_to(g, shape: tuple):
+    """Sum a gradient of the broadcast scores down to a bias's ``shape`` (same ndim or fewer)."""
     lead = g.ndim - len(shape)
-    g = g.sum(axis=tuple(range(lead))) if lead else g
+    if lead:
+        g = g.sum(axis=tuple(range(lead)))
     axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    return (g.sum(axis=axes, keepdims=True) if axes else g).reshape(shape)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g.reshape(shape)
 
 
-def attention_backward_naive(dout, q, k, v, *, causal=False, scale=None, bias=None, mask=None):
-    """Materialised float64 gradients of ``sum(dout * out)``.
+def _grads(dq, dk, dv, dbias, group: int, squeeze: bool):
+    grads = _squeeze(squeeze, dq, _fold_groups(dk, group), _fold_groups(dv, group))
+    return grads if dbias is None else grads + (dbias,)
 
-    ``P = softmax(S)``, ``dV = P^T dO``, ``dP = dO V^T``, ``Dsum = rowsum(dO * O)``,
-    ``dS = P (dP - Dsum)``, ``dQ = scale dS K``, ``dK = scale dS^T Q``.
+
+def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causal: Causal = False,
+                             scale: Optional[float] = None, bias: Optional[Array] = None,
+                             mask: Optional[Array] = None) -> Tuple[Array, ...]:
+    """Gradients of ``sum(dout * out)`` with the score matrix materialised, in float64.
+
+    ``P = softmax(S)``, ``O = P V``, ``dV = P^T dO``, ``dP = dO V^T``,
+    ``Dsum = rowsum(dO * O)``, ``dS = P (dP - Dsum)``, ``dQ = scale dS K``,
+    ``dK = scale dS^T Q``, ``dbias = dS`` summed over the axes ``bias`` broadcasts
+    along. Rows with nothing to attend have ``P = 0`` and so contribute nothing.
+
+    Parameters
+    ----------
+    dout : array ``(..., Hq, Lq, Dv)``
+        Gradient with respect to ``out``.
+    q, k, v, causal, scale, bias, mask
+        As :func:`attention_naive`.
 
     Returns
     -------
-    (dq, dk, dv), plus dbias (the bias's shape) when ``bias`` is given; float64.
+    dq : float64 ``q.shape``; dk : float64 ``k.shape``; dv : float64 ``v.shape``
+        (dk, dv summed over the query heads of each grouped-query group), and
+    dbias : float64 ``bias.shape``, only when ``bias`` is given.
     """
-    xp = _xp(dout, q, k, v)
-    hk_shape = (k.shape, v.shape)
-    q4, k4, v4, scale, group, squeeze = _prepare(q, k, v, scale, xp)
-    do = xp.asarray(dout).astype(np.float64)
-    do = do[None] if squeeze else do
-    s = xp.matmul(q4, xp.swapaxes(k4, -1, -2)) * scale
+    xp = _array_module(dout, q, k, v)
+    q, k, v, scale, group, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
+    do = _as_shape(dout, q.shape[:-1] + (v.shape[-1],), squeeze, "dout", xp)
+    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
     if bias is not None:
-        s = s + xp.asarray(bias).astype(np.float64)
-    allowed = _allowed(q4.shape[-2], k4.shape[-2], causal, mask, xp)
+        s = s + bias
+    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, xp)
     if allowed is not None:
-        s = xp.where(allowed, s, -xp.inf)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        p, _ = _softmax_rows(s, xp)
-    o = xp.matmul(p, v4)
+        s = xp.where(allowed, s, -np.inf)
+    p, _ = _softmax_rows(s, xp)
+    o = xp.matmul(p, v)
     dv = xp.matmul(xp.swapaxes(p, -1, -2), do)
-    dp = xp.matmul(do, xp.swapaxes(v4, -1, -2))
+    dp = xp.matmul(do, xp.swapaxes(v, -1, -2))
     ds = p * (dp - (do * o).sum(axis=-1, keepdims=True))
-    dq = xp.matmul(ds, k4) * scale
-    dk = xp.matmul(xp.swapaxes(ds, -1, -2), q4) * scale
-    grads = ((dq[0] if squeeze else dq), _fold_groups(dk, group, squeeze), _fold_groups(dv, group, squeeze))
-    assert grads[1].shape == hk_shape[0] and grads[2].shape == hk_shape[1]
-    if bias is not None:
-        return grads + (_reduce_to(ds[0] if squeeze else ds, xp.asarray(bias).shape),)
-    return grads
+    dq = xp.matmul(ds, k) * scale
+    dk = xp.matmul(xp.swapaxes(ds, -1, -2), q) * scale
+    dbias = None if bias is None else _reduce_to(_squeeze(squeeze, ds)[0], bias.shape)
+    return _grads(dq, dk, dv, dbias, group, squeeze)
 
 
-def attention_backward_blocked(dout, q, k, v, out, lse, *, causal=False, scale=None, bias=None, mask=None,
-                               block_m: int = 64, block_n: int = 64):
-    """FlashAttention-2's backward in float64, from the saved ``out`` and ``lse``.
+def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
+                               causal: Causal = False, scale: Optional[float] = None,
+                               bias: Optional[Array] = None, mask: Optional[Array] = None,
+                               block_m: int = 64, block_n: int = 64) -> Tuple[Array, ...]:
+    """FlashAttention-2's backward algorithm in float64, from the forward's ``out`` and ``lse``.
 
-    ``Dsum = rowsum(dO * O)``; for each key tile (outer) and query tile (inner):
-    recompute ``P = exp(S - lse)`` (0 where lse is -inf), then ``dV_j += P^T dO_i``,
-    ``dP = dO_i V_j^T``, ``dS = P (dP - Dsum_i)``, ``dK_j += scale dS^T Q_i``,
-    ``dQ_i += scale dS K_j``. Returns as :func:`attention_backward_naive`.
+    ``Dsum = rowsum(dO * O)``. For each key tile (outer loop) and each query tile
+    (inner loop), skipping tiles entirely above the causal diagonal: recompute
+    ``P = exp(S - lse)`` (0 where disallowed or where ``lse`` is -inf), then
+    ``dV_j += P^T dO_i``, ``dP = dO_i V_j^T``, ``dS = P (dP - Dsum_i)``,
+    ``dK_j += scale dS^T Q_i``, ``dQ_i += scale dS K_j`` (dQ accumulating across key
+    tiles) and, with a bias, ``dS`` reduced to the bias's broadcast shape is added
+    to its tile of ``dbias``.
+
+    Parameters
+    ----------
+    dout : array ``(..., Hq, Lq, Dv)``
+    q, k, v, causal, scale, bias, mask
+        As :func:`attention_naive`.
+    out : array ``(..., Hq, Lq, Dv)``; lse : array ``(..., Hq, Lq)``
+        The forward's results.
+    block_m, block_n : int
+        Query and key tile sizes (>= 1).
+
+    Returns
+    -------
+    As :func:`attention_backward_naive`.
     """
-    xp = _xp(dout, q, k, v)
-    q4, k4, v4, scale, group, squeeze = _prepare(q, k, v, scale, xp)
-    do, o, lse = (xp.asarray(x).astype(np.float64) for x in (dout, out, lse))
-    if squeeze:
-        do, o, lse = do[None], o[None], lse[None]
-    lq, lk = q4.shape[-2], k4.shape[-2]
+    block_m, block_n = _check_blocks(block_m, block_n)
+    xp = _array_module(dout, q, k, v, out, lse)
+    q, k, v, scale, group, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
+    do = _as_shape(dout, q.shape[:-1] + (v.shape[-1],), squeeze, "dout", xp)
+    o = _as_shape(out, do.shape, squeeze, "out", xp)
+    lse = _as_shape(lse, q.shape[:-1], squeeze, "lse", xp)
+    lq, lk = q.shape[-2], k.shape[-2]
     offset = _causal_offset(causal, lq, lk)
-    full_shape = q4.shape[:-1] + (lk,)
     dsum = (do * o).sum(axis=-1)
-    dq, dk, dv = xp.zeros(q4.shape), xp.zeros(k4.shape), xp.zeros(v4.shape)
-    dbias = xp.zeros(full_shape) if bias is not None else None
-    lse_safe = xp.where(xp.isfinite(lse), lse, 0.0)
+    live = xp.isfinite(lse)
+    lse_safe = xp.where(live, lse, 0.0)
+    dq, dk, dv = xp.zeros(q.shape), xp.zeros(k.shape), xp.zeros(v.shape)
+    if bias is not None:
+        bias_nd = bias.reshape((1,) * (q.ndim - bias.ndim) + bias.shape)
+        dbias = xp.zeros(bias_nd.shape)
+        sum_axes = tuple(i for i, n in enumerate(bias_nd.shape[:-2]) if n == 1 and q.shape[i] != 1)
     for n0 in range(0, lk, block_n):
         cols = slice(n0, min(n0 + block_n, lk))
-        kj, vj = k4[..., cols, :], v4[..., cols, :]
+        kj, vj = k[..., cols, :], v[..., cols, :]
         for m0 in range(0, lq, block_m):
             rows = slice(m0, min(m0 + block_m, lq))
             if offset is not None and n0 > rows.stop - 1 + offset:
                 continue
-            s = xp.matmul(q4[..., rows, :], xp.swapaxes(kj, -1, -2)) * scale
+            qi, doi = q[..., rows, :], do[..., rows, :]
+            s = xp.matmul(qi, xp.swapaxes(kj, -1, -2)) * scale
             if bias is not None:
-                s = s + _tile_bias(bias, full_shape, rows, cols, xp).astype(np.float64)
-            ok = xp.isfinite(lse[..., rows])[..., None] & xp.ones(s.shape, bool)
+                s = s + _tile(bias_nd, s.ndim, rows, cols)
+            ok = live[..., rows, None]
             if offset is not None:
-                ok = ok & (xp.arange(cols.start, cols.stop)[None, :]
-                           <= xp.arange(rows.start, rows.stop)[:, None] + offset)
+                ok = ok & (xp.arange(cols.start, cols.stop)[None, :] <= xp.arange(rows.start, rows.stop)[:, None] + offset)
             if mask is not None:
-                ok = ok & _tile_bias(mask, full_shape, rows, cols, xp).astype(bool)
-            with np.errstate(over="ignore", invalid="ignore"):
-                p = xp.where(ok, xp.exp(xp.where(ok, s, 0.0) - lse_safe[..., rows, None]), 0.0)
-            dv[..., cols, :] += xp.matmul(xp.swapaxes(p, -1, -2), do[..., rows, :])
-            dp = xp.matmul(do[..., rows, :], xp.swapaxes(vj, -1, -2))
+                ok = ok & _tile(mask, s.ndim, rows, cols)
+            ok = ok & xp.ones(s.shape, dtype=bool)
+            # Disallowed entries are zeroed before exp, so nothing overflows or warns.
+            p = xp.where(ok, xp.exp(xp.where(ok, s - lse_safe[..., rows, None], 0.0)), 0.0)
+            dv[..., cols, :] += xp.matmul(xp.swapaxes(p, -1, -2), doi)
+            dp = xp.matmul(doi, xp.swapaxes(vj, -1, -2))
             ds = p * (dp - dsum[..., rows, None])
-            dk[..., cols, :] += xp.matmul(xp.swapaxes(ds, -1, -2), q4[..., rows, :]) * scale
+            dk[..., cols, :] += xp.matmul(xp.swapaxes(ds, -1, -2), qi) * scale
             dq[..., rows, :] += xp.matmul(ds, kj) * scale
-            if dbias is not None:
-                dbias[..., rows, cols] = ds
-    grads = ((dq[0] if squeeze else dq), _fold_groups(dk, group, squeeze), _fold_groups(dv, group, squeeze))
-    if bias is not None:
-        return grads + (_reduce_to(dbias[0] if squeeze else dbias, xp.asarray(bias).shape),)
-    return grads
+            if bias is not None:
+                g = ds.sum(axis=sum_axes, keepdims=True) if sum_axes else ds
+                if bias_nd.shape[-2] == 1:
+                    g = g.sum(axis=-2, keepdims=True)
+                if bias_nd.shape[-1] == 1:
+                    g = g.sum(axis=-1, keepdims=True)
+                dbias[..., rows if bias_nd.shape[-2] != 1 else slice(None),
+                      cols if bias_nd.shape[-1] != 1 else slice(None)] += g
+    return _grads(dq, dk, dv, None if bias is None else dbias.reshape(bias.shape), group, squeeze)

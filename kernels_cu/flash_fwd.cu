@@ -13,6 +13,7 @@
 // ldmatrix fall in different banks.
 #include "common.cuh"
 #include "mma.cuh"
+#include "warp_gemm.cuh"
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
@@ -22,7 +23,6 @@ struct FwdMmaTraits {
     static constexpr int BM = 16 * WARPS;          // query rows per CTA
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int PITCH = HEAD + 8;         // shared row pitch in elements
-    static constexpr int D_STEPS = HEAD / 16;      // k-steps of S = Q K^T
     static constexpr int S_TILES = BN / 8;         // n8 tiles of one warp's S
     static constexpr int O_TILES = HEAD / 8;       // n8 tiles of one warp's O
     static constexpr int Q_ELEMS = BM * PITCH;
@@ -30,46 +30,6 @@ struct FwdMmaTraits {
     static constexpr int SMEM_ELEMS = Q_ELEMS + 4 * KV_ELEMS;   // Q, 2 stages of K and V
     static_assert(HEAD % 16 == 0 && BN % 16 == 0, "tiles are multiples of the mma shape");
 };
-
-// S = Q K^T for this warp's 16 rows: A from the Q tile, B from the K tile, both via ldmatrix.
-template <typename T, typename Tr>
-__device__ __forceinline__ void warp_scores(float (&s)[Tr::S_TILES][4], const T* q_s, const T* k_s, int lane) {
-#pragma unroll
-    for (int n = 0; n < Tr::S_TILES; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < Tr::D_STEPS; ++kk) {
-        unsigned a[4];
-        ldmatrix_x4(a, q_s + (lane % 16) * Tr::PITCH + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-        for (int np = 0; np < Tr::S_TILES / 2; ++np) {
-            unsigned b[4];
-            ldmatrix_x4(b, k_s + (np * 16 + (lane / 16) * 8 + lane % 8) * Tr::PITCH + kk * 16 + ((lane / 8) % 2) * 8);
-            mma_16816<T>(s[2 * np], a, b[0], b[1]);
-            mma_16816<T>(s[2 * np + 1], a, b[2], b[3]);
-        }
-    }
-}
-
-// O += P V: the fp32 P accumulator is re-packed as 16-bit A fragments in registers
-// (two adjacent n8 score tiles form one k16 A tile); V is read transposed.
-template <typename T, typename Tr>
-__device__ __forceinline__ void warp_accumulate_pv(float (&acc_o)[Tr::O_TILES][4], const float (&p)[Tr::S_TILES][4],
-                                                   const T* v_s, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < Tr::S_TILES / 2; ++kk) {
-        const unsigned a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                               pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-#pragma unroll
-        for (int dp = 0; dp < Tr::O_TILES / 2; ++dp) {
-            unsigned b[4];
-            ldmatrix_x4_trans(b, v_s + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * Tr::PITCH + dp * 16 + (lane / 16) * 8);
-            mma_16816<T>(acc_o[2 * dp], a, b[0], b[1]);
-            mma_16816<T>(acc_o[2 * dp + 1], a, b[2], b[3]);
-        }
-    }
-}
 
 // Online-softmax step for the two rows this lane holds (C-fragment rows lane/4 and lane/4 + 8).
 template <typename Tr>
@@ -118,10 +78,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const int rows_valid = imin(Tr::BM, lq - m0);
 
     float acc_o[Tr::O_TILES][4];
-#pragma unroll
-    for (int t = 0; t < Tr::O_TILES; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_o[t][i] = 0.0f;
+    zero_frags(acc_o);
     float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
     float row_sum[2] = {0.0f, 0.0f};
 
@@ -145,12 +102,13 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         }
         __syncthreads();
 
-        float s[Tr::S_TILES][4];
-        warp_scores<T, Tr>(s, q_s + warp * 16 * Tr::PITCH, k_s + stage * Tr::KV_ELEMS, lane);
+        float s[Tr::S_TILES][4];   // S = Q K^T for this warp's 16 rows
+        zero_frags(s);
+        warp_gemm_nt<T, BN, HEAD, Tr::PITCH, Tr::PITCH>(s, q_s + warp * 16 * Tr::PITCH, k_s + stage * Tr::KV_ELEMS, lane);
         const bool needs_mask = mask.tile_needs_mask(warp_row0, j * BN, BN);
         scale_mask_mma_tile<Tr::S_TILES, CAUSAL>(s, scale_log2, mask, needs_mask, warp_row0, j * BN, lane);
         warp_softmax_update<Tr>(s, acc_o, row_max, row_sum);
-        warp_accumulate_pv<T, Tr>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);
+        warp_gemm_rn<T, HEAD, BN, Tr::PITCH>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
     }
 

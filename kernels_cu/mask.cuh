@@ -40,7 +40,7 @@ __device__ __forceinline__ void scale_mask_mma_tile(float (&s)[N_TILES][4], floa
     for (int n = 0; n < N_TILES; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int row = row0 + lane / 4 + 8 * (i / 2);
+            const int row = row0 + lane / 4 + 8 * (i / 2);         // C-fragment layout (mma.cuh)
             const int col = col0 + n * 8 + 2 * (lane % 4) + (i % 2);
             s[n][i] = (!needs_mask || mask.allowed(row, col)) ? s[n][i] * scale_log2 : neg_inf<float>();
         }

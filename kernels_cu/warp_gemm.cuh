@@ -1,0 +1,103 @@
+// warp_gemm.cuh -- warp-level tensor-core GEMMs on 16-row strips (fp16/bf16 in, fp32 out).
+//
+// Each call accumulates a 16 x N fp32 result held as N/8 C fragments (mma.cuh's
+// layout) by one warp. Operands come from shared memory (row-major tiles with a
+// row pitch in elements; pitches are padded so ldmatrix rows hit distinct banks)
+// or, for the A operand, from fp32 C fragments already in registers.
+//   warp_gemm_nt: acc += A B^T   A: 16 x K rows in smem, B: N x K rows in smem  (S = Q K^T)
+//   warp_gemm_rn: acc += P B     P: 16 x K in registers, B: K x N rows in smem  (O += P V)
+//   warp_gemm_nn: acc += A B     A: 16 x K rows in smem, B: K x N rows in smem  (dQ += dS K)
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+
+template <int N>
+__device__ __forceinline__ void zero_frags(float (&acc)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+}
+
+// A fragment (16 x 16 at column k0) of a row-major smem strip.
+template <typename T, int PA>
+__device__ __forceinline__ void load_a_frag(unsigned (&a)[4], const T* strip, int k0, int lane) {
+    ldmatrix_x4(a, strip + (lane % 16) * PA + k0 + (lane / 16) * 8);
+}
+
+// The two B fragments of columns n0..n0+15 at depth k0..k0+15 for B^T stored as rows [n][k].
+template <typename T, int PB>
+__device__ __forceinline__ void load_bt_frags(unsigned (&b)[4], const T* rows, int n0, int k0, int lane) {
+    ldmatrix_x4(b, rows + (n0 + (lane / 16) * 8 + lane % 8) * PB + k0 + ((lane / 8) % 2) * 8);
+}
+
+// The same for B stored as rows [k][n] (read transposed).
+template <typename T, int PB>
+__device__ __forceinline__ void load_b_frags(unsigned (&b)[4], const T* rows, int n0, int k0, int lane) {
+    ldmatrix_x4_trans(b, rows + (k0 + ((lane / 8) % 2) * 8 + lane % 8) * PB + n0 + (lane / 16) * 8);
+}
+
+template <typename T, int N, int K, int PA, int PB>
+__device__ __forceinline__ void warp_gemm_nt(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned af[4];
+        load_a_frag<T, PA>(af, a, k0, lane);
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += 16) {
+            unsigned bf[4];
+            load_bt_frags<T, PB>(bf, b, n0, k0, lane);
+            mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
+            mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// Two adjacent n8 C fragments of P (fp32) form one k16 A fragment (16-bit), no shared memory.
+template <typename T, int K>
+__device__ __forceinline__ void pack_a_frag(unsigned (&a)[4], const float (&p)[K / 8][4], int k0) {
+    const int t = k0 / 8;
+    a[0] = pack2<T>(p[t][0], p[t][1]);
+    a[1] = pack2<T>(p[t][2], p[t][3]);
+    a[2] = pack2<T>(p[t + 1][0], p[t + 1][1]);
+    a[3] = pack2<T>(p[t + 1][2], p[t + 1][3]);
+}
+
+template <typename T, int N, int K, int PB>
+__device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const T* b, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned af[4];
+        pack_a_frag<T, K>(af, p, k0);
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += 16) {
+            unsigned bf[4];
+            load_b_frags<T, PB>(bf, b, n0, k0, lane);
+            mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
+            mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+template <typename T, int N, int K, int PA, int PB>
+__device__ __forceinline__ void warp_gemm_nn(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned af[4];
+        load_a_frag<T, PA>(af, a, k0, lane);
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += 16) {
+            unsigned bf[4];
+            load_b_frags<T, PB>(bf, b, n0, k0, lane);
+            mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
+            mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// Row and column (within the 16 x 8n strip) of C-fragment element i of tile n.
+__device__ __forceinline__ int frag_row(int lane, int i) { return lane / 4 + 8 * (i / 2); }
+__device__ __forceinline__ int frag_col(int lane, int n, int i) { return n * 8 + 2 * (lane % 4) + (i % 2); }
