@@ -150,6 +150,11 @@ def _tile(x, ndim: int, rows: slice, cols: slice):
     return x[..., rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None)]
 
 
+def _causal_tile(rows: slice, cols: slice, offset: int, xp):
+    """The causal allowed-matrix of one (rows, cols) tile: key j for query i iff j <= i + offset."""
+    return xp.arange(cols.start, cols.stop)[None, :] <= xp.arange(rows.start, rows.stop)[:, None] + offset
+
+
 def _check_blocks(block_m: int, block_n: int) -> Tuple[int, int]:
     for b, name in ((block_m, "block_m"), (block_n, "block_n")):
         if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b < 1:
@@ -227,7 +232,8 @@ def round_to_dtype(x: Array, dtype) -> Array:
     Returns
     -------
     float64 array, same shape. bfloat16 rounds to nearest even (ml_dtypes on
-    NumPy, an equivalent bit manipulation on CuPy).
+    NumPy, an equivalent bit manipulation on CuPy). On CuPy, float32 subnormals
+    (below 1.2e-38) may be flushed to zero by the device's float32 casts.
     """
     xp = _array_module(x)
     return _round(xp.asarray(x), _dtype_name(dtype), xp).astype(np.float64)
@@ -370,7 +376,7 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
                 s = s + _tile(bias, s.ndim, rows, cols)
             allowed = None
             if offset is not None:
-                allowed = xp.arange(cols.start, cols.stop)[None, :] <= xp.arange(rows.start, rows.stop)[:, None] + offset
+                allowed = _causal_tile(rows, cols, offset, xp)
             if mask is not None:
                 mt = _tile(mask, s.ndim, rows, cols)
                 allowed = mt if allowed is None else (allowed & mt)
@@ -518,7 +524,7 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
                 s = s + _tile(bias_nd, s.ndim, rows, cols)
             ok = live[..., rows, None]
             if offset is not None:
-                ok = ok & (xp.arange(cols.start, cols.stop)[None, :] <= xp.arange(rows.start, rows.stop)[:, None] + offset)
+                ok = ok & _causal_tile(rows, cols, offset, xp)
             if mask is not None:
                 ok = ok & _tile(mask, s.ndim, rows, cols)
             ok = ok & xp.ones(s.shape, dtype=bool)
