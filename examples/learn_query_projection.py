@@ -17,11 +17,16 @@ v = rng.standard_normal((n, d), dtype=cp.float32)
 target = cuflash.attention(x @ rng.standard_normal((d, d), dtype=cp.float32), k, v, causal=True)
 
 w = cp.zeros((d, d), dtype=cp.float32)
+losses = []
 for step in range(201):
     out, vjp_fn = cuflash.vjp(x @ w, k, v, causal=True)
     residual = out - target
     loss = 0.5 * float((residual ** 2).sum())
+    losses.append(loss)
     dq, dk, dv = vjp_fn(residual)          # d loss / d (q, k, v)
-    w -= 0.01 * (x.T @ dq)                 # q = x w  =>  d loss / d w = x^T dq
+    w -= 0.005 * (x.T @ dq)                # q = x w  =>  d loss / d w = x^T dq
     if step % 50 == 0:
         print(f"step {step:3d}  loss {loss:.4f}")
+
+assert losses[-1] < losses[0] / 10, "the loss did not decrease"
+print(f"loss {losses[0]:.1f} -> {losses[-1]:.1f}")

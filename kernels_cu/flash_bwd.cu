@@ -77,44 +77,39 @@ __device__ __forceinline__ void load_query_block(const BwdSmem<T, Tr>& sm, const
     }
 }
 
+// acc = A B^T over `depth` columns for this thread's score entries: A rows
+// ty*TM + i, B rows tx + 16 j (both tiles row-major with the input pitch).
+template <typename T, typename Tr>
+__device__ __forceinline__ void tile_abt(typename Tr::A (&acc)[Tr::TM][Tr::TN], const T* a_s, const T* b_s, int depth) {
+    typedef typename Tr::A A;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+    for (int i = 0; i < Tr::TM; ++i)
+#pragma unroll
+        for (int j = 0; j < Tr::TN; ++j) acc[i][j] = A(0);
+#pragma unroll 2
+    for (int c = 0; c < depth; ++c) {
+        A a[Tr::TM], b[Tr::TN];
+#pragma unroll
+        for (int i = 0; i < Tr::TM; ++i) a[i] = load_acc(a_s[(ty * Tr::TM + i) * Tr::PITCH + c], A(0));
+#pragma unroll
+        for (int j = 0; j < Tr::TN; ++j) b[j] = load_acc(b_s[(tx + 16 * j) * Tr::PITCH + c], A(0));
+#pragma unroll
+        for (int i = 0; i < Tr::TM; ++i)
+#pragma unroll
+            for (int j = 0; j < Tr::TN; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+    }
+}
+
 // P and dS of one (query block, key block) tile, written to shared memory.
-// Also leaves them in the caller's registers (p, ds) for this thread's entries.
 template <typename T, typename Tr, bool CAUSAL>
 __device__ __forceinline__ void tile_p_ds(const BwdSmem<T, Tr>& sm, const ScoreMask<CAUSAL>& mask,
                                           int m0, int n0, int d, int dv, typename Tr::A scale_log2) {
     typedef typename Tr::A A;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     A s[Tr::TM][Tr::TN], dp[Tr::TM][Tr::TN];
-#pragma unroll
-    for (int i = 0; i < Tr::TM; ++i)
-#pragma unroll
-        for (int j = 0; j < Tr::TN; ++j) { s[i][j] = A(0); dp[i][j] = A(0); }
-    // S = Q K^T
-#pragma unroll 2
-    for (int c = 0; c < d; ++c) {
-        A a[Tr::TM], b[Tr::TN];
-#pragma unroll
-        for (int i = 0; i < Tr::TM; ++i) a[i] = load_acc(sm.q[(ty * Tr::TM + i) * Tr::PITCH + c], A(0));
-#pragma unroll
-        for (int j = 0; j < Tr::TN; ++j) b[j] = load_acc(sm.k[(tx + 16 * j) * Tr::PITCH + c], A(0));
-#pragma unroll
-        for (int i = 0; i < Tr::TM; ++i)
-#pragma unroll
-            for (int j = 0; j < Tr::TN; ++j) s[i][j] = fma(a[i], b[j], s[i][j]);
-    }
-    // dP = dO V^T
-#pragma unroll 2
-    for (int c = 0; c < dv; ++c) {
-        A a[Tr::TM], b[Tr::TN];
-#pragma unroll
-        for (int i = 0; i < Tr::TM; ++i) a[i] = load_acc(sm.dout[(ty * Tr::TM + i) * Tr::PITCH + c], A(0));
-#pragma unroll
-        for (int j = 0; j < Tr::TN; ++j) b[j] = load_acc(sm.v[(tx + 16 * j) * Tr::PITCH + c], A(0));
-#pragma unroll
-        for (int i = 0; i < Tr::TM; ++i)
-#pragma unroll
-            for (int j = 0; j < Tr::TN; ++j) dp[i][j] = fma(a[i], b[j], dp[i][j]);
-    }
+    tile_abt<T, Tr>(s, sm.q, sm.k, d);        // S = Q K^T
+    tile_abt<T, Tr>(dp, sm.dout, sm.v, dv);   // dP = dO V^T
     // P = 2^(s log2e scale - lse log2e); dS = P (dP - Dsum)
 #pragma unroll
     for (int i = 0; i < Tr::TM; ++i) {

@@ -37,8 +37,10 @@ __device__ __forceinline__ void load_b_frags(unsigned (&b)[4], const T* rows, in
     ldmatrix_x4_trans(b, rows + (k0 + ((lane / 8) % 2) * 8 + lane % 8) * PB + n0 + (lane / 16) * 8);
 }
 
-template <typename T, int N, int K, int PA, int PB>
-__device__ __forceinline__ void warp_gemm_nt(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+// Both operands from shared memory. B_KN: B is stored as rows [k][n] (read
+// transposed by ldmatrix.trans); otherwise as rows [n][k] (B^T row-major).
+template <typename T, int N, int K, int PA, int PB, bool B_KN>
+__device__ __forceinline__ void warp_gemm_smem(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
     static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
@@ -47,11 +49,22 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[N / 8][4], const T* a,
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
             unsigned bf[4];
-            load_bt_frags<T, PB>(bf, b, n0, k0, lane);
+            if (B_KN) load_b_frags<T, PB>(bf, b, n0, k0, lane);
+            else load_bt_frags<T, PB>(bf, b, n0, k0, lane);
             mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
             mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
         }
     }
+}
+
+template <typename T, int N, int K, int PA, int PB>
+__device__ __forceinline__ void warp_gemm_nt(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+    warp_gemm_smem<T, N, K, PA, PB, false>(acc, a, b, lane);
+}
+
+template <typename T, int N, int K, int PA, int PB>
+__device__ __forceinline__ void warp_gemm_nn(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+    warp_gemm_smem<T, N, K, PA, PB, true>(acc, a, b, lane);
 }
 
 // Two adjacent n8 C fragments of P (fp32) form one k16 A fragment (16-bit), no shared memory.
@@ -71,23 +84,6 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float
     for (int k0 = 0; k0 < K; k0 += 16) {
         unsigned af[4];
         pack_a_frag<T, K>(af, p, k0);
-#pragma unroll
-        for (int n0 = 0; n0 < N; n0 += 16) {
-            unsigned bf[4];
-            load_b_frags<T, PB>(bf, b, n0, k0, lane);
-            mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
-            mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
-        }
-    }
-}
-
-template <typename T, int N, int K, int PA, int PB>
-__device__ __forceinline__ void warp_gemm_nn(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
-#pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        unsigned af[4];
-        load_a_frag<T, PA>(af, a, k0, lane);
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
             unsigned bf[4];
