@@ -140,6 +140,9 @@ _BWD = {
 # passes (their fp32 accumulators alone are 128 registers a thread), and the
 # deterministic dQ kernel steps over 32 keys (64 spilled). Zero spills, sm_80/sm_90.
 MMA_BWD_MAX_HEAD = 128
+# Q/dO buffers of the dK/dV kernel: 2 prefetches the next query block during the
+# current one's math (needs (2*64 + 4*64) * (d+8) * 2 bytes of shared memory).
+_MMA_BWD_STAGES = {32: 2, 64: 2, 128: 2}
 
 
 def _bwd_uses_mma(dtype: str, head: int) -> bool:
@@ -199,6 +202,10 @@ class BwdMmaVariant:
     block_m = 64
 
     @property
+    def stages(self) -> int:
+        return _MMA_BWD_STAGES[self.head] if self.kind == "dkdv" else 1
+
+    @property
     def block_n(self) -> int:
         return 32 if (self.kind == "dq" and self.head > 64) else 64
 
@@ -206,14 +213,14 @@ class BwdMmaVariant:
     def name(self) -> str:
         t, vec = _CXX_TYPE[self.dtype], str(self.vec).lower()
         if self.kind == "dkdv":
-            return (f"flash_bwd_dkdv_mma<{t}, {self.head}, {self.block_m}, {self.pass_}, "
+            return (f"flash_bwd_dkdv_mma<{t}, {self.head}, {self.block_m}, {self.pass_}, {self.stages}, "
                     f"{str(self.atomic_dq).lower()}, {vec}>")
         return f"flash_bwd_dq_mma<{t}, {self.head}, {self.block_n}, {vec}>"
 
     @property
     def smem_bytes(self) -> int:
         bm, bn, pitch = self.block_m, self.block_n, self.head + 8
-        return (2 * bn + 2 * bm) * pitch * 2 + bm * (bn + 8) * 2 + 2 * bm * 4
+        return (2 * bn + 2 * self.stages * bm) * pitch * 2 + bm * (bn + 8) * 2 + 2 * bm * 4
 
 
 def _mma_passes(head: int, atomic_dq: bool) -> list:

@@ -33,7 +33,6 @@ struct BwdMmaTraits {
     static constexpr int BN = BN_;                 // keys per CTA (dkdv) / per step (dq)
     static constexpr int PITCH = HEAD + 8;         // padded rows: conflict-free ldmatrix
     static constexpr int DS_PITCH = BN + 8;
-    static constexpr int TILE_ELEMS = (2 * BN + 2 * BM) * PITCH;   // K, V, Q, dO
     static constexpr int DS_ELEMS = BM * DS_PITCH;
     // dQ = dS K in the dkdv kernel: BM/16 row strips x Q_SPLIT column chunks, one per warp.
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
@@ -62,7 +61,7 @@ __device__ __forceinline__ void load_row_stats(float* lse_s, float* dsum_s, cons
 // PASS: 0 computes dK and dV together; at head dim 128 their accumulators alone
 // fill 128 registers a thread, so the launch splits them: PASS 1 = dV only,
 // PASS 2 = dK (and dQ) only, each recomputing S^T (one extra GEMM, no spills).
-template <typename T, int HEAD, int BM, int PASS, bool ATOMIC_DQ, bool VEC>
+template <typename T, int HEAD, int BM, int PASS, int STAGES, bool ATOMIC_DQ, bool VEC>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -74,12 +73,13 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     constexpr int BN = Tr::BN, P = Tr::PITCH;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
+    static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
     T* v_s = k_s + BN * P;
-    T* q_s = v_s + BN * P;
-    T* do_s = q_s + BM * P;
-    T* ds_s = do_s + BM * P;                                  // dS as [query][key]
+    T* q_stages = v_s + BN * P;                               // STAGES x [BM][P]
+    T* do_stages = q_stages + STAGES * BM * P;                // STAGES x [BM][P]
+    T* ds_s = do_stages + STAGES * BM * P;                    // dS as [query][key]
     float* lse_s = reinterpret_cast<float*>(ds_s + Tr::DS_ELEMS);
     float* dsum_s = lse_s + BM;
 
@@ -98,62 +98,79 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     zero_frags(acc_dk);
     zero_frags(acc_dv);
     const int key0 = warp * 16;                                // this warp's keys within the block
-    const int first_row = imax(0, n0 - causal_offset);
-    for (int hh = 0; hh < group; ++hh) {
-        const int head = kv_head * group + hh;
-        const int64 row_base = (int64(batch) * hq + head) * lq;
+    // Steps walk (query head of the group, query block) pairs; causal skips the
+    // query blocks that end before this key block's first key is visible.
+    const int m_first = (imax(0, n0 - causal_offset) / BM) * BM;
+    const int m_blocks = m_first < lq ? ceil_div(lq - m_first, BM) : 0;
+    const int n_steps = group * m_blocks;
+    auto issue_query_block = [&](int step, int stage) {
+        const int head = kv_head * group + step / m_blocks, m0 = m_first + (step % m_blocks) * BM;
+        const int rows_valid = imin(BM, lq - m0);
+        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, q + batch * q_sb + head * q_sh + m0 * q_sr,
+                                                    q_sr, rows_valid, d);
+        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(do_stages + stage * BM * P,
+                                                    dout + batch * do_sb + head * do_sh + m0 * do_sr, do_sr, rows_valid, dv);
+        cp_async_commit();
+    };
+    if (n_steps > 0) issue_query_block(0, 0);
 #pragma unroll 1
-        for (int m0 = (first_row / BM) * BM; m0 < lq; m0 += BM) {
-            const int rows_valid = imin(BM, lq - m0);
-            __syncthreads();   // the previous query block's tiles are no longer read
-            load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, q + batch * q_sb + head * q_sh + m0 * q_sr, q_sr, rows_valid, d);
-            load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(do_s, dout + batch * do_sb + head * do_sh + m0 * do_sr, do_sr, rows_valid, dv);
-            cp_async_commit();
-            load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, lse + row_base + m0, dsum + row_base + m0, rows_valid);
+    for (int step = 0; step < n_steps; ++step) {
+        const int stage = STAGES == 2 ? (step & 1) : 0;
+        const int head = kv_head * group + step / m_blocks, m0 = m_first + (step % m_blocks) * BM;
+        const int rows_valid = imin(BM, lq - m0);
+        const int64 row_base = (int64(batch) * hq + head) * lq;
+        if (step > 0 && STAGES == 1) issue_query_block(step, 0);
+        if (STAGES == 2 && step + 1 < n_steps) {   // prefetch the next block while this one computes
+            issue_query_block(step + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
             cp_async_wait<0>();
+        }
+        load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, lse + row_base + m0, dsum + row_base + m0, rows_valid);
+        __syncthreads();
+        const T* q_s = q_stages + stage * BM * P;
+        const T* do_s = do_stages + stage * BM * P;
+        float st[BM / 8][4], dpt[BM / 8][4];               // S^T, dP^T: 16 keys x BM queries
+        zero_frags(st);
+        zero_frags(dpt);
+        warp_gemm_nt<T, BM, HEAD, P, P>(st, k_s + key0 * P, q_s, lane);
+        if (DO_DK) warp_gemm_nt<T, BM, HEAD, P, P>(dpt, v_s + key0 * P, do_s, lane);
+        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || n0 + BN > lk;
+#pragma unroll
+        for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int key = key0 + frag_row(lane, i), row = frag_col(lane, n, i);
+                const bool ok = !needs_mask || mask.allowed(m0 + row, n0 + key);
+                p_and_ds(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], ok, scale_log2);
+                if (ATOMIC_DQ) ds_s[row * Tr::DS_PITCH + key] = from_acc<T>(dpt[n][i]);
+            }
+        if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
+        if (DO_DK) warp_gemm_rn<T, HEAD, BM, P>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
+        if (ATOMIC_DQ) {                                         // dQ += scale * dS K
             __syncthreads();
-
-            float st[BM / 8][4], dpt[BM / 8][4];               // S^T, dP^T: 16 keys x BM queries
-            zero_frags(st);
-            zero_frags(dpt);
-            warp_gemm_nt<T, BM, HEAD, P, P>(st, k_s + key0 * P, q_s, lane);
-            if (DO_DK) warp_gemm_nt<T, BM, HEAD, P, P>(dpt, v_s + key0 * P, do_s, lane);
-            const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || n0 + BN > lk;
+            const int strip = warp / Tr::Q_SPLIT;
+            const int row_a = strip * 16 + lane / 4, row_b = row_a + 8;   // this lane's C-fragment rows
+            float* dq_a = dq_acc + (row_base + m0 + row_a) * d;
+            float* dq_b = dq_a + 8 * d;
+            // 32 columns at a time keeps the partial product at 16 registers.
 #pragma unroll
-            for (int n = 0; n < BM / 8; ++n)
+            for (int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS; col0 < (warp % Tr::Q_SPLIT + 1) * Tr::DQ_COLS; col0 += 32) {
+                float part[4][4];
+                zero_frags(part);
+                warp_gemm_nn<T, 32, BN, Tr::DS_PITCH, P>(part, ds_s + strip * 16 * Tr::DS_PITCH, k_s + col0, lane);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int key = key0 + frag_row(lane, i), row = frag_col(lane, n, i);
-                    const bool ok = !needs_mask || mask.allowed(m0 + row, n0 + key);
-                    p_and_ds(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], ok, scale_log2);
-                    if (ATOMIC_DQ) ds_s[row * Tr::DS_PITCH + key] = from_acc<T>(dpt[n][i]);
-                }
-            if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
-            if (DO_DK) warp_gemm_rn<T, HEAD, BM, P>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
-            if (ATOMIC_DQ) {                                         // dQ += scale * dS K
-                __syncthreads();
-                const int strip = warp / Tr::Q_SPLIT;
-                const int row_a = strip * 16 + lane / 4, row_b = row_a + 8;   // this lane's C-fragment rows
-                float* dq_a = dq_acc + (row_base + m0 + row_a) * d;
-                float* dq_b = dq_a + 8 * d;
-                // 32 columns at a time keeps the partial product at 16 registers.
+                for (int n = 0; n < 4; ++n)
 #pragma unroll
-                for (int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS; col0 < (warp % Tr::Q_SPLIT + 1) * Tr::DQ_COLS; col0 += 32) {
-                    float part[4][4];
-                    zero_frags(part);
-                    warp_gemm_nn<T, 32, BN, Tr::DS_PITCH, P>(part, ds_s + strip * 16 * Tr::DS_PITCH, k_s + col0, lane);
-#pragma unroll
-                    for (int n = 0; n < 4; ++n)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int col = col0 + frag_col(lane, n, i);
-                            if (col >= d) continue;
-                            if (i < 2 && row_a < rows_valid) atomicAdd(dq_a + col, part[n][i] * scale);
-                            if (i >= 2 && row_b < rows_valid) atomicAdd(dq_b + col, part[n][i] * scale);
-                        }
-                }
+                    for (int i = 0; i < 4; ++i) {
+                        const int col = col0 + frag_col(lane, n, i);
+                        if (col >= d) continue;
+                        if (i < 2 && row_a < rows_valid) atomicAdd(dq_a + col, part[n][i] * scale);
+                        if (i >= 2 && row_b < rows_valid) atomicAdd(dq_b + col, part[n][i] * scale);
+                    }
             }
         }
+        __syncthreads();   // this stage, the row stats and dS are read; the next step may overwrite them
     }
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
@@ -184,7 +201,7 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     T* v_s = k_s + BN * P;
     T* q_s = v_s + BN * P;
     T* do_s = q_s + BM * P;
-    float* lse_s = reinterpret_cast<float*>(do_s + BM * P + Tr::DS_ELEMS);
+    float* lse_s = reinterpret_cast<float*>(do_s + BM * P + Tr::DS_ELEMS);   // the dkdv layout, one stage
     float* dsum_s = lse_s + BM;
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

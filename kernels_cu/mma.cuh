@@ -10,15 +10,17 @@
 #include "common.cuh"
 
 // Four 8x8 matrices of 16-bit values; lanes 8i..8i+7 give the row addresses of matrix i.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_ptr) {
+// Addresses are 32-bit shared-window addresses (smem_addr), so callers can form
+// them with 32-bit adds from one base.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned row_addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(row_addr));
 }
 
 // The same, each matrix transposed on the way (V is stored key-major but is the B operand).
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row_ptr) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned row_addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(row_addr));
 }
 
 // C += A B on one 16x8 tile.

@@ -19,22 +19,37 @@ __device__ __forceinline__ void zero_frags(float (&acc)[N][4]) {
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
 }
 
-// A fragment (16 x 16 at column k0) of a row-major smem strip.
+// Fragment loads. Each takes the lane's 32-bit shared address of its first row
+// (from the *_lane_addr helpers, computed once per GEMM) and adds the tile
+// offset, a compile-time constant in the unrolled loops.
+//   A (16 x 16 at column k0) of a row-major strip.
 template <typename T, int PA>
-__device__ __forceinline__ void load_a_frag(unsigned (&a)[4], const T* strip, int k0, int lane) {
-    ldmatrix_x4(a, strip + (lane % 16) * PA + k0 + (lane / 16) * 8);
+__device__ __forceinline__ unsigned a_lane_addr(const T* strip, int lane) {
+    return smem_addr(strip + (lane % 16) * PA + (lane / 16) * 8);
+}
+template <typename T, int PA>
+__device__ __forceinline__ void load_a_frag(unsigned (&a)[4], unsigned lane_addr, int k0) {
+    ldmatrix_x4(a, lane_addr + k0 * sizeof(T));
 }
 
-// The two B fragments of columns n0..n0+15 at depth k0..k0+15 for B^T stored as rows [n][k].
+//   The two B fragments of columns n0..n0+15, depth k0..k0+15, for B^T stored as rows [n][k].
 template <typename T, int PB>
-__device__ __forceinline__ void load_bt_frags(unsigned (&b)[4], const T* rows, int n0, int k0, int lane) {
-    ldmatrix_x4(b, rows + (n0 + (lane / 16) * 8 + lane % 8) * PB + k0 + ((lane / 8) % 2) * 8);
+__device__ __forceinline__ unsigned bt_lane_addr(const T* rows, int lane) {
+    return smem_addr(rows + ((lane / 16) * 8 + lane % 8) * PB + ((lane / 8) % 2) * 8);
+}
+template <typename T, int PB>
+__device__ __forceinline__ void load_bt_frags(unsigned (&b)[4], unsigned lane_addr, int n0, int k0) {
+    ldmatrix_x4(b, lane_addr + (n0 * PB + k0) * sizeof(T));
 }
 
-// The same for B stored as rows [k][n] (read transposed).
+//   The same for B stored as rows [k][n] (read transposed).
 template <typename T, int PB>
-__device__ __forceinline__ void load_b_frags(unsigned (&b)[4], const T* rows, int n0, int k0, int lane) {
-    ldmatrix_x4_trans(b, rows + (k0 + ((lane / 8) % 2) * 8 + lane % 8) * PB + n0 + (lane / 16) * 8);
+__device__ __forceinline__ unsigned b_lane_addr(const T* rows, int lane) {
+    return smem_addr(rows + (((lane / 8) % 2) * 8 + lane % 8) * PB + (lane / 16) * 8);
+}
+template <typename T, int PB>
+__device__ __forceinline__ void load_b_frags(unsigned (&b)[4], unsigned lane_addr, int n0, int k0) {
+    ldmatrix_x4_trans(b, lane_addr + (k0 * PB + n0) * sizeof(T));
 }
 
 // Both operands from shared memory. B_KN: B is stored as rows [k][n] (read
@@ -42,15 +57,17 @@ __device__ __forceinline__ void load_b_frags(unsigned (&b)[4], const T* rows, in
 template <typename T, int N, int K, int PA, int PB, bool B_KN>
 __device__ __forceinline__ void warp_gemm_smem(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
     static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
+    const unsigned a_addr = a_lane_addr<T, PA>(a, lane);
+    const unsigned b_addr = B_KN ? b_lane_addr<T, PB>(b, lane) : bt_lane_addr<T, PB>(b, lane);
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
         unsigned af[4];
-        load_a_frag<T, PA>(af, a, k0, lane);
+        load_a_frag<T, PA>(af, a_addr, k0);
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
             unsigned bf[4];
-            if (B_KN) load_b_frags<T, PB>(bf, b, n0, k0, lane);
-            else load_bt_frags<T, PB>(bf, b, n0, k0, lane);
+            if (B_KN) load_b_frags<T, PB>(bf, b_addr, n0, k0);
+            else load_bt_frags<T, PB>(bf, b_addr, n0, k0);
             mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
             mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
         }
@@ -80,6 +97,7 @@ __device__ __forceinline__ void pack_a_frag(unsigned (&a)[4], const float (&p)[K
 template <typename T, int N, int K, int PB>
 __device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const T* b, int lane) {
     static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
+    const unsigned b_addr = b_lane_addr<T, PB>(b, lane);
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
         unsigned af[4];
@@ -87,7 +105,7 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
             unsigned bf[4];
-            load_b_frags<T, PB>(bf, b, n0, k0, lane);
+            load_b_frags<T, PB>(bf, b_addr, n0, k0);
             mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
             mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
         }
