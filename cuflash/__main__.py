@@ -60,6 +60,9 @@ def cmd_info(args) -> int:
         import cupy
         from cupy_backends.cuda.libs import nvrtc
 
+        from ._build import preload_nvrtc_wheel
+
+        preload_nvrtc_wheel()
         print(f"cupy         {cupy.__version__}")
         try:
             print("nvrtc        %d.%d" % nvrtc.getVersion())

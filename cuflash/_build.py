@@ -78,8 +78,36 @@ def load_source(entry: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def preload_nvrtc_wheel() -> str | None:
+    """Load NVRTC from the NVIDIA pip wheels (nvidia-cuda-nvrtc*), if installed.
+
+    CuPy 14 finds these wheels itself; CuPy 13 only searches the system's CUDA
+    toolkit. Loading the wheel's library globally first lets either find it by
+    its soname. Returns the path loaded, or None (then CuPy's own search runs).
+    """
+    import ctypes
+    import glob
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    for base in sys.path:
+        for sub in ("nvidia/cuda_nvrtc/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"):
+            libs = sorted(glob.glob(f"{base}/{sub}/libnvrtc.so.*"))
+            if not libs:
+                continue
+            for builtins in sorted(glob.glob(f"{base}/{sub}/libnvrtc-builtins.so.*")):
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(libs[0], mode=ctypes.RTLD_GLOBAL)
+            return libs[0]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
 def _module(entry: str, name_expression: str):
     import cupy
+
+    preload_nvrtc_wheel()
 
     try:
         return cupy.RawModule(code=load_source(entry), options=NVRTC_OPTIONS,
@@ -139,6 +167,7 @@ def compile_offline(entry: str, name_expression: str, arch: str = "sm_90") -> Of
     """
     from cupy_backends.cuda.libs import nvrtc
 
+    preload_nvrtc_wheel()
     prog = nvrtc.createProgram(load_source(entry), entry, [], [])
     try:
         nvrtc.addNameExpression(prog, name_expression)

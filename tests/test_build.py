@@ -12,6 +12,9 @@ from cuflash._launch import all_variants
 try:
     from cupy_backends.cuda.libs import nvrtc
 
+    from cuflash._build import preload_nvrtc_wheel
+
+    preload_nvrtc_wheel()
     nvrtc.getVersion()
     _NVRTC_WHY = None
 except Exception as exc:  # pragma: no cover - depends on the install
