@@ -109,21 +109,28 @@ def _measure(fn):
     return float(np.median(res.gpu_times[0]) * 1e3), grown
 
 
+def _rel(x, ref) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
+
+
 def cmd_demo(args) -> int:
-    from . import attention_forward, reference
+    from . import attention_backward, attention_forward, reference
     from ._device import gpu_available
 
     ok, what = gpu_available()
     if not ok:
         print(f"No GPU here ({what}): running the NumPy reference path on a small problem.")
         rng = np.random.default_rng(0)
-        q, k, v = (rng.standard_normal((1, 2, 256, 64)) for _ in range(3))
+        q, k, v, dout = (rng.standard_normal((1, 2, 256, 64)) for _ in range(4))
         t = time.perf_counter()
         out, lse = attention_forward(q, k, v, causal=True)
+        grads = attention_backward(dout, q, k, v, out, lse, causal=True)
         ms = (time.perf_counter() - t) * 1e3
-        ref, _ = reference.attention_naive(q, k, v, causal=True)
-        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-        print(f"numpy  B=1 H=2 L=256 D=64 float64 causal: {ms:.1f} ms, rel. error vs naive {err:.1e}")
+        ref = reference.attention_naive(q, k, v, causal=True)[0]
+        ref_grads = reference.attention_backward_naive(dout, q, k, v, causal=True)
+        err = max([_rel(out, ref)] + [_rel(g, r) for g, r in zip(grads, ref_grads)])
+        print(f"numpy  B=1 H=2 L=256 D=64 float64 causal, forward + backward: {ms:.1f} ms, "
+              f"max rel. error vs naive {err:.1e}")
         return 0 if err < 1e-10 else 1
 
     import cupy
@@ -132,27 +139,36 @@ def cmd_demo(args) -> int:
     dtype = np.float16
     print(f"device {what}; problem B={b} H={h} L={n} D={d} float16 causal")
     rng = cupy.random.default_rng(0)
-    q, k, v = (rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(dtype) for _ in range(3))
+    q, k, v, dout = (rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(dtype) for _ in range(4))
     out, lse = attention_forward(q, k, v, causal=True)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True)
     # Check one (batch, head) slice against the float64 NumPy reference.
     sl = (0, h - 1)
-    ref, ref_lse = reference.attention_naive(*(cupy.asnumpy(x[sl]).astype(np.float64) for x in (q, k, v)),
-                                             causal=True)
-    got = cupy.asnumpy(out[sl]).astype(np.float64)
-    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    host = [cupy.asnumpy(x[sl]).astype(np.float64) for x in (q, k, v, dout)]
+    ref, ref_lse = reference.attention_naive(*host[:3], causal=True)
+    ref_grads = reference.attention_backward_naive(host[3], *host[:3], causal=True)
+    errs = [_rel(cupy.asnumpy(x[sl]), r) for x, r in zip((out, dq, dk, dv), (ref,) + tuple(ref_grads))]
     lse_err = np.abs(cupy.asnumpy(lse[sl]) - ref_lse).max()
-    print(f"check vs float64 reference on head {sl}: rel. error {err:.2e}, max lse error {lse_err:.2e}")
+    print(f"check vs float64 reference on head {sl}: rel. error out {errs[0]:.2e}, dq {errs[1]:.2e}, "
+          f"dk {errs[2]:.2e}, dv {errs[3]:.2e}; max lse error {lse_err:.2e}")
     flops = 4 * b * h * n * n * d / 2
-    rows = [("cuflash", lambda: attention_forward(q, k, v, causal=True))]
-    rows.append(("naive cupy", lambda: _naive_cupy(q, k, v, 1 / np.sqrt(d), True)))
-    print(f"{'':12} {'ms':>8} {'TFLOP/s':>8} {'extra MiB':>10}")
-    for name, fn in rows:
+    scale = 1 / np.sqrt(d)
+
+    def fwd_bwd():
+        o, l_ = attention_forward(q, k, v, causal=True)
+        return attention_backward(dout, q, k, v, o, l_, causal=True)
+
+    rows = [("cuflash forward", flops, lambda: attention_forward(q, k, v, causal=True)),
+            ("naive cupy forward", flops, lambda: _naive_cupy(q, k, v, scale, True)),
+            ("cuflash fwd + bwd", 3.5 * flops, fwd_bwd)]
+    print(f"{'':20} {'ms':>8} {'TFLOP/s':>8} {'extra MiB':>10}")
+    for name, work, fn in rows:
         try:
             ms, mib = _measure(fn)
-            print(f"{name:12} {ms:8.3f} {flops / ms / 1e9:8.1f} {mib:10.1f}")
+            print(f"{name:20} {ms:8.3f} {work / ms / 1e9:8.1f} {mib:10.1f}")
         except cupy.cuda.memory.OutOfMemoryError:
-            print(f"{name:12} out of memory")
-    return 0 if err < 1e-2 else 1
+            print(f"{name:20} out of memory")
+    return 0 if max(errs) < 1e-2 else 1
 
 
 def main(argv=None) -> int:
