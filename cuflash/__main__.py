@@ -10,34 +10,43 @@ import time
 import numpy as np
 
 
-def _progress(items, desc: str):
+def _progress(items, desc: str, total=None):
     try:
         from tqdm import tqdm
 
-        return tqdm(items, desc=desc, file=sys.stderr, leave=False)
+        return tqdm(items, desc=desc, total=total, file=sys.stderr, leave=False)
     except ImportError:
         return items
 
 
 def cmd_compile(args) -> int:
     """Compile every variant for each --arch with NVRTC (no GPU needed); report resources."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ._build import CompileError, compile_offline
-    from ._launch import all_variants
+    from ._variants import all_variants
 
     arches = [a.strip() for a in args.arch.split(",") if a.strip()]
     jobs = [(arch, var) for arch in arches for var in all_variants()]
+
+    def build(job):
+        arch, var = job
+        try:
+            return arch, var, compile_offline(var.entry, var.name, arch), None
+        except CompileError as exc:
+            return arch, var, None, exc
+
     failures = spills = 0
     print(f"{'arch':6} {'regs':>4} {'spill B':>7} {'smem KB':>7}  variant")
-    for arch, var in _progress(jobs, "compiling"):
-        try:
-            build = compile_offline(var.entry, var.name, arch)
-        except CompileError as exc:
-            failures += 1
-            print(f"{arch:6} FAILED  {var.name}\n{exc.log}")
-            continue
-        spills += build.spills > 0
-        print(f"{arch:6} {build.registers:4d} {build.spills:7d} {var.smem_bytes / 1024:7.1f}  {var.name}"
-              + ("   <-- SPILLS" if build.spills else ""))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:   # NVRTC releases the GIL
+        for arch, var, build_, exc in _progress(pool.map(build, jobs), "compiling", total=len(jobs)):
+            if exc is not None:
+                failures += 1
+                print(f"{arch:6} FAILED  {var.name}\n{exc.log}")
+                continue
+            spills += build_.spills > 0
+            print(f"{arch:6} {build_.registers:4d} {build_.spills:7d} {var.smem_bytes / 1024:7.1f}  {var.name}"
+                  + ("   <-- SPILLS" if build_.spills else ""))
     print(f"{len(jobs)} variant builds: {failures} failed, {spills} with spills")
     return 1 if failures or spills else 0
 
@@ -46,7 +55,7 @@ def cmd_info(args) -> int:
     from . import __version__
     from ._build import kernel_dir, source_hash
     from ._device import gpu_available
-    from ._launch import all_variants
+    from ._variants import all_variants
 
     print(f"cuflash      {__version__}  (kernels {kernel_dir()}, source hash {source_hash()})")
     print(f"python       {platform.python_version()}  numpy {np.__version__}")

@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CompileError", "kernel_dir", "load_source", "source_hash", "get_kernel",
-           "compile_offline", "OfflineBuild"]
+__all__ = ["CompileError", "kernel_dir", "inline_includes", "load_source", "source_hash", "get_kernel",
+           "compile_offline", "compile_source_offline", "OfflineBuild"]
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -54,27 +54,33 @@ def kernel_dir() -> Path:
 def source_hash() -> str:
     """SHA-256 (first 16 hex digits) over every file in ``kernels_cu/``."""
     h = hashlib.sha256()
-    for path in sorted(kernel_dir().glob("*.cu*")):
+    for path in sorted(kernel_dir().rglob("*.cu*")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
-def load_source(entry: str) -> str:
-    """The entry file ``entry`` with its local includes inlined (each header once)."""
+def inline_includes(text: str) -> str:
+    """``text`` with every local ``#include "x.cuh"`` replaced by the header (each header once)."""
     root = kernel_dir()
     seen: set[str] = set()
 
-    def expand(name: str) -> str:
+    def expand(body: str) -> str:
+        return _INCLUDE.sub(lambda m: header(m.group(1)), body.replace("#pragma once", ""))
+
+    def header(name: str) -> str:
         if name in seen:
             return ""
         seen.add(name)
-        text = (root / name).read_text()
-        text = text.replace("#pragma once", "")
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+        return expand((root / name).read_text())
 
-    return f"// cuflash sources {source_hash()}\n" + expand(entry)
+    return f"// cuflash sources {source_hash()}\n" + expand(text)
+
+
+@functools.lru_cache(maxsize=None)
+def load_source(entry: str) -> str:
+    """The entry file ``entry`` with its local includes inlined."""
+    return inline_includes((kernel_dir() / entry).read_text())
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,35 +114,29 @@ def _module(entry: str, name_expression: str):
     import cupy
 
     preload_nvrtc_wheel()
-
-    try:
-        return cupy.RawModule(code=load_source(entry), options=NVRTC_OPTIONS,
-                              name_expressions=[name_expression])
-    except cupy.cuda.compiler.CompileException as exc:  # pragma: no cover - needs a bad kernel
-        raise CompileError(name_expression, str(exc)) from exc
+    # RawModule compiles lazily, on the first get_function (see _function).
+    return cupy.RawModule(code=load_source(entry), options=NVRTC_OPTIONS, name_expressions=[name_expression])
 
 
 @functools.lru_cache(maxsize=None)
 def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int):
     # One RawModule per variant; the function handle is per device.
+    import cupy
+
     try:
         func = _module(entry, name_expression).get_function(name_expression)
-    except Exception as exc:
-        import cupy
-
-        if isinstance(exc, cupy.cuda.compiler.CompileException):
-            raise CompileError(name_expression, str(exc)) from exc
-        raise
+    except cupy.cuda.compiler.CompileException as exc:
+        raise CompileError(name_expression, str(exc)) from exc
     if smem_bytes > 48 * 1024:
         func.max_dynamic_shared_size_bytes = smem_bytes
     return func
 
 
-def get_kernel(entry: str, name_expression: str, smem_bytes: int):
-    """The compiled ``cupy.RawKernel`` for one variant on the current device."""
+def get_kernel(variant):
+    """The compiled ``cupy.RawKernel`` of a :class:`cuflash._variants.Variant` on the current device."""
     import cupy
 
-    return _function(entry, name_expression, cupy.cuda.Device().id, smem_bytes)
+    return _function(variant.entry, variant.name, cupy.cuda.Device().id, variant.smem_bytes)
 
 
 @dataclass(frozen=True)
@@ -161,14 +161,19 @@ _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 
 
 def compile_offline(entry: str, name_expression: str, arch: str = "sm_90") -> OfflineBuild:
-    """Compile one variant to a cubin for ``arch`` with NVRTC, without a GPU.
+    """Compile one variant of the entry file ``entry`` to a cubin for ``arch`` with NVRTC, without a GPU.
 
     Raises :class:`CompileError` with the NVRTC log on failure.
     """
+    return compile_source_offline(load_source(entry), entry, name_expression, arch)
+
+
+def compile_source_offline(source: str, filename: str, name_expression: str, arch: str = "sm_90") -> OfflineBuild:
+    """Compile ``source`` (local includes already inlined) for ``arch``; see :func:`compile_offline`."""
     from cupy_backends.cuda.libs import nvrtc
 
     preload_nvrtc_wheel()
-    prog = nvrtc.createProgram(load_source(entry), entry, [], [])
+    prog = nvrtc.createProgram(source, filename, [], [])
     try:
         nvrtc.addNameExpression(prog, name_expression)
         options = list(NVRTC_OPTIONS) + [f"-arch={arch}", "--ptxas-options=-v"]

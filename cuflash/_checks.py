@@ -194,8 +194,8 @@ def check_qkv(q, k, v, *, causal=False, scale=None) -> Problem:
 def check_backward_inputs(p: Problem, dout, out, lse):
     """Validate dout, out, lse against a checked forward problem.
 
-    Returns (dout, out) as 4-D views and lse as a contiguous (B, Hq, Lq) array in
-    the accumulator dtype (float32; float64 for float64 inputs).
+    Returns (dout, out) as 4-D views and lse as a (B, Hq, Lq) array in the
+    accumulator dtype (float32; float64 for float64 inputs), a view where possible.
     """
     for name, x in (("dout", dout), ("out", out), ("lse", lse)):
         if array_module(x) is not p.xp:
@@ -214,5 +214,5 @@ def check_backward_inputs(p: Problem, dout, out, lse):
     if np.dtype(lse.dtype).kind != "f":
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
     acc = np.float64 if p.dtype == "float64" else np.float32
-    lse4 = p.xp.ascontiguousarray(lse.astype(acc, copy=False)).reshape(p.batch, p.heads_q, p.lq)
+    lse4 = lse.astype(acc, copy=False).reshape(p.batch, p.heads_q, p.lq)
     return _as_4d(dout, p.xp, p.batch), _as_4d(out, p.xp, p.batch), lse4

@@ -92,12 +92,10 @@ def _forward_cupy(p: _checks.Problem, dtype):
     with cupy.cuda.Device(p.q.device.id):
         out = cupy.empty((p.batch, p.heads_q, p.lq, p.dv), dtype=dtype)
         lse = cupy.empty((p.batch, p.heads_q, p.lq), dtype=_lse_dtype(p.dtype))
-        if out.size == 0:
-            pass
-        elif p.lk == 0:   # nothing to attend to anywhere
+        if p.lk == 0:   # no keys: every row attends to nothing
             out.view(cupy.uint8).fill(0)    # zero bits are 0.0 in every float format
             lse.fill(-np.inf)
-        else:
+        elif out.size > 0:
             launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype, causal_offset=p.causal_offset,
                            scale=p.scale, group=p.group)
     return out.reshape(p.out_shape()), lse.reshape(p.lse_shape())

@@ -7,6 +7,12 @@
 
 typedef long long int64;
 
+// Scores are kept in log2 units (x = s * log2 e) so that each exponential is one
+// exp2; lse is stored in natural-log units. These are the only two conversion
+// constants in the kernels.
+constexpr double LOG2E = 1.4426950408889634074;
+constexpr double LN2 = 0.6931471805599453094;
+
 // Storage-only 16-bit float types. The tensor cores read them as raw bits.
 struct half_t { unsigned short bits; };
 struct bf16_t { unsigned short bits; };
@@ -24,6 +30,10 @@ __device__ __forceinline__ float to_float(bf16_t x) {
     return __uint_as_float(((unsigned)x.bits) << 16);
 }
 __device__ __forceinline__ float to_float(float x) { return x; }
+
+// Storage -> accumulator type: 16-bit and fp32 values to fp32, fp64 stays fp64.
+template <typename T> __device__ __forceinline__ typename AccumOf<T>::type to_acc(T x) { return to_float(x); }
+template <> __device__ __forceinline__ double to_acc<double>(double x) { return x; }
 
 template <typename T> __device__ __forceinline__ T from_acc(float x);
 template <> __device__ __forceinline__ half_t from_acc<half_t>(float x) {
@@ -62,9 +72,10 @@ __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_of(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_of(double x) { return log2(x); }
 
-template <typename A> __device__ __forceinline__ A neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
-template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+template <typename A> __device__ __forceinline__ A pos_inf();
+template <> __device__ __forceinline__ float pos_inf<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double pos_inf<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+template <typename A> __device__ __forceinline__ A neg_inf() { return -pos_inf<A>(); }
 
 // Reductions over the lanes that share one row. WIDTH lanes with consecutive
 // lane ids (WIDTH a power of two) hold pieces of the row.

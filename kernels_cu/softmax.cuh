@@ -1,13 +1,17 @@
-// softmax.cuh -- online-softmax state of one query row, in log2 units.
+// softmax.cuh -- online-softmax state of one query row, in log2 units, and the
+// backward's view of it.
 //
-// Invariant after each key tile:   row_max = max over seen keys of s   (s = q.k * scale * log2 e)
-//                                  row_sum = sum over seen keys of 2^(s - row_max)   (this thread's part)
-//                                  acc_o   = sum over seen keys of 2^(s - row_max) * v
+// Forward invariant after each key tile (x = score_mod's log2-unit score):
+//     row_max = max over seen keys of x
+//     row_sum = sum over seen keys of 2^(x - row_max)   (this thread's part)
+//     acc_o   = sum over seen keys of 2^(x - row_max) * v
 // so out = acc_o / row_sum and lse = (row_max + log2(row_sum)) * ln 2 at the end.
+// The backward recomputes P = 2^(x - lse * log2 e) from the saved lse.
 // GROUP consecutive lanes hold pieces of the same row; row_max is kept equal
 // across them, row_sum is reduced only once, in finalize.
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 
 // Fold the tile's scores x (already scaled and masked) into the row state.
 // x is overwritten with p = 2^(s - row_max_new). Returns the factor
@@ -38,7 +42,36 @@ __device__ __forceinline__ A softmax_update_row(A (&x)[N], A& row_max, A& row_su
 template <int GROUP, typename A>
 __device__ __forceinline__ void softmax_finalize_row(A row_max, A row_sum, A& inv_sum, A& lse) {
     const A total = group_sum<GROUP>(row_sum);
-    const A ln2 = A(0.6931471805599453094);
     inv_sum = total > A(0) ? A(1) / total : A(0);
-    lse = total > A(0) ? (row_max + log2_of(total)) * ln2 : neg_inf<A>();
+    lse = total > A(0) ? (row_max + log2_of(total)) * A(LN2) : neg_inf<A>();
+}
+
+// The saved natural-log lse in log2 units, as the backward's P = 2^(x - lse_log2)
+// needs it. A row that saw no key (lse = -inf) maps to +inf: then P = 2^(x - inf)
+// is exactly 0 for every x, -inf included, with no per-element test. Rows past
+// the sequence end are given +inf too.
+template <typename A>
+__device__ __forceinline__ A lse_to_log2(A lse) {
+    return lse == neg_inf<A>() ? pos_inf<A>() : lse * A(LOG2E);
+}
+
+// P = 2^(x - lse_log2) and dS = P (dP - Dsum), in place: the backward's two
+// elementwise steps for one score.
+template <typename A>
+__device__ __forceinline__ void prob_and_dscore(A& x_to_p, A& dp_to_ds, A lse_log2, A dsum) {
+    const A p = fast_exp2(x_to_p - lse_log2);
+    x_to_p = p;
+    dp_to_ds = p * (dp_to_ds - dsum);
+}
+
+// The backward's row statistics of query rows [m0, m0 + BM) into shared memory:
+// lse in log2 units (lse_to_log2) and Dsum = rowsum(dO * O). Rows past the
+// sequence end get lse_log2 = +inf (so P = 0) and Dsum = 0.
+template <int BM, int THREADS, typename A>
+__device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& lse, const View& dsum,
+                                               int batch, int head, int m0, int rows_valid) {
+    for (int i = threadIdx.x; i < BM; i += THREADS) {
+        lse_s[i] = i < rows_valid ? lse_to_log2(*lse.at<const A>(batch, head, m0 + i)) : pos_inf<A>();
+        dsum_s[i] = i < rows_valid ? *dsum.at<const A>(batch, head, m0 + i) : A(0);
+    }
 }

@@ -1,0 +1,317 @@
+"""THE variant table: (arch, kernel family, dtype, head-dim bucket, flags) -> tile configuration.
+
+Everything that names a kernel derives from this module: the launcher
+(:mod:`cuflash._launch`) selects variants here, the CPU compile check
+(``tests/test_build.py``, ``python -m cuflash compile``) and the GPU test that runs
+every shipped variant (``tests/test_variants_gpu.py``) iterate :func:`all_variants`.
+A variant's template name expression carries its tile configuration, the thread
+count and the shared-memory size the launch will use; each kernel ``static_assert``s
+that they match its own layout, so this table and ``kernels_cu/`` cannot drift
+apart without the CPU compile check failing.
+
+Kernel families (``kernels_cu/`` entry files):
+
+==================  ======================  ==========================================
+family              entry                   what
+==================  ======================  ==========================================
+fwd_mma             flash_fwd_mma.cu        forward, float16/bfloat16, mma.sync
+fwd_fma             flash_fwd_fma.cu        forward, float32/float64, CUDA-core FMA
+bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
+bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
+bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
+bwd_dkdv_fma        flash_bwd_fma.cu        dK, dV (+ atomic dQ), FMA
+bwd_dq_fma          flash_bwd_fma.cu        deterministic dQ, FMA
+bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
+==================  ======================  ==========================================
+
+``arch`` names the family's instruction set: "sm80" is the portable mma.sync / FMA
+path that runs on every GPU of compute capability 8.0 or newer (it is compiled for
+sm_80 and sm_90 in the CPU check).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Tuple
+
+HEAD_BUCKETS = (32, 64, 128, 256)
+"""Head dims are padded up to one of these (the mma k-step is 16, the FMA kernels
+split columns over 16 threads)."""
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+HALF_TYPES = ("float16", "bfloat16")
+CXX_TYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+MAX_GRID_X = 2**31 - 1
+MMA_BWD_MAX_HEAD = 128
+"""The tensor-core backward covers head dims up to 128; the 16-bit backward at 256 is FMA."""
+
+
+def head_bucket(d: int) -> int:
+    """The smallest head-dim bucket holding ``d``."""
+    for bucket in HEAD_BUCKETS:
+        if d <= bucket:
+            return bucket
+    raise ValueError(f"head dim {d} is larger than the largest supported ({HEAD_BUCKETS[-1]})")
+
+
+def acc_itemsize(dtype: str) -> int:
+    """Bytes of the accumulator type: fp32, or fp64 for float64."""
+    return 8 if dtype == "float64" else 4
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A tile configuration: ``block_m`` query rows x ``block_n`` keys, ``warps``
+    warps per CTA, ``stages`` deep shared-memory pipeline; ``why`` is the
+    measurement or constraint that chose it."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    why: str
+
+
+# --------------------------------------------------------------------------- the table
+
+_TABLE: Dict[Tuple[str, str, str, int], Tile] = {}
+
+
+def _add(family: str, dtypes, heads, tile: Tile, arch: str = "sm80") -> None:
+    for dtype in dtypes:
+        for head in heads:
+            _TABLE[(arch, family, dtype, head)] = tile
+
+
+# Tensor-core forward: each warp owns 16 query rows (block_m = 16 * warps).
+# benchmarks/tune_fwd.py on an H100 (fp16, L=4096, B*L=16384, H*D=2048; TFLOP/s
+# non-causal / causal), 2026-11-22:
+#   d=32:  128x64/8w 148/93   64x64/4w 143/95   64x128/4w 153/88
+#   d=64:  128x64/8w 164/97   64x64/4w 177/123  64x128/4w 183/110
+#   d=128: 128x64/8w 198/130  64x64/4w 191/139  64x32/4w 179/140
+#   d=256: 64x32/4w 188/145   32x32/2w 129/88
+# 4-warp CTAs at ~150-190 registers let 2-3 CTAs share an SM, which helps most
+# when causal blocks finish at different times.
+_add("fwd_mma", HALF_TYPES, [32], Tile(64, 64, 4, 2, "best causal, within 4% of the best non-causal"))
+_add("fwd_mma", HALF_TYPES, [64], Tile(64, 64, 4, 2, "best causal (+26% over 128x64/8w), 3% under 64x128"))
+_add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "best causal, 4% under 128x64/8w non-causal; 87 KB shared"))
+_add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: 32-key tiles avoid spills"))
+
+# FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
+# tiles once each in shared memory.
+_add("fwd_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "4x4 scores per thread"))
+_add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "115 KB shared"))
+_add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "140 KB shared; 32-key tiles"))
+_add("fwd_fma", ["float64"], [32], Tile(64, 64, 8, 1, "66 KB shared"))
+_add("fwd_fma", ["float64"], [64], Tile(64, 64, 8, 1, "131 KB shared"))
+_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "107 KB shared; 64-row tiles would not fit"))
+_add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "205 KB shared, under the 227 KB limit"))
+
+# Tensor-core backward: 4 warps; dK/dV CTAs own 64 keys (16 per warp) and step
+# over 64 query rows with Q/dO double-buffered. benchmarks/tune_bwd.py, H100,
+# fp16 L=4096 (backward TFLOP/s, non-causal / causal):
+#   d=64: 1 stage 107 / 103, 2 stages 109 / 105;  d=128: 1 stage 94 / 88, 2 stages 96 / 91.
+# At head dim 128 dK and dV are two passes (their fp32 accumulators alone are
+# 128 registers a thread). The deterministic dQ kernel steps over 32 keys at
+# head dim 128 (64 spilled).
+_add("bwd_dkdv_mma", HALF_TYPES, [32, 64, 128], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
+_add("bwd_dq_mma", HALF_TYPES, [32, 64], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps"))
+_add("bwd_dq_mma", HALF_TYPES, [128], Tile(64, 32, 4, 1, "32-key steps: 64 spilled registers"))
+
+# FMA backward: 16 x 16 threads; K, V, Q, dO tiles in the input dtype and P, dS
+# tiles in the accumulator dtype in shared memory; dK, dV in registers.
+for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
+    _add(_fam, ["float32"], [32, 64], Tile(64, 64, 8, 1, "~100 KB shared; 4x4 scores per thread"))
+    _add(_fam, ["float32"], [128], Tile(64, 64, 8, 1, "166 KB shared"))
+    _add(_fam, ["float32"] + list(HALF_TYPES), [256], Tile(32, 32, 8, 1, "140 KB shared; dK+dV are 64 registers"))
+    _add(_fam, ["float64"], [32, 64], Tile(32, 32, 8, 1, "fp64 P/dS tiles: 32x32 keeps shared memory near 84 KB"))
+    _add(_fam, ["float64"], [128], Tile(32, 32, 8, 1, "fp64: 149 KB shared"))
+    _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 206 KB shared; dK+dV are 128 registers"))
+
+# Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
+_add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row"))
+_add("bwd_convert_dq", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row"))
+
+
+# --------------------------------------------------------------------------- families
+
+def _pitch_mma(head: int) -> int:
+    return head + 8        # 16-byte row padding: conflict-free ldmatrix
+
+
+def _smem_fwd_mma(v: "Variant") -> int:
+    t = v.tile
+    return (t.block_m + 2 * t.stages * t.block_n) * _pitch_mma(v.head) * ITEMSIZE[v.dtype]
+
+
+def _smem_fwd_fma(v: "Variant") -> int:
+    t, qk_pitch = v.tile, v.head + 1
+    elems = t.block_m * qk_pitch + t.block_n * qk_pitch + t.block_n * v.head + t.block_m * (t.block_n + 1)
+    return elems * ITEMSIZE[v.dtype]
+
+
+def _smem_dkdv_mma(v: "Variant") -> int:
+    t = v.tile
+    ds = t.block_m * (t.block_n + 8) if v.atomic_dq else 0
+    return ((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
+
+
+def _smem_dq_mma(v: "Variant") -> int:
+    t = v.tile
+    return (2 * t.block_n + 2 * t.block_m) * _pitch_mma(v.head) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
+
+
+def _smem_bwd_fma(v: "Variant") -> int:
+    t, pitch = v.tile, v.head + 1
+    tiles = (2 * t.block_n + 2 * t.block_m) * pitch * ITEMSIZE[v.dtype]
+    return tiles + (2 * t.block_m * (t.block_n + 1) + 2 * t.block_m) * acc_itemsize(v.dtype)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kernel template: its entry file, the flags it takes (in template order),
+    the axis its CTAs tile (``"q"``: query blocks of block_m per (query head,
+    batch); ``"k"``: key blocks of block_n per (K/V head, batch)) and its
+    shared-memory formula (mirrored by the kernel's traits, which static_assert it)."""
+
+    kernel: str
+    entry: str
+    flags: Tuple[str, ...]
+    tiles: str
+    smem: Callable[["Variant"], int] = field(compare=False)
+
+
+FAMILIES: Dict[str, Family] = {
+    "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
+    "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),
+    "bwd_dsum": Family("flash_bwd_dsum", "flash_bwd_aux.cu", (), "q", lambda v: 0),
+    "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
+                           _smem_dkdv_mma),
+    "bwd_dq_mma": Family("flash_bwd_dq_mma", "flash_bwd_mma.cu", ("mask", "vec"), "q", _smem_dq_mma),
+    "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
+    "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
+    "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
+}
+
+
+def _cxx(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel: a family at a dtype and head bucket with its flags.
+
+    ``causal`` is the masking policy's compile-time flag (score_mod.cuh
+    ``MaskFlags``); ``vec`` selects 16-byte ``cp.async`` loads; ``pass_`` (dK/dV
+    tensor-core kernel) is 0 for dK and dV together, 1 for dV only, 2 for dK
+    only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics.
+    """
+
+    family: str
+    dtype: str
+    head: int
+    causal: bool = False
+    vec: bool = False
+    pass_: int = 0
+    atomic_dq: bool = False
+    arch: str = "sm80"
+
+    @property
+    def fam(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def tile(self) -> Tile:
+        return _TABLE[(self.arch, self.family, self.dtype, self.head)]
+
+    @property
+    def entry(self) -> str:
+        return self.fam.entry
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.tile.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.fam.smem(self)
+
+    @property
+    def name(self) -> str:
+        """The C++ name expression NVRTC instantiates."""
+        t = self.tile
+        cfg = (f"TileCfg<{self.head}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
+               f"{self.threads}, {self.smem_bytes}>")
+        args = [CXX_TYPE[self.dtype], cfg]
+        for flag in self.fam.flags:
+            args.append(f"MaskFlags<{_cxx(self.causal)}>" if flag == "mask" else _cxx(getattr(self, flag)))
+        return f"{self.fam.kernel}<{', '.join(args)}>"
+
+    def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:
+        """Number of CTAs (the grid is one-dimensional; kernels decode it with BlockInfo)."""
+        t = self.tile
+        if self.fam.tiles == "q":
+            n = -(-lq // t.block_m) * heads_q * batch
+        else:
+            n = -(-lk // t.block_n) * (heads_q // group) * batch
+        if n > MAX_GRID_X:
+            raise ValueError(f"{n} thread blocks exceed the grid limit {MAX_GRID_X}: split the batch")
+        return n
+
+
+# --------------------------------------------------------------------------- selection
+
+def _dkdv_passes(head: int, atomic_dq: bool) -> List[Tuple[int, bool]]:
+    """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel for one head bucket."""
+    return [(0, atomic_dq)] if head <= 64 else [(1, False), (2, atomic_dq)]
+
+
+def forward_variant(dtype: str, head: int, *, causal: bool, vec: bool) -> Variant:
+    """The forward kernel for one call."""
+    if dtype in HALF_TYPES:
+        return Variant("fwd_mma", dtype, head, causal=causal, vec=vec)
+    return Variant("fwd_fma", dtype, head, causal=causal)
+
+
+def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, deterministic: bool) -> List[Variant]:
+    """The backward kernels for one call, in launch order."""
+    atomic = not deterministic
+    plan = [Variant("bwd_dsum", dtype, 0)]
+    if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
+        plan += [Variant("bwd_dkdv_mma", dtype, head, causal=causal, vec=vec, pass_=p, atomic_dq=a)
+                 for p, a in _dkdv_passes(head, atomic)]
+        if deterministic:
+            plan.append(Variant("bwd_dq_mma", dtype, head, causal=causal, vec=vec))
+    else:
+        plan.append(Variant("bwd_dkdv_fma", dtype, head, causal=causal, atomic_dq=atomic))
+        if deterministic:
+            plan.append(Variant("bwd_dq_fma", dtype, head, causal=causal))
+    if atomic:
+        plan.append(Variant("bwd_convert_dq", dtype, 0))
+    return plan
+
+
+def vec_choices(dtype: str) -> Tuple[bool, ...]:
+    """16-byte loads exist for the tensor-core kernels only."""
+    return (False, True) if dtype in HALF_TYPES else (False,)
+
+
+def all_variants() -> List[Variant]:
+    """Every variant the library can launch: the union of every call's plan
+    (what ``python -m cuflash compile`` builds and the tests run), no duplicates."""
+    seen: Dict[Variant, None] = {}
+    for dtype in DTYPES:
+        for head in HEAD_BUCKETS:
+            for causal in (False, True):
+                for vec in vec_choices(dtype):
+                    seen[forward_variant(dtype, head, causal=causal, vec=vec)] = None
+                    for det in (False, True):
+                        for v in backward_variants(dtype, head, causal=causal, vec=vec, deterministic=det):
+                            seen[v] = None
+    return list(seen)
+
+
+def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
+    """The raw table: ((arch, family, dtype, head), Tile) pairs."""
+    return iter(_TABLE.items())

@@ -1,0 +1,137 @@
+// flash_fwd_mma.cu -- forward attention on tensor cores (float16 / bfloat16).
+//
+// FlashAttention-2 loop order. One CTA per (query block, head, batch); each of
+// the WARPS warps owns 16 query rows, so a row's softmax never leaves its warp.
+//   load Q tile
+//   for each visible K/V tile j (the next one streams in with cp.async meanwhile):
+//       S = Q K_j^T                           (mma.sync, fp32 accumulate)
+//       x = S * scale * log2(e), masked       (score_mod.cuh)
+//       m_new = max(m, rowmax(x)); P = 2^(x - m_new); l = l * 2^(m - m_new) + rowsum(P)
+//       O = O * 2^(m - m_new) + P V_j         (P stays in registers as the A operand)
+//   O = O / l; lse = (m + log2 l) ln 2
+// Shared memory rows are padded by 16 bytes so the 8 row addresses of an
+// ldmatrix fall in different banks.
+#include "common.cuh"
+#include "params.cuh"
+#include "mma.cuh"
+#include "warp_gemm.cuh"
+#include "tile_io.cuh"
+#include "softmax.cuh"
+#include "score_mod.cuh"
+
+template <typename T, typename Cfg>
+struct FwdMmaTraits {
+    static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int PITCH = HEAD + 8;         // shared row pitch in elements
+    static constexpr int S_TILES = BN / 8;         // n8 tiles of one warp's S
+    static constexpr int O_TILES = HEAD / 8;       // n8 tiles of one warp's O
+    static constexpr int Q_ELEMS = BM * PITCH;
+    static constexpr int KV_ELEMS = BN * PITCH;    // one K or V stage
+    static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
+    static_assert(HEAD % 16 == 0 && BN % 16 == 0, "tiles are multiples of the mma shape");
+    static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
+    static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
+    static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
+    static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
+};
+
+// Online-softmax step for the two rows this lane holds (C-fragment rows lane/4 and lane/4 + 8).
+template <typename Tr>
+__device__ __forceinline__ void warp_softmax_update(float (&s)[Tr::S_TILES][4], float (&acc_o)[Tr::O_TILES][4],
+                                                    float (&row_max)[2], float (&row_sum)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float x[2 * Tr::S_TILES];
+#pragma unroll
+        for (int n = 0; n < Tr::S_TILES; ++n) { x[2 * n] = s[n][2 * r]; x[2 * n + 1] = s[n][2 * r + 1]; }
+        const float correction = softmax_update_row<4>(x, row_max[r], row_sum[r]);
+#pragma unroll
+        for (int n = 0; n < Tr::S_TILES; ++n) { s[n][2 * r] = x[2 * n]; s[n][2 * r + 1] = x[2 * n + 1]; }
+#pragma unroll
+        for (int t = 0; t < Tr::O_TILES; ++t) { acc_o[t][2 * r] *= correction; acc_o[t][2 * r + 1] *= correction; }
+    }
+}
+
+// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+template <typename T, typename Cfg, typename Flags, bool VEC>
+__global__ void __launch_bounds__(Cfg::THREADS, 1)
+flash_fwd_mma(const FwdParams p) {
+    typedef FwdMmaTraits<T, Cfg> Tr;
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);
+    T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
+    T* v_s = k_s + 2 * Tr::KV_ELEMS;
+
+    const AttnDims& dims = p.dims;
+    const BlockInfo blk = BlockInfo::from_grid<true>(ceil_div(dims.lq, BM), dims.heads_q);
+    const int m0 = blk.tile * BM, kv_head = blk.head / dims.group;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const T* q = p.q.at<const T>(blk.batch, blk.head, m0);
+    const T* k = p.k.at<const T>(blk.batch, kv_head, 0);
+    const T* v = p.v.at<const T>(blk.batch, kv_head, 0);
+    const ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    const TileRange keys = mod.key_tiles(m0, BM, BN);
+    const int rows_valid = imin(BM, dims.lq - m0);
+
+    auto load_kv = [&](int j, int stage) {
+        const int n0 = j * BN;
+        load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, k + n0 * p.k.row_stride,
+                                                    p.k.row_stride, dims.lk - n0, dims.d);
+        load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(v_s + stage * Tr::KV_ELEMS, v + n0 * p.v.row_stride,
+                                                    p.v.row_stride, dims.lk - n0, dims.dv);
+        cp_async_commit();
+    };
+
+    float acc_o[Tr::O_TILES][4];
+    zero_frags(acc_o);
+    float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
+    float row_sum[2] = {0.0f, 0.0f};
+
+    if (keys.begin < keys.end) {
+        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, q, p.q.row_stride, rows_valid, dims.d);
+        load_kv(keys.begin, 0);
+    }
+    const int warp_row0 = m0 + warp * 16;
+    for (int j = keys.begin; j < keys.end; ++j) {
+        const int stage = (j - keys.begin) & 1;
+        if (j + 1 < keys.end) {   // prefetch tile j+1 into the other stage
+            load_kv(j + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        float s[Tr::S_TILES][4];   // S = Q K^T for this warp's 16 rows
+        zero_frags(s);
+        warp_gemm_nt<T, BN, HEAD, P, P>(s, q_s + warp * 16 * P, k_s + stage * Tr::KV_ELEMS, lane);
+        const int n0 = j * BN;
+        apply_score_mod(s, mod, mod.tile_is_partial(warp_row0, 16, n0, BN),
+                        [&](int n, int i, int& row, int& col) {
+                            row = warp_row0 + frag_row(lane, i);
+                            col = n0 + frag_col(lane, n, i);
+                        });
+        warp_softmax_update<Tr>(s, acc_o, row_max, row_sum);
+        warp_gemm_rn<T, HEAD, BN, P>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
+        __syncthreads();   // the next iteration's prefetch overwrites this stage
+    }
+
+    // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float inv_sum, row_lse;
+        softmax_finalize_row<4>(row_max[r], row_sum[r], inv_sum, row_lse);
+        const int row = warp * 16 + lane / 4 + 8 * r;
+        if (row >= rows_valid) continue;
+        T* out_row = p.out.at<T>(blk.batch, blk.head, m0 + row);
+#pragma unroll
+        for (int t = 0; t < Tr::O_TILES; ++t) {
+            const int col = t * 8 + 2 * (lane % 4);
+            if (col < dims.dv) out_row[col] = from_acc<T>(acc_o[t][2 * r] * inv_sum);
+            if (col + 1 < dims.dv) out_row[col + 1] = from_acc<T>(acc_o[t][2 * r + 1] * inv_sum);
+        }
+        if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, m0 + row) = row_lse;
+    }
+}

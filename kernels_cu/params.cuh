@@ -1,0 +1,84 @@
+// params.cuh -- what a kernel is told: tensor views, sizes, scale, mask parameters;
+// and BlockInfo, which (batch, head, tile) a CTA owns.
+//
+// Every kernel takes one of these structs by value. cuflash/_params.py builds the
+// same layout on the host; tests/test_params.py checks every offset against this
+// file with offsetof, compiled by NVRTC.
+#pragma once
+#include "common.cuh"
+
+// A rank-4 tensor seen as (batch, head, row, column), the column axis unit-stride.
+// Strides are in elements and 64-bit; a stride of 0 broadcasts along that axis
+// (how a bias shared by all heads arrives). Vectors such as lse (B, H, L) are
+// views whose "row" is the query index (row_stride 1) and which have one column.
+struct View {
+    void* ptr;
+    int64 batch_stride, head_stride, row_stride;
+
+    template <typename T>
+    __device__ __forceinline__ T* at(int batch, int head, int row) const {
+        return static_cast<T*>(ptr) + (batch * batch_stride + head * head_stride + row * row_stride);
+    }
+};
+
+// Sizes of one attention call. Query head h reads K/V head h / group.
+struct AttnDims {
+    int batch, heads_q, group;
+    int lq, lk, d, dv;
+};
+
+// Runtime parameters of the masking policy (score_mod.cuh). Which pieces are
+// active is a compile-time choice (MaskFlags); unused fields are ignored.
+struct MaskParams {
+    int causal_offset;   // key j is visible to query i iff j <= i + causal_offset (0: top-left, lk - lq: bottom-right)
+};
+
+struct FwdParams {
+    View q, k, v;        // (B, Hq|Hk, L, D|Dv)
+    View out;            // (B, Hq, Lq, Dv)
+    View lse;            // (B, Hq, Lq): natural-log logsumexp of the scaled, masked scores
+    AttnDims dims;
+    MaskParams mask;
+    double scale_log2;   // scale * log2(e), folded once on the host
+};
+
+struct BwdParams {
+    View q, k, v, out, dout, lse;   // the forward's inputs and results, and dL/dout
+    View dsum;                      // (B, Hq, Lq) workspace: Dsum = rowsum(dO * O), accumulator type
+    View dq_acc;                    // (B, Hq, Lq, D) workspace: dQ summed with atomics, accumulator type
+    View dq, dk, dv;                // the gradients, input dtype
+    AttnDims dims;
+    MaskParams mask;
+    double scale, scale_log2;
+};
+
+// A kernel's compile-time tile configuration, exactly as the variant table
+// (cuflash/_variants.py) chose it: head-dim bucket, BM query rows x BN keys per
+// tile, warps, pipeline stages. THREADS and SMEM_BYTES are what the launch will
+// use (computed on the host); each kernel static_asserts that they match its own
+// layout, so the table and the kernels cannot drift apart.
+template <int HEAD_, int BM_, int BN_, int WARPS_, int STAGES_, int THREADS_, int SMEM_BYTES_>
+struct TileCfg {
+    static constexpr int HEAD = HEAD_, BM = BM_, BN = BN_, WARPS = WARPS_, STAGES = STAGES_;
+    static constexpr int THREADS = THREADS_, SMEM_BYTES = SMEM_BYTES_;
+};
+
+// Which (tile, head, batch) this CTA owns. The grid is one-dimensional
+// (gridDim.x up to 2^31 - 1), so batch x heads has no 65535 limit. Tiles vary
+// fastest: consecutive CTAs share one head's K/V (or Q/dO) in L2. With
+// REVERSE the tile order runs last to first, so that under a causal mask the
+// longest query blocks start first and the short ones fill in at the end.
+struct BlockInfo {
+    int tile, head, batch;
+
+    template <bool REVERSE>
+    __device__ __forceinline__ static BlockInfo from_grid(int n_tiles, int heads) {
+        const int idx = blockIdx.x;
+        const int tile = idx % n_tiles, rest = idx / n_tiles;
+        BlockInfo b;
+        b.tile = REVERSE ? n_tiles - 1 - tile : tile;
+        b.head = rest % heads;
+        b.batch = rest / heads;
+        return b;
+    }
+};

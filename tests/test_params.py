@@ -1,0 +1,59 @@
+"""The host-side params structs (cuflash/_params.py) against kernels_cu/params.cuh (CPU).
+
+NVRTC compiles a translation unit that static_asserts every size and field offset
+as NumPy lays them out; a mismatch fails to compile. No GPU is needed.
+"""
+import numpy as np
+import pytest
+
+from cuflash import CompileError, _params
+from cuflash._build import compile_source_offline, inline_includes
+
+from _nvrtc import needs_nvrtc
+
+
+@needs_nvrtc
+def test_struct_layouts_match_cuda():
+    compile_source_offline(inline_includes(_params.layout_check_source()), "layout.cu", "layout_check", "sm_80")
+
+
+@needs_nvrtc
+def test_layout_check_can_fail():
+    """The check is real: shifting one field by 8 bytes is caught."""
+    src = _params.layout_check_source()
+    offset = _params.STRUCTS["BwdParams"].fields["dims"][1]
+    bad = src.replace(f"OFFSET_OF(BwdParams, dims) == {offset}", f"OFFSET_OF(BwdParams, dims) == {offset + 8}")
+    assert bad != src
+    with pytest.raises(CompileError, match="offset of BwdParams::dims"):
+        compile_source_offline(inline_includes(bad), "layout.cu", "layout_check", "sm_80")
+
+
+class _FakeArray:
+    """What view() reads from a CuPy array: shape, strides, itemsize, data.ptr."""
+
+    def __init__(self, shape, strides, itemsize=2, ptr=4096):
+        self.shape, self.strides, self.itemsize, self.ndim = shape, strides, itemsize, len(shape)
+        self.data = type("Mem", (), {"ptr": ptr})()
+
+
+def test_view_strides_in_elements_and_broadcast():
+    x = _FakeArray((2, 3, 5, 8), (240, 0, 16, 2), itemsize=2, ptr=1 << 40)
+    assert _params.view(x) == (1 << 40, 120, 0, 8)
+    lse = _FakeArray((2, 3, 5), (60, 20, 4), itemsize=4)
+    assert _params.view(lse)[1:] == (15, 5, 1)
+    with pytest.raises(ValueError, match="unit-stride"):
+        _params.view(_FakeArray((2, 3, 5, 8), (480, 160, 32, 4)))
+
+
+def test_fwd_params_fields():
+    q = _FakeArray((2, 4, 10, 64), (5120, 1280, 128, 2))
+    k = _FakeArray((2, 2, 12, 64), (3072, 1536, 128, 2))
+    v = _FakeArray((2, 2, 12, 32), (1536, 768, 64, 2))
+    out = _FakeArray((2, 4, 10, 32), (2560, 640, 64, 2))
+    lse = _FakeArray((2, 4, 10), (160, 40, 4), itemsize=4)
+    p = _params.fwd_params(q, k, v, out, lse, group=2, scale=0.125, causal_offset=2)
+    dims = p["dims"][0]
+    assert tuple(int(dims[n]) for n in ("batch", "heads_q", "group", "lq", "lk", "d", "dv")) == (2, 4, 2, 10, 12, 64, 32)
+    assert int(p["mask"]["causal_offset"][0]) == 2
+    assert float(p["scale_log2"][0]) == pytest.approx(0.125 * np.log2(np.e), rel=1e-15)
+    assert int(p["k"]["head_stride"][0]) == 768
