@@ -1,19 +1,61 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, demo, benchmark; logs under $OUT, short summary last.
-#   bash benchmarks/device_run.sh [pytest args...]      (BENCH=0 skips the benchmark)
+# One device call: the steps named in $STEPS, logs under $OUT, a short summary last.
+#   STEPS="compile tests" bash benchmarks/device_run.sh [pytest args...]
+# Steps (default "compile tests demo bench"):
+#   compile   build every kernel variant for this GPU into CuPy's cache, in parallel
+#   tests     python -m pytest -m gpu (extra arguments go to pytest)
+#   sanitize  compute-sanitizer: memcheck on the full sanitize workload, racecheck and
+#             synccheck on its quick set (benchmarks/sanitize_workload.py)
+#   compare   benchmarks/compare_trees.py --before $BEFORE (default .before) --after .
+#   demo      python -m cuflash demo
+#   bench     benchmarks/bench.py $BENCH_ARGS (default --quick) into $OUT/bench
+# Logs are written to a scratch folder and come back as $OUT/logs.tgz beside $OUT/summary.txt
+# (the device tool returns at most 8 files).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/cuflash_out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m cuflash info
-python3 -m pytest -m gpu -p no:cacheprovider -rfE "$@" > "$OUT/pytest.log" 2>&1
-echo "pytest exit code: $?" >> "$OUT/pytest.log"
-python3 -m cuflash demo > "$OUT/demo.log" 2>&1
-if [ "${BENCH:-1}" = 1 ]; then
-  python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT" > "$OUT/bench.log" 2>&1
+RESULTS=${OUT:-/tmp/cuflash_out}
+OUT=$(mktemp -d)
+STEPS=${STEPS:-compile tests demo bench}
+mkdir -p "$RESULTS"
+summary="$OUT/summary.txt"
+: > "$summary"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee -a "$summary"
+python3 -m cuflash info > "$OUT/info.log" 2>&1
+
+if has compile; then
+  python3 -m cuflash compile > "$OUT/compile.log" 2>&1
+  echo "compile: $(tail -1 "$OUT/compile.log")" >> "$summary"
 fi
-echo "== pytest (tail) =="
-tail -25 "$OUT/pytest.log"
-echo "== demo =="
-cat "$OUT/demo.log"
+if has tests; then
+  timeout "${TEST_TIMEOUT:-520}" python3 -m pytest -m gpu -p no:cacheprovider -rfE --durations=15 "$@" \
+    > "$OUT/pytest.log" 2>&1
+  echo "pytest exit code: $?" >> "$OUT/pytest.log"
+  { echo "== pytest (tail) =="; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30; tail -3 "$OUT/pytest.log"; } >> "$summary"
+fi
+if has sanitize; then
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  echo "== compute-sanitizer ($san) ==" >> "$summary"
+  for spec in "memcheck:" "racecheck:--quick" "synccheck:--quick"; do
+    tool=${spec%%:*}; extra=${spec#*:}
+    timeout 400 "$san" --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_workload.py $extra \
+      > "$OUT/sanitize_$tool.log" 2>&1
+    echo "$tool exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$OUT/sanitize_$tool.log" | tail -2 | tr '\n' ' ') ($(grep -c finite=True "$OUT/sanitize_$tool.log") calls)" >> "$summary"
+  done
+fi
+if has compare; then
+  python3 benchmarks/compare_trees.py --before "${BEFORE:-.before}" --after . ${COMPARE_ARGS:-} \
+    --json "$OUT/compare.json" > "$OUT/compare.log" 2>&1
+  { echo "== before / after =="; cat "$OUT/compare.log"; } >> "$summary"
+fi
+if has demo; then
+  python3 -m cuflash demo > "$OUT/demo.log" 2>&1
+  { echo "== demo =="; cat "$OUT/demo.log"; } >> "$summary"
+fi
+if has bench; then
+  python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+  echo "bench exit $? (tables in $OUT/bench)" >> "$summary"
+fi
+tar czf "$RESULTS/logs.tgz" -C "$OUT" .
+cp "$summary" "$RESULTS/summary.txt"
+cat "$summary"

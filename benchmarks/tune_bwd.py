@@ -9,7 +9,7 @@ import cupy as cp
 from cupyx.profiler import benchmark
 
 import cuflash
-from cuflash import _launch
+from cuflash._variants import Tile, tile_override
 
 
 def main():
@@ -22,14 +22,14 @@ def main():
             out, lse = cuflash.attention_forward(q, k, v, causal=causal)
             first = None
             for stages in (1, 2):
-                _launch._MMA_BWD_STAGES[d] = stages
-                grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True)
-                if first is None:
-                    first = grads
-                else:   # same summation order: bitwise equal
-                    assert all(bool((a == b_).all()) for a, b_ in zip(first, grads)), "stages disagree"
-                t = benchmark(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal),
-                              n_repeat=20, n_warmup=3)
+                with tile_override("bwd_dkdv_mma", d, Tile(64, 64, 4, stages, "tuning")):
+                    grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True)
+                    if first is None:
+                        first = grads
+                    else:   # same summation order: bitwise equal
+                        assert all(bool((a == b_).all()) for a, b_ in zip(first, grads)), "stages disagree"
+                    t = benchmark(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal),
+                                  n_repeat=20, n_warmup=3)
                 ms = float(np.median(t.gpu_times[0]) * 1e3)
                 flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
                 print(f"{d:4d} {stages:6d} {str(causal):>6} {ms:8.3f} {flops / ms / 1e9:8.1f}")

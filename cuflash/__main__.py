@@ -20,13 +20,59 @@ def _progress(items, desc: str, total=None):
 
 
 def cmd_compile(args) -> int:
-    """Compile every variant for each --arch with NVRTC (no GPU needed); report resources."""
+    """Without --arch: build every variant for this machine's GPU into CuPy's kernel
+    cache. With --arch: compile every variant for those architectures with NVRTC
+    (no GPU needed) and report registers, spills and shared memory."""
+    if args.arch:
+        return _compile_offline([a.strip() for a in args.arch.split(",") if a.strip()])
+    return _compile_for_this_gpu()
+
+
+def _parallel(fn, items, desc: str):
+    """fn over items on a thread pool (NVRTC releases the GIL), in order, with a progress bar."""
     from concurrent.futures import ThreadPoolExecutor
 
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        yield from _progress(pool.map(fn, items), desc, total=len(items))
+
+
+def _compile_for_this_gpu() -> int:
+    from ._build import CompileError, get_kernel
+    from ._device import gpu_available
+    from ._variants import all_variants
+
+    ok, what = gpu_available()
+    if not ok:
+        print(f"No GPU here ({what}). To check that every kernel builds without one, run\n"
+              "    python -m cuflash compile --arch sm_80,sm_90")
+        return 2
+
+    def build(var):
+        try:
+            get_kernel(var)
+            return var, None
+        except CompileError as exc:
+            return var, exc
+
+    variants = all_variants()
+    start = time.perf_counter()
+    failures = [(var, exc) for var, exc in _parallel(build, variants, "compiling") if exc is not None]
+    for var, exc in failures:
+        print(f"FAILED {var.name}\n{exc.log}")
+    print(f"{len(variants) - len(failures)} of {len(variants)} kernel variants built for {what} in "
+          f"{time.perf_counter() - start:.0f} s, into CuPy's kernel cache ({_cache_dir()}): "
+          "later processes load them without compiling")
+    return 1 if failures else 0
+
+
+def _cache_dir() -> str:
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+
+
+def _compile_offline(arches) -> int:
     from ._build import CompileError, compile_offline
     from ._variants import all_variants
 
-    arches = [a.strip() for a in args.arch.split(",") if a.strip()]
     jobs = [(arch, var) for arch in arches for var in all_variants()]
 
     def build(job):
@@ -38,15 +84,14 @@ def cmd_compile(args) -> int:
 
     failures = spills = 0
     print(f"{'arch':6} {'regs':>4} {'spill B':>7} {'smem KB':>7}  variant")
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:   # NVRTC releases the GIL
-        for arch, var, build_, exc in _progress(pool.map(build, jobs), "compiling", total=len(jobs)):
-            if exc is not None:
-                failures += 1
-                print(f"{arch:6} FAILED  {var.name}\n{exc.log}")
-                continue
-            spills += build_.spills > 0
-            print(f"{arch:6} {build_.registers:4d} {build_.spills:7d} {var.smem_bytes / 1024:7.1f}  {var.name}"
-                  + ("   <-- SPILLS" if build_.spills else ""))
+    for arch, var, build, exc in _parallel(build, jobs, "compiling"):
+        if exc is not None:
+            failures += 1
+            print(f"{arch:6} FAILED  {var.name}\n{exc.log}")
+            continue
+        spills += build.spills > 0
+        print(f"{arch:6} {build.registers:4d} {build.spills:7d} {var.smem_bytes / 1024:7.1f}  {var.name}"
+              + ("   <-- SPILLS" if build.spills else ""))
     print(f"{len(jobs)} variant builds: {failures} failed, {spills} with spills")
     return 1 if failures or spills else 0
 
@@ -77,8 +122,7 @@ def cmd_info(args) -> int:
             print("nvrtc        %d.%d" % nvrtc.getVersion())
         except Exception as exc:
             print(f"nvrtc        not loadable ({exc})")
-        cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
-        print(f"kernel cache {cache}")
+        print(f"kernel cache {_cache_dir()}")
     except ImportError:
         print("cupy         not installed (NumPy reference path only)")
     ok, what = gpu_available()
@@ -86,19 +130,6 @@ def cmd_info(args) -> int:
     variants = all_variants()
     print(f"variants     {len(variants)} (build all ahead of time: python -m cuflash compile)")
     return 0
-
-
-def _naive_cupy(q, k, v, scale, causal: bool):
-    import cupy
-
-    s = cupy.matmul(q, k.swapaxes(-1, -2)).astype(cupy.float32) * scale
-    if causal:
-        lq, lk = s.shape[-2:]
-        s = cupy.where(cupy.tri(lq, lk, dtype=bool), s, -cupy.inf)
-    s -= s.max(axis=-1, keepdims=True)
-    p = cupy.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return cupy.matmul(p.astype(q.dtype), v)
 
 
 def _measure(fn):
@@ -161,14 +192,13 @@ def cmd_demo(args) -> int:
     print(f"check vs float64 reference on head {sl}: rel. error out {errs[0]:.2e}, dq {errs[1]:.2e}, "
           f"dk {errs[2]:.2e}, dv {errs[3]:.2e}; max lse error {lse_err:.2e}")
     flops = 4 * b * h * n * n * d / 2
-    scale = 1 / np.sqrt(d)
 
     def fwd_bwd():
         o, l_ = attention_forward(q, k, v, causal=True)
         return attention_backward(dout, q, k, v, o, l_, causal=True)
 
     rows = [("cuflash forward", flops, lambda: attention_forward(q, k, v, causal=True)),
-            ("naive cupy forward", flops, lambda: _naive_cupy(q, k, v, scale, True)),
+            ("naive cupy forward", flops, lambda: reference.attention_materialised(q, k, v, causal=True)),
             ("cuflash fwd + bwd", 3.5 * flops, fwd_bwd)]
     print(f"{'':20} {'ms':>8} {'TFLOP/s':>8} {'extra MiB':>10}")
     for name, work, fn in rows:
@@ -183,8 +213,9 @@ def cmd_demo(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("compile", help="compile every kernel variant (no GPU needed)")
-    p.add_argument("--arch", default="sm_80,sm_90", help="comma-separated, e.g. sm_80,sm_90")
+    p = sub.add_parser("compile", help="build every kernel variant: for this GPU (into CuPy's cache), "
+                                       "or with --arch for named architectures (no GPU needed)")
+    p.add_argument("--arch", default=None, help="comma-separated, e.g. sm_80,sm_90: check the builds offline")
     p.set_defaults(fn=cmd_compile)
     p = sub.add_parser("info", help="versions, device, cache, variants")
     p.set_defaults(fn=cmd_info)

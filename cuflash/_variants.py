@@ -30,6 +30,7 @@ sm_80 and sm_90 in the CPU check).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Tuple
 
@@ -315,3 +316,20 @@ def all_variants() -> List[Variant]:
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
     """The raw table: ((arch, family, dtype, head), Tile) pairs."""
     return iter(_TABLE.items())
+
+
+@contextlib.contextmanager
+def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str = "sm80"):
+    """Temporarily replace table entries; for the tuning scripts in benchmarks/ only.
+
+    Every variant built meanwhile carries the new tile in its name expression,
+    so a kernel compiled for one configuration is never served for another.
+    """
+    keys = [(arch, family, dtype, head) for dtype in dtypes if (arch, family, dtype, head) in _TABLE]
+    saved = {key: _TABLE[key] for key in keys}
+    try:
+        for key in keys:
+            _TABLE[key] = tile
+        yield
+    finally:
+        _TABLE.update(saved)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
-__all__ = ["causal_mask", "attention_naive", "attention_blocked", "attention_backward_naive",
-           "attention_backward_blocked", "round_to_dtype"]
+__all__ = ["causal_mask", "attention_naive", "attention_materialised", "attention_blocked",
+           "attention_backward_naive", "attention_magnitude", "attention_backward_blocked", "round_to_dtype"]
 
 Array = Any                      # numpy.ndarray or cupy.ndarray
 Causal = Union[bool, str, None]  # False/None, True/"top_left", "bottom_right"
@@ -93,10 +93,10 @@ def _check_real(x, name: str) -> None:
         raise TypeError(f"{name} is complex ({x.dtype}); complex inputs are not supported")
 
 
-def _prepare(q, k, v, scale, bias, mask, xp):
-    """Validate and convert to float64 with an explicit head axis; K/V heads repeated for GQA.
+def _prepare(q, k, v, scale, bias, mask, xp, work=np.float64):
+    """Validate and convert to ``work`` (float64) with an explicit head axis; K/V heads repeated for GQA.
 
-    Returns ``q (..., Hq, Lq, D)``, ``k (..., Hq, Lk, D)``, ``v (..., Hq, Lk, Dv)`` (float64),
+    Returns ``q (..., Hq, Lq, D)``, ``k (..., Hq, Lk, D)``, ``v (..., Hq, Lk, Dv)`` (``work``),
     ``scale``, ``group = Hq // Hk``, ``squeeze`` (inputs were 2-D), and ``bias``/``mask``
     as arrays (unchanged shape) or None.
     """
@@ -115,7 +115,7 @@ def _prepare(q, k, v, scale, bias, mask, xp):
     if hk == 0 or hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     group = hq // hk
-    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    q, k, v = (x.astype(work) for x in (q, k, v))
     if group > 1:
         k = xp.repeat(k, group, axis=-3)
         v = xp.repeat(v, group, axis=-3)
@@ -131,7 +131,7 @@ def _prepare(q, k, v, scale, bias, mask, xp):
                 ok = False
             if not ok:
                 raise ValueError(f"{name} of shape {x.shape} does not broadcast to the scores' {full}")
-            x = x.astype(bool) if name == "mask" else x.astype(np.float64)
+            x = x.astype(bool) if name == "mask" else x.astype(work)
         extra.append(x)
     return q, k, v, scale, group, squeeze, extra[0], extra[1]
 
@@ -162,14 +162,14 @@ def _check_blocks(block_m: int, block_n: int) -> Tuple[int, int]:
     return int(block_m), int(block_n)
 
 
-def _as_shape(x, shape: tuple, squeeze: bool, name: str, xp):
-    """``x`` as a float64 array of the internal ``shape``; the caller's is ``shape[1:]`` if ``squeeze``."""
+def _as_shape(x, shape: tuple, squeeze: bool, name: str, xp, work=np.float64):
+    """``x`` as a ``work`` array of the internal ``shape``; the caller's is ``shape[1:]`` if ``squeeze``."""
     x = xp.asarray(x)
     _check_real(x, name)
     expected = shape[1:] if squeeze else shape
     if x.shape != expected:
         raise ValueError(f"{name} has shape {x.shape}, expected {expected}")
-    return x.astype(np.float64).reshape(shape)
+    return x.astype(work).reshape(shape)
 
 
 def _squeeze(squeeze: bool, *arrays):
@@ -179,9 +179,11 @@ def _squeeze(squeeze: bool, *arrays):
 # ----------------------------------------------------------------------------- rounding
 
 def _dtype_name(dtype) -> str:
-    """'float16', 'bfloat16', 'float32' or 'float64' for the accepted spellings."""
+    """'float16', 'bfloat16', 'float32', 'float64' or 'longdouble' for the accepted spellings."""
     if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
         return "bfloat16"
+    if isinstance(dtype, str) and dtype == "longdouble" or dtype is np.longdouble:
+        return "longdouble"
     try:
         name = np.dtype(dtype).name
     except TypeError:
@@ -257,6 +259,71 @@ def _softmax_rows(s, xp):
     return p, lse
 
 
+def _precision(dtype, xp):
+    """``(work, rnd)`` for a naive computation at ``dtype``: the working float type and
+    the rounding applied to every result (see :func:`attention_naive`)."""
+    name = "float64" if dtype is None else _dtype_name(dtype)
+    if name == "longdouble":
+        if xp is not np:
+            raise TypeError("dtype='longdouble' needs NumPy inputs")
+        return np.longdouble, lambda x: x
+    if name == "float64":
+        return np.float64, lambda x: x
+    return np.float32, functools.partial(_round, name=name, xp=xp)   # float32 arrays holding `name` values
+
+
+def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, absolute: bool = False):
+    """THE naive attention: the n x n scores materialised, each result passed through ``rnd``.
+
+    ``q (..., Hq, Lq, D)``, ``k (..., Hq, Lk, D)``, ``v (..., Hq, Lk, Dv)`` (K/V heads
+    already repeated) and ``do`` (or None) in ``work`` precision. Returns ``out``,
+    ``lse`` and, when ``do`` is given, ``(dq, dk, dv, ds)`` per query head. With
+    ``absolute``, every product is taken over absolute values (``|P| |V|``,
+    ``P (|dP| + |Dsum|)``, ...): the magnitudes that bound rounding errors.
+    """
+    a = xp.abs if absolute else (lambda x: x)
+    scale = work(abs(scale) if absolute else scale)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        s = rnd(xp.matmul(q, xp.swapaxes(k, -1, -2)))             # S = Q K^T
+        s = rnd(s * scale)
+        if bias is not None:
+            s = rnd(s + rnd(bias).astype(work))
+        if allowed is not None:
+            s = xp.where(allowed, s, work(-np.inf))
+        p, lse = _softmax_rows(s, xp)                              # P = softmax(S)
+        p = rnd(p)
+        out = rnd(xp.matmul(p, a(v)))                              # O = P V
+        if do is None:
+            return out, lse, None
+        dv = rnd(xp.matmul(xp.swapaxes(p, -1, -2), a(do)))         # dV = P^T dO
+        dp = rnd(xp.matmul(a(do), xp.swapaxes(a(v), -1, -2)))     # dP = dO V^T
+        dsum = (a(do) * out).sum(axis=-1, keepdims=True)           # Dsum = rowsum(dO * O)
+        ds = rnd(p * (dp + dsum) if absolute else p * (dp - dsum))  # dS = P (dP - Dsum)
+        dq = rnd(xp.matmul(ds, a(k)) * scale)                      # dQ = scale dS K
+        dk = rnd(xp.matmul(xp.swapaxes(ds, -1, -2), a(q)) * scale)  # dK = scale dS^T Q
+    return out, lse, (dq, dk, dv, ds)
+
+
+def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False):
+    """Validate, convert to the working precision, run :func:`_materialise`."""
+    xp = _array_module(dout, q, k, v)
+    work, rnd = (np.float64, lambda x: x) if absolute else _precision(dtype, xp)
+    exact = np.longdouble if work is np.longdouble else np.float64    # inputs converted exactly first
+    q, k, v, scale, group, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp, work=exact)
+    do = None if dout is None else _as_shape(dout, q.shape[:-1] + (v.shape[-1],), squeeze, "dout", xp, work=exact)
+    if work is not np.longdouble:
+        q, k, v = (rnd(x).astype(work) for x in (q, k, v))
+        do = None if do is None else rnd(do).astype(work)
+    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, xp)
+    out, lse, grads = _materialise(q, k, v, do, scale=scale, bias=bias, allowed=allowed, xp=xp, work=work, rnd=rnd,
+                                   absolute=absolute)
+    return out, lse, grads, group, squeeze, bias
+
+
+def _result_dtype(dtype):
+    return np.longdouble if dtype is not None and _dtype_name(dtype) == "longdouble" else np.float64
+
+
 def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                     bias: Optional[Array] = None, mask: Optional[Array] = None,
                     dtype: Any = None) -> Tuple[Array, Array]:
@@ -275,49 +342,63 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         Added to the scaled scores.
     mask : bool array broadcastable to ``(..., Hq, Lq, Lk)``, optional
         False where a query does not attend a key.
-    dtype : None, float16, "bfloat16" / ``ml_dtypes.bfloat16``, float32 or float64
-        None (or float64): exact float64 computation. Otherwise emulate a naive
+    dtype : None, float16, "bfloat16" / ``ml_dtypes.bfloat16``, float32, float64 or "longdouble"
+        None (or float64): exact float64 computation; "longdouble": exact in NumPy's
+        long double (the reference for float64 results). Otherwise emulate a naive
         framework computing in that dtype, to measure the error that computation
         makes: q, k, v and bias are rounded to ``dtype``; every operation computes
-        in float32 for 16-bit types (in ``dtype`` itself for float32/float64) and
-        its result is rounded to ``dtype``: ``q k^T`` (float32 accumulation), the
-        scaling, the bias addition, the softmax probabilities (softmax in float32)
-        and the output ``P V``. ``lse`` is the softmax's, in float32. Scores that
-        overflow the dtype propagate inf/NaN as such a framework would (no
-        warnings are raised).
+        in float32 for 16-bit types (in ``dtype`` itself for float32) and its result
+        is rounded to ``dtype``: ``q k^T`` (float32 accumulation), the scaling, the
+        bias addition, the softmax probabilities (softmax in float32) and the output
+        ``P V``. ``lse`` is the softmax's, in float32. Scores that overflow the
+        dtype propagate inf/NaN as such a framework would (no warnings are raised).
 
     Returns
     -------
-    out : float64 array ``(..., Hq, Lq, Dv)``
+    out : float64 array ``(..., Hq, Lq, Dv)`` (long double for "longdouble")
     lse : float64 array ``(..., Hq, Lq)``
         Natural-log logsumexp of the allowed scores (-inf for rows with nothing).
     """
-    xp = _array_module(q, k, v)
-    q, k, v, scale, _, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
-    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, xp)
-    name = "float64" if dtype is None else _dtype_name(dtype)
-    if name == "float64":
-        s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
-        if bias is not None:
-            s = s + bias
-        if allowed is not None:
-            s = xp.where(allowed, s, -np.inf)
-        p, lse = _softmax_rows(s, xp)
-        out = xp.matmul(p, v)
-        return _squeeze(squeeze, out, lse)
+    out, lse, _, _, squeeze, _ = _naive(q, k, v, None, causal, scale, bias, mask, dtype)
+    res = _result_dtype(dtype)
+    return _squeeze(squeeze, out.astype(res), lse.astype(res))
 
-    r = functools.partial(_round, name=name, xp=xp)         # -> float32 arrays holding `name` values
-    q, k, v = r(q), r(k), r(v)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        s = r(xp.matmul(q, xp.swapaxes(k, -1, -2)))
-        s = r(s * np.float32(scale))
-        if bias is not None:
-            s = r(s + r(bias))
-        if allowed is not None:
-            s = xp.where(allowed, s, np.float32(-np.inf))
-        p, lse = _softmax_rows(s, xp)
-        out = r(xp.matmul(r(p), v))
-    return _squeeze(squeeze, out.astype(np.float64), lse.astype(np.float64))
+
+def attention_materialised(q: Array, k: Array, v: Array, *, causal: Causal = False,
+                           scale: Optional[float] = None) -> Array:
+    """Naive attention as a framework runs it, in the inputs' own dtype and on their device.
+
+    ``S = q k^T`` in the input dtype (cuBLAS / BLAS), scaled, masked and
+    softmaxed in float32 (float64 for float64 inputs), ``P`` cast back to the
+    input dtype, ``out = P v``. The n x n scores are materialised (in place where
+    possible). This is the "naive" contender of the benchmark and the demo; for
+    accuracy references use :func:`attention_naive`.
+
+    Parameters
+    ----------
+    q, k, v : arrays ``(..., H, Lq, D)``, ``(..., H, Lk, D)``, ``(..., H, Lk, Dv)``, one dtype
+    causal, scale : as :func:`attention_naive`
+
+    Returns
+    -------
+    out : array ``(..., H, Lq, Dv)``, the inputs' dtype
+    """
+    xp = _array_module(q, k, v)
+    acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s = xp.matmul(q, xp.swapaxes(k, -1, -2)).astype(acc)
+    s *= acc(scale)
+    allowed = causal_mask(q.shape[-2], k.shape[-2], causal, xp)
+    if allowed is not None:
+        s = xp.where(allowed, s, acc(-np.inf))
+    row_max = s.max(axis=-1, keepdims=True)
+    row_max[~xp.isfinite(row_max)] = 0                # rows with nothing to attend: no (-inf) - (-inf)
+    s -= row_max
+    xp.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    total[total == 0] = 1
+    s /= total
+    return xp.matmul(s.astype(q.dtype), v)
 
 
 def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
@@ -426,8 +507,8 @@ def _grads(dq, dk, dv, dbias, group: int, squeeze: bool):
 
 def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causal: Causal = False,
                              scale: Optional[float] = None, bias: Optional[Array] = None,
-                             mask: Optional[Array] = None) -> Tuple[Array, ...]:
-    """Gradients of ``sum(dout * out)`` with the score matrix materialised, in float64.
+                             mask: Optional[Array] = None, dtype: Any = None) -> Tuple[Array, ...]:
+    """Gradients of ``sum(dout * out)`` with the score matrix materialised.
 
     ``P = softmax(S)``, ``O = P V``, ``dV = P^T dO``, ``dP = dO V^T``,
     ``Dsum = rowsum(dO * O)``, ``dS = P (dP - Dsum)``, ``dQ = scale dS K``,
@@ -438,33 +519,38 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
     ----------
     dout : array ``(..., Hq, Lq, Dv)``
         Gradient with respect to ``out``.
-    q, k, v, causal, scale, bias, mask
-        As :func:`attention_naive`.
+    q, k, v, causal, scale, bias, mask, dtype
+        As :func:`attention_naive` (``dtype`` emulates the same naive framework:
+        every matmul result and n x n intermediate rounded to ``dtype``).
 
     Returns
     -------
-    dq : float64 ``q.shape``; dk : float64 ``k.shape``; dv : float64 ``v.shape``
+    dq : ``q.shape``; dk : ``k.shape``; dv : ``v.shape``
         (dk, dv summed over the query heads of each grouped-query group), and
-    dbias : float64 ``bias.shape``, only when ``bias`` is given.
+    dbias : ``bias.shape``, only when ``bias`` is given. float64 (long double for "longdouble").
     """
-    xp = _array_module(dout, q, k, v)
-    q, k, v, scale, group, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
-    do = _as_shape(dout, q.shape[:-1] + (v.shape[-1],), squeeze, "dout", xp)
-    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
-    if bias is not None:
-        s = s + bias
-    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, xp)
-    if allowed is not None:
-        s = xp.where(allowed, s, -np.inf)
-    p, _ = _softmax_rows(s, xp)
-    o = xp.matmul(p, v)
-    dv = xp.matmul(xp.swapaxes(p, -1, -2), do)
-    dp = xp.matmul(do, xp.swapaxes(v, -1, -2))
-    ds = p * (dp - (do * o).sum(axis=-1, keepdims=True))
-    dq = xp.matmul(ds, k) * scale
-    dk = xp.matmul(xp.swapaxes(ds, -1, -2), q) * scale
+    _, _, (dq, dk, dv, ds), group, squeeze, bias = _naive(q, k, v, dout, causal, scale, bias, mask, dtype)
     dbias = None if bias is None else _reduce_to(_squeeze(squeeze, ds)[0], bias.shape)
-    return _grads(dq, dk, dv, dbias, group, squeeze)
+    res = _result_dtype(dtype)
+    return tuple(g.astype(res) for g in _grads(dq, dk, dv, dbias, group, squeeze))
+
+
+def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = None, *, causal: Causal = False,
+                        scale: Optional[float] = None, bias: Optional[Array] = None,
+                        mask: Optional[Array] = None):
+    """The naive computation with every product over absolute values, in float64.
+
+    ``|P| |V|`` for the output; ``|P|^T |dO|``, ``P (|dP| + |Dsum|)``, ``|dS| |K|``, ...
+    for the gradients: the size of the terms each result sums, which bounds the
+    rounding error any method makes (the tests' error floor).
+
+    Returns
+    -------
+    out magnitude, or ``(out, (dq, dk, dv))`` magnitudes when ``dout`` is given.
+    """
+    out, _, grads, group, squeeze, _ = _naive(q, k, v, dout, causal, scale, bias, mask, None, absolute=True)
+    (out,) = _squeeze(squeeze, out)
+    return out if grads is None else (out, _grads(*grads[:3], None, group, squeeze))
 
 
 def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,

@@ -1,6 +1,5 @@
 """Backward kernels on the GPU (marker `gpu`): reference, finite differences,
 determinism, empty rows, huge logits, memory."""
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -8,43 +7,14 @@ from hypothesis import strategies as st
 
 import cuflash
 
-from _errors import FLOOR, exact, magnitude, naive_same_dtype, rel_error, within_budget
+from _errors import FLOOR, rel_error
+from _gpu_checks import DTYPES, check_backward, make_grad_inputs
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
-          "float64": np.float64}
 HEAD_DIMS = [1, 8, 31, 32, 59, 64, 111, 128, 200, 256]
 CAUSAL = [False, True, "bottom_right"]
-
-
-def _make(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):
-    shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv), (b, hq, lq, dv))
-    host = [(rng.standard_normal(s) * (logit_scale if i == 0 else 1.0)).astype(DTYPES[dtype])
-            for i, s in enumerate(shapes)]
-    return [x.astype(np.float64) for x in host], [cp.asarray(x) for x in host]
-
-
-def _check_grads(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, deterministic=False, logit_scale=1.0):
-    rng = np.random.default_rng(seed)
-    (q, k, v, do), (qd, kd, vd, dod) = _make(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale)
-    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal)
-    grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=deterministic)
-    opts = dict(causal=causal, scale=1 / np.sqrt(d), group=hq // hk)
-    _, ref = exact(q, k, v, do, dtype=dtype, **opts)
-    _, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)
-    _, mag = magnitude(q, k, v, do, **opts)
-    logit_max = float(np.abs(np.matmul(q, np.repeat(k, hq // hk, axis=1).swapaxes(-1, -2))).max()) / np.sqrt(d)
-    for name, g, x, r, n, m in zip("qkv", grads, (qd, kd, vd), ref, naive, mag):
-        assert g.shape == x.shape and g.dtype == x.dtype, name
-        got = cp.asnumpy(g).astype(np.float64)
-        assert np.isfinite(got).all(), f"d{name} has NaN/inf"
-        ok, msg = within_budget(got, r, n, m, dtype, logit_max)
-        assert ok, f"d{name}: {msg}"
-        if logit_scale == 1.0 and np.linalg.norm(r) > 0.1 * np.linalg.norm(m):
-            assert rel_error(got, r) < 5e-2, f"d{name}: {msg}"   # absolutely small too
-    return grads
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
@@ -53,7 +23,7 @@ def _check_grads(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, deterministic=Fa
        d=st.sampled_from(HEAD_DIMS), dv_same=st.booleans(), dv=st.sampled_from(HEAD_DIMS),
        causal=st.sampled_from(CAUSAL), deterministic=st.booleans(), seed=st.integers(0, 2**31))
 def test_backward_matches_reference(dtype, b, hk, group, lq, lk, d, dv_same, dv, causal, deterministic, seed):
-    _check_grads(dtype, b, hk * group, hk, lq, lk, d, d if dv_same else dv, causal, seed, deterministic)
+    check_backward(dtype, b, hk * group, hk, lq, lk, d, d if dv_same else dv, causal, seed, deterministic)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -62,7 +32,7 @@ def test_backward_matches_reference(dtype, b, hk, group, lq, lk, d, dv_same, dv,
 @pytest.mark.parametrize("lq,lk,d", [(97, 1025, 59), (1025, 97, 111), (130, 70, 256), (64, 64, 32)])
 def test_backward_grid(dtype, causal, deterministic, lq, lk, d):
     """Every dtype x head bucket x causal mode x dQ strategy at odd sizes."""
-    _check_grads(dtype, 1, 2, 1, lq, lk, d, d, causal, seed=lq + lk * d, deterministic=deterministic)
+    check_backward(dtype, 1, 2, 1, lq, lk, d, d, causal, seed=lq + lk * d, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
@@ -92,7 +62,7 @@ def test_float64_kernel_matches_finite_differences(causal):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_deterministic_is_bitwise_reproducible(dtype):
     rng = np.random.default_rng(8)
-    _, (q, k, v, do) = _make(rng, dtype, 2, 4, 2, 700, 900, 64, 64)
+    _, (q, k, v, do) = make_grad_inputs(rng, dtype, 2, 4, 2, 700, 900, 64, 64)
     out, lse = cuflash.attention_forward(q, k, v, causal=True)
     first = cuflash.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True)
     for _ in range(3):
@@ -109,7 +79,7 @@ def test_deterministic_is_bitwise_reproducible(dtype):
 def test_rows_with_nothing_to_attend_have_zero_gradients(dtype, deterministic):
     rng = np.random.default_rng(9)
     lq, lk = 150, 40
-    (q, k, v, do), dev = _make(rng, dtype, 1, 2, 2, lq, lk, 64, 64)
+    (q, k, v, do), dev = make_grad_inputs(rng, dtype, 1, 2, 2, lq, lk, 64, 64)
     out, lse = cuflash.attention_forward(*dev[:3], causal="bottom_right")
     dq, dk, dv = cuflash.attention_backward(dev[3], *dev[:3], out, lse, causal="bottom_right",
                                             deterministic=deterministic)
@@ -121,12 +91,12 @@ def test_rows_with_nothing_to_attend_have_zero_gradients(dtype, deterministic):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_huge_logits_gradients_finite(dtype):
-    _check_grads(dtype, 1, 2, 2, 64, 80, 64, 64, True, seed=10, logit_scale=1e4)   # |s| ~ 1e4
+    check_backward(dtype, 1, 2, 2, 64, 80, 64, 64, True, seed=10, logit_scale=1e4)   # |s| ~ 1e4
 
 
 def test_vjp_can_be_called_twice_and_matches():
     rng = np.random.default_rng(11)
-    _, (q, k, v, do) = _make(rng, "float32", 2, 4, 1, 70, 90, 48, 40)
+    _, (q, k, v, do) = make_grad_inputs(rng, "float32", 2, 4, 1, 70, 90, 48, 40)
     out, vjp_fn = cuflash.vjp(q, k, v, causal="bottom_right", deterministic=True)
     g1 = vjp_fn(do)
     g2 = vjp_fn(do)
@@ -174,7 +144,7 @@ def test_backward_memory_is_linear():
 
 def test_backward_validation():
     rng = np.random.default_rng(14)
-    _, (q, k, v, do) = _make(rng, "float32", 1, 2, 2, 10, 12, 8, 8)
+    _, (q, k, v, do) = make_grad_inputs(rng, "float32", 1, 2, 2, 10, 12, 8, 8)
     out, lse = cuflash.attention_forward(q, k, v)
     with pytest.raises(ValueError, match="dout must have shape"):
         cuflash.attention_backward(do[..., :5, :], q, k, v, out, lse)

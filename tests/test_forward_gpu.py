@@ -1,5 +1,4 @@
 """Forward kernels on the GPU against the float64 NumPy reference (marker `gpu`)."""
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -9,48 +8,13 @@ import cuflash
 from cuflash import reference
 
 from _errors import exact, magnitude, naive_same_dtype, rel_error, within_budget
+from _gpu_checks import DTYPES, check_forward, make_inputs
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
-          "float64": np.float64}
 HEAD_DIMS = [1, 8, 16, 31, 32, 59, 64, 72, 111, 128, 160, 200, 256]
 CAUSAL = [False, True, "bottom_right"]
-
-
-def _inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):
-    """Host float64 arrays already rounded to `dtype`, and their device copies."""
-    host = []
-    for shape in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)):
-        x = rng.standard_normal(shape) * (logit_scale if len(host) == 0 else 1.0)
-        host.append(x.astype(DTYPES[dtype]))
-    dev = [cp.asarray(x) for x in host]
-    return [x.astype(np.float64) for x in host], dev, host
-
-
-def _check(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0):
-    rng = np.random.default_rng(seed)
-    ref_in, dev, low = _inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale)
-    out, lse = cuflash.attention_forward(*dev, causal=causal)
-    assert out.dtype == np.dtype(DTYPES[dtype]) and out.shape == (b, hq, lq, dv)
-    assert lse.shape == (b, hq, lq)
-    scale = 1 / np.sqrt(d)
-    ref_lse = reference.attention_naive(*ref_in, causal=causal)[1]
-    ref = exact(*ref_in, causal=causal, scale=scale, dtype=dtype, group=hq // hk)
-    naive = naive_same_dtype(*ref_in, causal=causal, scale=scale, dtype=dtype, group=hq // hk)
-    got = cp.asnumpy(out).astype(np.float64)
-    assert np.isfinite(got).all(), "NaN or inf in the output"
-    mag = magnitude(*ref_in, causal=causal, scale=scale, group=hq // hk)
-    ok, msg = within_budget(got, ref, naive, mag, dtype)
-    assert ok, msg
-    assert rel_error(got, ref) < 2e-2, msg   # and absolutely small, whatever the naive computation did
-    got_lse = cp.asnumpy(lse).astype(np.float64)
-    seen = np.isfinite(ref_lse)
-    assert (np.isneginf(got_lse) == ~seen).all(), "lse must be -inf exactly for rows that see no key"
-    lse_tol = 1e-12 if dtype == "float64" else 2e-5
-    np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=lse_tol, atol=lse_tol)
-    return out
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
@@ -59,7 +23,7 @@ def _check(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0):
        d=st.sampled_from(HEAD_DIMS), dv_same=st.booleans(), dv=st.sampled_from(HEAD_DIMS),
        causal=st.sampled_from(CAUSAL), seed=st.integers(0, 2**31))
 def test_forward_matches_reference(dtype, b, hk, group, lq, lk, d, dv_same, dv, causal, seed):
-    _check(dtype, b, hk * group, hk, lq, lk, d, d if dv_same else dv, causal, seed)
+    check_forward(dtype, b, hk * group, hk, lq, lk, d, d if dv_same else dv, causal, seed)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -68,13 +32,13 @@ def test_forward_matches_reference(dtype, b, hk, group, lq, lk, d, dv_same, dv, 
                                      (200, 130, 256)])
 def test_forward_grid(dtype, causal, lq, lk, d):
     """Every dtype x head bucket x causal mode at odd sizes (the variant matrix)."""
-    _check(dtype, 1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d)
+    check_forward(dtype, 1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_huge_logits_stay_finite(dtype):
     # q ~ 1e4 * N(0, 1), so |s| ~ 1e4: a naive exp would overflow.
-    out = _check(dtype, 1, 2, 2, 64, 80, 64, 64, True, seed=5, logit_scale=1e4)
+    out = check_forward(dtype, 1, 2, 2, 64, 80, 64, 64, True, seed=5, logit_scale=1e4)
     assert np.isfinite(cp.asnumpy(out).astype(np.float64)).all()
 
 
@@ -102,7 +66,7 @@ def test_rows_with_nothing_to_attend(dtype):
     """Bottom-right causal with Lq > Lk: the first Lq - Lk rows see no key."""
     rng = np.random.default_rng(2)
     lq, lk = 150, 40
-    _, dev, _ = _inputs(rng, dtype, 1, 2, 2, lq, lk, 64, 64)
+    _, dev, _ = make_inputs(rng, dtype, 1, 2, 2, lq, lk, 64, 64)
     out, lse = cuflash.attention_forward(*dev, causal="bottom_right")
     out = cp.asnumpy(out).astype(np.float64)
     lse = cp.asnumpy(lse)
@@ -134,12 +98,14 @@ def test_strided_blhd_inputs(dtype):
 
 
 def test_2d_and_3d_inputs():
+    """(L, D) is one head and (H, L, D) has a head axis: shapes kept, values match the reference."""
     rng = np.random.default_rng(4)
-    q2 = cp.asarray(rng.standard_normal((45, 32)).astype(np.float32))
-    out2 = cuflash.attention(q2, q2, q2)
-    assert out2.shape == (45, 32)
-    out3 = cuflash.attention(q2[None], q2[None], q2[None])
-    np.testing.assert_array_equal(cp.asnumpy(out2), cp.asnumpy(out3[0]))
+    for shape_q, shape_kv in (((45, 32), (61, 32)), ((3, 45, 32), (3, 61, 32))):
+        host = [rng.standard_normal(s) for s in (shape_q, shape_kv, shape_kv)]
+        out = cuflash.attention(*(cp.asarray(x.astype(np.float32)) for x in host), causal=True)
+        assert out.shape == shape_q
+        ref, _ = reference.attention_naive(*(x.astype(np.float32).astype(np.float64) for x in host), causal=True)
+        assert rel_error(cp.asnumpy(out), ref) < 1e-5
 
 
 def test_numpy_and_cupy_agree():

@@ -1,0 +1,118 @@
+"""Time two cuflash source trees side by side: did a change speed things up or slow them down?
+
+Both trees are imported into one process (as ``cuflash_before`` / ``cuflash_after``)
+and timed on the same buffers, interleaved round by round so that clock and
+thermal drift hit both alike. Each round takes the median of ``--repeat``
+CUDA-event-timed calls after warm-up; the table shows the median over rounds and
+the spread (max/min over rounds of the after/before ratio). Outputs are compared
+too (max abs difference), so a faster but different kernel is noticed.
+
+    PYTHONPATH=. python benchmarks/compare_trees.py --before /path/to/old/tree [--after .] [--quick]
+
+Cases: B x L = 16384 tokens, H x D = 2048 (the benchmark's shape), forward and
+forward+backward, the dtypes and head dims of benchmarks/bench.py.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import cupy as cp
+from cupyx.profiler import benchmark
+
+
+def load_tree(root: Path, name: str):
+    """Import the cuflash package of the source tree ``root`` under the module name ``name``."""
+    pkg = root / "cuflash"
+    spec = importlib.util.spec_from_file_location(name, pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases(quick: bool):
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        for d in (64, 128):
+            for n in ((4096,) if quick else (1024, 4096)):
+                for causal in (False, True):
+                    out.append(("fwd", dtype, d, n, causal))
+            for causal in (False, True):
+                out.append(("fwd+bwd", dtype, d, 4096, causal))
+    for dtype, d in (("float32", 64), ("float32", 128), ("float64", 64)):
+        out += [("fwd", dtype, d, 4096, True), ("fwd+bwd", dtype, d, 4096, True)]
+    return out
+
+
+def _dtype(name):
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16}.get(name, np.dtype(name))
+
+
+def run_case(mods, kind, dtype, d, n, causal, rounds, repeat):
+    b, h = 16384 // n, 2048 // d
+    rng = cp.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(_dtype(dtype)) for _ in range(4))
+
+    def fn(m):
+        if kind == "fwd":
+            return lambda: m.attention_forward(q, k, v, causal=causal)
+        def fwd_bwd():
+            out, lse = m.attention_forward(q, k, v, causal=causal)
+            return m.attention_backward(do, q, k, v, out, lse, causal=causal)
+        return fwd_bwd
+
+    fns = [fn(m) for m in mods]
+    results = [f() for f in fns]                     # compile + warm up
+    first = [r[0] for r in results]             # out, or dq
+    diff = float(cp.abs(first[0].astype(cp.float64) - first[1].astype(cp.float64)).max())
+    times = [[], []]
+    for _ in range(rounds):
+        for i, f in enumerate(fns):
+            t = benchmark(f, n_repeat=repeat, n_warmup=2)
+            times[i].append(float(np.median(t.gpu_times[0]) * 1e3))
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * (3.5 if kind == "fwd+bwd" else 1.0)
+    ratios = [a / b_ for a, b_ in zip(times[1], times[0])]
+    ms = [float(np.median(t)) for t in times]
+    return {"pass": kind, "dtype": dtype, "D": d, "L": n, "B": b, "H": h, "causal": causal,
+            "before_ms": ms[0], "after_ms": ms[1], "before_tflops": flops / ms[0] / 1e9,
+            "after_tflops": flops / ms[1] / 1e9, "speedup": ms[0] / ms[1],
+            "ratio_spread": [min(ratios), max(ratios)], "max_abs_diff_first_output": diff}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, type=Path)
+    parser.add_argument("--after", default=Path("."), type=Path)
+    parser.add_argument("--quick", action="store_true", help="L = 4096 only")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    mods = [load_tree(args.before.resolve(), "cuflash_before"), load_tree(args.after.resolve(), "cuflash_after")]
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    rows = []
+    print(f"device {device}; before {args.before}, after {args.after}", flush=True)
+    print(f"{'pass':8} {'dtype':9} {'D':>4} {'L':>5} {'causal':>6} {'before ms':>10} {'after ms':>9} "
+          f"{'TFLOP/s b/a':>14} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
+    for case in cases(args.quick):
+        r = run_case(mods, *case, rounds=args.rounds, repeat=args.repeat)
+        rows.append(r)
+        print(f"{r['pass']:8} {r['dtype']:9} {r['D']:4d} {r['L']:5d} {str(r['causal']):>6} {r['before_ms']:10.3f} "
+              f"{r['after_ms']:9.3f} {r['before_tflops']:6.1f}/{r['after_tflops']:6.1f} {r['speedup']:7.3f}x "
+              f"{1 / r['ratio_spread'][1]:5.3f}-{1 / r['ratio_spread'][0]:5.3f} {r['max_abs_diff_first_output']:9.2e}",
+              flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""A small forward + backward workload of every dtype, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  --error-exitcode 1 python benchmarks/sanitize_workload.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_workload.py --quick
+
+Odd lengths at the tile edges (Lq = 97, Lk = 130), grouped-query heads, both dQ
+strategies; the full set also covers both causal alignments, unaligned head dims
+and the two-pass head-dim-128 backward. Prints one line per call so a sanitizer
+report can be placed.
+"""
+import argparse
+import itertools
+
+import ml_dtypes
+import numpy as np
+
+import cupy as cp
+
+import cuflash
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="head dim 64, bottom-right causal only")
+    args = parser.parse_args(argv)
+    dims = (64,) if args.quick else (64, 111)
+    modes = ("bottom_right",) if args.quick else (False, "bottom_right")
+    rng = np.random.default_rng(0)
+    for dtype, d, causal, det in itertools.product(DTYPES, dims, modes, (False, True)):
+        q, do = (cp.asarray(rng.standard_normal((2, 2, 97, d)).astype(DTYPES[dtype])) for _ in range(2))
+        k, v = (cp.asarray(rng.standard_normal((2, 1, 130, d)).astype(DTYPES[dtype])) for _ in range(2))
+        out, lse = cuflash.attention_forward(q, k, v, causal=causal)
+        grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det)
+        cp.cuda.Device().synchronize()
+        finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out,) + grads)
+        print(f"{dtype:8} d={d:3} causal={causal!s:12} deterministic={det!s:5} finite={finite}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

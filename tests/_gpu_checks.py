@@ -1,0 +1,80 @@
+"""The GPU checks every GPU test shares: run cuflash on random inputs, compare with the
+exact reference under DESIGN.md's error rule (_errors.py)."""
+import ml_dtypes
+import numpy as np
+
+import cuflash
+from cuflash import reference
+
+from _errors import exact, magnitude, naive_same_dtype, rel_error, within_budget
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+          "float64": np.float64}
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def make_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):
+    """Host float64 arrays already rounded to `dtype`, and their device copies."""
+    host = []
+    for shape in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)):
+        x = rng.standard_normal(shape) * (logit_scale if len(host) == 0 else 1.0)
+        host.append(x.astype(DTYPES[dtype]))
+    dev = [_cupy().asarray(x) for x in host]
+    return [x.astype(np.float64) for x in host], dev, host
+
+
+def check_forward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0):
+    rng = np.random.default_rng(seed)
+    ref_in, dev, low = make_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale)
+    out, lse = cuflash.attention_forward(*dev, causal=causal)
+    assert out.dtype == np.dtype(DTYPES[dtype]) and out.shape == (b, hq, lq, dv)
+    assert lse.shape == (b, hq, lq)
+    scale = 1 / np.sqrt(d)
+    ref_lse = reference.attention_naive(*ref_in, causal=causal)[1]
+    ref = exact(*ref_in, causal=causal, scale=scale, dtype=dtype)
+    naive = naive_same_dtype(*ref_in, causal=causal, scale=scale, dtype=dtype)
+    got = _cupy().asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all(), "NaN or inf in the output"
+    mag = magnitude(*ref_in, causal=causal, scale=scale)
+    ok, msg = within_budget(got, ref, naive, mag, dtype)
+    assert ok, msg
+    assert rel_error(got, ref) < 2e-2, msg   # and absolutely small, whatever the naive computation did
+    got_lse = _cupy().asnumpy(lse).astype(np.float64)
+    seen = np.isfinite(ref_lse)
+    assert (np.isneginf(got_lse) == ~seen).all(), "lse must be -inf exactly for rows that see no key"
+    lse_tol = 1e-12 if dtype == "float64" else 2e-5
+    np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=lse_tol, atol=lse_tol)
+    return out
+
+
+def make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):
+    shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv), (b, hq, lq, dv))
+    host = [(rng.standard_normal(s) * (logit_scale if i == 0 else 1.0)).astype(DTYPES[dtype])
+            for i, s in enumerate(shapes)]
+    return [x.astype(np.float64) for x in host], [_cupy().asarray(x) for x in host]
+
+
+def check_backward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, deterministic=False, logit_scale=1.0):
+    rng = np.random.default_rng(seed)
+    (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal)
+    grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=deterministic)
+    opts = dict(causal=causal, scale=1 / np.sqrt(d))
+    _, ref = exact(q, k, v, do, dtype=dtype, **opts)
+    _, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)
+    _, mag = magnitude(q, k, v, do, **opts)
+    logit_max = float(np.abs(np.matmul(q, np.repeat(k, hq // hk, axis=1).swapaxes(-1, -2))).max()) / np.sqrt(d)
+    for name, g, x, r, n, m in zip("qkv", grads, (qd, kd, vd), ref, naive, mag):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        got = _cupy().asnumpy(g).astype(np.float64)
+        assert np.isfinite(got).all(), f"d{name} has NaN/inf"
+        ok, msg = within_budget(got, r, n, m, dtype, logit_max)
+        assert ok, f"d{name}: {msg}"
+        if logit_scale == 1.0 and np.linalg.norm(r) > 0.1 * np.linalg.norm(m):
+            assert rel_error(got, r) < 5e-2, f"d{name}: {msg}"   # absolutely small too
+    return grads

@@ -1,0 +1,51 @@
+"""One small problem per shipped kernel variant: the call that makes the launcher run it.
+
+Shared by the GPU test that runs every variant (test_variants_gpu.py) and the CPU
+test that checks, through the same selection functions the launcher uses, that
+these problems cover the whole variant table (test_variants.py).
+"""
+from dataclasses import dataclass
+
+from cuflash._variants import Variant, backward_variants, forward_variant, head_bucket
+
+# Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
+# (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
+BATCH, HEADS_Q, HEADS_K, LQ, LK = 2, 2, 1, 97, 130
+
+
+@dataclass(frozen=True)
+class Problem:
+    dtype: str
+    d: int
+    dv: int
+    causal: object        # False, True or "bottom_right"
+    backward: bool
+    deterministic: bool
+
+    @property
+    def vec(self) -> bool:
+        """What the launcher decides for contiguous inputs of these head dims."""
+        return self.d % 8 == 0 and self.dv % 8 == 0
+
+    def variants(self) -> list:
+        """The variants a call with this problem launches (the launcher's own selection)."""
+        head = head_bucket(max(self.d, self.dv))
+        causal = self.causal is not False
+        fwd = forward_variant(self.dtype, head, causal=causal, vec=self.vec)
+        if not self.backward:
+            return [fwd]
+        return [fwd] + backward_variants(self.dtype, head, causal=causal, vec=self.vec,
+                                         deterministic=self.deterministic)
+
+
+def problem_for(v: Variant) -> Problem:
+    """A problem whose call runs ``v``: head dims inside v's bucket (a multiple of 8
+    for 16-byte loads, odd otherwise), causal alignment alternating by bucket."""
+    head = v.head or 64
+    d = head if v.vec else head - 5
+    causal = False if not v.causal else ("bottom_right" if head in (64, 256) else True)
+    backward = not v.family.startswith("fwd")
+    deterministic = v.family.startswith("bwd_dq") or (v.family.startswith("bwd_dkdv") and not v.atomic_dq)
+    if v.family == "bwd_convert_dq":
+        deterministic = False
+    return Problem(v.dtype, d, d, causal, backward, deterministic)

@@ -1,0 +1,52 @@
+"""The variant table (CPU): complete, consistent, and fully covered by the GPU tests."""
+import pytest
+
+from cuflash import _variants as V
+
+from _variant_problems import problem_for
+
+
+def test_every_variant_has_a_table_entry_and_fits():
+    for v in V.all_variants():
+        t = v.tile                                    # KeyError if the table lacks it
+        assert v.threads == 32 * t.warps
+        assert 0 <= v.smem_bytes <= 227 * 1024, v.name
+        assert t.why, v.name
+
+
+def test_variants_are_unique_and_named_uniquely():
+    variants = V.all_variants()
+    assert len({v.name for v in variants}) == len(variants)
+
+
+def test_every_table_entry_is_used():
+    used = {(v.arch, v.family, v.dtype, v.head) for v in V.all_variants()}
+    unused = [key for key, _ in V.table_rows() if key not in used]
+    assert not unused, f"table entries no call can reach: {unused}"
+
+
+@pytest.mark.parametrize("variant", V.all_variants(), ids=lambda v: v.name)
+def test_gpu_problem_runs_the_variant(variant):
+    """test_variants_gpu.py runs problem_for(v) for every v; the launcher's own
+    selection must then include v (the GPU test also records the launches)."""
+    assert variant in problem_for(variant).variants()
+
+
+def test_selection_rules():
+    assert V.forward_variant("float16", 64, causal=True, vec=True).family == "fwd_mma"
+    assert V.forward_variant("float64", 64, causal=True, vec=True) == V.Variant("fwd_fma", "float64", 64, causal=True)
+    plan = V.backward_variants("bfloat16", 128, causal=False, vec=True, deterministic=False)
+    assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
+        ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, True), ("bwd_convert_dq", 0, False)]
+    plan = V.backward_variants("float16", 256, causal=True, vec=True, deterministic=True)
+    assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
+    assert V.head_bucket(1) == 32 and V.head_bucket(33) == 64 and V.head_bucket(256) == 256
+    with pytest.raises(ValueError, match="larger than"):
+        V.head_bucket(257)
+
+
+def test_grid_has_no_65535_limit_but_a_2_31_one():
+    v = V.forward_variant("float16", 64, causal=False, vec=True)
+    assert v.grid(batch=70000, heads_q=3, group=1, lq=16, lk=16) == 210000
+    with pytest.raises(ValueError, match="grid limit"):
+        v.grid(batch=2**20, heads_q=2**6, group=1, lq=2**11, lk=16)
