@@ -38,7 +38,7 @@ if has sanitize; then
   echo "== compute-sanitizer ($san) ==" >> "$summary"
   for spec in "memcheck:" "racecheck:--quick" "synccheck:--quick"; do
     tool=${spec%%:*}; extra=${spec#*:}
-    timeout 400 "$san" --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_workload.py $extra \
+    timeout "${SAN_TIMEOUT:-300}" "$san" --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_workload.py $extra \
       > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$OUT/sanitize_$tool.log" | tail -2 | tr '\n' ' ') ($(grep -c finite=True "$OUT/sanitize_$tool.log") calls)" >> "$summary"
   done

@@ -284,8 +284,7 @@ def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, abs
     a = xp.abs if absolute else (lambda x: x)
     scale = work(abs(scale) if absolute else scale)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        s = rnd(xp.matmul(q, xp.swapaxes(k, -1, -2)))             # S = Q K^T
-        s = rnd(s * scale)
+        s = rnd(xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale)     # S = scale Q K^T (GEMM with alpha = scale)
         if bias is not None:
             s = rnd(s + rnd(bias).astype(work))
         if allowed is not None:
@@ -348,9 +347,9 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         framework computing in that dtype, to measure the error that computation
         makes: q, k, v and bias are rounded to ``dtype``; every operation computes
         in float32 for 16-bit types (in ``dtype`` itself for float32) and its result
-        is rounded to ``dtype``: ``q k^T`` (float32 accumulation), the scaling, the
-        bias addition, the softmax probabilities (softmax in float32) and the output
-        ``P V``. ``lse`` is the softmax's, in float32. Scores that overflow the
+        is rounded to ``dtype``: ``scale q k^T`` (one GEMM with float32 accumulation
+        and ``alpha = scale``, as cuBLAS does), the bias addition, the softmax
+        probabilities (softmax in float32) and the output ``P V``. ``lse`` is the softmax's, in float32. Scores that overflow the
         dtype propagate inf/NaN as such a framework would (no warnings are raised).
 
     Returns

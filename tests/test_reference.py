@@ -345,8 +345,7 @@ def _plain_emulation(q, k, v, scale, bias, to16):
     """One head in a 16-bit dtype, op by op as a framework does it (float32 math, 16-bit results)."""
     f32 = np.float32
     q, k, v, bias = (to16(x.astype(f32)).astype(f32) for x in (q, k, v, bias))
-    s = to16(q @ k.T).astype(f32)
-    s = to16(s * f32(scale)).astype(f32)
+    s = to16((q @ k.T) * f32(scale)).astype(f32)      # one GEMM, alpha = scale
     s = to16(s + bias).astype(f32)
     e = np.exp(s - s.max(axis=1, keepdims=True))
     p = to16(e / e.sum(axis=1, keepdims=True)).astype(f32)
