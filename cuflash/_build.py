@@ -132,11 +132,19 @@ def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int)
     return func
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(variant, device_id: int):
+    return _function(variant.entry, variant.name, device_id, variant.smem_bytes)
+
+
 def get_kernel(variant):
-    """The compiled ``cupy.RawKernel`` of a :class:`cuflash._variants.Variant` on the current device."""
+    """The compiled ``cupy.RawKernel`` of a :class:`cuflash._variants.Variant` on the current device.
+
+    Cached per (variant, device), so a launch does not rebuild the name expression.
+    """
     import cupy
 
-    return _function(variant.entry, variant.name, cupy.cuda.Device().id, variant.smem_bytes)
+    return _compiled(variant, cupy.cuda.runtime.getDevice())
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 struct (``_params``), launch on CuPy's current stream. Nothing here is per variant."""
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -16,12 +17,18 @@ def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
             and all(x.data.ptr % 16 == 0 and (x.strides[2] // x.itemsize) % 8 == 0 for x in arrays))
 
 
-def _launch(variant: Variant, params: np.ndarray) -> None:
+@functools.lru_cache(maxsize=None)
+def _launch_shape(variant: Variant) -> Tuple[int, int]:
+    """(threads, shared-memory bytes) of a variant, computed once."""
+    return variant.threads, variant.smem_bytes
+
+
+def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int]) -> None:
+    """Launch one variant with its params struct; ``dims`` = (batch, heads_q, group, lq, lk) size the grid."""
     from ._build import get_kernel
 
-    b, hq, group, lq, lk = (int(params["dims"][name][0]) for name in ("batch", "heads_q", "group", "lq", "lk"))
-    kernel = get_kernel(variant)
-    kernel((variant.grid(b, hq, group, lq, lk),), (variant.threads,), (params,), shared_mem=variant.smem_bytes)
+    threads, smem = _launch_shape(variant)
+    get_kernel(variant)((variant.grid(*dims),), (threads,), (params,), shared_mem=smem)
 
 
 def launch_forward(q, k, v, out, lse, *, dtype: str, causal_offset: Optional[int], scale: float,
@@ -32,7 +39,8 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, causal_offset: Optional[int
     d, dv = q.shape[3], v.shape[3]
     variant = forward_variant(dtype, head_bucket(max(d, dv)), causal=causal_offset is not None,
                               vec=vec_loads_ok(d, dv, q, k, v))
-    _launch(variant, _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, causal_offset=causal_offset))
+    params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, causal_offset=causal_offset)
+    _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]))
 
 
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, causal_offset: Optional[int], scale: float,
@@ -54,5 +62,5 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, causal_offset: Optio
     params = _params.bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv_, group=group, scale=scale,
                                 causal_offset=causal_offset)
     for variant in plan:
-        _launch(variant, params)
+        _launch(variant, params, (b, hq, group, lq, lk))
     return dq, dk, dv_

@@ -31,6 +31,7 @@ sm_80 and sm_90 in the CPU check).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Tuple
 
@@ -63,14 +64,16 @@ def acc_itemsize(dtype: str) -> int:
 @dataclass(frozen=True)
 class Tile:
     """A tile configuration: ``block_m`` query rows x ``block_n`` keys, ``warps``
-    warps per CTA, ``stages`` deep shared-memory pipeline; ``why`` is the
-    measurement or constraint that chose it."""
+    warps per CTA, ``stages`` deep shared-memory pipeline, ``ctas`` CTAs per SM
+    that the register budget must allow (``__launch_bounds__``' minimum blocks);
+    ``why`` is the measurement or constraint that chose it."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
     why: str
+    ctas: int = 1
 
 
 # --------------------------------------------------------------------------- the table
@@ -105,7 +108,8 @@ _add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "115 KB shared"))
 _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "140 KB shared; 32-key tiles"))
 _add("fwd_fma", ["float64"], [32], Tile(64, 64, 8, 1, "66 KB shared"))
 _add("fwd_fma", ["float64"], [64], Tile(64, 64, 8, 1, "131 KB shared"))
-_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "107 KB shared; 64-row tiles would not fit"))
+_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "107 KB shared (64-row tiles would not fit): two CTAs an SM "
+                                                      "when registers stay <= 128", ctas=2))
 _add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "205 KB shared, under the 227 KB limit"))
 
 # Tensor-core backward: 4 warps; dK/dV CTAs own 64 keys (16 per warp) and step
@@ -116,15 +120,22 @@ _add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "205 KB shared, under the
 # 128 registers a thread). The deterministic dQ kernel steps over 32 keys at
 # head dim 128 (64 spilled).
 _add("bwd_dkdv_mma", HALF_TYPES, [32, 64, 128], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
-_add("bwd_dq_mma", HALF_TYPES, [32, 64], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps"))
+_add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; 21 KB shared: three "
+                                                       "CTAs an SM at <= 168 registers", ctas=3))
+_add("bwd_dq_mma", HALF_TYPES, [64], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; a 168-register cap (three "
+                                                       "CTAs an SM) spills 16 bytes on sm_90"))
 _add("bwd_dq_mma", HALF_TYPES, [128], Tile(64, 32, 4, 1, "32-key steps: 64 spilled registers"))
 
 # FMA backward: 16 x 16 threads; K, V, Q, dO tiles in the input dtype and P, dS
 # tiles in the accumulator dtype in shared memory; dK, dV in registers.
 for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
-    _add(_fam, ["float32"], [32, 64], Tile(64, 64, 8, 1, "~100 KB shared; 4x4 scores per thread"))
+    _add(_fam, ["float32"], [32, 64], Tile(64, 64, 8, 1, "98 KB shared, 4x4 scores per thread: two CTAs an SM at "
+                                                         "<= 128 registers (145 halved occupancy: -25% measured)",
+                                           ctas=2))
     _add(_fam, ["float32"], [128], Tile(64, 64, 8, 1, "166 KB shared"))
-    _add(_fam, ["float32"] + list(HALF_TYPES), [256], Tile(32, 32, 8, 1, "140 KB shared; dK+dV are 64 registers"))
+    _add(_fam, ["float32"], [256], Tile(32, 32, 8, 1, "140 KB shared; dK+dV are 64 registers"))
+    _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "73 KB shared; dK+dV are 64 registers: two CTAs an SM at "
+                                                     "<= 128 registers", ctas=2))
     _add(_fam, ["float64"], [32, 64], Tile(32, 32, 8, 1, "fp64 P/dS tiles: 32x32 keeps shared memory near 84 KB"))
     _add(_fam, ["float64"], [128], Tile(32, 32, 8, 1, "fp64: 149 KB shared"))
     _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 206 KB shared; dK+dV are 128 registers"))
@@ -217,14 +228,15 @@ class Variant:
     pass_: int = 0
     atomic_dq: bool = False
     arch: str = "sm80"
+    tile: Tile = field(default=None, repr=False)   # resolved from the table at construction
+
+    def __post_init__(self):
+        if self.tile is None:
+            object.__setattr__(self, "tile", _TABLE[(self.arch, self.family, self.dtype, self.head)])
 
     @property
     def fam(self) -> Family:
         return FAMILIES[self.family]
-
-    @property
-    def tile(self) -> Tile:
-        return _TABLE[(self.arch, self.family, self.dtype, self.head)]
 
     @property
     def entry(self) -> str:
@@ -242,7 +254,7 @@ class Variant:
     def name(self) -> str:
         """The C++ name expression NVRTC instantiates."""
         t = self.tile
-        cfg = (f"TileCfg<{self.head}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
+        cfg = (f"TileCfg<{self.head}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {t.ctas}, "
                f"{self.threads}, {self.smem_bytes}>")
         args = [CXX_TYPE[self.dtype], cfg]
         for flag in self.fam.flags:
@@ -268,6 +280,7 @@ def _dkdv_passes(head: int, atomic_dq: bool) -> List[Tuple[int, bool]]:
     return [(0, atomic_dq)] if head <= 64 else [(1, False), (2, atomic_dq)]
 
 
+@functools.lru_cache(maxsize=None)
 def forward_variant(dtype: str, head: int, *, causal: bool, vec: bool) -> Variant:
     """The forward kernel for one call."""
     if dtype in HALF_TYPES:
@@ -275,7 +288,8 @@ def forward_variant(dtype: str, head: int, *, causal: bool, vec: bool) -> Varian
     return Variant("fwd_fma", dtype, head, causal=causal)
 
 
-def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, deterministic: bool) -> List[Variant]:
+@functools.lru_cache(maxsize=None)
+def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, deterministic: bool) -> Tuple[Variant, ...]:
     """The backward kernels for one call, in launch order."""
     atomic = not deterministic
     plan = [Variant("bwd_dsum", dtype, 0)]
@@ -290,7 +304,7 @@ def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, determi
             plan.append(Variant("bwd_dq_fma", dtype, head, causal=causal))
     if atomic:
         plan.append(Variant("bwd_convert_dq", dtype, 0))
-    return plan
+    return tuple(plan)
 
 
 def vec_choices(dtype: str) -> Tuple[bool, ...]:
@@ -322,14 +336,20 @@ def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
 def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str = "sm80"):
     """Temporarily replace table entries; for the tuning scripts in benchmarks/ only.
 
-    Every variant built meanwhile carries the new tile in its name expression,
-    so a kernel compiled for one configuration is never served for another.
+    A variant carries the tile it was built with (and its name expression says
+    so), so kernels compiled for one configuration are never served for another;
+    the selection caches are cleared on entry and exit so that calls pick up the
+    table as it is.
     """
     keys = [(arch, family, dtype, head) for dtype in dtypes if (arch, family, dtype, head) in _TABLE]
     saved = {key: _TABLE[key] for key in keys}
     try:
         for key in keys:
             _TABLE[key] = tile
+        forward_variant.cache_clear()
+        backward_variants.cache_clear()
         yield
     finally:
         _TABLE.update(saved)
+        forward_variant.cache_clear()
+        backward_variants.cache_clear()

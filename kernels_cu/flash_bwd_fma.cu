@@ -188,7 +188,7 @@ __device__ __forceinline__ void zero_tile(A (&x)[R][C]) {
 // dK, dV for one key block (and, with ATOMIC_DQ, dQ contributions).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_fma(const BwdParams p) {
     typedef BwdFmaTraits<T, Cfg> Tr;
     typedef typename Tr::A A;
@@ -255,7 +255,7 @@ flash_bwd_dkdv_fma(const BwdParams p) {
 // blocks in order, so the sum order is fixed and the result bitwise reproducible.
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_fma(const BwdParams p) {
     typedef BwdFmaTraits<T, Cfg> Tr;
     typedef typename Tr::A A;

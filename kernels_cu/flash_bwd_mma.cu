@@ -63,7 +63,7 @@ struct DqMmaTraits {
 // PASS 2 = dK (and dQ) only, each recomputing S^T (one extra GEMM, no spills).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_mma(const BwdParams p) {
     typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ> Tr;
     constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH;
@@ -188,7 +188,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_mma(const BwdParams p) {
     typedef DqMmaTraits<T, Cfg> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;

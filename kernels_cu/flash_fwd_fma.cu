@@ -36,7 +36,7 @@ struct FwdFmaTraits {
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_fma(const FwdParams p) {
     typedef FwdFmaTraits<T, Cfg> Tr;
     typedef T A;   // float or double: the accumulator is the input type here

@@ -55,7 +55,7 @@ __device__ __forceinline__ void warp_softmax_update(float (&s)[Tr::S_TILES][4], 
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_mma(const FwdParams p) {
     typedef FwdMmaTraits<T, Cfg> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;

@@ -54,13 +54,14 @@ struct BwdParams {
 
 // A kernel's compile-time tile configuration, exactly as the variant table
 // (cuflash/_variants.py) chose it: head-dim bucket, BM query rows x BN keys per
-// tile, warps, pipeline stages. THREADS and SMEM_BYTES are what the launch will
-// use (computed on the host); each kernel static_asserts that they match its own
-// layout, so the table and the kernels cannot drift apart.
-template <int HEAD_, int BM_, int BN_, int WARPS_, int STAGES_, int THREADS_, int SMEM_BYTES_>
+// tile, warps, pipeline stages, and MIN_CTAS, the CTAs per SM the register
+// budget must allow (__launch_bounds__). THREADS and SMEM_BYTES are what the
+// launch will use (computed on the host); each kernel static_asserts that they
+// match its own layout, so the table and the kernels cannot drift apart.
+template <int HEAD_, int BM_, int BN_, int WARPS_, int STAGES_, int MIN_CTAS_, int THREADS_, int SMEM_BYTES_>
 struct TileCfg {
     static constexpr int HEAD = HEAD_, BM = BM_, BN = BN_, WARPS = WARPS_, STAGES = STAGES_;
-    static constexpr int THREADS = THREADS_, SMEM_BYTES = SMEM_BYTES_;
+    static constexpr int MIN_CTAS = MIN_CTAS_, THREADS = THREADS_, SMEM_BYTES = SMEM_BYTES_;
 };
 
 // Which (tile, head, batch) this CTA owns. The grid is one-dimensional

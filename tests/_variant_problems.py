@@ -34,8 +34,8 @@ class Problem:
         fwd = forward_variant(self.dtype, head, causal=causal, vec=self.vec)
         if not self.backward:
             return [fwd]
-        return [fwd] + backward_variants(self.dtype, head, causal=causal, vec=self.vec,
-                                         deterministic=self.deterministic)
+        return [fwd, *backward_variants(self.dtype, head, causal=causal, vec=self.vec,
+                                        deterministic=self.deterministic)]
 
 
 def problem_for(v: Variant) -> Problem:

@@ -26,9 +26,9 @@ def launches(monkeypatch):
     seen = []
     real = _launch._launch
 
-    def record(variant, params):
+    def record(variant, *args):
         seen.append(variant)
-        real(variant, params)
+        real(variant, *args)
 
     monkeypatch.setattr(_launch, "_launch", record)
     return seen
