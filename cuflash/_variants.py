@@ -123,7 +123,7 @@ _add("bwd_dkdv_mma", HALF_TYPES, [32, 64, 128], Tile(64, 64, 4, 2, "2 stages +2-
 _add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; 21 KB shared: three "
                                                        "CTAs an SM at <= 168 registers", ctas=3))
 _add("bwd_dq_mma", HALF_TYPES, [64], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; a 168-register cap (three "
-                                                       "CTAs an SM) spills 16 bytes on sm_90"))
+                                                       "CTAs an SM) spills 16 bytes on sm_90, so two"))
 _add("bwd_dq_mma", HALF_TYPES, [128], Tile(64, 32, 4, 1, "32-key steps: 64 spilled registers"))
 
 # FMA backward: 16 x 16 threads; K, V, Q, dO tiles in the input dtype and P, dS
@@ -141,8 +141,9 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
     _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 206 KB shared; dK+dV are 128 registers"))
 
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
-_add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row"))
-_add("bwd_convert_dq", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row"))
+_add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
+                                   ctas=8))
+_add("bwd_convert_dq", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs)", ctas=8))
 
 
 # --------------------------------------------------------------------------- families

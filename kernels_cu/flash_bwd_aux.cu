@@ -5,38 +5,42 @@
 #include "common.cuh"
 #include "params.cuh"
 
-template <typename Cfg>
-struct RowwiseTraits {
-    static constexpr int ROWS = Cfg::BM;           // one warp per row
-    static_assert(Cfg::THREADS == 32 * ROWS, "the variant table's thread count");
-    static_assert(Cfg::SMEM_BYTES == 0, "no shared memory");
+// The query row this warp owns (row >= lq: past the sequence end, nothing to do).
+struct WarpRow {
+    int batch, head, row, lane;
+
+    template <typename Cfg>
+    __device__ __forceinline__ static WarpRow from_grid(const AttnDims& dims) {
+        static_assert(Cfg::THREADS == 32 * Cfg::BM, "the variant table's thread count: one warp per row");
+        static_assert(Cfg::SMEM_BYTES == 0, "no shared memory");
+        const QueryBlock blk = QueryBlock::from_grid<Cfg::BM, false>(dims);
+        return {blk.batch, blk.head, blk.m0 + int(threadIdx.x) / 32, int(threadIdx.x) % 32};
+    }
 };
 
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::THREADS)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dsum(const BwdParams p) {
     typedef typename AccumOf<T>::type A;
-    constexpr int ROWS = RowwiseTraits<Cfg>::ROWS;
-    const BlockInfo blk = BlockInfo::from_grid<false>(ceil_div(p.dims.lq, ROWS), p.dims.heads_q);
-    const int row = blk.tile * ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= p.dims.lq) return;   // the whole warp
-    const T* dout = p.dout.at<const T>(blk.batch, blk.head, row);
-    const T* out = p.out.at<const T>(blk.batch, blk.head, row);
+    const WarpRow w = WarpRow::from_grid<Cfg>(p.dims);
+    if (w.row >= p.dims.lq) return;   // the whole warp
+    const T* dout = p.dout.at<const T>(w.batch, w.head, w.row);
+    const T* out = p.out.at<const T>(w.batch, w.head, w.row);
     A acc = A(0);
-    for (int c = lane; c < p.dims.dv; c += 32) acc = fma(to_acc(dout[c]), to_acc(out[c]), acc);
+    // Two loads in flight per lane at <= 32 registers: a full SM of warps hides the memory latency.
+#pragma unroll 2
+    for (int c = w.lane; c < p.dims.dv; c += 32) acc = fma(to_acc(dout[c]), to_acc(out[c]), acc);
     acc = group_sum<32>(acc);
-    if (lane == 0) *p.dsum.at<A>(blk.batch, blk.head, row) = acc;
+    if (w.lane == 0) *p.dsum.at<A>(w.batch, w.head, w.row) = acc;
 }
 
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::THREADS)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_convert_dq(const BwdParams p) {
     typedef typename AccumOf<T>::type A;
-    constexpr int ROWS = RowwiseTraits<Cfg>::ROWS;
-    const BlockInfo blk = BlockInfo::from_grid<false>(ceil_div(p.dims.lq, ROWS), p.dims.heads_q);
-    const int row = blk.tile * ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= p.dims.lq) return;
-    const A* acc = p.dq_acc.at<const A>(blk.batch, blk.head, row);
-    T* dq = p.dq.at<T>(blk.batch, blk.head, row);
-    for (int c = lane; c < p.dims.d; c += 32) dq[c] = from_acc<T>(acc[c]);
+    const WarpRow w = WarpRow::from_grid<Cfg>(p.dims);
+    if (w.row >= p.dims.lq) return;   // the whole warp
+    const A* acc = p.dq_acc.at<const A>(w.batch, w.head, w.row);
+    T* dq = p.dq.at<T>(w.batch, w.head, w.row);
+    for (int c = w.lane; c < p.dims.d; c += 32) dq[c] = from_acc<T>(acc[c]);
 }

@@ -70,22 +70,9 @@ template <typename T, typename Tr>
 __device__ __forceinline__ void load_query_block(const BwdSmem<T, Tr>& sm, const BwdParams& p, int batch, int head,
                                                  int m0) {
     const int rows_valid = imin(Tr::BM, p.dims.lq - m0);
-    load_tile<T, Tr::BM, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.q, p.q.at<const T>(batch, head, m0),
-                                                                  p.q.row_stride, rows_valid, p.dims.d);
-    load_tile<T, Tr::BM, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.dout, p.dout.at<const T>(batch, head, m0),
-                                                                  p.dout.row_stride, rows_valid, p.dims.dv);
+    load_row_tiles<T, Tr::BM, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.q, p.q, p.dims.d, sm.dout, p.dout, p.dims.dv,
+                                                                       batch, head, m0, rows_valid);
     load_row_stats<Tr::BM, Tr::THREADS>(sm.lse, sm.dsum, p.lse, p.dsum, batch, head, m0, rows_valid);
-}
-
-// Key-block inputs: K_j, V_j of keys [n0, n0 + BN) of one K/V head.
-template <typename T, typename Tr>
-__device__ __forceinline__ void load_key_block(const BwdSmem<T, Tr>& sm, const BwdParams& p, int batch, int kv_head,
-                                               int n0) {
-    const int keys_valid = imin(Tr::BN, p.dims.lk - n0);
-    load_tile<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.k, p.k.at<const T>(batch, kv_head, n0),
-                                                                  p.k.row_stride, keys_valid, p.dims.d);
-    load_tile<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.v, p.v.at<const T>(batch, kv_head, n0),
-                                                                  p.v.row_stride, keys_valid, p.dims.dv);
 }
 
 // acc = A B^T over `depth` columns for this thread's score entries: A rows
@@ -195,19 +182,19 @@ flash_bwd_dkdv_fma(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const BwdSmem<T, Tr> sm(smem_raw);
     const AttnDims& dims = p.dims;
-    const BlockInfo blk = BlockInfo::from_grid<false>(ceil_div(dims.lk, Tr::BN), dims.heads_q / dims.group);
-    const int n0 = blk.tile * Tr::BN, kv_head = blk.head, batch = blk.batch;
+    const KeyBlock blk = KeyBlock::from_grid<Tr::BN>(dims);
+    const int n0 = blk.n0, batch = blk.batch;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const A scale = A(p.scale);
-    const int keys_valid = imin(Tr::BN, dims.lk - n0);
-    ScoreMod<Flags, A> mod(p.mask, dims, p.scale_log2, batch, kv_head * dims.group);
+    ScoreMod<Flags, A> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
     const TileRange queries = mod.query_tiles(n0, Tr::BM);
 
-    load_key_block<T, Tr>(sm, p, batch, kv_head, n0);
+    load_row_tiles<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.k, p.k, dims.d, sm.v, p.v, dims.dv, batch,
+                                                                       blk.kv_head, n0, blk.keys);
     A acc_dk[Tr::TN][Tr::TD], acc_dv[Tr::TN][Tr::TD];
     zero_tile(acc_dk);
     zero_tile(acc_dv);
-    for (int head = kv_head * dims.group; head < (kv_head + 1) * dims.group; ++head) {
+    for (int head = blk.first_head; head < blk.end_head; ++head) {
         mod.head = head;
         for (int i = queries.begin; i < queries.end; ++i) {
             const int m0 = i * Tr::BM, rows_valid = imin(Tr::BM, dims.lq - m0);
@@ -221,7 +208,7 @@ flash_bwd_dkdv_fma(const BwdParams p) {
             if (ATOMIC_DQ) {   // dQ_i += scale * dS K_j
                 A part[Tr::TM][Tr::TD];
                 zero_tile(part);
-                accumulate_ds_k<T, Tr>(part, sm, keys_valid, ty * Tr::TM);
+                accumulate_ds_k<T, Tr>(part, sm, blk.keys, ty * Tr::TM);
 #pragma unroll
                 for (int r = 0; r < Tr::TM; ++r) {
                     const int row = ty * Tr::TM + r;
@@ -239,9 +226,9 @@ flash_bwd_dkdv_fma(const BwdParams p) {
 #pragma unroll
     for (int i = 0; i < Tr::TN; ++i) {
         const int n = ty * Tr::TN + i;
-        if (n >= keys_valid) continue;
-        T* dk_row = p.dk.at<T>(batch, kv_head, n0 + n);
-        T* dv_row = p.dv.at<T>(batch, kv_head, n0 + n);
+        if (n >= blk.keys) continue;
+        T* dk_row = p.dk.at<T>(batch, blk.kv_head, n0 + n);
+        T* dv_row = p.dv.at<T>(batch, blk.kv_head, n0 + n);
 #pragma unroll
         for (int c = 0; c < Tr::TD; ++c) {
             const int col = tx + 16 * c;
@@ -261,34 +248,33 @@ flash_bwd_dq_fma(const BwdParams p) {
     typedef typename Tr::A A;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const BwdSmem<T, Tr> sm(smem_raw);
-    const AttnDims& dims = p.dims;
-    const BlockInfo blk = BlockInfo::from_grid<true>(ceil_div(dims.lq, Tr::BM), dims.heads_q);
-    const int m0 = blk.tile * Tr::BM, head = blk.head, batch = blk.batch, kv_head = head / dims.group;
+    const QueryBlock blk = QueryBlock::from_grid<Tr::BM>(p.dims);
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const int rows_valid = imin(Tr::BM, dims.lq - m0);
-    const ScoreMod<Flags, A> mod(p.mask, dims, p.scale_log2, batch, head);
-    const TileRange keys = mod.key_tiles(m0, Tr::BM, Tr::BN);
+    const ScoreMod<Flags, A> mod(p.mask, p.dims, p.scale_log2, blk.batch, blk.head);
+    const TileRange keys = mod.key_tiles(blk.m0, Tr::BM, Tr::BN);
 
-    load_query_block<T, Tr>(sm, p, batch, head, m0);
+    load_query_block<T, Tr>(sm, p, blk.batch, blk.head, blk.m0);
     A acc_dq[Tr::TM][Tr::TD];
     zero_tile(acc_dq);
     for (int j = keys.begin; j < keys.end; ++j) {
         const int n0 = j * Tr::BN;
         __syncthreads();
-        load_key_block<T, Tr>(sm, p, batch, kv_head, n0);
+        load_row_tiles<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.k, p.k, p.dims.d, sm.v, p.v, p.dims.dv,
+                                                                           blk.batch, blk.kv_head, n0,
+                                                                           imin(Tr::BN, p.dims.lk - n0));
         __syncthreads();
-        tile_p_ds<T, Tr>(sm, mod, m0, n0, dims.d, dims.dv);
+        tile_p_ds<T, Tr>(sm, mod, blk.m0, n0, p.dims.d, p.dims.dv);
         __syncthreads();
-        accumulate_ds_k<T, Tr>(acc_dq, sm, imin(Tr::BN, dims.lk - n0), ty * Tr::TM);
+        accumulate_ds_k<T, Tr>(acc_dq, sm, imin(Tr::BN, p.dims.lk - n0), ty * Tr::TM);
     }
     const A scale = A(p.scale);
 #pragma unroll
     for (int r = 0; r < Tr::TM; ++r) {
         const int row = ty * Tr::TM + r;
-        if (row >= rows_valid) continue;
-        T* dq_row = p.dq.at<T>(batch, head, m0 + row);
+        if (row >= blk.rows) continue;
+        T* dq_row = p.dq.at<T>(blk.batch, blk.head, blk.m0 + row);
 #pragma unroll
         for (int c = 0; c < Tr::TD; ++c)
-            if (tx + 16 * c < dims.d) dq_row[tx + 16 * c] = from_acc<T>(acc_dq[r][c] * scale);
+            if (tx + 16 * c < p.dims.d) dq_row[tx + 16 * c] = from_acc<T>(acc_dq[r][c] * scale);
     }
 }

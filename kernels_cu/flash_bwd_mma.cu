@@ -79,17 +79,13 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    const BlockInfo blk = BlockInfo::from_grid<false>(ceil_div(dims.lk, BN), dims.heads_q / dims.group);
-    const int n0 = blk.tile * BN, kv_head = blk.head, batch = blk.batch;
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims);
+    const int n0 = blk.n0, kv_head = blk.kv_head, batch = blk.batch, keys_valid = blk.keys;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int keys_valid = imin(BN, dims.lk - n0);
     const float scale = float(p.scale);
-    ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, batch, kv_head * dims.group);
+    ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
 
-    load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k.at<const T>(batch, kv_head, n0), p.k.row_stride,
-                                                keys_valid, dims.d);
-    load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(v_s, p.v.at<const T>(batch, kv_head, n0), p.v.row_stride,
-                                                keys_valid, dims.dv);
+    load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0, keys_valid);
     cp_async_commit();
 
     float acc_dk[HEAD / 8][4], acc_dv[HEAD / 8][4];
@@ -100,15 +96,13 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     // blocks that can see this key block.
     const TileRange queries = mod.query_tiles(n0, BM);
     const int m_blocks = imax(0, queries.end - queries.begin);
-    const int n_steps = dims.group * m_blocks;
-    auto step_head = [&](int step) { return kv_head * dims.group + step / m_blocks; };
+    const int n_steps = (blk.end_head - blk.first_head) * m_blocks;
+    auto step_head = [&](int step) { return blk.first_head + step / m_blocks; };
     auto step_m0 = [&](int step) { return (queries.begin + step % m_blocks) * BM; };
     auto issue_query_block = [&](int step, int stage) {
-        const int head = step_head(step), m0 = step_m0(step), rows_valid = imin(BM, dims.lq - m0);
-        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q.at<const T>(batch, head, m0),
-                                                    p.q.row_stride, rows_valid, dims.d);
-        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(do_stages + stage * BM * P, p.dout.at<const T>(batch, head, m0),
-                                                    p.dout.row_stride, rows_valid, dims.dv);
+        const int head = step_head(step), m0 = step_m0(step);
+        load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q, dims.d, do_stages + stage * BM * P,
+                                                         p.dout, dims.dv, batch, head, m0, imin(BM, dims.lq - m0));
         cp_async_commit();
     };
     if (n_steps > 0) issue_query_block(0, 0);
@@ -201,17 +195,13 @@ flash_bwd_dq_mma(const BwdParams p) {
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    const BlockInfo blk = BlockInfo::from_grid<true>(ceil_div(dims.lq, BM), dims.heads_q);
-    const int m0 = blk.tile * BM, head = blk.head, batch = blk.batch, kv_head = head / dims.group;
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const int m0 = blk.m0, head = blk.head, batch = blk.batch, kv_head = blk.kv_head, rows_valid = blk.rows;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int rows_valid = imin(BM, dims.lq - m0);
     const int row0 = warp * 16;
     const ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, batch, head);
 
-    load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(batch, head, m0), p.q.row_stride,
-                                                rows_valid, dims.d);
-    load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(do_s, p.dout.at<const T>(batch, head, m0), p.dout.row_stride,
-                                                rows_valid, dims.dv);
+    load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q, dims.d, do_s, p.dout, dims.dv, batch, head, m0, rows_valid);
     cp_async_commit();
     load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
 
@@ -219,12 +209,10 @@ flash_bwd_dq_mma(const BwdParams p) {
     zero_frags(acc_dq);
     const TileRange keys = mod.key_tiles(m0, BM, BN);
     for (int j = keys.begin; j < keys.end; ++j) {
-        const int n0 = j * BN, keys_valid = imin(BN, dims.lk - n0);
+        const int n0 = j * BN;
         __syncthreads();
-        load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k.at<const T>(batch, kv_head, n0), p.k.row_stride,
-                                                    keys_valid, dims.d);
-        load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(v_s, p.v.at<const T>(batch, kv_head, n0), p.v.row_stride,
-                                                    keys_valid, dims.dv);
+        load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0,
+                                                         imin(BN, dims.lk - n0));
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();

@@ -48,16 +48,12 @@ flash_fwd_fma(const FwdParams p) {
     A* p_s = v_s + BN * Tr::V_PITCH;
 
     const AttnDims& dims = p.dims;
-    const BlockInfo blk = BlockInfo::from_grid<true>(ceil_div(dims.lq, BM), dims.heads_q);
-    const int m0 = blk.tile * BM, kv_head = blk.head / dims.group;
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const int m0 = blk.m0;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const T* q = p.q.at<const T>(blk.batch, blk.head, m0);
-    const T* k = p.k.at<const T>(blk.batch, kv_head, 0);
-    const T* v = p.v.at<const T>(blk.batch, kv_head, 0);
+    const int row0 = ty * Tr::TM;   // first row of this thread within the tile
     const ScoreMod<Flags, A> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
     const TileRange keys = mod.key_tiles(m0, BM, BN);
-    const int rows_valid = imin(BM, dims.lq - m0);
-    const int row0 = ty * Tr::TM;   // first row of this thread within the tile
 
     A acc_o[Tr::TM][Tr::TD];
     A row_max[Tr::TM], row_sum[Tr::TM];
@@ -70,13 +66,14 @@ flash_fwd_fma(const FwdParams p) {
     }
 
     if (keys.begin < keys.end)
-        load_tile<T, BM, HEAD, Tr::QK_PITCH, Tr::THREADS, false>(q_s, q, p.q.row_stride, rows_valid, dims.d);
+        load_tile<T, BM, HEAD, Tr::QK_PITCH, Tr::THREADS, false>(q_s, p.q.at<const T>(blk.batch, blk.head, m0),
+                                                                 p.q.row_stride, blk.rows, dims.d);
     for (int j = keys.begin; j < keys.end; ++j) {
         const int n0 = j * BN;
-        load_tile<T, BN, HEAD, Tr::QK_PITCH, Tr::THREADS, false>(k_s, k + n0 * p.k.row_stride, p.k.row_stride,
-                                                                 dims.lk - n0, dims.d);
-        load_tile<T, BN, HEAD, Tr::V_PITCH, Tr::THREADS, false>(v_s, v + n0 * p.v.row_stride, p.v.row_stride,
-                                                                dims.lk - n0, dims.dv);
+        load_tile<T, BN, HEAD, Tr::QK_PITCH, Tr::THREADS, false>(k_s, p.k.at<const T>(blk.batch, blk.kv_head, n0),
+                                                                 p.k.row_stride, dims.lk - n0, dims.d);
+        load_tile<T, BN, HEAD, Tr::V_PITCH, Tr::THREADS, false>(v_s, p.v.at<const T>(blk.batch, blk.kv_head, n0),
+                                                                p.v.row_stride, dims.lk - n0, dims.dv);
         __syncthreads();
 
         // S = Q K^T over the real head dim only (padding columns are zeros anyway).
@@ -133,7 +130,7 @@ flash_fwd_fma(const FwdParams p) {
         A inv_sum, row_lse;
         softmax_finalize_row<16>(row_max[i], row_sum[i], inv_sum, row_lse);
         const int row = row0 + i;
-        if (row >= rows_valid) continue;
+        if (row >= blk.rows) continue;
         T* out_row = p.out.at<T>(blk.batch, blk.head, m0 + row);
 #pragma unroll
         for (int c = 0; c < Tr::TD; ++c) {

@@ -65,22 +65,14 @@ flash_fwd_mma(const FwdParams p) {
     T* v_s = k_s + 2 * Tr::KV_ELEMS;
 
     const AttnDims& dims = p.dims;
-    const BlockInfo blk = BlockInfo::from_grid<true>(ceil_div(dims.lq, BM), dims.heads_q);
-    const int m0 = blk.tile * BM, kv_head = blk.head / dims.group;
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const T* q = p.q.at<const T>(blk.batch, blk.head, m0);
-    const T* k = p.k.at<const T>(blk.batch, kv_head, 0);
-    const T* v = p.v.at<const T>(blk.batch, kv_head, 0);
     const ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
-    const TileRange keys = mod.key_tiles(m0, BM, BN);
-    const int rows_valid = imin(BM, dims.lq - m0);
+    const TileRange keys = mod.key_tiles(blk.m0, BM, BN);
 
     auto load_kv = [&](int j, int stage) {
-        const int n0 = j * BN;
-        load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, k + n0 * p.k.row_stride,
-                                                    p.k.row_stride, dims.lk - n0, dims.d);
-        load_tile<T, BN, HEAD, P, Tr::THREADS, VEC>(v_s + stage * Tr::KV_ELEMS, v + n0 * p.v.row_stride,
-                                                    p.v.row_stride, dims.lk - n0, dims.dv);
+        load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, p.k, dims.d, v_s + stage * Tr::KV_ELEMS,
+                                                         p.v, dims.dv, blk.batch, blk.kv_head, j * BN, dims.lk - j * BN);
         cp_async_commit();
     };
 
@@ -90,10 +82,11 @@ flash_fwd_mma(const FwdParams p) {
     float row_sum[2] = {0.0f, 0.0f};
 
     if (keys.begin < keys.end) {
-        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, q, p.q.row_stride, rows_valid, dims.d);
+        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
+                                                    blk.rows, dims.d);
         load_kv(keys.begin, 0);
     }
-    const int warp_row0 = m0 + warp * 16;
+    const int warp_row0 = blk.m0 + warp * 16;
     for (int j = keys.begin; j < keys.end; ++j) {
         const int stage = (j - keys.begin) & 1;
         if (j + 1 < keys.end) {   // prefetch tile j+1 into the other stage
@@ -124,14 +117,14 @@ flash_fwd_mma(const FwdParams p) {
         float inv_sum, row_lse;
         softmax_finalize_row<4>(row_max[r], row_sum[r], inv_sum, row_lse);
         const int row = warp * 16 + lane / 4 + 8 * r;
-        if (row >= rows_valid) continue;
-        T* out_row = p.out.at<T>(blk.batch, blk.head, m0 + row);
+        if (row >= blk.rows) continue;
+        T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
 #pragma unroll
         for (int t = 0; t < Tr::O_TILES; ++t) {
             const int col = t * 8 + 2 * (lane % 4);
             if (col < dims.dv) out_row[col] = from_acc<T>(acc_o[t][2 * r] * inv_sum);
             if (col + 1 < dims.dv) out_row[col + 1] = from_acc<T>(acc_o[t][2 * r + 1] * inv_sum);
         }
-        if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, m0 + row) = row_lse;
+        if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
     }
 }

@@ -83,3 +83,34 @@ struct BlockInfo {
         return b;
     }
 };
+
+// What a query-major CTA owns (forward, deterministic dQ, the row-wise kernels):
+// query rows [m0, m0 + rows) of query head `head`, which reads K/V head kv_head.
+// Grid: ceil(Lq / BM) x Hq x B.
+struct QueryBlock {
+    int batch, head, kv_head;
+    int m0, rows;   // rows <= BM: the block's rows inside the sequence
+
+    template <int BM, bool REVERSE = true>
+    __device__ __forceinline__ static QueryBlock from_grid(const AttnDims& dims) {
+        const BlockInfo b = BlockInfo::from_grid<REVERSE>(ceil_div(dims.lq, BM), dims.heads_q);
+        const int m0 = b.tile * BM;
+        return {b.batch, b.head, b.head / dims.group, m0, imin(BM, dims.lq - m0)};
+    }
+};
+
+// What a key-major CTA owns (dK/dV): keys [n0, n0 + keys) of K/V head kv_head,
+// read by query heads [kv_head * group, (kv_head + 1) * group).
+// Grid: ceil(Lk / BN) x Hk x B, key block 0 (the most causal work) first.
+struct KeyBlock {
+    int batch, kv_head;
+    int n0, keys;   // keys <= BN: the block's keys inside the sequence
+    int first_head, end_head;
+
+    template <int BN>
+    __device__ __forceinline__ static KeyBlock from_grid(const AttnDims& dims) {
+        const BlockInfo b = BlockInfo::from_grid<false>(ceil_div(dims.lk, BN), dims.heads_q / dims.group);
+        const int n0 = b.tile * BN;
+        return {b.batch, b.head, n0, imin(BN, dims.lk - n0), b.head * dims.group, (b.head + 1) * dims.group};
+    }
+};

@@ -7,6 +7,7 @@
 // dot products.
 #pragma once
 #include "common.cuh"
+#include "params.cuh"
 
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
     // src-size 0 makes cp.async fill the 16 bytes with zeros without reading.
@@ -42,4 +43,14 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stri
                                           ? gmem[row * row_stride + col] : zero_value<T>();
         }
     }
+}
+
+// Two tiles of the same ROWS rows [row0, row0 + ROWS) of one (batch, head) from
+// two views: Q and dO, or K and V. Rows past rows_valid and columns past each
+// view's own width (a_cols, b_cols) are zeros.
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
+__device__ __forceinline__ void load_row_tiles(T* a_s, const View& a, int a_cols, T* b_s, const View& b, int b_cols,
+                                               int batch, int head, int row0, int rows_valid) {
+    load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(a_s, a.at<const T>(batch, head, row0), a.row_stride, rows_valid, a_cols);
+    load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(b_s, b.at<const T>(batch, head, row0), b.row_stride, rows_valid, b_cols);
 }

@@ -52,17 +52,28 @@ __device__ __forceinline__ void load_b_frags(unsigned (&b)[4], unsigned lane_add
     ldmatrix_x4_trans(b, lane_addr + (k0 * PB + n0) * sizeof(T));
 }
 
-// Both operands from shared memory. B_KN: B is stored as rows [k][n] (read
-// transposed by ldmatrix.trans); otherwise as rows [n][k] (B^T row-major).
-template <typename T, int N, int K, int PA, int PB, bool B_KN>
-__device__ __forceinline__ void warp_gemm_smem(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+// Two adjacent n8 C fragments of P (fp32) form one k16 A fragment (16-bit), no shared memory.
+template <typename T, int K>
+__device__ __forceinline__ void pack_a_frag(unsigned (&a)[4], const float (&p)[K / 8][4], int k0) {
+    const int t = k0 / 8;
+    a[0] = pack2<T>(p[t][0], p[t][1]);
+    a[1] = pack2<T>(p[t][2], p[t][3]);
+    a[2] = pack2<T>(p[t + 1][0], p[t + 1][1]);
+    a[3] = pack2<T>(p[t + 1][2], p[t + 1][3]);
+}
+
+// The one warp GEMM loop: acc (16 x N) += A (16 x K) B. load_a(af, k0) yields A's
+// k16 fragment at depth k0 (from shared memory or from registers); B is in shared
+// memory, stored as rows [k][n] (B_KN: read transposed by ldmatrix.trans) or as
+// rows [n][k] (B^T row-major).
+template <typename T, int N, int K, int PB, bool B_KN, typename LoadA>
+__device__ __forceinline__ void warp_gemm(float (&acc)[N / 8][4], LoadA load_a, const T* b, int lane) {
     static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
-    const unsigned a_addr = a_lane_addr<T, PA>(a, lane);
     const unsigned b_addr = B_KN ? b_lane_addr<T, PB>(b, lane) : bt_lane_addr<T, PB>(b, lane);
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
         unsigned af[4];
-        load_a_frag<T, PA>(af, a_addr, k0);
+        load_a(af, k0);
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
             unsigned bf[4];
@@ -72,6 +83,13 @@ __device__ __forceinline__ void warp_gemm_smem(float (&acc)[N / 8][4], const T* 
             mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
         }
     }
+}
+
+// Both operands from shared memory (A: 16 x K rows with pitch PA).
+template <typename T, int N, int K, int PA, int PB, bool B_KN>
+__device__ __forceinline__ void warp_gemm_smem(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+    const unsigned a_addr = a_lane_addr<T, PA>(a, lane);
+    warp_gemm<T, N, K, PB, B_KN>(acc, [&](unsigned (&af)[4], int k0) { load_a_frag<T, PA>(af, a_addr, k0); }, b, lane);
 }
 
 template <typename T, int N, int K, int PA, int PB>
@@ -84,32 +102,10 @@ __device__ __forceinline__ void warp_gemm_nn(float (&acc)[N / 8][4], const T* a,
     warp_gemm_smem<T, N, K, PA, PB, true>(acc, a, b, lane);
 }
 
-// Two adjacent n8 C fragments of P (fp32) form one k16 A fragment (16-bit), no shared memory.
-template <typename T, int K>
-__device__ __forceinline__ void pack_a_frag(unsigned (&a)[4], const float (&p)[K / 8][4], int k0) {
-    const int t = k0 / 8;
-    a[0] = pack2<T>(p[t][0], p[t][1]);
-    a[1] = pack2<T>(p[t][2], p[t][3]);
-    a[2] = pack2<T>(p[t + 1][0], p[t + 1][1]);
-    a[3] = pack2<T>(p[t + 1][2], p[t + 1][3]);
-}
-
+// A from registers: the fp32 C fragments of P (or dS), packed to 16 bits on the fly.
 template <typename T, int N, int K, int PB>
 __device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const T* b, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
-    const unsigned b_addr = b_lane_addr<T, PB>(b, lane);
-#pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        unsigned af[4];
-        pack_a_frag<T, K>(af, p, k0);
-#pragma unroll
-        for (int n0 = 0; n0 < N; n0 += 16) {
-            unsigned bf[4];
-            load_b_frags<T, PB>(bf, b_addr, n0, k0);
-            mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
-            mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
-        }
-    }
+    warp_gemm<T, N, K, PB, true>(acc, [&](unsigned (&af)[4], int k0) { pack_a_frag<T, K>(af, p, k0); }, b, lane);
 }
 
 // Row and column (within the 16 x 8n strip) of C-fragment element i of tile n.
