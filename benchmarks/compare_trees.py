@@ -87,6 +87,37 @@ def run_case(mods, kind, dtype, d, n, causal, rounds, repeat):
             "ratio_spread": [min(ratios), max(ratios)], "max_abs_diff_first_output": diff}
 
 
+def host_overhead(mods, calls: int = 2000):
+    """Host microseconds per call (tiny problem, calls queued without synchronizing, so
+    the host is the bottleneck): forward and forward+backward, per tree."""
+    import time
+
+    rng = cp.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 2, 128, 64), dtype=cp.float32).astype(cp.float16) for _ in range(4))
+    rows = []
+    for kind in ("fwd", "fwd+bwd"):
+        per_call = []
+        for m in mods:
+            def call(m=m):
+                out, lse = m.attention_forward(q, k, v)
+                if kind == "fwd+bwd":
+                    m.attention_backward(do, q, k, v, out, lse)
+            for _ in range(20):
+                call()
+            cp.cuda.Device().synchronize()
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                t1 = time.perf_counter()
+                cp.cuda.Device().synchronize()
+                best = min(best, (t1 - t0) / calls * 1e6)
+            per_call.append(best)
+        rows.append((kind, *per_call))
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, type=Path)
@@ -95,12 +126,17 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--host", action="store_true", help="only the host overhead per call")
     args = parser.parse_args(argv)
     mods = [load_tree(args.before.resolve(), "cuflash_before"), load_tree(args.after.resolve(), "cuflash_after")]
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     rows = []
     print(f"device {device}; before {args.before}, after {args.after}", flush=True)
+    for kind, before_us, after_us in host_overhead(mods):
+        print(f"host time per call, {kind:7}: before {before_us:6.1f} us, after {after_us:6.1f} us", flush=True)
+    if args.host:
+        return
     print(f"{'pass':8} {'dtype':9} {'D':>4} {'L':>5} {'causal':>6} {'before ms':>10} {'after ms':>9} "
           f"{'TFLOP/s b/a':>14} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
     for case in cases(args.quick):
