@@ -62,6 +62,11 @@ def _packer(dtype: np.dtype) -> struct.Struct:
 
 
 _PACK = {name: _packer(STRUCTS[name]) for name in ("FwdParams", "BwdParams")}
+# CuPy passes a size-one NumPy array by value, reading its address through
+# __array_interface__, which rebuilds a structured dtype's field description on
+# every call (~20-50 us for BwdParams). The same bytes as one opaque void item
+# cost nothing; view them with STRUCTS[...] to read the fields.
+_OPAQUE = {name: np.dtype((np.void, STRUCTS[name].itemsize)) for name in _PACK}
 _NO_VIEW = (0, 0, 0, 0)
 
 
@@ -79,12 +84,12 @@ def view(x: Any) -> tuple:
 
 
 def fwd_params(q, k, v, out, lse, *, group: int, scale: float, causal_offset: Optional[int]) -> np.ndarray:
-    """FwdParams (a one-element structured array) for 4-D views ``q (B, Hq, Lq, D)``,
-    ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``."""
+    """FwdParams for 4-D views ``q (B, Hq, Lq, D)``, ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``:
+    one opaque item of ``sizeof(FwdParams)`` bytes (``.view(STRUCTS["FwdParams"])`` shows the fields)."""
     b, hq, lq, d = q.shape
     values = (*view(q), *view(k), *view(v), *view(out), *view(lse),
               b, hq, group, lq, k.shape[2], d, v.shape[3], causal_offset or 0, scale * LOG2E)
-    return np.frombuffer(_PACK["FwdParams"].pack(*values), dtype=STRUCTS["FwdParams"])
+    return np.frombuffer(_PACK["FwdParams"].pack(*values), dtype=_OPAQUE["FwdParams"])
 
 
 def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int, scale: float,
@@ -94,7 +99,7 @@ def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int,
     views = (view(x) if x is not None else _NO_VIEW for x in (q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv))
     values = (*(f for vw in views for f in vw), b, hq, group, lq, k.shape[2], d, v.shape[3], causal_offset or 0,
               scale, scale * LOG2E)
-    return np.frombuffer(_PACK["BwdParams"].pack(*values), dtype=STRUCTS["BwdParams"])
+    return np.frombuffer(_PACK["BwdParams"].pack(*values), dtype=_OPAQUE["BwdParams"])
 
 
 def layout_check_source() -> str:
