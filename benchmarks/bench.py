@@ -1,12 +1,15 @@
-"""Benchmark cuflash against naive CuPy attention and PyTorch SDPA backends.
+"""Benchmark cuflash against naive CuPy attention and PyTorch SDPA backends (needs a GPU).
 
 Same input buffers for every contender (PyTorch reads CuPy's arrays through
 DLPack), CUDA-event timing after warm-up, median of repeated runs. FLOPs:
 4*B*H*Lq*Lk*D forward (halved when causal); forward+backward is 3.5x forward.
-Writes JSON, a Markdown table and a PNG plot into benchmarks/results/, named
-by device, and prints the table.
+Writes JSON, a Markdown table and a PNG plot named by device into a new folder
+(./cuflash-bench-<time>/ unless --out says otherwise; --out benchmarks/results
+replaces the committed results), and prints the table. Install the extra
+``pip install ".[cuda12,bench]"``; PyTorch is optional (its SDPA backends are
+the peers when it imports).
 
-    PYTHONPATH=. python benchmarks/bench.py [--quick] [--out benchmarks/results]
+    PYTHONPATH=. python benchmarks/bench.py [--quick] [--out DIR]
 """
 from __future__ import annotations
 
@@ -14,15 +17,23 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-import cupy as cp
-from cupyx.profiler import benchmark as cupy_benchmark
+from cuflash._device import gpu_available
 
-import cuflash
-import cuflash.reference
+if __name__ == "__main__":
+    _OK, _WHY = gpu_available()
+    if not _OK:
+        sys.exit(f"benchmarks/bench.py times kernels on an NVIDIA GPU, and there is none usable here: {_WHY}")
+
+import cupy as cp  # noqa: E402
+from cupyx.profiler import benchmark as cupy_benchmark  # noqa: E402
+
+import cuflash  # noqa: E402
+import cuflash.reference  # noqa: E402
 
 try:
     import torch
@@ -135,7 +146,9 @@ def cases(quick):
 
 def markdown(results, device):
     lines = [f"# cuflash benchmark on {device}", "",
-             "| pass | dtype | B | H | L | D | causal | contender | ms | TFLOP/s | cuflash / this | extra MiB |",
+             "\"cuflash speed-up\" is the contender's time divided by cuflash's on the same case: above 1x, "
+             "cuflash is faster.", "",
+             "| pass | dtype | B | H | L | D | causal | contender | ms | TFLOP/s | cuflash speed-up | extra MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in results:
         ours = next((r for r in case["results"] if r["contender"] == "cuflash" and "ms" in r), None)
@@ -183,7 +196,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer lengths")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: a new ./cuflash-bench-<time>/; "
+                             "benchmarks/results replaces the committed results)")
     args = parser.parse_args(argv)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -193,7 +208,7 @@ def main(argv=None):
     except ImportError:
         tqdm = lambda x, **k: x  # noqa: E731
     results = [run_case(*c, repeat=args.repeat) for c in tqdm(cases(args.quick), file=sys.stderr)]
-    out = Path(args.out)
+    out = Path(args.out or time.strftime("cuflash-bench-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "cupy": cp.__version__, "torch": getattr(torch, "__version__", None),
             "cuflash": cuflash.__version__}
@@ -202,6 +217,7 @@ def main(argv=None):
     (out / f"{slug}.md").write_text(table)
     plot(results, out / f"{slug}.png", device)
     print(table)
+    print(f"results written to {out}/")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
-"""Command line: ``python -m cuflash info|demo|compile``."""
+"""cuflash command line: run a demo, print the installation, build the kernels.
+
+  demo      run attention forward and backward on the GPU (or the NumPy path without one)
+  info      versions, device, NVRTC, kernel cache
+  compile   build every kernel variant for this GPU, or check builds for --arch without one
+"""
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import re
 import sys
 import time
 
@@ -19,13 +25,36 @@ def _progress(items, desc: str, total=None):
         return items
 
 
+_ARCH = re.compile(r"^sm_(\d+)a?$")
+
+
+def _check_arches(text: str) -> list:
+    """The --arch list, or SystemExit with one line saying what is wrong."""
+    arches = [a.strip() for a in text.split(",") if a.strip()]
+    for arch in arches:
+        m = _ARCH.match(arch)
+        if m is None:
+            raise SystemExit(f"error: --arch {arch!r} is not an architecture name like sm_80, sm_86, sm_90 or sm_120")
+        if int(m.group(1)) < 80:
+            raise SystemExit(f"error: {arch} is not supported: cuflash needs compute capability 8.0 or newer "
+                             "(sm_80: A100; sm_86/sm_89: RTX 30/40, L40; sm_90: H100; sm_120: RTX 50)")
+    if not arches:
+        raise SystemExit("error: --arch needs at least one architecture, e.g. --arch sm_80,sm_90")
+    return arches
+
+
 def cmd_compile(args) -> int:
     """Without --arch: build every variant for this machine's GPU into CuPy's kernel
     cache. With --arch: compile every variant for those architectures with NVRTC
     (no GPU needed) and report registers, spills and shared memory."""
-    if args.arch:
-        return _compile_offline([a.strip() for a in args.arch.split(",") if a.strip()])
-    return _compile_for_this_gpu()
+    arches = _check_arches(args.arch) if args.arch else None
+    try:
+        import cupy_backends.cuda.libs.nvrtc  # noqa: F401
+    except ImportError:
+        from ._device import INSTALL_HINT
+
+        raise SystemExit(f"error: compiling kernels needs CuPy and NVRTC, which are not installed: {INSTALL_HINT}")
+    return _compile_offline(arches) if arches else _compile_for_this_gpu()
 
 
 def _parallel(fn, items, desc: str):
@@ -71,9 +100,10 @@ def _cache_dir() -> str:
 
 def _compile_offline(arches) -> int:
     from ._build import CompileError, compile_offline
-    from ._variants import all_variants
+    from ._variants import all_variants, smem_limit_for_arch
 
-    jobs = [(arch, var) for arch in arches for var in all_variants()]
+    # Each architecture builds the variants its GPUs can select (those fitting their shared memory).
+    jobs = [(arch, var) for arch in arches for var in all_variants() if var.smem_bytes <= smem_limit_for_arch(arch)]
 
     def build(job):
         arch, var = job
@@ -159,7 +189,10 @@ def cmd_demo(args) -> int:
 
     ok, what = gpu_available()
     if not ok:
-        print(f"No GPU here ({what}): running the NumPy reference path on a small problem.")
+        print(f"No GPU here: {what}.\nRunning the NumPy reference path on a small problem instead.")
+        given = [f"--{name}" for name, default in _DEMO_DEFAULTS.items() if getattr(args, name) != default]
+        if given:
+            print(f"(note: {', '.join(given)} set the GPU problem; the NumPy path runs a fixed small one)")
         rng = np.random.default_rng(0)
         q, k, v, dout = (rng.standard_normal((1, 2, 256, 64)) for _ in range(4))
         t = time.perf_counter()
@@ -210,22 +243,41 @@ def cmd_demo(args) -> int:
     return 0 if max(errs) < 1e-2 else 1
 
 
+_DEMO_DEFAULTS = {"batch": 4, "heads": 16, "seqlen": 4096, "headdim": 64}
+
+
+def _prog() -> str:
+    """How the user called us: the installed ``cuflash`` script or ``python -m cuflash``."""
+    return "cuflash" if os.path.basename(sys.argv[0] or "") == "cuflash" else "python -m cuflash"
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("compile", help="build every kernel variant: for this GPU (into CuPy's cache), "
-                                       "or with --arch for named architectures (no GPU needed)")
-    p.add_argument("--arch", default=None, help="comma-separated, e.g. sm_80,sm_90: check the builds offline")
-    p.set_defaults(fn=cmd_compile)
-    p = sub.add_parser("info", help="versions, device, cache, variants")
-    p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("demo", help="run attention on a representative problem")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--headdim", type=int, default=64)
+    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", metavar="command")
+    p = sub.add_parser("demo", help="run attention forward and backward on a representative problem",
+                       description="Run causal float16 attention forward and backward on the GPU, check one head "
+                                   "against the float64 reference and time it next to naive CuPy attention. "
+                                   "Without a GPU, run the NumPy path on a small fixed problem.")
+    p.add_argument("--batch", type=int, default=_DEMO_DEFAULTS["batch"], help="batch size B (default 4)")
+    p.add_argument("--heads", type=int, default=_DEMO_DEFAULTS["heads"], help="heads H (default 16)")
+    p.add_argument("--seqlen", type=int, default=_DEMO_DEFAULTS["seqlen"], help="sequence length L (default 4096)")
+    p.add_argument("--headdim", type=int, default=_DEMO_DEFAULTS["headdim"], help="head dim D, 1..256 (default 64)")
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("info", help="versions, device, NVRTC, kernel cache")
+    p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("compile", help="build every kernel variant for this GPU (or check --arch builds without one)",
+                       description="Without --arch: build every kernel variant for this machine's GPU into "
+                                   "CuPy's kernel cache, so later processes start without compiling. With --arch: "
+                                   "compile every variant for those architectures with NVRTC (no GPU needed) and "
+                                   "report registers, spills and shared memory.")
+    p.add_argument("--arch", default=None, help="comma-separated architectures, e.g. sm_80,sm_86,sm_90")
+    p.set_defaults(fn=cmd_compile)
     args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        print(f"\nchoose a command, e.g. {parser.prog} demo")
+        return 2
     return args.fn(args)
 
 

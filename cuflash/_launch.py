@@ -11,6 +11,30 @@ from . import _params
 from ._variants import Variant, backward_variants, forward_variant, head_bucket
 
 
+MIN_COMPUTE_CAPABILITY = 80
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device_id: int) -> Tuple[int, int, str]:
+    """(compute capability as 10 * major + minor, opt-in shared memory per block, name)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return 10 * props["major"] + props["minor"], props["sharedMemPerBlockOptin"], name
+
+
+def _smem_limit() -> int:
+    """Shared memory per block the current GPU allows; RuntimeError for a GPU cuflash cannot run on."""
+    import cupy
+
+    cc, smem, name = _device_facts(cupy.cuda.runtime.getDevice())
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(f"cuflash needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper, "
+                           f"Blackwell); this one, {name}, has {cc // 10}.{cc % 10}")
+    return smem
+
+
 def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
     """16-byte cp.async loads: 8-element rows, 16-byte aligned base and row stride."""
     return (d % 8 == 0 and dv % 8 == 0
@@ -38,7 +62,7 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, causal_offset: Optional[int
     visible to query i iff ``j <= i + causal_offset``."""
     d, dv = q.shape[3], v.shape[3]
     variant = forward_variant(dtype, head_bucket(max(d, dv)), causal=causal_offset is not None,
-                              vec=vec_loads_ok(d, dv, q, k, v))
+                              vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, causal_offset=causal_offset)
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]))
 
@@ -53,7 +77,8 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, causal_offset: Optio
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     acc_dtype = np.float64 if dtype == "float64" else np.float32
     plan = backward_variants(dtype, head_bucket(max(d, dv)), causal=causal_offset is not None,
-                             vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic)
+                             vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
+                             smem_limit=_smem_limit())
     dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
     dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d), dtype=acc_dtype)
     dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)

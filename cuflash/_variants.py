@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterator, List, Tuple
 
 HEAD_BUCKETS = (32, 64, 128, 256)
@@ -78,13 +79,34 @@ class Tile:
 
 # --------------------------------------------------------------------------- the table
 
-_TABLE: Dict[Tuple[str, str, str, int], Tile] = {}
+# Each entry lists tiles in order of preference; a call takes the first whose
+# shared memory fits the device's per-block limit (SMEM_LIMITS), so a table entry
+# tuned on an H100 (227 KB) keeps a configuration for the A100 (163 KB) and for
+# sm_86 / sm_89 / sm_120 GPUs (99 KB).
+_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
+
+SMEM_LIMITS = {"sm_90 (H100, H200)": 232448, "sm_80 (A100)": 166912, "sm_86, sm_89, sm_120 (RTX 30/40/50, L40)": 101376}
+"""Opt-in shared memory per block by GPU class, in bytes (the CUDA programming guide's
+compute-capability table); what the tests and the README check against. At run time the
+device's own attribute decides."""
+SMEM_MAX = max(SMEM_LIMITS.values())
 
 
-def _add(family: str, dtypes, heads, tile: Tile, arch: str = "sm80") -> None:
+def smem_limit_for_arch(arch: str) -> int:
+    """Opt-in shared memory per block of an ``sm_XY`` architecture (SMEM_LIMITS' classes;
+    unknown newer ones are assumed to have the largest)."""
+    cc = int(arch.split("_")[1].rstrip("a"))
+    if cc in (80, 87):
+        return SMEM_LIMITS["sm_80 (A100)"]
+    if cc in (86, 89, 120, 121):
+        return SMEM_LIMITS["sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"]
+    return SMEM_MAX
+
+
+def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80") -> None:
     for dtype in dtypes:
         for head in heads:
-            _TABLE[(arch, family, dtype, head)] = tile
+            _TABLE[(arch, family, dtype, head)] = tiles
 
 
 # Tensor-core forward: each warp owns 16 query rows (block_m = 16 * warps).
@@ -104,13 +126,16 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
 _add("fwd_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "4x4 scores per thread"))
-_add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "115 KB shared"))
-_add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "140 KB shared; 32-key tiles"))
+_SMALL = "fits 99 KB of shared memory (sm_86 / sm_89 / sm_120)"
+_add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "113 KB shared"), Tile(32, 64, 8, 1, _SMALL))
+_add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key tiles"), Tile(16, 32, 8, 1, _SMALL))
 _add("fwd_fma", ["float64"], [32], Tile(64, 64, 8, 1, "66 KB shared"))
-_add("fwd_fma", ["float64"], [64], Tile(64, 64, 8, 1, "131 KB shared"))
-_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "107 KB shared (64-row tiles would not fit): two CTAs an SM "
-                                                      "when registers stay <= 128", ctas=2))
-_add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "205 KB shared, under the 227 KB limit"))
+_add("fwd_fma", ["float64"], [64], Tile(64, 64, 8, 1, "130 KB shared"), Tile(32, 64, 8, 1, _SMALL))
+_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "105 KB shared (64-row tiles would not fit): two CTAs an SM "
+                                                      "when registers stay <= 128", ctas=2),
+     Tile(16, 32, 8, 1, _SMALL))
+_add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "201 KB shared, under the 227 KB limit"),
+     Tile(16, 16, 8, 1, "98 KB shared: the A100 and " + _SMALL))
 
 # Tensor-core backward: 4 warps; dK/dV CTAs own 64 keys (16 per warp) and step
 # over 64 query rows with Q/dO double-buffered. benchmarks/tune_bwd.py, H100,
@@ -119,7 +144,9 @@ _add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "205 KB shared, under the
 # At head dim 128 dK and dV are two passes (their fp32 accumulators alone are
 # 128 registers a thread). The deterministic dQ kernel steps over 32 keys at
 # head dim 128 (64 spilled).
-_add("bwd_dkdv_mma", HALF_TYPES, [32, 64, 128], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
+_add("bwd_dkdv_mma", HALF_TYPES, [32, 64], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
+_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py); 112 KB shared"),
+     Tile(64, 64, 4, 1, "one Q/dO stage: 78 KB, " + _SMALL))
 _add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; 21 KB shared: three "
                                                        "CTAs an SM at <= 168 registers", ctas=3))
 _add("bwd_dq_mma", HALF_TYPES, [64], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; a 168-register cap (three "
@@ -132,13 +159,15 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
     _add(_fam, ["float32"], [32, 64], Tile(64, 64, 8, 1, "98 KB shared, 4x4 scores per thread: two CTAs an SM at "
                                                          "<= 128 registers (145 halved occupancy: -25% measured)",
                                            ctas=2))
-    _add(_fam, ["float32"], [128], Tile(64, 64, 8, 1, "166 KB shared"))
-    _add(_fam, ["float32"], [256], Tile(32, 32, 8, 1, "140 KB shared; dK+dV are 64 registers"))
+    _add(_fam, ["float32"], [128], Tile(64, 64, 8, 1, "162 KB shared"), Tile(32, 32, 8, 1, _SMALL))
+    _add(_fam, ["float32"], [256], Tile(32, 32, 8, 1, "137 KB shared; dK+dV are 64 registers"),
+         Tile(16, 16, 8, 1, _SMALL))
     _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "73 KB shared; dK+dV are 64 registers: two CTAs an SM at "
                                                      "<= 128 registers", ctas=2))
     _add(_fam, ["float64"], [32, 64], Tile(32, 32, 8, 1, "fp64 P/dS tiles: 32x32 keeps shared memory near 84 KB"))
-    _add(_fam, ["float64"], [128], Tile(32, 32, 8, 1, "fp64: 149 KB shared"))
-    _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 206 KB shared; dK+dV are 128 registers"))
+    _add(_fam, ["float64"], [128], Tile(32, 32, 8, 1, "fp64: 146 KB shared"), Tile(16, 16, 8, 1, _SMALL))
+    _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 201 KB shared; dK+dV are 128 registers"),
+         Tile(16, 16, 8, 1, "133 KB: the A100; no fp64 head-dim-256 backward fits 99 KB"))
 
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
 _add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
@@ -190,9 +219,13 @@ class Family:
     kernel: str
     entry: str
     flags: Tuple[str, ...]
-    tiles: str
+    axis: str
     smem: Callable[["Variant"], int] = field(compare=False)
 
+
+FAMILY_WHAT = {"fwd_mma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
+               "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
+               "bwd_dq_fma": "deterministic backward", "bwd_convert_dq": "backward"}
 
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
@@ -229,11 +262,26 @@ class Variant:
     pass_: int = 0
     atomic_dq: bool = False
     arch: str = "sm80"
-    tile: Tile = field(default=None, repr=False)   # resolved from the table at construction
+    tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
     def __post_init__(self):
         if self.tile is None:
-            object.__setattr__(self, "tile", _TABLE[(self.arch, self.family, self.dtype, self.head)])
+            object.__setattr__(self, "tile", self.tiles()[0])
+
+    def tiles(self) -> Tuple[Tile, ...]:
+        """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
+        return _TABLE[(self.arch, self.family, self.dtype, self.head)]
+
+    def fitted(self, smem_limit: int) -> "Variant":
+        """This variant with the first tile whose shared memory fits ``smem_limit`` bytes."""
+        for tile in self.tiles():
+            v = replace(self, tile=tile)
+            if v.smem_bytes <= smem_limit:
+                return v
+        raise ValueError(
+            f"{self.dtype} {FAMILY_WHAT[self.family]} at head dim {self.head} needs "
+            f"{min(replace(self, tile=t).smem_bytes for t in self.tiles()) // 1024} KB of shared memory per "
+            f"thread block; this GPU allows {smem_limit // 1024} KB. Use a smaller head dim or another dtype.")
 
     @property
     def fam(self) -> Family:
@@ -265,7 +313,7 @@ class Variant:
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:
         """Number of CTAs (the grid is one-dimensional; kernels decode it with BlockInfo)."""
         t = self.tile
-        if self.fam.tiles == "q":
+        if self.fam.axis == "q":
             n = -(-lq // t.block_m) * heads_q * batch
         else:
             n = -(-lk // t.block_n) * (heads_q // group) * batch
@@ -282,16 +330,21 @@ def _dkdv_passes(head: int, atomic_dq: bool) -> List[Tuple[int, bool]]:
 
 
 @functools.lru_cache(maxsize=None)
-def forward_variant(dtype: str, head: int, *, causal: bool, vec: bool) -> Variant:
-    """The forward kernel for one call."""
+def forward_variant(dtype: str, head: int, *, causal: bool, vec: bool, smem_limit: int = SMEM_MAX) -> Variant:
+    """The forward kernel for one call on a GPU allowing ``smem_limit`` bytes of shared memory per block."""
     if dtype in HALF_TYPES:
-        return Variant("fwd_mma", dtype, head, causal=causal, vec=vec)
-    return Variant("fwd_fma", dtype, head, causal=causal)
+        return Variant("fwd_mma", dtype, head, causal=causal, vec=vec).fitted(smem_limit)
+    return Variant("fwd_fma", dtype, head, causal=causal).fitted(smem_limit)
 
 
 @functools.lru_cache(maxsize=None)
-def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, deterministic: bool) -> Tuple[Variant, ...]:
-    """The backward kernels for one call, in launch order."""
+def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, deterministic: bool,
+                      smem_limit: int = SMEM_MAX) -> Tuple[Variant, ...]:
+    """The backward kernels for one call, in launch order (see :func:`forward_variant`)."""
+    return tuple(v.fitted(smem_limit) for v in _backward_plan(dtype, head, causal, vec, deterministic))
+
+
+def _backward_plan(dtype: str, head: int, causal: bool, vec: bool, deterministic: bool) -> List[Variant]:
     atomic = not deterministic
     plan = [Variant("bwd_dsum", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
@@ -305,7 +358,7 @@ def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, determi
             plan.append(Variant("bwd_dq_fma", dtype, head, causal=causal))
     if atomic:
         plan.append(Variant("bwd_convert_dq", dtype, 0))
-    return tuple(plan)
+    return plan
 
 
 def vec_choices(dtype: str) -> Tuple[bool, ...]:
@@ -314,23 +367,36 @@ def vec_choices(dtype: str) -> Tuple[bool, ...]:
 
 
 def all_variants() -> List[Variant]:
-    """Every variant the library can launch: the union of every call's plan
-    (what ``python -m cuflash compile`` builds and the tests run), no duplicates."""
+    """Every variant the library can launch: the union of every call's plan on every
+    GPU class of SMEM_LIMITS (what ``python -m cuflash compile`` builds and the tests
+    run), no duplicates."""
     seen: Dict[Variant, None] = {}
-    for dtype in DTYPES:
-        for head in HEAD_BUCKETS:
-            for causal in (False, True):
-                for vec in vec_choices(dtype):
-                    seen[forward_variant(dtype, head, causal=causal, vec=vec)] = None
-                    for det in (False, True):
-                        for v in backward_variants(dtype, head, causal=causal, vec=vec, deterministic=det):
-                            seen[v] = None
+    for dtype, head, causal in itertools.product(DTYPES, HEAD_BUCKETS, (False, True)):
+        for vec, limit in itertools.product(vec_choices(dtype), SMEM_LIMITS.values()):
+            seen[forward_variant(dtype, head, causal=causal, vec=vec, smem_limit=limit)] = None
+            for det in (False, True):
+                for v in _backward_plan(dtype, head, causal, vec, det):
+                    try:
+                        seen[v.fitted(limit)] = None
+                    except ValueError:   # documented: no such kernel for this GPU class
+                        pass
     return list(seen)
 
 
+def unsupported(smem_limit: int) -> List[Variant]:
+    """The (default-tile) variants that no tile lets run under ``smem_limit``."""
+    out = []
+    for v in {replace(v, tile=None) for v in all_variants()}:
+        try:
+            v.fitted(smem_limit)
+        except ValueError:
+            out.append(v)
+    return out
+
+
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
-    """The raw table: ((arch, family, dtype, head), Tile) pairs."""
-    return iter(_TABLE.items())
+    """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
+    return ((key, tile) for key, tiles in _TABLE.items() for tile in tiles)
 
 
 @contextlib.contextmanager
@@ -346,7 +412,7 @@ def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str =
     saved = {key: _TABLE[key] for key in keys}
     try:
         for key in keys:
-            _TABLE[key] = tile
+            _TABLE[key] = (tile,)
         forward_variant.cache_clear()
         backward_variants.cache_clear()
         yield

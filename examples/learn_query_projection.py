@@ -1,22 +1,31 @@
-"""Learn a query projection by plain gradient descent on CuPy arrays (no autograd).
+"""Learn a query projection by plain gradient descent (no autograd).
 
 The loss is ||attention(x W, k, v) - target||^2 / 2, with target made by a hidden
-W_true; the gradient with respect to W is x^T dq, dq from cuflash.vjp.
+W_true; the gradient with respect to W is x^T dq, dq from cuflash.vjp. Runs on the
+GPU with CuPy arrays, or, where there is no usable GPU, on NumPy arrays (cuflash's
+CPU reference path, same code).
 
     PYTHONPATH=. python examples/learn_query_projection.py
 """
-import cupy as cp
-
 import cuflash
+from cuflash._device import gpu_available
 
-rng = cp.random.default_rng(0)
+ok, why = gpu_available()
+if ok:
+    import cupy as xp
+else:
+    import numpy as xp
+    print(f"No GPU here ({why}): running on NumPy arrays instead.")
+
+rng = xp.random.default_rng(0)
 n, d = 256, 64
-x = rng.standard_normal((n, d), dtype=cp.float32)
-k = rng.standard_normal((n, d), dtype=cp.float32)
-v = rng.standard_normal((n, d), dtype=cp.float32)
-target = cuflash.attention(x @ rng.standard_normal((d, d), dtype=cp.float32), k, v, causal=True)
+x = rng.standard_normal((n, d), dtype=xp.float32)
+k = rng.standard_normal((n, d), dtype=xp.float32)
+v = rng.standard_normal((n, d), dtype=xp.float32)
+w_true = rng.standard_normal((d, d), dtype=xp.float32)
+target = cuflash.attention(x @ w_true, k, v, causal=True)
 
-w = cp.zeros((d, d), dtype=cp.float32)
+w = xp.zeros((d, d), dtype=xp.float32)
 losses = []
 for step in range(201):
     out, vjp_fn = cuflash.vjp(x @ w, k, v, causal=True)

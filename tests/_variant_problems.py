@@ -6,7 +6,7 @@ these problems cover the whole variant table (test_variants.py).
 """
 from dataclasses import dataclass
 
-from cuflash._variants import Variant, backward_variants, forward_variant, head_bucket
+from cuflash._variants import SMEM_LIMITS, SMEM_MAX, Variant, backward_variants, forward_variant, head_bucket
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
@@ -21,6 +21,7 @@ class Problem:
     causal: object        # False, True or "bottom_right"
     backward: bool
     deterministic: bool
+    smem_limit: int = SMEM_MAX    # the GPU class (shared memory per block) the launcher selects for
 
     @property
     def vec(self) -> bool:
@@ -31,16 +32,17 @@ class Problem:
         """The variants a call with this problem launches (the launcher's own selection)."""
         head = head_bucket(max(self.d, self.dv))
         causal = self.causal is not False
-        fwd = forward_variant(self.dtype, head, causal=causal, vec=self.vec)
+        fwd = forward_variant(self.dtype, head, causal=causal, vec=self.vec, smem_limit=self.smem_limit)
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, causal=causal, vec=self.vec,
-                                        deterministic=self.deterministic)]
+                                        deterministic=self.deterministic, smem_limit=self.smem_limit)]
 
 
 def problem_for(v: Variant) -> Problem:
     """A problem whose call runs ``v``: head dims inside v's bucket (a multiple of 8
-    for 16-byte loads, odd otherwise), causal alignment alternating by bucket."""
+    for 16-byte loads, odd otherwise), causal alignment alternating by bucket, and
+    the largest GPU class of SMEM_LIMITS under which the launcher picks v's tile."""
     head = v.head or 64
     d = head if v.vec else head - 5
     causal = False if not v.causal else ("bottom_right" if head in (64, 256) else True)
@@ -48,4 +50,11 @@ def problem_for(v: Variant) -> Problem:
     deterministic = v.family.startswith("bwd_dq") or (v.family.startswith("bwd_dkdv") and not v.atomic_dq)
     if v.family == "bwd_convert_dq":
         deterministic = False
+    for limit in sorted(SMEM_LIMITS.values(), reverse=True):
+        p = Problem(v.dtype, d, d, causal, backward, deterministic, limit)
+        try:
+            if v in p.variants():
+                return p
+        except ValueError:     # this GPU class has no kernel for the problem
+            continue
     return Problem(v.dtype, d, d, causal, backward, deterministic)

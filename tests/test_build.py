@@ -18,7 +18,6 @@ from cuflash._variants import all_variants
 from _nvrtc import needs_nvrtc
 
 ARCHES = ("sm_80", "sm_90")
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}   # opt-in dynamic shared memory per block
 
 
 def test_sources_are_self_contained():
@@ -61,7 +60,7 @@ def test_variant_compiles_without_spills(builds, arch, variant):
         pytest.fail(f"{variant.name} does not compile for {arch}:\n{build.log}")
     assert build.spills == 0, f"{variant.name} spills on {arch}:\n{build.log}"
     assert build.stack_frame == 0, f"{variant.name} uses local memory on {arch}:\n{build.log}"
-    assert variant.smem_bytes <= SMEM_LIMIT[arch], f"{variant.smem_bytes} bytes of shared memory on {arch}"
+    # Shared memory per GPU class is checked where tiles are selected (test_variants.py).
 
 
 @needs_nvrtc
