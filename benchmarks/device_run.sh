@@ -7,6 +7,7 @@
 #   sanitize  compute-sanitizer: memcheck on the full sanitize workload, racecheck and
 #             synccheck on its quick set (benchmarks/sanitize_workload.py)
 #   compare   benchmarks/compare_trees.py --before $BEFORE (default .before) --after .
+#   accuracy  benchmarks/accuracy.py (the README's accuracy table)
 #   demo      python -m cuflash demo
 #   bench     benchmarks/bench.py $BENCH_ARGS (default --quick) into $OUT/bench
 # Logs are written to a scratch folder and come back as $OUT/logs.tgz beside $OUT/summary.txt
@@ -47,6 +48,10 @@ if has compare; then
   python3 benchmarks/compare_trees.py --before "${BEFORE:-.before}" --after . ${COMPARE_ARGS:-} \
     --json "$OUT/compare.json" > "$OUT/compare.log" 2>&1
   { echo "== before / after =="; cat "$OUT/compare.log"; } >> "$summary"
+fi
+if has accuracy; then
+  python3 benchmarks/accuracy.py > "$OUT/accuracy.log" 2>&1
+  { echo "== accuracy =="; cat "$OUT/accuracy.log"; } >> "$summary"
 fi
 if has demo; then
   python3 -m cuflash demo > "$OUT/demo.log" 2>&1

@@ -1,4 +1,4 @@
-"""The command line: info and the no-GPU demo (CPU)."""
+"""The command line (CPU): info, help, argument errors, the no-GPU demo."""
 import pytest
 
 from cuflash.__main__ import main
@@ -11,8 +11,31 @@ def test_info_runs(capsys):
     assert "cuflash" in out and "variants" in out
 
 
+def test_no_command_prints_help_and_a_hint(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "choose a command" in out and "demo" in out and "compile" in out
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "demo" in out
+
+
+@pytest.mark.parametrize("arch,message", [("sm_75", "compute capability 8.0"), ("foo", "not an architecture"),
+                                          ("sm_80,sm_61", "sm_61 is not supported"), (",", "at least one")])
+def test_compile_rejects_bad_arches_in_one_line(arch, message):
+    with pytest.raises(SystemExit) as info:
+        main(["compile", "--arch", arch])
+    text = str(info.value)
+    assert message in text and "\n" not in text
+
+
 @pytest.mark.skipif(gpu_available()[0], reason="the GPU demo is exercised by the device run")
-def test_demo_without_gpu_runs_numpy_path(capsys):
-    assert main(["demo"]) == 0
+def test_demo_without_gpu_runs_numpy_path_and_says_why(capsys):
+    assert main(["demo", "--seqlen", "100"]) == 0
     out = capsys.readouterr().out
     assert "No GPU here" in out and "forward + backward" in out
+    assert "--seqlen" in out                      # the ignored flag is named
