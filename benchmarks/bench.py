@@ -14,6 +14,7 @@ the peers when it imports).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -24,16 +25,14 @@ import numpy as np
 
 from cuflash._device import gpu_available
 
-if __name__ == "__main__":
-    _OK, _WHY = gpu_available()
-    if not _OK:
-        sys.exit(f"benchmarks/bench.py times kernels on an NVIDIA GPU, and there is none usable here: {_WHY}")
+import cuflash
+import cuflash.reference
 
-import cupy as cp  # noqa: E402
-from cupyx.profiler import benchmark as cupy_benchmark  # noqa: E402
-
-import cuflash  # noqa: E402
-import cuflash.reference  # noqa: E402
+try:
+    import cupy as cp
+    from cupyx.profiler import benchmark as cupy_benchmark
+except ImportError:   # main() says what is missing
+    cp = cupy_benchmark = None
 
 try:
     import torch
@@ -163,43 +162,78 @@ def markdown(results, device):
     return "\n".join(lines) + "\n"
 
 
+# One colour per contender in every panel and every run.
+COLORS = {"cuflash": "#d62728", "cuflash sm80": "#ff9896", "torch flash": "#1f77b4", "torch cudnn": "#2ca02c",
+          "torch efficient": "#ff7f0e", "torch math": "#7f7f7f", "naive cupy": "#9467bd"}
+MARKERS = {"bf16": "o", "fp16": "s", "fp32": "^", "fp64": "D"}
+
+
 def plot(results, path, device):
+    """TFLOP/s against L: a grid of panels by head dim (rows) x pass (columns) for the
+    16-bit cases; colour = contender, line style = causal (dashed) or not, marker = dtype."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         return
-    fwd = [c for c in results if c["pass"] == "fwd" and c["dtype"] in ("bf16", "fp16")]
-    if not fwd:
+    cases = [c for c in results if c["dtype"] in ("bf16", "fp16")]
+    if not cases:
         return
-    keys = sorted({(c["dtype"], c["D"], c["causal"]) for c in fwd})
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        sel = sorted((c for c in fwd if (c["dtype"], c["D"], c["causal"]) == key), key=lambda c: c["L"])
-        names = sorted({r["contender"] for c in sel for r in c["results"] if "ms" in r})
-        for name in names:
-            pts = [(c["L"], r["tflops"]) for c in sel for r in c["results"] if r["contender"] == name and "ms" in r]
-            ax.plot(*zip(*pts), marker="o", label=name)
+    heads = sorted({c["D"] for c in cases})
+    passes = [p for p in ("fwd", "fwd+bwd") if any(c["pass"] == p for c in cases)]
+    fig, axes = plt.subplots(len(heads), len(passes), figsize=(6 * len(passes), 3.6 * len(heads)), squeeze=False)
+    seen = set()
+    for (row, d), (col, pass_) in itertools.product(enumerate(heads), enumerate(passes)):
+        ax = axes[row][col]
+        sel = [c for c in cases if c["D"] == d and c["pass"] == pass_]
+        for dtype, causal in sorted({(c["dtype"], c["causal"]) for c in sel}):
+            group = sorted((c for c in sel if (c["dtype"], c["causal"]) == (dtype, causal)), key=lambda c: c["L"])
+            for name in COLORS:
+                pts = [(c["L"], r["tflops"]) for c in group for r in c["results"]
+                       if r["contender"] == name and "tflops" in r]
+                if not pts:
+                    continue
+                seen.add(name)
+                ax.plot(*zip(*pts), color=COLORS[name], marker=MARKERS[dtype], linestyle="--" if causal else "-",
+                        markersize=5, linewidth=1.4)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{key[0]} D={key[1]} {'causal' if key[2] else 'full'}", fontsize=9)
-        ax.set_xlabel("L")
+        ax.set_title(f"head dim {d}, {'forward' if pass_ == 'fwd' else 'forward + backward'}", fontsize=10)
+        ax.set_xlabel("sequence length L (B x L = 16384 tokens)")
         ax.set_ylabel("TFLOP/s")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"forward, {device}", fontsize=10)
-    fig.tight_layout()
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=COLORS[n], linewidth=2, label=n) for n in COLORS if n in seen]
+    handles += [Line2D([], [], color="k", linestyle="-", label="full"),
+                Line2D([], [], color="k", linestyle="--", label="causal")]
+    handles += [Line2D([], [], color="k", marker=MARKERS[t], linestyle="", label=t)
+                for t in ("bf16", "fp16") if any(c["dtype"] == t for c in cases)]
+    fig.suptitle(f"cuflash vs PyTorch SDPA backends, {device}", y=0.99, fontsize=11)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=min(len(handles), 6),
+               fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer lengths")
+    parser.add_argument("--replot", metavar="JSON", default=None,
+                        help="only redraw the PNG beside a results JSON (no GPU needed)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--out", default=None,
                         help="output folder (default: a new ./cuflash-bench-<time>/; "
                              "benchmarks/results replaces the committed results)")
     args = parser.parse_args(argv)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        plot(data["cases"], Path(args.replot).with_suffix(".png"), data["meta"]["device"])
+        return
+    ok, why = gpu_available()
+    if not ok:
+        sys.exit(f"benchmarks/bench.py times kernels on an NVIDIA GPU, and there is none usable here: {why}")
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_")
