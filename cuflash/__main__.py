@@ -154,7 +154,9 @@ def cmd_info(args) -> int:
             print(f"nvrtc        not loadable ({exc})")
         print(f"kernel cache {_cache_dir()}")
     except ImportError:
-        print("cupy         not installed (NumPy reference path only)")
+        from ._device import INSTALL_HINT
+
+        print(f"cupy         not installed: NumPy inputs only (for the GPU: {INSTALL_HINT})")
     ok, what = gpu_available()
     print(f"device       {what if ok else 'none: ' + what}")
     variants = all_variants()
