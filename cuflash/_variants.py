@@ -109,19 +109,21 @@ def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80") -> None:
             _TABLE[(arch, family, dtype, head)] = tiles
 
 
-# Tensor-core forward: each warp owns 16 query rows (block_m = 16 * warps).
-# benchmarks/tune_fwd.py on an H100 (fp16, L=4096, B*L=16384, H*D=2048; TFLOP/s
-# non-causal / causal), 2026-11-22:
-#   d=32:  128x64/8w 148/93   64x64/4w 143/95   64x128/4w 153/88
-#   d=64:  128x64/8w 164/97   64x64/4w 177/123  64x128/4w 183/110
-#   d=128: 128x64/8w 198/130  64x64/4w 191/139  64x32/4w 179/140
-#   d=256: 64x32/4w 188/145   32x32/2w 129/88
-# 4-warp CTAs at ~150-190 registers let 2-3 CTAs share an SM, which helps most
-# when causal blocks finish at different times.
-_add("fwd_mma", HALF_TYPES, [32], Tile(64, 64, 4, 2, "best causal, within 4% of the best non-causal"))
-_add("fwd_mma", HALF_TYPES, [64], Tile(64, 64, 4, 2, "best causal (+26% over 128x64/8w), 3% under 64x128"))
-_add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "best causal, 4% under 128x64/8w non-causal; 87 KB shared"))
-_add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: 32-key tiles avoid spills"))
+# Tensor-core forward: each warp owns block_m / warps query rows, in 16-row strips;
+# with two strips a warp reuses every K / V fragment it loads for two MMAs (the
+# 16-row loop was bound by shared-memory bandwidth: 36 ldmatrix.x4 per 64 MMAs).
+# benchmarks/tune_fwd.py on an H100 (fp16 / bf16 alike, B*L=16384, H*D=2048;
+# TFLOP/s at L=4096, non-causal / causal), 2026-11-23:
+#   d=32:  64x64/4w 151/140   128x64/4w 181/141   128x128/4w 184/168   64x64/2w 168/134
+#   d=64:  64x64/4w 194/172   128x64/4w 223/195   64x64/2w 199/176     128x32/4w 206/160
+#   d=128: 64x64/4w 207/187   128x32/4w 230/189   64x32/2w 209/176
+#   (2026-11-22, one strip: d=256 64x32/4w 188/145 beat 32x32/2w 129/88; at d=256 two strips spill.)
+# 128x128 at d=64 and 128x64 at d=128 spill (acc_o + S exceed 255 registers).
+_add("fwd_mma", HALF_TYPES, [32], Tile(128, 128, 4, 2, "two strips per warp: +19% over 64x64/4w (tune_fwd.py)"))
+_add("fwd_mma", HALF_TYPES, [64], Tile(128, 64, 4, 2, "two strips per warp: +13-15% over 64x64/4w (tune_fwd.py)"))
+_add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles (252 registers): "
+                                                      "+11-15% non-causal, +1-3% causal (tune_fwd.py)"))
+_add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.

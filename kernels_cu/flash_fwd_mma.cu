@@ -1,7 +1,8 @@
 // flash_fwd_mma.cu -- forward attention on tensor cores (float16 / bfloat16).
 //
 // FlashAttention-2 loop order. One CTA per (query block, head, batch); each of
-// the WARPS warps owns 16 query rows, so a row's softmax never leaves its warp.
+// the WARPS warps owns STRIPS x 16 query rows, so a row's softmax never leaves
+// its warp, and each K / V fragment a warp loads feeds STRIPS MMAs.
 //   load Q tile
 //   for each visible K/V tile j (the next one streams in with cp.async meanwhile):
 //       S = Q K_j^T                           (mma.sync, fp32 accumulate)
@@ -23,6 +24,8 @@ template <typename T, typename Cfg>
 struct FwdMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
+    static constexpr int STRIPS = BM / (16 * WARPS);     // 16-row strips per warp
+    static constexpr int WARP_ROWS = 16 * STRIPS;
     static constexpr int PITCH = HEAD + 8;         // shared row pitch in elements
     static constexpr int S_TILES = BN / 8;         // n8 tiles of one warp's S
     static constexpr int O_TILES = HEAD / 8;       // n8 tiles of one warp's O
@@ -30,13 +33,13 @@ struct FwdMmaTraits {
     static constexpr int KV_ELEMS = BN * PITCH;    // one K or V stage
     static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
     static_assert(HEAD % 16 == 0 && BN % 16 == 0, "tiles are multiples of the mma shape");
-    static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
+    static_assert(BM % (16 * WARPS) == 0, "each warp owns whole 16-row strips");
     static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Online-softmax step for the two rows this lane holds (C-fragment rows lane/4 and lane/4 + 8).
+// Online-softmax step for the two rows this lane holds in one strip (C-fragment rows lane/4 and lane/4 + 8).
 template <typename Tr>
 __device__ __forceinline__ void warp_softmax_update(float (&s)[Tr::S_TILES][4], float (&acc_o)[Tr::O_TILES][4],
                                                     float (&row_max)[2], float (&row_sum)[2]) {
@@ -76,17 +79,22 @@ flash_fwd_mma(const FwdParams p) {
         cp_async_commit();
     };
 
-    float acc_o[Tr::O_TILES][4];
-    zero_frags(acc_o);
-    float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
-    float row_sum[2] = {0.0f, 0.0f};
+    constexpr int M = Tr::STRIPS;
+    float acc_o[M][Tr::O_TILES][4];
+    float row_max[M][2], row_sum[M][2];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        zero_frags(acc_o[m]);
+        row_max[m][0] = row_max[m][1] = neg_inf<float>();
+        row_sum[m][0] = row_sum[m][1] = 0.0f;
+    }
 
     if (keys.begin < keys.end) {
         load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
                                                     blk.rows, dims.d);
         load_kv(keys.begin, 0);
     }
-    const int warp_row0 = blk.m0 + warp * 16;
+    const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
     for (int j = keys.begin; j < keys.end; ++j) {
         const int stage = (j - keys.begin) & 1;
         if (j + 1 < keys.end) {   // prefetch tile j+1 into the other stage
@@ -97,34 +105,41 @@ flash_fwd_mma(const FwdParams p) {
         }
         __syncthreads();
 
-        float s[Tr::S_TILES][4];   // S = Q K^T for this warp's 16 rows
-        zero_frags(s);
-        warp_gemm_nt<T, BN, HEAD, P, P>(s, q_s + warp * 16 * P, k_s + stage * Tr::KV_ELEMS, lane);
+        float s[M][Tr::S_TILES][4];   // S = Q K^T for this warp's rows
+#pragma unroll
+        for (int m = 0; m < M; ++m) zero_frags(s[m]);
+        warp_gemm_strips_smem<T, M, BN, HEAD, P, P, false>(s, q_s + warp * Tr::WARP_ROWS * P,
+                                                          k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
-        apply_score_mod(s, mod, mod.tile_is_partial(warp_row0, 16, n0, BN),
-                        [&](int n, int i, int& row, int& col) {
-                            row = warp_row0 + frag_row(lane, i);
-                            col = n0 + frag_col(lane, n, i);
-                        });
-        warp_softmax_update<Tr>(s, acc_o, row_max, row_sum);
-        warp_gemm_rn<T, HEAD, BN, P>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
+        const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            apply_score_mod(s[m], mod, partial, [&](int n, int i, int& row, int& col) {
+                row = warp_row0 + 16 * m + frag_row(lane, i);
+                col = n0 + frag_col(lane, n, i);
+            });
+            warp_softmax_update<Tr>(s[m], acc_o[m], row_max[m], row_sum[m]);
+        }
+        warp_gemm_strips_rn<T, M, HEAD, BN, P>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float inv_sum, row_lse;
-        softmax_finalize_row<4>(row_max[r], row_sum[r], inv_sum, row_lse);
-        const int row = warp * 16 + lane / 4 + 8 * r;
-        if (row >= blk.rows) continue;
-        T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int t = 0; t < Tr::O_TILES; ++t) {
-            const int col = t * 8 + 2 * (lane % 4);
-            if (col < dims.dv) out_row[col] = from_acc<T>(acc_o[t][2 * r] * inv_sum);
-            if (col + 1 < dims.dv) out_row[col + 1] = from_acc<T>(acc_o[t][2 * r + 1] * inv_sum);
+        for (int r = 0; r < 2; ++r) {
+            float inv_sum, row_lse;
+            softmax_finalize_row<4>(row_max[m][r], row_sum[m][r], inv_sum, row_lse);
+            const int row = warp * Tr::WARP_ROWS + 16 * m + lane / 4 + 8 * r;
+            if (row >= blk.rows) continue;
+            T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
+#pragma unroll
+            for (int t = 0; t < Tr::O_TILES; ++t) {
+                const int col = t * 8 + 2 * (lane % 4);
+                if (col < dims.dv) out_row[col] = from_acc<T>(acc_o[m][t][2 * r] * inv_sum);
+                if (col + 1 < dims.dv) out_row[col + 1] = from_acc<T>(acc_o[m][t][2 * r + 1] * inv_sum);
+            }
+            if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
         }
-        if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
-    }
 }

@@ -62,50 +62,74 @@ __device__ __forceinline__ void pack_a_frag(unsigned (&a)[4], const float (&p)[K
     a[3] = pack2<T>(p[t + 1][2], p[t + 1][3]);
 }
 
-// The one warp GEMM loop: acc (16 x N) += A (16 x K) B. load_a(af, k0) yields A's
-// k16 fragment at depth k0 (from shared memory or from registers); B is in shared
-// memory, stored as rows [k][n] (B_KN: read transposed by ldmatrix.trans) or as
-// rows [n][k] (B^T row-major).
-template <typename T, int N, int K, int PB, bool B_KN, typename LoadA>
-__device__ __forceinline__ void warp_gemm(float (&acc)[N / 8][4], LoadA load_a, const T* b, int lane) {
+// The one warp GEMM loop, over M row strips of 16 owned by one warp:
+//     acc[m] (16 x N) += A_m (16 x K) B,   m < M.
+// load_a(m, af, k0) yields strip m's k16 A fragment at depth k0 (from shared
+// memory or from registers); B is in shared memory, stored as rows [k][n]
+// (B_KN: read transposed by ldmatrix.trans) or as rows [n][k] (B^T row-major).
+// Each B fragment is loaded once and used by all M strips: with M = 2 a warp
+// issues 2 MMAs per ldmatrix of B instead of 1 (shared-memory bandwidth, not the
+// tensor cores, bounds the 16-row loop; FlashAttention-2's reason for 32-row warps).
+template <typename T, int M, int N, int K, int PB, bool B_KN, typename LoadA>
+__device__ __forceinline__ void warp_gemm_strips(float (&acc)[M][N / 8][4], LoadA load_a, const T* b, int lane) {
     static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
     const unsigned b_addr = B_KN ? b_lane_addr<T, PB>(b, lane) : bt_lane_addr<T, PB>(b, lane);
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
-        unsigned af[4];
-        load_a(af, k0);
+        unsigned af[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) load_a(m, af[m], k0);
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
             unsigned bf[4];
             if (B_KN) load_b_frags<T, PB>(bf, b_addr, n0, k0);
             else load_bt_frags<T, PB>(bf, b_addr, n0, k0);
-            mma_16816<T>(acc[n0 / 8], af, bf[0], bf[1]);
-            mma_16816<T>(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                mma_16816<T>(acc[m][n0 / 8], af[m], bf[0], bf[1]);
+                mma_16816<T>(acc[m][n0 / 8 + 1], af[m], bf[2], bf[3]);
+            }
         }
     }
 }
 
-// Both operands from shared memory (A: 16 x K rows with pitch PA).
-template <typename T, int N, int K, int PA, int PB, bool B_KN>
-__device__ __forceinline__ void warp_gemm_smem(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
+// M strips with A from shared memory: strip m is rows [16 m, 16 m + 16) of `a` (pitch PA).
+template <typename T, int M, int N, int K, int PA, int PB, bool B_KN>
+__device__ __forceinline__ void warp_gemm_strips_smem(float (&acc)[M][N / 8][4], const T* a, const T* b, int lane) {
     const unsigned a_addr = a_lane_addr<T, PA>(a, lane);
-    warp_gemm<T, N, K, PB, B_KN>(acc, [&](unsigned (&af)[4], int k0) { load_a_frag<T, PA>(af, a_addr, k0); }, b, lane);
+    warp_gemm_strips<T, M, N, K, PB, B_KN>(acc, [&](int m, unsigned (&af)[4], int k0) {
+        load_a_frag<T, PA>(af, a_addr + m * 16 * PA * int(sizeof(T)), k0);
+    }, b, lane);
+}
+
+// M strips with A from registers: the fp32 C fragments of P, packed to 16 bits on the fly.
+template <typename T, int M, int N, int K, int PB>
+__device__ __forceinline__ void warp_gemm_strips_rn(float (&acc)[M][N / 8][4], const float (&p)[M][K / 8][4],
+                                                    const T* b, int lane) {
+    warp_gemm_strips<T, M, N, K, PB, true>(acc, [&](int m, unsigned (&af)[4], int k0) {
+        pack_a_frag<T, K>(af, p[m], k0);
+    }, b, lane);
+}
+
+// One strip (the backward kernels): the same loops with M = 1.
+template <int N>
+__device__ __forceinline__ float (&one_strip(float (&acc)[N][4]))[1][N][4] {
+    return reinterpret_cast<float (&)[1][N][4]>(acc);
 }
 
 template <typename T, int N, int K, int PA, int PB>
 __device__ __forceinline__ void warp_gemm_nt(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
-    warp_gemm_smem<T, N, K, PA, PB, false>(acc, a, b, lane);
+    warp_gemm_strips_smem<T, 1, N, K, PA, PB, false>(one_strip(acc), a, b, lane);
 }
 
 template <typename T, int N, int K, int PA, int PB>
 __device__ __forceinline__ void warp_gemm_nn(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
-    warp_gemm_smem<T, N, K, PA, PB, true>(acc, a, b, lane);
+    warp_gemm_strips_smem<T, 1, N, K, PA, PB, true>(one_strip(acc), a, b, lane);
 }
 
-// A from registers: the fp32 C fragments of P (or dS), packed to 16 bits on the fly.
 template <typename T, int N, int K, int PB>
 __device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const T* b, int lane) {
-    warp_gemm<T, N, K, PB, true>(acc, [&](unsigned (&af)[4], int k0) { pack_a_frag<T, K>(af, p, k0); }, b, lane);
+    warp_gemm_strips_rn<T, 1, N, K, PB>(one_strip(acc), reinterpret_cast<const float (&)[1][K / 8][4]>(p), b, lane);
 }
 
 // Row and column (within the 16 x 8n strip) of C-fragment element i of tile n.

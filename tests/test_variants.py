@@ -71,5 +71,7 @@ def test_selection_rules():
 def test_grid_has_no_65535_limit_but_a_2_31_one():
     v = V.forward_variant("float16", 64, causal=False, vec=True)
     assert v.grid(batch=70000, heads_q=3, group=1, lq=16, lk=16) == 210000
+    batch, heads = 2**20, 2**6
+    tiles = 2**31 // (batch * heads) + 1                  # one tile row more than 2^31 - 1 CTAs allow
     with pytest.raises(ValueError, match="grid limit"):
-        v.grid(batch=2**20, heads_q=2**6, group=1, lq=2**11, lk=16)
+        v.grid(batch=batch, heads_q=heads, group=1, lq=tiles * v.tile.block_m, lk=16)
