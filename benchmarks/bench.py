@@ -108,6 +108,7 @@ def run_case(dtype, b, h, n, d, causal, with_bwd, repeat):
     q, k, v, do = (rng.standard_normal(shape, dtype=cp.float32).astype(_cp_dtype(DTYPES[dtype]))
                    for _ in range(4))
     flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * (3.5 if with_bwd else 1.0)
+    model = None if with_bwd else model_bytes(dtype, b, h, n, d, causal)
     rows = []
     for name, fn in contenders(q, k, v, do, causal, with_bwd).items():
         try:
@@ -115,15 +116,33 @@ def run_case(dtype, b, h, n, d, causal, with_bwd, repeat):
             cp.cuda.Device().synchronize()
             ms = _time(fn, repeat)
             mib = _extra_mib(fn)
-            rows.append({"contender": name, "ms": ms, "tflops": flops / ms / 1e9, "extra_mib": mib})
+            row = {"contender": name, "ms": ms, "tflops": flops / ms / 1e9, "extra_mib": mib}
+            if model is not None and name in MODEL_OF:
+                row["model_gbps"] = model[MODEL_OF[name]] / ms / 1e6
+            rows.append(row)
         except Exception as exc:   # backend not available for this dtype/shape, or out of memory
             rows.append({"contender": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"})
         finally:
             cp.get_default_memory_pool().free_all_blocks()
             if torch is not None:
                 torch.cuda.empty_cache()
-    return {"dtype": dtype, "B": b, "H": h, "L": n, "D": d, "causal": bool(causal),
+    case = {"dtype": dtype, "B": b, "H": h, "L": n, "D": d, "causal": bool(causal),
             "pass": "fwd+bwd" if with_bwd else "fwd", "results": rows}
+    if model is not None:
+        case["model"] = model
+    return case
+
+
+# Contenders whose HBM traffic the estimator models: the tiled kernel, and the naive
+# computations that store the n x n scores.
+MODEL_OF = {"cuflash": "flash_hbm_bytes", "naive cupy": "naive_hbm_bytes", "torch math": "naive_hbm_bytes"}
+
+
+def model_bytes(dtype, b, h, n, d, causal) -> dict:
+    """The forward's modelled HBM bytes and FLOPs (cuflash.estimate, the H100's tiles)."""
+    est = cuflash.estimate(lq=n, lk=n, d=d, dtype=DTYPES[dtype], causal=causal, batch=b, heads_q=h)
+    return {"flash_hbm_bytes": est.flash_hbm_bytes, "naive_hbm_bytes": est.naive_hbm_bytes, "flops": est.flops,
+            "tiles_processed": est.tiles_processed, "tiles_total": est.tiles_total}
 
 
 def cases(quick):
@@ -146,19 +165,24 @@ def cases(quick):
 def markdown(results, device):
     lines = [f"# cuflash benchmark on {device}", "",
              "\"cuflash speed-up\" is the contender's time divided by cuflash's on the same case: above 1x, "
-             "cuflash is faster.", "",
-             "| pass | dtype | B | H | L | D | causal | contender | ms | TFLOP/s | cuflash speed-up | extra MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "cuflash is faster. \"model GB/s\" is the HBM traffic `cuflash.estimate` models for the forward "
+             "(the tiled kernel's upper bound for cuflash; the stored n x n scores for naive CuPy and torch math) "
+             "divided by the measured time: compare it and TFLOP/s with the GPU's ceilings (H100: ~3 TB/s, "
+             "~780 TFLOP/s dense bf16) to see how far a case is from its roofline.", "",
+             "| pass | dtype | B | H | L | D | causal | contender | ms | TFLOP/s | model GB/s | cuflash speed-up "
+             "| extra MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in results:
         ours = next((r for r in case["results"] if r["contender"] == "cuflash" and "ms" in r), None)
         for r in case["results"]:
             head = (f"| {case['pass']} | {case['dtype']} | {case['B']} | {case['H']} | {case['L']} | {case['D']} "
                     f"| {'yes' if case['causal'] else 'no'} | {r['contender']} |")
             if "ms" not in r:
-                lines.append(head + f" n/a | | | {r['error']} |")
+                lines.append(head + f" n/a | | | | {r['error']} |")
                 continue
             ratio = f"{r['ms'] / ours['ms']:.2f}x" if ours else ""
-            lines.append(head + f" {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} | {r['extra_mib']:.0f} |")
+            gbps = f"{r['model_gbps']:.0f}" if "model_gbps" in r else ""
+            lines.append(head + f" {r['ms']:.3f} | {r['tflops']:.1f} | {gbps} | {ratio} | {r['extra_mib']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,9 @@
 """cuflash: exact, IO-aware fused attention (FlashAttention) for CuPy arrays."""
 from ._build import CompileError
 from .api import attention, attention_backward, attention_forward, vjp
+from .estimate import Estimate, estimate
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "CompileError", "__version__"]
+__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "estimate", "Estimate", "CompileError",
+           "__version__"]

@@ -3,6 +3,8 @@
   demo      run attention forward and backward on the GPU (or the NumPy path without one)
   info      versions, device, NVRTC, kernel cache
   compile   build every kernel variant for this GPU, or check builds for --arch without one
+  estimate  tiles, score entries and HBM bytes of naive attention vs the tiled kernel
+  bench     benchmark against PyTorch SDPA and naive CuPy (GPU, source checkout)
 """
 from __future__ import annotations
 
@@ -245,6 +247,33 @@ def cmd_demo(args) -> int:
     return 0 if max(errs) < 1e-2 else 1
 
 
+def cmd_bench(args, rest) -> int:
+    """Run benchmarks/bench.py from the source checkout this package comes from."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    if not script.is_file():
+        raise SystemExit("error: the benchmark ships with the source repository, not the installed package: "
+                         "clone it and run `python -m cuflash bench` (or `python benchmarks/bench.py`) there")
+    sys.argv = [str(script), *rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from .estimate import estimate
+
+    causal = {"none": False, "top_left": True, "bottom_right": "bottom_right"}[args.causal]
+    try:
+        est = estimate(lq=args.lq, lk=args.lk if args.lk is not None else args.lq, d=args.d, dv=args.dv,
+                       dtype=args.dtype, causal=causal, batch=args.batch, heads_q=args.heads, gpu=args.gpu)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(est.table())
+    return 0
+
+
 _DEMO_DEFAULTS = {"batch": 4, "heads": 16, "seqlen": 4096, "headdim": 64}
 
 
@@ -275,11 +304,36 @@ def main(argv=None) -> int:
                                    "report registers, spills and shared memory.")
     p.add_argument("--arch", default=None, help="comma-separated architectures, e.g. sm_80,sm_86,sm_90")
     p.set_defaults(fn=cmd_compile)
-    args = parser.parse_args(argv)
+    p = sub.add_parser("estimate", help="tiles, score entries and HBM bytes: naive attention vs the tiled kernel",
+                       description="Model one forward call: the (query, key) tiles the kernel visits with its "
+                                   "real tile sizes, the n x n scores naive attention stores, HBM bytes and "
+                                   "arithmetic intensity of both. No GPU needed.")
+    p.add_argument("--lq", type=int, required=True, help="query length")
+    p.add_argument("--lk", type=int, default=None, help="key length (default: --lq)")
+    p.add_argument("--d", type=int, default=64, help="q/k head dim (default 64)")
+    p.add_argument("--dv", type=int, default=None, help="v head dim (default: --d)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32", "float64"])
+    p.add_argument("--causal", nargs="?", const="top_left", default="none",
+                   choices=["none", "top_left", "bottom_right"], help="causal mask (bare --causal: top-left)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--gpu", default="sm90", choices=["sm90", "sm80", "sm86"],
+                   help="GPU class choosing the tile: sm90 (H100), sm80 (A100), sm86 (sm_86/89/120)")
+    p.set_defaults(fn=cmd_estimate)
+    p = sub.add_parser("bench", help="benchmark against PyTorch SDPA and naive CuPy (GPU; benchmarks/bench.py)",
+                       description="Run benchmarks/bench.py (needs a GPU and a source checkout); every option "
+                                   "after `bench` goes to it, e.g. --quick, --out DIR, --replot JSON.",
+                       add_help=False)
+    p.set_defaults(fn=cmd_bench)
+    args, rest = parser.parse_known_args(argv)
     if args.cmd is None:
         parser.print_help()
         print(f"\nchoose a command, e.g. {parser.prog} demo")
         return 2
+    if args.cmd == "bench":
+        return args.fn(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.fn(args)
 
 

@@ -39,3 +39,16 @@ def test_demo_without_gpu_runs_numpy_path_and_says_why(capsys):
     out = capsys.readouterr().out
     assert "No GPU here" in out and "forward + backward" in out
     assert "--seqlen" in out                      # the ignored flag is named
+
+
+@pytest.mark.skipif(gpu_available()[0], reason="on a GPU this would run the benchmark")
+def test_bench_says_what_it_needs():
+    """From a source checkout: the script says it needs a GPU; installed: it names the repository."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--quick"])
+    assert "GPU" in str(info.value) or "source repository" in str(info.value)
+
+
+def test_unknown_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        main(["info", "--bogus"])
