@@ -1,9 +1,10 @@
 """cuflash: exact, IO-aware fused attention (FlashAttention) for CuPy arrays."""
 from ._build import CompileError
 from .api import attention, attention_backward, attention_forward, vjp
+from .block_sparse import BlockLayout
 from .estimate import Estimate, estimate
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "estimate", "Estimate", "CompileError",
+__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "BlockLayout", "estimate", "Estimate", "CompileError",
            "__version__"]

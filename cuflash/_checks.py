@@ -64,17 +64,12 @@ def check_scale(scale: Any, d: int) -> float:
     return float(scale)
 
 
-def check_unsupported(*, bias=None, mask=None, dropout_p=0.0, seed=None, window=None,
-                      precision="highest") -> None:
+def check_unsupported(*, precision="highest") -> None:
     """Options accepted by the API whose implementation has not landed yet."""
     if precision not in ("highest", "tf32"):
         raise ValueError(f"precision must be 'highest' or 'tf32', got {precision!r}")
-    pending = {"bias": bias is not None, "mask": mask is not None, "window": window is not None,
-               "dropout_p": dropout_p not in (0, 0.0, None), "seed": seed is not None,
-               "precision='tf32'": precision == "tf32"}
-    for name, given in pending.items():
-        if given:
-            raise NotImplementedError(f"cuflash: the {name} option is not implemented yet")
+    if precision == "tf32":
+        raise NotImplementedError("cuflash: the precision='tf32' option is not implemented yet")
 
 
 @dataclass

@@ -3,7 +3,7 @@ struct (``_params``), launch on CuPy's current stream. Nothing here is per varia
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 
@@ -55,37 +55,43 @@ def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int
     get_kernel(variant)((variant.grid(*dims),), (threads,), (params,), shared_mem=smem)
 
 
-def launch_forward(q, k, v, out, lse, *, dtype: str, causal_offset: Optional[int], scale: float,
-                   group: int) -> None:
+def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, group: int) -> None:
     """Run the forward kernel on 4-D views ``(B, H, L, D)`` (last axis unit-stride) into
-    ``out`` and ``lse``. ``causal_offset`` is None without a causal mask, else key j is
-    visible to query i iff ``j <= i + causal_offset``."""
+    ``out`` and ``lse``; ``masking`` is the call's :class:`cuflash._masking.KernelMasking`."""
     d, dv = q.shape[3], v.shape[3]
-    variant = forward_variant(dtype, head_bucket(max(d, dv)), causal=causal_offset is not None,
+    variant = forward_variant(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=masking.extra,
                               vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
-    params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, causal_offset=causal_offset)
+    params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]))
 
 
-def launch_backward(dout, q, k, v, out, lse, *, dtype: str, causal_offset: Optional[int], scale: float,
-                    group: int, deterministic: bool):
-    """Gradients ``(dq, dk, dv)`` as new contiguous 4-D arrays, from 4-D views of the inputs
-    and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides)."""
+def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan: Optional[Callable] = None,
+                    scale: float, group: int, deterministic: bool):
+    """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays) from 4-D views of
+    the inputs and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides). ``dbias_plan``,
+    given the dK kernel's (block_m, block_n), returns the call's
+    :class:`cuflash._masking.DbiasPlan` (None: no bias), which is returned as ``dbias``."""
     import cupy
 
     b, hq, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     acc_dtype = np.float64 if dtype == "float64" else np.float32
-    plan = backward_variants(dtype, head_bucket(max(d, dv)), causal=causal_offset is not None,
+    plan = backward_variants(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=masking.extra,
                              vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
                              smem_limit=_smem_limit())
+    dbias = None
+    dbias_values = _params.DBIAS_OFF
+    if dbias_plan is not None:
+        dk_kernel = [v_ for v_ in plan if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
+        dbias = dbias_plan((dk_kernel.tile.block_m, dk_kernel.tile.block_n))
+        dbias_values = dbias.values
     dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
     dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d), dtype=acc_dtype)
     dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)
     dk = cupy.empty((b, hk, lk, d), dtype=q.dtype)
     dv_ = cupy.empty((b, hk, lk, dv), dtype=q.dtype)
     params = _params.bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv_, group=group, scale=scale,
-                                causal_offset=causal_offset)
+                                mask=masking.values, dbias=dbias_values)
     for variant in plan:
         _launch(variant, params, (b, hq, group, lq, lk))
-    return dq, dk, dv_
+    return dq, dk, dv_, dbias

@@ -15,23 +15,32 @@ import numpy as np
 _VIEW = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride", np.int64),
                   ("row_stride", np.int64)], align=True)
 _DIMS = np.dtype([(name, np.int32) for name in ("batch", "heads_q", "group", "lq", "lk", "d", "dv")], align=True)
-_MASK = np.dtype([("causal_offset", np.int32)], align=True)
+_SCORE = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride", np.int64),
+                   ("row_stride", np.int64), ("col_stride", np.int64)], align=True)
+_MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.int32), ("block_k", np.int32),
+                  ("bias", _SCORE), ("mask", _SCORE), ("layout", _SCORE), ("drop_threshold", np.uint32),
+                  ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("keep_scale", np.float64)], align=True)
+_DBIAS = np.dtype([("acc", _SCORE), ("order", np.uint64), ("mode", np.int32), ("rows_broadcast", np.int32),
+                   ("tiles_b", np.int32), ("tiles_h", np.int32), ("tiles_i", np.int32)], align=True)
 
 STRUCTS: Dict[str, np.dtype] = {
     "View": _VIEW,
     "AttnDims": _DIMS,
+    "ScoreTensor": _SCORE,
     "MaskParams": _MASK,
+    "DbiasParams": _DBIAS,
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64)], align=True),
     "BwdParams": np.dtype([(n, _VIEW) for n in ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc",
                                                   "dq", "dk", "dv")]
-                          + [("dims", _DIMS), ("mask", _MASK), ("scale", np.float64), ("scale_log2", np.float64)],
+                          + [("dims", _DIMS), ("mask", _MASK), ("dbias", _DBIAS), ("scale", np.float64),
+                             ("scale_log2", np.float64)],
                           align=True),
 }
 
 LOG2E = float(np.log2(np.e))
 
-_CODES = {("u", 8): "Q", ("i", 8): "q", ("i", 4): "i", ("f", 8): "d", ("f", 4): "f"}
+_CODES = {("u", 8): "Q", ("i", 8): "q", ("i", 4): "i", ("u", 4): "I", ("f", 8): "d", ("f", 4): "f"}
 
 
 def _packer(dtype: np.dtype) -> struct.Struct:
@@ -83,21 +92,27 @@ def view(x: Any) -> tuple:
     return (x.data.ptr,) + tuple(s // x.itemsize for s in x.strides[:3])
 
 
-def fwd_params(q, k, v, out, lse, *, group: int, scale: float, causal_offset: Optional[int]) -> np.ndarray:
-    """FwdParams for 4-D views ``q (B, Hq, Lq, D)``, ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``:
-    one opaque item of ``sizeof(FwdParams)`` bytes (``.view(STRUCTS["FwdParams"])`` shows the fields)."""
+MASK_OFF = (0, 0, 1, 1) + (0,) * 15 + (0, 0, 0, 1.0)
+"""MaskParams' values with every piece off (kernels compiled without BAND / EXTRA ignore them)."""
+DBIAS_OFF = (0,) * 5 + (0, 0, 0, 1, 1, 1)
+
+
+def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF) -> np.ndarray:
+    """FwdParams for 4-D views ``q (B, Hq, Lq, D)``, ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``
+    and MaskParams' values ``mask`` (cuflash._masking): one opaque item of ``sizeof(FwdParams)``
+    bytes (``.view(STRUCTS["FwdParams"])`` shows the fields)."""
     b, hq, lq, d = q.shape
     values = (*view(q), *view(k), *view(v), *view(out), *view(lse),
-              b, hq, group, lq, k.shape[2], d, v.shape[3], causal_offset or 0, scale * LOG2E)
+              b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, scale * LOG2E)
     return np.frombuffer(_PACK["FwdParams"].pack(*values), dtype=_OPAQUE["FwdParams"])
 
 
 def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int, scale: float,
-               causal_offset: Optional[int]) -> np.ndarray:
+               mask: tuple = MASK_OFF, dbias: tuple = DBIAS_OFF) -> np.ndarray:
     """BwdParams for 4-D views (vectors lse, dsum 3-D). ``dq_acc`` may be None (deterministic path)."""
     b, hq, lq, d = q.shape
     views = (view(x) if x is not None else _NO_VIEW for x in (q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv))
-    values = (*(f for vw in views for f in vw), b, hq, group, lq, k.shape[2], d, v.shape[3], causal_offset or 0,
+    values = (*(f for vw in views for f in vw), b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, *dbias,
               scale, scale * LOG2E)
     return np.frombuffer(_PACK["BwdParams"].pack(*values), dtype=_OPAQUE["BwdParams"])
 

@@ -250,8 +250,10 @@ def _cxx(value) -> str:
 class Variant:
     """One compiled kernel: a family at a dtype and head bucket with its flags.
 
-    ``causal`` is the masking policy's compile-time flag (score_mod.cuh
-    ``MaskFlags``); ``vec`` selects 16-byte ``cp.async`` loads; ``pass_`` (dK/dV
+    ``band`` and ``extra`` are the masking policy's compile-time flags (score_mod.cuh
+    ``MaskFlags``): ``band`` for causal masks and sliding windows, ``extra`` for
+    bias, boolean mask, block sparsity and dropout (each switched at run time);
+    ``vec`` selects 16-byte ``cp.async`` loads; ``pass_`` (dK/dV
     tensor-core kernel) is 0 for dK and dV together, 1 for dV only, 2 for dK
     only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics.
     """
@@ -259,7 +261,8 @@ class Variant:
     family: str
     dtype: str
     head: int
-    causal: bool = False
+    band: bool = False
+    extra: bool = False
     vec: bool = False
     pass_: int = 0
     atomic_dq: bool = False
@@ -309,7 +312,8 @@ class Variant:
                f"{self.threads}, {self.smem_bytes}>")
         args = [CXX_TYPE[self.dtype], cfg]
         for flag in self.fam.flags:
-            args.append(f"MaskFlags<{_cxx(self.causal)}>" if flag == "mask" else _cxx(getattr(self, flag)))
+            args.append(f"MaskFlags<{_cxx(self.band)}, {_cxx(self.extra)}>" if flag == "mask"
+                        else _cxx(getattr(self, flag)))
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:
@@ -332,32 +336,34 @@ def _dkdv_passes(head: int, atomic_dq: bool) -> List[Tuple[int, bool]]:
 
 
 @functools.lru_cache(maxsize=None)
-def forward_variant(dtype: str, head: int, *, causal: bool, vec: bool, smem_limit: int = SMEM_MAX) -> Variant:
+def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
+                    smem_limit: int = SMEM_MAX) -> Variant:
     """The forward kernel for one call on a GPU allowing ``smem_limit`` bytes of shared memory per block."""
     if dtype in HALF_TYPES:
-        return Variant("fwd_mma", dtype, head, causal=causal, vec=vec).fitted(smem_limit)
-    return Variant("fwd_fma", dtype, head, causal=causal).fitted(smem_limit)
+        return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
+    return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
 
 
 @functools.lru_cache(maxsize=None)
-def backward_variants(dtype: str, head: int, *, causal: bool, vec: bool, deterministic: bool,
+def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool, deterministic: bool,
                       smem_limit: int = SMEM_MAX) -> Tuple[Variant, ...]:
     """The backward kernels for one call, in launch order (see :func:`forward_variant`)."""
-    return tuple(v.fitted(smem_limit) for v in _backward_plan(dtype, head, causal, vec, deterministic))
+    return tuple(v.fitted(smem_limit) for v in _backward_plan(dtype, head, band, extra, vec, deterministic))
 
 
-def _backward_plan(dtype: str, head: int, causal: bool, vec: bool, deterministic: bool) -> List[Variant]:
+def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, deterministic: bool) -> List[Variant]:
     atomic = not deterministic
+    flags = dict(band=band, extra=extra)
     plan = [Variant("bwd_dsum", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
-        plan += [Variant("bwd_dkdv_mma", dtype, head, causal=causal, vec=vec, pass_=p, atomic_dq=a)
+        plan += [Variant("bwd_dkdv_mma", dtype, head, vec=vec, pass_=p, atomic_dq=a, **flags)
                  for p, a in _dkdv_passes(head, atomic)]
         if deterministic:
-            plan.append(Variant("bwd_dq_mma", dtype, head, causal=causal, vec=vec))
+            plan.append(Variant("bwd_dq_mma", dtype, head, vec=vec, **flags))
     else:
-        plan.append(Variant("bwd_dkdv_fma", dtype, head, causal=causal, atomic_dq=atomic))
+        plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
         if deterministic:
-            plan.append(Variant("bwd_dq_fma", dtype, head, causal=causal))
+            plan.append(Variant("bwd_dq_fma", dtype, head, **flags))
     if atomic:
         plan.append(Variant("bwd_convert_dq", dtype, 0))
     return plan
@@ -373,11 +379,11 @@ def all_variants() -> List[Variant]:
     GPU class of SMEM_LIMITS (what ``python -m cuflash compile`` builds and the tests
     run), no duplicates."""
     seen: Dict[Variant, None] = {}
-    for dtype, head, causal in itertools.product(DTYPES, HEAD_BUCKETS, (False, True)):
+    for dtype, head, band, extra in itertools.product(DTYPES, HEAD_BUCKETS, (False, True), (False, True)):
         for vec, limit in itertools.product(vec_choices(dtype), SMEM_LIMITS.values()):
-            seen[forward_variant(dtype, head, causal=causal, vec=vec, smem_limit=limit)] = None
+            seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit)] = None
             for det in (False, True):
-                for v in _backward_plan(dtype, head, causal, vec, det):
+                for v in _backward_plan(dtype, head, band, extra, vec, det):
                     try:
                         seen[v.fitted(limit)] = None
                     except ValueError:   # documented: no such kernel for this GPU class

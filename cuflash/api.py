@@ -5,8 +5,9 @@ from typing import Any, Literal, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _checks, reference
+from . import _checks, _masking, reference
 from ._launch import launch_backward, launch_forward
+from .block_sparse import BlockLayout
 
 Causal = Union[bool, Literal["top_left", "bottom_right"]]
 
@@ -15,7 +16,7 @@ __all__ = ["attention", "attention_forward", "attention_backward", "vjp"]
 
 def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None, bias: Any = None,
               mask: Any = None, dropout_p: float = 0.0, seed: Optional[int] = None, window: Any = None,
-              precision: str = "highest"):
+              block_layout: Optional[BlockLayout] = None, precision: str = "highest"):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, computed tile by tile.
 
     Parameters
@@ -33,8 +34,32 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         (the diagonal ends at the last key, as in KV-cache decoding).
     scale : float, optional
         Score scale, default ``1 / sqrt(D)``.
-    bias, mask, dropout_p, seed, window, precision
-        Reserved: non-default values raise NotImplementedError until they land.
+    bias : array, optional
+        Float array broadcastable to ``(..., Hq, Lq, Lk)`` (e.g. a pair bias
+        ``(1, 1, Lq, Lk)`` or a key bias ``(B, 1, 1, Lk)``), added to the scaled
+        scores: ``softmax(scale q k^T + bias)``. Read through strides (0 along
+        broadcast axes), never expanded; read in q's dtype (another float dtype
+        is converted: a copy of the bias's own shape). ``-inf`` entries act as a mask.
+    mask : bool array, optional
+        Broadcastable like ``bias``; True = attend (PyTorch SDPA's boolean
+        ``attn_mask``). Key padding is ``(B, 1, 1, Lk)``.
+    window : (left, right), optional
+        Sliding window: query i attends keys ``i - left <= j <= i + right``
+        (``None`` for an unbounded side); with ``causal`` the window follows its
+        alignment and ``right`` is capped at the diagonal. Key tiles outside the
+        band are skipped, so time scales with the window.
+    dropout_p : float
+        Dropout probability on the attention weights, in [0, 1). Kept weights
+        are scaled by ``1 / (1 - dropout_p)``.
+    seed : int, optional
+        Dropout seed in [0, 2**64): the mask is a pure function of (seed,
+        batch, head, query, key) (Philox4x32-10), so equal seeds give bitwise
+        equal results and the backward regenerates the mask. None draws one.
+    block_layout : cuflash.BlockLayout, optional
+        Block-sparse attention: (query block, key block) pairs that are off are
+        never loaded.
+    precision : {"highest", "tf32"}
+        Reserved for float32 ("tf32" raises NotImplementedError for now).
 
     Returns
     -------
@@ -49,44 +74,63 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
     of ``(B, L, H, D)`` data) are used without copying when their last axis is
     unit-stride. Inputs are never modified.
     """
-    return attention_forward(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask,
-                             dropout_p=dropout_p, seed=seed, window=window, precision=precision)[0]
+    if dropout_p and seed is None:
+        seed = _masking.draw_seed()   # no backward will need it
+    return attention_forward(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, dropout_p=dropout_p,
+                             seed=seed, window=window, block_layout=block_layout, precision=precision)[0]
 
 
 def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
                       bias: Any = None, mask: Any = None, dropout_p: float = 0.0,
                       seed: Optional[int] = None, window: Any = None,
+                      block_layout: Optional[BlockLayout] = None,
                       precision: str = "highest") -> Tuple[Any, Any]:
     """Attention output and the row logsumexp saved for the backward pass.
 
-    Parameters are those of :func:`attention`.
+    Parameters are those of :func:`attention`, except that dropout needs an
+    explicit ``seed`` here (the backward must regenerate the same mask; or use
+    :func:`vjp`, which draws and keeps one).
 
     Returns
     -------
     out : array, shape (..., Hq, Lq, Dv), the input dtype.
     lse : array, shape (..., Hq, Lq), float32 (float64 for float64 inputs).
-        Natural-log logsumexp over keys of the scaled (masked) scores; ``-inf``
-        for a row that can see no key.
+        Natural-log logsumexp over keys of the scaled, biased, masked scores
+        (before dropout); ``-inf`` for a row that can see no key.
     """
-    _checks.check_unsupported(bias=bias, mask=mask, dropout_p=dropout_p, seed=seed, window=window,
-                              precision=precision)
+    _checks.check_unsupported(precision=precision)
     p = _checks.check_qkv(q, k, v, causal=causal, scale=scale)
+    opts = _masking.check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
+                                  block_layout=block_layout)
     if p.xp is np:
-        return _forward_numpy(p, q.dtype)
-    return _forward_cupy(p, q.dtype)
+        return _forward_numpy(p, opts, q.dtype)
+    return _forward_cupy(p, opts, q.dtype)
 
 
 def _lse_dtype(dtype_name: str):
     return np.float64 if dtype_name == "float64" else np.float32
 
 
-def _forward_numpy(p: _checks.Problem, dtype) -> Tuple[np.ndarray, np.ndarray]:
-    out, lse = reference.attention_blocked(p.q, p.k, p.v, causal=p.reference_causal, scale=p.scale)
+def _reference_kwargs(p: _checks.Problem, opts: _masking.Options) -> dict:
+    """The options in the 4-D (B, H, L, D) frame of ``p.q``: leading dims merged into one."""
+    kw = opts.reference_kwargs()
+    for name in ("bias", "mask"):
+        if kw[name] is not None:
+            kw[name] = _masking._own_4d(kw[name], p)
+    if opts.block_layout is not None:
+        kw["block_layout"] = BlockLayout(_masking._own_4d(np.asarray(opts.block_layout.layout), p),
+                                         opts.block_layout.block_size)
+    return kw
+
+
+def _forward_numpy(p: _checks.Problem, opts: _masking.Options, dtype) -> Tuple[np.ndarray, np.ndarray]:
+    out, lse = reference.attention_blocked(p.q, p.k, p.v, causal=p.reference_causal, scale=p.scale,
+                                           **_reference_kwargs(p, opts))
     return (out.astype(dtype).reshape(p.out_shape()),
             lse.astype(_lse_dtype(p.dtype)).reshape(p.lse_shape()))
 
 
-def _forward_cupy(p: _checks.Problem, dtype):
+def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype):
     import cupy
 
     with cupy.cuda.Device(p.q.device.id):
@@ -96,16 +140,17 @@ def _forward_cupy(p: _checks.Problem, dtype):
             out.view(cupy.uint8).fill(0)    # zero bits are 0.0 in every float format
             lse.fill(-np.inf)
         elif out.size > 0:
-            launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype, causal_offset=p.causal_offset,
+            launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype, masking=_masking.kernel_masking(p, opts),
                            scale=p.scale, group=p.group)
     return out.reshape(p.out_shape()), lse.reshape(p.lse_shape())
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale: Optional[float] = None,
                        bias: Any = None, mask: Any = None, dropout_p: float = 0.0,
-                       seed: Optional[int] = None, window: Any = None, precision: str = "highest",
-                       deterministic: bool = False) -> Tuple[Any, Any, Any]:
-    """Gradients of ``sum(dout * attention(q, k, v))`` with respect to q, k and v.
+                       seed: Optional[int] = None, window: Any = None,
+                       block_layout: Optional[BlockLayout] = None, precision: str = "highest",
+                       deterministic: bool = False) -> Tuple[Any, ...]:
+    """Gradients of ``sum(dout * attention(q, k, v))`` with respect to q, k, v (and the bias).
 
     The n x n probabilities are recomputed tile by tile from q, k and the saved
     ``lse``; extra memory is O(L * D).
@@ -119,39 +164,61 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
     out, lse : arrays
         What :func:`attention_forward` returned for these inputs and options.
         ``lse`` may be any float dtype; it is read as float32 (float64 for float64).
-    causal, scale, bias, mask, dropout_p, seed, window, precision
-        The options the forward pass used (they must match).
+    causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision
+        The options the forward pass used (they must match; with dropout, the
+        same seed).
     deterministic : bool
-        False (default): dQ is summed with fp32/fp64 atomics, fast but the last
-        bits may differ run to run. True: dQ is computed by a separate pass with
-        a fixed summation order; results are bitwise identical run to run.
+        False (default): dQ (and a bias gradient shared across batches or K/V
+        heads) is summed with fp32/fp64 atomics, fast but the last bits may
+        differ run to run. True: dQ is computed by a separate pass with a fixed
+        summation order, and dbias contributions take turns in a fixed order;
+        results are bitwise identical run to run.
 
     Returns
     -------
     dq, dk, dv : arrays with the shapes and dtype of q, k, v.
         With grouped-query attention, dk and dv sum over the query heads that
         share a key/value head. Rows that attend to nothing contribute 0.
+    dbias : array with exactly the bias's shape and dtype, only when ``bias`` is
+        given: dS summed over the axes the bias broadcasts along (in an fp32 /
+        fp64 accumulator of the bias's own shape, never an n x n buffer per head).
+        A bias constant along keys (last dim 1) gets exactly 0: it shifts every
+        score of a row equally, which softmax ignores.
     """
-    _checks.check_unsupported(bias=bias, mask=mask, dropout_p=dropout_p, seed=seed, window=window,
-                              precision=precision)
+    _checks.check_unsupported(precision=precision)
     p = _checks.check_qkv(q, k, v, causal=causal, scale=scale)
+    opts = _masking.check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
+                                  block_layout=block_layout)
     dout4, out4, lse4 = _checks.check_backward_inputs(p, dout, out, lse)
     if p.xp is np:
-        grads = reference.attention_backward_blocked(dout4, p.q, p.k, p.v, out4, lse4,
-                                                     causal=p.reference_causal, scale=p.scale)
-        return tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads[:3], (q, k, v)))
+        grads = reference.attention_backward_blocked(dout4, p.q, p.k, p.v, out4, lse4, causal=p.reference_causal,
+                                                     scale=p.scale, **_reference_kwargs(p, opts))
+        result = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads[:3], (q, k, v)))
+        if bias is None:
+            return result
+        return result + (_masking.DbiasPlan(grads[3], (), ()).result(p, opts),)
 
     import cupy
 
     shapes = (q.shape, k.shape, v.shape)
     with cupy.cuda.Device(p.q.device.id):
+        dbias = None
         if p.lq == 0 or p.lk == 0 or p.batch == 0 or p.heads_q == 0:
             grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (p.q, p.k, p.v))
+            if bias is not None:
+                dbias = cupy.zeros(bias.shape, dtype=bias.dtype)
         else:
-            grads = launch_backward(dout4, p.q, p.k, p.v, out4, lse4, dtype=p.dtype,
-                                    causal_offset=p.causal_offset, scale=p.scale, group=p.group,
-                                    deterministic=bool(deterministic))
-    return tuple(g.reshape(s) for g, s in zip(grads, shapes))
+            plan_fn = None
+            if bias is not None:
+                def plan_fn(tile):
+                    return _masking.dbias_plan(p, opts, bool(deterministic), tile)
+            *grads, plan = launch_backward(dout4, p.q, p.k, p.v, out4, lse4, dtype=p.dtype,
+                                           masking=_masking.kernel_masking(p, opts), dbias_plan=plan_fn,
+                                           scale=p.scale, group=p.group, deterministic=bool(deterministic))
+            if plan is not None:
+                dbias = plan.result(p, opts)
+        result = tuple(g.reshape(s) for g, s in zip(grads, shapes))
+    return result if bias is None else result + (dbias,)
 
 
 def vjp(q, k, v, *, deterministic: bool = False, **options):
@@ -163,19 +230,25 @@ def vjp(q, k, v, *, deterministic: bool = False, **options):
     deterministic : bool
         Passed to :func:`attention_backward`.
     **options
-        causal, scale, bias, mask, dropout_p, seed, window, precision.
+        causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision.
+        With ``dropout_p > 0`` and no ``seed``, one is drawn; it is kept for the
+        backward and readable as ``vjp_fn.seed``.
 
     Returns
     -------
     out : array, shape (..., Hq, Lq, Dv)
     vjp_fn : callable
-        ``vjp_fn(dout) -> (dq, dk, dv)``; may be called any number of times.
-        It holds references to q, k, v, out and lse (not copies): do not modify
-        them in place between the forward and the backward.
+        ``vjp_fn(dout) -> (dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` with a bias;
+        may be called any number of times. It holds references to q, k, v, the
+        bias, mask, out and lse (not copies): do not modify them in place
+        between the forward and the backward.
     """
+    if options.get("dropout_p") and options.get("seed") is None:
+        options = dict(options, seed=_masking.draw_seed())
     out, lse = attention_forward(q, k, v, **options)
 
     def vjp_fn(dout):
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
 
+    vjp_fn.seed = options.get("seed")
     return out, vjp_fn

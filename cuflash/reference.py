@@ -88,6 +88,106 @@ def causal_mask(lq: int, lk: int, causal: Causal, xp=np) -> Optional[Array]:
     return xp.arange(lk)[None, :] <= xp.arange(lq)[:, None] + offset
 
 
+def band_limits(causal: Causal, window, lq: int, lk: int) -> Optional[Tuple[int, int]]:
+    """The diagonal band of a causal mask and/or a sliding window, or None for neither.
+
+    Key ``j`` is visible to query ``i`` iff ``i + lo <= j <= i + hi``. With the
+    alignment offset ``o`` (``Lk - Lq`` for ``causal="bottom_right"``, else 0):
+    ``causal`` gives ``hi = o``; ``window=(left, right)`` gives ``lo = o - left``
+    and ``hi = o + right`` (``None`` for an unbounded side); with both, ``hi`` is the
+    smaller. Unbounded sides are clamped to ``-(lq + 1)`` / ``lk + 1``, which no
+    pair reaches.
+    """
+    offset = _causal_offset(causal, lq, lk)
+    if offset is None and window is None:
+        return None
+    align = offset or 0
+    lo, hi = -(lq + 1), lk + 1
+    if offset is not None:
+        hi = offset
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = align - int(left)
+        if right is not None:
+            hi = min(hi, align + int(right))
+    return max(lo, -(lq + 1)), min(max(hi, -(lq + 1)), lk + 1)
+
+
+def _band_tile(rows: slice, cols: slice, band, xp):
+    """The band's allowed-matrix of one (rows, cols) tile."""
+    lo, hi = band
+    j = xp.arange(cols.start, cols.stop)[None, :]
+    i = xp.arange(rows.start, rows.stop)[:, None]
+    return (j >= i + lo) & (j <= i + hi)
+
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int, xp=np):
+    """Philox4x32-10 (Salmon et al., SC'11) of uint32 counter arrays under the key (k0, k1).
+
+    The same function as ``kernels_cu/dropout.cuh``; returns the four uint32 output words.
+    """
+    mask = np.uint64(0xFFFFFFFF)
+    c = [xp.asarray(x).astype(np.uint64) for x in (c0, c1, c2, c3)]
+    k0, k1 = int(k0) & 0xFFFFFFFF, int(k1) & 0xFFFFFFFF
+    for _ in range(10):
+        p0 = c[0] * np.uint64(_PHILOX_M[0])
+        p1 = c[2] * np.uint64(_PHILOX_M[1])
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1),
+             p0 & mask]
+        k0, k1 = (k0 + _PHILOX_W[0]) & 0xFFFFFFFF, (k1 + _PHILOX_W[1]) & 0xFFFFFFFF
+    return tuple(x.astype(np.uint32) for x in c)
+
+
+def dropout_threshold(p: float) -> int:
+    """An element is dropped iff its 32-bit Philox word is below this: ``round(p * 2**32)``."""
+    return min(2**32 - 1, max(1, int(round(float(p) * 2**32))))
+
+
+def dropout_keep(seed: int, p: float, batch, head, rows, cols, xp=np):
+    """Dropout's verdict per element: ``1 / (1 - p)`` where kept, 0 where dropped.
+
+    ``batch``, ``head``, ``rows``, ``cols`` are integer arrays that broadcast
+    together (the element's flattened batch index, query head, query row and
+    key). The word is Philox4x32-10 of the counter ``(col // 4, row, head, batch)``
+    under the key ``(seed mod 2**32, seed // 2**32)``, word ``col % 4``; exactly
+    what the kernels draw, so this regenerates their mask.
+    """
+    shape = np.broadcast_shapes(*(np.shape(x) for x in (batch, head, rows, cols)))
+    b, h, r, c = (xp.broadcast_to(xp.asarray(x, dtype=np.int64), shape) for x in (batch, head, rows, cols))
+    words = philox4x32_10(c >> 2, r, h, b, int(seed) & 0xFFFFFFFF, int(seed) >> 32, xp=xp)
+    sel = c & 3
+    word = xp.where(sel == 0, words[0], xp.where(sel == 1, words[1], xp.where(sel == 2, words[2], words[3])))
+    keep = word >= np.uint32(dropout_threshold(p))
+    return xp.where(keep, 1.0 / (1.0 - float(p)), 0.0)
+
+
+def _layout_dense(block_layout, rows: slice, cols: slice, ndim: int, xp):
+    """A BlockLayout's allowed-matrix over (rows, cols), broadcastable to ``ndim``-D scores."""
+    lay = xp.asarray(block_layout.layout)
+    bq, bk = block_layout.block_size
+    r = xp.arange(rows.start, rows.stop) // bq
+    c = xp.arange(cols.start, cols.stop) // bk
+    dense = lay[..., r[:, None], c[None, :]]
+    return dense.reshape((1,) * (ndim - dense.ndim) + dense.shape)
+
+
+def _dropout_tile(dropout, shape: tuple, rows: slice, cols: slice, xp):
+    """The dropout keep factors of one (rows, cols) tile of scores of ``shape`` (..., Hq, rows, cols)."""
+    p, seed = dropout
+    lead = shape[:-3]
+    nb = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    batch = np.arange(nb).reshape(lead + (1, 1, 1)) if lead else np.zeros((1, 1, 1), dtype=np.int64)
+    head = np.arange(shape[-3]).reshape(shape[-3], 1, 1)
+    r = np.arange(rows.start, rows.stop).reshape(-1, 1)
+    c = np.arange(cols.start, cols.stop).reshape(1, -1)
+    return dropout_keep(seed, p, batch, head, r, c, xp=xp)
+
+
 def _check_real(x, name: str) -> None:
     if np.dtype(x.dtype).kind == "c":
         raise TypeError(f"{name} is complex ({x.dtype}); complex inputs are not supported")
@@ -136,11 +236,19 @@ def _prepare(q, k, v, scale, bias, mask, xp, work=np.float64):
     return q, k, v, scale, group, squeeze, extra[0], extra[1]
 
 
-def _allowed(lq: int, lk: int, causal: Causal, mask, xp):
-    """Boolean array broadcastable to the scores: the allowed pairs (None when all are)."""
-    allowed = causal_mask(lq, lk, causal, xp)
+def _allowed_tile(band, mask, block_layout, rows: slice, cols: slice, ndim: int, xp):
+    """Boolean array broadcastable to an ``ndim``-D score tile (rows, cols): the pairs
+    the band (causal / window), the mask and the block layout all allow (None when all are)."""
+    allowed = None
+    parts = []
+    if band is not None:
+        parts.append(_band_tile(rows, cols, band, xp))
     if mask is not None:
-        allowed = mask if allowed is None else (allowed & mask)
+        parts.append(_tile(mask, ndim, rows, cols))
+    if block_layout is not None:
+        parts.append(_layout_dense(block_layout, rows, cols, ndim, xp))
+    for part in parts:
+        allowed = part if allowed is None else (allowed & part)
     return allowed
 
 
@@ -272,12 +380,14 @@ def _precision(dtype, xp):
     return np.float32, functools.partial(_round, name=name, xp=xp)   # float32 arrays holding `name` values
 
 
-def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, absolute: bool = False):
+def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, absolute: bool = False, keep=None):
     """THE naive attention: the n x n scores materialised, each result passed through ``rnd``.
 
     ``q (..., Hq, Lq, D)``, ``k (..., Hq, Lk, D)``, ``v (..., Hq, Lk, Dv)`` (K/V heads
     already repeated) and ``do`` (or None) in ``work`` precision. Returns ``out``,
-    ``lse`` and, when ``do`` is given, ``(dq, dk, dv, ds)`` per query head. With
+    ``lse`` and, when ``do`` is given, ``(dq, dk, dv, ds)`` per query head. ``keep``
+    (dropout: ``1/(1-p)`` or 0 per element, or None) multiplies P after the softmax:
+    ``O = (keep P) V``, ``dV = (keep P)^T dO``, ``dS = P (keep dP - Dsum)``. With
     ``absolute``, every product is taken over absolute values (``|P| |V|``,
     ``P (|dP| + |Dsum|)``, ...): the magnitudes that bound rounding errors.
     """
@@ -291,11 +401,14 @@ def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, abs
             s = xp.where(allowed, s, work(-np.inf))
         p, lse = _softmax_rows(s, xp)                              # P = softmax(S)
         p = rnd(p)
-        out = rnd(xp.matmul(p, a(v)))                              # O = P V
+        pk = p if keep is None else rnd(p * keep)                  # dropout after the softmax
+        out = rnd(xp.matmul(pk, a(v)))                             # O = P V
         if do is None:
             return out, lse, None
-        dv = rnd(xp.matmul(xp.swapaxes(p, -1, -2), a(do)))         # dV = P^T dO
+        dv = rnd(xp.matmul(xp.swapaxes(pk, -1, -2), a(do)))        # dV = P^T dO
         dp = rnd(xp.matmul(a(do), xp.swapaxes(a(v), -1, -2)))     # dP = dO V^T
+        if keep is not None:
+            dp = dp * keep
         dsum = (a(do) * out).sum(axis=-1, keepdims=True)           # Dsum = rowsum(dO * O)
         ds = rnd(p * (dp + dsum) if absolute else p * (dp - dsum))  # dS = P (dP - Dsum)
         dq = rnd(xp.matmul(ds, a(k)) * scale)                      # dQ = scale dS K
@@ -303,7 +416,8 @@ def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, abs
     return out, lse, (dq, dk, dv, ds)
 
 
-def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False):
+def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False, window=None, dropout=None,
+           block_layout=None):
     """Validate, convert to the working precision, run :func:`_materialise`."""
     xp = _array_module(dout, q, k, v)
     work, rnd = (np.float64, lambda x: x) if absolute else _precision(dtype, xp)
@@ -313,10 +427,25 @@ def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False):
     if work is not np.longdouble:
         q, k, v = (rnd(x).astype(work) for x in (q, k, v))
         do = None if do is None else rnd(do).astype(work)
-    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, xp)
+    lq, lk = q.shape[-2], k.shape[-2]
+    rows, cols = slice(0, lq), slice(0, lk)
+    band = band_limits(causal, window, lq, lk)
+    allowed = _allowed_tile(band, mask, block_layout, rows, cols, q.ndim, xp)
+    keep = None
+    if dropout is not None:
+        keep = _dropout_tile(dropout, q.shape[:-2] + (lq, lk), rows, cols, xp).astype(work)
     out, lse, grads = _materialise(q, k, v, do, scale=scale, bias=bias, allowed=allowed, xp=xp, work=work, rnd=rnd,
-                                   absolute=absolute)
+                                   absolute=absolute, keep=keep)
     return out, lse, grads, group, squeeze, bias
+
+
+def _dropout_arg(dropout_p, seed):
+    """(p, seed) when dropout is on, else None."""
+    if not dropout_p:
+        return None
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs the seed that drew the mask")
+    return float(dropout_p), int(seed)
 
 
 def _result_dtype(dtype):
@@ -325,7 +454,8 @@ def _result_dtype(dtype):
 
 def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                     bias: Optional[Array] = None, mask: Optional[Array] = None,
-                    dtype: Any = None) -> Tuple[Array, Array]:
+                    dtype: Any = None, window=None, dropout_p: float = 0.0, seed: Optional[int] = None,
+                    block_layout=None) -> Tuple[Array, Array]:
     """Attention with the full score matrix materialised: ``softmax(scale q k^T + bias) v``.
 
     Parameters
@@ -341,6 +471,13 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         Added to the scaled scores.
     mask : bool array broadcastable to ``(..., Hq, Lq, Lk)``, optional
         False where a query does not attend a key.
+    window : (left, right), optional
+        Sliding window: query i attends keys ``i - left <= j <= i + right``
+        (shifted by the causal alignment; see :func:`band_limits`).
+    dropout_p, seed : float, int
+        Dropout after the softmax with the kernels' Philox mask (:func:`dropout_keep`).
+    block_layout : cuflash.BlockLayout, optional
+        Blocks that are off attend nothing.
     dtype : None, float16, "bfloat16" / ``ml_dtypes.bfloat16``, float32, float64 or "longdouble"
         None (or float64): exact float64 computation; "longdouble": exact in NumPy's
         long double (the reference for float64 results). Otherwise emulate a naive
@@ -358,7 +495,8 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
     lse : float64 array ``(..., Hq, Lq)``
         Natural-log logsumexp of the allowed scores (-inf for rows with nothing).
     """
-    out, lse, _, _, squeeze, _ = _naive(q, k, v, None, causal, scale, bias, mask, dtype)
+    out, lse, _, _, squeeze, _ = _naive(q, k, v, None, causal, scale, bias, mask, dtype, window=window,
+                                        dropout=_dropout_arg(dropout_p, seed), block_layout=block_layout)
     res = _result_dtype(dtype)
     return _squeeze(squeeze, out.astype(res), lse.astype(res))
 
@@ -402,7 +540,8 @@ def attention_materialised(q: Array, k: Array, v: Array, *, causal: Causal = Fal
 
 def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                       bias: Optional[Array] = None, mask: Optional[Array] = None, block_m: int = 64,
-                      block_n: int = 64, return_stats: bool = False):
+                      block_n: int = 64, return_stats: bool = False, window=None, dropout_p: float = 0.0,
+                      seed: Optional[int] = None, block_layout=None):
     """FlashAttention-2's forward algorithm in float64: online softmax over key tiles.
 
     For each tile of ``block_m`` query rows: running max ``m = -inf``, running sum
@@ -412,12 +551,14 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
     ``o = o c + P V``, ``m = m_new``. Finally ``out = o / l`` and
     ``lse = m + log(l)`` (0 and -inf where ``l == 0``). While ``m_new`` is -inf
     (nothing allowed yet) it is replaced by 0 in the subtractions, so ``c = 0``
-    and ``P = 0`` without NaN. Key tiles lying entirely above the causal diagonal
-    are skipped. Leading and head dims are vectorised; only tiles are looped.
+    and ``P = 0`` without NaN. Key tiles lying entirely outside the causal /
+    window band are skipped. With dropout, ``o`` accumulates ``keep P V`` while
+    ``l`` sums the undropped ``P``. Leading and head dims are vectorised; only
+    tiles are looped.
 
     Parameters
     ----------
-    q, k, v, causal, scale, bias, mask
+    q, k, v, causal, scale, bias, mask, window, dropout_p, seed, block_layout
         As :func:`attention_naive`.
     block_m, block_n : int
         Query and key tile sizes (>= 1).
@@ -435,7 +576,8 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
     xp = _array_module(q, k, v)
     q, k, v, scale, _, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
     lq, lk = q.shape[-2], k.shape[-2]
-    offset = _causal_offset(causal, lq, lk)
+    band = band_limits(causal, window, lq, lk)
+    dropout = _dropout_arg(dropout_p, seed)
     out = xp.zeros(q.shape[:-1] + (v.shape[-1],))
     lse = xp.full(q.shape[:-1], -np.inf)
     total = computed = 0
@@ -448,18 +590,13 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
         for n0 in range(0, lk, block_n):
             total += 1
             cols = slice(n0, min(n0 + block_n, lk))
-            if offset is not None and n0 > rows.stop - 1 + offset:
-                continue            # the tile's first key is past the last query's diagonal
+            if band is not None and (n0 > rows.stop - 1 + band[1] or cols.stop - 1 < m0 + band[0]):
+                continue            # the tile lies entirely outside the band
             computed += 1
             s = xp.matmul(qi, xp.swapaxes(k[..., cols, :], -1, -2)) * scale
             if bias is not None:
                 s = s + _tile(bias, s.ndim, rows, cols)
-            allowed = None
-            if offset is not None:
-                allowed = _causal_tile(rows, cols, offset, xp)
-            if mask is not None:
-                mt = _tile(mask, s.ndim, rows, cols)
-                allowed = mt if allowed is None else (allowed & mt)
+            allowed = _allowed_tile(band, mask, block_layout, rows, cols, s.ndim, xp)
             if allowed is not None:
                 s = xp.where(allowed, s, -np.inf)
             m_new = xp.maximum(m, s.max(axis=-1))
@@ -467,6 +604,8 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
             corr = xp.exp(m - ref)
             p = xp.exp(s - ref[..., None])
             l_ = l_ * corr + p.sum(axis=-1)
+            if dropout is not None:
+                p = p * _dropout_tile(dropout, s.shape, rows, cols, xp)
             o = o * corr[..., None] + xp.matmul(p, v[..., cols, :])
             m = m_new
         seen = l_ > 0
@@ -506,7 +645,8 @@ def _grads(dq, dk, dv, dbias, group: int, squeeze: bool):
 
 def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causal: Causal = False,
                              scale: Optional[float] = None, bias: Optional[Array] = None,
-                             mask: Optional[Array] = None, dtype: Any = None) -> Tuple[Array, ...]:
+                             mask: Optional[Array] = None, dtype: Any = None, window=None, dropout_p: float = 0.0,
+                             seed: Optional[int] = None, block_layout=None) -> Tuple[Array, ...]:
     """Gradients of ``sum(dout * out)`` with the score matrix materialised.
 
     ``P = softmax(S)``, ``O = P V``, ``dV = P^T dO``, ``dP = dO V^T``,
@@ -518,7 +658,7 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
     ----------
     dout : array ``(..., Hq, Lq, Dv)``
         Gradient with respect to ``out``.
-    q, k, v, causal, scale, bias, mask, dtype
+    q, k, v, causal, scale, bias, mask, dtype, window, dropout_p, seed, block_layout
         As :func:`attention_naive` (``dtype`` emulates the same naive framework:
         every matmul result and n x n intermediate rounded to ``dtype``).
 
@@ -528,7 +668,9 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
         (dk, dv summed over the query heads of each grouped-query group), and
     dbias : ``bias.shape``, only when ``bias`` is given. float64 (long double for "longdouble").
     """
-    _, _, (dq, dk, dv, ds), group, squeeze, bias = _naive(q, k, v, dout, causal, scale, bias, mask, dtype)
+    _, _, (dq, dk, dv, ds), group, squeeze, bias = _naive(q, k, v, dout, causal, scale, bias, mask, dtype,
+                                                          window=window, dropout=_dropout_arg(dropout_p, seed),
+                                                          block_layout=block_layout)
     dbias = None if bias is None else _reduce_to(_squeeze(squeeze, ds)[0], bias.shape)
     res = _result_dtype(dtype)
     return tuple(g.astype(res) for g in _grads(dq, dk, dv, dbias, group, squeeze))
@@ -536,7 +678,8 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
 
 def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = None, *, causal: Causal = False,
                         scale: Optional[float] = None, bias: Optional[Array] = None,
-                        mask: Optional[Array] = None):
+                        mask: Optional[Array] = None, window=None, dropout_p: float = 0.0,
+                        seed: Optional[int] = None, block_layout=None):
     """The naive computation with every product over absolute values, in float64.
 
     ``|P| |V|`` for the output; ``|P|^T |dO|``, ``P (|dP| + |Dsum|)``, ``|dS| |K|``, ...
@@ -547,7 +690,9 @@ def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = No
     -------
     out magnitude, or ``(out, (dq, dk, dv))`` magnitudes when ``dout`` is given.
     """
-    out, _, grads, group, squeeze, _ = _naive(q, k, v, dout, causal, scale, bias, mask, None, absolute=True)
+    out, _, grads, group, squeeze, _ = _naive(q, k, v, dout, causal, scale, bias, mask, None, absolute=True,
+                                              window=window, dropout=_dropout_arg(dropout_p, seed),
+                                              block_layout=block_layout)
     (out,) = _squeeze(squeeze, out)
     return out if grads is None else (out, _grads(*grads[:3], None, group, squeeze))
 
@@ -555,7 +700,8 @@ def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = No
 def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
                                causal: Causal = False, scale: Optional[float] = None,
                                bias: Optional[Array] = None, mask: Optional[Array] = None,
-                               block_m: int = 64, block_n: int = 64) -> Tuple[Array, ...]:
+                               block_m: int = 64, block_n: int = 64, window=None, dropout_p: float = 0.0,
+                               seed: Optional[int] = None, block_layout=None) -> Tuple[Array, ...]:
     """FlashAttention-2's backward algorithm in float64, from the forward's ``out`` and ``lse``.
 
     ``Dsum = rowsum(dO * O)``. For each key tile (outer loop) and each query tile
@@ -569,7 +715,7 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
     Parameters
     ----------
     dout : array ``(..., Hq, Lq, Dv)``
-    q, k, v, causal, scale, bias, mask
+    q, k, v, causal, scale, bias, mask, window, dropout_p, seed, block_layout
         As :func:`attention_naive`.
     out : array ``(..., Hq, Lq, Dv)``; lse : array ``(..., Hq, Lq)``
         The forward's results.
@@ -587,7 +733,8 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
     o = _as_shape(out, do.shape, squeeze, "out", xp)
     lse = _as_shape(lse, q.shape[:-1], squeeze, "lse", xp)
     lq, lk = q.shape[-2], k.shape[-2]
-    offset = _causal_offset(causal, lq, lk)
+    band = band_limits(causal, window, lq, lk)
+    dropout = _dropout_arg(dropout_p, seed)
     dsum = (do * o).sum(axis=-1)
     live = xp.isfinite(lse)
     lse_safe = xp.where(live, lse, 0.0)
@@ -601,22 +748,26 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
         kj, vj = k[..., cols, :], v[..., cols, :]
         for m0 in range(0, lq, block_m):
             rows = slice(m0, min(m0 + block_m, lq))
-            if offset is not None and n0 > rows.stop - 1 + offset:
+            if band is not None and (n0 > rows.stop - 1 + band[1] or cols.stop - 1 < m0 + band[0]):
                 continue
             qi, doi = q[..., rows, :], do[..., rows, :]
             s = xp.matmul(qi, xp.swapaxes(kj, -1, -2)) * scale
             if bias is not None:
                 s = s + _tile(bias_nd, s.ndim, rows, cols)
             ok = live[..., rows, None]
-            if offset is not None:
-                ok = ok & _causal_tile(rows, cols, offset, xp)
-            if mask is not None:
-                ok = ok & _tile(mask, s.ndim, rows, cols)
+            allowed = _allowed_tile(band, mask, block_layout, rows, cols, s.ndim, xp)
+            if allowed is not None:
+                ok = ok & allowed
             ok = ok & xp.ones(s.shape, dtype=bool)
             # Disallowed entries are zeroed before exp, so nothing overflows or warns.
             p = xp.where(ok, xp.exp(xp.where(ok, s - lse_safe[..., rows, None], 0.0)), 0.0)
-            dv[..., cols, :] += xp.matmul(xp.swapaxes(p, -1, -2), doi)
             dp = xp.matmul(doi, xp.swapaxes(vj, -1, -2))
+            if dropout is not None:
+                keep = _dropout_tile(dropout, s.shape, rows, cols, xp)
+                dv[..., cols, :] += xp.matmul(xp.swapaxes(p * keep, -1, -2), doi)
+                dp = dp * keep
+            else:
+                dv[..., cols, :] += xp.matmul(xp.swapaxes(p, -1, -2), doi)
             ds = p * (dp - dsum[..., rows, None])
             dk[..., cols, :] += xp.matmul(xp.swapaxes(ds, -1, -2), qi) * scale
             dq[..., rows, :] += xp.matmul(ds, kj) * scale

@@ -27,6 +27,7 @@
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "bias_grad.cuh"
 
 template <typename T, typename Cfg>
 struct BwdFmaTraits {
@@ -107,20 +108,45 @@ __device__ __forceinline__ void tile_p_ds(const BwdSmem<T, Tr>& sm, const Mod& m
     A s[Tr::TM][Tr::TN], dp[Tr::TM][Tr::TN];
     tile_abt<T, Tr>(s, sm.q, sm.k, d);        // S = Q K^T
     tile_abt<T, Tr>(dp, sm.dout, sm.v, dv);   // dP = dO V^T
-    apply_score_mod(s, mod, mod.tile_is_partial(m0, Tr::BM, n0, Tr::BN), [&](int i, int j, int& row, int& col) {
+    auto coord = [&](int i, int j, int& row, int& col) {
         row = m0 + ty * Tr::TM + i;
         col = n0 + tx + 16 * j;
-    });
+    };
+    apply_score_mod(s, mod, mod.tile_is_partial(m0, Tr::BM, n0, Tr::BN), coord);
 #pragma unroll
     for (int i = 0; i < Tr::TM; ++i) {
         const int r = ty * Tr::TM + i;
 #pragma unroll
         for (int j = 0; j < Tr::TN; ++j) {
             const int c = tx + 16 * j;
-            prob_and_dscore(s[i][j], dp[i][j], sm.lse[r], sm.dsum[r]);
+            A keep = A(1);
+            if (mod.has_dropout()) keep = mod.keep(m0 + r, n0 + c);
+            prob_and_dscore(s[i][j], dp[i][j], sm.lse[r], sm.dsum[r], keep);
             sm.p[r * Tr::S_PITCH + c] = s[i][j];
             sm.ds[r * Tr::S_PITCH + c] = dp[i][j];
         }
+    }
+}
+
+// dbias += the dS tile in shared memory (queries x keys), consecutive threads on
+// consecutive keys. A one-row bias: one thread per key sums the tile's queries in order.
+template <typename T, typename Tr>
+__device__ __forceinline__ void add_dbias_tile(const DbiasParams& g, const BwdSmem<T, Tr>& sm, int batch, int head,
+                                               int m0, int n0, const AttnDims& dims) {
+    typedef typename Tr::A A;
+    if (g.rows_broadcast) {
+        for (int c = threadIdx.x; c < Tr::BN; c += Tr::THREADS) {
+            if (n0 + c >= dims.lk) continue;
+            A sum = A(0);
+            for (int r = 0; r < imin(Tr::BM, dims.lq - m0); ++r) sum += sm.ds[r * Tr::S_PITCH + c];
+            dbias_add(g, dbias_at<A>(g, batch, head, 0, n0 + c), sum);
+        }
+        return;
+    }
+    for (int e = threadIdx.x; e < Tr::BM * Tr::BN; e += Tr::THREADS) {
+        const int r = e / Tr::BN, c = e % Tr::BN;
+        if (m0 + r < dims.lq && n0 + c < dims.lk)
+            dbias_add(g, dbias_at<A>(g, batch, head, m0 + r, n0 + c), sm.ds[r * Tr::S_PITCH + c]);
     }
 }
 
@@ -186,8 +212,12 @@ flash_bwd_dkdv_fma(const BwdParams p) {
     const int n0 = blk.n0, batch = blk.batch;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const A scale = A(p.scale);
-    ScoreMod<Flags, A> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
-    const TileRange queries = mod.query_tiles(n0, Tr::BM);
+    ScoreMod<Flags, A, T> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
+    const bool dbias = Flags::EXTRA && p.dbias.mode != DBIAS_NONE;
+    const bool ordered = dbias && p.dbias.mode == DBIAS_ORDERED;
+    // Every query block when dbias contributions take turns: each step passes its turn, visible or not.
+    const int q_blocks = ceil_div(dims.lq, Tr::BM);
+    const TileRange queries = ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, blk.keys, Tr::BM);
 
     load_row_tiles<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.k, p.k, dims.d, sm.v, p.v, dims.dv, batch,
                                                                        blk.kv_head, n0, blk.keys);
@@ -198,11 +228,26 @@ flash_bwd_dkdv_fma(const BwdParams p) {
         mod.head = head;
         for (int i = queries.begin; i < queries.end; ++i) {
             const int m0 = i * Tr::BM, rows_valid = imin(Tr::BM, dims.lq - m0);
+            const DbiasTurn turn = ordered ? DbiasTurn::of(p.dbias, dims, batch, head, i, q_blocks, blk.n0 / Tr::BN,
+                                                           ceil_div(dims.lk, Tr::BN))
+                                           : DbiasTurn{nullptr, 0};
+            if (mod.classify(m0, rows_valid, n0, blk.keys) == TILE_SKIP) {
+                if (ordered) {   // nothing to add, but the turn passes through this step
+                    turn.wait_turn();
+                    turn.pass_turn();
+                }
+                continue;
+            }
             __syncthreads();   // the previous block's tiles are no longer read
             load_query_block<T, Tr>(sm, p, batch, head, m0);
             __syncthreads();
             tile_p_ds<T, Tr>(sm, mod, m0, n0, dims.d, dims.dv);
             __syncthreads();
+            if (dbias) {
+                if (ordered) turn.wait_turn();
+                add_dbias_tile<T, Tr>(p.dbias, sm, batch, head, m0, n0, dims);
+                if (ordered) turn.pass_turn();
+            }
             accumulate_xt_y<T, Tr, Tr::TN>(acc_dv, sm.p, sm.dout, rows_valid, ty * Tr::TN, dims.dv);   // dV += P^T dO
             accumulate_xt_y<T, Tr, Tr::TN>(acc_dk, sm.ds, sm.q, rows_valid, ty * Tr::TN, dims.d);      // dK += dS^T Q
             if (ATOMIC_DQ) {   // dQ_i += scale * dS K_j
@@ -250,13 +295,14 @@ flash_bwd_dq_fma(const BwdParams p) {
     const BwdSmem<T, Tr> sm(smem_raw);
     const QueryBlock blk = QueryBlock::from_grid<Tr::BM>(p.dims);
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const ScoreMod<Flags, A> mod(p.mask, p.dims, p.scale_log2, blk.batch, blk.head);
-    const TileRange keys = mod.key_tiles(blk.m0, Tr::BM, Tr::BN);
+    const ScoreMod<Flags, A, T> mod(p.mask, p.dims, p.scale_log2, blk.batch, blk.head);
+    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, Tr::BN);
 
     load_query_block<T, Tr>(sm, p, blk.batch, blk.head, blk.m0);
     A acc_dq[Tr::TM][Tr::TD];
     zero_tile(acc_dq);
-    for (int j = keys.begin; j < keys.end; ++j) {
+    for (int j = mod.next_key_tile(keys.begin, keys.end, blk.m0, blk.rows, Tr::BN); j < keys.end;
+         j = mod.next_key_tile(j + 1, keys.end, blk.m0, blk.rows, Tr::BN)) {
         const int n0 = j * Tr::BN;
         __syncthreads();
         load_row_tiles<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.k, p.k, p.dims.d, sm.v, p.v, p.dims.dv,

@@ -22,6 +22,37 @@
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "bias_grad.cuh"
+
+// dbias += dS for one warp's 16 keys x BM queries, from the dS^T C fragments
+// (rows keys, columns queries). A one-row bias sums its 16 x BM first: over the
+// thread's columns, then across the 4 lanes that share a row (fixed order).
+template <int BM>
+__device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const float (&ds_t)[BM / 8][4], int batch,
+                                                int head, int m0, int key_base, int lane, const AttnDims& dims) {
+    if (g.rows_broadcast) {
+        float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sum[i / 2] += ds_t[n][i];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+            const int key = key_base + lane / 4 + 8 * r;
+            if (lane % 4 == 0 && key < dims.lk) dbias_add(g, dbias_at<float>(g, batch, head, 0, key), sum[r]);
+        }
+        return;
+    }
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int query = m0 + frag_col(lane, n, i), key = key_base + frag_row(lane, i);
+            if (query < dims.lq && key < dims.lk) dbias_add(g, dbias_at<float>(g, batch, head, query, key), ds_t[n][i]);
+        }
+}
 
 // dK/dV kernel: BN keys per CTA (16 per warp), BM queries per step, Q/dO tiles
 // STAGES deep; dS (queries x keys) in shared memory only when dQ is formed here.
@@ -83,7 +114,9 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     const int n0 = blk.n0, kv_head = blk.kv_head, batch = blk.batch, keys_valid = blk.keys;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float scale = float(p.scale);
-    ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
+    ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
+    const bool dbias = Flags::EXTRA && DO_DK && p.dbias.mode != DBIAS_NONE;
+    const bool ordered = dbias && p.dbias.mode == DBIAS_ORDERED;
 
     load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0, keys_valid);
     cp_async_commit();
@@ -93,27 +126,50 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     zero_frags(acc_dv);
     const int key0 = warp * 16;                                // this warp's keys within the block
     // Steps walk (query head of the group, query block) pairs over the query
-    // blocks that can see this key block.
-    const TileRange queries = mod.query_tiles(n0, BM);
+    // blocks that can see this key block (all of them when dbias contributions
+    // take turns: every step then passes its turn, visible or not).
+    const int q_blocks = ceil_div(dims.lq, BM);
+    const TileRange queries = ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM);
     const int m_blocks = imax(0, queries.end - queries.begin);
     const int n_steps = (blk.end_head - blk.first_head) * m_blocks;
     auto step_head = [&](int step) { return blk.first_head + step / m_blocks; };
     auto step_m0 = [&](int step) { return (queries.begin + step % m_blocks) * BM; };
+    auto next_step = [&](int step) {   // the first step >= step whose tile is visible
+        for (; step < n_steps; ++step) {
+            mod.head = step_head(step);
+            const int m0 = step_m0(step);
+            if (mod.classify(m0, imin(BM, dims.lq - m0), n0, keys_valid) != TILE_SKIP) break;
+        }
+        return step;
+    };
+    auto turn_of = [&](int step) {
+        return DbiasTurn::of(p.dbias, dims, batch, step_head(step), step_m0(step) / BM, q_blocks, blk.n0 / BN,
+                             ceil_div(dims.lk, BN));
+    };
+    auto pass_skipped = [&](int from, int to) {   // DBIAS_ORDERED: steps with nothing to add still take their turn
+        if (!ordered) return;
+        for (int t = from; t < to; ++t) {
+            const DbiasTurn turn = turn_of(t);
+            turn.wait_turn();
+            turn.pass_turn();
+        }
+    };
     auto issue_query_block = [&](int step, int stage) {
         const int head = step_head(step), m0 = step_m0(step);
         load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q, dims.d, do_stages + stage * BM * P,
                                                          p.dout, dims.dv, batch, head, m0, imin(BM, dims.lq - m0));
         cp_async_commit();
     };
-    if (n_steps > 0) issue_query_block(0, 0);
+    int step = next_step(0);
+    pass_skipped(0, step);
+    if (step < n_steps) issue_query_block(step, 0);
 #pragma unroll 1
-    for (int step = 0; step < n_steps; ++step) {
-        const int stage = Tr::STAGES == 2 ? (step & 1) : 0;
+    for (int stage = 0; step < n_steps;) {
+        const int next = next_step(step + 1);
         const int head = step_head(step), m0 = step_m0(step), rows_valid = imin(BM, dims.lq - m0);
         mod.head = head;
-        if (step > 0 && Tr::STAGES == 1) issue_query_block(step, 0);
-        if (Tr::STAGES == 2 && step + 1 < n_steps) {   // prefetch the next block while this one computes
-            issue_query_block(step + 1, stage ^ 1);
+        if (Tr::STAGES == 2 && next < n_steps) {   // prefetch the next block while this one computes
+            issue_query_block(next, stage ^ 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -128,18 +184,31 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         warp_gemm_nt<T, BM, HEAD, P, P>(st, k_s + key0 * P, q_s, lane);
         if (DO_DK) warp_gemm_nt<T, BM, HEAD, P, P>(dpt, v_s + key0 * P, do_s, lane);
         // Rows of these tiles are keys, columns queries.
-        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), [&](int n, int i, int& row, int& col) {
+        auto coord = [&](int n, int i, int& row, int& col) {
             row = m0 + frag_col(lane, n, i);
             col = n0 + key0 + frag_row(lane, i);
-        });
+        };
+        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
 #pragma unroll
         for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = frag_col(lane, n, i);
-                prob_and_dscore(st[n][i], dpt[n][i], lse_s[row], dsum_s[row]);   // st: P^T, dpt: dS^T
+                float keep = 1.0f;
+                if (mod.has_dropout()) {
+                    int q_row, k_col;
+                    coord(n, i, q_row, k_col);
+                    keep = mod.keep(q_row, k_col);
+                }
+                prob_and_dscore(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], keep);   // st: P^T, dpt: dS^T
                 if (ATOMIC_DQ) ds_s[row * Tr::DS_PITCH + key0 + frag_row(lane, i)] = from_acc<T>(dpt[n][i]);
             }
+        if (dbias) {
+            const DbiasTurn turn = ordered ? turn_of(step) : DbiasTurn{nullptr, 0};
+            if (ordered) turn.wait_turn();
+            add_dbias_frags<BM>(p.dbias, dpt, batch, head, m0, n0 + key0, lane, dims);
+            if (ordered) turn.pass_turn();
+        }
         if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
         if (DO_DK) warp_gemm_rn<T, HEAD, BM, P>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
         if (ATOMIC_DQ) {                                         // dQ += scale * dS K
@@ -166,6 +235,10 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             }
         }
         __syncthreads();   // this stage, the row stats and dS are read; the next step may overwrite them
+        pass_skipped(step + 1, next);
+        step = next;
+        if (Tr::STAGES == 2) stage ^= 1;
+        else if (step < n_steps) issue_query_block(step, 0);
     }
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
@@ -199,7 +272,7 @@ flash_bwd_dq_mma(const BwdParams p) {
     const int m0 = blk.m0, head = blk.head, batch = blk.batch, kv_head = blk.kv_head, rows_valid = blk.rows;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = warp * 16;
-    const ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, batch, head);
+    const ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, batch, head);
 
     load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q, dims.d, do_s, p.dout, dims.dv, batch, head, m0, rows_valid);
     cp_async_commit();
@@ -207,8 +280,9 @@ flash_bwd_dq_mma(const BwdParams p) {
 
     float acc_dq[HEAD / 8][4];
     zero_frags(acc_dq);
-    const TileRange keys = mod.key_tiles(m0, BM, BN);
-    for (int j = keys.begin; j < keys.end; ++j) {
+    const TileRange keys = mod.key_tiles(m0, rows_valid, BN);
+    for (int j = mod.next_key_tile(keys.begin, keys.end, m0, rows_valid, BN); j < keys.end;
+         j = mod.next_key_tile(j + 1, keys.end, m0, rows_valid, BN)) {
         const int n0 = j * BN;
         __syncthreads();
         load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0,
@@ -222,16 +296,20 @@ flash_bwd_dq_mma(const BwdParams p) {
         zero_frags(dp);
         warp_gemm_nt<T, BN, HEAD, P, P>(s, q_s + row0 * P, k_s, lane);     // S = Q K^T
         warp_gemm_nt<T, BN, HEAD, P, P>(dp, do_s + row0 * P, v_s, lane);   // dP = dO V^T
-        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), [&](int n, int i, int& row, int& col) {
+        auto coord = [&](int n, int i, int& row, int& col) {
             row = m0 + row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
-        });
+        };
+        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), coord);
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < 4; i += 2) {   // elements i, i + 1: one row, keys col and col + 1
                 const int row = row0 + frag_row(lane, i);
-                prob_and_dscore(s[n][i], dp[n][i], lse_s[row], dsum_s[row]);
+                float keep0 = 1.0f, keep1 = 1.0f;
+                if (mod.has_dropout()) mod.keep2(m0 + row, n0 + frag_col(lane, n, i), keep0, keep1);
+                prob_and_dscore(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0);
+                prob_and_dscore(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1);
             }
         warp_gemm_rn<T, HEAD, BN, P>(acc_dq, dp, k_s, lane);              // dQ += dS K
     }

@@ -52,8 +52,8 @@ flash_fwd_fma(const FwdParams p) {
     const int m0 = blk.m0;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int row0 = ty * Tr::TM;   // first row of this thread within the tile
-    const ScoreMod<Flags, A> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
-    const TileRange keys = mod.key_tiles(m0, BM, BN);
+    const ScoreMod<Flags, A, T> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    const TileRange keys = mod.key_tiles(m0, blk.rows, BN);
 
     A acc_o[Tr::TM][Tr::TD];
     A row_max[Tr::TM], row_sum[Tr::TM];
@@ -65,10 +65,11 @@ flash_fwd_fma(const FwdParams p) {
         for (int c = 0; c < Tr::TD; ++c) acc_o[i][c] = A(0);
     }
 
-    if (keys.begin < keys.end)
+    const int first = mod.next_key_tile(keys.begin, keys.end, m0, blk.rows, BN);
+    if (first < keys.end)
         load_tile<T, BM, HEAD, Tr::QK_PITCH, Tr::THREADS, false>(q_s, p.q.at<const T>(blk.batch, blk.head, m0),
                                                                  p.q.row_stride, blk.rows, dims.d);
-    for (int j = keys.begin; j < keys.end; ++j) {
+    for (int j = first; j < keys.end; j = mod.next_key_tile(j + 1, keys.end, m0, blk.rows, BN)) {
         const int n0 = j * BN;
         load_tile<T, BN, HEAD, Tr::QK_PITCH, Tr::THREADS, false>(k_s, p.k.at<const T>(blk.batch, blk.kv_head, n0),
                                                                  p.k.row_stride, dims.lk - n0, dims.d);
@@ -95,18 +96,22 @@ flash_fwd_fma(const FwdParams p) {
                 for (int jj = 0; jj < Tr::TN; ++jj) s[i][jj] = fma(qv[i], kv[jj], s[i][jj]);
         }
 
-        apply_score_mod(s, mod, mod.tile_is_partial(m0, BM, n0, BN), [&](int i, int jj, int& row, int& col) {
+        auto coord = [&](int i, int jj, int& row, int& col) {
             row = m0 + row0 + i;
             col = n0 + tx + 16 * jj;
-        });
+        };
+        apply_score_mod(s, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
 #pragma unroll
         for (int i = 0; i < Tr::TM; ++i) {
             const A correction = softmax_update_row<16>(s[i], row_max[i], row_sum[i]);
 #pragma unroll
             for (int c = 0; c < Tr::TD; ++c) acc_o[i][c] *= correction;
+        }
+        apply_dropout<false>(s, mod, coord);   // after the statistics: row_sum counts every key
+#pragma unroll
+        for (int i = 0; i < Tr::TM; ++i)
 #pragma unroll
             for (int jj = 0; jj < Tr::TN; ++jj) p_s[(row0 + i) * Tr::P_PITCH + tx + 16 * jj] = s[i][jj];
-        }
         __syncthreads();
 
         // O += P V
@@ -129,6 +134,7 @@ flash_fwd_fma(const FwdParams p) {
     for (int i = 0; i < Tr::TM; ++i) {
         A inv_sum, row_lse;
         softmax_finalize_row<16>(row_max[i], row_sum[i], inv_sum, row_lse);
+        if (mod.has_dropout()) inv_sum *= A(p.mask.keep_scale);
         const int row = row0 + i;
         if (row >= blk.rows) continue;
         T* out_row = p.out.at<T>(blk.batch, blk.head, m0 + row);

@@ -70,14 +70,16 @@ flash_fwd_mma(const FwdParams p) {
     const AttnDims& dims = p.dims;
     const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const ScoreMod<Flags, float> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
-    const TileRange keys = mod.key_tiles(blk.m0, BM, BN);
+    const ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
     auto load_kv = [&](int j, int stage) {
         load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, p.k, dims.d, v_s + stage * Tr::KV_ELEMS,
                                                          p.v, dims.dv, blk.batch, blk.kv_head, j * BN, dims.lk - j * BN);
         cp_async_commit();
     };
+    // The visible key tiles in order (block sparsity and mask summaries skip some).
+    auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
 
     constexpr int M = Tr::STRIPS;
     float acc_o[M][Tr::O_TILES][4];
@@ -89,16 +91,17 @@ flash_fwd_mma(const FwdParams p) {
         row_sum[m][0] = row_sum[m][1] = 0.0f;
     }
 
-    if (keys.begin < keys.end) {
+    int j = next_tile(keys.begin);
+    if (j < keys.end) {
         load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
                                                     blk.rows, dims.d);
-        load_kv(keys.begin, 0);
+        load_kv(j, 0);
     }
     const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
-    for (int j = keys.begin; j < keys.end; ++j) {
-        const int stage = (j - keys.begin) & 1;
-        if (j + 1 < keys.end) {   // prefetch tile j+1 into the other stage
-            load_kv(j + 1, stage ^ 1);
+    for (int stage = 0; j < keys.end; stage ^= 1) {
+        const int next = next_tile(j + 1);
+        if (next < keys.end) {   // prefetch the next visible tile into the other stage
+            load_kv(next, stage ^ 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -114,14 +117,17 @@ flash_fwd_mma(const FwdParams p) {
         const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            apply_score_mod(s[m], mod, partial, [&](int n, int i, int& row, int& col) {
+            auto coord = [&](int n, int i, int& row, int& col) {
                 row = warp_row0 + 16 * m + frag_row(lane, i);
                 col = n0 + frag_col(lane, n, i);
-            });
+            };
+            apply_score_mod(s[m], mod, partial, coord);
             warp_softmax_update<Tr>(s[m], acc_o[m], row_max[m], row_sum[m]);
+            apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
         }
         warp_gemm_strips_rn<T, M, HEAD, BN, P>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
+        j = next;
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
@@ -131,6 +137,7 @@ flash_fwd_mma(const FwdParams p) {
         for (int r = 0; r < 2; ++r) {
             float inv_sum, row_lse;
             softmax_finalize_row<4>(row_max[m][r], row_sum[m][r], inv_sum, row_lse);
+            if (mod.has_dropout()) inv_sum *= float(p.mask.keep_scale);
             const int row = warp * Tr::WARP_ROWS + 16 * m + lane / 4 + 8 * r;
             if (row >= blk.rows) continue;
             T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);

@@ -27,10 +27,46 @@ struct AttnDims {
     int lq, lk, d, dv;
 };
 
+// A (batch, head, row, col) tensor read through four strides (elements, 64-bit),
+// 0 along every axis it broadcasts: how a bias, a boolean mask or a block layout
+// arrives, never expanded in memory. A null ptr means "not given".
+struct ScoreTensor {
+    const void* ptr;
+    int64 batch_stride, head_stride, row_stride, col_stride;
+
+    template <typename T>
+    __device__ __forceinline__ const T* at(int batch, int head, int row, int col) const {
+        return static_cast<const T*>(ptr) + (batch * batch_stride + head * head_stride + row * row_stride
+                                             + col * col_stride);
+    }
+};
+
+// Block layout states (MaskParams::layout), per (query block, key block), as far
+// as the boolean mask and block sparsity are concerned.
+enum BlockState { BLOCK_OFF = 0, BLOCK_SOME = 1, BLOCK_ALL = 2 };
+
 // Runtime parameters of the masking policy (score_mod.cuh). Which pieces are
 // active is a compile-time choice (MaskFlags); unused fields are ignored.
 struct MaskParams {
-    int causal_offset;   // key j is visible to query i iff j <= i + causal_offset (0: top-left, lk - lq: bottom-right)
+    int band_lo, band_hi;      // BAND: key j is visible to query i iff i + band_lo <= j <= i + band_hi
+    int block_q, block_k;      // the layout's block size (query rows x keys)
+    ScoreTensor bias;          // EXTRA: input dtype, added to the scaled scores (natural-log units)
+    ScoreTensor mask;          // EXTRA: bool (one byte), false = does not attend
+    ScoreTensor layout;        // EXTRA: int8 BlockState per (query block, key block); null = all BLOCK_ALL
+    unsigned drop_threshold;   // EXTRA: dropout drops an element iff its Philox word < drop_threshold; 0 = off
+    unsigned seed_lo, seed_hi;
+    double keep_scale;         // 1 / (1 - dropout_p)
+};
+
+// Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own
+// broadcast shape (stride 0 along its broadcast axes) in the accumulator type.
+enum DbiasMode { DBIAS_NONE = 0, DBIAS_ADD = 1, DBIAS_ATOMIC = 2, DBIAS_ORDERED = 3 };
+struct DbiasParams {
+    ScoreTensor acc;
+    int* order;                // DBIAS_ORDERED: contributions landed so far, per bias tile
+    int mode;                  // DbiasMode
+    int rows_broadcast;        // the bias has one query row: dS is summed over queries first
+    int tiles_b, tiles_h, tiles_i;   // DBIAS_ORDERED: the bias tile grid (1 along broadcast axes)
 };
 
 struct FwdParams {
@@ -49,6 +85,7 @@ struct BwdParams {
     View dq, dk, dv;                // the gradients, input dtype
     AttnDims dims;
     MaskParams mask;
+    DbiasParams dbias;
     double scale, scale_log2;
 };
 

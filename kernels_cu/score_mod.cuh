@@ -1,85 +1,164 @@
 // score_mod.cuh -- THE masking policy: which tiles a CTA visits, which of them
-// need per-element work, and what happens to each score.
+// need per-element work, and what happens to each score and probability.
 //
 // Scores enter as raw dot products q.k and leave in log2 units,
-//     x = s * scale * log2(e)            (scale * log2(e) folded once, on the host)
+//     x = (s * scale + bias) * log2(e)   (scale * log2(e) folded once, on the host)
 // with x = -inf where query `row` may not attend key `col`. Every kernel, forward
 // and backward, tensor-core and FMA, goes through this header:
-//   per tile:    key_tiles(rows)   the key tiles a block of query rows must visit
-//                query_tiles(cols) the query tiles a block of keys must visit (dK/dV)
-//                tile_is_partial   whether any element of the tile is masked; fully
-//                                  visible tiles skip the per-element test
-//   per element: score(dot, row, col, partial)
+//   per tile:    key_tiles(rows)    the key tiles a block of query rows must visit
+//                query_tiles(cols)  the query tiles a block of keys must visit (dK/dV)
+//                classify           TILE_SKIP (nothing visible: never loaded),
+//                                   TILE_PARTIAL (per-element test) or TILE_FULL
+//   per element: score(dot, row, col, partial), keep(row, col) (dropout)
 // in (batch, head, row, col) coordinates: a ScoreMod is bound to one (batch,
-// query head), rows and columns are absolute query and key indices.
-// Today the policy holds the sequence end (col < lk) and causal masking in both
-// alignments. A bias, a boolean mask, a window, dropout or block sparsity is one
-// more MaskFlags bit, a field of MaskParams and a line in score() or the ranges;
-// the GEMMs and the online softmax never change.
+// query head); rows and columns are absolute query and key indices.
+//
+// The pieces, each off at compile time unless its MaskFlags bit is set:
+//   always  the sequence end, col < lk
+//   BAND    causal (either alignment) and sliding windows: key j is visible to
+//           query i iff i + band_lo <= j <= i + band_hi. Key/query tile ranges
+//           shrink to the band; only tiles crossing its edges are partial.
+//   EXTRA   whatever of these the call has (runtime: a null pointer / zero
+//           threshold turns a piece off, a uniform branch):
+//           bias    added to every score (needs the coordinates of every element)
+//           mask    per element, in partial tiles only
+//           layout  per (query block, key block) BlockState, from block sparsity
+//                   and a summary of the mask the host computes: BLOCK_OFF tiles
+//                   are skipped, BLOCK_ALL ones need no per-element mask test
+//           dropout after the softmax statistics: dropped probabilities are 0,
+//                   kept ones are scaled by keep_scale (dropout.cuh)
+// One EXTRA bit rather than one per piece keeps the variant count at 2x; the
+// plain kernels (EXTRA off) carry none of this code.
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
+#include "dropout.cuh"
 
-template <bool CAUSAL_>
+template <bool BAND_, bool EXTRA_>
 struct MaskFlags {
-    static constexpr bool CAUSAL = CAUSAL_;
+    static constexpr bool BAND = BAND_;
+    static constexpr bool EXTRA = EXTRA_;
 };
 
 struct TileRange {
     int begin, end;   // tiles [begin, end); empty when begin >= end
 };
 
-template <typename Flags, typename A>
+enum TileKind { TILE_SKIP = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+template <typename Flags, typename A, typename T = A>
 struct ScoreMod {
-    int lq, lk, causal_offset;
+    int lq, lk;
     A scale_log2;
-    int batch, head;   // whose scores these are (the bias and dropout pieces will read them)
+    int batch, head;   // whose scores these are (bias, mask, layout and dropout read them)
+    const MaskParams& m;
 
-    __device__ __forceinline__ ScoreMod(const MaskParams& m, const AttnDims& dims, double scale_log2_,
-                                        int batch_, int head_)
-        : lq(dims.lq), lk(dims.lk), causal_offset(m.causal_offset), scale_log2(A(scale_log2_)),
-          batch(batch_), head(head_) {}
+    __device__ __forceinline__ ScoreMod(const MaskParams& m_, const AttnDims& dims, double scale_log2_, int batch_,
+                                        int head_)
+        : lq(dims.lq), lk(dims.lk), scale_log2(A(scale_log2_)), batch(batch_), head(head_), m(m_) {}
 
+    __device__ __forceinline__ bool has_bias() const { return Flags::EXTRA && m.bias.ptr != nullptr; }
+    __device__ __forceinline__ bool has_dropout() const { return Flags::EXTRA && m.drop_threshold != 0u; }
+
+    __device__ __forceinline__ bool in_band(int row, int col) const {
+        return !Flags::BAND || (col >= row + m.band_lo && col <= row + m.band_hi);
+    }
+
+    // The per-element test of a partial tile.
     __device__ __forceinline__ bool allowed(int row, int col) const {
-        return col < lk && (!Flags::CAUSAL || col <= row + causal_offset);
+        if (col >= lk || !in_band(row, col)) return false;
+        if (!Flags::EXTRA) return true;
+        if (row >= lq) return false;   // rows past the end: nothing to read there
+        if (m.layout.ptr && *m.layout.at<signed char>(batch, head, row / m.block_q, col / m.block_k) == BLOCK_OFF)
+            return false;
+        return !m.mask.ptr || *m.mask.at<unsigned char>(batch, head, row, col) != 0;
     }
 
     // Key tiles of width block_n that any of the query rows [row0, row0 + rows) may see.
     __device__ __forceinline__ TileRange key_tiles(int row0, int rows, int block_n) const {
-        int end = ceil_div(lk, block_n);
-        if (Flags::CAUSAL) {
-            const int last_key = row0 + rows - 1 + causal_offset;
+        int begin = 0, end = ceil_div(lk, block_n);
+        if (Flags::BAND) {
+            const int last_key = row0 + rows - 1 + m.band_hi, first_key = row0 + m.band_lo;
             end = last_key < 0 ? 0 : imin(end, last_key / block_n + 1);
+            begin = imax(0, first_key) / block_n;
         }
-        return {0, end};
+        return {begin, end};
     }
 
-    // Query tiles of height block_m in which some row may see a key of [col0, ...).
-    // Under a causal mask the first row that sees key col0 is col0 - causal_offset.
-    __device__ __forceinline__ TileRange query_tiles(int col0, int block_m) const {
-        const int begin = Flags::CAUSAL ? imax(0, col0 - causal_offset) / block_m : 0;
-        return {begin, ceil_div(lq, block_m)};
+    // Query tiles of height block_m in which some row may see one of the keys [col0, col0 + cols).
+    __device__ __forceinline__ TileRange query_tiles(int col0, int cols, int block_m) const {
+        int begin = 0, end = ceil_div(lq, block_m);
+        if (Flags::BAND) {
+            const int first_row = col0 - m.band_hi, last_row = col0 + cols - 1 - m.band_lo;
+            begin = imax(0, first_row) / block_m;
+            end = last_row < 0 ? 0 : imin(end, last_row / block_m + 1);
+        }
+        return {begin, end};
     }
 
-    // Does some element of the tile (rows [row0, row0 + rows), keys [col0, col0 + cols))
-    // fail allowed()? Only such tiles pay for the per-element test.
+    // What the tile (rows [row0, row0 + rows), keys [col0, col0 + cols)) needs.
+    __device__ __forceinline__ int classify(int row0, int rows, int col0, int cols) const {
+        const int row1 = row0 + rows - 1, col1 = col0 + cols - 1;
+        if (Flags::BAND && (col0 > row1 + m.band_hi || col1 < row0 + m.band_lo)) return TILE_SKIP;
+        int kind = col1 >= lk || (Flags::BAND && (col1 > row0 + m.band_hi || col0 < row1 + m.band_lo))
+                       ? TILE_PARTIAL : TILE_FULL;
+        if (Flags::EXTRA && m.layout.ptr) {
+            const int last_row = imin(row1, lq - 1), last_col = imin(col1, lk - 1);
+            if (last_row < row0) return TILE_PARTIAL;   // rows past the end only: whatever, they are not written
+            bool any = false, all = true;
+            for (int bi = row0 / m.block_q; bi <= last_row / m.block_q; ++bi)
+                for (int bj = col0 / m.block_k; bj <= last_col / m.block_k; ++bj) {
+                    const int state = *m.layout.at<signed char>(batch, head, bi, bj);
+                    any |= state != BLOCK_OFF;
+                    all &= state == BLOCK_ALL;
+                }
+            if (!any) return TILE_SKIP;
+            if (!all) kind = TILE_PARTIAL;
+        }
+        return kind;
+    }
+
     __device__ __forceinline__ bool tile_is_partial(int row0, int rows, int col0, int cols) const {
-        (void)rows;   // causal: the tile's first row sees the fewest keys
-        return col0 + cols > lk || (Flags::CAUSAL && col0 + cols - 1 > row0 + causal_offset);
+        return classify(row0, rows, col0, cols) != TILE_FULL;
     }
 
-    // x = s * scale * log2(e), or -inf where masked.
+    // The first key tile in [j, end) that the rows [row0, row0 + rows) do not skip (end if none).
+    __device__ __forceinline__ int next_key_tile(int j, int end, int row0, int rows, int block_n) const {
+        if (Flags::EXTRA && m.layout.ptr)
+            while (j < end && classify(row0, rows, j * block_n, block_n) == TILE_SKIP) ++j;
+        return j;
+    }
+
+    // x = (s * scale + bias) * log2(e), or -inf where masked.
     __device__ __forceinline__ A score(A dot, int row, int col, bool partial) const {
-        return (!partial || allowed(row, col)) ? dot * scale_log2 : neg_inf<A>();
+        if (partial && !allowed(row, col)) return neg_inf<A>();
+        A x = dot * scale_log2;
+        if (has_bias() && row < lq && col < lk) x += to_acc(*m.bias.at<T>(batch, head, row, col)) * A(LOG2E);
+        return x;
+    }
+
+    // Dropout's verdict for one element: keep_scale if kept, 0 if dropped.
+    __device__ __forceinline__ A keep(int row, int col) const {
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
+        return r.word(col & 3) >= m.drop_threshold ? A(m.keep_scale) : A(0);
+    }
+
+    // The verdicts of two neighbouring keys col, col + 1 (col even): one Philox draw.
+    __device__ __forceinline__ void keep2(int row, int col, A& keep0, A& keep1) const {
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
+        keep0 = r.word(col & 3) >= m.drop_threshold ? A(m.keep_scale) : A(0);
+        keep1 = r.word((col & 3) + 1) >= m.drop_threshold ? A(m.keep_scale) : A(0);
     }
 };
 
 // score() over a register tile s[I][J]; coord(i, j, row, col) names the element's
 // absolute query row and key column (each kernel's fragment layout differs).
-// A fully visible tile only scales: no coordinates, no comparisons.
+// A fully visible tile without a bias only scales: no coordinates, no comparisons.
 template <typename Mod, typename A, int I, int J, typename Coord>
 __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bool partial, Coord coord) {
-    if (!partial) {
+    if (!partial && !mod.has_bias()) {
 #pragma unroll
         for (int i = 0; i < I; ++i)
 #pragma unroll
@@ -92,6 +171,35 @@ __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bo
         for (int j = 0; j < J; ++j) {
             int row, col;
             coord(i, j, row, col);
-            s[i][j] = mod.score(s[i][j], row, col, true);
+            s[i][j] = mod.score(s[i][j], row, col, partial);
         }
+}
+
+// Dropout over a register tile of probabilities: p *= keep(row, col). With
+// PAIRS, elements (i, 2t) and (i, 2t + 1) are keys col, col + 1 of one row with
+// col even (the mma C fragment), and share one Philox draw.
+template <bool PAIRS, typename Mod, typename A, int I, int J, typename Coord>
+__device__ __forceinline__ void apply_dropout(A (&p)[I][J], const Mod& mod, Coord coord) {
+    if (!mod.has_dropout()) return;
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+        if (PAIRS) {
+#pragma unroll
+            for (int j = 0; j < J; j += 2) {
+                int row, col;
+                coord(i, j, row, col);
+                A k0, k1;
+                mod.keep2(row, col, k0, k1);
+                p[i][j] *= k0;
+                p[i][j + 1] *= k1;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                int row, col;
+                coord(i, j, row, col);
+                p[i][j] *= mod.keep(row, col);
+            }
+        }
+    }
 }

@@ -56,12 +56,14 @@ __device__ __forceinline__ A lse_to_log2(A lse) {
 }
 
 // P = 2^(x - lse_log2) and dS = P (dP - Dsum), in place: the backward's two
-// elementwise steps for one score.
+// elementwise steps for one score. With dropout, keep is the forward's verdict
+// for this element (keep_scale or 0): the forward multiplied V by keep * P, so
+// dV takes keep * P and dS = P (keep * dP - Dsum). Without, keep = 1 folds away.
 template <typename A>
-__device__ __forceinline__ void prob_and_dscore(A& x_to_p, A& dp_to_ds, A lse_log2, A dsum) {
+__device__ __forceinline__ void prob_and_dscore(A& x_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep = A(1)) {
     const A p = fast_exp2(x_to_p - lse_log2);
-    x_to_p = p;
-    dp_to_ds = p * (dp_to_ds - dsum);
+    x_to_p = p * keep;
+    dp_to_ds = p * (dp_to_ds * keep - dsum);
 }
 
 // The backward's row statistics of query rows [m0, m0 + BM) into shared memory:

@@ -1,0 +1,282 @@
+"""The masking options of a call, validated and turned into what the kernels read
+(``MaskParams`` / ``DbiasParams`` in ``kernels_cu/params.cuh``).
+
+* ``causal`` and ``window`` become one diagonal band ``(lo, hi)`` (reference.band_limits).
+* ``bias`` and ``mask`` become (batch, head, row, col) views with stride 0 along
+  their broadcast axes: never expanded in memory.
+* A boolean mask is summarised per (query block, key block) as BlockState
+  (0: nothing visible, 1: some, 2: all), combined with a block-sparse
+  ``block_layout``: the kernels skip state-0 tiles without loading them and test
+  the mask per element only in state-1 tiles (key padding costs one tile column).
+* ``dropout_p`` and ``seed`` become a Philox threshold and key.
+* The backward's ``dbias``: an accumulator of the bias's own shape, and how the
+  kernels add into it (bias_grad.cuh).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import reference
+from ._checks import Problem, array_module, dtype_name
+from .block_sparse import BlockLayout
+
+MASK_SUMMARY_BLOCK = (64, 64)
+"""Block size of a mask's summary when no block layout sets one."""
+
+DBIAS_NONE, DBIAS_ADD, DBIAS_ATOMIC, DBIAS_ORDERED = 0, 1, 2, 3
+
+
+@dataclass
+class Options:
+    """The masking options of one call, validated against its Problem."""
+
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    bias: Any = None              # as given (for the NumPy path and dbias's shape)
+    mask: Any = None
+    dropout_p: float = 0.0
+    seed: Optional[int] = None
+    block_layout: Optional[BlockLayout] = None
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0.0
+
+    @property
+    def extra(self) -> bool:
+        """Whether the kernels need their EXTRA pieces (score_mod.cuh)."""
+        return self.bias is not None or self.mask is not None or self.block_layout is not None or self.dropout
+
+    def reference_kwargs(self) -> dict:
+        return dict(bias=self.bias, mask=self.mask, window=self.window, dropout_p=self.dropout_p, seed=self.seed,
+                    block_layout=self.block_layout)
+
+
+def _score_shape(p: Problem) -> tuple:
+    return p.lead + (p.heads_q, p.lq, p.lk)
+
+
+def _broadcastable(x, shape: tuple, name: str) -> None:
+    try:
+        ok = np.broadcast_shapes(tuple(x.shape), shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to the scores' shape {shape} "
+                         "(..., Hq, Lq, Lk)")
+
+
+def _same_place(x, p: Problem, name: str):
+    if array_module(x) is not p.xp:
+        raise TypeError(f"{name} is a {array_module(x).__name__} array but q is a {p.xp.__name__} array")
+    if p.xp is not np and x.device.id != p.q.device.id:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {p.q.device.id}")
+
+
+def check_window(window) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}") from None
+    for side in (left, right):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
+            raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
+    return (None if left is None else int(left), None if right is None else int(right))
+
+
+def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.0, seed=None,
+                  block_layout=None, need_seed: bool = True) -> Options:
+    """Validate the masking options of a call (clear TypeError / ValueError, nothing launched)."""
+    shape = _score_shape(p)
+    if bias is not None:
+        _same_place(bias, p, "bias")
+        if np.dtype(bias.dtype).kind != "f":
+            raise TypeError(f"bias must be a float array, got {bias.dtype} (a bool array is a `mask`)")
+        dtype_name(bias, "bias")
+        _broadcastable(bias, shape, "bias")
+    if mask is not None:
+        _same_place(mask, p, "mask")
+        if np.dtype(mask.dtype) != np.bool_:
+            raise TypeError(f"mask must be a bool array (True = attend), got {mask.dtype}; "
+                            "a float array is a `bias`")
+        _broadcastable(mask, shape, "mask")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+    if dropout_p > 0 and seed is None and need_seed:
+        raise ValueError("dropout_p > 0 needs a seed here so that attention_backward can regenerate the mask; "
+                         "attention() and vjp() draw one for you")
+    if block_layout is not None:
+        if not isinstance(block_layout, BlockLayout):
+            raise TypeError(f"block_layout must be a cuflash.BlockLayout, got {type(block_layout).__name__}")
+        nq, nk = block_layout.blocks(p.lq, p.lk)
+        lay = block_layout.layout
+        try:
+            ok = np.broadcast_shapes(tuple(lay.shape), p.lead + (p.heads_q, nq, nk)) == p.lead + (p.heads_q, nq, nk)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"block_layout of shape {tuple(lay.shape)} does not broadcast to "
+                             f"{p.lead + (p.heads_q, nq, nk)} (..., Hq, ceil(Lq / {block_layout.block_size[0]}), "
+                             f"ceil(Lk / {block_layout.block_size[1]}))")
+    return Options(check_window(window), bias, mask, dropout_p, None if seed is None else int(seed), block_layout)
+
+
+def draw_seed() -> int:
+    """A fresh 64-bit dropout seed."""
+    return secrets.randbits(64)
+
+
+# --------------------------------------------------------------------------- kernel inputs
+
+def _own_4d(x, p: Problem):
+    """``x`` (broadcastable to the scores) as a 4-D (B', H', Lq', Lk') array of its own sizes:
+    B' is 1 when every leading dim broadcasts, else B (then broadcast over the leading dims,
+    a copy only if they cannot be merged into one stride)."""
+    xp = p.xp
+    nd = len(p.lead) + 3
+    x = x.reshape((1,) * (nd - x.ndim) + tuple(x.shape))
+    own_lead = x.shape[:len(p.lead)]
+    if all(n == 1 for n in own_lead):
+        return x.reshape((1,) + x.shape[len(p.lead):])
+    x = xp.broadcast_to(x, p.lead + x.shape[len(p.lead):])
+    return x.reshape((p.batch,) + x.shape[len(p.lead):])
+
+
+def score_view(x4, p: Problem) -> tuple:
+    """(ptr, batch, head, row, col strides in elements) of a 4-D own-shape array, 0 on broadcast axes."""
+    full = (p.batch, p.heads_q, p.lq, p.lk)
+    strides = tuple(0 if n == 1 and f != 1 else s // x4.itemsize for n, f, s in zip(x4.shape, full, x4.strides))
+    return (x4.data.ptr,) + strides
+
+
+NO_SCORE_VIEW = (0, 0, 0, 0, 0)
+
+
+def block_states(p: Problem, opts: Options):
+    """The int8 BlockState layout (own 4-D shape) and its block size, or (None, None)."""
+    xp = p.xp
+    if opts.mask is None and opts.block_layout is None:
+        return None, None
+    bq, bk = opts.block_layout.block_size if opts.block_layout is not None else MASK_SUMMARY_BLOCK
+    nq, nk = -(-p.lq // bq), -(-p.lk // bk)
+    states = None
+    if opts.mask is not None:
+        m = _own_4d(opts.mask, p)
+        b_, h_, lq_, lk_ = m.shape
+        rq, rk = (nq, bq) if lq_ > 1 else (1, 1)
+        ck, ckk = (nk, bk) if lk_ > 1 else (1, 1)
+        anyp = xp.zeros((b_, h_, rq * rk, ck * ckk), dtype=bool)
+        allp = xp.ones((b_, h_, rq * rk, ck * ckk), dtype=bool)
+        anyp[:, :, :lq_, :lk_] = m
+        allp[:, :, :lq_, :lk_] = m
+        anyb = anyp.reshape(b_, h_, rq, rk, ck, ckk).any(axis=(3, 5))
+        allb = allp.reshape(b_, h_, rq, rk, ck, ckk).all(axis=(3, 5))
+        states = xp.where(anyb, xp.where(allb, 2, 1), 0).astype(np.int8)
+    if opts.block_layout is not None:
+        lay = _own_4d(xp.asarray(opts.block_layout.layout), p)
+        user = xp.where(lay, 2, 0).astype(np.int8)
+        states = user if states is None else xp.minimum(states, user)
+    return xp.ascontiguousarray(states), (bq, bk)
+
+
+def layout_view(states, p: Problem, block: Tuple[int, int]) -> tuple:
+    nq, nk = -(-p.lq // block[0]), -(-p.lk // block[1])
+    full = (p.batch, p.heads_q, nq, nk)
+    strides = tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(states.shape, full, states.strides))
+    return (states.data.ptr,) + strides
+
+
+@dataclass
+class KernelMasking:
+    """MaskParams' values for one call, and the arrays they point into (kept alive)."""
+
+    band: Optional[Tuple[int, int]]
+    extra: bool
+    values: tuple      # MaskParams fields in order
+    keep_alive: tuple
+
+
+def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
+    band = reference.band_limits(p.reference_causal, opts.window, p.lq, p.lk)
+    keep = []
+    bias_view = mask_view = lay_view = NO_SCORE_VIEW
+    block = (1, 1)
+    if opts.bias is not None:
+        b4 = _own_4d(opts.bias.astype(p.q.dtype, copy=False), p)
+        keep.append(b4)
+        bias_view = score_view(b4, p)
+    if opts.mask is not None:
+        m4 = _own_4d(opts.mask, p)
+        keep.append(m4)
+        mask_view = score_view(m4, p)
+    states, blk = block_states(p, opts)
+    if states is not None:
+        keep.append(states)
+        block = blk
+        lay_view = layout_view(states, p, blk)
+    threshold = reference.dropout_threshold(opts.dropout_p) if opts.dropout else 0
+    seed = opts.seed or 0
+    keep_scale = 1.0 / (1.0 - opts.dropout_p)
+    lo, hi = band if band is not None else (0, 0)
+    values = (lo, hi, block[0], block[1], *bias_view, *mask_view, *lay_view, threshold, seed & 0xFFFFFFFF,
+              seed >> 32, keep_scale)
+    return KernelMasking(band, opts.extra, values, tuple(keep))
+
+
+@dataclass
+class DbiasPlan:
+    """How the backward forms dbias: the accumulator and DbiasParams' values."""
+
+    acc: Any                  # (B', H', Lq', Lk) accumulator, or None (no dbias or exactly zero)
+    values: tuple             # DbiasParams fields in order
+    keep_alive: tuple
+
+    def result(self, p: Problem, opts: Options):
+        """dbias with exactly the bias's shape and dtype."""
+        xp = p.xp
+        bias = opts.bias
+        if self.acc is None:
+            return xp.zeros(bias.shape, dtype=bias.dtype)
+        g = self.acc
+        nd = len(p.lead) + 3
+        bias_nd = (1,) * (nd - bias.ndim) + tuple(bias.shape)
+        if g.shape[0] != 1 or p.lead:   # back to the leading dims, then summed where the bias broadcasts
+            g = g.reshape((p.lead if g.shape[0] != 1 else (1,) * len(p.lead)) + g.shape[1:])
+            axes = tuple(i for i in range(len(p.lead)) if bias_nd[i] == 1 and g.shape[i] != 1)
+            if axes:
+                g = g.sum(axis=axes, keepdims=True)
+        return g.reshape(bias.shape).astype(bias.dtype)
+
+
+def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile) -> DbiasPlan:
+    """Where dS is summed for dbias. ``dkdv_tile``: the (block_m, block_n) of the dK kernel."""
+    off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1)
+    if opts.bias is None:
+        return DbiasPlan(None, off, ())
+    xp = p.xp
+    own = _own_4d(opts.bias, p).shape
+    b_, h_, lq_, lk_ = own
+    if lk_ == 1 and p.lk > 1:
+        # A bias constant along keys shifts every score of a row equally: softmax and
+        # the output ignore it, and its gradient sum_j dS_ij = 0 exactly.
+        return DbiasPlan(None, off, ())
+    acc_dtype = np.float64 if p.dtype == "float64" else np.float32
+    acc = xp.zeros((b_, h_, lq_, p.lk), dtype=acc_dtype)
+    cross_cta = (b_ == 1 and p.batch > 1) or (h_ == 1 and p.heads_q > 1 and p.heads_q // p.group > 1)
+    mode = DBIAS_ADD if not cross_cta else (DBIAS_ORDERED if deterministic else DBIAS_ATOMIC)
+    block_m, block_n = dkdv_tile
+    tiles_i = 1 if lq_ == 1 else -(-p.lq // block_m)
+    order = xp.zeros(b_ * h_ * tiles_i * -(-p.lk // block_n), dtype=np.int32) if mode == DBIAS_ORDERED else None
+    values = (*score_view(acc, p), 0 if order is None else order.data.ptr, mode, int(lq_ == 1), b_, h_, tiles_i)
+    return DbiasPlan(acc, values, (acc,) if order is None else (acc, order))
