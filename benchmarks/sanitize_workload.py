@@ -28,14 +28,22 @@ def main(argv=None) -> None:
     dims = (64,) if args.quick else (64, 111)
     modes = ("bottom_right",) if args.quick else (False, "bottom_right")
     rng = np.random.default_rng(0)
-    for dtype, d, causal, det in itertools.product(DTYPES, dims, modes, (False, True)):
+    mask = np.ones((2, 1, 1, 130), dtype=bool)
+    mask[0, ..., 90:] = False
+    for dtype, d, causal, det, masked in itertools.product(DTYPES, dims, modes, (False, True), (False, True)):
         q, do = (cp.asarray(rng.standard_normal((2, 2, 97, d)).astype(DTYPES[dtype])) for _ in range(2))
         k, v = (cp.asarray(rng.standard_normal((2, 1, 130, d)).astype(DTYPES[dtype])) for _ in range(2))
-        out, lse = cuflash.attention_forward(q, k, v, causal=causal)
-        grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det)
+        opts = {}
+        if masked:   # every EXTRA piece at once; the bias is shared by the batch (dbias atomics or turns)
+            opts = dict(bias=cp.asarray(rng.standard_normal((1, 2, 97, 130)).astype(DTYPES[dtype])),
+                        mask=cp.asarray(mask), window=(60, 20), dropout_p=0.2, seed=11,
+                        block_layout=cuflash.BlockLayout.from_rule(97, 130, 32, local=1, global_blocks=1))
+        out, lse = cuflash.attention_forward(q, k, v, causal=causal, **opts)
+        grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det, **opts)
         cp.cuda.Device().synchronize()
         finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out,) + grads)
-        print(f"{dtype:8} d={d:3} causal={causal!s:12} deterministic={det!s:5} finite={finite}", flush=True)
+        print(f"{dtype:8} d={d:3} causal={causal!s:12} deterministic={det!s:5} masked={masked!s:5} finite={finite}",
+              flush=True)
 
 
 if __name__ == "__main__":

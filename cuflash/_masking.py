@@ -259,6 +259,18 @@ class DbiasPlan:
         return g.reshape(bias.shape).astype(bias.dtype)
 
 
+def dbias_mode(p: Problem, own_shape: tuple, deterministic: bool) -> int:
+    """How dS meets in the accumulator of a bias of own 4-D shape (B', H', Lq', Lk'):
+    plain adds when one CTA owns each element (the dK/dV CTA of one (batch, K/V
+    head) walks its query heads and query blocks in order), else atomics, or
+    turns taken in a fixed order when deterministic (bias_grad.cuh)."""
+    b_, h_, lq_, lk_ = own_shape
+    if lk_ == 1 and p.lk > 1:
+        return DBIAS_NONE
+    cross_cta = (b_ == 1 and p.batch > 1) or (h_ == 1 and p.heads_q > 1 and p.heads_q // p.group > 1)
+    return DBIAS_ADD if not cross_cta else (DBIAS_ORDERED if deterministic else DBIAS_ATOMIC)
+
+
 def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile) -> DbiasPlan:
     """Where dS is summed for dbias. ``dkdv_tile``: the (block_m, block_n) of the dK kernel."""
     off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1)
@@ -273,8 +285,7 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile) -> Dbi
         return DbiasPlan(None, off, ())
     acc_dtype = np.float64 if p.dtype == "float64" else np.float32
     acc = xp.zeros((b_, h_, lq_, p.lk), dtype=acc_dtype)
-    cross_cta = (b_ == 1 and p.batch > 1) or (h_ == 1 and p.heads_q > 1 and p.heads_q // p.group > 1)
-    mode = DBIAS_ADD if not cross_cta else (DBIAS_ORDERED if deterministic else DBIAS_ATOMIC)
+    mode = dbias_mode(p, own, deterministic)
     block_m, block_n = dkdv_tile
     tiles_i = 1 if lq_ == 1 else -(-p.lq // block_m)
     order = xp.zeros(b_ * h_ * tiles_i * -(-p.lk // block_n), dtype=np.int32) if mode == DBIAS_ORDERED else None

@@ -103,10 +103,15 @@ def smem_limit_for_arch(arch: str) -> int:
     return SMEM_MAX
 
 
-def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80") -> None:
+_EXTRA_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
+"""Tiles for the EXTRA variants (bias / mask / block sparsity / dropout compiled in) where
+the plain variant's tile would spill with that code on top."""
+
+
+def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False) -> None:
     for dtype in dtypes:
         for head in heads:
-            _TABLE[(arch, family, dtype, head)] = tiles
+            (_EXTRA_TABLE if extra else _TABLE)[(arch, family, dtype, head)] = tiles
 
 
 # Tensor-core forward: each warp owns block_m / warps query rows, in 16-row strips;
@@ -124,6 +129,8 @@ _add("fwd_mma", HALF_TYPES, [64], Tile(128, 64, 4, 2, "two strips per warp: +13-
 _add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles (252 registers): "
                                                       "+11-15% non-causal, +1-3% causal (tune_fwd.py)"))
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
+# With EXTRA (bias, mask, block layout, dropout), two strips spill (464 bytes at d=32, 32 at d=64): one strip.
+_add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 64, 4, 2, "EXTRA code on two strips spills: one strip"), extra=True)
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
@@ -154,6 +161,8 @@ _add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "16 rows per warp, 64-ke
 _add("bwd_dq_mma", HALF_TYPES, [64], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; a 168-register cap (three "
                                                        "CTAs an SM) spills 16 bytes on sm_90, so two"))
 _add("bwd_dq_mma", HALF_TYPES, [128], Tile(64, 32, 4, 1, "32-key steps: 64 spilled registers"))
+_add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "EXTRA spills under the 168-register cap: two CTAs an SM",
+                                         ctas=2), extra=True)
 
 # FMA backward: 16 x 16 threads; K, V, Q, dO tiles in the input dtype and P, dS
 # tiles in the accumulator dtype in shared memory; dK, dV in registers.
@@ -170,6 +179,12 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
     _add(_fam, ["float64"], [128], Tile(32, 32, 8, 1, "fp64: 146 KB shared"), Tile(16, 16, 8, 1, _SMALL))
     _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 201 KB shared; dK+dV are 128 registers"),
          Tile(16, 16, 8, 1, "133 KB: the A100; no fp64 head-dim-256 backward fits 99 KB"))
+
+_add("bwd_dkdv_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "EXTRA spills 8 bytes under the 128-register cap of "
+                                                              "two CTAs an SM: one"), extra=True)
+_add("bwd_dkdv_fma", ["float64"], [256], Tile(16, 16, 8, 1, "EXTRA spills 12 bytes with 32-key tiles: 16"), extra=True)
+_add("bwd_dkdv_fma", HALF_TYPES, [256], Tile(32, 32, 8, 1, "EXTRA spills 180 bytes under two CTAs' 128 registers: one"),
+     extra=True)
 
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
 _add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
@@ -275,7 +290,10 @@ class Variant:
 
     def tiles(self) -> Tuple[Tile, ...]:
         """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
-        return _TABLE[(self.arch, self.family, self.dtype, self.head)]
+        key = (self.arch, self.family, self.dtype, self.head)
+        if self.extra and key in _EXTRA_TABLE:
+            return _EXTRA_TABLE[key]
+        return _TABLE[key]
 
     def fitted(self, smem_limit: int) -> "Variant":
         """This variant with the first tile whose shared memory fits ``smem_limit`` bytes."""
@@ -330,9 +348,11 @@ class Variant:
 
 # --------------------------------------------------------------------------- selection
 
-def _dkdv_passes(head: int, atomic_dq: bool) -> List[Tuple[int, bool]]:
-    """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel for one head bucket."""
-    return [(0, atomic_dq)] if head <= 64 else [(1, False), (2, atomic_dq)]
+def _dkdv_passes(head: int, atomic_dq: bool, extra: bool = False) -> List[Tuple[int, bool]]:
+    """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel for one head bucket: dK and
+    dV in one pass, or in two when their accumulators would not fit (head dim 128; head
+    dim 64 with the EXTRA code, which spills 12-28 bytes in one pass)."""
+    return [(0, atomic_dq)] if head < 64 or (head == 64 and not extra) else [(1, False), (2, atomic_dq)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,7 +377,7 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
     plan = [Variant("bwd_dsum", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
         plan += [Variant("bwd_dkdv_mma", dtype, head, vec=vec, pass_=p, atomic_dq=a, **flags)
-                 for p, a in _dkdv_passes(head, atomic)]
+                 for p, a in _dkdv_passes(head, atomic, extra)]
         if deterministic:
             plan.append(Variant("bwd_dq_mma", dtype, head, vec=vec, **flags))
     else:
@@ -404,7 +424,7 @@ def unsupported(smem_limit: int) -> List[Variant]:
 
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
     """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
-    return ((key, tile) for key, tiles in _TABLE.items() for tile in tiles)
+    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE) for key, tiles in table.items() for tile in tiles)
 
 
 @contextlib.contextmanager

@@ -118,8 +118,9 @@ def _reference_kwargs(p: _checks.Problem, opts: _masking.Options) -> dict:
         if kw[name] is not None:
             kw[name] = _masking._own_4d(kw[name], p)
     if opts.block_layout is not None:
-        kw["block_layout"] = BlockLayout(_masking._own_4d(np.asarray(opts.block_layout.layout), p),
-                                         opts.block_layout.block_size)
+        lay = opts.block_layout.layout
+        lay = lay if isinstance(lay, np.ndarray) else lay.get()   # a CuPy layout for NumPy inputs
+        kw["block_layout"] = BlockLayout(_masking._own_4d(lay, p), opts.block_layout.block_size)
     return kw
 
 

@@ -688,13 +688,16 @@ def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = No
 
     Returns
     -------
-    out magnitude, or ``(out, (dq, dk, dv))`` magnitudes when ``dout`` is given.
+    out magnitude, or ``(out, (dq, dk, dv[, dbias]))`` magnitudes when ``dout`` is given.
     """
     out, _, grads, group, squeeze, _ = _naive(q, k, v, dout, causal, scale, bias, mask, None, absolute=True,
                                               window=window, dropout=_dropout_arg(dropout_p, seed),
                                               block_layout=block_layout)
     (out,) = _squeeze(squeeze, out)
-    return out if grads is None else (out, _grads(*grads[:3], None, group, squeeze))
+    if grads is None:
+        return out
+    dbias = None if bias is None else _reduce_to(_squeeze(squeeze, grads[3])[0], bias.shape)
+    return out, _grads(*grads[:3], dbias, group, squeeze)
 
 
 def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,

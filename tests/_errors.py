@@ -52,27 +52,28 @@ def within_budget(got, exact_val, naive_val, magnitude, dtype: str, logit_max: f
     return err <= limit, msg
 
 
-def exact(q, k, v, do=None, *, causal, scale, dtype: str):
+def exact(q, k, v, do=None, *, causal, scale, dtype: str, **options):
     """The exact reference for inputs of `dtype`: float64 arithmetic, long double for float64.
 
-    Returns out, or (out, (dq, dk, dv)) when ``do`` is given.
+    Returns out, or (out, (dq, dk, dv[, dbias])) when ``do`` is given. ``options``:
+    bias, mask, window, dropout_p, seed, block_layout (NumPy arrays).
     """
     ref = "longdouble" if dtype == "float64" else None
-    return _naive(q, k, v, do, causal=causal, scale=scale, dtype=ref)
+    return _naive(q, k, v, do, causal=causal, scale=scale, dtype=ref, **options)
 
 
-def naive_same_dtype(q, k, v, do=None, *, causal, scale, dtype: str):
+def naive_same_dtype(q, k, v, do=None, *, causal, scale, dtype: str, **options):
     """The naive computation in `dtype` (reference.attention_naive's emulation)."""
-    return _naive(q, k, v, do, causal=causal, scale=scale, dtype=dtype)
+    return _naive(q, k, v, do, causal=causal, scale=scale, dtype=dtype, **options)
 
 
-def magnitude(q, k, v, do=None, *, causal, scale):
+def magnitude(q, k, v, do=None, *, causal, scale, **options):
     """The absolute-value version of out (and of the gradients), in float64."""
-    return reference.attention_magnitude(q, k, v, do, causal=causal, scale=scale)
+    return reference.attention_magnitude(q, k, v, do, causal=causal, scale=scale, **options)
 
 
-def _naive(q, k, v, do, *, causal, scale, dtype):
-    out, _ = reference.attention_naive(q, k, v, causal=causal, scale=scale, dtype=dtype)
+def _naive(q, k, v, do, *, causal, scale, dtype, **options):
+    out, _ = reference.attention_naive(q, k, v, causal=causal, scale=scale, dtype=dtype, **options)
     if do is None:
         return out
-    return out, reference.attention_backward_naive(do, q, k, v, causal=causal, scale=scale, dtype=dtype)
+    return out, reference.attention_backward_naive(do, q, k, v, causal=causal, scale=scale, dtype=dtype, **options)

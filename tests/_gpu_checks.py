@@ -78,3 +78,61 @@ def check_backward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, deterministic=
         if logit_scale == 1.0 and np.linalg.norm(r) > 0.1 * np.linalg.norm(m):
             assert rel_error(got, r) < 5e-2, f"d{name}: {msg}"   # absolutely small too
     return grads
+
+
+def device_options(options: dict, dtype: str) -> dict:
+    """The masking options as cuflash takes them for CuPy inputs (bias in `dtype`, mask as bool)."""
+    cp = _cupy()
+    dev = dict(options)
+    if options.get("bias") is not None:
+        dev["bias"] = cp.asarray(options["bias"].astype(DTYPES[dtype]))
+    if options.get("mask") is not None:
+        dev["mask"] = cp.asarray(options["mask"])
+    if options.get("block_layout") is not None:
+        lay = options["block_layout"]
+        dev["block_layout"] = cuflash.BlockLayout(cp.asarray(lay.layout), lay.block_size)
+    return dev
+
+
+def host_options(options: dict, dtype: str) -> dict:
+    """The same options for the float64 references (bias rounded to `dtype` first)."""
+    host = dict(options)
+    if options.get("bias") is not None:
+        host["bias"] = options["bias"].astype(DTYPES[dtype]).astype(np.float64)
+    return host
+
+
+def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, deterministic=False):
+    """Forward and backward with masking options (bias, mask, window, dropout_p/seed,
+    block_layout) against the exact reference under the error rule; dbias too."""
+    cp = _cupy()
+    rng = np.random.default_rng(seed)
+    (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv)
+    dev, host = device_options(options, dtype), host_options(options, dtype)
+    scale = 1 / np.sqrt(d)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, **dev)
+    grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=deterministic, **dev)
+    opts = dict(causal=causal, scale=scale, **host)
+    ref_out, ref = exact(q, k, v, do, dtype=dtype, **opts)
+    naive_out, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)
+    mag_out, mag = magnitude(q, k, v, do, **opts)
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all(), "NaN or inf in the output"
+    ok, msg = within_budget(got, ref_out, naive_out, mag_out, dtype)
+    assert ok, f"out: {msg}"
+    ref_lse = reference.attention_naive(q, k, v, **opts)[1]
+    got_lse = cp.asnumpy(lse).astype(np.float64)
+    seen = np.isfinite(ref_lse)
+    assert (np.isneginf(got_lse) == ~seen).all(), "lse must be -inf exactly for rows that see no key"
+    lse_tol = 1e-12 if dtype == "float64" else 2e-5
+    np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=lse_tol, atol=lse_tol * (1 + np.abs(ref_lse[seen])))
+    names = ["dq", "dk", "dv"] + (["dbias"] if options.get("bias") is not None else [])
+    assert len(grads) == len(names)
+    logit_max = float(np.abs(ref_lse[seen]).max()) if seen.any() else 0.0
+    for name, g, r, n, m in zip(names, grads, ref, naive, mag):
+        got = cp.asnumpy(g).astype(np.float64)
+        assert got.shape == r.shape, (name, got.shape, r.shape)
+        assert np.isfinite(got).all(), f"{name} has NaN/inf"
+        ok, msg = within_budget(got, r, n, m, dtype, logit_max)
+        assert ok, f"{name}: {msg}"
+    return out, grads

@@ -6,6 +6,8 @@ these problems cover the whole variant table (test_variants.py).
 """
 from dataclasses import dataclass
 
+import numpy as np
+
 from cuflash._variants import SMEM_LIMITS, SMEM_MAX, Variant, backward_variants, forward_variant, head_bucket
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
@@ -19,6 +21,7 @@ class Problem:
     d: int
     dv: int
     causal: object        # False, True or "bottom_right"
+    extra: bool           # masking options that need the EXTRA kernels (variant_options())
     backward: bool
     deterministic: bool
     smem_limit: int = SMEM_MAX    # the GPU class (shared memory per block) the launcher selects for
@@ -31,12 +34,21 @@ class Problem:
     def variants(self) -> list:
         """The variants a call with this problem launches (the launcher's own selection)."""
         head = head_bucket(max(self.d, self.dv))
-        causal = self.causal is not False
-        fwd = forward_variant(self.dtype, head, causal=causal, vec=self.vec, smem_limit=self.smem_limit)
+        band = self.causal is not False
+        fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit)
         if not self.backward:
             return [fwd]
-        return [fwd, *backward_variants(self.dtype, head, causal=causal, vec=self.vec,
+        return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
                                         deterministic=self.deterministic, smem_limit=self.smem_limit)]
+
+
+def variant_options(seed: int) -> dict:
+    """The EXTRA problems' options: a bias shared by the batch (its gradient crosses CTAs:
+    atomics, or turns when deterministic), key padding, and dropout."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((BATCH, 1, 1, LK), dtype=bool)
+    mask[0, :, :, LK - 40:] = False          # batch 0: the last 40 keys are padding (a whole 32-key tile too)
+    return dict(bias=rng.standard_normal((1, HEADS_Q, LQ, LK)), mask=mask, dropout_p=0.125, seed=seed)
 
 
 def problem_for(v: Variant) -> Problem:
@@ -45,16 +57,16 @@ def problem_for(v: Variant) -> Problem:
     the largest GPU class of SMEM_LIMITS under which the launcher picks v's tile."""
     head = v.head or 64
     d = head if v.vec else head - 5
-    causal = False if not v.causal else ("bottom_right" if head in (64, 256) else True)
+    causal = False if not v.band else ("bottom_right" if head in (64, 256) else True)
     backward = not v.family.startswith("fwd")
     deterministic = v.family.startswith("bwd_dq") or (v.family.startswith("bwd_dkdv") and not v.atomic_dq)
     if v.family == "bwd_convert_dq":
         deterministic = False
     for limit in sorted(SMEM_LIMITS.values(), reverse=True):
-        p = Problem(v.dtype, d, d, causal, backward, deterministic, limit)
+        p = Problem(v.dtype, d, d, causal, v.extra, backward, deterministic, limit)
         try:
             if v in p.variants():
                 return p
         except ValueError:     # this GPU class has no kernel for the problem
             continue
-    return Problem(v.dtype, d, d, causal, backward, deterministic)
+    return Problem(v.dtype, d, d, causal, v.extra, backward, deterministic)

@@ -61,14 +61,9 @@ def test_bad_scale(scale):
         cuflash.attention(*_qkv(), scale=scale)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"bias": np.zeros((16, 16))}, "bias"), ({"mask": np.ones((16, 16), bool)}, "mask"),
-    ({"dropout_p": 0.1}, "dropout_p"), ({"seed": 3}, "seed"), ({"window": (4, 4)}, "window"),
-    ({"precision": "tf32"}, "tf32"),
-])
-def test_pending_options_raise_not_implemented(kwargs, name):
-    with pytest.raises(NotImplementedError, match=name):
-        cuflash.attention(*_qkv(), **kwargs)
+def test_pending_options_raise_not_implemented():
+    with pytest.raises(NotImplementedError, match="tf32"):
+        cuflash.attention(*_qkv(), precision="tf32")
 
 
 def test_bad_precision():

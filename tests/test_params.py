@@ -51,11 +51,16 @@ def test_fwd_params_fields():
     v = _FakeArray((2, 2, 12, 32), (1536, 768, 64, 2))
     out = _FakeArray((2, 4, 10, 32), (2560, 640, 64, 2))
     lse = _FakeArray((2, 4, 10), (160, 40, 4), itemsize=4)
-    packed = _params.fwd_params(q, k, v, out, lse, group=2, scale=0.125, causal_offset=2)
+    mask = list(_params.MASK_OFF)
+    mask[0:2] = [-11, 2]                      # band_lo, band_hi
+    mask[19:22] = [123, 0xDEADBEEF, 7]        # drop_threshold, seed_lo, seed_hi
+    packed = _params.fwd_params(q, k, v, out, lse, group=2, scale=0.125, mask=tuple(mask))
     assert packed.size == 1 and packed.dtype.fields is None      # one opaque item: cheap for CuPy to pass
     p = packed.view(_params.STRUCTS["FwdParams"])
     dims = p["dims"][0]
     assert tuple(int(dims[n]) for n in ("batch", "heads_q", "group", "lq", "lk", "d", "dv")) == (2, 4, 2, 10, 12, 64, 32)
-    assert int(p["mask"]["causal_offset"][0]) == 2
+    assert int(p["mask"]["band_lo"][0]) == -11 and int(p["mask"]["band_hi"][0]) == 2
+    assert int(p["mask"]["drop_threshold"][0]) == 123 and int(p["mask"]["seed_lo"][0]) == 0xDEADBEEF
+    assert int(p["mask"]["seed_hi"][0]) == 7 and float(p["mask"]["keep_scale"][0]) == 1.0
     assert float(p["scale_log2"][0]) == pytest.approx(0.125 * np.log2(np.e), rel=1e-15)
     assert int(p["k"]["head_stride"][0]) == 768

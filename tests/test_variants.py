@@ -24,11 +24,13 @@ def test_every_call_has_kernels_on_every_gpu_class(gpu):
     head dim 256 on 99 KB GPUs (sm_86 / sm_89 / sm_120)."""
     limit = V.SMEM_LIMITS[gpu]
     gaps = []
-    for dtype, head, causal, det in itertools.product(V.DTYPES, V.HEAD_BUCKETS, (False, True), (False, True)):
+    for dtype, head, band, extra, det in itertools.product(V.DTYPES, V.HEAD_BUCKETS, (False, True), (False, True),
+                                                           (False, True)):
         for vec in V.vec_choices(dtype):
-            assert V.forward_variant(dtype, head, causal=causal, vec=vec, smem_limit=limit).smem_bytes <= limit
+            flags = dict(band=band, extra=extra, vec=vec)
+            assert V.forward_variant(dtype, head, smem_limit=limit, **flags).smem_bytes <= limit
             try:
-                plan = V.backward_variants(dtype, head, causal=causal, vec=vec, deterministic=det, smem_limit=limit)
+                plan = V.backward_variants(dtype, head, deterministic=det, smem_limit=limit, **flags)
             except ValueError as exc:
                 assert "shared memory" in str(exc) and "this GPU allows" in str(exc)
                 gaps.append((dtype, head))
@@ -56,12 +58,12 @@ def test_gpu_problem_runs_the_variant(variant):
 
 
 def test_selection_rules():
-    assert V.forward_variant("float16", 64, causal=True, vec=True).family == "fwd_mma"
-    assert V.forward_variant("float64", 64, causal=True, vec=True) == V.Variant("fwd_fma", "float64", 64, causal=True)
-    plan = V.backward_variants("bfloat16", 128, causal=False, vec=True, deterministic=False)
+    assert V.forward_variant("float16", 64, band=True, vec=True).family == "fwd_mma"
+    assert V.forward_variant("float64", 64, band=True, vec=True) == V.Variant("fwd_fma", "float64", 64, band=True)
+    plan = V.backward_variants("bfloat16", 128, band=False, vec=True, deterministic=False)
     assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
         ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, True), ("bwd_convert_dq", 0, False)]
-    plan = V.backward_variants("float16", 256, causal=True, vec=True, deterministic=True)
+    plan = V.backward_variants("float16", 256, band=True, vec=True, deterministic=True)
     assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
     assert V.head_bucket(1) == 32 and V.head_bucket(33) == 64 and V.head_bucket(256) == 256
     with pytest.raises(ValueError, match="larger than"):
@@ -69,7 +71,7 @@ def test_selection_rules():
 
 
 def test_grid_has_no_65535_limit_but_a_2_31_one():
-    v = V.forward_variant("float16", 64, causal=False, vec=True)
+    v = V.forward_variant("float16", 64, band=False, vec=True)
     assert v.grid(batch=70000, heads_q=3, group=1, lq=16, lk=16) == 210000
     batch, heads = 2**20, 2**6
     tiles = 2**31 // (batch * heads) + 1                  # one tile row more than 2^31 - 1 CTAs allow

@@ -13,8 +13,8 @@ from cuflash import _launch, reference
 from cuflash._variants import all_variants
 
 from _errors import rel_error
-from _gpu_checks import DTYPES, check_backward, check_forward
-from _variant_problems import BATCH, HEADS_K, HEADS_Q, LK, LQ, problem_for
+from _gpu_checks import DTYPES, check_backward, check_forward, check_masked
+from _variant_problems import BATCH, HEADS_K, HEADS_Q, LK, LQ, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -41,7 +41,10 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
     assert _launch._smem_limit() >= p.smem_limit
     monkeypatch.setattr(_launch, "_smem_limit", lambda: p.smem_limit)
     seed = abs(hash(variant.name)) % 2**31
-    if p.backward:
+    if p.extra:   # forward and backward with bias, key padding and dropout
+        check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, LK, p.d, p.dv, p.causal, seed, variant_options(seed),
+                     deterministic=p.deterministic)
+    elif p.backward:
         check_backward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, LK, p.d, p.dv, p.causal, seed,
                        deterministic=p.deterministic)
     else:

@@ -1,0 +1,267 @@
+"""Masking options on the CPU: their semantics in the references (hypothesis), the NumPy
+path of the API, dbias against finite differences, dropout's RNG, and input validation."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import _masking, reference
+from cuflash._checks import check_qkv
+
+RNG = np.random.default_rng(0)
+
+
+def _qkv(b=2, hq=2, hk=1, lq=21, lk=27, d=8, dv=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((b, hq, lq, d)), rng.standard_normal((b, hk, lk, d)),
+            rng.standard_normal((b, hk, lk, dv)), rng.standard_normal((b, hq, lq, dv)))
+
+
+# --------------------------------------------------------------------------- dropout RNG
+
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 vectors."""
+    z = np.zeros(1, dtype=np.uint32)
+    assert [int(w[0]) for w in reference.philox4x32_10(z, z, z, z, 0, 0)] == [
+        0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    f = np.full(1, 0xFFFFFFFF, dtype=np.uint32)
+    assert [int(w[0]) for w in reference.philox4x32_10(f, f, f, f, 0xFFFFFFFF, 0xFFFFFFFF)] == [
+        0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keeps_one_minus_p_and_is_unbiased(p):
+    keep = reference.dropout_keep(1234, p, 0, np.arange(4)[:, None, None], np.arange(256)[:, None],
+                                  np.arange(256)[None, :])
+    n = keep.size
+    kept = float((keep > 0).mean())
+    assert abs(kept - (1 - p)) < 5 * np.sqrt(p * (1 - p) / n)        # 5 sigma
+    assert abs(float(keep.mean()) - 1.0) < 5 * np.sqrt(p / (1 - p) / n)
+    assert set(np.unique(keep)) <= {0.0, 1.0 / (1.0 - p)}
+
+
+def test_dropout_depends_on_every_coordinate_and_the_seed():
+    base = reference.dropout_keep(7, 0.5, 0, 0, np.arange(64)[:, None], np.arange(64)[None, :])
+    for args in ((8, 0, 0), (7, 1, 0), (7, 0, 1)):
+        seed, batch, head = args
+        other = reference.dropout_keep(seed, 0.5, batch, head, np.arange(64)[:, None], np.arange(64)[None, :])
+        assert (other != base).mean() > 0.3
+    again = reference.dropout_keep(7, 0.5, 0, 0, np.arange(64)[:, None], np.arange(64)[None, :])
+    np.testing.assert_array_equal(again, base)
+
+
+# --------------------------------------------------------------------------- band
+
+@pytest.mark.parametrize("lq,lk", [(7, 7), (5, 9), (9, 5)])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("window", [None, (2, 1), (0, 0), (None, 3), (4, None)])
+def test_band_matches_the_definition(lq, lk, causal, window):
+    band = reference.band_limits(causal, window, lq, lk)
+    if band is None:
+        assert causal is False and window is None
+        return
+    lo, hi = band
+    offset = {False: 0, True: 0, "bottom_right": lk - lq}[causal]
+    for i, j in itertools.product(range(lq), range(lk)):
+        want = True
+        if causal is not False:
+            want &= j <= i + offset
+        if window is not None:
+            left, right = window
+            want &= left is None or j >= i + offset - left
+            want &= right is None or j <= i + offset + right
+        assert (i + lo <= j <= i + hi) == want, (i, j)
+
+
+# --------------------------------------------------------------------------- references agree
+
+@st.composite
+def masked_problems(draw):
+    b, hk = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    hq = hk * draw(st.integers(1, 2))
+    lq, lk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    causal = draw(st.sampled_from([False, True, "bottom_right"]))
+    opts = {}
+    if draw(st.booleans()):   # a bias in one of the broadcast patterns users pass
+        shape = draw(st.sampled_from([(b, hq, lq, lk), (1, 1, lq, lk), (b, 1, 1, lk), (hq, lq, lk), (lq, lk),
+                                      (b, hq, lq, 1), (1, hq, 1, lk)]))
+        opts["bias"] = np.random.default_rng(draw(st.integers(0, 99))).standard_normal(shape)
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(b, hq, lq, lk), (b, 1, 1, lk), (1, 1, lq, lk), (b, 1, lq, 1)]))
+        density = draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))
+        opts["mask"] = np.random.default_rng(draw(st.integers(0, 99))).random(shape) < density
+    if draw(st.booleans()):
+        opts["window"] = (draw(st.one_of(st.none(), st.integers(0, 10))), draw(st.one_of(st.none(), st.integers(0, 10))))
+    if draw(st.booleans()):
+        opts["dropout_p"], opts["seed"] = draw(st.sampled_from([0.1, 0.5])), draw(st.integers(0, 2**64 - 1))
+    if draw(st.booleans()):
+        bs = draw(st.sampled_from([16, 32]))
+        nq, nk = -(-lq // bs), -(-lk // bs)
+        opts["block_layout"] = cuflash.BlockLayout(np.random.default_rng(draw(st.integers(0, 99))).random((nq, nk)) < 0.6,
+                                                   bs)
+    return (b, hq, hk, lq, lk), causal, opts
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(masked_problems())
+def test_api_numpy_path_matches_naive_reference(problem):
+    (b, hq, hk, lq, lk), causal, opts = problem
+    q, k, v, do = _qkv(b, hq, hk, lq, lk)
+    out, lse = cuflash.attention_forward(q, k, v, causal=causal, **opts)
+    ref_out, ref_lse = reference.attention_naive(q, k, v, causal=causal, **opts)
+    np.testing.assert_allclose(out, ref_out, atol=1e-12)
+    assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
+    np.testing.assert_allclose(lse[np.isfinite(lse)], ref_lse[np.isfinite(ref_lse)], atol=1e-12)
+    grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, **opts)
+    ref = reference.attention_backward_naive(do, q, k, v, causal=causal, **opts)
+    assert len(grads) == len(ref) == (4 if "bias" in opts else 3)
+    for g, r in zip(grads, ref):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(g, r, atol=1e-11)
+    assert all(np.isfinite(g).all() for g in grads)
+
+
+def test_rows_with_nothing_to_attend_give_zero():
+    q, k, v, do = _qkv(lq=20, lk=30)
+    mask = np.ones((2, 1, 20, 30), dtype=bool)
+    mask[:, :, 3] = False          # one row sees nothing
+    mask[:, :, :, :16] = False     # a whole 16-key tile is hidden
+    mask[1, :, :, :] = False       # batch 1 sees nothing at all
+    bias = RNG.standard_normal((20, 30))
+    out, lse = cuflash.attention_forward(q, k, v, mask=mask, bias=bias)
+    assert (out[:, :, 3] == 0).all() and np.isneginf(lse[:, :, 3]).all() and (out[1] == 0).all()
+    dq, dk, dv, dbias = cuflash.attention_backward(do, q, k, v, out, lse, mask=mask, bias=bias)
+    assert (dq[:, :, 3] == 0).all() and (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+    assert (dbias[3] == 0).all() and (dbias[:, :16] == 0).all()
+    assert all(np.isfinite(g).all() for g in (dq, dk, dv, dbias))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 9, 11), (1, 1, 9, 11), (2, 1, 1, 11), (9, 11)])
+def test_dbias_matches_finite_differences(shape):
+    q, k, v, do = _qkv(lq=9, lk=11, seed=3)
+    bias = np.random.default_rng(4).standard_normal(shape)
+    mask = np.random.default_rng(5).random((2, 1, 9, 11)) < 0.8
+
+    def loss(bias_):
+        return float((cuflash.attention(q, k, v, bias=bias_, mask=mask, causal="bottom_right") * do).sum())
+
+    out, lse = cuflash.attention_forward(q, k, v, bias=bias, mask=mask, causal="bottom_right")
+    dbias = cuflash.attention_backward(do, q, k, v, out, lse, bias=bias, mask=mask, causal="bottom_right")[3]
+    assert dbias.shape == bias.shape
+    h = 1e-6
+    for idx in list(np.ndindex(shape))[:: max(1, bias.size // 25)]:
+        e = np.zeros(shape)
+        e[idx] = h
+        fd = (loss(bias + e) - loss(bias - e)) / (2 * h)
+        assert abs(fd - dbias[idx]) <= 1e-6 * (1 + abs(fd)), idx
+
+
+def test_key_constant_bias_has_zero_gradient_and_shifts_lse():
+    q, k, v, do = _qkv()
+    bias = RNG.standard_normal((2, 2, 21, 1))
+    out, lse = cuflash.attention_forward(q, k, v, bias=bias)
+    out0, lse0 = cuflash.attention_forward(q, k, v)
+    np.testing.assert_allclose(out, out0, atol=1e-12)
+    np.testing.assert_allclose(lse, lse0 + bias[..., 0], atol=1e-12)
+    dbias = cuflash.attention_backward(do, q, k, v, out, lse, bias=bias)[3]
+    np.testing.assert_allclose(dbias, 0, atol=1e-12)
+
+
+def test_dropout_same_seed_same_result_and_vjp_keeps_it():
+    q, k, v, do = _qkv()
+    a = cuflash.attention(q, k, v, dropout_p=0.3, seed=5)
+    np.testing.assert_array_equal(a, cuflash.attention(q, k, v, dropout_p=0.3, seed=5))
+    assert not np.array_equal(a, cuflash.attention(q, k, v, dropout_p=0.3, seed=6))
+    out, vjp_fn = cuflash.vjp(q, k, v, dropout_p=0.3)
+    assert isinstance(vjp_fn.seed, int)
+    ref = reference.attention_naive(q, k, v, dropout_p=0.3, seed=vjp_fn.seed)[0]
+    np.testing.assert_allclose(out, ref, atol=1e-12)
+    grads = vjp_fn(do)
+    ref_grads = reference.attention_backward_naive(do, q, k, v, dropout_p=0.3, seed=vjp_fn.seed)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-11)
+
+
+def test_window_equals_the_banded_mask():
+    q, k, v, _ = _qkv(lq=30, lk=30)
+    i, j = np.arange(30)[:, None], np.arange(30)[None, :]
+    got = cuflash.attention(q, k, v, window=(4, 2))
+    want = cuflash.attention(q, k, v, mask=(j >= i - 4) & (j <= i + 2))
+    np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_block_layout_helpers():
+    lay = cuflash.BlockLayout.from_rule(256, 256, 64, local=0, global_blocks=1)
+    assert lay.layout.shape == (4, 4)
+    np.testing.assert_array_equal(lay.layout, np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]], bool))
+    strided = cuflash.BlockLayout.from_rule(256, 256, 64, stride=2, causal=True)
+    np.testing.assert_array_equal(strided.layout, np.array([[0, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0],
+                                                            [0, 1, 0, 1]], bool))
+    mask = np.zeros((100, 70), dtype=bool)
+    mask[70, 40] = True
+    from_mask = cuflash.BlockLayout.from_mask(mask, (64, 32))
+    assert from_mask.layout.shape == (2, 3) and from_mask.layout.sum() == 1 and from_mask.layout[1, 1]
+    assert cuflash.BlockLayout(np.ones((2, 2), bool), 64).density == 1.0
+
+
+def test_mask_summary_states():
+    """0: nothing visible in the block, 1: some, 2: all (what lets the kernels skip work)."""
+    q, k, v, _ = _qkv(b=2, hq=1, hk=1, lq=100, lk=130)
+    p = check_qkv(q, k, v)
+    mask = np.ones((2, 1, 1, 130), dtype=bool)
+    mask[0, ..., 100:] = False           # key padding from 100 on
+    states, block = _masking.block_states(p, _masking.Options(mask=mask))
+    assert block == _masking.MASK_SUMMARY_BLOCK and states.shape == (2, 1, 1, 3)
+    np.testing.assert_array_equal(states[:, 0, 0], [[2, 1, 0], [2, 2, 2]])
+
+
+# --------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"window": 4}, ValueError, "window"), ({"window": (-1, 2)}, ValueError, "window"),
+    ({"window": (1.5, 2)}, ValueError, "window"),
+    ({"bias": np.zeros((3, 21, 27))}, ValueError, "broadcast"), ({"bias": np.zeros((21, 27), int)}, TypeError, "float"),
+    ({"bias": np.zeros((21, 27), bool)}, TypeError, "mask"),
+    ({"mask": np.zeros((21, 27))}, TypeError, "bool"), ({"mask": np.ones((21, 5), bool)}, ValueError, "broadcast"),
+    ({"dropout_p": 1.0, "seed": 1}, ValueError, "dropout_p"), ({"dropout_p": -0.1, "seed": 1}, ValueError, "dropout_p"),
+    ({"dropout_p": 0.1, "seed": -1}, ValueError, "seed"), ({"dropout_p": 0.1, "seed": 2**64}, ValueError, "seed"),
+    ({"block_layout": np.ones((2, 2), bool)}, TypeError, "BlockLayout"),
+    ({"block_layout": cuflash.BlockLayout(np.ones((3, 3), bool), 16)}, ValueError, "block_layout"),
+])
+def test_bad_options(kwargs, error, match):
+    q, k, v, _ = _qkv()
+    with pytest.raises(error, match=match):
+        cuflash.attention_forward(q, k, v, **kwargs)
+
+
+def test_forward_with_dropout_needs_a_seed():
+    q, k, v, _ = _qkv()
+    with pytest.raises(ValueError, match="seed"):
+        cuflash.attention_forward(q, k, v, dropout_p=0.1)
+    cuflash.attention(q, k, v, dropout_p=0.1)     # attention() draws one
+
+
+@pytest.mark.parametrize("block_size", [8, 0, (64, 24), "a"])
+def test_bad_block_size(block_size):
+    with pytest.raises(ValueError, match="block"):
+        cuflash.BlockLayout(np.ones((2, 2), bool), block_size)
+
+
+def test_dbias_modes():
+    """Which dbias accumulation a bias gets: plain adds when one CTA owns each element,
+    atomics (or turns, when deterministic) when CTAs of several batches / K/V heads share it."""
+    q, k, v, _ = _qkv(b=2, hq=4, hk=2, lq=100, lk=130)
+    p = check_qkv(q, k, v)
+
+    def mode(shape, det=False):
+        return _masking.dbias_mode(p, _masking._own_4d(np.zeros(shape), p).shape, det)
+
+    assert mode((2, 4, 100, 130)) == _masking.DBIAS_ADD
+    assert mode((2, 4, 1, 130)) == _masking.DBIAS_ADD
+    assert mode((1, 4, 100, 130)) == _masking.DBIAS_ATOMIC
+    assert mode((2, 1, 100, 130)) == _masking.DBIAS_ATOMIC
+    assert mode((1, 1, 100, 130), det=True) == _masking.DBIAS_ORDERED
+    assert mode((2, 4, 100, 1)) == _masking.DBIAS_NONE     # constant along keys: exactly zero

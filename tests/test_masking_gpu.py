@@ -1,0 +1,145 @@
+"""Masking options on the GPU (marker `gpu`): bias with dbias, boolean masks, windows,
+dropout and block sparsity, every dtype, against the float64 reference under the error
+rule; determinism; PyTorch SDPA with the same attn_mask where torch imports."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import reference
+
+from _gpu_checks import DTYPES, check_masked, device_options, make_grad_inputs
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+B, HQ, HK, LQ, LK = 2, 4, 2, 113, 150
+
+
+def _options(kind: str, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    pad = np.ones((B, 1, 1, LK), dtype=bool)
+    pad[0, ..., 70:] = False
+    pad[1, ..., 140:] = False
+    return {
+        "pair bias (1,1,L,L)": dict(bias=rng.standard_normal((1, 1, LQ, LK))),
+        "full bias": dict(bias=rng.standard_normal((B, HQ, LQ, LK))),
+        "key bias (B,1,1,L)": dict(bias=rng.standard_normal((B, 1, 1, LK))),
+        "head bias (H,L,L)": dict(bias=rng.standard_normal((HQ, LQ, LK))),
+        "key padding": dict(mask=pad),
+        "query padding": dict(mask=np.arange(LQ)[None, None, :, None] < np.array([50, 113])[:, None, None, None]),
+        "random mask": dict(mask=rng.random((B, HQ, LQ, LK)) < 0.3),
+        "empty rows": dict(mask=np.where(np.arange(LQ)[:, None] % 7 == 0, False, rng.random((LQ, LK)) < 0.5)),
+        "window": dict(window=(17, 5)),
+        "window left": dict(window=(40, None)),
+        "dropout": dict(dropout_p=0.2, seed=seed),
+        "block sparse": dict(block_layout=cuflash.BlockLayout(rng.random((HQ, 8, 10)) < 0.4, 16)),
+        "all": dict(bias=rng.standard_normal((1, HQ, LQ, LK)), mask=pad, window=(60, 10), dropout_p=0.1, seed=3,
+                    block_layout=cuflash.BlockLayout.from_rule(LQ, LK, 32, local=1, global_blocks=1)),
+    }[kind]
+
+
+KINDS = ["pair bias (1,1,L,L)", "full bias", "key bias (B,1,1,L)", "head bias (H,L,L)", "key padding",
+         "query padding", "random mask", "empty rows", "window", "window left", "dropout", "block sparse", "all"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_options_against_reference(dtype, kind, causal):
+    for d in (64, 40):
+        seed = hash((dtype, kind, str(causal), d)) % 2**31
+        check_masked(dtype, B, HQ, HK, LQ, LK, d, d, causal, seed, _options(kind, seed))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("kind", ["pair bias (1,1,L,L)", "key bias (B,1,1,L)", "all"])
+def test_deterministic_dbias_is_bitwise_stable(dtype, kind):
+    """A bias shared across CTAs takes turns in a fixed order: bitwise equal, and correct."""
+    opts = _options(kind, 5)
+    out, grads = check_masked(dtype, B, HQ, HK, LQ, LK, 64, 64, True, 5, opts, deterministic=True)
+    rng = np.random.default_rng(5)
+    (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LQ, LK, 64, 64)
+    dev = device_options(opts, dtype)
+    for _ in range(3):
+        o, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+        again = cuflash.attention_backward(dod, qd, kd, vd, o, lse, causal=True, deterministic=True, **dev)
+        for a, b in zip(grads, again):
+            assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(list(DTYPES)), lq=st.integers(1, 200), lk=st.integers(1, 200),
+       d=st.sampled_from([8, 16, 32, 64, 80, 128]), causal=st.sampled_from([False, True, "bottom_right"]),
+       window=st.one_of(st.none(), st.tuples(st.integers(0, 80), st.integers(0, 80))),
+       bias=st.booleans(), density=st.sampled_from([None, 0.0, 0.2, 0.9]), dropout=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_hypothesis_shapes(dtype, lq, lk, d, causal, window, bias, density, dropout, seed):
+    rng = np.random.default_rng(seed)
+    opts = {"window": window}
+    if bias:
+        opts["bias"] = rng.standard_normal((1, 2, lq, lk))
+    if density is not None:
+        opts["mask"] = rng.random((1, 1, lq, lk)) < density
+    if dropout:
+        opts.update(dropout_p=0.25, seed=seed)
+    check_masked(dtype, 1, 2, 1, lq, lk, d, d, causal, seed, opts)
+
+
+def test_dropout_is_unbiased_in_expectation():
+    """The mean over many seeds of dropout attention approaches attention without dropout."""
+    rng = np.random.default_rng(0)
+    q, k, v = (cp.asarray(rng.standard_normal((1, 1, 64, 32)).astype(np.float32)) for _ in range(3))
+    ref = cuflash.attention(q, k, v)
+    runs = 400
+    mean = sum(cuflash.attention(q, k, v, dropout_p=0.5, seed=s) for s in range(runs)) / runs
+    err = float(cp.abs(mean - ref).max())
+    spread = float(cp.abs(ref).max())
+    assert err < 0.25 * spread, (err, spread)   # ~ 1/sqrt(400) of the per-run spread
+    a = cuflash.attention(q, k, v, dropout_p=0.5, seed=9)
+    assert bool((a == cuflash.attention(q, k, v, dropout_p=0.5, seed=9)).all())
+
+
+def test_float64_dbias_finite_differences():
+    rng = np.random.default_rng(1)
+    q, k, v, do = (cp.asarray(rng.standard_normal(s)) for s in ((2, 2, 33, 16), (2, 1, 41, 16), (2, 1, 41, 16),
+                                                                (2, 2, 33, 16)))
+    bias = cp.asarray(rng.standard_normal((1, 1, 33, 41)))
+    mask = cp.asarray(rng.random((2, 1, 1, 41)) < 0.8)
+
+    def loss(b):
+        return float((cuflash.attention(q, k, v, bias=b, mask=mask, causal=True) * do).sum())
+
+    out, lse = cuflash.attention_forward(q, k, v, bias=bias, mask=mask, causal=True)
+    dbias = cp.asnumpy(cuflash.attention_backward(do, q, k, v, out, lse, bias=bias, mask=mask, causal=True)[3])
+    h = 1e-6
+    for idx in [(0, 0, 0, 0), (0, 0, 5, 3), (0, 0, 32, 40), (0, 0, 20, 11), (0, 0, 31, 2)]:
+        e = cp.zeros(bias.shape)
+        e[idx] = h
+        fd = (loss(bias + e) - loss(bias - e)) / (2 * h)
+        assert abs(fd - dbias[idx]) <= 1e-6 * (1 + abs(fd)), idx
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_matches_torch_sdpa_attn_mask(dtype, kind):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    q = cp.asarray(rng.standard_normal((2, 4, 96, 64)).astype(DTYPES[dtype]))
+    k, v = (cp.asarray(rng.standard_normal((2, 2, 128, 64)).astype(DTYPES[dtype])) for _ in range(2))
+    if kind == "bool":
+        m = cp.asarray(rng.random((2, 1, 1, 128)) < 0.7)
+        ours = cuflash.attention(q, k, v, mask=m)
+        theirs = torch.nn.functional.scaled_dot_product_attention(
+            *(torch.from_dlpack(x) for x in (q, k, v)), attn_mask=torch.from_dlpack(m), enable_gqa=True)
+    else:
+        b = cp.asarray(rng.standard_normal((1, 1, 96, 128)).astype(DTYPES[dtype]))
+        ours = cuflash.attention(q, k, v, bias=b)
+        theirs = torch.nn.functional.scaled_dot_product_attention(
+            *(torch.from_dlpack(x) for x in (q, k, v)), attn_mask=torch.from_dlpack(b), enable_gqa=True)
+    ours = cp.asnumpy(ours).astype(np.float64)
+    theirs = theirs.float().cpu().numpy()
+    tol = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-5}[dtype]
+    assert np.abs(ours - theirs).max() < tol * (1 + np.abs(theirs).max())
