@@ -125,7 +125,8 @@ def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, determi
     seen = np.isfinite(ref_lse)
     assert (np.isneginf(got_lse) == ~seen).all(), "lse must be -inf exactly for rows that see no key"
     lse_tol = 1e-12 if dtype == "float64" else 2e-5
-    np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=lse_tol, atol=lse_tol * (1 + np.abs(ref_lse[seen])))
+    lse_err = np.abs(got_lse[seen] - ref_lse[seen]) / (1 + np.abs(ref_lse[seen]))
+    assert lse_err.size == 0 or lse_err.max() <= lse_tol, f"lse error {lse_err.max():.3e}"
     names = ["dq", "dk", "dv"] + (["dbias"] if options.get("bias") is not None else [])
     assert len(grads) == len(names)
     logit_max = float(np.abs(ref_lse[seen]).max()) if seen.any() else 0.0
