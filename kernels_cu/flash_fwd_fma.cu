@@ -134,7 +134,6 @@ flash_fwd_fma(const FwdParams p) {
     for (int i = 0; i < Tr::TM; ++i) {
         A inv_sum, row_lse;
         softmax_finalize_row<16>(row_max[i], row_sum[i], inv_sum, row_lse);
-        if (mod.has_dropout()) inv_sum *= A(p.mask.keep_scale);
         const int row = row0 + i;
         if (row >= blk.rows) continue;
         T* out_row = p.out.at<T>(blk.batch, blk.head, m0 + row);

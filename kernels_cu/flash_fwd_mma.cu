@@ -137,7 +137,6 @@ flash_fwd_mma(const FwdParams p) {
         for (int r = 0; r < 2; ++r) {
             float inv_sum, row_lse;
             softmax_finalize_row<4>(row_max[m][r], row_sum[m][r], inv_sum, row_lse);
-            if (mod.has_dropout()) inv_sum *= float(p.mask.keep_scale);
             const int row = warp * Tr::WARP_ROWS + 16 * m + lane / 4 + 8 * r;
             if (row >= blk.rows) continue;
             T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
