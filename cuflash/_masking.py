@@ -23,7 +23,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import reference
-from ._checks import Problem, array_module, dtype_name
+from ._checks import SUPPORTED_DTYPES, Problem, array_module
 from .block_sparse import BlockLayout
 
 MASK_SUMMARY_BLOCK = (64, 64)
@@ -97,9 +97,10 @@ def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.
     shape = _score_shape(p)
     if bias is not None:
         _same_place(bias, p, "bias")
-        if np.dtype(bias.dtype).kind != "f":
-            raise TypeError(f"bias must be a float array, got {bias.dtype} (a bool array is a `mask`)")
-        dtype_name(bias, "bias")
+        if np.dtype(bias.dtype) == np.bool_:
+            raise TypeError("bias must be a float array, got bool (a bool array is a `mask`)")
+        if np.dtype(bias.dtype).kind != "f" and np.dtype(bias.dtype) not in SUPPORTED_DTYPES:
+            raise TypeError(f"bias must be a float array, got {bias.dtype}")
         _broadcastable(bias, shape, "bias")
     if mask is not None:
         _same_place(mask, p, "mask")
