@@ -183,8 +183,9 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
 _add("bwd_dkdv_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "EXTRA spills 8 bytes under the 128-register cap of "
                                                               "two CTAs an SM: one"), extra=True)
 _add("bwd_dkdv_fma", ["float64"], [256], Tile(16, 16, 8, 1, "EXTRA spills 12 bytes with 32-key tiles: 16"), extra=True)
-_add("bwd_dkdv_fma", HALF_TYPES, [256], Tile(32, 32, 8, 1, "EXTRA spills 180 bytes under two CTAs' 128 registers: one"),
-     extra=True)
+for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
+    _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "EXTRA spills 12-180 bytes under two CTAs' 128 registers: one"),
+         extra=True)
 
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
 _add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
