@@ -67,8 +67,8 @@ def _broadcastable(x, shape: tuple, name: str) -> None:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to the scores' shape {shape} "
-                         "(..., Hq, Lq, Lk)")
+        raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape} "
+                         "(..., Hq, Lq, Lk) or, for a block layout, (..., Hq, query blocks, key blocks)")
 
 
 def _same_place(x, p: Problem, name: str):
@@ -120,16 +120,9 @@ def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.
     if block_layout is not None:
         if not isinstance(block_layout, BlockLayout):
             raise TypeError(f"block_layout must be a cuflash.BlockLayout, got {type(block_layout).__name__}")
-        nq, nk = block_layout.blocks(p.lq, p.lk)
-        lay = block_layout.layout
-        try:
-            ok = np.broadcast_shapes(tuple(lay.shape), p.lead + (p.heads_q, nq, nk)) == p.lead + (p.heads_q, nq, nk)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"block_layout of shape {tuple(lay.shape)} does not broadcast to "
-                             f"{p.lead + (p.heads_q, nq, nk)} (..., Hq, ceil(Lq / {block_layout.block_size[0]}), "
-                             f"ceil(Lk / {block_layout.block_size[1]}))")
+        bq, bk = block_layout.block_size
+        _broadcastable(block_layout.layout, p.lead + (p.heads_q, *block_layout.blocks(p.lq, p.lk)),
+                       f"block_layout (blocks of {bq} x {bk})")
     return Options(check_window(window), bias, mask, dropout_p, None if seed is None else int(seed), block_layout)
 
 
@@ -154,11 +147,15 @@ def _own_4d(x, p: Problem):
     return x.reshape((p.batch,) + x.shape[len(p.lead):])
 
 
-def score_view(x4, p: Problem) -> tuple:
-    """(ptr, batch, head, row, col strides in elements) of a 4-D own-shape array, 0 on broadcast axes."""
-    full = (p.batch, p.heads_q, p.lq, p.lk)
+def _broadcast_view(x4, full: tuple) -> tuple:
+    """(ptr, four strides in elements) of a 4-D own-shape array seen as ``full``: 0 on broadcast axes."""
     strides = tuple(0 if n == 1 and f != 1 else s // x4.itemsize for n, f, s in zip(x4.shape, full, x4.strides))
     return (x4.data.ptr,) + strides
+
+
+def score_view(x4, p: Problem) -> tuple:
+    """A bias, mask or dbias accumulator seen as the (B, Hq, Lq, Lk) scores."""
+    return _broadcast_view(x4, (p.batch, p.heads_q, p.lq, p.lk))
 
 
 NO_SCORE_VIEW = (0, 0, 0, 0, 0)
@@ -192,10 +189,8 @@ def block_states(p: Problem, opts: Options):
 
 
 def layout_view(states, p: Problem, block: Tuple[int, int]) -> tuple:
-    nq, nk = -(-p.lq // block[0]), -(-p.lk // block[1])
-    full = (p.batch, p.heads_q, nq, nk)
-    strides = tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(states.shape, full, states.strides))
-    return (states.data.ptr,) + strides
+    """The block states seen as (B, Hq, query blocks, key blocks)."""
+    return _broadcast_view(states, (p.batch, p.heads_q, -(-p.lq // block[0]), -(-p.lk // block[1])))
 
 
 @dataclass

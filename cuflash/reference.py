@@ -258,11 +258,6 @@ def _tile(x, ndim: int, rows: slice, cols: slice):
     return x[..., rows if x.shape[-2] != 1 else slice(None), cols if x.shape[-1] != 1 else slice(None)]
 
 
-def _causal_tile(rows: slice, cols: slice, offset: int, xp):
-    """The causal allowed-matrix of one (rows, cols) tile: key j for query i iff j <= i + offset."""
-    return xp.arange(cols.start, cols.stop)[None, :] <= xp.arange(rows.start, rows.stop)[:, None] + offset
-
-
 def _check_blocks(block_m: int, block_n: int) -> Tuple[int, int]:
     for b, name in ((block_m, "block_m"), (block_n, "block_n")):
         if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b < 1:
