@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import math
 import numbers
 import secrets
 from dataclasses import dataclass
