@@ -143,6 +143,8 @@ _add("fwd_fma", ["float64"], [64], Tile(64, 64, 8, 1, "130 KB shared"), Tile(32,
 _add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "105 KB shared (64-row tiles would not fit): two CTAs an SM "
                                                       "when registers stay <= 128", ctas=2),
      Tile(16, 32, 8, 1, _SMALL))
+_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "EXTRA spills 24 bytes under two CTAs' 128 registers: one"),
+     Tile(16, 32, 8, 1, _SMALL), extra=True)
 _add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "201 KB shared, under the 227 KB limit"),
      Tile(16, 16, 8, 1, "98 KB shared: the A100 and " + _SMALL))
 
@@ -180,8 +182,9 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
     _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 201 KB shared; dK+dV are 128 registers"),
          Tile(16, 16, 8, 1, "133 KB: the A100; no fp64 head-dim-256 backward fits 99 KB"))
 
-_add("bwd_dkdv_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "EXTRA spills 8 bytes under the 128-register cap of "
-                                                              "two CTAs an SM: one"), extra=True)
+for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
+    _add(_fam, ["float32"], [32, 64], Tile(64, 64, 8, 1, "EXTRA spills 8-80 bytes under the 128-register cap of "
+                                                        "two CTAs an SM: one"), extra=True)
 _add("bwd_dkdv_fma", ["float64"], [256], Tile(16, 16, 8, 1, "EXTRA spills 12 bytes with 32-key tiles: 16"), extra=True)
 for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
     _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "EXTRA spills 12-180 bytes under two CTAs' 128 registers: one"),

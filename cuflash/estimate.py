@@ -127,7 +127,7 @@ def estimate(*, lq: int, lk: int, d: int, dv: Optional[int] = None, dtype: str =
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_k ({heads_k})")
     offset = _causal_offset(causal, lq, lk)
     mode = None if offset is None else ("top_left" if causal in (True, "top_left") else "bottom_right")
-    tile = forward_variant(dtype, head_bucket(max(d, dv)), causal=offset is not None, vec=True,
+    tile = forward_variant(dtype, head_bucket(max(d, dv)), band=offset is not None, vec=True,
                            smem_limit=_GPU_CLASSES[gpu]).tile
     bm, bn = tile.block_m, tile.block_n
     m_tiles, n_tiles = -(-lq // bm), -(-lk // bn)
