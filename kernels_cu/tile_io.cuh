@@ -56,3 +56,56 @@ __device__ __forceinline__ void load_row_tiles(T* a_s, const View& a, int a_cols
     load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(a_s, a.at<const T>(batch, head, row0), a.row_stride, rows_valid, a_cols);
     load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(b_s, b.at<const T>(batch, head, row0), b.row_stride, rows_valid, b_cols);
 }
+
+// Score-shaped tiles (a bias): ROWS x COLS elements of a ScoreTensor at
+// (batch, head, row0.., col0..), whose strides may be 0 (broadcast) and whose
+// columns need not be unit-stride. Elements outside (rows_valid, cols_valid)
+// are written as zeros, so a kernel reads any element of the tile without tests.
+
+// Into a tile of the storage type T: 16-byte cp.async chunks when the tensor's
+// rows are unit-stride and 16-byte aligned (the caller commits and waits for the
+// group), element by element otherwise (and for a chunk cut by cols_valid).
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS>
+__device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, int batch, int head, int row0, int col0,
+                                                int rows_valid, int cols_valid) {
+    constexpr int CHUNK = 16 / sizeof(T);
+    constexpr int CHUNKS_PER_ROW = COLS / CHUNK;
+    static_assert(COLS % CHUNK == 0 && (PITCH * sizeof(T)) % 16 == 0, "16-byte aligned tile rows");
+    const T* base = t.at<T>(batch, head, row0, col0);
+    const int64 rs = t.row_stride, cs = t.col_stride;
+    const bool vec = cs == 1 && ((reinterpret_cast<unsigned long long>(base) | (unsigned long long)(rs * sizeof(T))) % 16) == 0;
+    if (vec) {
+#pragma unroll 2
+        for (int i = threadIdx.x; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
+            const int r = i / CHUNKS_PER_ROW, c = (i % CHUNKS_PER_ROW) * CHUNK;
+            T* dst = smem + r * PITCH + c;
+            if (r < rows_valid && c + CHUNK > cols_valid && c < cols_valid) {   // the sequence ends inside this chunk
+#pragma unroll
+                for (int e = 0; e < CHUNK; ++e) dst[e] = c + e < cols_valid ? base[r * rs + c + e] : zero_value<T>();
+            } else {
+                const bool valid = r < rows_valid && c < cols_valid;
+                cp_async_16(dst, valid ? base + r * rs + c : base, valid);
+            }
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < ROWS * COLS; i += THREADS) {
+            const int r = i / COLS, c = i % COLS;
+            smem[r * PITCH + c] = r < rows_valid && c < cols_valid ? base[r * rs + c * cs] : zero_value<T>();
+        }
+    }
+}
+
+// Into a tile of the accumulator type A (the FMA kernels' P tile), converted;
+// synchronous (the caller's __syncthreads publishes it).
+template <typename T, typename A, int ROWS, int COLS, int PITCH, int THREADS>
+__device__ __forceinline__ void load_score_tile_acc(A* smem, const ScoreTensor& t, int batch, int head, int row0,
+                                                    int col0, int rows_valid, int cols_valid) {
+    const T* base = t.at<T>(batch, head, row0, col0);
+    const int64 rs = t.row_stride, cs = t.col_stride;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < ROWS * COLS; i += THREADS) {
+        const int r = i / COLS, c = i % COLS;
+        smem[r * PITCH + c] = r < rows_valid && c < cols_valid ? A(to_acc(base[r * rs + c * cs])) : A(0);
+    }
+}
