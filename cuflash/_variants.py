@@ -221,12 +221,15 @@ def _smem_fwd_fma(v: "Variant") -> int:
 def _smem_dkdv_mma(v: "Variant") -> int:
     t = v.tile
     ds = t.block_m * (t.block_n + 8) if v.atomic_dq else 0
-    return ((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
+    bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per Q/dO stage
+    return (((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds + bias) * ITEMSIZE[v.dtype]
+            + 2 * t.block_m * 4)
 
 
 def _smem_dq_mma(v: "Variant") -> int:
     t = v.tile
-    return (2 * t.block_n + 2 * t.block_m) * _pitch_mma(v.head) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
+    bias = t.block_m * (t.block_n + 8) if v.extra else 0              # EXTRA: the step's bias tile
+    return ((2 * t.block_n + 2 * t.block_m) * _pitch_mma(v.head) + bias) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
 
 
 def _smem_bwd_fma(v: "Variant") -> int:

@@ -56,18 +56,22 @@ __device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const floa
 
 // dK/dV kernel: BN keys per CTA (16 per warp), BM queries per step, Q/dO tiles
 // STAGES deep; dS (queries x keys) in shared memory only when dQ is formed here.
-template <typename T, typename Cfg, bool ATOMIC_DQ>
+// With EXTRA each Q/dO stage has the step's bias tile ([query][key], pitch BN + 8)
+// beside it, loaded with it.
+template <typename T, typename Cfg, bool ATOMIC_DQ, bool EXTRA>
 struct DkdvMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
     static constexpr int PITCH = HEAD + 8;         // padded rows: conflict-free ldmatrix
     static constexpr int DS_PITCH = BN + 8;
     static constexpr int DS_ELEMS = ATOMIC_DQ ? BM * DS_PITCH : 0;
+    static constexpr int BIAS_PITCH = BN + 8;
+    static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
     // dQ = dS K: BM/16 row strips x Q_SPLIT column chunks, one per warp.
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
-    static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS) * int(sizeof(T))
-                                      + 2 * BM * int(sizeof(float));
+    static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS + STAGES * BIAS_ELEMS)
+                                      * int(sizeof(T)) + 2 * BM * int(sizeof(float));
     static_assert(HEAD % 16 == 0 && BM % 16 == 0 && BM <= 16 * WARPS && DQ_COLS % 32 == 0, "tile shape");
     static_assert(BN == 16 * WARPS, "each warp owns 16 keys");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
@@ -75,13 +79,17 @@ struct DkdvMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Deterministic dQ kernel: BM query rows per CTA (16 per warp), BN keys per step.
-template <typename T, typename Cfg>
+// Deterministic dQ kernel: BM query rows per CTA (16 per warp), BN keys per step;
+// with EXTRA the step's bias tile ([query][key], pitch BN + 8) beside K/V.
+template <typename T, typename Cfg, bool EXTRA>
 struct DqMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int PITCH = HEAD + 8;
-    static constexpr int SMEM_BYTES = (2 * BN + 2 * BM) * PITCH * int(sizeof(T)) + 2 * BM * int(sizeof(float));
+    static constexpr int BIAS_PITCH = BN + 8;
+    static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;
+    static constexpr int SMEM_BYTES = ((2 * BN + 2 * BM) * PITCH + BIAS_ELEMS) * int(sizeof(T))
+                                      + 2 * BM * int(sizeof(float));
     static_assert(HEAD % 16 == 0 && BN % 16 == 0, "tile shape");
     static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
     static_assert(Cfg::STAGES == 1, "single-buffered K/V");
@@ -96,7 +104,7 @@ struct DqMmaTraits {
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_mma(const BwdParams p) {
-    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ> Tr;
+    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA> Tr;
     constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
@@ -106,7 +114,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     T* q_stages = v_s + BN * P;                               // STAGES x [BM][P]
     T* do_stages = q_stages + Tr::STAGES * BM * P;            // STAGES x [BM][P]
     T* ds_s = do_stages + Tr::STAGES * BM * P;                // dS as [query][key] (ATOMIC_DQ)
-    float* lse_s = reinterpret_cast<float*>(ds_s + Tr::DS_ELEMS);
+    T* bias_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [BM][BIAS_PITCH] (EXTRA)
+    float* lse_s = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
@@ -158,6 +167,10 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         const int head = step_head(step), m0 = step_m0(step);
         load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q, dims.d, do_stages + stage * BM * P,
                                                          p.dout, dims.dv, batch, head, m0, imin(BM, dims.lq - m0));
+        if (mod.has_bias())   // (mod.head is the current step's here, not this one's: head is passed on)
+            load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS, p.mask.bias,
+                                                                   batch, head, m0, n0, imin(BM, dims.lq - m0),
+                                                                   keys_valid);
         cp_async_commit();
     };
     int step = next_step(0);
@@ -188,7 +201,11 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             row = m0 + frag_col(lane, n, i);
             col = n0 + key0 + frag_row(lane, i);
         };
-        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
+        const T* bias_tile = bias_stages + stage * Tr::BIAS_ELEMS;
+        auto bias = [&](int, int, int row, int col) {
+            return to_float(bias_tile[(row - m0) * Tr::BIAS_PITCH + col - n0]);
+        };
+        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord, bias);
 #pragma unroll
         for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
@@ -257,14 +274,15 @@ flash_bwd_dkdv_mma(const BwdParams p) {
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_mma(const BwdParams p) {
-    typedef DqMmaTraits<T, Cfg> Tr;
+    typedef DqMmaTraits<T, Cfg, Flags::EXTRA> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
     T* v_s = k_s + BN * P;
     T* q_s = v_s + BN * P;
     T* do_s = q_s + BM * P;
-    float* lse_s = reinterpret_cast<float*>(do_s + BM * P);
+    T* bias_s = do_s + BM * P;                   // [BM][BIAS_PITCH] (EXTRA)
+    float* lse_s = reinterpret_cast<float*>(bias_s + Tr::BIAS_ELEMS);
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
@@ -287,6 +305,9 @@ flash_bwd_dq_mma(const BwdParams p) {
         __syncthreads();
         load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0,
                                                          imin(BN, dims.lk - n0));
+        if (mod.has_bias())
+            load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s, p.mask.bias, batch, head, m0, n0, rows_valid,
+                                                                   dims.lk - n0);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -300,7 +321,10 @@ flash_bwd_dq_mma(const BwdParams p) {
             row = m0 + row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), coord);
+        auto bias = [&](int, int, int row, int col) {
+            return to_float(bias_s[(row - m0) * Tr::BIAS_PITCH + col - n0]);
+        };
+        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), coord, bias);
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
