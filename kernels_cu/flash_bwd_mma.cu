@@ -24,10 +24,51 @@
 #include "score_mod.cuh"
 #include "bias_grad.cuh"
 
+// dbias += dS with four consecutive keys of one query per reduction. In the dS^T
+// C fragments lane 4g + t holds keys g and g + 8 of queries 2t, 2t + 1 (per n8
+// tile); the four lanes g = 4a + c (c = 0..3, same t) hold keys 4a..4a+3 of
+// both. A butterfly over those four lanes (xor 4j, j = 1..3) gives lane c the
+// four keys 4a..4a+3 (+8 when c >= 2) of query 2t + (c & 1): its fragment entry
+// c from each of them, each sender choosing the entry its receiver wants.
+template <int BM>
+__device__ __forceinline__ void add_dbias_frags_by_four(const DbiasParams& g, const float (&ds_t)[BM / 8][4],
+                                                        int batch, int head, int m0, int key_base, int lane,
+                                                        const AttnDims& dims) {
+    const int c = (lane / 4) % 4;
+    const int key = key_base + 4 * (lane / 16) + 8 * (c / 2);
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n) {
+        const float* v = ds_t[n];
+        float got[4];   // got[j]: key 4a + (c ^ j) (+8 when c >= 2) of this lane's query
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int want = c ^ j;   // the entry the lane reading ours in round j needs
+            const float send = want == 0 ? v[0] : want == 1 ? v[1] : want == 2 ? v[2] : v[3];
+            got[j] = j == 0 ? send : __shfl_xor_sync(0xffffffffu, send, 4 * j);
+        }
+        float k4[4];    // k4[e]: key + e, i.e. got[c ^ e]
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = c ^ e;
+            k4[e] = j == 0 ? got[0] : j == 1 ? got[1] : j == 2 ? got[2] : got[3];
+        }
+        const int query = m0 + 8 * n + 2 * (lane % 4) + (c & 1);
+        if (query >= dims.lq) continue;
+        float* at = dbias_at<float>(g, batch, head, query, key);
+        if (key + 3 < dims.lk) {
+            red_add4(at, k4[0], k4[1], k4[2], k4[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (key + e < dims.lk) atomicAdd(at + e, k4[e]);
+        }
+    }
+}
+
 // dbias += dS for one warp's 16 keys x BM queries, from the dS^T C fragments
 // (rows keys, columns queries). A one-row bias sums its 16 x BM first: over the
 // thread's columns, then across the 4 lanes that share a row (fixed order).
-template <int BM>
+template <int BM, bool BY_FOUR>
 __device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const float (&ds_t)[BM / 8][4], int batch,
                                                 int head, int m0, int key_base, int lane, const AttnDims& dims) {
     if (g.rows_broadcast) {
@@ -43,6 +84,10 @@ __device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const floa
             const int key = key_base + lane / 4 + 8 * r;
             if (lane % 4 == 0 && key < dims.lk) dbias_add(g, dbias_at<float>(g, batch, head, 0, key), sum[r]);
         }
+        return;
+    }
+    if (BY_FOUR && dbias_rows_of_four(g)) {
+        add_dbias_frags_by_four<BM>(g, ds_t, batch, head, m0, key_base, lane, dims);
         return;
     }
 #pragma unroll
@@ -223,7 +268,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         if (dbias) {
             const DbiasTurn turn = ordered ? turn_of(step) : DbiasTurn{nullptr, 0};
             if (ordered) turn.wait_turn();
-            add_dbias_frags<BM>(p.dbias, dpt, batch, head, m0, n0 + key0, lane, dims);
+            // By four keys only up to head dim 64: at 128 its butterfly spills (255 registers).
+            add_dbias_frags<BM, HEAD <= 64>(p.dbias, dpt, batch, head, m0, n0 + key0, lane, dims);
             if (ordered) turn.pass_turn();
         }
         if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
