@@ -10,6 +10,9 @@
 #   accuracy  benchmarks/accuracy.py (the README's accuracy table)
 #   demo      python -m cuflash demo
 #   bench     benchmarks/bench.py $BENCH_ARGS (default --quick) into $OUT/bench
+#   masking   benchmarks/bench_masking.py $MASK_ARGS (default --repeat 10) into $OUT/masking
+#   ncu       Nsight Compute on benchmarks/profile_case.py for $NCU_CASES (default "plain bias"):
+#             three forward or dK/dV launches after the first call, key sections, text in ncu_<case>.log
 # Logs are written to a scratch folder and come back as $OUT/logs.tgz beside $OUT/summary.txt
 # (the device tool returns at most 8 files).
 set -uo pipefail
@@ -60,6 +63,22 @@ fi
 if has bench; then
   python3 benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
   echo "bench exit $? (tables in $OUT/bench)" >> "$summary"
+fi
+if has masking; then
+  python3 benchmarks/bench_masking.py ${MASK_ARGS:---repeat 10} --out "$OUT/masking" > "$OUT/masking.log" 2>&1
+  { echo "== masking (exit $?) =="; cat "$OUT"/masking/*.md 2>/dev/null || tail -20 "$OUT/masking.log"; } >> "$summary"
+fi
+if has ncu; then
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for case in ${NCU_CASES:-plain bias}; do
+    timeout "${NCU_TIMEOUT:-240}" "$ncu_bin" -k 'regex:flash_(fwd|bwd_dkdv)' --launch-skip 3 --launch-count 3 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section LaunchStats --section Occupancy \
+      python3 benchmarks/profile_case.py "$case" --calls 3 > "$OUT/ncu_$case.log" 2>&1
+    { echo "== ncu $case (exit $?) =="
+      grep -E "flash_|Duration|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc Active|Registers Per|Achieved Occupancy|Stall|L2 Hit|Issue Slots Busy" \
+        "$OUT/ncu_$case.log" | head -60; } >> "$summary"
+  done
 fi
 tar czf "$RESULTS/logs.tgz" -C "$OUT" .
 cp "$summary" "$RESULTS/summary.txt"

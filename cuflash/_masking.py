@@ -279,7 +279,9 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile) -> Dbi
         # the output ignore it, and its gradient sum_j dS_ij = 0 exactly.
         return DbiasPlan(None, off, ())
     acc_dtype = np.float64 if p.dtype == "float64" else np.float32
-    acc = xp.zeros((b_, h_, lq_, p.lk), dtype=acc_dtype)
+    # Rows padded to 16 bytes: the tensor-core dK/dV kernel adds four keys at once (bias_grad.cuh).
+    pitch = -(-p.lk // 4) * 4
+    acc = xp.zeros((b_, h_, lq_, pitch), dtype=acc_dtype)[..., :p.lk]
     mode = dbias_mode(p, own, deterministic)
     block_m, block_n = dkdv_tile
     tiles_i = 1 if lq_ == 1 else -(-p.lq // block_m)

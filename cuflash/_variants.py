@@ -114,6 +114,8 @@ def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bo
             (_EXTRA_TABLE if extra else _TABLE)[(arch, family, dtype, head)] = tiles
 
 
+_SMALL_BYTES = "99 KB of shared memory (sm_86 / sm_89 / sm_120)"
+
 # Tensor-core forward: each warp owns block_m / warps query rows, in 16-row strips;
 # with two strips a warp reuses every K / V fragment it loads for two MMAs (the
 # 16-row loop was bound by shared-memory bandwidth: 36 ldmatrix.x4 per 64 MMAs).
@@ -129,13 +131,17 @@ _add("fwd_mma", HALF_TYPES, [64], Tile(128, 64, 4, 2, "two strips per warp: +13-
 _add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles (252 registers): "
                                                       "+11-15% non-causal, +1-3% causal (tune_fwd.py)"))
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
-# With EXTRA (bias, mask, block layout, dropout), two strips spill (464 bytes at d=32, 32 at d=64): one strip.
-_add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 64, 4, 2, "EXTRA code on two strips spills: one strip"), extra=True)
+# With EXTRA (bias, mask, block layout, dropout) and the bias staged in shared memory: two strips as in
+# the plain kernel (237-244 registers at d=64); 128x128 spills at d=32 (300+ bytes): 128x64 there.
+_add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp, as the plain d=64 kernel"),
+     extra=True)
+_add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
+     Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
 _add("fwd_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "4x4 scores per thread"))
-_SMALL = "fits 99 KB of shared memory (sm_86 / sm_89 / sm_120)"
+_SMALL = "fits " + _SMALL_BYTES
 _add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "113 KB shared"), Tile(32, 64, 8, 1, _SMALL))
 _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key tiles"), Tile(16, 32, 8, 1, _SMALL))
 _add("fwd_fma", ["float64"], [32], Tile(64, 64, 8, 1, "66 KB shared"))
@@ -204,7 +210,8 @@ def _pitch_mma(head: int) -> int:
 
 def _smem_fwd_mma(v: "Variant") -> int:
     t = v.tile
-    return (t.block_m + 2 * t.stages * t.block_n) * _pitch_mma(v.head) * ITEMSIZE[v.dtype]
+    bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per K/V stage
+    return ((t.block_m + 2 * t.stages * t.block_n) * _pitch_mma(v.head) + bias) * ITEMSIZE[v.dtype]
 
 
 def _smem_fwd_fma(v: "Variant") -> int:
@@ -216,12 +223,15 @@ def _smem_fwd_fma(v: "Variant") -> int:
 def _smem_dkdv_mma(v: "Variant") -> int:
     t = v.tile
     ds = t.block_m * (t.block_n + 8) if v.atomic_dq else 0
-    return ((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
+    bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per Q/dO stage
+    return (((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds + bias) * ITEMSIZE[v.dtype]
+            + 2 * t.block_m * 4)
 
 
 def _smem_dq_mma(v: "Variant") -> int:
     t = v.tile
-    return (2 * t.block_n + 2 * t.block_m) * _pitch_mma(v.head) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
+    bias = t.block_m * (t.block_n + 8) if v.extra else 0              # EXTRA: the step's bias tile
+    return ((2 * t.block_n + 2 * t.block_m) * _pitch_mma(v.head) + bias) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
 
 
 def _smem_bwd_fma(v: "Variant") -> int:

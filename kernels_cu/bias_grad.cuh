@@ -31,6 +31,29 @@ __device__ __forceinline__ void dbias_add(const DbiasParams& g, A* at, A value) 
     }
 }
 
+// Four consecutive fp32 entries (16-byte aligned) += a, b, c, d. On sm_90 one
+// vector reduction (red.global.add.v4.f32): a quarter of the L2 atomic operations.
+__device__ __forceinline__ void red_add4(float* at, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(at), "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
+#else
+    atomicAdd(at, a);
+    atomicAdd(at + 1, b);
+    atomicAdd(at + 2, c);
+    atomicAdd(at + 3, d);
+#endif
+}
+
+// Whether DBIAS_ATOMIC may add four keys at once: unit key stride and every row
+// 16-byte aligned (the host pads the accumulator's rows to four entries).
+__device__ __forceinline__ bool dbias_rows_of_four(const DbiasParams& g) {
+    const ScoreTensor& t = g.acc;
+    return g.mode == DBIAS_ATOMIC && !g.rows_broadcast && t.col_stride == 1
+           && ((reinterpret_cast<unsigned long long>(t.ptr) & 15) | (t.row_stride & 3) | (t.head_stride & 3)
+               | (t.batch_stride & 3)) == 0;
+}
+
 template <typename A>
 __device__ __forceinline__ A* dbias_at(const DbiasParams& g, int batch, int head, int row, int col) {
     return const_cast<A*>(g.acc.at<A>(batch, head, g.rows_broadcast ? 0 : row, col));

@@ -100,7 +100,18 @@ __device__ __forceinline__ void tile_abt(typename Tr::A (&acc)[Tr::TM][Tr::TN], 
     }
 }
 
+// The bias tile of (query block m0, key block n0), staged in P's place (tile_p_ds
+// reads it there before overwriting it); with the step's other tile loads.
+template <typename T, typename Tr, typename Mod>
+__device__ __forceinline__ void load_bias_tile(const BwdSmem<T, Tr>& sm, const Mod& mod, const BwdParams& p, int m0,
+                                               int n0) {
+    if (!mod.has_bias()) return;
+    load_score_tile_acc<T, typename Tr::A, Tr::BM, Tr::BN, Tr::S_PITCH, Tr::THREADS>(
+        sm.p, p.mask.bias, mod.batch, mod.head, m0, n0, imin(Tr::BM, p.dims.lq - m0), imin(Tr::BN, p.dims.lk - n0));
+}
+
 // P and dS of one (query block m0, key block n0) tile, written to shared memory.
+// A bias tile, when the call has one, is in sm.p (load_bias_tile).
 template <typename T, typename Tr, typename Mod>
 __device__ __forceinline__ void tile_p_ds(const BwdSmem<T, Tr>& sm, const Mod& mod, int m0, int n0, int d, int dv) {
     typedef typename Tr::A A;
@@ -112,7 +123,9 @@ __device__ __forceinline__ void tile_p_ds(const BwdSmem<T, Tr>& sm, const Mod& m
         row = m0 + ty * Tr::TM + i;
         col = n0 + tx + 16 * j;
     };
-    apply_score_mod(s, mod, mod.tile_is_partial(m0, Tr::BM, n0, Tr::BN), coord);
+    // Each thread reads the bias entries it later overwrites with P: no other thread's.
+    auto bias = [&](int i, int j, int, int) { return sm.p[(ty * Tr::TM + i) * Tr::S_PITCH + tx + 16 * j]; };
+    apply_score_mod(s, mod, mod.tile_is_partial(m0, Tr::BM, n0, Tr::BN), coord, bias);
 #pragma unroll
     for (int i = 0; i < Tr::TM; ++i) {
         const int r = ty * Tr::TM + i;
@@ -240,6 +253,7 @@ flash_bwd_dkdv_fma(const BwdParams p) {
             }
             __syncthreads();   // the previous block's tiles are no longer read
             load_query_block<T, Tr>(sm, p, batch, head, m0);
+            load_bias_tile<T, Tr>(sm, mod, p, m0, n0);
             __syncthreads();
             tile_p_ds<T, Tr>(sm, mod, m0, n0, dims.d, dims.dv);
             __syncthreads();
@@ -308,6 +322,7 @@ flash_bwd_dq_fma(const BwdParams p) {
         load_row_tiles<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.k, p.k, p.dims.d, sm.v, p.v, p.dims.dv,
                                                                            blk.batch, blk.kv_head, n0,
                                                                            imin(Tr::BN, p.dims.lk - n0));
+        load_bias_tile<T, Tr>(sm, mod, p, blk.m0, n0);
         __syncthreads();
         tile_p_ds<T, Tr>(sm, mod, blk.m0, n0, p.dims.d, p.dims.dv);
         __syncthreads();

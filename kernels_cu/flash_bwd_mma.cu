@@ -24,10 +24,51 @@
 #include "score_mod.cuh"
 #include "bias_grad.cuh"
 
+// dbias += dS with four consecutive keys of one query per reduction. In the dS^T
+// C fragments lane 4g + t holds keys g and g + 8 of queries 2t, 2t + 1 (per n8
+// tile); the four lanes g = 4a + c (c = 0..3, same t) hold keys 4a..4a+3 of
+// both. A butterfly over those four lanes (xor 4j, j = 1..3) gives lane c the
+// four keys 4a..4a+3 (+8 when c >= 2) of query 2t + (c & 1): its fragment entry
+// c from each of them, each sender choosing the entry its receiver wants.
+template <int BM>
+__device__ __forceinline__ void add_dbias_frags_by_four(const DbiasParams& g, const float (&ds_t)[BM / 8][4],
+                                                        int batch, int head, int m0, int key_base, int lane,
+                                                        const AttnDims& dims) {
+    const int c = (lane / 4) % 4;
+    const int key = key_base + 4 * (lane / 16) + 8 * (c / 2);
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n) {
+        const float* v = ds_t[n];
+        float got[4];   // got[j]: key 4a + (c ^ j) (+8 when c >= 2) of this lane's query
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int want = c ^ j;   // the entry the lane reading ours in round j needs
+            const float send = want == 0 ? v[0] : want == 1 ? v[1] : want == 2 ? v[2] : v[3];
+            got[j] = j == 0 ? send : __shfl_xor_sync(0xffffffffu, send, 4 * j);
+        }
+        float k4[4];    // k4[e]: key + e, i.e. got[c ^ e]
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = c ^ e;
+            k4[e] = j == 0 ? got[0] : j == 1 ? got[1] : j == 2 ? got[2] : got[3];
+        }
+        const int query = m0 + 8 * n + 2 * (lane % 4) + (c & 1);
+        if (query >= dims.lq) continue;
+        float* at = dbias_at<float>(g, batch, head, query, key);
+        if (key + 3 < dims.lk) {
+            red_add4(at, k4[0], k4[1], k4[2], k4[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (key + e < dims.lk) atomicAdd(at + e, k4[e]);
+        }
+    }
+}
+
 // dbias += dS for one warp's 16 keys x BM queries, from the dS^T C fragments
 // (rows keys, columns queries). A one-row bias sums its 16 x BM first: over the
 // thread's columns, then across the 4 lanes that share a row (fixed order).
-template <int BM>
+template <int BM, bool BY_FOUR>
 __device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const float (&ds_t)[BM / 8][4], int batch,
                                                 int head, int m0, int key_base, int lane, const AttnDims& dims) {
     if (g.rows_broadcast) {
@@ -45,6 +86,10 @@ __device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const floa
         }
         return;
     }
+    if (BY_FOUR && dbias_rows_of_four(g)) {
+        add_dbias_frags_by_four<BM>(g, ds_t, batch, head, m0, key_base, lane, dims);
+        return;
+    }
 #pragma unroll
     for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
@@ -56,18 +101,22 @@ __device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const floa
 
 // dK/dV kernel: BN keys per CTA (16 per warp), BM queries per step, Q/dO tiles
 // STAGES deep; dS (queries x keys) in shared memory only when dQ is formed here.
-template <typename T, typename Cfg, bool ATOMIC_DQ>
+// With EXTRA each Q/dO stage has the step's bias tile ([query][key], pitch BN + 8)
+// beside it, loaded with it.
+template <typename T, typename Cfg, bool ATOMIC_DQ, bool EXTRA>
 struct DkdvMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
     static constexpr int PITCH = HEAD + 8;         // padded rows: conflict-free ldmatrix
     static constexpr int DS_PITCH = BN + 8;
     static constexpr int DS_ELEMS = ATOMIC_DQ ? BM * DS_PITCH : 0;
+    static constexpr int BIAS_PITCH = BN + 8;
+    static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
     // dQ = dS K: BM/16 row strips x Q_SPLIT column chunks, one per warp.
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
-    static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS) * int(sizeof(T))
-                                      + 2 * BM * int(sizeof(float));
+    static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS + STAGES * BIAS_ELEMS)
+                                      * int(sizeof(T)) + 2 * BM * int(sizeof(float));
     static_assert(HEAD % 16 == 0 && BM % 16 == 0 && BM <= 16 * WARPS && DQ_COLS % 32 == 0, "tile shape");
     static_assert(BN == 16 * WARPS, "each warp owns 16 keys");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
@@ -75,13 +124,17 @@ struct DkdvMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Deterministic dQ kernel: BM query rows per CTA (16 per warp), BN keys per step.
-template <typename T, typename Cfg>
+// Deterministic dQ kernel: BM query rows per CTA (16 per warp), BN keys per step;
+// with EXTRA the step's bias tile ([query][key], pitch BN + 8) beside K/V.
+template <typename T, typename Cfg, bool EXTRA>
 struct DqMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int PITCH = HEAD + 8;
-    static constexpr int SMEM_BYTES = (2 * BN + 2 * BM) * PITCH * int(sizeof(T)) + 2 * BM * int(sizeof(float));
+    static constexpr int BIAS_PITCH = BN + 8;
+    static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;
+    static constexpr int SMEM_BYTES = ((2 * BN + 2 * BM) * PITCH + BIAS_ELEMS) * int(sizeof(T))
+                                      + 2 * BM * int(sizeof(float));
     static_assert(HEAD % 16 == 0 && BN % 16 == 0, "tile shape");
     static_assert(BM == 16 * WARPS, "each warp owns 16 query rows");
     static_assert(Cfg::STAGES == 1, "single-buffered K/V");
@@ -96,7 +149,7 @@ struct DqMmaTraits {
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_mma(const BwdParams p) {
-    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ> Tr;
+    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA> Tr;
     constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
@@ -106,7 +159,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     T* q_stages = v_s + BN * P;                               // STAGES x [BM][P]
     T* do_stages = q_stages + Tr::STAGES * BM * P;            // STAGES x [BM][P]
     T* ds_s = do_stages + Tr::STAGES * BM * P;                // dS as [query][key] (ATOMIC_DQ)
-    float* lse_s = reinterpret_cast<float*>(ds_s + Tr::DS_ELEMS);
+    T* bias_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [BM][BIAS_PITCH] (EXTRA)
+    float* lse_s = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
@@ -158,6 +212,10 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         const int head = step_head(step), m0 = step_m0(step);
         load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q, dims.d, do_stages + stage * BM * P,
                                                          p.dout, dims.dv, batch, head, m0, imin(BM, dims.lq - m0));
+        if (mod.has_bias())   // (mod.head is the current step's here, not this one's: head is passed on)
+            load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS, p.mask.bias,
+                                                                   batch, head, m0, n0, imin(BM, dims.lq - m0),
+                                                                   keys_valid);
         cp_async_commit();
     };
     int step = next_step(0);
@@ -188,7 +246,11 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             row = m0 + frag_col(lane, n, i);
             col = n0 + key0 + frag_row(lane, i);
         };
-        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
+        const T* bias_tile = bias_stages + stage * Tr::BIAS_ELEMS;
+        auto bias = [&](int, int, int row, int col) {
+            return to_float(bias_tile[(row - m0) * Tr::BIAS_PITCH + col - n0]);
+        };
+        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord, bias);
 #pragma unroll
         for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
@@ -206,7 +268,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         if (dbias) {
             const DbiasTurn turn = ordered ? turn_of(step) : DbiasTurn{nullptr, 0};
             if (ordered) turn.wait_turn();
-            add_dbias_frags<BM>(p.dbias, dpt, batch, head, m0, n0 + key0, lane, dims);
+            // By four keys only up to head dim 64: at 128 its butterfly spills (255 registers).
+            add_dbias_frags<BM, HEAD <= 64>(p.dbias, dpt, batch, head, m0, n0 + key0, lane, dims);
             if (ordered) turn.pass_turn();
         }
         if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
@@ -257,14 +320,15 @@ flash_bwd_dkdv_mma(const BwdParams p) {
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_mma(const BwdParams p) {
-    typedef DqMmaTraits<T, Cfg> Tr;
+    typedef DqMmaTraits<T, Cfg, Flags::EXTRA> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
     T* v_s = k_s + BN * P;
     T* q_s = v_s + BN * P;
     T* do_s = q_s + BM * P;
-    float* lse_s = reinterpret_cast<float*>(do_s + BM * P);
+    T* bias_s = do_s + BM * P;                   // [BM][BIAS_PITCH] (EXTRA)
+    float* lse_s = reinterpret_cast<float*>(bias_s + Tr::BIAS_ELEMS);
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
@@ -287,6 +351,9 @@ flash_bwd_dq_mma(const BwdParams p) {
         __syncthreads();
         load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0,
                                                          imin(BN, dims.lk - n0));
+        if (mod.has_bias())
+            load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s, p.mask.bias, batch, head, m0, n0, rows_valid,
+                                                                   dims.lk - n0);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -300,7 +367,10 @@ flash_bwd_dq_mma(const BwdParams p) {
             row = m0 + row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), coord);
+        auto bias = [&](int, int, int row, int col) {
+            return to_float(bias_s[(row - m0) * Tr::BIAS_PITCH + col - n0]);
+        };
+        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), coord, bias);
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll

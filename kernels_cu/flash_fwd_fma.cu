@@ -75,6 +75,9 @@ flash_fwd_fma(const FwdParams p) {
                                                                  p.k.row_stride, dims.lk - n0, dims.d);
         load_tile<T, BN, HEAD, Tr::V_PITCH, Tr::THREADS, false>(v_s, p.v.at<const T>(blk.batch, blk.kv_head, n0),
                                                                 p.v.row_stride, dims.lk - n0, dims.dv);
+        if (mod.has_bias())   // the bias tile waits in P's place until the probabilities overwrite it
+            load_score_tile_acc<T, A, BM, BN, Tr::P_PITCH, Tr::THREADS>(p_s, p.mask.bias, blk.batch, blk.head, m0, n0,
+                                                                        blk.rows, dims.lk - n0);
         __syncthreads();
 
         // S = Q K^T over the real head dim only (padding columns are zeros anyway).
@@ -100,7 +103,9 @@ flash_fwd_fma(const FwdParams p) {
             row = m0 + row0 + i;
             col = n0 + tx + 16 * jj;
         };
-        apply_score_mod(s, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
+        // Each thread reads the bias entries it later overwrites with P: no other thread's.
+        auto bias = [&](int i, int jj, int, int) { return p_s[(row0 + i) * Tr::P_PITCH + tx + 16 * jj]; };
+        apply_score_mod(s, mod, mod.tile_is_partial(m0, BM, n0, BN), coord, bias);
 #pragma unroll
         for (int i = 0; i < Tr::TM; ++i) {
             const A correction = softmax_update_row<16>(s[i], row_max[i], row_sum[i]);

@@ -11,7 +11,9 @@
 //       O = O * 2^(m - m_new) + P V_j         (P stays in registers as the A operand)
 //   O = O / l; lse = (m + log2 l) ln 2
 // Shared memory rows are padded by 16 bytes so the 8 row addresses of an
-// ldmatrix fall in different banks.
+// ldmatrix fall in different banks. With EXTRA, each K/V stage has a bias tile
+// (BM x BN) beside it, loaded with it; a lane's C fragment reads its rows at
+// 4-bank offsets (pitch BN + 8), so the 32 lanes hit 32 banks.
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
@@ -20,7 +22,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool EXTRA>
 struct FwdMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
@@ -31,7 +33,9 @@ struct FwdMmaTraits {
     static constexpr int O_TILES = HEAD / 8;       // n8 tiles of one warp's O
     static constexpr int Q_ELEMS = BM * PITCH;
     static constexpr int KV_ELEMS = BN * PITCH;    // one K or V stage
-    static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
+    static constexpr int BIAS_PITCH = BN + 8;
+    static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
+    static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS + Cfg::STAGES * BIAS_ELEMS) * int(sizeof(T));
     static_assert(HEAD % 16 == 0 && BN % 16 == 0, "tiles are multiples of the mma shape");
     static_assert(BM % (16 * WARPS) == 0, "each warp owns whole 16-row strips");
     static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
@@ -60,12 +64,13 @@ __device__ __forceinline__ void warp_softmax_update(float (&s)[Tr::S_TILES][4], 
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_mma(const FwdParams p) {
-    typedef FwdMmaTraits<T, Cfg> Tr;
+    typedef FwdMmaTraits<T, Cfg, Flags::EXTRA> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
     T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
     T* v_s = k_s + 2 * Tr::KV_ELEMS;
+    T* bias_s = v_s + 2 * Tr::KV_ELEMS;          // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
     const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
@@ -76,6 +81,10 @@ flash_fwd_mma(const FwdParams p) {
     auto load_kv = [&](int j, int stage) {
         load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, p.k, dims.d, v_s + stage * Tr::KV_ELEMS,
                                                          p.v, dims.dv, blk.batch, blk.kv_head, j * BN, dims.lk - j * BN);
+        if (mod.has_bias())
+            load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS, p.mask.bias,
+                                                                   blk.batch, blk.head, blk.m0, j * BN, blk.rows,
+                                                                   dims.lk - j * BN);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some).
@@ -115,13 +124,17 @@ flash_fwd_mma(const FwdParams p) {
                                                           k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
         const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
+        const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS;
+        auto bias = [&](int, int, int row, int col) {
+            return to_float(bias_tile[(row - blk.m0) * Tr::BIAS_PITCH + col - n0]);
+        };
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             auto coord = [&](int n, int i, int& row, int& col) {
                 row = warp_row0 + 16 * m + frag_row(lane, i);
                 col = n0 + frag_col(lane, n, i);
             };
-            apply_score_mod(s[m], mod, partial, coord);
+            apply_score_mod(s[m], mod, partial, coord, bias);
             warp_softmax_update<Tr>(s[m], acc_o[m], row_max[m], row_sum[m]);
             apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
         }

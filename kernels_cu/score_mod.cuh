@@ -131,12 +131,18 @@ struct ScoreMod {
         return j;
     }
 
-    // x = (s * scale + bias) * log2(e), or -inf where masked.
-    __device__ __forceinline__ A score(A dot, int row, int col, bool partial) const {
+    // x = (s * scale + bias) * log2(e), or -inf where masked. `bias` is the
+    // element's bias (0 without one), from wherever the kernel staged it.
+    __device__ __forceinline__ A score(A dot, A bias, int row, int col, bool partial) const {
         if (partial && !allowed(row, col)) return neg_inf<A>();
         A x = dot * scale_log2;
-        if (has_bias() && row < lq && col < lk) x += to_acc(*m.bias.at<T>(batch, head, row, col)) * A(LOG2E);
+        if (has_bias()) x += bias * A(LOG2E);
         return x;
+    }
+
+    // The bias of one element read from global memory (kernels that do not stage it).
+    __device__ __forceinline__ A global_bias(int row, int col) const {
+        return row < lq && col < lk ? A(to_acc(*m.bias.at<T>(batch, head, row, col))) : A(0);
     }
 
     // Dropout's verdict for one element: keep_scale if kept, 0 if dropped.
@@ -154,15 +160,18 @@ struct ScoreMod {
 };
 
 // score() over a register tile s[I][J]; coord(i, j, row, col) names the element's
-// absolute query row and key column (each kernel's fragment layout differs).
-// A fully visible tile without a bias only scales: no coordinates, no comparisons.
-template <typename Mod, typename A, int I, int J, typename Coord>
-__device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bool partial, Coord coord) {
+// absolute query row and key column (each kernel's fragment layout differs), and
+// bias(i, j, row, col) its bias when the call has one: a kernel that staged the
+// bias tile in shared memory reads it there (the tile was loaded with the K/V or
+// Q/dO tiles, coalesced, its latency hidden); the 4-argument form reads global
+// memory per element. A fully visible tile without a bias only scales.
+template <typename Mod, typename A, int I, int J, typename Coord, typename Bias>
+__device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bool partial, Coord coord, Bias bias) {
     if (!partial && !mod.has_bias()) {
 #pragma unroll
         for (int i = 0; i < I; ++i)
 #pragma unroll
-            for (int j = 0; j < J; ++j) s[i][j] = mod.score(s[i][j], 0, 0, false);
+            for (int j = 0; j < J; ++j) s[i][j] = mod.score(s[i][j], A(0), 0, 0, false);
         return;
     }
 #pragma unroll
@@ -171,8 +180,14 @@ __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bo
         for (int j = 0; j < J; ++j) {
             int row, col;
             coord(i, j, row, col);
-            s[i][j] = mod.score(s[i][j], row, col, partial);
+            const A b = mod.has_bias() ? bias(i, j, row, col) : A(0);
+            s[i][j] = mod.score(s[i][j], b, row, col, partial);
         }
+}
+
+template <typename Mod, typename A, int I, int J, typename Coord>
+__device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bool partial, Coord coord) {
+    apply_score_mod(s, mod, partial, coord, [&](int, int, int row, int col) { return mod.global_bias(row, col); });
 }
 
 // Dropout over a register tile of probabilities: p *= keep(row, col). With

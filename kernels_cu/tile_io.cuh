@@ -18,9 +18,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
-// VEC: 16-byte cp.async chunks. The caller guarantees 16-byte aligned rows and
-// cols_valid a multiple of the chunk. Otherwise element by element.
-template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
+// VEC: 16-byte cp.async chunks. The caller guarantees 16-byte aligned rows and,
+// unless CUT_CHUNKS, cols_valid a multiple of the chunk (with CUT_CHUNKS a chunk
+// the row end cuts is copied element by element). Otherwise element by element.
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC, bool CUT_CHUNKS = false>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stride,
                                           int rows_valid, int cols_valid) {
     if (VEC) {
@@ -32,6 +33,12 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stri
         for (int i = threadIdx.x; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
             const int row = i / CHUNKS_PER_ROW;
             const int col = (i % CHUNKS_PER_ROW) * CHUNK;
+            if (CUT_CHUNKS && row < rows_valid && col < cols_valid && col + CHUNK > cols_valid) {
+#pragma unroll
+                for (int e = 0; e < CHUNK; ++e)
+                    smem[row * PITCH + col + e] = col + e < cols_valid ? gmem[row * row_stride + col + e] : zero_value<T>();
+                continue;
+            }
             const bool valid = row < rows_valid && col < cols_valid;
             const T* src = valid ? gmem + row * row_stride + col : gmem;
             cp_async_16(smem + row * PITCH + col, src, valid);
@@ -55,4 +62,46 @@ __device__ __forceinline__ void load_row_tiles(T* a_s, const View& a, int a_cols
                                                int batch, int head, int row0, int rows_valid) {
     load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(a_s, a.at<const T>(batch, head, row0), a.row_stride, rows_valid, a_cols);
     load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(b_s, b.at<const T>(batch, head, row0), b.row_stride, rows_valid, b_cols);
+}
+
+// Score-shaped tiles (a bias): ROWS x COLS elements of a ScoreTensor at
+// (batch, head, row0.., col0..), whose strides may be 0 (broadcast) and whose
+// columns need not be unit-stride. Elements outside (rows_valid, cols_valid)
+// are written as zeros, so a kernel reads any element of the tile without tests.
+
+// Score-tile copies share one strided loop; `convert` maps a stored value to S.
+template <int ROWS, int COLS, int PITCH, int THREADS, typename S, typename T, typename Convert>
+__device__ __forceinline__ void load_strided_tile(S* smem, const T* base, int64 rs, int64 cs, int rows_valid,
+                                                  int cols_valid, S zero, Convert convert) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < ROWS * COLS; i += THREADS) {
+        const int r = i / COLS, c = i % COLS;
+        smem[r * PITCH + c] = r < rows_valid && c < cols_valid ? convert(base[r * rs + c * cs]) : zero;
+    }
+}
+
+// Into a tile of the storage type T: 16-byte cp.async chunks when the tensor's
+// rows are unit-stride and 16-byte aligned (the caller commits and waits for the
+// group), element by element otherwise (and for a chunk cut by cols_valid).
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS>
+__device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, int batch, int head, int row0, int col0,
+                                                int rows_valid, int cols_valid) {
+    static_assert((PITCH * sizeof(T)) % 16 == 0, "16-byte aligned tile rows");
+    const T* base = t.at<T>(batch, head, row0, col0);
+    const bool vec = t.col_stride == 1
+                     && ((reinterpret_cast<unsigned long long>(base) | (unsigned long long)(t.row_stride * sizeof(T))) % 16) == 0;
+    if (vec)
+        load_tile<T, ROWS, COLS, PITCH, THREADS, true, true>(smem, base, t.row_stride, rows_valid, cols_valid);
+    else
+        load_strided_tile<ROWS, COLS, PITCH, THREADS>(smem, base, t.row_stride, t.col_stride, rows_valid, cols_valid,
+                                                      zero_value<T>(), [](T x) { return x; });
+}
+
+// Into a tile of the accumulator type A (the FMA kernels' P tile), converted;
+// synchronous (the caller's __syncthreads publishes it).
+template <typename T, typename A, int ROWS, int COLS, int PITCH, int THREADS>
+__device__ __forceinline__ void load_score_tile_acc(A* smem, const ScoreTensor& t, int batch, int head, int row0,
+                                                    int col0, int rows_valid, int cols_valid) {
+    load_strided_tile<ROWS, COLS, PITCH, THREADS>(smem, t.at<T>(batch, head, row0, col0), t.row_stride, t.col_stride,
+                                                  rows_valid, cols_valid, A(0), [](T x) { return A(to_acc(x)); });
 }

@@ -69,6 +69,31 @@ def test_deterministic_dbias_is_bitwise_stable(dtype, kind):
             assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("lk", [144, 150])
+def test_bias_tile_paths(dtype, lk):
+    """Each way a bias tile reaches shared memory (tile_io.cuh load_score_tile): 16-byte
+    chunks (rows aligned: lk = 144), element by element (lk = 150), chunks cut by the
+    sequence end (one broadcast row at lk = 150), and a transposed view (key stride
+    lq), which must give bitwise what the same bias made contiguous gives."""
+    lq = 70
+    rng = np.random.default_rng(lk)
+    bias = rng.standard_normal((1, 1, lq, lk))
+    check_masked(dtype, B, HQ, HK, lq, lk, 64, 64, False, 11, dict(bias=bias))
+    check_masked(dtype, B, HQ, HK, lq, lk, 64, 64, "bottom_right", 12, dict(bias=rng.standard_normal((B, 1, 1, lk))))
+    (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, lq, lk, 64, 64)
+    dense = device_options(dict(bias=bias), dtype)["bias"]
+    view = cp.ascontiguousarray(dense.swapaxes(-1, -2)).swapaxes(-1, -2)
+    assert view.strides[-1] != view.itemsize
+    results = []
+    for b in (dense, view):
+        out, lse = cuflash.attention_forward(qd, kd, vd, bias=b)
+        grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, bias=b, deterministic=True)
+        results.append((out, lse) + tuple(grads))
+    for name, a, c in zip(["out", "lse", "dq", "dk", "dv", "dbias"], *results):
+        assert a.shape == c.shape and bool((a.view(cp.uint8) == c.view(cp.uint8)).all()), name
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from(list(DTYPES)), lq=st.integers(1, 200), lk=st.integers(1, 200),
        d=st.sampled_from([8, 16, 32, 64, 80, 128]), causal=st.sampled_from([False, True, "bottom_right"]),

@@ -1,0 +1,45 @@
+"""One masking case, forward and backward, for a profiler (ncu / nsys) to look at.
+
+    PYTHONPATH=. python benchmarks/profile_case.py bias      # (1, 1, L, L) bias with dbias
+    PYTHONPATH=. python benchmarks/profile_case.py padding   # (B, 1, 1, L) key-padding mask
+    PYTHONPATH=. python benchmarks/profile_case.py plain     # no option, the same shapes
+
+B=4, H=16, L=4096, D=64, float16 (the bench_masking.py shape). Each case runs
+--calls forward+backward calls (the first compiles); profile the last ones, e.g.
+
+    ncu -k regex:flash_ --launch-skip 8 --launch-count 4 --section SpeedOfLight \\
+        --section WarpStateStats python benchmarks/profile_case.py bias
+"""
+from __future__ import annotations
+
+import argparse
+
+import cupy as cp
+
+import cuflash
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("case", choices=("bias", "padding", "plain"))
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    args = ap.parse_args()
+    b, h, n, d = 4, 16, args.seqlen, 64
+    rng = cp.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(args.dtype) for _ in range(4))
+    opts = {}
+    if args.case == "bias":
+        opts["bias"] = rng.standard_normal((1, 1, n, n), dtype=cp.float32).astype(args.dtype)
+    elif args.case == "padding":
+        opts["mask"] = cp.ones((b, 1, 1, n), dtype=bool)
+    for _ in range(args.calls):
+        out, lse = cuflash.attention_forward(q, k, v, **opts)
+        cuflash.attention_backward(do, q, k, v, out, lse, **opts)
+    cp.cuda.Device().synchronize()
+    print(f"{args.case}: {args.calls} forward+backward calls, B={b} H={h} L={n} D={d} {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()
