@@ -50,23 +50,46 @@ def cases(quick: bool):
     return out
 
 
+def masking_cases():
+    """The masking benchmark's shapes (bench_masking.py): (label, pass, dtype, B, H, L, D, causal, options-maker)."""
+    def bias(b, h, n, dtype):
+        return dict(bias=cp.random.default_rng(1).standard_normal((1, 1, n, n), dtype=cp.float32).astype(dtype))
+
+    def padding(b, h, n, dtype):
+        pad = cp.ones((b, 1, 1, n), dtype=bool)
+        for i in range(b):
+            pad[i, ..., n - (i + 1) * n // 8:] = False
+        return dict(mask=pad)
+
+    def window(b, h, n, dtype):
+        return dict(window=(256, None))
+
+    out = []
+    for kind in ("fwd", "fwd+bwd"):
+        out += [("bias (1,1,L,L)", kind, "float16", 4, 16, 4096, 64, False, bias),
+                ("key padding", kind, "float16", 4, 16, 4096, 64, False, padding),
+                ("window (256, 0)", kind, "float16", 1, 16, 16384, 64, True, window)]
+    return out
+
+
 def _dtype(name):
     import ml_dtypes
 
     return {"bfloat16": ml_dtypes.bfloat16}.get(name, np.dtype(name))
 
 
-def run_case(mods, kind, dtype, d, n, causal, rounds, repeat):
-    b, h = 16384 // n, 2048 // d
+def run_case(mods, kind, dtype, d, n, causal, rounds, repeat, b=None, h=None, opts=None):
+    b, h = b or 16384 // n, h or 2048 // d
     rng = cp.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(_dtype(dtype)) for _ in range(4))
+    opts = opts or {}
 
     def fn(m):
         if kind == "fwd":
-            return lambda: m.attention_forward(q, k, v, causal=causal)
+            return lambda: m.attention_forward(q, k, v, causal=causal, **opts)
         def fwd_bwd():
-            out, lse = m.attention_forward(q, k, v, causal=causal)
-            return m.attention_backward(do, q, k, v, out, lse, causal=causal)
+            out, lse = m.attention_forward(q, k, v, causal=causal, **opts)
+            return m.attention_backward(do, q, k, v, out, lse, causal=causal, **opts)
         return fwd_bwd
 
     fns = [fn(m) for m in mods]
@@ -127,6 +150,8 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--host", action="store_true", help="only the host overhead per call")
+    parser.add_argument("--masking", action="store_true", help="also the masking benchmark's bias, key padding "
+                                                               "and window cases")
     args = parser.parse_args(argv)
     mods = [load_tree(args.before.resolve(), "cuflash_before"), load_tree(args.after.resolve(), "cuflash_after")]
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -146,6 +171,17 @@ def main(argv=None):
               f"{r['after_ms']:9.3f} {r['before_tflops']:6.1f}/{r['after_tflops']:6.1f} {r['speedup']:7.3f}x "
               f"{1 / r['ratio_spread'][1]:5.3f}-{1 / r['ratio_spread'][0]:5.3f} {r['max_abs_diff_first_output']:9.2e}",
               flush=True)
+    if args.masking:
+        print(f"{'masking case':16} {'pass':8} {'before ms':>10} {'after ms':>9} {'speed-up':>8} {'spread':>12} "
+              f"{'max|diff|':>9}", flush=True)
+        for label, kind, dtype, b, h, n, d, causal, make in masking_cases():
+            r = run_case(mods, kind, dtype, d, n, causal, args.rounds, args.repeat, b=b, h=h,
+                         opts=make(b, h, n, dtype))
+            r["case"] = label
+            rows.append(r)
+            print(f"{label:16} {kind:8} {r['before_ms']:10.3f} {r['after_ms']:9.3f} {r['speedup']:7.3f}x "
+                  f"{1 / r['ratio_spread'][1]:5.3f}-{1 / r['ratio_spread'][0]:5.3f} "
+                  f"{r['max_abs_diff_first_output']:9.2e}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
 

@@ -10,6 +10,10 @@
 #   accuracy  benchmarks/accuracy.py (the README's accuracy table)
 #   demo      python -m cuflash demo
 #   bench     benchmarks/bench.py $BENCH_ARGS (default --quick) into $OUT/bench
+#   masking   benchmarks/bench_masking.py $MASK_ARGS into $OUT/masking
+#   ncu       ncu's summary sections for benchmarks/profile_case.py $NCU_CASES
+#   hot       ncu --set full per "$HOT_SPECS" entry case:kernel-regex:launch-skip:launch-count,
+#             then benchmarks/ncu_hot.py (stall reasons, hottest SASS lines)
 #   masking   benchmarks/bench_masking.py $MASK_ARGS (default --repeat 10) into $OUT/masking
 #   ncu       Nsight Compute on benchmarks/profile_case.py for $NCU_CASES (default "plain bias"):
 #             three forward or dK/dV launches after the first call, key sections, text in ncu_<case>.log
@@ -80,6 +84,16 @@ if has ncu; then
         "$OUT/ncu_$case.log" | head -60; } >> "$summary"
   done
 fi
-tar czf "$RESULTS/logs.tgz" -C "$OUT" .
+if has hot; then
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for spec in ${HOT_SPECS:-plain:flash_fwd_mma:2:1 plain:flash_bwd_dkdv:2:1 bias:flash_fwd_mma:2:1 bias:flash_bwd_dkdv:4:2}; do
+    IFS=: read -r case kern skip count <<< "$spec"
+    rep="$OUT/hot_${case}_${kern}"
+    timeout "${NCU_TIMEOUT:-240}" "$ncu_bin" --set full --import-source no -k "regex:$kern" --launch-skip "$skip" \
+      --launch-count "$count" -o "$rep" python3 benchmarks/profile_case.py "$case" --calls 3 ${PROFILE_ARGS:-} > "$rep.log" 2>&1
+    { echo "== hot $spec (exit $?) =="; python3 benchmarks/ncu_hot.py "$rep.ncu-rep" --top "${HOT_TOP:-25}" 2>&1; } >> "$summary"
+  done
+fi
+tar czf "$RESULTS/logs.tgz" --exclude="*.ncu-rep" -C "$OUT" .
 cp "$summary" "$RESULTS/summary.txt"
 cat "$summary"

@@ -15,20 +15,20 @@ MIN_COMPUTE_CAPABILITY = 80
 
 
 @functools.lru_cache(maxsize=None)
-def _device_facts(device_id: int) -> Tuple[int, int, str]:
-    """(compute capability as 10 * major + minor, opt-in shared memory per block, name)."""
+def _device_facts(device_id: int) -> Tuple[int, int, str, int]:
+    """(compute capability as 10 * major + minor, opt-in shared memory per block, name, SM count)."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return 10 * props["major"] + props["minor"], props["sharedMemPerBlockOptin"], name
+    return 10 * props["major"] + props["minor"], props["sharedMemPerBlockOptin"], name, props["multiProcessorCount"]
 
 
 def _smem_limit() -> int:
     """Shared memory per block the current GPU allows; RuntimeError for a GPU cuflash cannot run on."""
     import cupy
 
-    cc, smem, name = _device_facts(cupy.cuda.runtime.getDevice())
+    cc, smem, name, _ = _device_facts(cupy.cuda.runtime.getDevice())
     if cc < MIN_COMPUTE_CAPABILITY:
         raise RuntimeError(f"cuflash needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper, "
                            f"Blackwell); this one, {name}, has {cc // 10}.{cc % 10}")
@@ -47,12 +47,13 @@ def _launch_shape(variant: Variant) -> Tuple[int, int]:
     return variant.threads, variant.smem_bytes
 
 
-def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int]) -> None:
-    """Launch one variant with its params struct; ``dims`` = (batch, heads_q, group, lq, lk) size the grid."""
+def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int], grid: int = 0) -> None:
+    """Launch one variant with its params struct; ``dims`` = (batch, heads_q, group, lq, lk)
+    size the grid unless ``grid`` (CTAs) is given."""
     from ._build import get_kernel
 
     threads, smem = _launch_shape(variant)
-    get_kernel(variant)((variant.grid(*dims),), (threads,), (params,), shared_mem=smem)
+    get_kernel(variant)((grid or variant.grid(*dims),), (threads,), (params,), shared_mem=smem)
 
 
 def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, group: int) -> None:
@@ -69,7 +70,8 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
                     scale: float, group: int, deterministic: bool):
     """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays) from 4-D views of
     the inputs and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides). ``dbias_plan``,
-    given the dK kernel's (block_m, block_n), returns the call's
+    called with ``kernel_tile=`` (the tensor-core path's dbias kernel tile and ``sm_count=``)
+    or ``dkdv_tile=`` (the FMA dK kernel's), returns the call's
     :class:`cuflash._masking.DbiasPlan` (None: no bias), which is returned as ``dbias``."""
     import cupy
 
@@ -78,20 +80,28 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     acc_dtype = np.float64 if dtype == "float64" else np.float32
     plan = backward_variants(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=masking.extra,
                              vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
-                             smem_limit=_smem_limit())
+                             smem_limit=_smem_limit(), dbias=dbias_plan is not None)
     dbias = None
     dbias_values = _params.DBIAS_OFF
+    dbias_kernel = next((v_ for v_ in plan if v_.family == "bwd_dbias_mma"), None)
     if dbias_plan is not None:
-        dk_kernel = [v_ for v_ in plan if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
-        dbias = dbias_plan((dk_kernel.tile.block_m, dk_kernel.tile.block_n))
+        if dbias_kernel is not None:
+            sm_count = _device_facts(cupy.cuda.runtime.getDevice())[3]
+            dbias = dbias_plan(kernel_tile=(dbias_kernel.tile.block_m, dbias_kernel.tile.block_n), sm_count=sm_count)
+        else:
+            dk_kernel = [v_ for v_ in plan if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
+            dbias = dbias_plan(dkdv_tile=(dk_kernel.tile.block_m, dk_kernel.tile.block_n))
         dbias_values = dbias.values
     dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
-    dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d), dtype=acc_dtype)
+    # Rows padded to an even width: the tensor-core dK/dV kernels add two columns at a time.
+    dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d + d % 2), dtype=acc_dtype)[..., :d]
     dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)
     dk = cupy.empty((b, hk, lk, d), dtype=q.dtype)
     dv_ = cupy.empty((b, hk, lk, dv), dtype=q.dtype)
     params = _params.bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv_, group=group, scale=scale,
                                 mask=masking.values, dbias=dbias_values)
     for variant in plan:
-        _launch(variant, params, (b, hq, group, lq, lk))
+        if variant is dbias_kernel and not dbias.grid:
+            continue   # dbias is exactly zero (a bias constant along keys)
+        _launch(variant, params, (b, hq, group, lq, lk), dbias.grid if variant is dbias_kernel else 0)
     return dq, dk, dv_, dbias

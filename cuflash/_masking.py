@@ -10,7 +10,8 @@
   the mask per element only in state-1 tiles (key padding costs one tile column).
 * ``dropout_p`` and ``seed`` become a Philox threshold and key.
 * The backward's ``dbias``: an accumulator of the bias's own shape, and how the
-  kernels add into it (bias_grad.cuh).
+  kernels add into it (bias_grad.cuh): the tensor-core backward's own dbias kernel
+  (flash_bwd_dbias.cu), or the FMA dK/dV kernel's adds, atomics or turns.
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ from .block_sparse import BlockLayout
 MASK_SUMMARY_BLOCK = (64, 64)
 """Block size of a mask's summary when no block layout sets one."""
 
-DBIAS_NONE, DBIAS_ADD, DBIAS_ATOMIC, DBIAS_ORDERED = 0, 1, 2, 3
+DBIAS_NONE, DBIAS_ADD, DBIAS_ATOMIC, DBIAS_ORDERED, DBIAS_KERNEL = 0, 1, 2, 3, 4
+MAX_DBIAS_SPLITS = 16
+"""At most this many slices of the dbias accumulator (each the bias's own size) when its
+tiles alone are too few to fill the GPU (DbiasParams::splits)."""
 
 
 @dataclass
@@ -233,9 +237,11 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
 class DbiasPlan:
     """How the backward forms dbias: the accumulator and DbiasParams' values."""
 
-    acc: Any                  # (B', H', Lq', Lk) accumulator, or None (no dbias or exactly zero)
+    acc: Any                  # (B', H', Lq', Lk) accumulator, (splits, B', H', Lq', Lk) with splits, or None
     values: tuple             # DbiasParams fields in order
     keep_alive: tuple
+    splits: int = 0           # DBIAS_KERNEL: slices of acc along a leading axis, summed here in order
+    grid: int = 0             # DBIAS_KERNEL: CTAs of the dbias kernel
 
     def result(self, p: Problem, opts: Options):
         """dbias with exactly the bias's shape and dtype."""
@@ -244,6 +250,8 @@ class DbiasPlan:
         if self.acc is None:
             return xp.zeros(bias.shape, dtype=bias.dtype)
         g = self.acc
+        if self.splits:
+            g = g[0] if self.splits == 1 else g.sum(axis=0)
         nd = len(p.lead) + 3
         bias_nd = (1,) * (nd - bias.ndim) + tuple(bias.shape)
         if g.shape[0] != 1 or p.lead:   # back to the leading dims, then summed where the bias broadcasts
@@ -266,9 +274,12 @@ def dbias_mode(p: Problem, own_shape: tuple, deterministic: bool) -> int:
     return DBIAS_ADD if not cross_cta else (DBIAS_ORDERED if deterministic else DBIAS_ATOMIC)
 
 
-def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile) -> DbiasPlan:
-    """Where dS is summed for dbias. ``dkdv_tile``: the (block_m, block_n) of the dK kernel."""
-    off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1)
+def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, kernel_tile=None,
+               sm_count: int = 132) -> DbiasPlan:
+    """Where dS is summed for dbias. ``kernel_tile``: the (block_m, block_n) of the
+    tensor-core backward's dbias kernel (DBIAS_KERNEL; ``sm_count`` sizes its splits);
+    otherwise ``dkdv_tile``, the FMA dK/dV kernel's, which adds dS itself."""
+    off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1, 1, 0)
     if opts.bias is None:
         return DbiasPlan(None, off, ())
     xp = p.xp
@@ -279,12 +290,24 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile) -> Dbi
         # the output ignore it, and its gradient sum_j dS_ij = 0 exactly.
         return DbiasPlan(None, off, ())
     acc_dtype = np.float64 if p.dtype == "float64" else np.float32
-    # Rows padded to 16 bytes: the tensor-core dK/dV kernel adds four keys at once (bias_grad.cuh).
-    pitch = -(-p.lk // 4) * 4
-    acc = xp.zeros((b_, h_, lq_, pitch), dtype=acc_dtype)[..., :p.lk]
+    if kernel_tile is not None:
+        block_m, block_n = kernel_tile
+        q_blocks, k_blocks = -(-p.lq // block_m), -(-p.lk // block_n)
+        # The kernel's grid: one CTA per accumulator tile (key block x the axes the bias does not
+        # broadcast along) and split; each walks the broadcast axes (flash_bwd_dbias.cu, DbiasWork).
+        tiles = k_blocks * (q_blocks if lq_ > 1 else 1) * h_ * b_
+        walk = (p.batch // b_) * (p.heads_q // h_) * (q_blocks if lq_ == 1 else 1)
+        splits = max(1, min(walk, MAX_DBIAS_SPLITS, -(-2 * sm_count // tiles)))
+        pitch = -(-p.lk // 4) * 4
+        slices = xp.zeros((splits, b_, h_, lq_, pitch), dtype=acc_dtype)[..., :p.lk]
+        values = (*score_view(slices[0], p), 0, DBIAS_KERNEL, int(lq_ == 1), b_, h_, 1, splits,
+                  b_ * h_ * lq_ * pitch)
+        return DbiasPlan(slices, values, (slices,), splits=splits, grid=tiles * splits)
+    acc = xp.zeros(own, dtype=acc_dtype)
     mode = dbias_mode(p, own, deterministic)
     block_m, block_n = dkdv_tile
     tiles_i = 1 if lq_ == 1 else -(-p.lq // block_m)
     order = xp.zeros(b_ * h_ * tiles_i * -(-p.lk // block_n), dtype=np.int32) if mode == DBIAS_ORDERED else None
-    values = (*score_view(acc, p), 0 if order is None else order.data.ptr, mode, int(lq_ == 1), b_, h_, tiles_i)
+    values = (*score_view(acc, p), 0 if order is None else order.data.ptr, mode, int(lq_ == 1), b_, h_, tiles_i,
+              1, 0)
     return DbiasPlan(acc, values, (acc,) if order is None else (acc, order))

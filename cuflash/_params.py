@@ -21,7 +21,8 @@ _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.i
                   ("bias", _SCORE), ("mask", _SCORE), ("layout", _SCORE), ("drop_threshold", np.uint32),
                   ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("keep_scale", np.float64)], align=True)
 _DBIAS = np.dtype([("acc", _SCORE), ("order", np.uint64), ("mode", np.int32), ("rows_broadcast", np.int32),
-                   ("tiles_b", np.int32), ("tiles_h", np.int32), ("tiles_i", np.int32)], align=True)
+                   ("tiles_b", np.int32), ("tiles_h", np.int32), ("tiles_i", np.int32), ("splits", np.int32),
+                   ("split_stride", np.int64)], align=True)
 
 STRUCTS: Dict[str, np.dtype] = {
     "View": _VIEW,
@@ -94,7 +95,7 @@ def view(x: Any) -> tuple:
 
 MASK_OFF = (0, 0, 1, 1) + (0,) * 15 + (0, 0, 0, 1.0)
 """MaskParams' values with every piece off (kernels compiled without BAND / EXTRA ignore them)."""
-DBIAS_OFF = (0,) * 5 + (0, 0, 0, 1, 1, 1)
+DBIAS_OFF = (0,) * 5 + (0, 0, 0, 1, 1, 1, 1, 0)
 
 
 def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF) -> np.ndarray:

@@ -19,6 +19,7 @@ fwd_fma             flash_fwd_fma.cu        forward, float32/float64, CUDA-core 
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
 bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
+bwd_dbias_mma       flash_bwd_dbias.cu      dbias (a bias's gradient), 16-bit, head dim <= 128
 bwd_dkdv_fma        flash_bwd_fma.cu        dK, dV (+ atomic dQ), FMA
 bwd_dq_fma          flash_bwd_fma.cu        deterministic dQ, FMA
 bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
@@ -171,6 +172,11 @@ _add("bwd_dq_mma", HALF_TYPES, [64], Tile(64, 64, 4, 1, "16 rows per warp, 64-ke
 _add("bwd_dq_mma", HALF_TYPES, [128], Tile(64, 32, 4, 1, "32-key steps: 64 spilled registers"))
 _add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "EXTRA spills under the 168-register cap: two CTAs an SM",
                                          ctas=2), extra=True)
+# dbias kernel: 4 warps of 16 query rows, 64-key tiles, the step's Q/dO/K/V/bias double-buffered.
+_add("bwd_dbias_mma", HALF_TYPES, [32, 64], Tile(64, 64, 4, 2, "as the dQ kernel's rows; 2 stages: 92 KB at d=64, "
+                                                           "two CTAs an SM", ctas=2))
+_add("bwd_dbias_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "2 stages: 155 KB"),
+     Tile(64, 64, 4, 1, "one stage: 78 KB, " + _SMALL))
 
 # FMA backward: 16 x 16 threads; K, V, Q, dO tiles in the input dtype and P, dS
 # tiles in the accumulator dtype in shared memory; dK, dV in registers.
@@ -234,6 +240,12 @@ def _smem_dq_mma(v: "Variant") -> int:
     return ((2 * t.block_n + 2 * t.block_m) * _pitch_mma(v.head) + bias) * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
 
 
+def _smem_dbias_mma(v: "Variant") -> int:
+    t = v.tile
+    stage = 2 * (t.block_m + t.block_n) * _pitch_mma(v.head) + t.block_m * (t.block_n + 8)   # Q, K, dO, V, bias
+    return t.stages * stage * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
+
+
 def _smem_bwd_fma(v: "Variant") -> int:
     t, pitch = v.tile, v.head + 1
     tiles = (2 * t.block_n + 2 * t.block_m) * pitch * ITEMSIZE[v.dtype]
@@ -245,7 +257,8 @@ class Family:
     """A kernel template: its entry file, the flags it takes (in template order),
     the axis its CTAs tile (``"q"``: query blocks of block_m per (query head,
     batch); ``"k"``: key blocks of block_n per (K/V head, batch)) and its
-    shared-memory formula (mirrored by the kernel's traits, which static_assert it)."""
+    shared-memory formula (mirrored by the kernel's traits, which static_assert it).
+    ``"bias"``: the dbias kernel, whose grid follows the bias's shape (DbiasPlan.grid)."""
 
     kernel: str
     entry: str
@@ -256,7 +269,7 @@ class Family:
 
 FAMILY_WHAT = {"fwd_mma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
-               "bwd_dq_fma": "deterministic backward", "bwd_convert_dq": "backward"}
+               "bwd_dq_fma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
 
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
@@ -265,6 +278,7 @@ FAMILIES: Dict[str, Family] = {
     "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
                            _smem_dkdv_mma),
     "bwd_dq_mma": Family("flash_bwd_dq_mma", "flash_bwd_mma.cu", ("mask", "vec"), "q", _smem_dq_mma),
+    "bwd_dbias_mma": Family("flash_bwd_dbias_mma", "flash_bwd_dbias.cu", ("mask", "vec"), "bias", _smem_dbias_mma),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
     "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
     "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
@@ -351,6 +365,8 @@ class Variant:
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:
         """Number of CTAs (the grid is one-dimensional; kernels decode it with BlockInfo)."""
         t = self.tile
+        if self.fam.axis == "bias":
+            raise ValueError("the dbias kernel's grid follows the bias (cuflash._masking.DbiasPlan.grid)")
         if self.fam.axis == "q":
             n = -(-lq // t.block_m) * heads_q * batch
         else:
@@ -362,11 +378,13 @@ class Variant:
 
 # --------------------------------------------------------------------------- selection
 
-def _dkdv_passes(head: int, atomic_dq: bool, extra: bool = False) -> List[Tuple[int, bool]]:
+def _dkdv_passes(head: int, atomic_dq: bool, extra: bool = False, vec: bool = True) -> List[Tuple[int, bool]]:
     """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel for one head bucket: dK and
-    dV in one pass, or in two when their accumulators would not fit (head dim 128; head
-    dim 64 with the EXTRA code, which spills 12-28 bytes in one pass)."""
-    return [(0, atomic_dq)] if head < 64 or (head == 64 and not extra) else [(1, False), (2, atomic_dq)]
+    dV in one pass, or in two when their accumulators would not fit: head dim 128, and head
+    dim 64 with the EXTRA code, element-wise loads and atomic dQ (20-84 spilled bytes in one
+    pass; with 16-byte loads it fits in 254 registers since dbias has a kernel of its own)."""
+    one = head < 64 or (head == 64 and not (extra and atomic_dq and not vec))
+    return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,20 +398,24 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
 
 @functools.lru_cache(maxsize=None)
 def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool, deterministic: bool,
-                      smem_limit: int = SMEM_MAX) -> Tuple[Variant, ...]:
-    """The backward kernels for one call, in launch order (see :func:`forward_variant`)."""
-    return tuple(v.fitted(smem_limit) for v in _backward_plan(dtype, head, band, extra, vec, deterministic))
+                      smem_limit: int = SMEM_MAX, dbias: bool = False) -> Tuple[Variant, ...]:
+    """The backward kernels for one call, in launch order (see :func:`forward_variant`);
+    ``dbias``: the call wants a bias's gradient (``extra`` then holds)."""
+    return tuple(v.fitted(smem_limit) for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias))
 
 
-def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, deterministic: bool) -> List[Variant]:
+def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, deterministic: bool,
+                   dbias: bool = False) -> List[Variant]:
     atomic = not deterministic
     flags = dict(band=band, extra=extra)
     plan = [Variant("bwd_dsum", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
         plan += [Variant("bwd_dkdv_mma", dtype, head, vec=vec, pass_=p, atomic_dq=a, **flags)
-                 for p, a in _dkdv_passes(head, atomic, extra)]
+                 for p, a in _dkdv_passes(head, atomic, extra, vec)]
         if deterministic:
             plan.append(Variant("bwd_dq_mma", dtype, head, vec=vec, **flags))
+        if dbias:
+            plan.append(Variant("bwd_dbias_mma", dtype, head, vec=vec, **flags))
     else:
         plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
         if deterministic:
@@ -416,8 +438,8 @@ def all_variants() -> List[Variant]:
     for dtype, head, band, extra in itertools.product(DTYPES, HEAD_BUCKETS, (False, True), (False, True)):
         for vec, limit in itertools.product(vec_choices(dtype), SMEM_LIMITS.values()):
             seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit)] = None
-            for det in (False, True):
-                for v in _backward_plan(dtype, head, band, extra, vec, det):
+            for det, dbias in itertools.product((False, True), (False, True) if extra else (False,)):
+                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias):
                     try:
                         seen[v.fitted(limit)] = None
                     except ValueError:   # documented: no such kernel for this GPU class

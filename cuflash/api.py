@@ -211,8 +211,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         else:
             plan_fn = None
             if bias is not None:
-                def plan_fn(tile):
-                    return _masking.dbias_plan(p, opts, bool(deterministic), tile)
+                def plan_fn(**where):
+                    return _masking.dbias_plan(p, opts, bool(deterministic), **where)
             *grads, plan = launch_backward(dout4, p.q, p.k, p.v, out4, lse4, dtype=p.dtype,
                                            masking=_masking.kernel_masking(p, opts), dbias_plan=plan_fn,
                                            scale=p.scale, group=p.group, deterministic=bool(deterministic))

@@ -12,6 +12,9 @@
 //   DBIAS_ORDERED  as ATOMIC but bitwise reproducible (deterministic=True): the
 //                  CTAs that share a bias tile take turns in a fixed order, by a
 //                  per-tile counter (wait_turn / pass_turn below).
+//   DBIAS_KERNEL   (the tensor-core backward) a kernel of its own sums dS in
+//                  registers over the broadcast axes, no atomics (flash_bwd_dbias.cu).
+// ADD, ATOMIC and ORDERED are the FMA dK/dV kernel's (flash_bwd_fma.cu).
 // A bias with one query row (key padding biases, (B, 1, 1, Lk)) is first summed
 // over the tile's queries in registers, in a fixed order.
 #pragma once
@@ -29,29 +32,6 @@ __device__ __forceinline__ void dbias_add(const DbiasParams& g, A* at, A value) 
     } else {
         *at = *at + value;
     }
-}
-
-// Four consecutive fp32 entries (16-byte aligned) += a, b, c, d. On sm_90 one
-// vector reduction (red.global.add.v4.f32): a quarter of the L2 atomic operations.
-__device__ __forceinline__ void red_add4(float* at, float a, float b, float c, float d) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(at), "f"(a), "f"(b), "f"(c), "f"(d)
-                 : "memory");
-#else
-    atomicAdd(at, a);
-    atomicAdd(at + 1, b);
-    atomicAdd(at + 2, c);
-    atomicAdd(at + 3, d);
-#endif
-}
-
-// Whether DBIAS_ATOMIC may add four keys at once: unit key stride and every row
-// 16-byte aligned (the host pads the accumulator's rows to four entries).
-__device__ __forceinline__ bool dbias_rows_of_four(const DbiasParams& g) {
-    const ScoreTensor& t = g.acc;
-    return g.mode == DBIAS_ATOMIC && !g.rows_broadcast && t.col_stride == 1
-           && ((reinterpret_cast<unsigned long long>(t.ptr) & 15) | (t.row_stride & 3) | (t.head_stride & 3)
-               | (t.batch_stride & 3)) == 0;
 }
 
 template <typename A>

@@ -67,6 +67,13 @@ template <> __device__ __forceinline__ unsigned pack2<bf16_t>(float lo, float hi
     return r;
 }
 
+// Value `hi` (0: the low 16 bits, 1: the high) of a register of two 16-bit values, as fp32.
+template <typename T> __device__ __forceinline__ float unpack_half(unsigned r, int hi) {
+    T x;
+    x.bits = (unsigned short)(hi ? r >> 16 : r & 0xffffu);
+    return to_float(x);
+}
+
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 __device__ __forceinline__ float log2_of(float x) { return log2f(x); }

@@ -10,11 +10,14 @@
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i               (straight from registers).
 // dQ_i += dS K_j needs dS with queries as rows, so dS^T goes through shared
 // memory once and the four warps split the BM x HEAD product; results are
-// added to an fp32 accumulator with atomics (ATOMIC_DQ).
+// added to an fp32 accumulator with atomics (ATOMIC_DQ), two columns per
+// vector reduction on sm_90 (atomics.cuh).
 //
 // flash_bwd_dq_mma: the deterministic dQ. One CTA per (query block of 64, head,
 // batch); warp w owns query rows 16w..16w+15 and walks the key blocks in order:
 //     S = Q_i K_j^T, dP = dO_i V_j^T, dS = P (dP - Dsum), dQ_i += dS K_j.
+//
+// dbias is not formed here: flash_bwd_dbias.cu has a kernel of its own for it.
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
@@ -22,82 +25,7 @@
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
-#include "bias_grad.cuh"
-
-// dbias += dS with four consecutive keys of one query per reduction. In the dS^T
-// C fragments lane 4g + t holds keys g and g + 8 of queries 2t, 2t + 1 (per n8
-// tile); the four lanes g = 4a + c (c = 0..3, same t) hold keys 4a..4a+3 of
-// both. A butterfly over those four lanes (xor 4j, j = 1..3) gives lane c the
-// four keys 4a..4a+3 (+8 when c >= 2) of query 2t + (c & 1): its fragment entry
-// c from each of them, each sender choosing the entry its receiver wants.
-template <int BM>
-__device__ __forceinline__ void add_dbias_frags_by_four(const DbiasParams& g, const float (&ds_t)[BM / 8][4],
-                                                        int batch, int head, int m0, int key_base, int lane,
-                                                        const AttnDims& dims) {
-    const int c = (lane / 4) % 4;
-    const int key = key_base + 4 * (lane / 16) + 8 * (c / 2);
-#pragma unroll
-    for (int n = 0; n < BM / 8; ++n) {
-        const float* v = ds_t[n];
-        float got[4];   // got[j]: key 4a + (c ^ j) (+8 when c >= 2) of this lane's query
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int want = c ^ j;   // the entry the lane reading ours in round j needs
-            const float send = want == 0 ? v[0] : want == 1 ? v[1] : want == 2 ? v[2] : v[3];
-            got[j] = j == 0 ? send : __shfl_xor_sync(0xffffffffu, send, 4 * j);
-        }
-        float k4[4];    // k4[e]: key + e, i.e. got[c ^ e]
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int j = c ^ e;
-            k4[e] = j == 0 ? got[0] : j == 1 ? got[1] : j == 2 ? got[2] : got[3];
-        }
-        const int query = m0 + 8 * n + 2 * (lane % 4) + (c & 1);
-        if (query >= dims.lq) continue;
-        float* at = dbias_at<float>(g, batch, head, query, key);
-        if (key + 3 < dims.lk) {
-            red_add4(at, k4[0], k4[1], k4[2], k4[3]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (key + e < dims.lk) atomicAdd(at + e, k4[e]);
-        }
-    }
-}
-
-// dbias += dS for one warp's 16 keys x BM queries, from the dS^T C fragments
-// (rows keys, columns queries). A one-row bias sums its 16 x BM first: over the
-// thread's columns, then across the 4 lanes that share a row (fixed order).
-template <int BM, bool BY_FOUR>
-__device__ __forceinline__ void add_dbias_frags(const DbiasParams& g, const float (&ds_t)[BM / 8][4], int batch,
-                                                int head, int m0, int key_base, int lane, const AttnDims& dims) {
-    if (g.rows_broadcast) {
-        float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) sum[i / 2] += ds_t[n][i];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
-            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
-            const int key = key_base + lane / 4 + 8 * r;
-            if (lane % 4 == 0 && key < dims.lk) dbias_add(g, dbias_at<float>(g, batch, head, 0, key), sum[r]);
-        }
-        return;
-    }
-    if (BY_FOUR && dbias_rows_of_four(g)) {
-        add_dbias_frags_by_four<BM>(g, ds_t, batch, head, m0, key_base, lane, dims);
-        return;
-    }
-#pragma unroll
-    for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int query = m0 + frag_col(lane, n, i), key = key_base + frag_row(lane, i);
-            if (query < dims.lq && key < dims.lk) dbias_add(g, dbias_at<float>(g, batch, head, query, key), ds_t[n][i]);
-        }
-}
+#include "atomics.cuh"
 
 // dK/dV kernel: BN keys per CTA (16 per warp), BM queries per step, Q/dO tiles
 // STAGES deep; dS (queries x keys) in shared memory only when dQ is formed here.
@@ -169,8 +97,6 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float scale = float(p.scale);
     ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
-    const bool dbias = Flags::EXTRA && DO_DK && p.dbias.mode != DBIAS_NONE;
-    const bool ordered = dbias && p.dbias.mode == DBIAS_ORDERED;
 
     load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0, keys_valid);
     cp_async_commit();
@@ -180,10 +106,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     zero_frags(acc_dv);
     const int key0 = warp * 16;                                // this warp's keys within the block
     // Steps walk (query head of the group, query block) pairs over the query
-    // blocks that can see this key block (all of them when dbias contributions
-    // take turns: every step then passes its turn, visible or not).
-    const int q_blocks = ceil_div(dims.lq, BM);
-    const TileRange queries = ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM);
+    // blocks that can see this key block.
+    const TileRange queries = mod.query_tiles(n0, keys_valid, BM);
     const int m_blocks = imax(0, queries.end - queries.begin);
     const int n_steps = (blk.end_head - blk.first_head) * m_blocks;
     auto step_head = [&](int step) { return blk.first_head + step / m_blocks; };
@@ -196,18 +120,6 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         }
         return step;
     };
-    auto turn_of = [&](int step) {
-        return DbiasTurn::of(p.dbias, dims, batch, step_head(step), step_m0(step) / BM, q_blocks, blk.n0 / BN,
-                             ceil_div(dims.lk, BN));
-    };
-    auto pass_skipped = [&](int from, int to) {   // DBIAS_ORDERED: steps with nothing to add still take their turn
-        if (!ordered) return;
-        for (int t = from; t < to; ++t) {
-            const DbiasTurn turn = turn_of(t);
-            turn.wait_turn();
-            turn.pass_turn();
-        }
-    };
     auto issue_query_block = [&](int step, int stage) {
         const int head = step_head(step), m0 = step_m0(step);
         load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q, dims.d, do_stages + stage * BM * P,
@@ -219,7 +131,6 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         cp_async_commit();
     };
     int step = next_step(0);
-    pass_skipped(0, step);
     if (step < n_steps) issue_query_block(step, 0);
 #pragma unroll 1
     for (int stage = 0; step < n_steps;) {
@@ -246,11 +157,11 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             row = m0 + frag_col(lane, n, i);
             col = n0 + key0 + frag_row(lane, i);
         };
-        const T* bias_tile = bias_stages + stage * Tr::BIAS_ELEMS;
-        auto bias = [&](int, int, int row, int col) {
-            return to_float(bias_tile[(row - m0) * Tr::BIAS_PITCH + col - n0]);
-        };
-        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord, bias);
+        // The bias tile is [query][key]; read transposed, it lands in S^T's fragments.
+        if (mod.has_bias())
+            scale_add_bias_frags<T, BM, Tr::BIAS_PITCH, true>(st, bias_stages + stage * Tr::BIAS_ELEMS + key0, lane,
+                                                              mod.scale_log2);
+        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
 #pragma unroll
         for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
@@ -265,13 +176,6 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                 prob_and_dscore(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], keep);   // st: P^T, dpt: dS^T
                 if (ATOMIC_DQ) ds_s[row * Tr::DS_PITCH + key0 + frag_row(lane, i)] = from_acc<T>(dpt[n][i]);
             }
-        if (dbias) {
-            const DbiasTurn turn = ordered ? turn_of(step) : DbiasTurn{nullptr, 0};
-            if (ordered) turn.wait_turn();
-            // By four keys only up to head dim 64: at 128 its butterfly spills (255 registers).
-            add_dbias_frags<BM, HEAD <= 64>(p.dbias, dpt, batch, head, m0, n0 + key0, lane, dims);
-            if (ordered) turn.pass_turn();
-        }
         if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
         if (DO_DK) warp_gemm_rn<T, HEAD, BM, P>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
         if (ATOMIC_DQ) {                                         // dQ += scale * dS K
@@ -286,19 +190,18 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                 float part[4][4];
                 zero_frags(part);
                 warp_gemm_nn<T, 32, BN, Tr::DS_PITCH, P>(part, ds_s + strip * 16 * Tr::DS_PITCH, k_s + col0, lane);
+                // Columns col, col + 1 (col even) as one vector reduction: the host pads the
+                // accumulator's rows to an even width, so col < d leaves col + 1 in the row.
 #pragma unroll
-                for (int n = 0; n < 4; ++n)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int col = col0 + frag_col(lane, n, i);
-                        if (col >= dims.d) continue;
-                        if (i < 2 && row_a < rows_valid) atomicAdd(dq_a + col, part[n][i] * scale);
-                        if (i >= 2 && row_b < rows_valid) atomicAdd(dq_b + col, part[n][i] * scale);
-                    }
+                for (int n = 0; n < 4; ++n) {
+                    const int col = col0 + frag_col(lane, n, 0);
+                    if (col >= dims.d) continue;
+                    if (row_a < rows_valid) red_add2(dq_a + col, part[n][0] * scale, part[n][1] * scale);
+                    if (row_b < rows_valid) red_add2(dq_b + col, part[n][2] * scale, part[n][3] * scale);
+                }
             }
         }
         __syncthreads();   // this stage, the row stats and dS are read; the next step may overwrite them
-        pass_skipped(step + 1, next);
         step = next;
         if (Tr::STAGES == 2) stage ^= 1;
         else if (step < n_steps) issue_query_block(step, 0);
@@ -367,10 +270,9 @@ flash_bwd_dq_mma(const BwdParams p) {
             row = m0 + row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        auto bias = [&](int, int, int row, int col) {
-            return to_float(bias_s[(row - m0) * Tr::BIAS_PITCH + col - n0]);
-        };
-        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), coord, bias);
+        if (mod.has_bias())   // this warp's rows of the bias tile
+            scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s, bias_s + row0 * Tr::BIAS_PITCH, lane, mod.scale_log2);
+        apply_score_mod(s, mod, mod.tile_is_partial(m0 + row0, 16, n0, BN), coord);
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll

@@ -12,8 +12,8 @@
 //   O = O / l; lse = (m + log2 l) ln 2
 // Shared memory rows are padded by 16 bytes so the 8 row addresses of an
 // ldmatrix fall in different banks. With EXTRA, each K/V stage has a bias tile
-// (BM x BN) beside it, loaded with it; a lane's C fragment reads its rows at
-// 4-bank offsets (pitch BN + 8), so the 32 lanes hit 32 banks.
+// (BM x BN, pitch BN + 8) beside it, loaded with it, and read into S's fragment
+// layout with ldmatrix (warp_gemm.cuh, scale_add_bias_frags).
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
@@ -124,17 +124,17 @@ flash_fwd_mma(const FwdParams p) {
                                                           k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
         const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
-        const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS;
-        auto bias = [&](int, int, int row, int col) {
-            return to_float(bias_tile[(row - blk.m0) * Tr::BIAS_PITCH + col - n0]);
-        };
+        const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + (warp * Tr::WARP_ROWS) * Tr::BIAS_PITCH;
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             auto coord = [&](int n, int i, int& row, int& col) {
                 row = warp_row0 + 16 * m + frag_row(lane, i);
                 col = n0 + frag_col(lane, n, i);
             };
-            apply_score_mod(s[m], mod, partial, coord, bias);
+            if (mod.has_bias())
+                scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
+                                                                   mod.scale_log2);
+            apply_score_mod(s[m], mod, partial, coord);
             warp_softmax_update<Tr>(s[m], acc_o[m], row_max[m], row_sum[m]);
             apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
         }

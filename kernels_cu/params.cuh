@@ -60,13 +60,17 @@ struct MaskParams {
 
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own
 // broadcast shape (stride 0 along its broadcast axes) in the accumulator type.
-enum DbiasMode { DBIAS_NONE = 0, DBIAS_ADD = 1, DBIAS_ATOMIC = 2, DBIAS_ORDERED = 3 };
+// DBIAS_KERNEL: the tensor-core backward's own dbias kernel (flash_bwd_dbias.cu)
+// forms it; the dK/dV kernels add nothing.
+enum DbiasMode { DBIAS_NONE = 0, DBIAS_ADD = 1, DBIAS_ATOMIC = 2, DBIAS_ORDERED = 3, DBIAS_KERNEL = 4 };
 struct DbiasParams {
     ScoreTensor acc;
     int* order;                // DBIAS_ORDERED: contributions landed so far, per bias tile
     int mode;                  // DbiasMode
     int rows_broadcast;        // the bias has one query row: dS is summed over queries first
     int tiles_b, tiles_h, tiles_i;   // DBIAS_ORDERED: the bias tile grid (1 along broadcast axes)
+    int splits;                // DBIAS_KERNEL: the walk over broadcast axes is cut into this many parts,
+    int64 split_stride;        //   each adding into its own slice of acc, split_stride elements apart
 };
 
 struct FwdParams {

@@ -140,11 +140,6 @@ struct ScoreMod {
         return x;
     }
 
-    // The bias of one element read from global memory (kernels that do not stage it).
-    __device__ __forceinline__ A global_bias(int row, int col) const {
-        return row < lq && col < lk ? A(to_acc(*m.bias.at<T>(batch, head, row, col))) : A(0);
-    }
-
     // Dropout's verdict for one element: keep_scale if kept, 0 if dropped.
     __device__ __forceinline__ A keep(int row, int col) const {
         const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
@@ -161,10 +156,9 @@ struct ScoreMod {
 
 // score() over a register tile s[I][J]; coord(i, j, row, col) names the element's
 // absolute query row and key column (each kernel's fragment layout differs), and
-// bias(i, j, row, col) its bias when the call has one: a kernel that staged the
-// bias tile in shared memory reads it there (the tile was loaded with the K/V or
-// Q/dO tiles, coalesced, its latency hidden); the 4-argument form reads global
-// memory per element. A fully visible tile without a bias only scales.
+// bias(i, j, row, col) its bias when the call has one, from wherever the kernel
+// staged it (the FMA kernels: their P tile in shared memory, loaded with the step's
+// other tiles). A fully visible tile without a bias only scales.
 template <typename Mod, typename A, int I, int J, typename Coord, typename Bias>
 __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bool partial, Coord coord, Bias bias) {
     if (!partial && !mod.has_bias()) {
@@ -185,9 +179,29 @@ __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bo
         }
 }
 
+// The tensor-core kernels' form. Without a bias: score() (no bias term). With one,
+// the caller has already formed x = s * scale + bias * log2(e) (scale_add_bias_frags
+// in warp_gemm.cuh reads the bias 16 columns at a time straight into fragment
+// positions), so only the mask of a partial tile remains.
 template <typename Mod, typename A, int I, int J, typename Coord>
 __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bool partial, Coord coord) {
-    apply_score_mod(s, mod, partial, coord, [&](int, int, int row, int col) { return mod.global_bias(row, col); });
+    const bool scaled = mod.has_bias();
+    if (!partial) {
+        if (!scaled)
+#pragma unroll
+            for (int i = 0; i < I; ++i)
+#pragma unroll
+                for (int j = 0; j < J; ++j) s[i][j] = mod.score(s[i][j], A(0), 0, 0, false);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < I; ++i)
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            int row, col;
+            coord(i, j, row, col);
+            s[i][j] = !mod.allowed(row, col) ? neg_inf<A>() : scaled ? s[i][j] : s[i][j] * mod.scale_log2;
+        }
 }
 
 // Dropout over a register tile of probabilities: p *= keep(row, col). With

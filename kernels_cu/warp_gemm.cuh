@@ -132,6 +132,31 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float
     warp_gemm_strips_rn<T, 1, N, K, PB>(one_strip(acc), reinterpret_cast<const float (&)[1][K / 8][4]>(p), b, lane);
 }
 
+// s = s * scale + bias * log2(e) on one warp's 16 x N fp32 C fragments, the bias a
+// 16 x N tile of 16-bit values, row-major in shared memory with pitch P, read
+// straight into fragment positions: one ldmatrix.x4 per 16 columns (4 registers
+// live) instead of one 2-byte load per element. After ldmatrix.x4 at column group
+// g, r[2h + i / 2] holds elements i, i + 1 (i even) of n8 tile 2g + h. TRANS: the
+// tile is stored transposed, [column][row] (a [query][key] bias read for the S^T
+// fragments of the dK/dV kernel, whose rows are keys): ldmatrix.trans.
+template <typename T, int N, int P, bool TRANS>
+__device__ __forceinline__ void scale_add_bias_frags(float (&s)[N / 8][4], const T* tile, int lane, float scale) {
+    static_assert(N % 16 == 0, "whole 16-column groups");
+    const unsigned addr = TRANS ? bt_lane_addr<T, P>(tile, lane) : a_lane_addr<T, P>(tile, lane);
+    const float log2e = float(LOG2E);
+#pragma unroll
+    for (int g = 0; g < N / 16; ++g) {
+        unsigned r[4];
+        if (TRANS) ldmatrix_x4_trans(r, addr + g * 16 * P * int(sizeof(T)));
+        else ldmatrix_x4(r, addr + g * 16 * int(sizeof(T)));
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                s[2 * g + h][i] = s[2 * g + h][i] * scale + unpack_half<T>(r[2 * h + i / 2], i % 2) * log2e;
+    }
+}
+
 // Row and column (within the 16 x 8n strip) of C-fragment element i of tile n.
 __device__ __forceinline__ int frag_row(int lane, int i) { return lane / 4 + 8 * (i / 2); }
 __device__ __forceinline__ int frag_col(int lane, int n, int i) { return n * 8 + 2 * (lane % 4) + (i % 2); }

@@ -4,6 +4,7 @@ Shared by the GPU test that runs every variant (test_variants_gpu.py) and the CP
 test that checks, through the same selection functions the launcher uses, that
 these problems cover the whole variant table (test_variants.py).
 """
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,8 @@ class Problem:
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
-                                        deterministic=self.deterministic, smem_limit=self.smem_limit)]
+                                        deterministic=self.deterministic, smem_limit=self.smem_limit,
+                                        dbias=self.extra)]   # variant_options() has a bias
 
 
 def variant_options(seed: int) -> dict:
@@ -62,8 +64,9 @@ def problem_for(v: Variant) -> Problem:
     deterministic = v.family.startswith("bwd_dq") or (v.family.startswith("bwd_dkdv") and not v.atomic_dq)
     if v.family == "bwd_convert_dq":
         deterministic = False
-    for limit in sorted(SMEM_LIMITS.values(), reverse=True):
-        p = Problem(v.dtype, d, d, causal, v.extra, backward, deterministic, limit)
+    # A dV-only pass (pass_ 1) never adds dQ itself, but runs in atomic-dQ plans too.
+    for det, limit in itertools.product((deterministic, not deterministic), sorted(SMEM_LIMITS.values(), reverse=True)):
+        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit)
         try:
             if v in p.variants():
                 return p

@@ -94,6 +94,29 @@ def test_bias_tile_paths(dtype, lk):
         assert a.shape == c.shape and bool((a.view(cp.uint8) == c.view(cp.uint8)).all()), name
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 1, 0, 0), (B, 1, 1, 0), (1, HQ, 1, 0), (B, HQ, 0, 0), (B, 1, 0, 0)])
+def test_dbias_kernel_walks(dtype, shape):
+    """The tensor-core backward's dbias kernel (flash_bwd_dbias.cu): one CTA per accumulator
+    tile walks the axes the bias broadcasts along. At L = 720 a (B, 1, L, L) bias has
+    2 x 12 x 12 tiles (one split on an H100: 132 SMs), a one-row bias few tiles and a long
+    walk (cut into slices the host adds). Against the reference; and dbias is bitwise the
+    same on every call, deterministic=True or not (it has no atomics)."""
+    n = 720
+    shape = tuple(x or n for x in shape)
+    rng = np.random.default_rng(sum(shape))
+    opts = dict(bias=rng.standard_normal(shape))
+    check_masked(dtype, B, HQ, HK, n, n, 64, 64, True, 21, opts)
+    (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, n, n, 64, 64)
+    dev = device_options(opts, dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+    first = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, **dev)[3]
+    assert first.shape == shape
+    for _ in range(2):
+        again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, **dev)[3]
+        assert bool((first.view(cp.uint8) == again.view(cp.uint8)).all())
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from(list(DTYPES)), lq=st.integers(1, 200), lk=st.integers(1, 200),
        d=st.sampled_from([8, 16, 32, 64, 80, 128]), causal=st.sampled_from([False, True, "bottom_right"]),
