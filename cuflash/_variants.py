@@ -107,12 +107,16 @@ def smem_limit_for_arch(arch: str) -> int:
 _EXTRA_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
 """Tiles for the EXTRA variants (bias / mask / block sparsity / dropout compiled in) where
 the plain variant's tile would spill with that code on top."""
+_EXTRA_BAND_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
+"""The same for EXTRA variants that also have the band (causal / window) compiled in."""
 
 
-def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False) -> None:
+def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False,
+         band: bool = False) -> None:
+    table = (_EXTRA_BAND_TABLE if band else _EXTRA_TABLE) if extra else _TABLE
     for dtype in dtypes:
         for head in heads:
-            (_EXTRA_TABLE if extra else _TABLE)[(arch, family, dtype, head)] = tiles
+            table[(arch, family, dtype, head)] = tiles
 
 
 _SMALL_BYTES = "99 KB of shared memory (sm_86 / sm_89 / sm_120)"
@@ -136,6 +140,9 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # the plain kernel (237-244 registers at d=64); 128x128 spills at d=32 (300+ bytes): 128x64 there.
 _add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp, as the plain d=64 kernel"),
      extra=True)
+_add("fwd_mma", HALF_TYPES, [64], Tile(128, 32, 4, 2, "with the band too, 64-key tiles spill 4-8 bytes on sm_90 "
+                                                     "(255 registers): 32-key tiles, as the plain d=128 kernel"),
+     extra=True, band=True)
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
      Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
 
@@ -319,6 +326,8 @@ class Variant:
     def tiles(self) -> Tuple[Tile, ...]:
         """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
         key = (self.arch, self.family, self.dtype, self.head)
+        if self.extra and self.band and key in _EXTRA_BAND_TABLE:
+            return _EXTRA_BAND_TABLE[key]
         if self.extra and key in _EXTRA_TABLE:
             return _EXTRA_TABLE[key]
         return _TABLE[key]
@@ -460,7 +469,8 @@ def unsupported(smem_limit: int) -> List[Variant]:
 
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
     """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
-    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE) for key, tiles in table.items() for tile in tiles)
+    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE, _EXTRA_BAND_TABLE) for key, tiles in table.items()
+            for tile in tiles)
 
 
 @contextlib.contextmanager
