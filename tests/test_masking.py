@@ -265,3 +265,30 @@ def test_dbias_modes():
     assert mode((2, 1, 100, 130)) == _masking.DBIAS_ATOMIC
     assert mode((1, 1, 100, 130), det=True) == _masking.DBIAS_ORDERED
     assert mode((2, 4, 100, 1)) == _masking.DBIAS_NONE     # constant along keys: exactly zero
+
+
+@pytest.mark.parametrize("shape, tiles, walk", [
+    ((1, 1, 100, 130), 3 * 2, 2 * 4),       # shared by batch and heads: 3 key x 2 query blocks, walk B x Hq
+    ((2, 4, 100, 130), 3 * 2 * 4 * 2, 1),   # a full bias: one step a tile
+    ((2, 1, 1, 130), 3 * 2, 4 * 2),         # one row per batch: walk heads x query blocks
+    ((1, 4, 100, 130), 3 * 2 * 4, 2),
+])
+@pytest.mark.parametrize("sm_count", [1, 132])
+def test_dbias_kernel_plan(shape, tiles, walk, sm_count, monkeypatch):
+    """The tensor-core dbias kernel's plan (flash_bwd_dbias.cu, DbiasWork): one CTA per
+    accumulator tile and split; splits fill twice the SMs, at most the walk's length and
+    MAX_DBIAS_SPLITS; the slices are summed back into exactly the bias's shape. (NumPy
+    arrays stand in for CuPy's: the device pointer is not needed here.)"""
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(s // x4.itemsize for s in x4.strides))
+    q, k, v, _ = _qkv(b=2, hq=4, hk=2, lq=100, lk=130)
+    p = check_qkv(q, k, v)
+    bias = np.ones(shape)
+    plan = _masking.dbias_plan(p, _masking.Options(bias=bias), False, kernel_tile=(64, 64), sm_count=sm_count)
+    splits = max(1, min(walk, _masking.MAX_DBIAS_SPLITS, -(-2 * sm_count // tiles)))
+    assert plan.splits == splits and plan.grid == tiles * splits
+    assert plan.values[6] == _masking.DBIAS_KERNEL and plan.values[-2] == splits
+    assert plan.acc.shape[0] == splits and plan.acc.shape[-1] == 130
+    assert plan.values[-1] == int(np.prod(plan.acc.shape[1:-1])) * 132   # slice stride: rows padded to 4
+    plan.acc[...] = 1.0
+    got = plan.result(p, _masking.Options(bias=bias))
+    assert got.shape == bias.shape and (got == splits).all()
