@@ -275,7 +275,7 @@ def dbias_mode(p: Problem, own_shape: tuple, deterministic: bool) -> int:
 
 
 def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, kernel_tile=None,
-               sm_count: int = 132) -> DbiasPlan:
+               sm_count: Optional[int] = None) -> DbiasPlan:
     """Where dS is summed for dbias. ``kernel_tile``: the (block_m, block_n) of the
     tensor-core backward's dbias kernel (DBIAS_KERNEL; ``sm_count`` sizes its splits);
     otherwise ``dkdv_tile``, the FMA dK/dV kernel's, which adds dS itself."""
@@ -291,6 +291,8 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
         return DbiasPlan(None, off, ())
     acc_dtype = np.float64 if p.dtype == "float64" else np.float32
     if kernel_tile is not None:
+        if sm_count is None:
+            raise ValueError("the dbias kernel's plan needs the GPU's SM count (it sizes the splits)")
         block_m, block_n = kernel_tile
         q_blocks, k_blocks = -(-p.lq // block_m), -(-p.lk // block_n)
         # The kernel's grid: one CTA per accumulator tile (key block x the axes the bias does not
@@ -300,7 +302,8 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
         splits = max(1, min(walk, MAX_DBIAS_SPLITS, -(-2 * sm_count // tiles)))
         pitch = -(-p.lk // 4) * 4
         slices = xp.zeros((splits, b_, h_, lq_, pitch), dtype=acc_dtype)[..., :p.lk]
-        values = (*score_view(slices[0], p), 0, DBIAS_KERNEL, int(lq_ == 1), b_, h_, 1, splits,
+        # tiles_b/h/i (DBIAS_ORDERED's turn grid) are unused here: the off values.
+        values = (*score_view(slices[0], p), 0, DBIAS_KERNEL, int(lq_ == 1), 1, 1, 1, splits,
                   b_ * h_ * lq_ * pitch)
         return DbiasPlan(slices, values, (slices,), splits=splits, grid=tiles * splits)
     acc = xp.zeros(own, dtype=acc_dtype)
