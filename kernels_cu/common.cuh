@@ -118,6 +118,13 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return addr;
 }
 
+// Two neighbouring floats of shared memory (8-byte aligned) in one 8-byte load.
+struct alignas(8) FloatPair {
+    float v[2];
+    __device__ __forceinline__ float operator[](int i) const { return v[i]; }
+};
+__device__ __forceinline__ FloatPair load_pair(const float* p) { return *reinterpret_cast<const FloatPair*>(p); }
+
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }

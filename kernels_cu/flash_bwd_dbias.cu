@@ -108,7 +108,7 @@ flash_bwd_dbias_mma(const BwdParams p) {
     const DbiasParams& g = p.dbias;
     const DbiasWork w = DbiasWork::from_grid<BM, BN>(g, dims);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, row0 = 16 * warp;
-    ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, w.own_batch, w.own_head);
+    ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), w.own_batch, w.own_head);
 
     auto rows_of = [&](int step) { return imin(BM, dims.lq - w.m0<BM>(step)); };
     auto next_step = [&](int step) {   // the first step >= step whose (query block, key block) tile is visible

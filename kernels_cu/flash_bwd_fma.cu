@@ -225,7 +225,7 @@ flash_bwd_dkdv_fma(const BwdParams p) {
     const int n0 = blk.n0, batch = blk.batch;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const A scale = A(p.scale);
-    ScoreMod<Flags, A, T> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
+    ScoreMod<Flags, A, T> mod(p.mask, dims, acc_param<A>(p.scale_log2, p.scale_log2_f), batch, blk.first_head);
     const bool dbias = Flags::EXTRA && p.dbias.mode != DBIAS_NONE;
     const bool ordered = dbias && p.dbias.mode == DBIAS_ORDERED;
     // Every query block when dbias contributions take turns: each step passes its turn, visible or not.
@@ -309,7 +309,7 @@ flash_bwd_dq_fma(const BwdParams p) {
     const BwdSmem<T, Tr> sm(smem_raw);
     const QueryBlock blk = QueryBlock::from_grid<Tr::BM>(p.dims);
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const ScoreMod<Flags, A, T> mod(p.mask, p.dims, p.scale_log2, blk.batch, blk.head);
+    const ScoreMod<Flags, A, T> mod(p.mask, p.dims, acc_param<A>(p.scale_log2, p.scale_log2_f), blk.batch, blk.head);
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, Tr::BN);
 
     load_query_block<T, Tr>(sm, p, blk.batch, blk.head, blk.m0);

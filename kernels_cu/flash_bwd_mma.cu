@@ -96,7 +96,9 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     const int n0 = blk.n0, kv_head = blk.kv_head, batch = blk.batch, keys_valid = blk.keys;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float scale = float(p.scale);
-    ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
+    ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), batch,
+                                  blk.first_head);
+    const float x_per_s = mod.x_per_score();
 
     load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0, keys_valid);
     cp_async_commit();
@@ -163,7 +165,15 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                                                               mod.scale_log2);
         apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
 #pragma unroll
-        for (int n = 0; n < BM / 8; ++n)
+        for (int n = 0; n < BM / 8; ++n) {
+            // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one
+            // 8-byte load. The EXTRA kernels (251-255 registers) load each stat where it is
+            // used: the pairs' longer live ranges spilled there.
+            FloatPair lse_log2, dsum;
+            if constexpr (!Flags::EXTRA) {
+                lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));
+                dsum = load_pair(dsum_s + frag_col(lane, n, 0));
+            }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = frag_col(lane, n, i);
@@ -173,9 +183,13 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                     coord(n, i, q_row, k_col);
                     keep = mod.keep(q_row, k_col);
                 }
-                prob_and_dscore(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], keep);   // st: P^T, dpt: dS^T
+                if constexpr (Flags::EXTRA)   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
+                    prob_and_dscore(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], keep);   // st: P^T, dpt: dS^T
+                else
+                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
                 if (ATOMIC_DQ) ds_s[row * Tr::DS_PITCH + key0 + frag_row(lane, i)] = from_acc<T>(dpt[n][i]);
             }
+        }
         if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
         if (DO_DK) warp_gemm_rn<T, HEAD, BM, P>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
         if (ATOMIC_DQ) {                                         // dQ += scale * dS K
@@ -239,7 +253,8 @@ flash_bwd_dq_mma(const BwdParams p) {
     const int m0 = blk.m0, head = blk.head, batch = blk.batch, kv_head = blk.kv_head, rows_valid = blk.rows;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = warp * 16;
-    const ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, batch, head);
+    const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), batch, head);
+    const float x_per_s = mod.x_per_score();
 
     load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q, dims.d, do_s, p.dout, dims.dv, batch, head, m0, rows_valid);
     cp_async_commit();
@@ -280,8 +295,8 @@ flash_bwd_dq_mma(const BwdParams p) {
                 const int row = row0 + frag_row(lane, i);
                 float keep0 = 1.0f, keep1 = 1.0f;
                 if (mod.has_dropout()) mod.keep2(m0 + row, n0 + frag_col(lane, n, i), keep0, keep1);
-                prob_and_dscore(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0);
-                prob_and_dscore(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1);
+                prob_and_dscore(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, x_per_s);
+                prob_and_dscore(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1, x_per_s);
             }
         warp_gemm_rn<T, HEAD, BN, P>(acc_dq, dp, k_s, lane);              // dQ += dS K
     }

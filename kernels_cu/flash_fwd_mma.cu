@@ -6,9 +6,11 @@
 //   load Q tile
 //   for each visible K/V tile j (the next one streams in with cp.async meanwhile):
 //       S = Q K_j^T                           (mma.sync, fp32 accumulate)
-//       x = S * scale * log2(e), masked       (score_mod.cuh)
+//       x = S * scale * log2(e), masked       (score_mod.cuh; without a bias the
+//                                              scale folds into the exp2's FFMA)
 //       m_new = max(m, rowmax(x)); P = 2^(x - m_new); l = l * 2^(m - m_new) + rowsum(P)
-//       O = O * 2^(m - m_new) + P V_j         (P stays in registers as the A operand)
+//       O = O * 2^(m - m_new) + P V_j         (P stays in registers as the A operand;
+//                                              m moves lazily: warp_softmax_tile)
 //   O = O / l; lse = (m + log2 l) ln 2
 // Shared memory rows are padded by 16 bytes so the 8 row addresses of an
 // ldmatrix fall in different banks. With EXTRA, each K/V stage has a bias tile
@@ -43,21 +45,63 @@ struct FwdMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Online-softmax step for the two rows this lane holds in one strip (C-fragment rows lane/4 and lane/4 + 8).
-template <typename Tr>
-__device__ __forceinline__ void warp_softmax_update(float (&s)[Tr::S_TILES][4], float (&acc_o)[Tr::O_TILES][4],
-                                                    float (&row_max)[2], float (&row_sum)[2]) {
+// One key tile's online-softmax step for all of this warp's rows: M strips, and
+// in each the two C-fragment rows lane/4 and lane/4 + 8 (held by 4 lanes each).
+// s holds scores with x = s * x_per_s > 0 (raw dot products with the scale
+// folded in here, or x itself with x_per_s = 1); it leaves holding P.
+// Lazy rescaling (softmax.cuh): the reference row_max moves only when some row of
+// the warp would see p > 2^RESCALE_SLACK; otherwise acc_o and row_sum are left as
+// they are, which on long rows skips the rescale on most tiles. The vote keeps
+// the branch uniform across the warp.
+template <typename Tr, int M>
+__device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4], float (&acc_o)[M][Tr::O_TILES][4],
+                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s) {
+    float tile_max[M][2];
+    bool grow = false;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float x[2 * Tr::S_TILES];
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int n = 0; n < Tr::S_TILES; ++n) { x[2 * n] = s[n][2 * r]; x[2 * n + 1] = s[n][2 * r + 1]; }
-        const float correction = softmax_update_row<4>(x, row_max[r], row_sum[r]);
+        for (int r = 0; r < 2; ++r) {
+            float mx = s[m][0][2 * r];
 #pragma unroll
-        for (int n = 0; n < Tr::S_TILES; ++n) { s[n][2 * r] = x[2 * n]; s[n][2 * r + 1] = x[2 * n + 1]; }
+            for (int n = 0; n < Tr::S_TILES; ++n) mx = amax(mx, amax(s[m][n][2 * r], s[m][n][2 * r + 1]));
+            tile_max[m][r] = group_max<4>(mx) * x_per_s;   // x_per_s > 0 commutes with max; -inf stays -inf
+            grow |= tile_max[m][r] > row_max[m][r] + RESCALE_SLACK;
+        }
+    if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
-        for (int t = 0; t < Tr::O_TILES; ++t) { acc_o[t][2 * r] *= correction; acc_o[t][2 * r + 1] *= correction; }
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float new_max = amax(row_max[m][r], tile_max[m][r]);
+                // A row that has allowed nothing yet has max -inf; subtracting 0 instead
+                // keeps every factor at exactly 0 rather than NaN (-inf - -inf).
+                const float correction = fast_exp2(row_max[m][r] - (new_max == neg_inf<float>() ? 0.0f : new_max));
+                row_max[m][r] = new_max;
+                row_sum[m][r] *= correction;
+#pragma unroll
+                for (int t = 0; t < Tr::O_TILES; ++t) {
+                    acc_o[m][t][2 * r] *= correction;
+                    acc_o[m][t][2 * r + 1] *= correction;
+                }
+            }
     }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // row_max = -inf here means the tile has nothing visible in this row either.
+            const float ref = row_max[m][r] == neg_inf<float>() ? 0.0f : row_max[m][r];
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < Tr::S_TILES; ++n)
+#pragma unroll
+                for (int i = 2 * r; i < 2 * r + 2; ++i) {
+                    s[m][n][i] = fast_exp2(s[m][n][i] * x_per_s - ref);   // one FFMA + MUFU.EX2
+                    tile_sum += s[m][n][i];
+                }
+            row_sum[m][r] += tile_sum;
+        }
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
@@ -75,7 +119,9 @@ flash_fwd_mma(const FwdParams p) {
     const AttnDims& dims = p.dims;
     const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const ScoreMod<Flags, float, T> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
+                                        blk.head);
+    const float x_per_s = mod.x_per_score();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
     auto load_kv = [&](int j, int stage) {
@@ -125,19 +171,24 @@ flash_fwd_mma(const FwdParams p) {
         const int n0 = j * BN;
         const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
         const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + (warp * Tr::WARP_ROWS) * Tr::BIAS_PITCH;
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            auto coord = [&](int n, int i, int& row, int& col) {
+        // The absolute (query, key) of element i of n8 tile n in strip m.
+        auto strip_coord = [=](int m) {
+            return [=](int n, int i, int& row, int& col) {
                 row = warp_row0 + 16 * m + frag_row(lane, i);
                 col = n0 + frag_col(lane, n, i);
             };
+        };
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
             if (mod.has_bias())
                 scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
                                                                    mod.scale_log2);
-            apply_score_mod(s[m], mod, partial, coord);
-            warp_softmax_update<Tr>(s[m], acc_o[m], row_max[m], row_sum[m]);
-            apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
+            apply_score_mod(s[m], mod, partial, strip_coord(m));
         }
+        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s);
+#pragma unroll
+        for (int m = 0; m < M; ++m) apply_dropout<true>(s[m], mod, strip_coord(m));   // after the statistics:
+                                                                                       // row_sum counts every key
         warp_gemm_strips_rn<T, M, HEAD, BN, P>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;

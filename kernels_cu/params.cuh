@@ -80,6 +80,7 @@ struct FwdParams {
     AttnDims dims;
     MaskParams mask;
     double scale_log2;   // scale * log2(e), folded once on the host
+    float scale_log2_f;  // scale_log2 in float (see acc_param)
 };
 
 struct BwdParams {
@@ -91,7 +92,18 @@ struct BwdParams {
     MaskParams mask;
     DbiasParams dbias;
     double scale, scale_log2;
+    float scale_log2_f;             // scale_log2 in float (see acc_param)
 };
+
+// A scale in the accumulator's precision. The host writes each scale as double
+// and as float, so a float kernel reads its copy straight from the parameter
+// bank: converting the double in the kernel put an F2F.F32.F64 inside the key
+// loop (ptxas re-reads the parameter rather than hold a register).
+template <typename A>
+__device__ __forceinline__ A acc_param(double as_double, float as_float) {
+    if constexpr (sizeof(A) == sizeof(double)) return as_double;
+    else return as_float;
+}
 
 // A kernel's compile-time tile configuration, exactly as the variant table
 // (cuflash/_variants.py) chose it: head-dim bucket, BM query rows x BN keys per

@@ -3,8 +3,9 @@
 //
 // Scores enter as raw dot products q.k and leave in log2 units,
 //     x = (s * scale + bias) * log2(e)   (scale * log2(e) folded once, on the host)
-// with x = -inf where query `row` may not attend key `col`. Every kernel, forward
-// and backward, tensor-core and FMA, goes through this header:
+// with x = -inf where query `row` may not attend key `col` (the tensor-core kernels
+// may leave the factor scale * log2(e) to the softmax's FFMA: scores_stay_raw).
+// Every kernel, forward and backward, tensor-core and FMA, goes through this header:
 //   per tile:    key_tiles(rows)    the key tiles a block of query rows must visit
 //                query_tiles(cols)  the query tiles a block of keys must visit (dK/dV)
 //                classify           TILE_SKIP (nothing visible: never loaded),
@@ -55,11 +56,24 @@ struct ScoreMod {
     int batch, head;   // whose scores these are (bias, mask, layout and dropout read them)
     const MaskParams& m;
 
-    __device__ __forceinline__ ScoreMod(const MaskParams& m_, const AttnDims& dims, double scale_log2_, int batch_,
+    // scale_log2_: the params' scale_log2 in the accumulator's precision (acc_param).
+    __device__ __forceinline__ ScoreMod(const MaskParams& m_, const AttnDims& dims, A scale_log2_, int batch_,
                                         int head_)
-        : lq(dims.lq), lk(dims.lk), scale_log2(A(scale_log2_)), batch(batch_), head(head_), m(m_) {}
+        : lq(dims.lq), lk(dims.lk), scale_log2(scale_log2_), batch(batch_), head(head_), m(m_) {}
 
     __device__ __forceinline__ bool has_bias() const { return Flags::EXTRA && m.bias.ptr != nullptr; }
+
+    // The tensor-core kernels leave scores as raw dot products when they can and
+    // fold the scale into the exponential's FFMA, 2^(s * scale_log2 - ref) (one
+    // instruction a score fewer). That needs a positive, normal scale: it commutes
+    // with the row max and keeps a masked -inf at -inf, where zero or a negative
+    // scale would not. Not with EXTRA: a biased score is formed as x already, and
+    // the EXTRA kernels (251-255 registers) spilled with both forms compiled in.
+    __device__ __forceinline__ bool scores_stay_raw() const {
+        return !Flags::EXTRA && scale_log2 >= A(1.17549435e-38f);   // FLT_MIN
+    }
+    // The factor the softmax still applies to apply_score_mod's output (x_per_s).
+    __device__ __forceinline__ A x_per_score() const { return scores_stay_raw() ? scale_log2 : A(1); }
     __device__ __forceinline__ bool has_dropout() const { return Flags::EXTRA && m.drop_threshold != 0u; }
 
     __device__ __forceinline__ bool in_band(int row, int col) const {
@@ -179,13 +193,14 @@ __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bo
         }
 }
 
-// The tensor-core kernels' form. Without a bias: score() (no bias term). With one,
-// the caller has already formed x = s * scale + bias * log2(e) (scale_add_bias_frags
-// in warp_gemm.cuh reads the bias 16 columns at a time straight into fragment
-// positions), so only the mask of a partial tile remains.
+// The tensor-core kernels' form. The caller has either formed x already (with a
+// bias: scale_add_bias_frags in warp_gemm.cuh reads the bias 16 columns at a time
+// straight into fragment positions) or keeps raw dot products (scores_stay_raw);
+// otherwise the scores are scaled here. A partial tile's masked scores become
+// -inf in whichever units the tile holds.
 template <typename Mod, typename A, int I, int J, typename Coord>
 __device__ __forceinline__ void apply_score_mod(A (&s)[I][J], const Mod& mod, bool partial, Coord coord) {
-    const bool scaled = mod.has_bias();
+    const bool scaled = mod.has_bias() || mod.scores_stay_raw();   // nothing to multiply here
     if (!partial) {
         if (!scaled)
 #pragma unroll

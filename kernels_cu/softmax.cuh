@@ -6,12 +6,19 @@
 //     row_sum = sum over seen keys of 2^(x - row_max)   (this thread's part)
 //     acc_o   = sum over seen keys of 2^(x - row_max) * v
 // so out = acc_o / row_sum and lse = (row_max + log2(row_sum)) * ln 2 at the end.
+// The tensor-core forward relaxes the first line (lazy rescaling): row_max is any
+// reference with max x - RESCALE_SLACK <= row_max <= max x, moved only when a
+// tile's max exceeds it by more than RESCALE_SLACK; the other two lines and the
+// results hold for any such reference, and p = 2^(x - row_max) <= 2^RESCALE_SLACK
+// stays far from overflow in fp32, fp16 and bf16.
 // The backward recomputes P = 2^(x - lse * log2 e) from the saved lse.
 // GROUP consecutive lanes hold pieces of the same row; row_max is kept equal
 // across them, row_sum is reduced only once, in finalize.
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
+
+constexpr float RESCALE_SLACK = 8.0f;
 
 // Fold the tile's scores x (already scaled and masked) into the row state.
 // x is overwritten with p = 2^(s - row_max_new). Returns the factor
@@ -56,13 +63,16 @@ __device__ __forceinline__ A lse_to_log2(A lse) {
 }
 
 // P = 2^(x - lse_log2) and dS = P (dP - Dsum), in place: the backward's two
-// elementwise steps for one score. With dropout, keep is the forward's verdict
-// for this element (keep_scale or 0): the forward multiplied V by keep * P, so
-// dV takes keep * P and dS = P (keep * dP - Dsum). Without, keep = 1 folds away.
+// elementwise steps for one score, x = s * x_per_s (x_per_s = ScoreMod::x_per_score:
+// the scale where the scores stayed raw dot products, one FFMA with the subtraction;
+// else 1). With dropout, keep is the forward's verdict for this element (keep_scale
+// or 0): the forward multiplied V by keep * P, so dV takes keep * P and
+// dS = P (keep * dP - Dsum). Without, keep = 1 folds away.
 template <typename A>
-__device__ __forceinline__ void prob_and_dscore(A& x_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep = A(1)) {
-    const A p = fast_exp2(x_to_p - lse_log2);
-    x_to_p = p * keep;
+__device__ __forceinline__ void prob_and_dscore(A& s_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep = A(1),
+                                                A x_per_s = A(1)) {
+    const A p = fast_exp2(s_to_p * x_per_s - lse_log2);
+    s_to_p = p * keep;
     dp_to_ds = p * (dp_to_ds * keep - dsum);
 }
 
