@@ -56,11 +56,19 @@ def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int
     get_kernel(variant)((grid or variant.grid(*dims),), (threads,), (params,), shared_mem=smem)
 
 
+def scale_folds(scale: float) -> bool:
+    """Whether the plain kernels can take ``scale``: they fold ``scale * log2(e)`` (as float32)
+    into the exponential, which needs it positive and normal (``ScoreMod::scores_stay_raw`` in
+    kernels_cu/score_mod.cuh). Any other scale runs on the EXTRA variant, which scales first."""
+    return _params.as_float32(scale * _params.LOG2E) >= float(np.finfo(np.float32).tiny)
+
+
 def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, group: int) -> None:
     """Run the forward kernel on 4-D views ``(B, H, L, D)`` (last axis unit-stride) into
     ``out`` and ``lse``; ``masking`` is the call's :class:`cuflash._masking.KernelMasking`."""
     d, dv = q.shape[3], v.shape[3]
-    variant = forward_variant(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=masking.extra,
+    extra = masking.extra or not scale_folds(scale)
+    variant = forward_variant(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=extra,
                               vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]))
@@ -78,7 +86,8 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     b, hq, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     acc_dtype = np.float64 if dtype == "float64" else np.float32
-    plan = backward_variants(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=masking.extra,
+    extra = masking.extra or not scale_folds(scale)
+    plan = backward_variants(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=extra,
                              vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
                              smem_limit=_smem_limit(), dbias=dbias_plan is not None)
     dbias = None

@@ -99,7 +99,7 @@ MASK_OFF = (0, 0, 1, 1) + (0,) * 15 + (0, 0, 0, 1.0)
 DBIAS_OFF = (0,) * 5 + (0, 0, 0, 1, 1, 1, 1, 0)
 
 
-def _as_float32(x: float) -> float:
+def as_float32(x: float) -> float:
     """``x`` rounded to float32, the kernels' float copy of a scale (beyond float32's
     range: +-inf, what converting in the kernel gave; ``struct`` would raise)."""
     with np.errstate(over="ignore"):
@@ -112,7 +112,7 @@ def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MAS
     bytes (``.view(STRUCTS["FwdParams"])`` shows the fields)."""
     b, hq, lq, d = q.shape
     values = (*view(q), *view(k), *view(v), *view(out), *view(lse),
-              b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, scale * LOG2E, _as_float32(scale * LOG2E))
+              b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, scale * LOG2E, as_float32(scale * LOG2E))
     return np.frombuffer(_PACK["FwdParams"].pack(*values), dtype=_OPAQUE["FwdParams"])
 
 
@@ -122,7 +122,7 @@ def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int,
     b, hq, lq, d = q.shape
     views = (view(x) if x is not None else _NO_VIEW for x in (q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv))
     values = (*(f for vw in views for f in vw), b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, *dbias,
-              scale, scale * LOG2E, _as_float32(scale * LOG2E))
+              scale, scale * LOG2E, as_float32(scale * LOG2E))
     return np.frombuffer(_PACK["BwdParams"].pack(*values), dtype=_OPAQUE["BwdParams"])
 
 

@@ -63,17 +63,18 @@ struct ScoreMod {
 
     __device__ __forceinline__ bool has_bias() const { return Flags::EXTRA && m.bias.ptr != nullptr; }
 
-    // The tensor-core kernels leave scores as raw dot products when they can and
-    // fold the scale into the exponential's FFMA, 2^(s * scale_log2 - ref) (one
-    // instruction a score fewer). That needs a positive, normal scale: it commutes
+    // The plain tensor-core kernels leave scores as raw dot products and fold the
+    // scale into the exponential's FFMA, 2^(s * scale_log2 - ref) (one instruction
+    // a score fewer). That needs a positive, normal float scale_log2: it commutes
     // with the row max and keeps a masked -inf at -inf, where zero or a negative
-    // scale would not. Not with EXTRA: a biased score is formed as x already, and
-    // the EXTRA kernels (251-255 registers) spilled with both forms compiled in.
-    __device__ __forceinline__ bool scores_stay_raw() const {
-        return !Flags::EXTRA && scale_log2 >= A(1.17549435e-38f);   // FLT_MIN
-    }
+    // scale would not; the host launches the EXTRA variant for any other scale
+    // (cuflash/_launch.py, scale_folds). The EXTRA kernels form x themselves (a
+    // biased score is x already, and at 251-255 registers they spilled with both
+    // forms compiled in).
+    __device__ __forceinline__ static constexpr bool scores_stay_raw() { return !Flags::EXTRA; }
     // The factor the softmax still applies to apply_score_mod's output (x_per_s).
     __device__ __forceinline__ A x_per_score() const { return scores_stay_raw() ? scale_log2 : A(1); }
+
     __device__ __forceinline__ bool has_dropout() const { return Flags::EXTRA && m.drop_threshold != 0u; }
 
     __device__ __forceinline__ bool in_band(int row, int col) const {

@@ -102,16 +102,18 @@ def host_options(options: dict, dtype: str) -> dict:
     return host
 
 
-def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, deterministic=False):
+def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, deterministic=False, scale=None):
     """Forward and backward with masking options (bias, mask, window, dropout_p/seed,
-    block_layout) against the exact reference under the error rule; dbias too."""
+    block_layout) against the exact reference under the error rule; dbias too.
+    ``scale`` None: the default 1 / sqrt(d)."""
     cp = _cupy()
     rng = np.random.default_rng(seed)
     (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv)
     dev, host = device_options(options, dtype), host_options(options, dtype)
-    scale = 1 / np.sqrt(d)
-    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, **dev)
-    grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=deterministic, **dev)
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, scale=scale, **dev)
+    grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, scale=scale,
+                                       deterministic=deterministic, **dev)
     opts = dict(causal=causal, scale=scale, **host)
     ref_out, ref = exact(q, k, v, do, dtype=dtype, **opts)
     naive_out, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)

@@ -63,4 +63,16 @@ def test_fwd_params_fields():
     assert int(p["mask"]["drop_threshold"][0]) == 123 and int(p["mask"]["seed_lo"][0]) == 0xDEADBEEF
     assert int(p["mask"]["seed_hi"][0]) == 7 and float(p["mask"]["keep_scale"][0]) == 1.0
     assert float(p["scale_log2"][0]) == pytest.approx(0.125 * np.log2(np.e), rel=1e-15)
+    assert p["scale_log2_f"][0] == np.float32(0.125 * np.log2(np.e))
     assert int(p["k"]["head_stride"][0]) == 768
+
+
+@pytest.mark.parametrize("scale,folds", [(0.125, True), (3e-38, True), (1e-38, True), (5e-39, False), (0.0, False),
+                                         (-0.3, False), (1e300, True)])
+def test_scale_folds(scale, folds):
+    """The plain kernels fold scale * log2(e) as float32 into the exponential: positive and
+    normal only; any other scale is sent to the EXTRA variants (_launch.scale_folds)."""
+    from cuflash._launch import scale_folds
+
+    assert scale_folds(scale) == folds
+    assert _params.as_float32(1e300) == np.inf   # out of float32's range: inf, as the kernel's own conversion gave
