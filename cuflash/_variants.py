@@ -158,14 +158,15 @@ _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key ti
 
 # fp64 tensor-core forward (mma.sync m8n8k4): each warp owns block_m / warps query rows in 8-row
 # tiles (two or more: every K / V fragment a warp loads feeds that many MMAs; an 8-byte load by a
-# warp costs about what one m8n8k4 does, warp_gemm_f64.cuh). With 4 warps, registers (~180-255:
+# warp costs about what one m8n8k4 does, warp_gemm_f64.cuh). With 4 warps, registers (140-250:
 # ptxas hoists fragment loads as far as the budget allows) allow two CTAs an SM, so a tile of
-# <= 113 KB runs 8 warps an SM. Registers and spills from the offline compile (sm_80 / sm_90,
-# 2026-11-24); NOT yet timed on a GPU: benchmarks/tune_fwd.py --dtype float64 compares tiles.
-#   d=32:  128x32/4w (4 row tiles a warp) 224-240 regs, 71 KB; 128x64 spills 64-550 bytes.
-#   d=64:  64x32/4w 178-196 regs, 101 KB; 128x32/4w 252 regs plain but spills with EXTRA or band.
-#   d=128: 64x32/4w 240-254 regs, 197 KB (one CTA an SM; so is 64x16: 131 KB).
-#   d=256: 32x16/4w (one row tile a warp: acc_o alone is 128 registers) 214-240 regs, 195 KB.
+# <= 113 KB runs 8 warps an SM. Registers of the plain / band kernels from the offline compile
+# (sm_80 / sm_90, every flag, 0 spills); NOT yet timed on a GPU: benchmarks/tune_fwd.py --dtype
+# float64 compares tiles against the FMA kernel.
+#   d=32:  128x32/4w (four 8-row tiles a warp) 214-230 regs, 71 KB; 128x64 spills 64-550 bytes.
+#   d=64:  64x32/4w 174-196 regs, 101 KB; 128x32/4w fits plain (252) but spills with EXTRA or band.
+#   d=128: 64x32/4w 238-242 regs, 197 KB (one CTA an SM; so is 64x16: 131 KB).
+#   d=256: 32x16/4w (one row tile a warp: acc_o alone is 128 registers) 230-250 regs, 195 KB.
 _add("fwd_dmma", ["float64"], [32], Tile(128, 32, 4, 2, "four 8-row tiles a warp (half the shared loads per MMA "
                                                         "of two); 71 KB, two CTAs an SM by registers"))
 _add("fwd_dmma", ["float64"], [64], Tile(64, 32, 4, 2, "two 8-row tiles a warp, 101 KB: two CTAs an SM; four tiles "

@@ -55,6 +55,10 @@ __device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES]
                                                         double& row_max, double& row_sum) {
     double (&x)[2 * Tr::S_TILES] = reinterpret_cast<double (&)[2 * Tr::S_TILES]>(s);
     const double correction = softmax_update_row<4>(x, row_max, row_sum);
+    // Once a few tiles are in, row maxima rarely move and the correction is exactly 2^0 = 1:
+    // skip the 2 O_TILES fp64 multiplies (fp64 CUDA-core work is the softmax's cost here) when
+    // no row of the warp needs them.
+    if (__all_sync(0xffffffffu, correction == 1.0)) return;
 #pragma unroll
     for (int t = 0; t < Tr::O_TILES; ++t) {
         acc_o[t][0] *= correction;
