@@ -8,7 +8,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from . import _params
-from ._variants import Variant, backward_variants, forward_variant, head_bucket
+from ._variants import Variant, backward_variants, forward_variant, head_bucket, vec_chunk
 
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -36,9 +36,11 @@ def _smem_limit() -> int:
 
 
 def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
-    """16-byte cp.async loads: 8-element rows, 16-byte aligned base and row stride."""
-    return (d % 8 == 0 and dv % 8 == 0
-            and all(x.data.ptr % 16 == 0 and (x.strides[2] // x.itemsize) % 8 == 0 for x in arrays))
+    """16-byte cp.async loads: rows of whole 16-byte chunks (8 16-bit or 2 fp64 elements, ``vec_chunk``),
+    16-byte aligned base and row stride."""
+    chunk = vec_chunk(arrays[0].itemsize)
+    return (d % chunk == 0 and dv % chunk == 0
+            and all(x.data.ptr % 16 == 0 and (x.strides[2] // x.itemsize) % chunk == 0 for x in arrays))
 
 
 @functools.lru_cache(maxsize=None)

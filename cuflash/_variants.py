@@ -15,7 +15,8 @@ Kernel families (``kernels_cu/`` entry files):
 family              entry                   what
 ==================  ======================  ==========================================
 fwd_mma             flash_fwd_mma.cu        forward, float16/bfloat16, mma.sync
-fwd_fma             flash_fwd_fma.cu        forward, float32/float64, CUDA-core FMA
+fwd_dmma            flash_fwd_dmma.cu       forward, float64, mma.sync m8n8k4 (fp64 tensor cores)
+fwd_fma             flash_fwd_fma.cu        forward, float32, CUDA-core FMA
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
 bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
@@ -152,15 +153,39 @@ _add("fwd_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "4x4 scores per thread
 _SMALL = "fits " + _SMALL_BYTES
 _add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "113 KB shared"), Tile(32, 64, 8, 1, _SMALL))
 _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key tiles"), Tile(16, 32, 8, 1, _SMALL))
-_add("fwd_fma", ["float64"], [32], Tile(64, 64, 8, 1, "66 KB shared"))
-_add("fwd_fma", ["float64"], [64], Tile(64, 64, 8, 1, "130 KB shared"), Tile(32, 64, 8, 1, _SMALL))
-_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "105 KB shared (64-row tiles would not fit): two CTAs an SM "
-                                                      "when registers stay <= 128", ctas=2),
-     Tile(16, 32, 8, 1, _SMALL))
-_add("fwd_fma", ["float64"], [128], Tile(32, 32, 8, 1, "EXTRA spills 24 bytes under two CTAs' 128 registers: one"),
-     Tile(16, 32, 8, 1, _SMALL), extra=True)
-_add("fwd_fma", ["float64"], [256], Tile(32, 32, 8, 1, "201 KB shared, under the 227 KB limit"),
-     Tile(16, 16, 8, 1, "98 KB shared: the A100 and " + _SMALL))
+# (float64 forwards run on the fp64 tensor cores below; fwd_fma compiles for double too, and
+# forward_variant falls back to it for any head bucket that has no fwd_dmma entry.)
+
+# fp64 tensor-core forward (mma.sync m8n8k4): each warp owns block_m / warps query rows in 8-row
+# tiles (two or more: every K / V fragment a warp loads feeds that many MMAs; an 8-byte load by a
+# warp costs about what one m8n8k4 does, warp_gemm_f64.cuh). With 4 warps, registers (140-250:
+# ptxas hoists fragment loads as far as the budget allows) allow two CTAs an SM, so a tile of
+# <= 113 KB runs 8 warps an SM. Registers of the plain / band kernels from the offline compile
+# (sm_80 / sm_90, every flag, 0 spills); NOT yet timed on a GPU: benchmarks/tune_fwd.py --dtype
+# float64 compares tiles against the FMA kernel.
+#   d=32:  128x32/4w (four 8-row tiles a warp) 214-230 regs, 71 KB; 128x64 spills 64-550 bytes.
+#   d=64:  64x32/4w 174-196 regs, 101 KB; 128x32/4w fits plain (252) but spills with EXTRA or band.
+#   d=128: 64x32/4w 238-242 regs, 197 KB (one CTA an SM; so is 64x16: 131 KB).
+#   d=256: 32x16/4w (one row tile a warp: acc_o alone is 128 registers) 230-250 regs, 195 KB.
+_add("fwd_dmma", ["float64"], [32], Tile(128, 32, 4, 2, "four 8-row tiles a warp (half the shared loads per MMA "
+                                                        "of two); 71 KB, two CTAs an SM by registers"))
+_add("fwd_dmma", ["float64"], [64], Tile(64, 32, 4, 2, "two 8-row tiles a warp, 101 KB: two CTAs an SM; four tiles "
+                                                       "spill with EXTRA or the band"),
+     Tile(64, 16, 4, 2, "16-key tiles: 69 KB, " + _SMALL))
+_add("fwd_dmma", ["float64"], [128], Tile(64, 32, 4, 2, "two 8-row tiles a warp, 197 KB (one CTA an SM)"),
+     Tile(64, 16, 4, 2, "16-key tiles: 131 KB, the A100"), Tile(32, 16, 2, 2, "two warps: 99 KB, " + _SMALL))
+_add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "acc_o alone is 128 registers: one 8-row tile a warp; 195 KB"),
+     Tile(32, 8, 4, 2, "8-key tiles: 133 KB, the A100"), Tile(8, 8, 1, 2, "one warp: 83 KB, " + _SMALL))
+# With EXTRA each stage also holds a BM x BN fp64 bias tile: smaller tiles keep two CTAs an SM.
+_add("fwd_dmma", ["float64"], [32], Tile(64, 32, 4, 2, "the bias stages: 95 KB at 64 rows (two CTAs an SM; 128 rows: "
+                                                       "151 KB, one)"), extra=True)
+_add("fwd_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "the bias stages: 94 KB with 16-key tiles (two CTAs an SM; "
+                                                       "32 keys: 141 KB, one)"), extra=True)
+_add("fwd_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 156 KB with 16-key tiles (32 keys: 237 KB "
+                                                        "exceed 227)"),
+     Tile(32, 8, 2, 2, "two warps, 8-key tiles: 71 KB, " + _SMALL), extra=True)
+_add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "the bias stages: 207 KB"),
+     Tile(32, 8, 4, 2, "8-key tiles: 137 KB, the A100"), Tile(8, 8, 1, 2, "one warp: 84 KB, " + _SMALL), extra=True)
 
 # Tensor-core backward: 4 warps; dK/dV CTAs own 64 keys (16 per warp) and step
 # over 64 query rows with Q/dO double-buffered. benchmarks/tune_bwd.py, H100,
@@ -227,6 +252,15 @@ def _smem_fwd_mma(v: "Variant") -> int:
     return ((t.block_m + 2 * t.stages * t.block_n) * _pitch_mma(v.head) + bias) * ITEMSIZE[v.dtype]
 
 
+def _smem_fwd_dmma(v: "Variant") -> int:
+    # Pitches in doubles (flash_fwd_dmma.cu, warp_gemm_f64.cuh): Q and K rows head + 4, V rows
+    # head + 2, bias rows = 8 (mod 16); Q once, K, V (and with EXTRA the bias) per stage.
+    t = v.tile
+    bias = t.block_m * (t.block_n // 16 * 16 + 8) if v.extra else 0
+    stage = t.block_n * (v.head + 4) + t.block_n * (v.head + 2) + bias
+    return (t.block_m * (v.head + 4) + t.stages * stage) * ITEMSIZE[v.dtype]
+
+
 def _smem_fwd_fma(v: "Variant") -> int:
     t, qk_pitch = v.tile, v.head + 1
     elems = t.block_m * qk_pitch + t.block_n * qk_pitch + t.block_n * v.head + t.block_m * (t.block_n + 1)
@@ -274,12 +308,13 @@ class Family:
     smem: Callable[["Variant"], int] = field(compare=False)
 
 
-FAMILY_WHAT = {"fwd_mma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
+FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
                "bwd_dq_fma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
 
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
+    "fwd_dmma": Family("flash_fwd_dmma", "flash_fwd_dmma.cu", ("mask", "vec"), "q", _smem_fwd_dmma),
     "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),
     "bwd_dsum": Family("flash_bwd_dsum", "flash_bwd_aux.cu", (), "q", lambda v: 0),
     "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
@@ -402,6 +437,8 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     """The forward kernel for one call on a GPU allowing ``smem_limit`` bytes of shared memory per block."""
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
+    if ("sm80", "fwd_dmma", dtype, head) in _TABLE:
+        return Variant("fwd_dmma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
     return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
 
 
@@ -434,9 +471,14 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
     return plan
 
 
+def vec_chunk(itemsize: int) -> int:
+    """Elements in one 16-byte ``cp.async`` chunk (tile_io.cuh): rows of 16-byte loads hold a multiple of this."""
+    return 16 // itemsize
+
+
 def vec_choices(dtype: str) -> Tuple[bool, ...]:
-    """16-byte loads exist for the tensor-core kernels only."""
-    return (False, True) if dtype in HALF_TYPES else (False,)
+    """16-byte loads exist for the tensor-core kernels only (16-bit, and the float64 forward)."""
+    return (False, True) if dtype in HALF_TYPES or dtype == "float64" else (False,)
 
 
 def all_variants() -> List[Variant]:

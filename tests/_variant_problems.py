@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cuflash._variants import SMEM_LIMITS, SMEM_MAX, Variant, backward_variants, forward_variant, head_bucket
+from cuflash._variants import (ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, backward_variants, forward_variant,
+                               head_bucket, vec_chunk)
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
@@ -29,8 +30,9 @@ class Problem:
 
     @property
     def vec(self) -> bool:
-        """What the launcher decides for contiguous inputs of these head dims."""
-        return self.d % 8 == 0 and self.dv % 8 == 0
+        """What the launcher decides for contiguous inputs of these head dims (_launch.vec_loads_ok)."""
+        chunk = vec_chunk(ITEMSIZE[self.dtype])
+        return self.d % chunk == 0 and self.dv % chunk == 0
 
     def variants(self) -> list:
         """The variants a call with this problem launches (the launcher's own selection)."""

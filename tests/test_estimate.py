@@ -47,8 +47,8 @@ def test_causal_visits_about_half_and_gqa_reads_fewer_kv_bytes():
 
 
 def test_smaller_gpus_get_their_own_tiles():
-    assert cuflash.estimate(lq=64, lk=64, d=256, dtype="float64", gpu="sm90").block_m == 32
-    assert cuflash.estimate(lq=64, lk=64, d=256, dtype="float64", gpu="sm86").block_m == 16
+    tiles = {gpu: cuflash.estimate(lq=64, lk=64, d=256, dtype="float64", gpu=gpu) for gpu in ("sm90", "sm80", "sm86")}
+    assert [(t.block_m, t.block_n) for t in tiles.values()] == [(32, 16), (32, 8), (8, 8)]
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(dtype="int8"), "dtype"), (dict(gpu="sm70"), "gpu"),

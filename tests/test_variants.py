@@ -59,7 +59,11 @@ def test_gpu_problem_runs_the_variant(variant):
 
 def test_selection_rules():
     assert V.forward_variant("float16", 64, band=True, vec=True).family == "fwd_mma"
-    assert V.forward_variant("float64", 64, band=True, vec=True) == V.Variant("fwd_fma", "float64", 64, band=True)
+    for head in V.HEAD_BUCKETS:   # float64 on the fp64 tensor cores, float32 on FMA
+        assert V.forward_variant("float64", head, band=True, vec=True) == V.Variant("fwd_dmma", "float64", head,
+                                                                                    band=True, vec=True)
+        assert V.forward_variant("float32", head, band=True, vec=True) == V.Variant("fwd_fma", "float32", head,
+                                                                                    band=True)
     plan = V.backward_variants("bfloat16", 128, band=False, vec=True, deterministic=False)
     assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
         ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, True), ("bwd_convert_dq", 0, False)]

@@ -1,0 +1,172 @@
+// flash_fwd_dmma.cu -- forward attention on fp64 tensor cores (float64).
+//
+// flash_fwd_mma.cu's algorithm with mma.sync m8n8k4 in fp64 (sm_80+), fp64
+// accumulators and an fp64 online softmax. One CTA per (query block, head, batch);
+// each of the WARPS warps owns M_TILES x 8 query rows (M_TILES m8 row tiles), so a
+// row's softmax never leaves its warp (4 lanes hold a row), and each K / V
+// fragment a warp loads feeds M_TILES MMAs.
+//   load Q tile
+//   for each visible K/V tile j (the next one streams in with cp.async meanwhile):
+//       S = Q K_j^T                           (warp_gemm_nt_f64)
+//       x = S * scale * log2(e), masked       (score_mod.cuh)
+//       m_new = max(m, rowmax(x)); P = 2^(x - m_new); l = l * 2^(m - m_new) + rowsum(P)
+//       O = O * 2^(m - m_new) + P V_j         (P stays in registers: warp_gemm_rn_f64)
+//   O = O / l; lse = (m + log2 l) ln 2
+// Shared-memory pitches (warp_gemm_f64.cuh explains the bank arithmetic): Q and K
+// rows head + 4 doubles (their fragments read row g, column t), V rows head + 2
+// (read row 2t + s, column g). With EXTRA, each K/V stage has a bias tile (BM x BN,
+// pitch = 8 mod 16) beside it, read two neighbouring scores at a time.
+#include "common.cuh"
+#include "params.cuh"
+#include "mma.cuh"
+#include "warp_gemm_f64.cuh"
+#include "tile_io.cuh"
+#include "softmax.cuh"
+#include "score_mod.cuh"
+
+template <typename Cfg, bool EXTRA>
+struct FwdDmmaTraits {
+    static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int M_TILES = BM / (8 * WARPS);   // 8-row tiles per warp
+    static constexpr int WARP_ROWS = 8 * M_TILES;
+    static constexpr int S_TILES = BN / 8;             // 8-key tiles of one row tile's S
+    static constexpr int O_TILES = HEAD / 8;           // 8-column tiles of one row tile's O
+    static constexpr int QK_PITCH = HEAD + 4;          // = 4 (mod 8): S = Q K^T reads
+    static constexpr int V_PITCH = HEAD + 2;           // = 2 (mod 4): O += P V reads
+    static constexpr int BIAS_PITCH = BN / 16 * 16 + 8;   // = 8 (mod 16), >= BN
+    static constexpr int Q_ELEMS = BM * QK_PITCH;
+    static constexpr int K_ELEMS = BN * QK_PITCH;      // one K stage
+    static constexpr int V_ELEMS = BN * V_PITCH;       // one V stage
+    static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
+    static constexpr int SMEM_BYTES =
+        (Q_ELEMS + Cfg::STAGES * (K_ELEMS + V_ELEMS + BIAS_ELEMS)) * int(sizeof(double));
+    static_assert(HEAD % 8 == 0 && BN % 8 == 0, "tiles are multiples of the mma shape");
+    static_assert(BM % (8 * WARPS) == 0, "each warp owns whole 8-row tiles");
+    static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
+    static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
+    static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
+};
+
+// Online-softmax step for the row this lane holds in one row tile (C-fragment row lane / 4,
+// 2 S_TILES of its scores; the row's other scores are in the 3 neighbouring lanes).
+template <typename Tr>
+__device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES][2], double (&acc_o)[Tr::O_TILES][2],
+                                                        double& row_max, double& row_sum) {
+    double (&x)[2 * Tr::S_TILES] = reinterpret_cast<double (&)[2 * Tr::S_TILES]>(s);
+    const double correction = softmax_update_row<4>(x, row_max, row_sum);
+    // Once a few tiles are in, row maxima rarely move and the correction is exactly 2^0 = 1:
+    // skip the 2 O_TILES fp64 multiplies (fp64 CUDA-core work is the softmax's cost here) when
+    // no row of the warp needs them.
+    if (__all_sync(0xffffffffu, correction == 1.0)) return;
+#pragma unroll
+    for (int t = 0; t < Tr::O_TILES; ++t) {
+        acc_o[t][0] *= correction;
+        acc_o[t][1] *= correction;
+    }
+}
+
+// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+template <typename T, typename Cfg, typename Flags, bool VEC>
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
+flash_fwd_dmma(const FwdParams p) {
+    static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
+    typedef FwdDmmaTraits<Cfg, Flags::EXTRA> Tr;
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, M = Tr::M_TILES;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    double* q_s = reinterpret_cast<double*>(smem_raw);
+    double* k_s = q_s + Tr::Q_ELEMS;                       // stage i at k_s + i * K_ELEMS
+    double* v_s = k_s + Cfg::STAGES * Tr::K_ELEMS;         // stage i at v_s + i * V_ELEMS
+    double* bias_s = v_s + Cfg::STAGES * Tr::V_ELEMS;      // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
+
+    const AttnDims& dims = p.dims;
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const ScoreMod<Flags, double, double> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+
+    auto load_kv = [&](int j, int stage) {
+        const int n0 = j * BN;
+        load_tile<double, BN, HEAD, Tr::QK_PITCH, Tr::THREADS, VEC>(
+            k_s + stage * Tr::K_ELEMS, p.k.at<const double>(blk.batch, blk.kv_head, n0), p.k.row_stride,
+            dims.lk - n0, dims.d);
+        load_tile<double, BN, HEAD, Tr::V_PITCH, Tr::THREADS, VEC>(
+            v_s + stage * Tr::V_ELEMS, p.v.at<const double>(blk.batch, blk.kv_head, n0), p.v.row_stride,
+            dims.lk - n0, dims.dv);
+        if (mod.has_bias())
+            load_score_tile<double, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS,
+                                                                        p.mask.bias, blk.batch, blk.head, blk.m0,
+                                                                        n0, blk.rows, dims.lk - n0);
+        cp_async_commit();
+    };
+    // The visible key tiles in order (block sparsity and mask summaries skip some).
+    auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
+
+    double acc_o[M][Tr::O_TILES][2];
+    double row_max[M], row_sum[M];
+    zero_frags(acc_o);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        row_max[m] = neg_inf<double>();
+        row_sum[m] = 0.0;
+    }
+
+    int j = next_tile(keys.begin);
+    if (j < keys.end) {
+        load_tile<double, BM, HEAD, Tr::QK_PITCH, Tr::THREADS, VEC>(
+            q_s, p.q.at<const double>(blk.batch, blk.head, blk.m0), p.q.row_stride, blk.rows, dims.d);
+        load_kv(j, 0);
+    }
+    const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
+    for (int stage = 0; j < keys.end; stage ^= 1) {
+        const int next = next_tile(j + 1);
+        if (next < keys.end) {   // prefetch the next visible tile into the other stage
+            load_kv(next, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        double s[M][Tr::S_TILES][2];   // S = Q K^T for this warp's rows
+        zero_frags(s);
+        warp_gemm_nt_f64<M, Tr::S_TILES, HEAD, Tr::QK_PITCH, Tr::QK_PITCH>(
+            s, q_s + warp * Tr::WARP_ROWS * Tr::QK_PITCH, k_s + stage * Tr::K_ELEMS, lane);
+        const int n0 = j * BN;
+        const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
+        const double* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + warp * Tr::WARP_ROWS * Tr::BIAS_PITCH;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            auto coord = [&](int n, int i, int& row, int& col) {
+                row = warp_row0 + 8 * m + frag_row_f64(lane);
+                col = n0 + frag_col_f64(lane, n, i);
+            };
+            if (mod.has_bias())
+                scale_add_bias_frags_f64<Tr::S_TILES, Tr::BIAS_PITCH>(s[m], bias_tile + 8 * m * Tr::BIAS_PITCH,
+                                                                      lane, mod.scale_log2);
+            apply_score_mod(s[m], mod, partial, coord);
+            warp_softmax_update_f64<Tr>(s[m], acc_o[m], row_max[m], row_sum[m]);
+            apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
+        }
+        warp_gemm_rn_f64<M, Tr::O_TILES, Tr::S_TILES, Tr::V_PITCH>(acc_o, s, v_s + stage * Tr::V_ELEMS, lane);   // O += P V
+        __syncthreads();   // the next iteration's prefetch overwrites this stage
+        j = next;
+    }
+
+    // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        double inv_sum, row_lse;
+        softmax_finalize_row<4>(row_max[m], row_sum[m], inv_sum, row_lse);
+        const int row = warp * Tr::WARP_ROWS + 8 * m + frag_row_f64(lane);
+        if (row >= blk.rows) continue;
+        double* out_row = p.out.at<double>(blk.batch, blk.head, blk.m0 + row);
+#pragma unroll
+        for (int t = 0; t < Tr::O_TILES; ++t) {
+            const int col = frag_col_f64(lane, t, 0);
+            if (col < dims.dv) out_row[col] = acc_o[m][t][0] * inv_sum;
+            if (col + 1 < dims.dv) out_row[col + 1] = acc_o[m][t][1] * inv_sum;
+        }
+        if (lane % 4 == 0) *p.lse.at<double>(blk.batch, blk.head, blk.m0 + row) = row_lse;
+    }
+}

@@ -1,0 +1,109 @@
+// warp_gemm_f64.cuh -- warp-level GEMMs on the fp64 tensor cores (mma.m8n8k4, fp64 in and out).
+//
+// A warp's result is M x N C fragments of 8 x 8 (mma.cuh's m8n8k4 layout: lane
+// (g, t) = (lane / 4, lane % 4) holds row g, columns 2t and 2t + 1): M row tiles
+// of 8 by N column tiles of 8, acc[m][n][0..1].
+//   warp_gemm_nt_f64: acc += A B^T   A: 8M x K rows in smem, B: 8N x K rows in smem   (S = Q K^T)
+//   warp_gemm_rn_f64: acc += P B     P: 8M x K C fragments in registers,
+//                                    B: K x 8N rows in smem                          (O += P V)
+// Operands are plain 8-byte shared loads (ldmatrix moves 16-bit data). Each B
+// fragment feeds M MMAs and, in the nt form, each A fragment N: a warp-wide
+// 8-byte load is 256 bytes, 2 clocks of the SM's 128 bytes a clock, about what
+// one m8n8k4 costs the SM at the H100's measured 59 TFLOP/s (~2.3 clocks), so a
+// loop with fewer than ~1 MMA per load is bound by shared memory.
+//
+// Bank conflicts. Shared memory has 32 banks of 4 bytes: 16 "pairs" of 8 bytes.
+// A warp's 8-byte load is served as two half-warps (lanes 0-15: g = 0..3;
+// 16-31: g = 4..7), each in one pass when its 16 doubles lie in 16 different
+// pairs, i.e. their element offsets differ mod 16. With a row pitch P (doubles):
+//   nt  lane reads row g, column k0 + t:      offset g P + t           -> P = 4 (mod 8)
+//       (g P mod 16 = 0, 4, 8, 12 for g = 0..3, plus t = 0..3: all 16 pairs)
+//   rn  lane reads row k0 + 2t + s, column g: offset (2t + s) P + g    -> P = 2 (mod 4)
+//       (2t P mod 16 = 0, 4, 8, 12 for t = 0..3, plus g = 0..3)
+// Over the whole warp each pair is then hit exactly twice: two passes, the least
+// that 256 bytes take. The two conditions exclude each other, so K (nt) and V
+// (rn) tiles need different pitches (fwd_dmma: head + 4 and head + 2).
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+
+template <int M, int N>
+__device__ __forceinline__ void zero_frags(double (&acc)[M][N][2]) {
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int n = 0; n < N; ++n) acc[m][n][0] = acc[m][n][1] = 0.0;
+}
+
+// acc[m][n] += A_m B_n^T over depth K: A_m = rows [8m, 8m + 8) of `a` (pitch PA),
+// B_n = rows [8n, 8n + 8) of `b` (pitch PB), both row-major [row][k].
+template <int M, int N, int K, int PA, int PB>
+__device__ __forceinline__ void warp_gemm_nt_f64(double (&acc)[M][N][2], const double* a, const double* b, int lane) {
+    static_assert(K % 4 == 0, "k4 steps");
+    static_assert(PA % 8 == 4 && PB % 8 == 4, "conflict-free pitches (see the header)");
+    const double* a_lane = a + (lane / 4) * PA + lane % 4;   // A[g][t]
+    const double* b_lane = b + (lane / 4) * PB + lane % 4;   // B^T[n = g][k = t]
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        double af[M], bf[N];
+#pragma unroll
+        for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * PA + k0];
+#pragma unroll
+        for (int n = 0; n < N; ++n) bf[n] = b_lane[8 * n * PB + k0];
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+    }
+}
+
+// acc[m][n] += P_m B_n over the 8 KT keys: P_m the C fragments p[m][0..KT) (row g,
+// keys 8kt + 2t, 8kt + 2t + 1), B row-major [key][column] (pitch PB).
+// An A fragment needs key t of a k4 step, but a C fragment holds keys 2t and
+// 2t + 1. Rather than move P between lanes, each 8-key tile is two k4 steps over
+// permuted keys: step s takes a0 = P[g][8kt + 2t + s] and b0 = B[8kt + 2t + s][g].
+// A and B agree on the order, and a dot product's terms may come in any order.
+template <int M, int N, int KT, int PB>
+__device__ __forceinline__ void warp_gemm_rn_f64(double (&acc)[M][N][2], const double (&p)[M][KT][2], const double* b,
+                                                 int lane) {
+    static_assert(PB % 4 == 2, "conflict-free pitch (see the header)");
+    const double* b_lane = b + 2 * (lane % 4) * PB + lane / 4;   // B[2t][g]
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                const double bf = b_lane[(8 * kt + s) * PB + 8 * n];
+#pragma unroll
+                for (int m = 0; m < M; ++m) mma_884_f64(acc[m][n], p[m][kt][s], bf);
+            }
+}
+
+// Two neighbouring doubles of shared memory in one 16-byte load (addr 16-byte aligned).
+__device__ __forceinline__ void lds_f64x2(double& lo, double& hi, unsigned addr) {
+    asm volatile("ld.shared.v2.f64 {%0, %1}, [%2];" : "=d"(lo), "=d"(hi) : "r"(addr));
+}
+
+// s = s * scale + bias * log2(e) on one row tile's N C fragments; the bias is an
+// 8 x 8N tile of doubles, row-major in shared memory with pitch P. A lane's two
+// elements of a fragment are neighbours (row g, columns 2t, 2t + 1): one 16-byte
+// load. 16-byte loads are served by quarter-warps (g = 2q, 2q + 1; t = 0..3), in one
+// pass when the 8 chunks (g P / 2 + t) differ mod 8: P = 8 (mod 16).
+template <int N, int P>
+__device__ __forceinline__ void scale_add_bias_frags_f64(double (&s)[N][2], const double* tile, int lane,
+                                                         double scale) {
+    static_assert(P % 16 == 8, "16-byte aligned, conflict-free bias rows");
+    const unsigned addr = smem_addr(tile + (lane / 4) * P + 2 * (lane % 4));
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        double b0, b1;
+        lds_f64x2(b0, b1, addr + 8 * n * int(sizeof(double)));
+        s[n][0] = s[n][0] * scale + b0 * LOG2E;
+        s[n][1] = s[n][1] * scale + b1 * LOG2E;
+    }
+}
+
+// Row and column (within the 8 x 8N tile) of element i of C fragment n.
+__device__ __forceinline__ int frag_row_f64(int lane) { return lane / 4; }
+__device__ __forceinline__ int frag_col_f64(int lane, int n, int i) { return 8 * n + 2 * (lane % 4) + i; }
