@@ -50,11 +50,12 @@ struct FwdDmmaTraits {
 
 // Online-softmax step for the row this lane holds in one row tile (C-fragment row lane / 4,
 // 2 S_TILES of its scores; the row's other scores are in the 3 neighbouring lanes).
+// s holds x / x_per_s (ScoreMod::x_per_score: raw dot products in the plain kernels).
 template <typename Tr>
 __device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES][2], double (&acc_o)[Tr::O_TILES][2],
-                                                        double& row_max, double& row_sum) {
+                                                        double& row_max, double& row_sum, double x_per_s) {
     double (&x)[2 * Tr::S_TILES] = reinterpret_cast<double (&)[2 * Tr::S_TILES]>(s);
-    const double correction = softmax_update_row<4>(x, row_max, row_sum);
+    const double correction = softmax_update_row<4>(x, row_max, row_sum, x_per_s);
     // Once a few tiles are in, row maxima rarely move and the correction is exactly 2^0 = 1:
     // skip the 2 O_TILES fp64 multiplies (fp64 CUDA-core work is the softmax's cost here) when
     // no row of the warp needs them.
@@ -145,7 +146,7 @@ flash_fwd_dmma(const FwdParams p) {
                 scale_add_bias_frags_f64<Tr::S_TILES, Tr::BIAS_PITCH>(s[m], bias_tile + 8 * m * Tr::BIAS_PITCH,
                                                                       lane, mod.scale_log2);
             apply_score_mod(s[m], mod, partial, coord);
-            warp_softmax_update_f64<Tr>(s[m], acc_o[m], row_max[m], row_sum[m]);
+            warp_softmax_update_f64<Tr>(s[m], acc_o[m], row_max[m], row_sum[m], mod.x_per_score());
             apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
         }
         warp_gemm_rn_f64<M, Tr::O_TILES, Tr::S_TILES, Tr::V_PITCH>(acc_o, s, v_s + stage * Tr::V_ELEMS, lane);   // O += P V

@@ -20,15 +20,18 @@
 
 constexpr float RESCALE_SLACK = 8.0f;
 
-// Fold the tile's scores x (already scaled and masked) into the row state.
-// x is overwritten with p = 2^(s - row_max_new). Returns the factor
-// 2^(row_max_old - row_max_new) by which the caller rescales the row of acc_o.
+// Fold the tile's scores into the row state: s holds x / x_per_s, masked ones
+// -inf (x itself with the default x_per_s = 1; raw dot products with x_per_s =
+// ScoreMod::x_per_score, which is positive, so it commutes with the max and the
+// scale joins the subtraction in one FMA). s is overwritten with
+// p = 2^(x - row_max_new). Returns the factor 2^(row_max_old - row_max_new) by
+// which the caller rescales the row of acc_o.
 template <int GROUP, int N, typename A>
-__device__ __forceinline__ A softmax_update_row(A (&x)[N], A& row_max, A& row_sum) {
-    A tile_max = x[0];
+__device__ __forceinline__ A softmax_update_row(A (&s)[N], A& row_max, A& row_sum, A x_per_s = A(1)) {
+    A tile_max = s[0];
 #pragma unroll
-    for (int j = 1; j < N; ++j) tile_max = amax(tile_max, x[j]);
-    tile_max = group_max<GROUP>(tile_max);
+    for (int j = 1; j < N; ++j) tile_max = amax(tile_max, s[j]);
+    tile_max = group_max<GROUP>(tile_max) * x_per_s;
     const A new_max = amax(row_max, tile_max);
     // A row that has allowed nothing yet has max -inf; subtracting 0 instead
     // keeps every p at exactly 0 rather than NaN (-inf - -inf).
@@ -37,8 +40,8 @@ __device__ __forceinline__ A softmax_update_row(A (&x)[N], A& row_max, A& row_su
     A tile_sum = 0;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-        x[j] = fast_exp2(x[j] - ref);
-        tile_sum += x[j];
+        s[j] = fast_exp2(s[j] * x_per_s - ref);
+        tile_sum += s[j];
     }
     row_sum = row_sum * correction + tile_sum;
     row_max = new_max;
