@@ -102,10 +102,11 @@ def host_options(options: dict, dtype: str) -> dict:
     return host
 
 
-def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, deterministic=False, scale=None):
+def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, deterministic=False, scale=None,
+                 backward=True):
     """Forward and backward with masking options (bias, mask, window, dropout_p/seed,
     block_layout) against the exact reference under the error rule; dbias too.
-    ``scale`` None: the default 1 / sqrt(d)."""
+    ``scale`` None: the default 1 / sqrt(d). ``backward`` False: the forward only."""
     cp = _cupy()
     rng = np.random.default_rng(seed)
     (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv)
@@ -113,7 +114,7 @@ def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, determi
     scale = 1 / np.sqrt(d) if scale is None else scale
     out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, scale=scale, **dev)
     grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, scale=scale,
-                                       deterministic=deterministic, **dev)
+                                       deterministic=deterministic, **dev) if backward else None
     opts = dict(causal=causal, scale=scale, **host)
     ref_out, ref = exact(q, k, v, do, dtype=dtype, **opts)
     naive_out, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)
@@ -129,6 +130,8 @@ def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, determi
     lse_tol = 1e-12 if dtype == "float64" else 2e-5
     lse_err = np.abs(got_lse[seen] - ref_lse[seen]) / (1 + np.abs(ref_lse[seen]))
     assert lse_err.size == 0 or lse_err.max() <= lse_tol, f"lse error {lse_err.max():.3e}"
+    if not backward:
+        return out, None
     names = ["dq", "dk", "dv"] + (["dbias"] if options.get("bias") is not None else [])
     assert len(grads) == len(names)
     logit_max = float(np.abs(ref_lse[seen]).max()) if seen.any() else 0.0

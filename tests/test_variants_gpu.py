@@ -41,9 +41,10 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
     assert _launch._smem_limit() >= p.smem_limit
     monkeypatch.setattr(_launch, "_smem_limit", lambda: p.smem_limit)
     seed = abs(hash(variant.name)) % 2**31
-    if p.extra:   # forward and backward with bias, key padding and dropout
+    if p.extra:   # with bias, key padding and dropout; a forward variant's problem runs the forward only
+        # (a small-shared-memory forward may have no backward at that limit: float64 at head dim 256)
         check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, LK, p.d, p.dv, p.causal, seed, variant_options(seed),
-                     deterministic=p.deterministic)
+                     deterministic=p.deterministic, backward=p.backward)
     elif p.backward:
         check_backward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, LK, p.d, p.dv, p.causal, seed,
                        deterministic=p.deterministic)
