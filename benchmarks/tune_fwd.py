@@ -23,7 +23,7 @@ from cuflash._variants import Tile, Variant, tile_override
 # (block_m, block_n, warps); the first is the reference the others are checked against.
 CANDIDATES = {
     32: [(64, 64, 4), (128, 64, 4), (128, 128, 4), (64, 64, 2)],
-    64: [(64, 64, 4), (128, 64, 4), (64, 64, 2), (128, 32, 4)],
+    64: [(64, 64, 4), (128, 64, 4), (64, 64, 2), (128, 32, 4), (128, 128, 4)],
     128: [(64, 64, 4), (128, 32, 4), (64, 32, 2)],
 }
 # float64: "fma" is the FMA baseline; every config compiles with 0 spills (plain kernel).
