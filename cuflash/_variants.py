@@ -208,9 +208,11 @@ _add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "EXTRA spills under the 
 # four fresh tiles for two GEMMs, so a larger accumulator tile amortises each load over more MMAs
 # (64x64: 32 FLOP per byte loaded; 128x64: 43; benchmarks/tune_dbias.py). 128x128 (64) spilled 52-180
 # bytes in every variant but the plain 16-byte-load one.
-_add("bwd_dbias_mma", HALF_TYPES, [32, 64], Tile(128, 64, 8, 2, "8 warps of 16 rows, 145 KB at d=64: 1.3x the MMAs "
-                                                            "per byte loaded of 64x64"),
-     Tile(64, 64, 4, 2, "as the dQ kernel's rows; 2 stages: 92 KB at d=64, two CTAs an SM", ctas=2))
+_add("bwd_dbias_mma", HALF_TYPES, [32], Tile(128, 64, 8, 2, "8 warps of 16 rows, 97 KB: 1.3x the MMAs per byte "
+                                                       "loaded of 64x64"))
+_add("bwd_dbias_mma", HALF_TYPES, [64], Tile(128, 64, 8, 2, "8 warps of 16 rows, 145 KB: 1.3x the MMAs per byte "
+                                                       "loaded of 64x64"),
+     Tile(64, 64, 4, 2, "as the dQ kernel's rows; 2 stages: 92 KB, two CTAs an SM, " + _SMALL, ctas=2))
 _add("bwd_dbias_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "2 stages: 155 KB"),
      Tile(64, 64, 4, 1, "one stage: 78 KB, " + _SMALL))
 
