@@ -64,10 +64,11 @@ def test_variant_compiles_without_spills(builds, arch, variant):
 
 
 @needs_nvrtc
-def test_table_and_kernel_cannot_drift():
+@pytest.mark.parametrize("family", ["fwd_mma", "fwd_dmma"])
+def test_table_and_kernel_cannot_drift(family):
     """A name expression whose shared-memory size or thread count disagrees with the
     kernel's own layout is rejected at compile time."""
-    v = next(v for v in all_variants() if v.family == "fwd_mma")
+    v = next(v for v in all_variants() if v.family == family and v.extra)
     good = f", {v.threads}, {v.smem_bytes}>"
     assert good in v.name
     for bad in (f", {v.threads}, {v.smem_bytes + 16}>", f", {2 * v.threads}, {v.smem_bytes}>"):
