@@ -28,9 +28,9 @@ def test_tiles_match_the_blocked_reference(lq, lk, causal, d, dtype):
 
 def test_bytes_and_flops_by_hand():
     est = cuflash.estimate(lq=128, lk=128, d=64, dtype="float16")
-    assert (est.block_m, est.block_n) == (128, 64)          # the table's tile for fp16 D=64
+    assert (est.block_m, est.block_n) == (128, 128)         # the table's tile for contiguous fp16 D=64
     assert est.naive_hbm_bytes == 3 * 128 * 64 * 2 + 128 * 64 * 2 + 4 * 128 * 128 * 2
-    # Q once; two K/V tiles of 64 keys for the one query tile; O; lse in fp32
+    # Q once; K and V (one 128-key tile) for the one query tile; O; lse in fp32
     assert est.flash_hbm_bytes == 128 * 64 * 2 + 2 * 64 * 128 * 2 + 128 * 64 * 2 + 128 * 4
     assert est.flops == 2 * 128 * 128 * 128
     assert est.naive_intensity == pytest.approx(est.flops / est.naive_hbm_bytes)
@@ -40,7 +40,9 @@ def test_bytes_and_flops_by_hand():
 def test_causal_visits_about_half_and_gqa_reads_fewer_kv_bytes():
     full = cuflash.estimate(lq=8192, lk=8192, d=64, heads_q=8)
     causal = cuflash.estimate(lq=8192, lk=8192, d=64, heads_q=8, causal=True)
-    assert 0.5 < causal.tiles_processed / full.tiles_processed < 0.53
+    # (the causal call runs the band kernel, whose tiles may differ from the full one's: compare fractions)
+    assert full.tiles_processed == full.tiles_total
+    assert 0.5 < causal.tiles_processed / causal.tiles_total < 0.53
     assert causal.naive_hbm_bytes == full.naive_hbm_bytes        # a naive framework stores every score
     gqa = cuflash.estimate(lq=8192, lk=8192, d=64, heads_q=8, heads_k=2)
     assert gqa.naive_hbm_bytes < full.naive_hbm_bytes
