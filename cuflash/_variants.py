@@ -169,8 +169,10 @@ _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key ti
 # warp costs about what one m8n8k4 does, warp_gemm_f64.cuh). With 4 warps, registers (140-250:
 # ptxas hoists fragment loads as far as the budget allows) allow two CTAs an SM, so a tile of
 # <= 113 KB runs 8 warps an SM. Registers of the plain / band kernels from the offline compile
-# (sm_80 / sm_90, every flag, 0 spills); NOT yet timed on a GPU: benchmarks/tune_fwd.py --dtype
-# float64 compares tiles against the FMA kernel.
+# (sm_80 / sm_90, every flag, 0 spills). Timed on an H100 (benchmarks/tune_fwd.py --dtype float64,
+# TFLOP/s non-causal / causal, L=4096): d=64 FMA 11.5 / 10.8, 64x32/4w 18.5 / 17.6, 64x16/4w
+# 19.5 / 18.3, 64x64 and 128x32 13.8-13.9; d=128 FMA 9.7 / 9.4, 64x32/4w 16.0 / 15.4, 64x24 15.7 /
+# 15.0, 64x16 15.0 / 14.3. (64x16 at d=64 is a candidate still to confirm at L=1024.)
 #   d=32:  128x32/4w (four 8-row tiles a warp) 214-230 regs, 71 KB; 128x64 spills 64-550 bytes.
 #   d=64:  64x32/4w 174-196 regs, 101 KB; 128x32/4w fits plain (252) but spills with EXTRA or band.
 #   d=128: 64x32/4w 238-242 regs, 197 KB (one CTA an SM; so is 64x16: 131 KB).
