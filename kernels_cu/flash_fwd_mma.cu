@@ -48,14 +48,19 @@ struct FwdMmaTraits {
 // One key tile's online-softmax step for all of this warp's rows: M strips, and
 // in each the two C-fragment rows lane/4 and lane/4 + 8 (held by 4 lanes each).
 // s holds scores with x = s * x_per_s > 0 (raw dot products with the scale
-// folded in here, or x itself with x_per_s = 1); it leaves holding P.
+// folded in here, or x itself with x_per_s = 1). Each probability pair of one
+// row, keys 8n + 2 (lane % 4) + {0, 1}, goes to emit(m, n, r, p0, p1) in fp32
+// as soon as it is formed (row_sum takes the fp32 values; emit may overwrite the
+// two scores it came from), so a caller that packs P to 16 bits there holds 2
+// registers per 4 scores from here through O += P V, not 4.
 // Lazy rescaling (softmax.cuh): the reference row_max moves only when some row of
 // the warp would see p > 2^RESCALE_SLACK; otherwise acc_o and row_sum are left as
 // they are, which on long rows skips the rescale on most tiles. The vote keeps
 // the branch uniform across the warp.
-template <typename Tr, int M>
+template <typename Tr, int M, typename Emit>
 __device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4], float (&acc_o)[M][Tr::O_TILES][4],
-                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s) {
+                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s,
+                                                  Emit emit) {
     float tile_max[M][2];
     bool grow = false;
 #pragma unroll
@@ -94,14 +99,34 @@ __device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4],
             const float ref = row_max[m][r] == neg_inf<float>() ? 0.0f : row_max[m][r];
             float tile_sum = 0.0f;
 #pragma unroll
-            for (int n = 0; n < Tr::S_TILES; ++n)
-#pragma unroll
-                for (int i = 2 * r; i < 2 * r + 2; ++i) {
-                    s[m][n][i] = fast_exp2(s[m][n][i] * x_per_s - ref);   // one FFMA + MUFU.EX2
-                    tile_sum += s[m][n][i];
-                }
+            for (int n = 0; n < Tr::S_TILES; ++n) {
+                const float p0 = fast_exp2(s[m][n][2 * r] * x_per_s - ref);   // one FFMA + MUFU.EX2
+                tile_sum += p0;
+                const float p1 = fast_exp2(s[m][n][2 * r + 1] * x_per_s - ref);
+                tile_sum += p1;
+                emit(m, n, r, p0, p1);
+            }
             row_sum[m][r] += tile_sum;
         }
+}
+
+// The mask of one strip's partial tile without EXTRA (only the band and the
+// sequence end): the lane's rows are row0 and row0 + 8, its keys col0 + 8n + e
+// (e = 0, 1), and each row's visible keys are one interval (ScoreMod::visible_keys),
+// so every element is two compares with a constant rather than a (row, col) pair
+// formed and tested. Masked scores become -inf (raw dot products stay raw).
+template <typename Tr, typename Mod>
+__device__ __forceinline__ void mask_partial_strip(float (&s)[Tr::S_TILES][4], const Mod& mod, int row0, int col0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int lo, hi;
+        mod.visible_keys(row0 + 8 * r, col0, lo, hi);
+#pragma unroll
+        for (int n = 0; n < Tr::S_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (8 * n + e < lo || 8 * n + e > hi) s[n][2 * r + e] = neg_inf<float>();
+    }
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
@@ -125,8 +150,13 @@ flash_fwd_mma(const FwdParams p) {
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
     auto load_kv = [&](int j, int stage) {
-        load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, p.k, dims.d, v_s + stage * Tr::KV_ELEMS,
-                                                         p.v, dims.dv, blk.batch, blk.kv_head, j * BN, dims.lk - j * BN);
+        const int n0 = j * BN;
+        load_tile_fixed_col<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS,
+                                                              p.k.at<const T>(blk.batch, blk.kv_head, n0),
+                                                              p.k.row_stride, dims.lk - n0, dims.d);
+        load_tile_fixed_col<T, BN, HEAD, P, Tr::THREADS, VEC>(v_s + stage * Tr::KV_ELEMS,
+                                                              p.v.at<const T>(blk.batch, blk.kv_head, n0),
+                                                              p.v.row_stride, dims.lk - n0, dims.dv);
         if (mod.has_bias())
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS, p.mask.bias,
                                                                    blk.batch, blk.head, blk.m0, j * BN, blk.rows,
@@ -153,6 +183,10 @@ flash_fwd_mma(const FwdParams p) {
         load_kv(j, 0);
     }
     const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
+    // Without EXTRA, the key tiles this warp's rows see whole, found once: inside
+    // them the loop carries no mask work and no per-tile classification.
+    TileRange full{0, 0};
+    if constexpr (!Flags::EXTRA) full = mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
     for (int stage = 0; j < keys.end; stage ^= 1) {
         const int next = next_tile(j + 1);
         if (next < keys.end) {   // prefetch the next visible tile into the other stage
@@ -169,7 +203,7 @@ flash_fwd_mma(const FwdParams p) {
         warp_gemm_strips_smem<T, M, BN, HEAD, P, P, false>(s, q_s + warp * Tr::WARP_ROWS * P,
                                                           k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
-        const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
+        const bool partial = Flags::EXTRA ? mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN) : !full.contains(j);
         const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + (warp * Tr::WARP_ROWS) * Tr::BIAS_PITCH;
         // The absolute (query, key) of element i of n8 tile n in strip m.
         auto strip_coord = [=](int m) {
@@ -180,16 +214,34 @@ flash_fwd_mma(const FwdParams p) {
         };
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            if (mod.has_bias())
-                scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
-                                                                   mod.scale_log2);
-            apply_score_mod(s[m], mod, partial, strip_coord(m));
+            if constexpr (Flags::EXTRA) {
+                if (mod.has_bias())
+                    scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
+                                                                       mod.scale_log2);
+                apply_score_mod(s[m], mod, partial, strip_coord(m));
+            } else if (partial) {
+                mask_partial_strip<Tr>(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
+            }
         }
-        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s);
+        unsigned p16[M][Tr::S_TILES][2];   // P in 16 bits (pack_frags' layout), the A operand of O += P V
+        if constexpr (Flags::EXTRA) {
+            // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key),
+            // then P is rounded to 16 bits.
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+                s[m][n][2 * r] = p0;
+                s[m][n][2 * r + 1] = p1;
+            });
 #pragma unroll
-        for (int m = 0; m < M; ++m) apply_dropout<true>(s[m], mod, strip_coord(m));   // after the statistics:
-                                                                                       // row_sum counts every key
-        warp_gemm_strips_rn<T, M, HEAD, BN, P>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
+            for (int m = 0; m < M; ++m) {
+                apply_dropout<true>(s[m], mod, strip_coord(m));
+                pack_frags<T>(p16[m], s[m]);
+            }
+        } else {
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+                p16[m][n][r] = pack2<T>(p0, p1);
+            });
+        }
+        warp_gemm_strips_rn16<T, M, HEAD, BN, P>(acc_o, p16, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;
     }

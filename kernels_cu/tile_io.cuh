@@ -9,10 +9,14 @@
 #include "common.cuh"
 #include "params.cuh"
 
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+// smem_dst: a 32-bit shared-window address (smem_addr).
+__device__ __forceinline__ void cp_async_16(unsigned smem_dst, const void* gmem_src, bool valid) {
     // src-size 0 makes cp.async fill the 16 bytes with zeros without reading.
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(valid ? 16 : 0));
+                 :: "r"(smem_dst), "l"(gmem_src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+    cp_async_16(smem_addr(smem_dst), gmem_src, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -50,6 +54,45 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stri
             const int col = i % COLS;
             smem[row * PITCH + col] = (row < rows_valid && col < cols_valid)
                                           ? gmem[row * row_stride + col] : zero_value<T>();
+        }
+    }
+}
+
+// The same copy where each thread keeps one column (chunk) in every row it
+// copies: with THREADS a multiple of the chunks per row, thread t copies chunk
+// t % PER_ROW of rows t / PER_ROW + k * ROW_STEP. The trip count is a compile-time
+// constant and one source pointer walks down the rows, so a thread holds a
+// pointer, a row count and one shared address rather than an address per chunk:
+// with 128 x 128 tiles at head dim 64 the forward's K/V prefetch then leaves the
+// softmax's registers alone (load_tile's loop spilled it). 16-byte chunks are
+// unrolled fully (at most 8 a thread in the forward's tiles). Element copies are
+// unrolled by 16, so 16 loads are in flight before their stores (by 4 or 8 the
+// d=64 band forward spilled 32 bytes on sm_90; fully, 32-iteration loops spilled
+// 140-316 bytes). Shapes whose rows do not split evenly over the threads (scalar
+// copies of 256 columns) take load_tile.
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
+__device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int64 row_stride, int rows_valid,
+                                                    int cols_valid) {
+    constexpr int CHUNK = VEC ? 16 / int(sizeof(T)) : 1;
+    constexpr int PER_ROW = COLS / CHUNK;
+    constexpr int ROW_STEP = THREADS / PER_ROW;
+    if constexpr (COLS % CHUNK != 0 || THREADS % PER_ROW != 0 || ROWS % ROW_STEP != 0) {
+        load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(smem, gmem, row_stride, rows_valid, cols_valid);
+    } else {
+        constexpr int UNROLL = VEC ? ROWS / ROW_STEP : 16;
+        const int col = (threadIdx.x % PER_ROW) * CHUNK, first_row = threadIdx.x / PER_ROW;
+        const bool col_valid = col < cols_valid;
+        int rows_left = rows_valid - first_row;   // > 0: this thread's current row is inside
+        const T* src = gmem + first_row * row_stride + col;
+        T* dst = smem + first_row * PITCH + col;
+        const unsigned dst_addr = smem_addr(dst);
+#pragma unroll UNROLL
+        for (int k = 0; k < ROWS / ROW_STEP; ++k) {
+            const bool valid = col_valid && rows_left > 0;
+            if (VEC) cp_async_16(dst_addr + k * ROW_STEP * PITCH * int(sizeof(T)), valid ? src : gmem, valid);
+            else dst[k * ROW_STEP * PITCH] = valid ? *src : zero_value<T>();
+            src += ROW_STEP * row_stride;
+            rows_left -= ROW_STEP;
         }
     }
 }
