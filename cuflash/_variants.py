@@ -108,13 +108,10 @@ def smem_limit_for_arch(arch: str) -> int:
 _EXTRA_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
 """Tiles for the EXTRA variants (bias / mask / block sparsity / dropout compiled in) where
 the plain variant's tile would spill with that code on top."""
-_EXTRA_BAND_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
-"""The same for EXTRA variants that also have the band (causal / window) compiled in."""
 
 
-def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False,
-         band: bool = False) -> None:
-    table = (_EXTRA_BAND_TABLE if band else _EXTRA_TABLE) if extra else _TABLE
+def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False) -> None:
+    table = _EXTRA_TABLE if extra else _TABLE
     for dtype in dtypes:
         for head in heads:
             table[(arch, family, dtype, head)] = tiles
@@ -145,12 +142,12 @@ _add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "two strips per warp, 32-
                                                       "+11-15% non-causal, +1-3% causal (tune_fwd.py)"))
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
 # With EXTRA (bias, mask, block layout, dropout) and the bias staged in shared memory: two strips as in
-# the plain kernel (237-244 registers at d=64); 128x128 spills at d=32 (300+ bytes): 128x64 there.
-_add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp; 128x128 at d=64 spills 116-236 "
-                                                          "bytes with the EXTRA code"), extra=True)
-_add("fwd_mma", HALF_TYPES, [64], Tile(128, 32, 4, 2, "with the band too, 64-key tiles spill 4-8 bytes on sm_90 "
-                                                     "(255 registers): 32-key tiles, as the plain d=128 kernel"),
-     extra=True, band=True)
+# the plain kernel; 128x128 spills (d=32: 44-252 bytes, d=64: 68-236). With the band too, the d=64
+# kernel spilled 4-8 bytes at 128x64 on sm_90 and took 128x32 (plain causal: 160 TFLOP/s against 195
+# at 128x64, tune_fwd.py); since the K/V loader of branch band128 it fits 128x64 (240-253 registers,
+# 0 spills on sm_80 / sm_90), as the EXTRA kernel without the band (236-244).
+_add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp of 64 keys; 128x128 spills with the "
+                                                          "EXTRA code"), extra=True)
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
      Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
 
@@ -376,8 +373,6 @@ class Variant:
     def tiles(self) -> Tuple[Tile, ...]:
         """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
         key = (self.arch, self.family, self.dtype, self.head)
-        if self.extra and self.band and key in _EXTRA_BAND_TABLE:
-            return _EXTRA_BAND_TABLE[key]
         if self.extra and key in _EXTRA_TABLE:
             return _EXTRA_TABLE[key]
         return _TABLE[key]
@@ -526,7 +521,7 @@ def unsupported(smem_limit: int) -> List[Variant]:
 
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
     """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
-    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE, _EXTRA_BAND_TABLE)
+    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE)
             for key, tiles in table.items()
             for tile in tiles)
 
@@ -540,7 +535,7 @@ def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str =
     the selection caches are cleared on entry and exit so that calls pick up the
     table as it is.
     """
-    tables = (_TABLE, _EXTRA_TABLE, _EXTRA_BAND_TABLE)   # every table that has the key
+    tables = (_TABLE, _EXTRA_TABLE)   # every table that has the key
     keys = [(arch, family, dtype, head) for dtype in dtypes]
     saved = [{key: table[key] for key in keys if key in table} for table in tables]
     try:
