@@ -7,10 +7,13 @@
 //   for each visible K/V tile j (the next one streams in with cp.async meanwhile):
 //       S = Q K_j^T                           (mma.sync, fp32 accumulate)
 //       x = S * scale * log2(e), masked       (score_mod.cuh; without a bias the
-//                                              scale folds into the exp2's FFMA)
+//                                              scale folds into the exp2's FFMA; only
+//                                              tiles crossing the band's edges or the
+//                                              sequence end are masked)
 //       m_new = max(m, rowmax(x)); P = 2^(x - m_new); l = l * 2^(m - m_new) + rowsum(P)
-//       O = O * 2^(m - m_new) + P V_j         (P stays in registers as the A operand;
-//                                              m moves lazily: warp_softmax_tile)
+//       O = O * 2^(m - m_new) + P V_j         (P stays in registers, rounded to 16 bits
+//                                              as it is formed: the A operand; m moves
+//                                              lazily: warp_softmax_tile)
 //   O = O / l; lse = (m + log2 l) ln 2
 // Shared memory rows are padded by 16 bytes so the 8 row addresses of an
 // ldmatrix fall in different banks. With EXTRA, each K/V stage has a bias tile
@@ -159,8 +162,8 @@ flash_fwd_mma(const FwdParams p) {
                                                               p.v.row_stride, dims.lk - n0, dims.dv);
         if (mod.has_bias())
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS, p.mask.bias,
-                                                                   blk.batch, blk.head, blk.m0, j * BN, blk.rows,
-                                                                   dims.lk - j * BN);
+                                                                   blk.batch, blk.head, blk.m0, n0, blk.rows,
+                                                                   dims.lk - n0);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some).
@@ -212,6 +215,8 @@ flash_fwd_mma(const FwdParams p) {
                 col = n0 + frag_col(lane, n, i);
             };
         };
+        // The mask: with EXTRA the bias and score_mod.cuh's per-element test; without,
+        // partial tiles only, two bounds a fragment row.
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             if constexpr (Flags::EXTRA) {
