@@ -252,26 +252,29 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
 
 # fp64 tensor-core backward (flash_bwd_dmma.cu; mma.sync m8n8k4). dK/dV: 4 warps, each owning
 # block_n / 32 8-key tiles (its dK, dV accumulators: head * tiles registers; one pass while that is
-# <= 128), block_m query rows a step, Q/dO double-buffered; all tiles unpadded and swizzled
-# (swizzle_f64.cuh). Registers and spills from the offline compile (sm_80 / sm_90, every flag);
-# NOT yet timed on a GPU (benchmarks/tune_bwd.py): the tiles are arithmetic, chosen for two CTAs an
-# SM on the H100 where the shared memory allows.
-#   d=32:  32x64/4w: two key tiles a warp, 82 KB.   d=64: 16x64/4w: two key tiles a warp, 104 KB.
-#   d=128: 16x32/4w one stage: one key tile a warp (dK + dV = 128 registers), 100 KB.
+# <= 128), block_m query rows a step; all tiles unpadded and swizzled (swizzle_f64.cuh). Registers
+# and spills from the offline compile (NVRTC 12.9, sm_80 / sm_90, every flag); NOT yet timed on a
+# GPU (benchmarks/tune_bwd.py): the tiles are arithmetic, two CTAs an SM on the H100.
+#   d=32:  32x64/4w: two key tiles a warp, 82 KB, 188-238 registers.
+#   d=64:  16x64/4w: two key tiles a warp (dK + dV: 128 registers), 104 KB, 220-255.
+#   d=128: 16x32/4w one Q/dO stage: one key tile a warp (dK + dV: 128 registers), 100 KB, 224-254.
+# With EXTRA (bias stages, per-element dropout draws, dbias) 32-query steps at d=32 and two key tiles
+# a warp at d=64 spilled 12-84 bytes on sm_90: 16-query steps at d=32, one key tile a warp at d=64
+# (156-195 registers; 8x64, two key tiles a warp with 8-query steps, fit at 255: a lead to time).
 _add("bwd_dkdv_dmma", ["float64"], [32], Tile(32, 64, 4, 2, "two 8-key tiles a warp, 32-query steps: 82 KB, two "
                                                             "CTAs an SM (not yet timed)"))
 _add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 64, 4, 2, "two 8-key tiles a warp (dK + dV: 128 registers): "
                                                             "104 KB, two CTAs an SM (not yet timed)"),
-     Tile(16, 64, 4, 1, "one Q/dO stage: 90 KB, " + _SMALL_BYTES))
+     Tile(16, 32, 4, 2, "one 8-key tile a warp: 70 KB, " + _SMALL_BYTES + " (one stage of 16x64 spills)"))
 _add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "one 8-key tile a warp (dK + dV: 128 registers), one "
                                                              "Q/dO stage: 100 KB, two CTAs an SM (not yet timed)"),
-     Tile(8, 16, 2, 2, "two warps, 16 keys: 66 KB, " + _SMALL_BYTES))
-_add("bwd_dkdv_dmma", ["float64"], [32], Tile(32, 64, 4, 2, "the bias stages: 115 KB"),
-     Tile(16, 64, 4, 2, "16-query steps: 73 KB, " + _SMALL_BYTES), extra=True)
-_add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 64, 4, 2, "the bias stages: 121 KB"),
-     Tile(16, 64, 4, 1, "one stage: 97 KB, " + _SMALL_BYTES), extra=True)
+     Tile(8, 32, 4, 1, "8-query steps: 84 KB, " + _SMALL_BYTES))
+_add("bwd_dkdv_dmma", ["float64"], [32], Tile(16, 64, 4, 2, "16-query steps (32 spill with EXTRA): 73 KB"),
+     extra=True)
+_add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 32, 4, 2, "one 8-key tile a warp (two spill with EXTRA): 78 KB"),
+     extra=True)
 _add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "the bias stage: 104 KB"),
-     Tile(8, 16, 2, 2, "two warps, 16 keys: 69 KB, " + _SMALL_BYTES), extra=True)
+     Tile(8, 32, 4, 1, "8-query steps: 86 KB, " + _SMALL_BYTES), extra=True)
 # Deterministic dQ: query-major as the forward; each warp owns block_m / 32 8-row tiles, K/V double-buffered.
 _add("bwd_dq_dmma", ["float64"], [32], Tile(64, 32, 4, 2, "two 8-row tiles a warp: 64 KB (not yet timed)"))
 _add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "two 8-row tiles a warp, 16-key steps: 96 KB, two CTAs "
@@ -280,6 +283,13 @@ _add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "two 8-row tiles a wa
                                                            "(not yet timed)"),
      Tile(32, 16, 4, 2, "one 8-row tile a warp: 128 KB, the A100"),
      Tile(16, 16, 2, 2, "two warps: 96 KB, " + _SMALL_BYTES))
+# With EXTRA each K/V stage also holds a block_m x block_n fp64 bias tile.
+_add("bwd_dq_dmma", ["float64"], [32], Tile(64, 16, 4, 2, "the bias stages: 72 KB with 16-key steps"), extra=True)
+_add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "the bias stages: 120 KB"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 76 KB, " + _SMALL_BYTES), extra=True)
+_add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 216 KB"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 140 KB, the A100"),
+     Tile(8, 16, 1, 2, "one warp: 83 KB, " + _SMALL_BYTES), extra=True)
 
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
 _add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
