@@ -81,7 +81,7 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays) from 4-D views of
     the inputs and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides). ``dbias_plan``,
     called with ``kernel_tile=`` (the tensor-core path's dbias kernel tile and ``sm_count=``)
-    or ``dkdv_tile=`` (the FMA dK kernel's), returns the call's
+    or ``dkdv_tile=`` (the dK kernel's, FMA or float64 tensor-core, which adds dS itself), returns the call's
     :class:`cuflash._masking.DbiasPlan` (None: no bias), which is returned as ``dbias``."""
     import cupy
 

@@ -21,6 +21,8 @@ bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
 bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
 bwd_dbias_mma       flash_bwd_dbias.cu      dbias (a bias's gradient), 16-bit, head dim <= 128
+bwd_dkdv_dmma       flash_bwd_dmma.cu       dK, dV (+ atomic dQ), float64, fp64 tensor cores, head dim <= 128
+bwd_dq_dmma         flash_bwd_dmma.cu       deterministic dQ, float64, fp64 tensor cores, head dim <= 128
 bwd_dkdv_fma        flash_bwd_fma.cu        dK, dV (+ atomic dQ), FMA
 bwd_dq_fma          flash_bwd_fma.cu        deterministic dQ, FMA
 bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
@@ -237,8 +239,8 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
          Tile(16, 16, 8, 1, _SMALL))
     _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "73 KB shared; dK+dV are 64 registers: two CTAs an SM at "
                                                      "<= 128 registers", ctas=2))
-    _add(_fam, ["float64"], [32, 64], Tile(32, 32, 8, 1, "fp64 P/dS tiles: 32x32 keeps shared memory near 84 KB"))
-    _add(_fam, ["float64"], [128], Tile(32, 32, 8, 1, "fp64: 146 KB shared"), Tile(16, 16, 8, 1, _SMALL))
+    # (float64 at head dims 32-128 runs on the fp64 tensor cores: bwd_dkdv_dmma / bwd_dq_dmma below. The FMA
+    # tiles it replaced, for a baseline: 32x32/8w at d=32, 64 (84 KB) and 128 (146 KB).)
     _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 201 KB shared; dK+dV are 128 registers"),
          Tile(16, 16, 8, 1, "133 KB: the A100; no fp64 head-dim-256 backward fits 99 KB"))
 
@@ -249,6 +251,47 @@ _add("bwd_dkdv_fma", ["float64"], [256], Tile(16, 16, 8, 1, "EXTRA spills 12 byt
 for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
     _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "EXTRA spills 12-180 bytes under two CTAs' 128 registers: one"),
          extra=True)
+
+# fp64 tensor-core backward (flash_bwd_dmma.cu; mma.sync m8n8k4). dK/dV: 4 warps, each owning
+# block_n / 32 8-key tiles (its dK, dV accumulators: head * tiles registers; one pass while that is
+# <= 128), block_m query rows a step; all tiles unpadded and swizzled (swizzle_f64.cuh). Registers
+# and spills from the offline compile (NVRTC 12.9, sm_80 / sm_90, every flag); NOT yet timed on a
+# GPU (benchmarks/tune_bwd.py): the tiles are arithmetic, two CTAs an SM on the H100.
+#   d=32:  32x64/4w: two key tiles a warp, 82 KB, 188-238 registers.
+#   d=64:  16x64/4w: two key tiles a warp (dK + dV: 128 registers), 104 KB, 220-255.
+#   d=128: 16x32/4w one Q/dO stage: one key tile a warp (dK + dV: 128 registers), 100 KB, 224-254.
+# With EXTRA (bias stages, per-element dropout draws, dbias) 32-query steps at d=32 and two key tiles
+# a warp at d=64 spilled 12-84 bytes on sm_90: 16-query steps at d=32, one key tile a warp at d=64
+# (156-195 registers; 8x64, two key tiles a warp with 8-query steps, fit at 255: a lead to time).
+_add("bwd_dkdv_dmma", ["float64"], [32], Tile(32, 64, 4, 2, "two 8-key tiles a warp, 32-query steps: 82 KB, two "
+                                                            "CTAs an SM (not yet timed)"))
+_add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 64, 4, 2, "two 8-key tiles a warp (dK + dV: 128 registers): "
+                                                            "104 KB, two CTAs an SM (not yet timed)"),
+     Tile(16, 32, 4, 2, "one 8-key tile a warp: 70 KB, " + _SMALL_BYTES + " (one stage of 16x64 spills)"))
+_add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "one 8-key tile a warp (dK + dV: 128 registers), one "
+                                                             "Q/dO stage: 100 KB, two CTAs an SM (not yet timed)"),
+     Tile(8, 32, 4, 1, "8-query steps: 84 KB, " + _SMALL_BYTES))
+_add("bwd_dkdv_dmma", ["float64"], [32], Tile(16, 64, 4, 2, "16-query steps (32 spill with EXTRA): 73 KB"),
+     extra=True)
+_add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 32, 4, 2, "one 8-key tile a warp (two spill with EXTRA): 78 KB"),
+     extra=True)
+_add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "the bias stage: 104 KB"),
+     Tile(8, 32, 4, 1, "8-query steps: 86 KB, " + _SMALL_BYTES), extra=True)
+# Deterministic dQ: query-major as the forward; each warp owns block_m / 32 8-row tiles, K/V double-buffered.
+_add("bwd_dq_dmma", ["float64"], [32], Tile(64, 32, 4, 2, "two 8-row tiles a warp: 64 KB (not yet timed)"))
+_add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "two 8-row tiles a warp, 16-key steps: 96 KB, two CTAs "
+                                                          "an SM (not yet timed)"))
+_add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "two 8-row tiles a warp (dQ: 128 registers): 192 KB "
+                                                           "(not yet timed)"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 128 KB, the A100"),
+     Tile(16, 16, 2, 2, "two warps: 96 KB, " + _SMALL_BYTES))
+# With EXTRA each K/V stage also holds a block_m x block_n fp64 bias tile.
+_add("bwd_dq_dmma", ["float64"], [32], Tile(64, 16, 4, 2, "the bias stages: 72 KB with 16-key steps"), extra=True)
+_add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "the bias stages: 120 KB"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 76 KB, " + _SMALL_BYTES), extra=True)
+_add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 216 KB"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 140 KB, the A100"),
+     Tile(8, 16, 1, 2, "one warp: 83 KB, " + _SMALL_BYTES), extra=True)
 
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
 _add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
@@ -303,6 +346,22 @@ def _smem_dbias_mma(v: "Variant") -> int:
     return t.stages * stage * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
 
 
+def _smem_dkdv_dmma(v: "Variant") -> int:
+    # Unpadded swizzled fp64 tiles (flash_bwd_dmma.cu): K, V once; Q, dO (and with EXTRA a
+    # [query][key] bias tile of pitch block_n + 2) per stage; dS with atomic dQ; lse and Dsum.
+    t = v.tile
+    bias = t.block_m * (t.block_n + 2) if v.extra else 0
+    ds = t.block_m * t.block_n if v.atomic_dq else 0
+    return (2 * t.block_n * v.head + t.stages * (2 * t.block_m * v.head + bias) + ds + 2 * t.block_m) * 8
+
+
+def _smem_dq_dmma(v: "Variant") -> int:
+    # Q, dO once; K, V (and with EXTRA a bias tile of pitch = 8 mod 16) per stage.
+    t = v.tile
+    bias = t.block_m * (t.block_n // 16 * 16 + 8) if v.extra else 0
+    return (2 * t.block_m * v.head + t.stages * (2 * t.block_n * v.head + bias)) * 8
+
+
 def _smem_bwd_fma(v: "Variant") -> int:
     t, pitch = v.tile, v.head + 1
     tiles = (2 * t.block_n + 2 * t.block_m) * pitch * ITEMSIZE[v.dtype]
@@ -326,7 +385,8 @@ class Family:
 
 FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
-               "bwd_dq_fma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
+               "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward",
+               "bwd_dq_dmma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
 
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
@@ -337,6 +397,9 @@ FAMILIES: Dict[str, Family] = {
                            _smem_dkdv_mma),
     "bwd_dq_mma": Family("flash_bwd_dq_mma", "flash_bwd_mma.cu", ("mask", "vec"), "q", _smem_dq_mma),
     "bwd_dbias_mma": Family("flash_bwd_dbias_mma", "flash_bwd_dbias.cu", ("mask", "vec"), "bias", _smem_dbias_mma),
+    "bwd_dkdv_dmma": Family("flash_bwd_dkdv_dmma", "flash_bwd_dmma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
+                            _smem_dkdv_dmma),
+    "bwd_dq_dmma": Family("flash_bwd_dq_dmma", "flash_bwd_dmma.cu", ("mask", "vec"), "q", _smem_dq_dmma),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
     "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
     "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
@@ -480,6 +543,11 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
             plan.append(Variant("bwd_dq_mma", dtype, head, vec=vec, **flags))
         if dbias:
             plan.append(Variant("bwd_dbias_mma", dtype, head, vec=vec, **flags))
+    elif ("sm80", "bwd_dkdv_dmma", dtype, head) in _TABLE:
+        # float64 on the fp64 tensor cores: one pass (every table tile keeps dK + dV within 128 registers).
+        plan.append(Variant("bwd_dkdv_dmma", dtype, head, vec=vec, atomic_dq=atomic, **flags))
+        if deterministic:
+            plan.append(Variant("bwd_dq_dmma", dtype, head, vec=vec, **flags))
     else:
         plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
         if deterministic:

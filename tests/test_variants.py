@@ -69,6 +69,14 @@ def test_selection_rules():
         ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, True), ("bwd_convert_dq", 0, False)]
     plan = V.backward_variants("float16", 256, band=True, vec=True, deterministic=True)
     assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
+    for head in (32, 64, 128):   # float64 gradients on the fp64 tensor cores, one dK/dV pass
+        plan = V.backward_variants("float64", head, band=False, vec=True, deterministic=False)
+        assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
+            ("bwd_dsum", 0, False), ("bwd_dkdv_dmma", 0, True), ("bwd_convert_dq", 0, False)]
+        plan = V.backward_variants("float64", head, band=True, extra=True, vec=False, deterministic=True)
+        assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_dmma", "bwd_dq_dmma"]
+    plan = V.backward_variants("float64", 256, band=True, vec=True, deterministic=True)
+    assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
     assert V.head_bucket(1) == 32 and V.head_bucket(33) == 64 and V.head_bucket(256) == 256
     with pytest.raises(ValueError, match="larger than"):
         V.head_bucket(257)
