@@ -19,6 +19,7 @@ import json
 import re
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from cuflash._device import gpu_available
 
 import cuflash
 import cuflash.reference
+from cuflash import _launch, _variants
 
 try:
     import cupy as cp
@@ -83,6 +85,11 @@ def contenders(q, k, v, do, causal, with_bwd):
         return cuflash.attention_forward(q, k, v, causal=causal)
 
     out["cuflash"] = cf
+    if _launch._compute_capability() == _variants.HOPPER_CC and q.dtype.itemsize == 2:
+        def portable():   # the same call on the portable mma.sync path, as on a GPU without sm_90a
+            with mock.patch.object(_launch, "_compute_capability", lambda: 80):
+                return cf()
+        out["cuflash sm80"] = portable
     if not with_bwd and q.dtype != np.dtype(_cp_dtype("bfloat16")):
         out["naive cupy"] = lambda: cuflash.reference.attention_materialised(q, k, v, causal=causal)
     if torch is not None:
