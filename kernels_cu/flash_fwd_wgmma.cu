@@ -83,18 +83,20 @@ flash_fwd_wgmma(const FwdParams p) {
                                         blk.head);
     const float x_per_s = mod.x_per_score();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
-
-    auto load_kv = [&](int j, int stage) {
-        const int keys_valid = dims.lk - j * BN;
+    // The K tile (and bias tile) of iteration t sits at stage t % 2; its V tile arrives one
+    // iteration later, at stage t % 2 of the V buffers, since P V of a tile runs in the next
+    // iteration, overlapped with the next tile's softmax.
+    auto load_k = [&](int j, int stage) {
         load_tile_sw128<T, BN, HEAD, Tr::THREADS>(k_s + stage * Tr::KV_BYTES, p.k.at<const T>(blk.batch, blk.kv_head, j * BN),
-                                                  p.k.row_stride, keys_valid, dims.d);
-        load_tile_sw128<T, BN, HEAD, Tr::THREADS>(v_s + stage * Tr::KV_BYTES, p.v.at<const T>(blk.batch, blk.kv_head, j * BN),
-                                                  p.v.row_stride, keys_valid, dims.dv);
+                                                  p.k.row_stride, dims.lk - j * BN, dims.d);
         if (mod.has_bias())
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * (Tr::BIAS_BYTES / 2), p.mask.bias,
                                                                    blk.batch, blk.head, blk.m0, j * BN, blk.rows,
-                                                                   keys_valid);
-        cp_async_commit();
+                                                                   dims.lk - j * BN);
+    };
+    auto load_v = [&](int j, int stage) {
+        load_tile_sw128<T, BN, HEAD, Tr::THREADS>(v_s + stage * Tr::KV_BYTES, p.v.at<const T>(blk.batch, blk.kv_head, j * BN),
+                                                  p.v.row_stride, dims.lk - j * BN, dims.dv);
     };
     auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
 
@@ -103,34 +105,50 @@ flash_fwd_wgmma(const FwdParams p) {
     zero_frags(acc_o[0]);
     row_max[0][0] = row_max[0][1] = neg_inf<float>();
     row_sum[0][0] = row_sum[0][1] = 0.0f;
+    unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
 
     int j = next_tile(keys.begin);
     if (j < keys.end) {
         load_tile_sw128<T, BM, HEAD, Tr::THREADS>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
                                                   blk.rows, dims.d);
-        load_kv(j, 0);
+        load_k(j, 0);
+        cp_async_commit();
     }
     const unsigned q_wg = q_s + warpgroup * 64 * 128;       // this warpgroup's 64 rows of every Q slab
     const int warp_row0 = blk.m0 + warp * 16;
-    for (int stage = 0; j < keys.end; stage ^= 1) {
+    // O += P V of the previous tile, whose V is at V stage `stage` (wgmmas issued, not committed).
+    auto issue_pv = [&](int stage) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs<T, HEAD>(flat(acc_o), p_frag[kk], mn_major_desc(v_s + stage * Tr::KV_BYTES, kk, BN));
+    };
+    int t = 0;
+    for (; j < keys.end; ++t) {
+        const int stage = t & 1;
         const int next = next_tile(j + 1);
-        if (next < keys.end) {   // prefetch the next visible tile into the other stage
-            load_kv(next, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        cp_async_wait<0>();         // this K tile and the previous V tile, issued an iteration ago
         fence_proxy_async_smem();   // this thread's copies, before the wgmmas read them
-        __syncthreads();
+        __syncthreads();            // ...and everyone's; every warpgroup is done with the stages reloaded next
+        if (next < keys.end) load_k(next, stage ^ 1);
+        load_v(j, stage);
+        cp_async_commit();
 
-        float s[1][Tr::S_TILES][4];   // S = Q K^T for this warp's 16 rows
+        // S = Q K^T for this warp's 16 rows and, in flight meanwhile, O += P V of the previous tile.
+        float s[1][Tr::S_TILES][4];
         const unsigned k_tile = k_s + stage * Tr::KV_BYTES;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD / 16; ++kk)
             wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        if (t > 0) {
+            wgmma_fence();          // a new block for ptxas, which would insert it itself (C7519)
+            issue_pv(stage ^ 1);
+            wgmma_commit();
+            wgmma_wait<1>();        // S only: groups complete in order
+        } else {
+            wgmma_wait<0>();
+        }
         fence_regs(flat(s));
 
         const int n0 = j * BN;
@@ -143,21 +161,31 @@ flash_fwd_wgmma(const FwdParams p) {
             scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(
                 s[0], bias_s + stage * (Tr::BIAS_BYTES / 2) + warp * 16 * Tr::BIAS_PITCH, lane, mod.scale_log2);
         apply_score_mod(s[0], mod, partial, coord);
-        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s);
+        // acc_o is still being written: its correction waits for the P V product.
+        float correction[2];
+        const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
+                                                 [&](int, int r, float c) { correction[r] = c; });
+        wgmma_wait<0>();
+        fence_regs(flat(acc_o));
+        fence_regs(p_frag);
+        if (moved) {
+            rescale_acc_row(acc_o, 0, 0, correction[0]);
+            rescale_acc_row(acc_o, 0, 1, correction[1]);
+        }
         apply_dropout<true>(s[0], mod, coord);   // after the statistics: row_sum counts every key
-
-        unsigned p_frag[BN / 16][4];   // P as the A operand of O += P V, 16 keys a step
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) pack_a_frag<T, BN>(p_frag[kk], s[0], 16 * kk);
-        const unsigned v_tile = v_s + stage * Tr::KV_BYTES;
-        wgmma_fence();   // acc_o may have been rescaled by ordinary instructions
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, HEAD>(flat(acc_o), p_frag[kk], mn_major_desc(v_tile, kk, BN));
+        j = next;
+    }
+    if (t > 0) {   // the last tile's O += P V
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();
+        wgmma_fence();
+        issue_pv((t - 1) & 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(flat(acc_o));
-        __syncthreads();   // the next iteration's prefetch overwrites this stage
-        j = next;
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.

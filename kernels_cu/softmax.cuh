@@ -100,9 +100,13 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
 // they are, which on long rows skips the rescale on most tiles. The vote keeps
 // the branch uniform across the warp.
 // Tr names S_TILES and O_TILES, the n8 C fragments of one strip's S and O.
-template <typename Tr, int M>
-__device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4], float (&acc_o)[M][Tr::O_TILES][4],
-                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s) {
+// rescale_o(m, r, correction) applies a moved reference to row r of strip m of the
+// output accumulator: at once (warp_softmax_tile), or later, when the accumulator
+// is still being written by an asynchronous MMA (the wgmma kernel). Returns
+// whether any row of the warp moved (warp-uniform).
+template <typename Tr, int M, typename RescaleO>
+__device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
+                                                  float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o) {
     float tile_max[M][2];
     bool grow = false;
 #pragma unroll
@@ -115,7 +119,8 @@ __device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4],
             tile_max[m][r] = group_max<4>(mx) * x_per_s;   // x_per_s > 0 commutes with max; -inf stays -inf
             grow |= tile_max[m][r] > row_max[m][r] + RESCALE_SLACK;
         }
-    if (__any_sync(0xffffffffu, grow)) {
+    grow = __any_sync(0xffffffffu, grow);
+    if (grow) {
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -126,11 +131,7 @@ __device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4],
                 const float correction = fast_exp2(row_max[m][r] - (new_max == neg_inf<float>() ? 0.0f : new_max));
                 row_max[m][r] = new_max;
                 row_sum[m][r] *= correction;
-#pragma unroll
-                for (int t = 0; t < Tr::O_TILES; ++t) {
-                    acc_o[m][t][2 * r] *= correction;
-                    acc_o[m][t][2 * r + 1] *= correction;
-                }
+                rescale_o(m, r, correction);
             }
     }
 #pragma unroll
@@ -149,4 +150,23 @@ __device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4],
                 }
             row_sum[m][r] += tile_sum;
         }
+    return grow;
+}
+
+// Row r of strip m of acc_o times `correction`.
+template <int M, int O_TILES>
+__device__ __forceinline__ void rescale_acc_row(float (&acc_o)[M][O_TILES][4], int m, int r, float correction) {
+#pragma unroll
+    for (int t = 0; t < O_TILES; ++t) {
+        acc_o[m][t][2 * r] *= correction;
+        acc_o[m][t][2 * r + 1] *= correction;
+    }
+}
+
+// The step with acc_o rescaled in place.
+template <typename Tr, int M>
+__device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4], float (&acc_o)[M][Tr::O_TILES][4],
+                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s) {
+    warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
+                          [&](int m, int r, float correction) { rescale_acc_row(acc_o, m, r, correction); });
 }

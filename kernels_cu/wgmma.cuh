@@ -71,6 +71,14 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
+template <int R>
+__device__ __forceinline__ void fence_regs(unsigned (&a)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(a[i][k]) :: "memory");
+}
+
 // Operand lists: the accumulators as "+f" constraints, 8 at a time.
 #define CUF_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
                        "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
