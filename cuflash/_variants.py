@@ -161,17 +161,13 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 
 # Hopper forward (flash_fwd_wgmma.cu, arch "sm90a"): warpgroups of 4 warps own 64 query rows each;
 # S = Q K^T and O += P V on wgmma (m64nNk16), Q/K/V in 128-byte swizzled shared memory. Registers
-# from the offline compile (NVRTC 12.9, sm_90a, 0 spills): d=64 128x128/8w 190 (band 171), EXTRA
-# 255; d=128 128x128/8w 217-219, EXTRA 128x64 228-232 (128x128 with the bias stages spills 48-56
-# bytes and needs 229 KB). 16-byte loads only (vec); other calls take the sm80 path.
-_add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 128, 8, 2, "two warpgroups of 64 rows, 128-key tiles: 81 KB"),
-     arch="sm90a")
-_add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 8, 2, "two warpgroups of 64 rows, 128-key tiles: 161 KB"),
-     arch="sm90a")
-_add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 128, 8, 2, "with the bias stages: 149 KB, 255 registers"),
-     arch="sm90a", extra=True)
-_add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 64, 8, 2, "64-key tiles: the bias stages at 128 spill 48-56 bytes "
-                                                        "(and need 229 KB); 133 KB"), arch="sm90a", extra=True)
+# from the offline compile (NVRTC 12.9, sm_90a, 0 spills): d=128 128x128/8w 213-225 (EXTRA
+# 128x64: 230). Shipped where it beat the portable kernel on the H100 (compare_trees.py --quick,
+# L=4096, same run): d=128 +16-20% (fp16 303 TFLOP/s non-causal, 252 causal). At d=64 (173-185
+# registers) it ran 0.88x the portable 128x128 kernel non-causal and 1.01-1.03x causal, and EXTRA
+# was not timed: those calls stay on the sm80 path (benchmarks/NOTES.md).
+_add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 8, 2, "two warpgroups of 64 rows, 128-key tiles: 161 KB; "
+                                                         "+16-20% over fwd_mma on the H100"), arch="sm90a")
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
@@ -559,8 +555,9 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
                     smem_limit: int = SMEM_MAX, cc: int = 80) -> Variant:
     """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
     allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
-    with 16-byte loadable rows take the wgmma kernel where the table has one."""
-    if cc == HOPPER_CC and vec and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE:
+    with 16-byte loadable rows and no EXTRA option take the wgmma kernel where the table has one
+    (head dim 128: where it was measured faster)."""
+    if cc == HOPPER_CC and vec and not extra and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE:
         return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
