@@ -3,17 +3,18 @@
 // The FlashAttention-2 loop of flash_fwd_mma.cu with the two GEMMs on wgmma
 // (wgmma.cuh): each warpgroup of 4 warps owns 64 query rows, a warp 16 of them.
 //   load Q tile (128-byte swizzled, tile_io_sw128.cuh)
-//   for each visible K/V tile j (the next one streams in with cp.async meanwhile):
-//       S = Q K_j^T     wgmma, both operands from shared memory (HEAD / 16 k-steps)
-//       masking, online softmax: score_mod.cuh and warp_softmax_tile, unchanged --
-//                       the wgmma accumulator of a warp is the m16n8 C fragment
-//                       layout of mma.sync, so every per-element helper applies
-//       O += P V_j      wgmma with P from registers (packed from S, no shared
-//                       memory) and V read transposed from shared memory
-//   O = O / l; lse = (m + log2 l) ln 2
-// Each wgmma batch is committed and waited for before its result is used; the
-// warpgroups of a CTA overlap each other's softmax and GEMMs only as the warp
-// schedulers interleave them (no producer warps, no ping-pong yet).
+//   for each visible K tile j (K_next and V_j stream in with cp.async meanwhile):
+//       S = Q K_j^T          wgmma, both operands from shared memory (HEAD / 16 k-steps)
+//       O += P_prev V_prev   wgmma with P from registers (packed from S, no shared
+//                            memory) and V read transposed; in flight during:
+//       masking, online softmax of S: score_mod.cuh and warp_softmax_step, unchanged --
+//                            the wgmma accumulator of a warp is the m16n8 C fragment
+//                            layout of mma.sync, so every per-element helper applies;
+//                            acc_o's correction waits for the P V product
+//   O += P_last V_last; O = O / l; lse = (m + log2 l) ln 2
+// All threads load (no producer warps yet) and one barrier a tile publishes the
+// copies; ncu (NOTES.md, fifth session) finds the loader's index arithmetic, the
+// barrier and the wgmma waits where a warp-specialised kernel would hide them.
 // With EXTRA, each K/V stage has an unswizzled bias tile (BM x BN, pitch BN + 8)
 // beside it, read into S's fragment layout with ldmatrix as in the mma.sync kernel.
 #include "common.cuh"
