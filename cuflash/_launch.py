@@ -35,6 +35,14 @@ def _smem_limit() -> int:
     return smem
 
 
+def _compute_capability() -> int:
+    """10 * major + minor of the current GPU (the tests and the benchmark's "cuflash sm80" contender
+    patch this to take the portable path on a Hopper GPU)."""
+    import cupy
+
+    return _device_facts(cupy.cuda.runtime.getDevice())[0]
+
+
 def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
     """16-byte cp.async loads: rows of whole 16-byte chunks (8 16-bit or 2 fp64 elements, ``vec_chunk``),
     16-byte aligned base and row stride."""
@@ -71,7 +79,8 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
     variant = forward_variant(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=extra,
-                              vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
+                              vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit(),
+                              cc=_compute_capability())
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]))
 

@@ -16,6 +16,7 @@ family              entry                   what
 ==================  ======================  ==========================================
 fwd_mma             flash_fwd_mma.cu        forward, float16/bfloat16, mma.sync
 fwd_dmma            flash_fwd_dmma.cu       forward, float64, mma.sync m8n8k4 (fp64 tensor cores)
+fwd_wgmma           flash_fwd_wgmma.cu      forward, float16/bfloat16, Hopper wgmma (arch "sm90a")
 fwd_fma             flash_fwd_fma.cu        forward, float32, CUDA-core FMA
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
@@ -30,7 +31,8 @@ bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
 
 ``arch`` names the family's instruction set: "sm80" is the portable mma.sync / FMA
 path that runs on every GPU of compute capability 8.0 or newer (it is compiled for
-sm_80 and sm_90 in the CPU check).
+sm_80 and sm_90 in the CPU check); "sm90a" is Hopper's own (wgmma), compiled for
+sm_90a only and chosen on GPUs of compute capability 9.0 (:func:`forward_variant`).
 """
 from __future__ import annotations
 
@@ -156,6 +158,16 @@ _add("fwd_mma", HALF_TYPES, [64], Tile(128, 32, 4, 2, "with the band too, 64-key
      extra=True, band=True)
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
      Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
+
+# Hopper forward (flash_fwd_wgmma.cu, arch "sm90a"): warpgroups of 4 warps own 64 query rows each;
+# S = Q K^T and O += P V on wgmma (m64nNk16), Q/K/V in 128-byte swizzled shared memory. Registers
+# from the offline compile (NVRTC 12.9, sm_90a, 0 spills): d=128 128x128/8w 213-225 (EXTRA
+# 128x64: 230). Shipped where it beat the portable kernel on the H100 (compare_trees.py --quick,
+# L=4096, same run): d=128 +16-20% (fp16 303 TFLOP/s non-causal, 252 causal). At d=64 (173-185
+# registers) it ran 0.88x the portable 128x128 kernel non-causal and 1.01-1.03x causal, and EXTRA
+# was not timed: those calls stay on the sm80 path (benchmarks/NOTES.md).
+_add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 8, 2, "two warpgroups of 64 rows, 128-key tiles: 161 KB; "
+                                                         "+16-20% over fwd_mma on the H100"), arch="sm90a")
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
@@ -320,6 +332,14 @@ def _smem_fwd_dmma(v: "Variant") -> int:
     return (t.block_m * (v.head + 4) + t.stages * stage) * ITEMSIZE[v.dtype]
 
 
+def _smem_fwd_wgmma(v: "Variant") -> int:
+    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), an unswizzled bias
+    # tile of pitch block_n + 8 per stage with EXTRA.
+    t = v.tile
+    bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0
+    return 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype]
+
+
 def _smem_fwd_fma(v: "Variant") -> int:
     t, qk_pitch = v.tile, v.head + 1
     elems = t.block_m * qk_pitch + t.block_n * qk_pitch + t.block_n * v.head + t.block_m * (t.block_n + 1)
@@ -383,7 +403,7 @@ class Family:
     smem: Callable[["Variant"], int] = field(compare=False)
 
 
-FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
+FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
                "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward",
                "bwd_dq_dmma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
@@ -391,6 +411,7 @@ FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_fma": "forward"
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
     "fwd_dmma": Family("flash_fwd_dmma", "flash_fwd_dmma.cu", ("mask", "vec"), "q", _smem_fwd_dmma),
+    "fwd_wgmma": Family("flash_fwd_wgmma", "flash_fwd_wgmma.cu", ("mask",), "q", _smem_fwd_wgmma),
     "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),
     "bwd_dsum": Family("flash_bwd_dsum", "flash_bwd_aux.cu", (), "q", lambda v: 0),
     "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
@@ -464,6 +485,19 @@ class Variant:
         return FAMILIES[self.family]
 
     @property
+    def nvrtc_arch(self) -> "str | None":
+        """The ``-arch`` this variant needs beyond CuPy's default for the device (``sm_90a`` for the
+        Hopper path; None: the device's own, which CuPy names)."""
+        return "sm_90a" if self.arch == "sm90a" else None
+
+    def compile_target(self, arch: str) -> "str | None":
+        """The NVRTC target to check this variant for, for a GPU architecture ``arch`` (``sm_80``,
+        ``sm_90``, ...); None where such a GPU never runs it (the Hopper path off Hopper)."""
+        if self.arch == "sm90a":
+            return "sm_90a" if arch.rstrip("a") == "sm_90" else None
+        return arch
+
+    @property
     def entry(self) -> str:
         return self.fam.entry
 
@@ -512,10 +546,19 @@ def _dkdv_passes(head: int, atomic_dq: bool, extra: bool = False, vec: bool = Tr
     return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
 
 
+HOPPER_CC = 90
+"""The compute capability whose GPUs (H100, H200) take the sm90a variants."""
+
+
 @functools.lru_cache(maxsize=None)
 def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
-                    smem_limit: int = SMEM_MAX) -> Variant:
-    """The forward kernel for one call on a GPU allowing ``smem_limit`` bytes of shared memory per block."""
+                    smem_limit: int = SMEM_MAX, cc: int = 80) -> Variant:
+    """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
+    allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
+    with 16-byte loadable rows and no EXTRA option take the wgmma kernel where the table has one
+    (head dim 128: where it was measured faster)."""
+    if cc == HOPPER_CC and vec and not extra and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE:
+        return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
     if ("sm80", "fwd_dmma", dtype, head) in _TABLE:
@@ -575,6 +618,9 @@ def all_variants() -> List[Variant]:
     for dtype, head, band, extra in itertools.product(DTYPES, HEAD_BUCKETS, (False, True), (False, True)):
         for vec, limit in itertools.product(vec_choices(dtype), SMEM_LIMITS.values()):
             seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit)] = None
+            if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
+                seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
+                                     cc=HOPPER_CC)] = None
             for det, dbias in itertools.product((False, True), (False, True) if extra else (False,)):
                 for v in _backward_plan(dtype, head, band, extra, vec, det, dbias):
                     try:

@@ -45,65 +45,6 @@ struct FwdMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// One key tile's online-softmax step for all of this warp's rows: M strips, and
-// in each the two C-fragment rows lane/4 and lane/4 + 8 (held by 4 lanes each).
-// s holds scores with x = s * x_per_s > 0 (raw dot products with the scale
-// folded in here, or x itself with x_per_s = 1); it leaves holding P.
-// Lazy rescaling (softmax.cuh): the reference row_max moves only when some row of
-// the warp would see p > 2^RESCALE_SLACK; otherwise acc_o and row_sum are left as
-// they are, which on long rows skips the rescale on most tiles. The vote keeps
-// the branch uniform across the warp.
-template <typename Tr, int M>
-__device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4], float (&acc_o)[M][Tr::O_TILES][4],
-                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s) {
-    float tile_max[M][2];
-    bool grow = false;
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = s[m][0][2 * r];
-#pragma unroll
-            for (int n = 0; n < Tr::S_TILES; ++n) mx = amax(mx, amax(s[m][n][2 * r], s[m][n][2 * r + 1]));
-            tile_max[m][r] = group_max<4>(mx) * x_per_s;   // x_per_s > 0 commutes with max; -inf stays -inf
-            grow |= tile_max[m][r] > row_max[m][r] + RESCALE_SLACK;
-        }
-    if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float new_max = amax(row_max[m][r], tile_max[m][r]);
-                // A row that has allowed nothing yet has max -inf; subtracting 0 instead
-                // keeps every factor at exactly 0 rather than NaN (-inf - -inf).
-                const float correction = fast_exp2(row_max[m][r] - (new_max == neg_inf<float>() ? 0.0f : new_max));
-                row_max[m][r] = new_max;
-                row_sum[m][r] *= correction;
-#pragma unroll
-                for (int t = 0; t < Tr::O_TILES; ++t) {
-                    acc_o[m][t][2 * r] *= correction;
-                    acc_o[m][t][2 * r + 1] *= correction;
-                }
-            }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            // row_max = -inf here means the tile has nothing visible in this row either.
-            const float ref = row_max[m][r] == neg_inf<float>() ? 0.0f : row_max[m][r];
-            float tile_sum = 0.0f;
-#pragma unroll
-            for (int n = 0; n < Tr::S_TILES; ++n)
-#pragma unroll
-                for (int i = 2 * r; i < 2 * r + 2; ++i) {
-                    s[m][n][i] = fast_exp2(s[m][n][i] * x_per_s - ref);   // one FFMA + MUFU.EX2
-                    tile_sum += s[m][n][i];
-                }
-            row_sum[m][r] += tile_sum;
-        }
-}
-
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)

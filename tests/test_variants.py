@@ -82,6 +82,22 @@ def test_selection_rules():
         V.head_bucket(257)
 
 
+def test_hopper_selection():
+    """Compute capability 9.0 takes the wgmma forward for 16-bit calls with 16-byte loadable rows at the
+    head dims it has tiles for; everything else, and every other GPU, the portable path."""
+    v = V.forward_variant("bfloat16", 128, band=True, vec=True, cc=90)
+    assert (v.family, v.arch, v.nvrtc_arch) == ("fwd_wgmma", "sm90a", "sm_90a")
+    assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
+    assert V.forward_variant("float16", 128, band=False, extra=True, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=80).family == "fwd_mma"
+    assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=100).family == "fwd_mma"
+    assert V.forward_variant("bfloat16", 128, band=True, vec=False, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float16", 256, band=False, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float32", 64, band=False, vec=False, cc=90).family == "fwd_fma"
+    assert V.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
+
+
 def test_grid_has_no_65535_limit_but_a_2_31_one():
     v = V.forward_variant("float16", 64, band=False, vec=True)
     assert v.grid(batch=70000, heads_q=3, group=1, lq=16, lk=16) == 210000
