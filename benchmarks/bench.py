@@ -19,6 +19,7 @@ import json
 import re
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from cuflash._device import gpu_available
 
 import cuflash
 import cuflash.reference
+from cuflash import _launch, _variants
 
 try:
     import cupy as cp
@@ -83,6 +85,11 @@ def contenders(q, k, v, do, causal, with_bwd):
         return cuflash.attention_forward(q, k, v, causal=causal)
 
     out["cuflash"] = cf
+    if _launch._compute_capability() == _variants.HOPPER_CC and q.dtype.itemsize == 2:
+        def portable():   # the same call on the portable mma.sync path, as on a GPU without sm_90a
+            with mock.patch.object(_launch, "_compute_capability", lambda: 80):
+                return cf()
+        out["cuflash sm80"] = portable
     if not with_bwd and q.dtype != np.dtype(_cp_dtype("bfloat16")):
         out["naive cupy"] = lambda: cuflash.reference.attention_materialised(q, k, v, causal=causal)
     if torch is not None:
@@ -247,6 +254,8 @@ def main(argv=None):
     parser.add_argument("--replot", metavar="JSON", default=None,
                         help="only redraw the PNG beside a results JSON (no GPU needed)")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--dtypes", default=None, help="only these dtypes, e.g. bf16,fp16")
+    parser.add_argument("--head-dims", default=None, help="only these head dims, e.g. 128")
     parser.add_argument("--out", default=None,
                         help="output folder (default: a new ./cuflash-bench-<time>/; "
                              "benchmarks/results replaces the committed results)")
@@ -265,7 +274,10 @@ def main(argv=None):
         from tqdm import tqdm
     except ImportError:
         tqdm = lambda x, **k: x  # noqa: E731
-    results = [run_case(*c, repeat=args.repeat) for c in tqdm(cases(args.quick), file=sys.stderr)]
+    chosen = [c for c in cases(args.quick)
+              if (args.dtypes is None or c[0] in args.dtypes.split(","))
+              and (args.head_dims is None or str(c[4]) in args.head_dims.split(","))]
+    results = [run_case(*c, repeat=args.repeat) for c in tqdm(chosen, file=sys.stderr)]
     out = Path(args.out or time.strftime("cuflash-bench-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "cupy": cp.__version__, "torch": getattr(torch, "__version__", None),

@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/profile_case.py padding   # (B, 1, 1, L) key-padding mask
     PYTHONPATH=. python benchmarks/profile_case.py plain     # no option, the same shapes
 
-B=4, H=16, L=4096, D=64, float16 (the bench_masking.py shape). Each case runs
+B=4, H=16, L=4096, D=64 (--head-dim), float16 (the bench_masking.py shape). Each case runs
 --calls forward+backward calls (the first compiles); profile the last ones, e.g.
 
     ncu -k regex:flash_ --launch-skip 8 --launch-count 4 --section SpeedOfLight \\
@@ -25,8 +25,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--head-dim", type=int, default=64)
     args = ap.parse_args()
-    b, h, n, d = 4, 16, args.seqlen, 64
+    b, h, n, d = 4, 16, args.seqlen, args.head_dim
     rng = cp.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(args.dtype) for _ in range(4))
     opts = {}

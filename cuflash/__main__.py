@@ -85,7 +85,10 @@ def _compile_for_this_gpu() -> int:
         except CompileError as exc:
             return var, exc
 
-    variants = all_variants()
+    from ._launch import _compute_capability
+
+    cc = _compute_capability()   # the Hopper variants only on Hopper
+    variants = [var for var in all_variants() if var.compile_target(f"sm_{cc}")]
     start = time.perf_counter()
     failures = [(var, exc) for var, exc in _parallel(build, variants, "compiling") if exc is not None]
     for var, exc in failures:
@@ -105,12 +108,14 @@ def _compile_offline(arches) -> int:
     from ._variants import all_variants, smem_limit_for_arch
 
     # Each architecture builds the variants its GPUs can select (those fitting their shared memory).
-    jobs = [(arch, var) for arch in arches for var in all_variants() if var.smem_bytes <= smem_limit_for_arch(arch)]
+    # The Hopper (sm90a) variants build for sm_90a under --arch sm_90, and not elsewhere.
+    jobs = [(arch, var) for arch in arches for var in all_variants()
+            if var.smem_bytes <= smem_limit_for_arch(arch) and var.compile_target(arch)]
 
     def build(job):
         arch, var = job
         try:
-            return arch, var, compile_offline(var.entry, var.name, arch), None
+            return arch, var, compile_offline(var.entry, var.name, var.compile_target(arch)), None
         except CompileError as exc:
             return arch, var, None, exc
 

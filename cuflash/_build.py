@@ -110,21 +110,24 @@ def preload_nvrtc_wheel() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(entry: str, name_expression: str):
+def _module(entry: str, name_expression: str, nvrtc_arch: str | None = None):
     import cupy
 
     preload_nvrtc_wheel()
+    # CuPy appends -arch for the device itself (sm_90 on an H100); an sm_90a target named
+    # here as well is what NVRTC builds (wgmma and setmaxnreg exist only there).
+    options = NVRTC_OPTIONS + ((f"-arch={nvrtc_arch}",) if nvrtc_arch else ())
     # RawModule compiles lazily, on the first get_function (see _function).
-    return cupy.RawModule(code=load_source(entry), options=NVRTC_OPTIONS, name_expressions=[name_expression])
+    return cupy.RawModule(code=load_source(entry), options=options, name_expressions=[name_expression])
 
 
 @functools.lru_cache(maxsize=None)
-def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int):
+def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int, nvrtc_arch: str | None = None):
     # One RawModule per variant; the function handle is per device.
     import cupy
 
     try:
-        func = _module(entry, name_expression).get_function(name_expression)
+        func = _module(entry, name_expression, nvrtc_arch).get_function(name_expression)
     except cupy.cuda.compiler.CompileException as exc:
         raise CompileError(name_expression, str(exc)) from exc
     if smem_bytes > 48 * 1024:
@@ -134,7 +137,7 @@ def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int)
 
 @functools.lru_cache(maxsize=None)
 def _compiled(variant, device_id: int):
-    return _function(variant.entry, variant.name, device_id, variant.smem_bytes)
+    return _function(variant.entry, variant.name, device_id, variant.smem_bytes, variant.nvrtc_arch)
 
 
 def get_kernel(variant):

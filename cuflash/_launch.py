@@ -35,6 +35,14 @@ def _smem_limit() -> int:
     return smem
 
 
+def _compute_capability() -> int:
+    """10 * major + minor of the current GPU (the tests and the benchmark's "cuflash sm80" contender
+    patch this to take the portable path on a Hopper GPU)."""
+    import cupy
+
+    return _device_facts(cupy.cuda.runtime.getDevice())[0]
+
+
 def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
     """16-byte cp.async loads: rows of whole 16-byte chunks (8 16-bit or 2 fp64 elements, ``vec_chunk``),
     16-byte aligned base and row stride."""
@@ -71,7 +79,8 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
     variant = forward_variant(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=extra,
-                              vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
+                              vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit(),
+                              cc=_compute_capability())
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]))
 
@@ -81,7 +90,7 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays) from 4-D views of
     the inputs and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides). ``dbias_plan``,
     called with ``kernel_tile=`` (the tensor-core path's dbias kernel tile and ``sm_count=``)
-    or ``dkdv_tile=`` (the FMA dK kernel's), returns the call's
+    or ``dkdv_tile=`` (the dK kernel's, FMA or float64 tensor-core, which adds dS itself), returns the call's
     :class:`cuflash._masking.DbiasPlan` (None: no bias), which is returned as ``dbias``."""
     import cupy
 

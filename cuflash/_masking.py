@@ -278,7 +278,8 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
                sm_count: Optional[int] = None) -> DbiasPlan:
     """Where dS is summed for dbias. ``kernel_tile``: the (block_m, block_n) of the
     tensor-core backward's dbias kernel (DBIAS_KERNEL; ``sm_count`` sizes its splits);
-    otherwise ``dkdv_tile``, the FMA dK/dV kernel's, which adds dS itself."""
+    otherwise ``dkdv_tile``, the dK/dV kernel's that adds dS itself (FMA, or the
+    float64 tensor-core kernel)."""
     off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1, 1, 0)
     if opts.bias is None:
         return DbiasPlan(None, off, ())

@@ -16,11 +16,14 @@ family              entry                   what
 ==================  ======================  ==========================================
 fwd_mma             flash_fwd_mma.cu        forward, float16/bfloat16, mma.sync
 fwd_dmma            flash_fwd_dmma.cu       forward, float64, mma.sync m8n8k4 (fp64 tensor cores)
+fwd_wgmma           flash_fwd_wgmma.cu      forward, float16/bfloat16, Hopper wgmma (arch "sm90a")
 fwd_fma             flash_fwd_fma.cu        forward, float32, CUDA-core FMA
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
 bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
 bwd_dbias_mma       flash_bwd_dbias.cu      dbias (a bias's gradient), 16-bit, head dim <= 128
+bwd_dkdv_dmma       flash_bwd_dmma.cu       dK, dV (+ atomic dQ), float64, fp64 tensor cores, head dim <= 128
+bwd_dq_dmma         flash_bwd_dmma.cu       deterministic dQ, float64, fp64 tensor cores, head dim <= 128
 bwd_dkdv_fma        flash_bwd_fma.cu        dK, dV (+ atomic dQ), FMA
 bwd_dq_fma          flash_bwd_fma.cu        deterministic dQ, FMA
 bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
@@ -28,7 +31,8 @@ bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
 
 ``arch`` names the family's instruction set: "sm80" is the portable mma.sync / FMA
 path that runs on every GPU of compute capability 8.0 or newer (it is compiled for
-sm_80 and sm_90 in the CPU check).
+sm_80 and sm_90 in the CPU check); "sm90a" is Hopper's own (wgmma), compiled for
+sm_90a only and chosen on GPUs of compute capability 9.0 (:func:`forward_variant`).
 """
 from __future__ import annotations
 
@@ -151,6 +155,16 @@ _add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp o
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
      Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
 
+# Hopper forward (flash_fwd_wgmma.cu, arch "sm90a"): warpgroups of 4 warps own 64 query rows each;
+# S = Q K^T and O += P V on wgmma (m64nNk16), Q/K/V in 128-byte swizzled shared memory. Registers
+# from the offline compile (NVRTC 12.9, sm_90a, 0 spills): d=128 128x128/8w 213-225 (EXTRA
+# 128x64: 230). Shipped where it beat the portable kernel on the H100 (compare_trees.py --quick,
+# L=4096, same run): d=128 +16-20% (fp16 303 TFLOP/s non-causal, 252 causal). At d=64 (173-185
+# registers) it ran 0.88x the portable 128x128 kernel non-causal and 1.01-1.03x causal, and EXTRA
+# was not timed: those calls stay on the sm80 path (benchmarks/NOTES.md).
+_add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 8, 2, "two warpgroups of 64 rows, 128-key tiles: 161 KB; "
+                                                         "+16-20% over fwd_mma on the H100"), arch="sm90a")
+
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
 _add("fwd_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "4x4 scores per thread"))
@@ -233,8 +247,8 @@ for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
          Tile(16, 16, 8, 1, _SMALL))
     _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "73 KB shared; dK+dV are 64 registers: two CTAs an SM at "
                                                      "<= 128 registers", ctas=2))
-    _add(_fam, ["float64"], [32, 64], Tile(32, 32, 8, 1, "fp64 P/dS tiles: 32x32 keeps shared memory near 84 KB"))
-    _add(_fam, ["float64"], [128], Tile(32, 32, 8, 1, "fp64: 146 KB shared"), Tile(16, 16, 8, 1, _SMALL))
+    # (float64 at head dims 32-128 runs on the fp64 tensor cores: bwd_dkdv_dmma / bwd_dq_dmma below. The FMA
+    # tiles it replaced, for a baseline: 32x32/8w at d=32, 64 (84 KB) and 128 (146 KB).)
     _add(_fam, ["float64"], [256], Tile(16, 32, 8, 1, "fp64: 201 KB shared; dK+dV are 128 registers"),
          Tile(16, 16, 8, 1, "133 KB: the A100; no fp64 head-dim-256 backward fits 99 KB"))
 
@@ -245,6 +259,47 @@ _add("bwd_dkdv_fma", ["float64"], [256], Tile(16, 16, 8, 1, "EXTRA spills 12 byt
 for _fam in ("bwd_dkdv_fma", "bwd_dq_fma"):
     _add(_fam, HALF_TYPES, [256], Tile(32, 32, 8, 1, "EXTRA spills 12-180 bytes under two CTAs' 128 registers: one"),
          extra=True)
+
+# fp64 tensor-core backward (flash_bwd_dmma.cu; mma.sync m8n8k4). dK/dV: 4 warps, each owning
+# block_n / 32 8-key tiles (its dK, dV accumulators: head * tiles registers; one pass while that is
+# <= 128), block_m query rows a step; all tiles unpadded and swizzled (swizzle_f64.cuh). Registers
+# and spills from the offline compile (NVRTC 12.9, sm_80 / sm_90, every flag); NOT yet timed on a
+# GPU (benchmarks/tune_bwd.py): the tiles are arithmetic, two CTAs an SM on the H100.
+#   d=32:  32x64/4w: two key tiles a warp, 82 KB, 188-238 registers.
+#   d=64:  16x64/4w: two key tiles a warp (dK + dV: 128 registers), 104 KB, 220-255.
+#   d=128: 16x32/4w one Q/dO stage: one key tile a warp (dK + dV: 128 registers), 100 KB, 224-254.
+# With EXTRA (bias stages, per-element dropout draws, dbias) 32-query steps at d=32 and two key tiles
+# a warp at d=64 spilled 12-84 bytes on sm_90: 16-query steps at d=32, one key tile a warp at d=64
+# (156-195 registers; 8x64, two key tiles a warp with 8-query steps, fit at 255: a lead to time).
+_add("bwd_dkdv_dmma", ["float64"], [32], Tile(32, 64, 4, 2, "two 8-key tiles a warp, 32-query steps: 82 KB, two "
+                                                            "CTAs an SM (not yet timed)"))
+_add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 64, 4, 2, "two 8-key tiles a warp (dK + dV: 128 registers): "
+                                                            "104 KB, two CTAs an SM (not yet timed)"),
+     Tile(16, 32, 4, 2, "one 8-key tile a warp: 70 KB, " + _SMALL_BYTES + " (one stage of 16x64 spills)"))
+_add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "one 8-key tile a warp (dK + dV: 128 registers), one "
+                                                             "Q/dO stage: 100 KB, two CTAs an SM (not yet timed)"),
+     Tile(8, 32, 4, 1, "8-query steps: 84 KB, " + _SMALL_BYTES))
+_add("bwd_dkdv_dmma", ["float64"], [32], Tile(16, 64, 4, 2, "16-query steps (32 spill with EXTRA): 73 KB"),
+     extra=True)
+_add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 32, 4, 2, "one 8-key tile a warp (two spill with EXTRA): 78 KB"),
+     extra=True)
+_add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "the bias stage: 104 KB"),
+     Tile(8, 32, 4, 1, "8-query steps: 86 KB, " + _SMALL_BYTES), extra=True)
+# Deterministic dQ: query-major as the forward; each warp owns block_m / 32 8-row tiles, K/V double-buffered.
+_add("bwd_dq_dmma", ["float64"], [32], Tile(64, 32, 4, 2, "two 8-row tiles a warp: 64 KB (not yet timed)"))
+_add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "two 8-row tiles a warp, 16-key steps: 96 KB, two CTAs "
+                                                          "an SM (not yet timed)"))
+_add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "two 8-row tiles a warp (dQ: 128 registers): 192 KB "
+                                                           "(not yet timed)"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 128 KB, the A100"),
+     Tile(16, 16, 2, 2, "two warps: 96 KB, " + _SMALL_BYTES))
+# With EXTRA each K/V stage also holds a block_m x block_n fp64 bias tile.
+_add("bwd_dq_dmma", ["float64"], [32], Tile(64, 16, 4, 2, "the bias stages: 72 KB with 16-key steps"), extra=True)
+_add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "the bias stages: 120 KB"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 76 KB, " + _SMALL_BYTES), extra=True)
+_add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 216 KB"),
+     Tile(32, 16, 4, 2, "one 8-row tile a warp: 140 KB, the A100"),
+     Tile(8, 16, 1, 2, "one warp: 83 KB, " + _SMALL_BYTES), extra=True)
 
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
 _add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
@@ -273,6 +328,14 @@ def _smem_fwd_dmma(v: "Variant") -> int:
     return (t.block_m * (v.head + 4) + t.stages * stage) * ITEMSIZE[v.dtype]
 
 
+def _smem_fwd_wgmma(v: "Variant") -> int:
+    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), an unswizzled bias
+    # tile of pitch block_n + 8 per stage with EXTRA.
+    t = v.tile
+    bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0
+    return 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype]
+
+
 def _smem_fwd_fma(v: "Variant") -> int:
     t, qk_pitch = v.tile, v.head + 1
     elems = t.block_m * qk_pitch + t.block_n * qk_pitch + t.block_n * v.head + t.block_m * (t.block_n + 1)
@@ -299,6 +362,22 @@ def _smem_dbias_mma(v: "Variant") -> int:
     return t.stages * stage * ITEMSIZE[v.dtype] + 2 * t.block_m * 4
 
 
+def _smem_dkdv_dmma(v: "Variant") -> int:
+    # Unpadded swizzled fp64 tiles (flash_bwd_dmma.cu): K, V once; Q, dO (and with EXTRA a
+    # [query][key] bias tile of pitch block_n + 2) per stage; dS with atomic dQ; lse and Dsum.
+    t = v.tile
+    bias = t.block_m * (t.block_n + 2) if v.extra else 0
+    ds = t.block_m * t.block_n if v.atomic_dq else 0
+    return (2 * t.block_n * v.head + t.stages * (2 * t.block_m * v.head + bias) + ds + 2 * t.block_m) * 8
+
+
+def _smem_dq_dmma(v: "Variant") -> int:
+    # Q, dO once; K, V (and with EXTRA a bias tile of pitch = 8 mod 16) per stage.
+    t = v.tile
+    bias = t.block_m * (t.block_n // 16 * 16 + 8) if v.extra else 0
+    return (2 * t.block_m * v.head + t.stages * (2 * t.block_n * v.head + bias)) * 8
+
+
 def _smem_bwd_fma(v: "Variant") -> int:
     t, pitch = v.tile, v.head + 1
     tiles = (2 * t.block_n + 2 * t.block_m) * pitch * ITEMSIZE[v.dtype]
@@ -320,19 +399,24 @@ class Family:
     smem: Callable[["Variant"], int] = field(compare=False)
 
 
-FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
+FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
-               "bwd_dq_fma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
+               "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward",
+               "bwd_dq_dmma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
 
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
     "fwd_dmma": Family("flash_fwd_dmma", "flash_fwd_dmma.cu", ("mask", "vec"), "q", _smem_fwd_dmma),
+    "fwd_wgmma": Family("flash_fwd_wgmma", "flash_fwd_wgmma.cu", ("mask",), "q", _smem_fwd_wgmma),
     "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),
     "bwd_dsum": Family("flash_bwd_dsum", "flash_bwd_aux.cu", (), "q", lambda v: 0),
     "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
                            _smem_dkdv_mma),
     "bwd_dq_mma": Family("flash_bwd_dq_mma", "flash_bwd_mma.cu", ("mask", "vec"), "q", _smem_dq_mma),
     "bwd_dbias_mma": Family("flash_bwd_dbias_mma", "flash_bwd_dbias.cu", ("mask", "vec"), "bias", _smem_dbias_mma),
+    "bwd_dkdv_dmma": Family("flash_bwd_dkdv_dmma", "flash_bwd_dmma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
+                            _smem_dkdv_dmma),
+    "bwd_dq_dmma": Family("flash_bwd_dq_dmma", "flash_bwd_dmma.cu", ("mask", "vec"), "q", _smem_dq_dmma),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
     "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
     "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
@@ -393,6 +477,19 @@ class Variant:
         return FAMILIES[self.family]
 
     @property
+    def nvrtc_arch(self) -> "str | None":
+        """The ``-arch`` this variant needs beyond CuPy's default for the device (``sm_90a`` for the
+        Hopper path; None: the device's own, which CuPy names)."""
+        return "sm_90a" if self.arch == "sm90a" else None
+
+    def compile_target(self, arch: str) -> "str | None":
+        """The NVRTC target to check this variant for, for a GPU architecture ``arch`` (``sm_80``,
+        ``sm_90``, ...); None where such a GPU never runs it (the Hopper path off Hopper)."""
+        if self.arch == "sm90a":
+            return "sm_90a" if arch.rstrip("a") == "sm_90" else None
+        return arch
+
+    @property
     def entry(self) -> str:
         return self.fam.entry
 
@@ -441,10 +538,19 @@ def _dkdv_passes(head: int, atomic_dq: bool, extra: bool = False, vec: bool = Tr
     return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
 
 
+HOPPER_CC = 90
+"""The compute capability whose GPUs (H100, H200) take the sm90a variants."""
+
+
 @functools.lru_cache(maxsize=None)
 def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
-                    smem_limit: int = SMEM_MAX) -> Variant:
-    """The forward kernel for one call on a GPU allowing ``smem_limit`` bytes of shared memory per block."""
+                    smem_limit: int = SMEM_MAX, cc: int = 80) -> Variant:
+    """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
+    allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
+    with 16-byte loadable rows and no EXTRA option take the wgmma kernel where the table has one
+    (head dim 128: where it was measured faster)."""
+    if cc == HOPPER_CC and vec and not extra and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE:
+        return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
     if ("sm80", "fwd_dmma", dtype, head) in _TABLE:
@@ -472,6 +578,11 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
             plan.append(Variant("bwd_dq_mma", dtype, head, vec=vec, **flags))
         if dbias:
             plan.append(Variant("bwd_dbias_mma", dtype, head, vec=vec, **flags))
+    elif ("sm80", "bwd_dkdv_dmma", dtype, head) in _TABLE:
+        # float64 on the fp64 tensor cores: one pass (every table tile keeps dK + dV within 128 registers).
+        plan.append(Variant("bwd_dkdv_dmma", dtype, head, vec=vec, atomic_dq=atomic, **flags))
+        if deterministic:
+            plan.append(Variant("bwd_dq_dmma", dtype, head, vec=vec, **flags))
     else:
         plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
         if deterministic:
@@ -499,6 +610,9 @@ def all_variants() -> List[Variant]:
     for dtype, head, band, extra in itertools.product(DTYPES, HEAD_BUCKETS, (False, True), (False, True)):
         for vec, limit in itertools.product(vec_choices(dtype), SMEM_LIMITS.values()):
             seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit)] = None
+            if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
+                seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
+                                     cc=HOPPER_CC)] = None
             for det, dbias in itertools.product((False, True), (False, True) if extra else (False,)):
                 for v in _backward_plan(dtype, head, band, extra, vec, det, dbias):
                     try:

@@ -90,3 +90,101 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
         dsum_s[i] = i < rows_valid ? *dsum.at<const A>(batch, head, m0 + i) : A(0);
     }
 }
+
+// One key tile's online-softmax step for all of this warp's rows: M strips, and
+// in each the two C-fragment rows lane/4 and lane/4 + 8 (held by 4 lanes each).
+// s holds scores with x = s * x_per_s > 0 (raw dot products with the scale
+// folded in here, or x itself with x_per_s = 1). Each probability pair of one
+// row, keys 8n + 2 (lane % 4) + {0, 1}, goes to emit_p(m, n, r, p0, p1) in fp32 as
+// soon as it is formed (row_sum takes the fp32 values; emit_p may overwrite the
+// two scores it came from): a caller that packs P to 16 bits there holds 2
+// registers per 4 scores from here through O += P V, not 4. Without emit_p, s
+// leaves holding P.
+// Lazy rescaling (softmax.cuh): the reference row_max moves only when some row of
+// the warp would see p > 2^RESCALE_SLACK; otherwise acc_o and row_sum are left as
+// they are, which on long rows skips the rescale on most tiles. The vote keeps
+// the branch uniform across the warp.
+// Tr names S_TILES and O_TILES, the n8 C fragments of one strip's S and O.
+// rescale_o(m, r, correction) applies a moved reference to row r of strip m of the
+// output accumulator: at once (warp_softmax_tile), or later, when the accumulator
+// is still being written by an asynchronous MMA (the wgmma kernel). Returns
+// whether any row of the warp moved (warp-uniform).
+template <typename Tr, int M, typename RescaleO, typename EmitP>
+__device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
+                                                  float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o,
+                                                  EmitP emit_p) {
+    float tile_max[M][2];
+    bool grow = false;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = s[m][0][2 * r];
+#pragma unroll
+            for (int n = 0; n < Tr::S_TILES; ++n) mx = amax(mx, amax(s[m][n][2 * r], s[m][n][2 * r + 1]));
+            tile_max[m][r] = group_max<4>(mx) * x_per_s;   // x_per_s > 0 commutes with max; -inf stays -inf
+            grow |= tile_max[m][r] > row_max[m][r] + RESCALE_SLACK;
+        }
+    grow = __any_sync(0xffffffffu, grow);
+    if (grow) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float new_max = amax(row_max[m][r], tile_max[m][r]);
+                // A row that has allowed nothing yet has max -inf; subtracting 0 instead
+                // keeps every factor at exactly 0 rather than NaN (-inf - -inf).
+                const float correction = fast_exp2(row_max[m][r] - (new_max == neg_inf<float>() ? 0.0f : new_max));
+                row_max[m][r] = new_max;
+                row_sum[m][r] *= correction;
+                rescale_o(m, r, correction);
+            }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // row_max = -inf here means the tile has nothing visible in this row either.
+            const float ref = row_max[m][r] == neg_inf<float>() ? 0.0f : row_max[m][r];
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < Tr::S_TILES; ++n) {
+                const float p0 = fast_exp2(s[m][n][2 * r] * x_per_s - ref);   // one FFMA + MUFU.EX2
+                tile_sum += p0;
+                const float p1 = fast_exp2(s[m][n][2 * r + 1] * x_per_s - ref);
+                tile_sum += p1;
+                emit_p(m, n, r, p0, p1);
+            }
+            row_sum[m][r] += tile_sum;
+        }
+    return grow;
+}
+
+// The step with P left in s, in fp32.
+template <typename Tr, int M, typename RescaleO>
+__device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
+                                                  float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o) {
+    return warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s, rescale_o, [&](int m, int n, int r, float p0, float p1) {
+        s[m][n][2 * r] = p0;
+        s[m][n][2 * r + 1] = p1;
+    });
+}
+
+// Row r of strip m of acc_o times `correction`.
+template <int M, int O_TILES>
+__device__ __forceinline__ void rescale_acc_row(float (&acc_o)[M][O_TILES][4], int m, int r, float correction) {
+#pragma unroll
+    for (int t = 0; t < O_TILES; ++t) {
+        acc_o[m][t][2 * r] *= correction;
+        acc_o[m][t][2 * r + 1] *= correction;
+    }
+}
+
+// The step with acc_o rescaled in place.
+template <typename Tr, int M, typename EmitP>
+__device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4], float (&acc_o)[M][Tr::O_TILES][4],
+                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s,
+                                                  EmitP emit_p) {
+    warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
+                          [&](int m, int r, float correction) { rescale_acc_row(acc_o, m, r, correction); }, emit_p);
+}

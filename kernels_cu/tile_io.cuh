@@ -9,11 +9,10 @@
 #include "common.cuh"
 #include "params.cuh"
 
-// smem_dst: a 32-bit shared-window address (smem_addr).
-__device__ __forceinline__ void cp_async_16(unsigned smem_dst, const void* gmem_src, bool valid) {
+__device__ __forceinline__ void cp_async_16(unsigned smem_dst_addr, const void* gmem_src, bool valid) {
     // src-size 0 makes cp.async fill the 16 bytes with zeros without reading.
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_dst), "l"(gmem_src), "r"(valid ? 16 : 0));
+                 :: "r"(smem_dst_addr), "l"(gmem_src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
     cp_async_16(smem_addr(smem_dst), gmem_src, valid);

@@ -26,6 +26,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "swizzle_f64.cuh"
 
 template <int M, int N>
 __device__ __forceinline__ void zero_frags(double (&acc)[M][N][2]) {
@@ -107,3 +108,98 @@ __device__ __forceinline__ void scale_add_bias_frags_f64(double (&s)[N][2], cons
 // Row and column (within the 8 x 8N tile) of element i of C fragment n.
 __device__ __forceinline__ int frag_row_f64(int lane) { return lane / 4; }
 __device__ __forceinline__ int frag_col_f64(int lane, int n, int i) { return 8 * n + 2 * (lane % 4) + i; }
+
+// ---------------------------------------------------------------------------
+// The same GEMMs on swizzled tiles (swizzle_f64.cuh: unpadded rows of C doubles,
+// element (r, c) at r C + (c ^ swz_xor(r))), which the fp64 backward reads both
+// ways. Every tile pointer passed here is row 0 of an 8-row group of its tile
+// (so a fragment row 8m + g has swz_xor(g)). A column c = 16 a + b (b < 16)
+// maps to 16 a + (b ^ x): the b ^ x part takes few values per lane, and the
+// compiler keeps them (the loops are unrolled, their 16 a part is a constant).
+__device__ __forceinline__ int swz_col(int col, int x) { return (col & ~15) + ((col & 15) ^ x); }
+
+// acc[m][n] += A_m B_n^T over depth K, A_m = rows [8m, 8m + 8) of `a` (CA columns),
+// B_n = rows [8n, 8n + 8) of `b` (CB columns): lanes read (row g, column k0 + t).
+template <int M, int N, int K, int CA, int CB>
+__device__ __forceinline__ void warp_gemm_nt_swz(double (&acc)[M][N][2], const double* a, const double* b, int lane) {
+    static_assert(K % 4 == 0, "k4 steps");
+    const int g = lane / 4, t = lane % 4, x = swz_xor(g);
+    const double* a_lane = a + g * CA + t;
+    const double* b_lane = b + g * CB + t;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int col = swz_col(k0, x);   // (k0 + t) ^ x = (k0 ^ x) + t: x is a multiple of 4
+        double af[M], bf[N];
+#pragma unroll
+        for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * CA + col];
+#pragma unroll
+        for (int n = 0; n < N; ++n) bf[n] = b_lane[8 * n * CB + col];
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+    }
+}
+
+// acc[m][n] += P_m B_n with P in C fragments (warp_gemm_rn_f64's permuted keys:
+// step s of key tile kt takes key 8kt + 2t + s) and B a swizzled [key][column]
+// tile of CB columns: lanes read (row 8kt + 2t + s, column 8n + g).
+template <int M, int N, int KT, int CB>
+__device__ __forceinline__ void warp_gemm_rn_swz(double (&acc)[M][N][2], const double (&p)[M][KT][2], const double* b,
+                                                 int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int x = swz_xor(2 * t + s);
+        const double* b_lane = b + (2 * t + s) * CB;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                const double bf = b_lane[8 * kt * CB + swz_col(8 * n + g, x)];
+#pragma unroll
+                for (int m = 0; m < M; ++m) mma_884_f64(acc[m][n], p[m][kt][s], bf);
+            }
+    }
+}
+
+// acc[m][n] += A_m B over depth K, both swizzled: A_m = rows [8m, 8m + 8) of `a`
+// (CA columns), B = rows [0, K) of `b` (CB columns), columns 8 (n_first + n) + ..
+// (n_first: the caller's first column tile). Lanes read A at (row g, column k0 + t)
+// and B at (row k0 + t, column 8 (n_first + n) + g).
+template <int M, int N, int K, int CA, int CB>
+__device__ __forceinline__ void warp_gemm_nn_swz(double (&acc)[M][N][2], const double* a, const double* b, int n_first,
+                                                 int lane) {
+    static_assert(K % 4 == 0, "k4 steps");
+    const int g = lane / 4, t = lane % 4, xa = swz_xor(g);
+    const double* a_lane = a + g * CA + t;
+    const double* b_lane = b + t * CB;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int xb = swz_xor(k0 + t);   // two values: k0 = 0 or 4 (mod 8)
+        double af[M], bf[N];
+#pragma unroll
+        for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * CA + swz_col(k0, xa)];
+#pragma unroll
+        for (int n = 0; n < N; ++n) bf[n] = b_lane[k0 * CB + swz_col(8 * (n_first + n) + g, xb)];
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+    }
+}
+
+// s = s * scale + bias * log2(e) on S^T fragments (rows: 8 keys, columns: 8N
+// queries) from a [query][key] bias tile of pitch P: element (key g, query
+// 8n + 2t + i) reads tile[(8n + 2t + i) P + g], which a half-warp takes in one
+// pass when 2P = 4 (mod 8), i.e. P = 2 (mod 4) (warp_gemm_f64.cuh's rn pattern).
+template <int N, int P>
+__device__ __forceinline__ void scale_add_bias_frags_f64_t(double (&s)[N][2], const double* tile, int lane,
+                                                           double scale) {
+    static_assert(P % 4 == 2, "conflict-free transposed reads");
+    const double* at = tile + 2 * (lane % 4) * P + lane / 4;
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) s[n][i] = s[n][i] * scale + at[(8 * n + i) * P] * LOG2E;
+}

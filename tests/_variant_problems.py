@@ -27,6 +27,7 @@ class Problem:
     backward: bool
     deterministic: bool
     smem_limit: int = SMEM_MAX    # the GPU class (shared memory per block) the launcher selects for
+    cc: int = 80                  # the compute capability it selects for (90: the Hopper variants)
 
     @property
     def vec(self) -> bool:
@@ -38,7 +39,8 @@ class Problem:
         """The variants a call with this problem launches (the launcher's own selection)."""
         head = head_bucket(max(self.d, self.dv))
         band = self.causal is not False
-        fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit)
+        fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
+                              cc=self.cc)
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -60,7 +62,9 @@ def problem_for(v: Variant) -> Problem:
     for 16-byte loads, odd otherwise), causal alignment alternating by bucket, and
     the largest GPU class of SMEM_LIMITS under which the launcher picks v's tile."""
     head = v.head or 64
-    d = head if v.vec else head - 5
+    hopper = v.arch == "sm90a"    # selected on compute capability 9.0, 16-byte loads only
+    cc = 90 if hopper else 80
+    d = head if v.vec or hopper else head - 5
     causal = False if not v.band else ("bottom_right" if head in (64, 256) else True)
     backward = not v.family.startswith("fwd")
     deterministic = v.family.startswith("bwd_dq") or (v.family.startswith("bwd_dkdv") and not v.atomic_dq)
@@ -68,10 +72,10 @@ def problem_for(v: Variant) -> Problem:
         deterministic = False
     # A dV-only pass (pass_ 1) never adds dQ itself, but runs in atomic-dQ plans too.
     for det, limit in itertools.product((deterministic, not deterministic), sorted(SMEM_LIMITS.values(), reverse=True)):
-        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit)
+        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc)
         try:
             if v in p.variants():
                 return p
         except ValueError:     # this GPU class has no kernel for the problem
             continue
-    return Problem(v.dtype, d, d, causal, v.extra, backward, deterministic)
+    return Problem(v.dtype, d, d, causal, v.extra, backward, deterministic, cc=cc)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import cuflash
 
 from _errors import FLOOR, rel_error
-from _gpu_checks import DTYPES, check_backward, make_grad_inputs
+from _gpu_checks import DTYPES, check_backward, check_masked, make_grad_inputs
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -57,6 +57,55 @@ def test_float64_kernel_matches_finite_differences(causal):
         fd = (f(*plus) - f(*minus)) / (2 * eps)
         an = float((g * u).sum())
         assert abs(fd - an) <= 1e-6 * max(1.0, abs(an)), (i, fd, an)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The variants launched during the test, in order."""
+    from cuflash import _launch
+
+    seen = []
+    real = _launch._launch
+    monkeypatch.setattr(_launch, "_launch", lambda variant, *a: (seen.append(variant), real(variant, *a)))
+    return seen
+
+
+@pytest.mark.parametrize("d", [32, 59, 64, 111, 128])
+@pytest.mark.parametrize("causal", [True, "bottom_right"])
+@pytest.mark.parametrize("bias_kind", ["pair", "key"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_float64_tensor_core_backward_masked(d, causal, bias_kind, deterministic, launched):
+    """The fp64 tensor-core backward (bwd_dkdv_dmma, and bwd_dq_dmma when deterministic) at head
+    buckets 32-128, 16-byte loads (even d) and element loads (odd d), with a causal mask, a bias
+    and its gradient (a pair bias shared by the batch: dbias by atomics, or in turns when
+    deterministic; a key-padding bias: one row, summed per key), a boolean mask, dropout, and rows
+    that see no key: every gradient against the float64 reference under the error rule, and
+    exactly 0 on the empty rows."""
+    b, hq, hk, lq, lk = 2, 2, 1, 97, 130
+    rng = np.random.default_rng(d)
+    bias = rng.standard_normal((1, hq, lq, lk) if bias_kind == "pair" else (b, 1, 1, lk))
+    mask = rng.random((b, 1, lq, lk)) < 0.7
+    mask[:, :, ::11] = False                                       # rows 0, 11, 22, ... see nothing
+    options = dict(bias=bias, mask=mask, dropout_p=0.125, seed=d + 1)
+    _, grads = check_masked("float64", b, hq, hk, lq, lk, d, d, causal, d, options, deterministic=deterministic)
+    families = [v.family for v in launched]
+    assert "bwd_dkdv_dmma" in families and "bwd_dkdv_fma" not in families, families
+    assert ("bwd_dq_dmma" in families) == deterministic and "bwd_dq_fma" not in families, families
+    dq = cp.asnumpy(grads[0])
+    assert (dq[:, :, ::11] == 0).all()
+
+
+@pytest.mark.parametrize("d,family", [(32, "bwd_dkdv_dmma"), (64, "bwd_dkdv_dmma"), (128, "bwd_dkdv_dmma"),
+                                      (200, "bwd_dkdv_fma")])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_float64_backward_kernel_choice(d, family, deterministic, launched):
+    """float64 gradients on the fp64 tensor cores up to head dim 128 (the FMA kernels above), plain
+    (no masking options) and causal, against the reference."""
+    check_backward("float64", 2, 4, 2, 150, 170, d, d, True, seed=d, deterministic=deterministic)
+    families = [v.family for v in launched]
+    assert family in families, families
+    if deterministic:
+        assert family.replace("dkdv", "dq") in families, families
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -69,9 +69,33 @@ def test_selection_rules():
         ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, True), ("bwd_convert_dq", 0, False)]
     plan = V.backward_variants("float16", 256, band=True, vec=True, deterministic=True)
     assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
+    for head in (32, 64, 128):   # float64 gradients on the fp64 tensor cores, one dK/dV pass
+        plan = V.backward_variants("float64", head, band=False, vec=True, deterministic=False)
+        assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
+            ("bwd_dsum", 0, False), ("bwd_dkdv_dmma", 0, True), ("bwd_convert_dq", 0, False)]
+        plan = V.backward_variants("float64", head, band=True, extra=True, vec=False, deterministic=True)
+        assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_dmma", "bwd_dq_dmma"]
+    plan = V.backward_variants("float64", 256, band=True, vec=True, deterministic=True)
+    assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
     assert V.head_bucket(1) == 32 and V.head_bucket(33) == 64 and V.head_bucket(256) == 256
     with pytest.raises(ValueError, match="larger than"):
         V.head_bucket(257)
+
+
+def test_hopper_selection():
+    """Compute capability 9.0 takes the wgmma forward for 16-bit calls with 16-byte loadable rows at the
+    head dims it has tiles for; everything else, and every other GPU, the portable path."""
+    v = V.forward_variant("bfloat16", 128, band=True, vec=True, cc=90)
+    assert (v.family, v.arch, v.nvrtc_arch) == ("fwd_wgmma", "sm90a", "sm_90a")
+    assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
+    assert V.forward_variant("float16", 128, band=False, extra=True, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=80).family == "fwd_mma"
+    assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=100).family == "fwd_mma"
+    assert V.forward_variant("bfloat16", 128, band=True, vec=False, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float16", 256, band=False, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float32", 64, band=False, vec=False, cc=90).family == "fwd_fma"
+    assert V.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
 
 
 def test_grid_has_no_65535_limit_but_a_2_31_one():

@@ -1,0 +1,130 @@
+// wgmma.cuh -- Hopper warpgroup MMA (sm_90a): shared-memory matrix descriptors,
+// the wgmma.mma_async wrappers and their ordering fences.
+//
+// A warpgroup (4 consecutive warps, the first one's index a multiple of 4) issues
+// one wgmma for a 64 x N x 16 product: D (64 x N, fp32, in registers) += A (64 x 16)
+// B (16 x N). B always comes from shared memory through a descriptor; A either from
+// shared memory (a descriptor) or from registers.
+//
+// Register layouts (PTX ISA, "wgmma register fragments"), warp w of the warpgroup
+// owning rows 16w..16w+15, g = lane / 4, t = lane % 4:
+//   D (64 x N, fp32):  d[4n + 0..1] = (row g,     cols 8n + 2t + {0,1})
+//                      d[4n + 2..3] = (row g + 8, the same cols)
+//     -- per warp, exactly the m16n8 C fragments of mma.cuh, N / 8 of them.
+//   A (64 x 16, 16-bit, registers): a[0] = (row g, k 2t..2t+1), a[1] = (row g + 8, same k),
+//                      a[2], a[3] = the same rows at k + 8
+//     -- the m16n8k16 A fragment, so P = softmax(S) packs from D in registers
+//        (pack_a_frag in warp_gemm.cuh) with no shared memory.
+//
+// Shared-memory tiles are 128-byte swizzled (swizzle mode 1): a tile is stored as
+// atoms of 8 rows x 128 bytes (1024 bytes, 1024-byte aligned); in row r of an atom
+// the 16-byte chunk c sits at chunk position c ^ (r % 8), so the 8 rows of any
+// 16-byte column land in 8 different bank groups (tile_io_sw128.cuh writes it).
+// A row of HEAD 16-bit elements spans HEAD / 64 atoms side by side; the tile keeps
+// each 64-column slab contiguous: slab a at a * ROWS * 128 bytes.
+//   K-major operand (Q as A, K as B of S = Q K^T; k = head dim, contiguous):
+//     SBO = 1024 (8-row groups), LBO unused (a k16 step is 32 bytes, inside one
+//     128-byte row); the k16 step kk starts at slab kk / 4, byte (kk % 4) * 32.
+//   MN-major operand (V as B of O = P V, read transposed; n = head dim contiguous,
+//   k = keys): SBO = 1024 (8-key groups), LBO = ROWS * 128 (the next 64-column
+//   slab along n); the k16 step kk starts 16 keys = 2048 bytes further.
+// The hardware applies the XOR on address bits, which is why atoms must be
+// 1024-byte aligned and why a k step inside an atom is a plain byte offset.
+#pragma once
+#include "common.cuh"
+
+typedef unsigned long long uint64;
+
+// A 64-bit wgmma shared-memory matrix descriptor: start address >> 4 (bits 0-13),
+// leading-dimension byte offset >> 4 (bits 16-29), stride-dimension byte offset
+// >> 4 (bits 32-45), base offset 0 (atoms are 1024-byte aligned), swizzle mode
+// in bits 62-63 (1: 128-byte swizzle).
+__device__ __forceinline__ uint64 sw128_desc(unsigned smem_byte_addr, unsigned lbo_bytes, unsigned sbo_bytes) {
+    return (uint64)((smem_byte_addr & 0x3ffffu) >> 4)
+           | ((uint64)((lbo_bytes & 0x3ffffu) >> 4) << 16)
+           | ((uint64)((sbo_bytes & 0x3ffffu) >> 4) << 32)
+           | (1ull << 62);
+}
+
+// Order this thread's ordinary (and cp.async, once waited for) shared-memory
+// writes before later reads by the async proxy (wgmma operands); a barrier
+// after it then publishes them to the other threads' wgmmas.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Before the first wgmma of a batch: orders the warpgroup's earlier register
+// writes (accumulators rescaled by ordinary instructions, A fragments) before
+// the asynchronous reads.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Wait until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+// The compiler does not know that a wgmma in flight writes its accumulators; this
+// empty asm pins each register's value at the point of the call, so no ordinary
+// instruction on them is moved across a commit / wait.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+template <int R>
+__device__ __forceinline__ void fence_regs(unsigned (&a)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(a[i][k]) :: "memory");
+}
+
+// Operand lists: the accumulators as "+f" constraints, 8 at a time.
+#define CUF_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                       "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUF_ACC32(d) CUF_ACC8(d, 0), CUF_ACC8(d, 8), CUF_ACC8(d, 16), CUF_ACC8(d, 24)
+#define CUF_ACC64(d) CUF_ACC32(d), CUF_ACC8(d, 32), CUF_ACC8(d, 40), CUF_ACC8(d, 48), CUF_ACC8(d, 56)
+#define CUF_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+                   "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUF_REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+                   "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+                   "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
+                   "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// D (64 x N) = A B + (accumulate ? D : 0), both operands from shared memory, both
+// K-major (no transpose): S = Q K^T.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, int accumulate);
+// D (64 x N) += A B with A from registers (the m16n8k16 A fragment of this warp's
+// 16 rows) and B MN-major from shared memory (read transposed): O += P V.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b);
+
+// One specialisation per (type, N); the operand numbers follow the accumulators
+// (N / 2 of them): A_OPS / B_OP / SCALE_OP name them.
+#define CUF_WGMMA_SS(TYPE, PTX_TYPE, N, REGS, ACC, A_OP, B_OP, SCALE_OP)                                     \
+    template <>                                                                                              \
+    __device__ __forceinline__ void wgmma_ss<TYPE, N>(float (&d)[N / 2], uint64 desc_a, uint64 desc_b,       \
+                                                      int accumulate) {                                      \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_OP ", 0;\n"                                  \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " " REGS ", "   \
+                     A_OP ", " B_OP ", p, 1, 1, 0, 0;\n}\n"                                                  \
+                     : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                  \
+    }
+#define CUF_WGMMA_RS(TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                                    \
+    template <>                                                                                              \
+    __device__ __forceinline__ void wgmma_rs<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4],           \
+                                                      uint64 desc_b) {                                       \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_OP ", 0;\n"                                  \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " " REGS ", "   \
+                     A_OPS ", " B_OP ", p, 1, 1, 1;\n}\n"                                                    \
+                     : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));          \
+    }
+CUF_WGMMA_SS(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
+CUF_WGMMA_SS(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
+CUF_WGMMA_SS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
+CUF_WGMMA_SS(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
+CUF_WGMMA_RS(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
+CUF_WGMMA_RS(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
+CUF_WGMMA_RS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
+CUF_WGMMA_RS(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
