@@ -147,9 +147,9 @@ _add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "two strips per warp, 32-
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
 # With EXTRA (bias, mask, block layout, dropout) and the bias staged in shared memory: two strips as in
 # the plain kernel; 128x128 spills (d=32: 44-252 bytes, d=64: 68-236). With the band too, the d=64
-# kernel spilled 4-8 bytes at 128x64 on sm_90 and took 128x32 (plain causal: 160 TFLOP/s against 195
-# at 128x64, tune_fwd.py); since the K/V loader of branch band128 it fits 128x64 (240-253 registers,
-# 0 spills on sm_80 / sm_90), as the EXTRA kernel without the band (236-244).
+# kernel spilled at 128x64 (4-8 bytes on sm_90 when chosen, 24-48 on both archs later) and took 128x32
+# (plain causal: 160 TFLOP/s against 195 at 128x64, tune_fwd.py); since the K/V loader of branch band128
+# it fits 128x64 (240-253 registers, 0 spills on sm_80 / sm_90), as the EXTRA kernel without the band.
 _add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp of 64 keys; 128x128 spills with the "
                                                           "EXTRA code"), extra=True)
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
