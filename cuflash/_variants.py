@@ -112,16 +112,10 @@ def smem_limit_for_arch(arch: str) -> int:
 _EXTRA_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
 """Tiles for the EXTRA variants (bias / mask / block sparsity / dropout compiled in) where
 the plain variant's tile would spill with that code on top."""
-_EXTRA_BAND_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
-"""The same for EXTRA variants that also have the band (causal / window) compiled in."""
-_PLAIN_VEC_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
-"""Tiles for the plain variants (no band, no EXTRA) with 16-byte loads, where these fit a larger
-tile than their scalar-load and band siblings (which would spill with it)."""
 
 
-def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False,
-         band: bool = False, plain_vec: bool = False) -> None:
-    table = (_EXTRA_BAND_TABLE if band else _EXTRA_TABLE) if extra else _PLAIN_VEC_TABLE if plain_vec else _TABLE
+def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False) -> None:
+    table = _EXTRA_TABLE if extra else _TABLE
     for dtype in dtypes:
         for head in heads:
             table[(arch, family, dtype, head)] = tiles
@@ -138,24 +132,26 @@ _SMALL_BYTES = "99 KB of shared memory (sm_86 / sm_89 / sm_120)"
 #   d=64:  64x64/4w 194/172   128x64/4w 223/195   64x64/2w 199/176     128x32/4w 206/160
 #   d=128: 64x64/4w 207/187   128x32/4w 230/189   64x32/2w 209/176
 #   (2026-11-22, one strip: d=256 64x32/4w 188/145 beat 32x32/2w 129/88; at d=256 two strips spill.)
-# 128x128 at d=64 and 128x64 at d=128 spill (acc_o + S exceed 255 registers).
+# 128x64 at d=128 spills (acc_o + S exceed 255 registers).
 _add("fwd_mma", HALF_TYPES, [32], Tile(128, 128, 4, 2, "two strips per warp: +19% over 64x64/4w (tune_fwd.py)"))
-_add("fwd_mma", HALF_TYPES, [64], Tile(128, 64, 4, 2, "two strips per warp: +13-15% over 64x64/4w (tune_fwd.py)"))
-# With the softmax's scale folded into its FFMA (2026-11-23, fourth session) 128x128 fits the plain
-# 16-byte-load d=64 forward in 255 registers: 241 -> 269 TFLOP/s at L=4096, 183 -> 203 at L=1024 (fp16,
-# tune_fwd.py). Its scalar-load (sm_80: 108 bytes) and band (132 bytes) siblings spill with it.
-_add("fwd_mma", HALF_TYPES, [64], Tile(128, 128, 4, 2, "two strips of 128 keys: +11% over 128x64 (tune_fwd.py), "
-                                                      "255 registers, 0 spills"), plain_vec=True)
+# d=64, 128x128 (2026-11-23, fourth session, fp16 tune_fwd.py): 241 -> 269 TFLOP/s at L=4096 over 128x64,
+# 183 -> 203 at L=1024; causal 197 -> 220 while the band variant still spilled 132 bytes. It fits every
+# plain and band variant (both load widths) since P is packed to 16 bits as the softmax forms it, the
+# partial tiles' mask is two bounds a fragment row, the fully visible tiles are found once per warp
+# and the K/V loader walks one pointer down the rows (branch band128): 251-255 registers, 0 spills
+# on sm_80 and sm_90 (the band variant spilled 132 bytes, the sm_80 scalar-load one 108).
+_add("fwd_mma", HALF_TYPES, [64], Tile(128, 128, 4, 2, "two strips of 128 keys: +11% (causal +12%, spilling) over "
+                                                      "128x64 (tune_fwd.py); 251-255 registers, 0 spills"))
 _add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles (252 registers): "
                                                       "+11-15% non-causal, +1-3% causal (tune_fwd.py)"))
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
 # With EXTRA (bias, mask, block layout, dropout) and the bias staged in shared memory: two strips as in
-# the plain kernel (237-244 registers at d=64); 128x128 spills at d=32 (300+ bytes): 128x64 there.
-_add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp, as the plain d=64 kernel"),
-     extra=True)
-_add("fwd_mma", HALF_TYPES, [64], Tile(128, 32, 4, 2, "with the band too, 64-key tiles spill 4-8 bytes on sm_90 "
-                                                     "(255 registers): 32-key tiles, as the plain d=128 kernel"),
-     extra=True, band=True)
+# the plain kernel; 128x128 spills (d=32: 44-252 bytes, d=64: 68-236). With the band too, the d=64
+# kernel spilled 4-8 bytes at 128x64 on sm_90 and took 128x32 (plain causal: 160 TFLOP/s against 195
+# at 128x64, tune_fwd.py); since the K/V loader of branch band128 it fits 128x64 (240-253 registers,
+# 0 spills on sm_80 / sm_90), as the EXTRA kernel without the band (236-244).
+_add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp of 64 keys; 128x128 spills with the "
+                                                          "EXTRA code"), extra=True)
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
      Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
 
@@ -461,12 +457,8 @@ class Variant:
     def tiles(self) -> Tuple[Tile, ...]:
         """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
         key = (self.arch, self.family, self.dtype, self.head)
-        if self.extra and self.band and key in _EXTRA_BAND_TABLE:
-            return _EXTRA_BAND_TABLE[key]
         if self.extra and key in _EXTRA_TABLE:
             return _EXTRA_TABLE[key]
-        if self.vec and not (self.extra or self.band) and key in _PLAIN_VEC_TABLE:
-            return _PLAIN_VEC_TABLE[key]
         return _TABLE[key]
 
     def fitted(self, smem_limit: int) -> "Variant":
@@ -643,7 +635,7 @@ def unsupported(smem_limit: int) -> List[Variant]:
 
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
     """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
-    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE, _EXTRA_BAND_TABLE, _PLAIN_VEC_TABLE)
+    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE)
             for key, tiles in table.items()
             for tile in tiles)
 
@@ -657,7 +649,7 @@ def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str =
     the selection caches are cleared on entry and exit so that calls pick up the
     table as it is.
     """
-    tables = (_TABLE, _EXTRA_TABLE, _EXTRA_BAND_TABLE, _PLAIN_VEC_TABLE)   # every table that has the key
+    tables = (_TABLE, _EXTRA_TABLE)   # every table that has the key
     keys = [(arch, family, dtype, head) for dtype in dtypes]
     saved = [{key: table[key] for key in keys if key in table} for table in tables]
     try:

@@ -7,10 +7,13 @@
 //   for each visible K/V tile j (the next one streams in with cp.async meanwhile):
 //       S = Q K_j^T                           (mma.sync, fp32 accumulate)
 //       x = S * scale * log2(e), masked       (score_mod.cuh; without a bias the
-//                                              scale folds into the exp2's FFMA)
+//                                              scale folds into the exp2's FFMA; only
+//                                              tiles crossing the band's edges or the
+//                                              sequence end are masked)
 //       m_new = max(m, rowmax(x)); P = 2^(x - m_new); l = l * 2^(m - m_new) + rowsum(P)
-//       O = O * 2^(m - m_new) + P V_j         (P stays in registers as the A operand;
-//                                              m moves lazily: warp_softmax_tile)
+//       O = O * 2^(m - m_new) + P V_j         (P stays in registers, rounded to 16 bits
+//                                              as it is formed: the A operand; m moves
+//                                              lazily: warp_softmax_tile)
 //   O = O / l; lse = (m + log2 l) ln 2
 // Shared memory rows are padded by 16 bytes so the 8 row addresses of an
 // ldmatrix fall in different banks. With EXTRA, each K/V stage has a bias tile
@@ -45,6 +48,25 @@ struct FwdMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
+// The mask of one strip's partial tile without EXTRA (only the band and the
+// sequence end): the lane's rows are row0 and row0 + 8, its keys col0 + 8n + e
+// (e = 0, 1), and each row's visible keys are one interval (ScoreMod::visible_keys),
+// so every element is two compares with a constant rather than a (row, col) pair
+// formed and tested. Masked scores become -inf (raw dot products stay raw).
+template <typename Tr, typename Mod>
+__device__ __forceinline__ void mask_partial_strip(float (&s)[Tr::S_TILES][4], const Mod& mod, int row0, int col0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int lo, hi;
+        mod.visible_keys(row0 + 8 * r, col0, lo, hi);
+#pragma unroll
+        for (int n = 0; n < Tr::S_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (8 * n + e < lo || 8 * n + e > hi) s[n][2 * r + e] = neg_inf<float>();
+    }
+}
+
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
@@ -66,12 +88,17 @@ flash_fwd_mma(const FwdParams p) {
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
     auto load_kv = [&](int j, int stage) {
-        load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, p.k, dims.d, v_s + stage * Tr::KV_ELEMS,
-                                                         p.v, dims.dv, blk.batch, blk.kv_head, j * BN, dims.lk - j * BN);
+        const int n0 = j * BN;
+        load_tile_fixed_col<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS,
+                                                              p.k.at<const T>(blk.batch, blk.kv_head, n0),
+                                                              p.k.row_stride, dims.lk - n0, dims.d);
+        load_tile_fixed_col<T, BN, HEAD, P, Tr::THREADS, VEC>(v_s + stage * Tr::KV_ELEMS,
+                                                              p.v.at<const T>(blk.batch, blk.kv_head, n0),
+                                                              p.v.row_stride, dims.lk - n0, dims.dv);
         if (mod.has_bias())
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS, p.mask.bias,
-                                                                   blk.batch, blk.head, blk.m0, j * BN, blk.rows,
-                                                                   dims.lk - j * BN);
+                                                                   blk.batch, blk.head, blk.m0, n0, blk.rows,
+                                                                   dims.lk - n0);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some).
@@ -94,6 +121,10 @@ flash_fwd_mma(const FwdParams p) {
         load_kv(j, 0);
     }
     const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
+    // Without EXTRA, the key tiles this warp's rows see whole, found once: inside
+    // them the loop carries no mask work and no per-tile classification.
+    TileRange full{0, 0};
+    if constexpr (!Flags::EXTRA) full = mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
     for (int stage = 0; j < keys.end; stage ^= 1) {
         const int next = next_tile(j + 1);
         if (next < keys.end) {   // prefetch the next visible tile into the other stage
@@ -110,7 +141,7 @@ flash_fwd_mma(const FwdParams p) {
         warp_gemm_strips_smem<T, M, BN, HEAD, P, P, false>(s, q_s + warp * Tr::WARP_ROWS * P,
                                                           k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
-        const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
+        const bool partial = Flags::EXTRA ? mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN) : !full.contains(j);
         const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + (warp * Tr::WARP_ROWS) * Tr::BIAS_PITCH;
         // The absolute (query, key) of element i of n8 tile n in strip m.
         auto strip_coord = [=](int m) {
@@ -119,18 +150,38 @@ flash_fwd_mma(const FwdParams p) {
                 col = n0 + frag_col(lane, n, i);
             };
         };
+        // The mask: with EXTRA the bias and score_mod.cuh's per-element test; without,
+        // partial tiles only, two bounds a fragment row.
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            if (mod.has_bias())
-                scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
-                                                                   mod.scale_log2);
-            apply_score_mod(s[m], mod, partial, strip_coord(m));
+            if constexpr (Flags::EXTRA) {
+                if (mod.has_bias())
+                    scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
+                                                                       mod.scale_log2);
+                apply_score_mod(s[m], mod, partial, strip_coord(m));
+            } else if (partial) {
+                mask_partial_strip<Tr>(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
+            }
         }
-        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s);
+        unsigned p16[M][Tr::S_TILES][2];   // P in 16 bits (pack_frags' layout), the A operand of O += P V
+        if constexpr (Flags::EXTRA) {
+            // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key),
+            // then P is rounded to 16 bits.
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+                s[m][n][2 * r] = p0;
+                s[m][n][2 * r + 1] = p1;
+            });
 #pragma unroll
-        for (int m = 0; m < M; ++m) apply_dropout<true>(s[m], mod, strip_coord(m));   // after the statistics:
-                                                                                       // row_sum counts every key
-        warp_gemm_strips_rn<T, M, HEAD, BN, P>(acc_o, s, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
+            for (int m = 0; m < M; ++m) {
+                apply_dropout<true>(s[m], mod, strip_coord(m));
+                pack_frags<T>(p16[m], s[m]);
+            }
+        } else {
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+                p16[m][n][r] = pack2<T>(p0, p1);
+            });
+        }
+        warp_gemm_strips_rn16<T, M, HEAD, BN, P>(acc_o, p16, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;
     }

@@ -43,6 +43,8 @@ struct MaskFlags {
 
 struct TileRange {
     int begin, end;   // tiles [begin, end); empty when begin >= end
+
+    __device__ __forceinline__ bool contains(int t) const { return t >= begin && t < end; }
 };
 
 enum TileKind { TILE_SKIP = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
@@ -89,6 +91,28 @@ struct ScoreMod {
         if (m.layout.ptr && *m.layout.at<signed char>(batch, head, row / m.block_q, col / m.block_k) == BLOCK_OFF)
             return false;
         return !m.mask.ptr || *m.mask.at<unsigned char>(batch, head, row, col) != 0;
+    }
+
+    // Without EXTRA a partial tile's test is the band and the sequence end only:
+    // query `row` sees keys col0 + [lo, hi]. The elements of one fragment row share
+    // these two numbers, so a kernel compares each element's offset from col0 (a
+    // compile-time constant there) with them instead of forming (row, col) and
+    // calling allowed().
+    __device__ __forceinline__ void visible_keys(int row, int col0, int& lo, int& hi) const {
+        static_assert(!Flags::EXTRA, "the EXTRA pieces need the per-element test (allowed)");
+        lo = (Flags::BAND ? row + m.band_lo : 0) - col0;
+        hi = (Flags::BAND ? imin(row + m.band_hi, lk - 1) : lk - 1) - col0;
+    }
+
+    // Key tiles of width block_n that each of the rows [row0, row0 + rows) sees whole,
+    // so that no element needs a test. Without EXTRA every other visited tile is
+    // TILE_PARTIAL (classify's band and sequence-end tests, solved for the tile index
+    // once instead of evaluated per tile).
+    __device__ __forceinline__ TileRange full_key_tiles(int row0, int rows, int block_n) const {
+        static_assert(!Flags::EXTRA, "a block layout makes tiles partial too (classify)");
+        const int key_end = Flags::BAND ? imin(lk, row0 + m.band_hi + 1) : lk;   // last key + 1 of row0
+        const int key_begin = Flags::BAND ? imax(0, row0 + rows - 1 + m.band_lo) : 0;   // first key of the last row
+        return {ceil_div(key_begin, block_n), key_end < 0 ? 0 : key_end / block_n};
     }
 
     // Key tiles of width block_n that any of the query rows [row0, row0 + rows) may see.

@@ -94,7 +94,12 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
 // One key tile's online-softmax step for all of this warp's rows: M strips, and
 // in each the two C-fragment rows lane/4 and lane/4 + 8 (held by 4 lanes each).
 // s holds scores with x = s * x_per_s > 0 (raw dot products with the scale
-// folded in here, or x itself with x_per_s = 1); it leaves holding P.
+// folded in here, or x itself with x_per_s = 1). Each probability pair of one
+// row, keys 8n + 2 (lane % 4) + {0, 1}, goes to emit_p(m, n, r, p0, p1) in fp32 as
+// soon as it is formed (row_sum takes the fp32 values; emit_p may overwrite the
+// two scores it came from): a caller that packs P to 16 bits there holds 2
+// registers per 4 scores from here through O += P V, not 4. Without emit_p, s
+// leaves holding P.
 // Lazy rescaling (softmax.cuh): the reference row_max moves only when some row of
 // the warp would see p > 2^RESCALE_SLACK; otherwise acc_o and row_sum are left as
 // they are, which on long rows skips the rescale on most tiles. The vote keeps
@@ -104,9 +109,10 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
 // output accumulator: at once (warp_softmax_tile), or later, when the accumulator
 // is still being written by an asynchronous MMA (the wgmma kernel). Returns
 // whether any row of the warp moved (warp-uniform).
-template <typename Tr, int M, typename RescaleO>
+template <typename Tr, int M, typename RescaleO, typename EmitP>
 __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
-                                                  float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o) {
+                                                  float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o,
+                                                  EmitP emit_p) {
     float tile_max[M][2];
     bool grow = false;
 #pragma unroll
@@ -142,15 +148,26 @@ __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4],
             const float ref = row_max[m][r] == neg_inf<float>() ? 0.0f : row_max[m][r];
             float tile_sum = 0.0f;
 #pragma unroll
-            for (int n = 0; n < Tr::S_TILES; ++n)
-#pragma unroll
-                for (int i = 2 * r; i < 2 * r + 2; ++i) {
-                    s[m][n][i] = fast_exp2(s[m][n][i] * x_per_s - ref);   // one FFMA + MUFU.EX2
-                    tile_sum += s[m][n][i];
-                }
+            for (int n = 0; n < Tr::S_TILES; ++n) {
+                const float p0 = fast_exp2(s[m][n][2 * r] * x_per_s - ref);   // one FFMA + MUFU.EX2
+                tile_sum += p0;
+                const float p1 = fast_exp2(s[m][n][2 * r + 1] * x_per_s - ref);
+                tile_sum += p1;
+                emit_p(m, n, r, p0, p1);
+            }
             row_sum[m][r] += tile_sum;
         }
     return grow;
+}
+
+// The step with P left in s, in fp32.
+template <typename Tr, int M, typename RescaleO>
+__device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
+                                                  float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o) {
+    return warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s, rescale_o, [&](int m, int n, int r, float p0, float p1) {
+        s[m][n][2 * r] = p0;
+        s[m][n][2 * r + 1] = p1;
+    });
 }
 
 // Row r of strip m of acc_o times `correction`.
@@ -164,9 +181,10 @@ __device__ __forceinline__ void rescale_acc_row(float (&acc_o)[M][O_TILES][4], i
 }
 
 // The step with acc_o rescaled in place.
-template <typename Tr, int M>
+template <typename Tr, int M, typename EmitP>
 __device__ __forceinline__ void warp_softmax_tile(float (&s)[M][Tr::S_TILES][4], float (&acc_o)[M][Tr::O_TILES][4],
-                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s) {
+                                                  float (&row_max)[M][2], float (&row_sum)[M][2], float x_per_s,
+                                                  EmitP emit_p) {
     warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
-                          [&](int m, int r, float correction) { rescale_acc_row(acc_o, m, r, correction); });
+                          [&](int m, int r, float correction) { rescale_acc_row(acc_o, m, r, correction); }, emit_p);
 }

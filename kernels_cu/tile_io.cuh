@@ -57,6 +57,45 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stri
     }
 }
 
+// The same copy where each thread keeps one column (chunk) in every row it
+// copies: with THREADS a multiple of the chunks per row, thread t copies chunk
+// t % PER_ROW of rows t / PER_ROW + k * ROW_STEP. The trip count is a compile-time
+// constant and one source pointer walks down the rows, so a thread holds a
+// pointer, a row count and one shared address rather than an address per chunk:
+// with 128 x 128 tiles at head dim 64 the forward's K/V prefetch then leaves the
+// softmax's registers alone (load_tile's loop spilled it). 16-byte chunks are
+// unrolled fully (at most 8 a thread in the forward's tiles). Element copies are
+// unrolled by 16, so 16 loads are in flight before their stores (by 4 or 8 the
+// d=64 band forward spilled 32 bytes on sm_90; fully, 32-iteration loops spilled
+// 140-316 bytes). Shapes whose rows do not split evenly over the threads (scalar
+// copies of 256 columns) take load_tile.
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
+__device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int64 row_stride, int rows_valid,
+                                                    int cols_valid) {
+    constexpr int CHUNK = VEC ? 16 / int(sizeof(T)) : 1;
+    constexpr int PER_ROW = COLS / CHUNK;
+    constexpr int ROW_STEP = THREADS / PER_ROW;
+    if constexpr (COLS % CHUNK != 0 || THREADS % PER_ROW != 0 || ROWS % ROW_STEP != 0) {
+        load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(smem, gmem, row_stride, rows_valid, cols_valid);
+    } else {
+        constexpr int UNROLL = VEC ? ROWS / ROW_STEP : 16;
+        const int col = (threadIdx.x % PER_ROW) * CHUNK, first_row = threadIdx.x / PER_ROW;
+        const bool col_valid = col < cols_valid;
+        int rows_left = rows_valid - first_row;   // > 0: this thread's current row is inside
+        const T* src = gmem + first_row * row_stride + col;
+        T* dst = smem + first_row * PITCH + col;
+        const unsigned dst_addr = smem_addr(dst);
+#pragma unroll UNROLL
+        for (int k = 0; k < ROWS / ROW_STEP; ++k) {
+            const bool valid = col_valid && rows_left > 0;
+            if (VEC) cp_async_16(dst_addr + k * ROW_STEP * PITCH * int(sizeof(T)), valid ? src : gmem, valid);
+            else dst[k * ROW_STEP * PITCH] = valid ? *src : zero_value<T>();
+            src += ROW_STEP * row_stride;
+            rows_left -= ROW_STEP;
+        }
+    }
+}
+
 // Two tiles of the same ROWS rows [row0, row0 + ROWS) of one (batch, head) from
 // two views: Q and dO, or K and V. Rows past rows_valid and columns past each
 // view's own width (a_cols, b_cols) are zeros.

@@ -62,6 +62,18 @@ __device__ __forceinline__ void pack_a_frag(unsigned (&a)[4], const float (&p)[K
     a[3] = pack2<T>(p[t + 1][2], p[t + 1][3]);
 }
 
+// P in 16 bits, as the A operand takes it: p16[n][r] holds C-fragment elements
+// 2r, 2r + 1 of n8 tile n (keys 8n + 2 (lane % 4) + {0, 1} of row lane/4 + 8r),
+// rounded once. Two neighbouring tiles n, n + 1 are then one k16 A fragment.
+template <typename T, int N>
+__device__ __forceinline__ void pack_frags(unsigned (&p16)[N][2], const float (&p)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        p16[n][0] = pack2<T>(p[n][0], p[n][1]);
+        p16[n][1] = pack2<T>(p[n][2], p[n][3]);
+    }
+}
+
 // The one warp GEMM loop, over M row strips of 16 owned by one warp:
 //     acc[m] (16 x N) += A_m (16 x K) B,   m < M.
 // load_a(m, af, k0) yields strip m's k16 A fragment at depth k0 (from shared
@@ -108,6 +120,20 @@ __device__ __forceinline__ void warp_gemm_strips_rn(float (&acc)[M][N / 8][4], c
                                                     const T* b, int lane) {
     warp_gemm_strips<T, M, N, K, PB, true>(acc, [&](int m, unsigned (&af)[4], int k0) {
         pack_a_frag<T, K>(af, p[m], k0);
+    }, b, lane);
+}
+
+// M strips with A from registers already packed to 16 bits (pack_frags' layout):
+// 2 registers per 8 columns of P instead of 4, from the softmax to the last MMA.
+template <typename T, int M, int N, int K, int PB>
+__device__ __forceinline__ void warp_gemm_strips_rn16(float (&acc)[M][N / 8][4], const unsigned (&p16)[M][K / 8][2],
+                                                      const T* b, int lane) {
+    warp_gemm_strips<T, M, N, K, PB, true>(acc, [&](int m, unsigned (&af)[4], int k0) {
+        const int t = k0 / 8;
+        af[0] = p16[m][t][0];
+        af[1] = p16[m][t][1];
+        af[2] = p16[m][t + 1][0];
+        af[3] = p16[m][t + 1][1];
     }, b, lane);
 }
 
