@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -36,11 +37,11 @@ def load_tree(root: Path, name: str):
     return module
 
 
-def cases(quick: bool):
+def cases(quick: bool, lengths=None):
     out = []
     for dtype in ("bfloat16", "float16"):
         for d in (64, 128):
-            for n in ((4096,) if quick else (1024, 4096)):
+            for n in lengths or ((4096,) if quick else (1024, 4096)):
                 for causal in (False, True):
                     out.append(("fwd", dtype, d, n, causal))
             for causal in (False, True):
@@ -150,6 +151,10 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--host", action="store_true", help="only the host overhead per call")
+    parser.add_argument("--only", default=None, help="only the cases whose label (e.g. 'fwd bfloat16 128 4096 "
+                                                     "True') matches this regular expression")
+    parser.add_argument("--lengths", default=None, help="comma-separated forward lengths (default 1024,4096; "
+                                                        "4096 with --quick)")
     parser.add_argument("--masking", action="store_true", help="also the masking benchmark's bias, key padding "
                                                                "and window cases")
     args = parser.parse_args(argv)
@@ -164,7 +169,10 @@ def main(argv=None):
         return
     print(f"{'pass':8} {'dtype':9} {'D':>4} {'L':>5} {'causal':>6} {'before ms':>10} {'after ms':>9} "
           f"{'TFLOP/s b/a':>14} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
-    for case in cases(args.quick):
+    lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
+    for case in cases(args.quick, lengths):
+        if args.only and not re.search(args.only, " ".join(str(c) for c in case)):
+            continue
         r = run_case(mods, *case, rounds=args.rounds, repeat=args.repeat)
         rows.append(r)
         print(f"{r['pass']:8} {r['dtype']:9} {r['D']:4d} {r['L']:5d} {str(r['causal']):>6} {r['before_ms']:10.3f} "

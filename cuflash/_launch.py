@@ -7,7 +7,7 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from . import _params
+from . import _params, _tma
 from ._variants import Variant, backward_variants, forward_variant, head_bucket, vec_chunk
 
 
@@ -57,13 +57,15 @@ def _launch_shape(variant: Variant) -> Tuple[int, int]:
     return variant.threads, variant.smem_bytes
 
 
-def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int], grid: int = 0) -> None:
-    """Launch one variant with its params struct; ``dims`` = (batch, heads_q, group, lq, lk)
-    size the grid unless ``grid`` (CTAs) is given."""
+def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int], grid: int = 0,
+            extra_args: tuple = ()) -> None:
+    """Launch one variant with its params struct (and the kernel's further arguments, e.g. the
+    Hopper forward's tensor maps); ``dims`` = (batch, heads_q, group, lq, lk) size the grid unless
+    ``grid`` (CTAs) is given."""
     from ._build import get_kernel
 
     threads, smem = _launch_shape(variant)
-    get_kernel(variant)((grid or variant.grid(*dims),), (threads,), (params,), shared_mem=smem)
+    get_kernel(variant)((grid or variant.grid(*dims),), (threads,), (params,) + extra_args, shared_mem=smem)
 
 
 def scale_folds(scale: float) -> bool:
@@ -78,11 +80,16 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     ``out`` and ``lse``; ``masking`` is the call's :class:`cuflash._masking.KernelMasking`."""
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
-    variant = forward_variant(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=extra,
-                              vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit(),
-                              cc=_compute_capability())
+    choose = functools.partial(forward_variant, dtype, head_bucket(max(d, dv)), band=masking.band is not None,
+                               extra=extra, vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
+    variant = choose(cc=_compute_capability())
+    if variant.family == "fwd_wgmma" and not _tma.tma_ok(q, k, v):   # it loads through tensor maps
+        variant = choose(cc=MIN_COMPUTE_CAPABILITY)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
-    _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]))
+    extra_args = ()
+    if variant.family == "fwd_wgmma":
+        extra_args = (_tma.fwd_tensor_maps(q, k, v, variant.tile.block_m, variant.tile.block_n),)
+    _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]), extra_args=extra_args)
 
 
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan: Optional[Callable] = None,

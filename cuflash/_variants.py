@@ -162,8 +162,10 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # L=4096, same run): d=128 +16-20% (fp16 303 TFLOP/s non-causal, 252 causal). At d=64 (173-185
 # registers) it ran 0.88x the portable 128x128 kernel non-causal and 1.01-1.03x causal, and EXTRA
 # was not timed: those calls stay on the sm80 path (benchmarks/NOTES.md).
-_add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 8, 2, "two warpgroups of 64 rows, 128-key tiles: 161 KB; "
-                                                         "+16-20% over fwd_mma on the H100"), arch="sm90a")
+_add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
+                                                         "128-key tiles: 81 KB"), arch="sm90a")
+_add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
+                                                          "128-key tiles: 161 KB"), arch="sm90a")
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
@@ -329,11 +331,10 @@ def _smem_fwd_dmma(v: "Variant") -> int:
 
 
 def _smem_fwd_wgmma(v: "Variant") -> int:
-    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), an unswizzled bias
-    # tile of pitch block_n + 8 per stage with EXTRA.
+    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), then the pipeline's
+    # mbarriers: Q full, and full / empty for K and V per stage, 8 bytes each.
     t = v.tile
-    bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0
-    return 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype]
+    return 1024 + (t.block_m + 2 * t.stages * t.block_n) * v.head * ITEMSIZE[v.dtype] + 8 * (1 + 4 * t.stages)
 
 
 def _smem_fwd_fma(v: "Variant") -> int:

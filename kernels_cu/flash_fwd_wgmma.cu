@@ -1,9 +1,11 @@
 // flash_fwd_wgmma.cu -- forward attention on Hopper's warpgroup MMA (sm_90a), float16 / bfloat16.
 //
-// The FlashAttention-2 loop of flash_fwd_mma.cu with the two GEMMs on wgmma
-// (wgmma.cuh): each warpgroup of 4 warps owns 64 query rows, a warp 16 of them.
-//   load Q tile (128-byte swizzled, tile_io_sw128.cuh)
-//   for each visible K tile j (K_next and V_j stream in with cp.async meanwhile):
+// Warp-specialised: three warpgroups of 4 warps. Warpgroup 0 is the producer: one of its
+// threads streams Q once and K, V tile by tile through the bulk tensor copy engine (tma.cuh)
+// into a two-stage ring of 128-byte swizzled tiles, and gives most of its registers to the
+// others (setmaxnreg). Warpgroups 1 and 2 are the consumers, 64 query rows each, a warp 16:
+//   wait for Q
+//   for each visible K tile j:
 //       S = Q K_j^T          wgmma, both operands from shared memory (HEAD / 16 k-steps)
 //       O += P_prev V_prev   wgmma with P from registers (packed from S, no shared
 //                            memory) and V read transposed; in flight during:
@@ -12,37 +14,52 @@
 //                            layout of mma.sync, so every per-element helper applies;
 //                            acc_o's correction waits for the P V product
 //   O += P_last V_last; O = O / l; lse = (m + log2 l) ln 2
-// All threads load (no producer warps yet) and one barrier a tile publishes the
-// copies; ncu (NOTES.md, fifth session) finds the loader's index arithmetic, the
-// barrier and the wgmma waits where a warp-specialised kernel would hide them.
-// With EXTRA, each K/V stage has an unswizzled bias tile (BM x BN, pitch BN + 8)
-// beside it, read into S's fragment layout with ldmatrix as in the mma.sync kernel.
+// Every stage has a "full" mbarrier (the copy engine's bytes) and an "empty" one (each
+// consumer thread arrives once its wgmmas have read the stage); no CTA-wide barrier after
+// the start, so the two consumer warpgroups drift freely against each other. With PINGPONG
+// they take turns on the tensor cores through two named barriers: one warpgroup's GEMMs
+// are issued while the other one runs its softmax.
+// The fifth session's kernel (all threads loading with cp.async, one __syncthreads a
+// tile) spent ~35% of its issue slots on the loader's index arithmetic and 11% of its
+// stalls on the barrier (benchmarks/NOTES.md).
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
-#include "tile_io.cuh"
-#include "tile_io_sw128.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+
+// The kernel's tensor maps (cuflash/_tma.py): Q, K, V as 4-D (D, L, H, B) tensors, a box of
+// 64 columns (one 128-byte swizzle slab) by BM (Q) or BN (K, V) rows.
+struct FwdTensorMaps {
+    TensorMap q, k, v;
+};
 
 template <typename T, typename Cfg, bool EXTRA>
 struct FwdWgmmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS, STAGES = Cfg::STAGES;
     static constexpr int THREADS = 32 * WARPS;
-    static constexpr int WARPGROUPS = WARPS / 4;
+    static constexpr int CONSUMERS = WARPS / 4 - 1;             // warpgroups 1.. compute, 0 loads
+    static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
     static constexpr int S_TILES = BN / 8;          // n8 C fragments of one warp's S
     static constexpr int O_TILES = HEAD / 8;        // n8 C fragments of one warp's O
+    static constexpr int SLABS = HEAD / 64;         // 64-column swizzle slabs of a row
     static constexpr int Q_BYTES = BM * HEAD * int(sizeof(T));
     static constexpr int KV_BYTES = BN * HEAD * int(sizeof(T));   // one K or V stage
-    static constexpr int BIAS_PITCH = BN + 8;
-    static constexpr int BIAS_BYTES = EXTRA ? BM * BIAS_PITCH * int(sizeof(T)) : 0;   // one bias stage
+    // Barriers after the tiles: Q full, then K full / K empty / V full / V empty per stage.
+    static constexpr int BARRIERS = 1 + 4 * STAGES;
+    static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
-    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + STAGES * BIAS_BYTES;
+    static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + 8 * BARRIERS;
+    // Registers a thread after the split: 128 x 40 + 256 x 232 <= 65536.
+    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    static constexpr bool PINGPONG = false;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
-    static_assert(WARPS % 4 == 0 && BM == 16 * WARPS, "warpgroups of 4 warps, 16 query rows a warp");
-    static_assert(HEAD % 64 == 0 && BN % 64 == 0, "whole 128-byte swizzle atoms");
+    static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
+    static_assert(WARPS == 12 && BM == 64 * CONSUMERS, "a producer and two consumer warpgroups of 64 rows");
+    static_assert(HEAD % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256, "whole swizzle slabs, TMA boxes");
     static_assert(STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
@@ -63,42 +80,89 @@ __device__ __forceinline__ float (&flat(float (&x)[A][B][C]))[A * B * C] {
     return reinterpret_cast<float(&)[A * B * C]>(x);
 }
 
+// One ROWS x HEAD tile as SLABS boxes of 64 columns, each ROWS x 128 bytes in shared memory.
+template <int ROWS, int SLABS>
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TensorMap* map, unsigned bar, int row, int head,
+                                              int batch) {
+#pragma unroll
+    for (int s = 0; s < SLABS; ++s) tma_load_4d(dst + s * ROWS * 128, map, bar, 64 * s, row, head, batch);
+}
+
+// Shared-memory addresses of the pipeline's tiles and barriers.
+template <typename Tr>
+struct WgmmaSmem {
+    unsigned q, k, v, bars;
+    __device__ __forceinline__ unsigned k_tile(int stage) const { return k + stage * Tr::KV_BYTES; }
+    __device__ __forceinline__ unsigned v_tile(int stage) const { return v + stage * Tr::KV_BYTES; }
+    __device__ __forceinline__ unsigned q_full() const { return bars; }
+    __device__ __forceinline__ unsigned k_full(int stage) const { return bars + 8 * (1 + 4 * stage); }
+    __device__ __forceinline__ unsigned k_empty(int stage) const { return bars + 8 * (2 + 4 * stage); }
+    __device__ __forceinline__ unsigned v_full(int stage) const { return bars + 8 * (3 + 4 * stage); }
+    __device__ __forceinline__ unsigned v_empty(int stage) const { return bars + 8 * (4 + 4 * stage); }
+};
+
+// The producer's one thread: Q, then K_j and V_j of every visible tile into stage t % 2
+// (t counts visible tiles), each after the consumers have emptied that stage.
+template <typename Tr, typename Mod>
+__device__ __forceinline__ void produce_tiles(const WgmmaSmem<Tr>& sm, const FwdTensorMaps& maps, const Mod& mod,
+                                              const QueryBlock& blk, TileRange keys) {
+    constexpr int BN = Tr::BN;
+    mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
+    tma_load_tile<Tr::BM, Tr::SLABS>(sm.q, &maps.q, sm.q_full(), blk.m0, blk.head, blk.batch);
+    int t = 0;
+    for (int j = mod.next_key_tile(keys.begin, keys.end, blk.m0, blk.rows, BN); j < keys.end;
+         j = mod.next_key_tile(j + 1, keys.end, blk.m0, blk.rows, BN), ++t) {
+        const int stage = t & 1;
+        const unsigned empty_parity = ((t >> 1) & 1) ^ 1;   // the round before this one
+        mbar_wait(sm.k_empty(stage), empty_parity);
+        mbar_arrive_expect_tx(sm.k_full(stage), Tr::KV_BYTES);
+        tma_load_tile<BN, Tr::SLABS>(sm.k_tile(stage), &maps.k, sm.k_full(stage), j * BN, blk.kv_head, blk.batch);
+        mbar_wait(sm.v_empty(stage), empty_parity);
+        mbar_arrive_expect_tx(sm.v_full(stage), Tr::KV_BYTES);
+        tma_load_tile<BN, Tr::SLABS>(sm.v_tile(stage), &maps.v, sm.v_full(stage), j * BN, blk.kv_head, blk.batch);
+    }
+}
+
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
-// Rows of Q, K, V are 16-byte aligned with whole 16-byte chunks (the host's vec_loads_ok).
+// The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
 template <typename T, typename Cfg, typename Flags>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
-flash_fwd_wgmma(const FwdParams p) {
+flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-    const unsigned q_s = smem_addr(smem);
-    const unsigned k_s = q_s + Tr::Q_BYTES;                 // stage i at k_s + i * KV_BYTES
-    const unsigned v_s = k_s + STAGES * Tr::KV_BYTES;
-    T* bias_s = reinterpret_cast<T*>(smem + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES);   // EXTRA
+    const unsigned base = smem_addr(smem_raw);
+    const unsigned tiles = base + ((1024u - (base & 1023u)) & 1023u);
+    const WgmmaSmem<Tr> sm{tiles, tiles + Tr::Q_BYTES, tiles + Tr::Q_BYTES + STAGES * Tr::KV_BYTES,
+                           tiles + Tr::TILE_BYTES};
 
     const AttnDims& dims = p.dims;
     const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
     const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
                                         blk.head);
-    const float x_per_s = mod.x_per_score();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
-    // The K tile (and bias tile) of iteration t sits at stage t % 2; its V tile arrives one
-    // iteration later, at stage t % 2 of the V buffers, since P V of a tile runs in the next
-    // iteration, overlapped with the next tile's softmax.
-    auto load_k = [&](int j, int stage) {
-        load_tile_sw128<T, BN, HEAD, Tr::THREADS>(k_s + stage * Tr::KV_BYTES, p.k.at<const T>(blk.batch, blk.kv_head, j * BN),
-                                                  p.k.row_stride, dims.lk - j * BN, dims.d);
-        if (mod.has_bias())
-            load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * (Tr::BIAS_BYTES / 2), p.mask.bias,
-                                                                   blk.batch, blk.head, blk.m0, j * BN, blk.rows,
-                                                                   dims.lk - j * BN);
-    };
-    auto load_v = [&](int j, int stage) {
-        load_tile_sw128<T, BN, HEAD, Tr::THREADS>(v_s + stage * Tr::KV_BYTES, p.v.at<const T>(blk.batch, blk.kv_head, j * BN),
-                                                  p.v.row_stride, dims.lk - j * BN, dims.dv);
-    };
+
+    if (threadIdx.x == 0) {
+        mbar_init(sm.q_full(), 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(sm.k_full(s), 1);
+            mbar_init(sm.v_full(s), 1);
+            mbar_init(sm.k_empty(s), Tr::CONSUMER_THREADS);
+            mbar_init(sm.v_empty(s), Tr::CONSUMER_THREADS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();   // the last CTA-wide barrier: from here on, the mbarriers order everything
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<Tr::PRODUCER_REGS>();
+        if (threadIdx.x == 0 && keys.begin < keys.end) produce_tiles(sm, maps, mod, blk, keys);
+        return;
+    }
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    const int consumer = warpgroup - 1, cwarp = warp - 4;   // consumer warpgroup, warp among the consumers
+    const float x_per_s = mod.x_per_score();
     auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
 
     float acc_o[1][Tr::O_TILES][4];
@@ -108,49 +172,51 @@ flash_fwd_wgmma(const FwdParams p) {
     row_sum[0][0] = row_sum[0][1] = 0.0f;
     unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
 
-    int j = next_tile(keys.begin);
-    if (j < keys.end) {
-        load_tile_sw128<T, BM, HEAD, Tr::THREADS>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
-                                                  blk.rows, dims.d);
-        load_k(j, 0);
-        cp_async_commit();
-    }
-    const unsigned q_wg = q_s + warpgroup * 64 * 128;       // this warpgroup's 64 rows of every Q slab
-    const int warp_row0 = blk.m0 + warp * 16;
+    const unsigned q_wg = sm.q + consumer * 64 * 128;       // this warpgroup's 64 rows of every Q slab
+    const int warp_row0 = blk.m0 + cwarp * 16;
     // O += P V of the previous tile, whose V is at V stage `stage` (wgmmas issued, not committed).
     auto issue_pv = [&](int stage) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs<T, HEAD>(flat(acc_o), p_frag[kk], mn_major_desc(v_s + stage * Tr::KV_BYTES, kk, BN));
+            wgmma_rs<T, HEAD>(flat(acc_o), p_frag[kk], mn_major_desc(sm.v_tile(stage), kk, BN));
     };
+    // PINGPONG: warpgroup c issues its GEMMs after the other one has issued its own (named
+    // barrier 1 + c, 256 threads: its 128 waiting, the other's 128 arriving).
+    auto my_turn = [&]() { if (Tr::PINGPONG) named_bar_sync(1 + consumer, 2 * 128); };
+    auto your_turn = [&]() { if (Tr::PINGPONG) named_bar_arrive(2 - consumer, 2 * 128); };
+    if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
+
+    int j = next_tile(keys.begin);
+    if (j < keys.end) mbar_wait(sm.q_full(), 0);
     int t = 0;
     for (; j < keys.end; ++t) {
         const int stage = t & 1;
+        const unsigned full_parity = (t >> 1) & 1;
         const int next = next_tile(j + 1);
-        cp_async_wait<0>();         // this K tile and the previous V tile, issued an iteration ago
-        fence_proxy_async_smem();   // this thread's copies, before the wgmmas read them
-        __syncthreads();            // ...and everyone's; every warpgroup is done with the stages reloaded next
-        if (next < keys.end) load_k(next, stage ^ 1);
-        load_v(j, stage);
-        cp_async_commit();
+        mbar_wait(sm.k_full(stage), full_parity);
 
         // S = Q K^T for this warp's 16 rows and, in flight meanwhile, O += P V of the previous tile.
         float s[1][Tr::S_TILES][4];
-        const unsigned k_tile = k_s + stage * Tr::KV_BYTES;
+        const unsigned k_tile = sm.k_tile(stage);
+        my_turn();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD / 16; ++kk)
             wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128), kk > 0);
         wgmma_commit();
         if (t > 0) {
+            mbar_wait(sm.v_full(stage ^ 1), ((t - 1) >> 1) & 1);
             wgmma_fence();          // a new block for ptxas, which would insert it itself (C7519)
             issue_pv(stage ^ 1);
             wgmma_commit();
+            your_turn();
             wgmma_wait<1>();        // S only: groups complete in order
         } else {
+            your_turn();
             wgmma_wait<0>();
         }
         fence_regs(flat(s));
+        mbar_arrive(sm.k_empty(stage));   // this thread's wgmmas are done with K_j
 
         const int n0 = j * BN;
         const bool partial = mod.tile_is_partial(warp_row0, 16, n0, BN);
@@ -158,9 +224,6 @@ flash_fwd_wgmma(const FwdParams p) {
             row = warp_row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        if (mod.has_bias())
-            scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(
-                s[0], bias_s + stage * (Tr::BIAS_BYTES / 2) + warp * 16 * Tr::BIAS_PITCH, lane, mod.scale_log2);
         apply_score_mod(s[0], mod, partial, coord);
         // acc_o is still being written: its correction waits for the P V product.
         float correction[2];
@@ -169,32 +232,37 @@ flash_fwd_wgmma(const FwdParams p) {
         wgmma_wait<0>();
         fence_regs(flat(acc_o));
         fence_regs(p_frag);
+        if (t > 0) mbar_arrive(sm.v_empty(stage ^ 1));   // ...and with V of the previous tile
         if (moved) {
             rescale_acc_row(acc_o, 0, 0, correction[0]);
             rescale_acc_row(acc_o, 0, 1, correction[1]);
         }
-        apply_dropout<true>(s[0], mod, coord);   // after the statistics: row_sum counts every key
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) pack_a_frag<T, BN>(p_frag[kk], s[0], 16 * kk);
         j = next;
     }
     if (t > 0) {   // the last tile's O += P V
-        cp_async_wait<0>();
-        fence_proxy_async_smem();
-        __syncthreads();
+        const int stage = (t - 1) & 1;
+        mbar_wait(sm.v_full(stage), ((t - 1) >> 1) & 1);
+        my_turn();
         wgmma_fence();
-        issue_pv((t - 1) & 1);
+        issue_pv(stage);
         wgmma_commit();
+        your_turn();
         wgmma_wait<0>();
         fence_regs(flat(acc_o));
     }
+    // PINGPONG: every turn a warpgroup waits for is one the other gave. Both see the same
+    // tiles, so each took and gave t + (t > 0) turns; consumer 1 gave one more at the start,
+    // which consumer 0 takes here, leaving no arrival pending when the CTA exits.
+    if (Tr::PINGPONG && consumer == 0) my_turn();
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float inv_sum, row_lse;
         softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
-        const int row = warp * 16 + lane / 4 + 8 * r;
+        const int row = cwarp * 16 + lane / 4 + 8 * r;
         if (row >= blk.rows) continue;
         T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
 #pragma unroll

@@ -66,7 +66,7 @@ def launched(monkeypatch):
 
     seen = []
     real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a: (seen.append(variant), real(variant, *a)))
+    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (seen.append(variant), real(variant, *a, **kw)))
     return seen
 
 

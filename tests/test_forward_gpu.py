@@ -87,7 +87,7 @@ def test_float64_tensor_core_forward_masked(d, causal, monkeypatch):
 
     launched = []
     real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a: (launched.append(variant), real(variant, *a)))
+    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw)))
     b, hq, hk, lq, lk = 2, 2, 1, 97, 130
     rng = np.random.default_rng(d)
     ref_in, dev, _ = make_inputs(rng, "float64", b, hq, hk, lq, lk, d, d)

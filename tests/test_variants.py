@@ -89,7 +89,8 @@ def test_hopper_selection():
     assert (v.family, v.arch, v.nvrtc_arch) == ("fwd_wgmma", "sm90a", "sm_90a")
     assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
     assert V.forward_variant("float16", 128, band=False, extra=True, vec=True, cc=90).family == "fwd_mma"
-    assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_wgmma"
+    assert V.forward_variant("float16", 32, band=False, vec=True, cc=90).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=80).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=100).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=False, cc=90).family == "fwd_mma"

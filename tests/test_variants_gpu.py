@@ -26,9 +26,9 @@ def launches(monkeypatch):
     seen = []
     real = _launch._launch
 
-    def record(variant, *args):
+    def record(variant, *args, **kwargs):
         seen.append(variant)
-        real(variant, *args)
+        real(variant, *args, **kwargs)
 
     monkeypatch.setattr(_launch, "_launch", record)
     return seen

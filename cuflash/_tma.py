@@ -1,0 +1,81 @@
+"""Tensor maps for Hopper's bulk tensor copy engine (TMA), encoded on the host through the
+driver's ``cuTensorMapEncodeTiled`` (ctypes on libcuda; CuPy does not wrap it).
+
+A map describes one (B, H, L, D) array of 16-bit elements as a 4-D tensor (D, L, H, B),
+innermost first, with a box of 64 columns (one 128-byte swizzle slab, kernels_cu/wgmma.cuh)
+by ``box_rows`` rows, copied into shared memory 128-byte swizzled; what lies outside the
+array (rows past L, columns past D) arrives as zeros. The kernel takes the maps as one
+``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/flash_fwd_wgmma.cu).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+MAP_BYTES = 128              # sizeof(CUtensorMap)
+_UINT16 = 1                  # CU_TENSOR_MAP_DATA_TYPE_UINT16: the copy engine moves bits
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_128B = 2
+_OOB_FILL_ZEROS = 0          # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+_SLAB = 64                   # 16-bit columns in one 128-byte swizzle slab
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_fn():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def _byte_strides(x) -> list:
+    """Byte strides of axes L, H, B (innermost first); a length-1 axis, whose stride the copy
+    engine never uses, gets the contiguous one so that any view passes the encoder's checks."""
+    natural = x.shape[3] * x.itemsize
+    out = []
+    for axis in (2, 1, 0):
+        out.append(x.strides[axis] if x.shape[axis] > 1 else natural)
+        natural = out[-1] * x.shape[axis]
+    return out
+
+
+def tma_ok(*arrays) -> bool:
+    """Whether the copy engine can read these 4-D 16-bit arrays: 16-byte aligned bases, a
+    unit-stride last axis and other strides positive multiples of 16 bytes below 2**40."""
+    for x in arrays:
+        if x.itemsize != 2 or x.strides[3] != 2 or x.data.ptr % 16:
+            return False
+        if any(s <= 0 or s % 16 or s >= 2 ** 40 for s in _byte_strides(x)):
+            return False
+    return True
+
+
+def tensor_map(x, box_rows: int) -> bytes:
+    """The 128-byte CUtensorMap of the 4-D array ``x`` (B, H, L, D), box 64 columns x ``box_rows``."""
+    b, h, length, d = x.shape
+    dims = (ctypes.c_uint64 * 4)(d, length, h, b)
+    strides = (ctypes.c_uint64 * 3)(*_byte_strides(x))
+    box = (ctypes.c_uint32 * 4)(_SLAB, box_rows, 1, 1)
+    steps = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    out = ctypes.create_string_buffer(MAP_BYTES + 64)
+    addr = (ctypes.addressof(out) + 63) // 64 * 64        # CUtensorMap is 64-byte aligned
+    err = _encode_fn()(addr, _UINT16, 4, ctypes.c_void_p(x.data.ptr), dims, strides, box, steps,
+                       _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} for an array of shape {x.shape}, "
+                           f"strides {x.strides}")
+    return ctypes.string_at(addr, MAP_BYTES)
+
+
+def fwd_tensor_maps(q, k, v, block_m: int, block_n: int) -> np.ndarray:
+    """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``)
+    as one opaque kernel argument."""
+    raw = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
+    return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))

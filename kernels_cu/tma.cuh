@@ -1,0 +1,87 @@
+// tma.cuh -- Hopper's (sm_90a) asynchronous pipeline pieces: the bulk tensor copy
+// engine (TMA), the shared-memory barriers (mbarrier) that its copies complete on,
+// register reallocation between warpgroups (setmaxnreg) and named barriers.
+//
+// A tensor map (CUtensorMap, 128 bytes) describes a global tensor to the copy
+// engine; the host encodes it (cuflash/_tma.py) and passes it as a __grid_constant__
+// kernel parameter, whose address the copy instruction takes. One thread issues a
+// whole tile; the engine writes it to shared memory in the 128-byte swizzled layout
+// wgmma reads (wgmma.cuh), fills what lies outside the tensor with zeros, and counts
+// the bytes it wrote against the transaction count of an mbarrier.
+//
+// An mbarrier completes a phase when its expected arrivals have arrived and its
+// transaction count is back to zero; a waiter names the phase by its parity. A
+// fresh barrier is in phase 0, so waiting for parity 1 returns at once: a producer
+// waits on "empty" barriers with the parity of the round before, and the first
+// round passes.
+#pragma once
+#include "common.cuh"
+
+// The host's CUtensorMap: opaque, 64-byte aligned.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(arrivals) : "memory");
+}
+
+// Make the initialised barriers visible to the copy engine (the async proxy) before
+// the barrier that publishes them to the other threads.
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of copies still to land in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+// Spin until the phase of parity `parity` has completed (acquire: the copies and the
+// writes released by its arrivals are visible afterwards).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n"
+        "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// Copy the box at (c0, c1, c2, c3) (innermost first, in elements) of the tensor that
+// `map` describes into shared memory at `dst`; completes on `bar`.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap* map, unsigned bar, int c0, int c1,
+                                            int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// Bring the tensor map's 128 bytes into the constant cache ahead of the first copy.
+__device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// Registers per thread of the executing warpgroup (all its warps execute it): the
+// producer gives registers back, the consumers take them.
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS)); }
+
+// Named barrier `id` (1-15; 0 is __syncthreads) among `threads` threads: sync waits for
+// all of them, arrive counts this thread and goes on.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
