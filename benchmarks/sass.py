@@ -3,14 +3,15 @@ before spending device time on it.
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm      # the CUDA 13 wheels (nvidia/cu13/)
     python benchmarks/sass.py 'fwd_mma<half_t, TileCfg<64, 128, 64.*MaskFlags<false, false>, true>' [--arch sm_90]
-        [--full]
+        [--full] [--tile 32,128,4,2]
 
 The regex picks the first matching variant of ``cuflash._variants.all_variants()``. The
 source is compiled with NVRTC 13 (through ctypes: CuPy's own NVRTC may be 12.x, whose cubins
 nvdisasm 13 does not read) with cuflash's options, disassembled with nvdisasm, and summarised:
 registers and spills, the instruction count by opcode, and the lines worth a look in a
 float16 / float32 kernel (fp64 instructions and conversions: F2F.F32.F64 in a loop is a double
-parameter converted again on every iteration). ``--full`` prints the whole listing.
+parameter converted again on every iteration). ``--full`` prints the whole listing. ``--tile
+BM,BN,WARPS,STAGES`` swaps the variant's tile for a candidate that is not in the table yet.
 """
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from cuflash._build import NVRTC_OPTIONS, load_source  # noqa: E402
-from cuflash._variants import all_variants  # noqa: E402
+from cuflash._variants import Tile, all_variants  # noqa: E402
 
 WATCH = re.compile(r"\b(D(ADD|MUL|FMA|SETP|MNMX)|F2F\.[A-Z0-9.]*F64|F2F\.F64|I2F\.F64|F2I\.[A-Z0-9.]*F64)\b")
 
@@ -70,11 +72,15 @@ def main() -> None:
     ap.add_argument("regex", help="picks the variant (its C++ name expression)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--full", action="store_true", help="print the whole listing")
+    ap.add_argument("--tile", help="BM,BN,WARPS,STAGES: a candidate tile in place of the table's")
     args = ap.parse_args()
     pat = re.compile(args.regex)
     variant = next((v for v in all_variants() if pat.search(v.name)), None)
     if variant is None:
         raise SystemExit(f"no variant matches {args.regex!r}")
+    if args.tile:
+        bm, bn, warps, stages = (int(x) for x in args.tile.split(","))
+        variant = replace(variant, tile=Tile(bm, bn, warps, stages, "candidate", variant.tile.ctas))
     data, log = cubin(variant.entry, variant.name, args.arch)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(data)

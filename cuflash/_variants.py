@@ -73,7 +73,10 @@ class Tile:
     """A tile configuration: ``block_m`` query rows x ``block_n`` keys, ``warps``
     warps per CTA, ``stages`` deep shared-memory pipeline, ``ctas`` CTAs per SM
     that the register budget must allow (``__launch_bounds__``' minimum blocks);
-    ``why`` is the measurement or constraint that chose it."""
+    ``why`` is the measurement or constraint that chose it. ``passes`` (the
+    tensor-core dK/dV kernel only): 1 forms dK and dV in one pass, 2 in a dV pass
+    and a dK pass where their accumulators and the step's score tiles would not
+    fit the registers together (:func:`_dkdv_passes`)."""
 
     block_m: int
     block_n: int
@@ -81,6 +84,7 @@ class Tile:
     stages: int
     why: str
     ctas: int = 1
+    passes: int = 1
 
 
 # --------------------------------------------------------------------------- the table
@@ -209,16 +213,28 @@ _add("fwd_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 156 KB
 _add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "the bias stages: 207 KB"),
      Tile(32, 8, 4, 2, "8-key tiles: 137 KB, the A100"), Tile(8, 8, 1, 2, "one warp: 84 KB, " + _SMALL), extra=True)
 
-# Tensor-core backward: 4 warps; dK/dV CTAs own 64 keys (16 per warp) and step
-# over 64 query rows with Q/dO double-buffered. benchmarks/tune_bwd.py, H100,
-# fp16 L=4096 (backward TFLOP/s, non-causal / causal):
-#   d=64: 1 stage 107 / 103, 2 stages 109 / 105;  d=128: 1 stage 94 / 88, 2 stages 96 / 91.
-# At head dim 128 dK and dV are two passes (their fp32 accumulators alone are
-# 128 registers a thread). The deterministic dQ kernel steps over 32 keys at
-# head dim 128 (64 spilled).
-_add("bwd_dkdv_mma", HALF_TYPES, [32, 64], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
-_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py); 112 KB shared"),
-     Tile(64, 64, 4, 1, "one Q/dO stage: 78 KB, " + _SMALL))
+# Tensor-core backward. dK/dV: warp w owns block_n / warps keys, in 16-key strips
+# (flash_bwd_mma.cu, KEY_STRIPS); with two strips each Q / dO fragment it loads
+# feeds two MMAs in all four GEMMs, and a key block of 128 halves the dQ atomics
+# and the Q / dO tile loads per key. benchmarks/tune_bwd.py, H100, fp16 L=4096
+# (backward TFLOP/s, non-causal / causal), one strip, 64x64/4w, 2026-11-22:
+#   d=64: 1 stage 107 / 103, 2 stages 109 / 105;  d=128: 1 stage 94 / 88, 2 stages 96 / 91
+#   (head dim 128 in two passes: dK + dV accumulators and the 64-query score tiles spill in one).
+# Branch bwd2 (NOT YET TIMED: registers from the offline compile, NVRTC 12.9, 0 spills on sm_80 /
+# sm_90; benchmarks/NOTES.md): d=64 two strips a warp, 32-query steps (dK + dV: 128 registers,
+# S^T + dP^T: 64; 254-255 registers, no spill at a 240 cap); d=128 one pass with 32-query steps
+# (dK + dV 128, S^T + dP^T 32), 8 warps of 16 keys. The EXTRA kernels keep the one-strip 64x64 tiles.
+_add("bwd_dkdv_mma", HALF_TYPES, [32], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
+_add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(32, 128, 4, 2, "two 16-key strips a warp: 0.45 ldmatrix an MMA "
+                                                          "(64x64: 0.6), half the dQ atomics; 66 KB (NOT YET TIMED)"))
+_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(32, 128, 8, 2, "one pass, 8 warps of 16 keys: no recomputed S^T, half "
+                                                           "the dQ atomics of 64 keys; 115 KB (NOT YET TIMED)"),
+     Tile(32, 64, 4, 2, "one pass, 32-query steps: 75 KB, " + _SMALL + " (NOT YET TIMED)"))
+_add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(64, 64, 4, 2, "EXTRA (251-255 registers at one strip): 2 stages +2-3% "
+                                                         "over 1 (tune_bwd.py)"), extra=True)
+_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "EXTRA: 2 stages +2-3% over 1 (tune_bwd.py); 112 KB "
+                                                          "shared", passes=2),
+     Tile(64, 64, 4, 1, "one Q/dO stage: 78 KB, " + _SMALL, passes=2), extra=True)
 _add("bwd_dq_mma", HALF_TYPES, [32], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; 21 KB shared: three "
                                                        "CTAs an SM at <= 168 registers", ctas=3))
 _add("bwd_dq_mma", HALF_TYPES, [64], Tile(64, 64, 4, 1, "16 rows per warp, 64-key steps; a 168-register cap (three "
@@ -345,7 +361,7 @@ def _smem_fwd_fma(v: "Variant") -> int:
 
 def _smem_dkdv_mma(v: "Variant") -> int:
     t = v.tile
-    ds = t.block_m * (t.block_n + 8) if v.atomic_dq else 0
+    ds = t.block_n * (t.block_m + 8) if v.atomic_dq else 0            # dS^T, [key][query]
     bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per Q/dO stage
     return (((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds + bias) * ITEMSIZE[v.dtype]
             + 2 * t.block_m * 4)
@@ -530,13 +546,27 @@ class Variant:
 
 # --------------------------------------------------------------------------- selection
 
-def _dkdv_passes(head: int, atomic_dq: bool, extra: bool = False, vec: bool = True) -> List[Tuple[int, bool]]:
-    """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel for one head bucket: dK and
-    dV in one pass, or in two when their accumulators would not fit: head dim 128, and head
-    dim 64 with the EXTRA code, element-wise loads and atomic dQ (20-84 spilled bytes in one
-    pass; with 16-byte loads it fits in 254 registers since dbias has a kernel of its own)."""
-    one = head < 64 or (head == 64 and not (extra and atomic_dq and not vec))
+def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
+                 vec: bool = True) -> List[Tuple[int, bool]]:
+    """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel with ``tile``: dK and dV in one
+    pass, or in two where the tile says so (``Tile.passes``) and at head dim 64 with the EXTRA
+    code, element-wise loads and atomic dQ (20-84 spilled bytes in one pass; with 16-byte loads
+    it fits in 254 registers since dbias has a kernel of its own)."""
+    one = tile.passes == 1 and not (head == 64 and extra and atomic_dq and not vec)
     return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
+
+
+def _dkdv_plan(dtype: str, head: int, vec: bool, atomic_dq: bool, smem_limit: int, **flags) -> List["Variant"]:
+    """The dK/dV launches: the passes follow the tile that fits ``smem_limit`` (each pass is then
+    fitted on its own; a pass may take another tile than the one-pass variant would, which changes
+    its speed, not its results)."""
+    whole = Variant("bwd_dkdv_mma", dtype, head, vec=vec, pass_=0, atomic_dq=atomic_dq, **flags)
+    try:
+        tile = whole.fitted(smem_limit).tile
+    except ValueError:   # no tile fits: fitting the plan says so
+        return [whole]
+    return [replace(whole, pass_=p, atomic_dq=a, tile=None)
+            for p, a in _dkdv_passes(tile, head, atomic_dq, flags.get("extra", False), vec)]
 
 
 HOPPER_CC = 90
@@ -564,17 +594,19 @@ def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False,
                       smem_limit: int = SMEM_MAX, dbias: bool = False) -> Tuple[Variant, ...]:
     """The backward kernels for one call, in launch order (see :func:`forward_variant`);
     ``dbias``: the call wants a bias's gradient (``extra`` then holds)."""
-    return tuple(v.fitted(smem_limit) for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias))
+    return tuple(v.fitted(smem_limit)
+                 for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit))
 
 
 def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, deterministic: bool,
-                   dbias: bool = False) -> List[Variant]:
+                   dbias: bool = False, smem_limit: int = SMEM_MAX) -> List[Variant]:
+    """The backward's kernels in launch order, not yet fitted to ``smem_limit`` (which only
+    decides the dK/dV passes here)."""
     atomic = not deterministic
     flags = dict(band=band, extra=extra)
     plan = [Variant("bwd_dsum", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
-        plan += [Variant("bwd_dkdv_mma", dtype, head, vec=vec, pass_=p, atomic_dq=a, **flags)
-                 for p, a in _dkdv_passes(head, atomic, extra, vec)]
+        plan += _dkdv_plan(dtype, head, vec, atomic, smem_limit, **flags)
         if deterministic:
             plan.append(Variant("bwd_dq_mma", dtype, head, vec=vec, **flags))
         if dbias:
@@ -615,7 +647,7 @@ def all_variants() -> List[Variant]:
                 seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
                                      cc=HOPPER_CC)] = None
             for det, dbias in itertools.product((False, True), (False, True) if extra else (False,)):
-                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias):
+                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias, limit):
                     try:
                         seen[v.fitted(limit)] = None
                     except ValueError:   # documented: no such kernel for this GPU class

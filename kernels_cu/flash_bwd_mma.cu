@@ -3,15 +3,20 @@
 // The math is flash_bwd_fma.cu's (see there); here every product runs on mma.sync
 // with fp32 accumulation, and P, dS enter the second GEMMs as 16-bit values.
 //
-// flash_bwd_dkdv_mma: one CTA (4 warps) per (key block of BN = 64, K/V head, batch).
-// Warp w owns keys 16w..16w+15, so it computes the *transposed* score tiles
-//     S^T = K_j Q_i^T,  dP^T = V_j dO_i^T              (16 keys x BM queries)
+// flash_bwd_dkdv_mma: one CTA (WARPS warps) per (key block of BN, K/V head, batch).
+// Warp w owns KEY_STRIPS strips of 16 keys (WARP_KEYS = 16 KEY_STRIPS keys from
+// key0 = w WARP_KEYS), so it computes the *transposed* score tiles
+//     S^T = K_j Q_i^T,  dP^T = V_j dO_i^T              (WARP_KEYS keys x BM queries)
 // and its rows of P^T and dS^T are exactly the A operands of
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i               (straight from registers).
-// dQ_i += dS K_j needs dS with queries as rows, so dS^T goes through shared
-// memory once and the four warps split the BM x HEAD product; results are
-// added to an fp32 accumulator with atomics (ATOMIC_DQ), two columns per
-// vector reduction on sm_90 (atomics.cuh).
+// In all four GEMMs a Q or dO fragment loaded from shared memory is the B operand
+// of KEY_STRIPS MMAs (warp_gemm_strips): with two strips a warp issues twice the
+// MMAs per ldmatrix of the one-strip layout, which was bound by shared-memory loads.
+// dQ_i += dS K_j needs dS with queries as rows: each warp stores its dS^T
+// fragments key-major (two queries of one key in one 32-bit store), the dQ GEMM
+// reads them back transposed by ldmatrix.trans, and the warps split the BM x HEAD
+// product; results are added to an fp32 accumulator with atomics (ATOMIC_DQ), two
+// columns per vector reduction on sm_90 (atomics.cuh).
 //
 // flash_bwd_dq_mma: the deterministic dQ. One CTA per (query block of 64, head,
 // batch); warp w owns query rows 16w..16w+15 and walks the key blocks in order:
@@ -27,26 +32,33 @@
 #include "score_mod.cuh"
 #include "atomics.cuh"
 
-// dK/dV kernel: BN keys per CTA (16 per warp), BM queries per step, Q/dO tiles
-// STAGES deep; dS (queries x keys) in shared memory only when dQ is formed here.
-// With EXTRA each Q/dO stage has the step's bias tile ([query][key], pitch BN + 8)
-// beside it, loaded with it.
+// dK/dV kernel: BN keys per CTA (KEY_STRIPS strips of 16 per warp), BM queries per
+// step, Q/dO tiles STAGES deep; dS^T (keys x queries) in shared memory only when dQ
+// is formed here. With EXTRA each Q/dO stage has the step's bias tile ([query][key],
+// pitch BN + 8) beside it, loaded with it.
 template <typename T, typename Cfg, bool ATOMIC_DQ, bool EXTRA>
 struct DkdvMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
+    static constexpr int KEY_STRIPS = BN / (16 * WARPS);   // the variant table's block_n says how many
+    static constexpr int WARP_KEYS = 16 * KEY_STRIPS;
     static constexpr int PITCH = HEAD + 8;         // padded rows: conflict-free ldmatrix
-    static constexpr int DS_PITCH = BN + 8;
-    static constexpr int DS_ELEMS = ATOMIC_DQ ? BM * DS_PITCH : 0;
+    // dS^T as [key][query], pitch BM + 8 (16 bytes of padding): the 8 keys of one
+    // fragment store and the 8 rows of one ldmatrix.trans fall in distinct banks.
+    static constexpr int DS_PITCH = BM + 8;
+    static constexpr int DS_ELEMS = ATOMIC_DQ ? BN * DS_PITCH : 0;
     static constexpr int BIAS_PITCH = BN + 8;
     static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
-    // dQ = dS K: BM/16 row strips x Q_SPLIT column chunks, one per warp.
+    // dQ = dS K: BM/16 row strips x Q_SPLIT column blocks, one per warp, formed
+    // DQ_CHUNK columns at a time (16 fp32 registers of partial product at most).
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
+    static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
     static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS + STAGES * BIAS_ELEMS)
                                       * int(sizeof(T)) + 2 * BM * int(sizeof(float));
-    static_assert(HEAD % 16 == 0 && BM % 16 == 0 && BM <= 16 * WARPS && DQ_COLS % 32 == 0, "tile shape");
-    static_assert(BN == 16 * WARPS, "each warp owns 16 keys");
+    static_assert(HEAD % 16 == 0 && BM % 16 == 0 && WARPS % (BM / 16) == 0, "tile shape");
+    static_assert(DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0, "dQ column blocks of whole 16-column groups");
+    static_assert(BN == WARP_KEYS * WARPS && (KEY_STRIPS == 1 || KEY_STRIPS == 2), "one or two 16-key strips a warp");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
@@ -70,15 +82,35 @@ struct DqMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// PASS: 0 computes dK and dV together; at head dim 128 their accumulators alone
-// fill 128 registers a thread, so the launch splits them: PASS 1 = dV only,
-// PASS 2 = dK (and dQ) only, each recomputing S^T (one extra GEMM, no spills).
+// The mask of one 16-key strip of a partial S^T tile without EXTRA (the band and
+// the sequence end): the lane's keys are key_a and key_a + 8, its queries
+// q0 + 8n + e (e = 0, 1), and each key is seen by one interval of queries
+// (ScoreMod::visible_queries), so an element is two compares with a constant.
+// Masked scores become -inf (raw dot products stay raw).
+template <int BM, typename Mod>
+__device__ __forceinline__ void mask_partial_strip_t(float (&st)[BM / 8][4], const Mod& mod, int key_a, int q0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int lo, hi;
+        mod.visible_queries(key_a + 8 * r, q0, lo, hi);
+#pragma unroll
+        for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (8 * n + e < lo || 8 * n + e > hi) st[n][2 * r + e] = neg_inf<float>();
+    }
+}
+
+// PASS: 0 computes dK and dV together; where their accumulators and the score
+// tiles do not fit the registers together (head dim 128), the launch splits them:
+// PASS 1 = dV only, PASS 2 = dK (and dQ) only, each recomputing S^T (one extra
+// GEMM, no spills; cuflash/_variants.py, _dkdv_passes).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_mma(const BwdParams p) {
     typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA> Tr;
-    constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH;
+    constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH, M = Tr::KEY_STRIPS;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -86,7 +118,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     T* v_s = k_s + BN * P;
     T* q_stages = v_s + BN * P;                               // STAGES x [BM][P]
     T* do_stages = q_stages + Tr::STAGES * BM * P;            // STAGES x [BM][P]
-    T* ds_s = do_stages + Tr::STAGES * BM * P;                // dS as [query][key] (ATOMIC_DQ)
+    T* ds_s = do_stages + Tr::STAGES * BM * P;                // dS^T as [key][query] (ATOMIC_DQ)
     T* bias_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [BM][BIAS_PITCH] (EXTRA)
     float* lse_s = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
     float* dsum_s = lse_s + BM;
@@ -103,10 +135,16 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0, keys_valid);
     cp_async_commit();
 
-    float acc_dk[HEAD / 8][4], acc_dv[HEAD / 8][4];
-    zero_frags(acc_dk);
-    zero_frags(acc_dv);
-    const int key0 = warp * 16;                                // this warp's keys within the block
+    float acc_dk[M][HEAD / 8][4], acc_dv[M][HEAD / 8][4];   // rows: this warp's keys, strip by strip
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        zero_frags(acc_dk[m]);
+        zero_frags(acc_dv[m]);
+    }
+    const int key0 = warp * Tr::WARP_KEYS;                   // this warp's first key within the block
+    // dS^T's 32-bit store of (key row r of the fragment, queries 2t, 2t + 1), t = lane % 4,
+    // for strip m and n8 query tile n is at ds_lane + (16 m + 8 r) * DS_PITCH + 8 n.
+    T* ds_lane = ds_s + (key0 + lane / 4) * Tr::DS_PITCH + 2 * (lane % 4);
     // Steps walk (query head of the group, query block) pairs over the query
     // blocks that can see this key block.
     const TileRange queries = mod.query_tiles(n0, keys_valid, BM);
@@ -124,8 +162,12 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     };
     auto issue_query_block = [&](int step, int stage) {
         const int head = step_head(step), m0 = step_m0(step);
-        load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q, dims.d, do_stages + stage * BM * P,
-                                                         p.dout, dims.dv, batch, head, m0, imin(BM, dims.lq - m0));
+        const int rows = imin(BM, dims.lq - m0);
+        load_tile_fixed_col<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q.at<const T>(batch, head, m0),
+                                                              p.q.row_stride, rows, dims.d);
+        load_tile_fixed_col<T, BM, HEAD, P, Tr::THREADS, VEC>(do_stages + stage * BM * P,
+                                                              p.dout.at<const T>(batch, head, m0), p.dout.row_stride,
+                                                              rows, dims.dv);
         if (mod.has_bias())   // (mod.head is the current step's here, not this one's: head is passed on)
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS, p.mask.bias,
                                                                    batch, head, m0, n0, imin(BM, dims.lq - m0),
@@ -149,87 +191,119 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         __syncthreads();
         const T* q_s = q_stages + stage * BM * P;
         const T* do_s = do_stages + stage * BM * P;
-        float st[BM / 8][4], dpt[BM / 8][4];               // S^T, dP^T: 16 keys x BM queries
-        zero_frags(st);
-        zero_frags(dpt);
-        warp_gemm_nt<T, BM, HEAD, P, P>(st, k_s + key0 * P, q_s, lane);
-        if (DO_DK) warp_gemm_nt<T, BM, HEAD, P, P>(dpt, v_s + key0 * P, do_s, lane);
-        // Rows of these tiles are keys, columns queries.
-        auto coord = [&](int n, int i, int& row, int& col) {
-            row = m0 + frag_col(lane, n, i);
-            col = n0 + key0 + frag_row(lane, i);
-        };
-        // The bias tile is [query][key]; read transposed, it lands in S^T's fragments.
-        if (mod.has_bias())
-            scale_add_bias_frags<T, BM, Tr::BIAS_PITCH, true>(st, bias_stages + stage * Tr::BIAS_ELEMS + key0, lane,
-                                                              mod.scale_log2);
-        apply_score_mod(st, mod, mod.tile_is_partial(m0, BM, n0, BN), coord);
+        float st[M][BM / 8][4], dpt[M][BM / 8][4];          // S^T, dP^T: WARP_KEYS keys x BM queries
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            zero_frags(st[m]);
+            zero_frags(dpt[m]);
+        }
+        warp_gemm_strips_smem<T, M, BM, HEAD, P, P, false>(st, k_s + key0 * P, q_s, lane);              // S^T = K Q^T
+        if (DO_DK) warp_gemm_strips_smem<T, M, BM, HEAD, P, P, false>(dpt, v_s + key0 * P, do_s, lane);  // dP^T = V dO^T
+        // Rows of these tiles are keys, columns queries; the mask is decided for this warp's keys.
+        const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, Tr::WARP_KEYS);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            if constexpr (Flags::EXTRA) {
+                auto coord = [&](int n, int i, int& row, int& col) {
+                    row = m0 + frag_col(lane, n, i);
+                    col = n0 + key0 + 16 * m + frag_row(lane, i);
+                };
+                // The bias tile is [query][key]; read transposed, it lands in S^T's fragments.
+                if (mod.has_bias())
+                    scale_add_bias_frags<T, BM, Tr::BIAS_PITCH, true>(st[m], bias_stages + stage * Tr::BIAS_ELEMS + key0
+                                                                      + 16 * m, lane, mod.scale_log2);
+                apply_score_mod(st[m], mod, partial, coord);
+            } else if (partial) {
+                mask_partial_strip_t<BM>(st[m], mod, n0 + key0 + 16 * m + lane / 4, m0 + 2 * (lane % 4));
+            }
+        }
+        // P^T and dS^T in 16 bits (pack_frags' layout), the A operands of dV += P^T dO and
+        // dK += dS^T Q: rounded once, as formed, at half the registers of fp32.
+        unsigned pt16[M][BM / 8][2], dst16[M][BM / 8][2];
 #pragma unroll
         for (int n = 0; n < BM / 8; ++n) {
             // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one
-            // 8-byte load. The EXTRA kernels (251-255 registers) load each stat where it is
-            // used: the pairs' longer live ranges spilled there.
+            // 8-byte load, for all strips. The EXTRA kernels (251-255 registers) load each
+            // stat where it is used: the pairs' longer live ranges spilled there.
             FloatPair lse_log2, dsum;
             if constexpr (!Flags::EXTRA) {
                 lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));
                 dsum = load_pair(dsum_s + frag_col(lane, n, 0));
             }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = frag_col(lane, n, i);
-                float keep = 1.0f;
-                if (mod.has_dropout()) {
-                    int q_row, k_col;
-                    coord(n, i, q_row, k_col);
-                    keep = mod.keep(q_row, k_col);
+            for (int m = 0; m < M; ++m) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int row = frag_col(lane, n, i);
+                    float keep = 1.0f;
+                    if (mod.has_dropout())
+                        keep = mod.keep(m0 + row, n0 + key0 + 16 * m + frag_row(lane, i));
+                    if constexpr (Flags::EXTRA)   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
+                        prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_s[row], dsum_s[row], keep);   // st: P^T, dpt: dS^T
+                    else
+                        prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
                 }
-                if constexpr (Flags::EXTRA)   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
-                    prob_and_dscore(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], keep);   // st: P^T, dpt: dS^T
-                else
-                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
-                if (ATOMIC_DQ) ds_s[row * Tr::DS_PITCH + key0 + frag_row(lane, i)] = from_acc<T>(dpt[n][i]);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {   // fragment row r: key 16 m + lane / 4 + 8 r
+                    pt16[m][n][r] = pack2<T>(st[m][n][2 * r], st[m][n][2 * r + 1]);
+                    dst16[m][n][r] = pack2<T>(dpt[m][n][2 * r], dpt[m][n][2 * r + 1]);
+                    if (ATOMIC_DQ)
+                        *reinterpret_cast<unsigned*>(ds_lane + (16 * m + 8 * r) * Tr::DS_PITCH + 8 * n) = dst16[m][n][r];
+                }
             }
         }
-        if (DO_DV) warp_gemm_rn<T, HEAD, BM, P>(acc_dv, st, do_s, lane);    // dV += P^T dO
-        if (DO_DK) warp_gemm_rn<T, HEAD, BM, P>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
+        if (DO_DV) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dv, pt16, do_s, lane);    // dV += P^T dO
+        if (DO_DK) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dk, dst16, q_s, lane);    // dK += dS^T Q
         if (ATOMIC_DQ) {                                         // dQ += scale * dS K
             __syncthreads();
             const int strip = warp / Tr::Q_SPLIT;
             const int row_a = strip * 16 + lane / 4, row_b = row_a + 8;   // this lane's C-fragment rows
             float* dq_a = p.dq_acc.at<float>(batch, head, m0 + row_a);
             float* dq_b = p.dq_acc.at<float>(batch, head, m0 + row_b);
-            // 32 columns at a time keeps the partial product at 16 registers.
 #pragma unroll
-            for (int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS; col0 < (warp % Tr::Q_SPLIT + 1) * Tr::DQ_COLS; col0 += 32) {
-                float part[4][4];
-                zero_frags(part);
-                warp_gemm_nn<T, 32, BN, Tr::DS_PITCH, P>(part, ds_s + strip * 16 * Tr::DS_PITCH, k_s + col0, lane);
+            for (int c = 0; c < Tr::DQ_COLS / Tr::DQ_CHUNK; ++c) {
+                const int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS + c * Tr::DQ_CHUNK;
+                float part[1][Tr::DQ_CHUNK / 8][4];
+                zero_frags(part[0]);
+                // A = dS, this strip's queries: columns [16 strip, 16 strip + 16) of dS^T.
+                warp_gemm_strips_smem_t<T, 1, Tr::DQ_CHUNK, BN, Tr::DS_PITCH, P, true>(part, ds_s + strip * 16,
+                                                                                      k_s + col0, lane);
                 // Columns col, col + 1 (col even) as one vector reduction: the host pads the
                 // accumulator's rows to an even width, so col < d leaves col + 1 in the row.
 #pragma unroll
-                for (int n = 0; n < 4; ++n) {
+                for (int n = 0; n < Tr::DQ_CHUNK / 8; ++n) {
                     const int col = col0 + frag_col(lane, n, 0);
                     if (col >= dims.d) continue;
-                    if (row_a < rows_valid) red_add2(dq_a + col, part[n][0] * scale, part[n][1] * scale);
-                    if (row_b < rows_valid) red_add2(dq_b + col, part[n][2] * scale, part[n][3] * scale);
+                    if (row_a < rows_valid) red_add2(dq_a + col, part[0][n][0] * scale, part[0][n][1] * scale);
+                    if (row_b < rows_valid) red_add2(dq_b + col, part[0][n][2] * scale, part[0][n][3] * scale);
                 }
             }
         }
-        __syncthreads();   // this stage, the row stats and dS are read; the next step may overwrite them
+        __syncthreads();   // this stage, the row stats and dS^T are read; the next step may overwrite them
         step = next;
         if (Tr::STAGES == 2) stage ^= 1;
         else if (step < n_steps) issue_query_block(step, 0);
     }
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
+    // One row pointer per fragment row (key lane / 4 + 8 r of strip m), not per element:
+    // at head dim 128 the per-element address arithmetic spilled on sm_80.
 #pragma unroll
-    for (int n = 0; n < HEAD / 8; ++n)
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int key = key0 + frag_row(lane, i), col = frag_col(lane, n, i);
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + 16 * m + lane / 4 + 8 * r;
             if (key >= keys_valid) continue;
-            if (DO_DK && col < dims.d) p.dk.at<T>(batch, kv_head, n0 + key)[col] = from_acc<T>(acc_dk[n][i] * scale);
-            if (DO_DV && col < dims.dv) p.dv.at<T>(batch, kv_head, n0 + key)[col] = from_acc<T>(acc_dv[n][i]);
+            T* dk_row = p.dk.at<T>(batch, kv_head, n0 + key);
+            T* dv_row = p.dv.at<T>(batch, kv_head, n0 + key);
+#pragma unroll
+            for (int n = 0; n < HEAD / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = frag_col(lane, n, e);
+                    if (DO_DK && col < dims.d) dk_row[col] = from_acc<T>(acc_dk[m][n][2 * r + e] * scale);
+                    if (DO_DV && col < dims.dv) dv_row[col] = from_acc<T>(acc_dv[m][n][2 * r + e]);
+                }
         }
 }
 

@@ -104,6 +104,14 @@ struct ScoreMod {
         hi = (Flags::BAND ? imin(row + m.band_hi, lk - 1) : lk - 1) - col0;
     }
 
+    // The same seen from a key (the dK/dV kernels' S^T, whose rows are keys): key `col`
+    // is seen by the queries row0 + [lo, hi] (none past the sequence end).
+    __device__ __forceinline__ void visible_queries(int col, int row0, int& lo, int& hi) const {
+        static_assert(!Flags::EXTRA, "the EXTRA pieces need the per-element test (allowed)");
+        lo = Flags::BAND ? col - m.band_hi - row0 : 0;
+        hi = col >= lk ? -1 : Flags::BAND ? col - m.band_lo - row0 : lq;
+    }
+
     // Key tiles of width block_n that each of the rows [row0, row0 + rows) sees whole,
     // so that no element needs a test. Without EXTRA every other visited tile is
     // TILE_PARTIAL (classify's band and sequence-end tests, solved for the tile index

@@ -6,7 +6,7 @@
 // or, for the A operand, from fp32 C fragments already in registers.
 //   warp_gemm_nt: acc += A B^T   A: 16 x K rows in smem, B: N x K rows in smem  (S = Q K^T)
 //   warp_gemm_rn: acc += P B     P: 16 x K in registers, B: K x N rows in smem  (O += P V)
-//   warp_gemm_nn: acc += A B     A: 16 x K rows in smem, B: K x N rows in smem  (dQ += dS K)
+//   warp_gemm_strips_smem_t:     A stored transposed, K x 16 rows in smem       (dQ += dS K, dS^T stored)
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
@@ -30,6 +30,18 @@ __device__ __forceinline__ unsigned a_lane_addr(const T* strip, int lane) {
 template <typename T, int PA>
 __device__ __forceinline__ void load_a_frag(unsigned (&a)[4], unsigned lane_addr, int k0) {
     ldmatrix_x4(a, lane_addr + k0 * sizeof(T));
+}
+
+//   The same A fragment of a strip stored transposed, as rows [k][m] (strip = its
+//   first column): ldmatrix.trans of the four 8 x 8 blocks (k 0-7, m 0-7), (k 0-7,
+//   m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15) gives a0..a3 (mma.cuh's A layout).
+template <typename T, int PA>
+__device__ __forceinline__ unsigned at_lane_addr(const T* strip, int lane) {
+    return smem_addr(strip + ((lane / 16) * 8 + lane % 8) * PA + ((lane / 8) % 2) * 8);
+}
+template <typename T, int PA>
+__device__ __forceinline__ void load_at_frag(unsigned (&a)[4], unsigned lane_addr, int k0) {
+    ldmatrix_x4_trans(a, lane_addr + k0 * PA * int(sizeof(T)));
 }
 
 //   The two B fragments of columns n0..n0+15, depth k0..k0+15, for B^T stored as rows [n][k].
@@ -114,6 +126,17 @@ __device__ __forceinline__ void warp_gemm_strips_smem(float (&acc)[M][N / 8][4],
     }, b, lane);
 }
 
+// M strips with A stored transposed in shared memory, as rows [k][m] (pitch PA):
+// strip m is columns [16 m, 16 m + 16) of `at` (the dK/dV kernel's dS^T, stored
+// key-major with 32-bit stores straight from its fragments, is dQ's A operand).
+template <typename T, int M, int N, int K, int PA, int PB, bool B_KN>
+__device__ __forceinline__ void warp_gemm_strips_smem_t(float (&acc)[M][N / 8][4], const T* at, const T* b, int lane) {
+    const unsigned a_addr = at_lane_addr<T, PA>(at, lane);
+    warp_gemm_strips<T, M, N, K, PB, B_KN>(acc, [&](int m, unsigned (&af)[4], int k0) {
+        load_at_frag<T, PA>(af, a_addr + m * 16 * int(sizeof(T)), k0);
+    }, b, lane);
+}
+
 // M strips with A from registers: the fp32 C fragments of P, packed to 16 bits on the fly.
 template <typename T, int M, int N, int K, int PB>
 __device__ __forceinline__ void warp_gemm_strips_rn(float (&acc)[M][N / 8][4], const float (&p)[M][K / 8][4],
@@ -146,11 +169,6 @@ __device__ __forceinline__ float (&one_strip(float (&acc)[N][4]))[1][N][4] {
 template <typename T, int N, int K, int PA, int PB>
 __device__ __forceinline__ void warp_gemm_nt(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
     warp_gemm_strips_smem<T, 1, N, K, PA, PB, false>(one_strip(acc), a, b, lane);
-}
-
-template <typename T, int N, int K, int PA, int PB>
-__device__ __forceinline__ void warp_gemm_nn(float (&acc)[N / 8][4], const T* a, const T* b, int lane) {
-    warp_gemm_strips_smem<T, 1, N, K, PA, PB, true>(one_strip(acc), a, b, lane);
 }
 
 template <typename T, int N, int K, int PB>

@@ -64,9 +64,18 @@ def test_selection_rules():
                                                                                     band=True, vec=True)
         assert V.forward_variant("float32", head, band=True, vec=True) == V.Variant("fwd_fma", "float32", head,
                                                                                     band=True)
+    # The dK/dV passes follow the tile: head dim 128 is one pass at 32-query steps, two with the
+    # EXTRA kernels' 64-query steps (Tile.passes).
     plan = V.backward_variants("bfloat16", 128, band=False, vec=True, deterministic=False)
     assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
+        ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 0, True), ("bwd_convert_dq", 0, False)]
+    plan = V.backward_variants("bfloat16", 128, band=False, extra=True, vec=True, deterministic=False)
+    assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
         ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, True), ("bwd_convert_dq", 0, False)]
+    with V.tile_override("bwd_dkdv_mma", 128, V.Tile(64, 64, 4, 2, "two passes", passes=2)):
+        plan = V.backward_variants("float16", 128, band=True, vec=True, deterministic=True)
+        assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
+            ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, False), ("bwd_dq_mma", 0, False)]
     plan = V.backward_variants("float16", 256, band=True, vec=True, deterministic=True)
     assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
     for head in (32, 64, 128):   # float64 gradients on the fp64 tensor cores, one dK/dV pass
