@@ -159,13 +159,15 @@ _add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp o
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
      Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
 
-# Hopper forward (flash_fwd_wgmma.cu, arch "sm90a"): warpgroups of 4 warps own 64 query rows each;
-# S = Q K^T and O += P V on wgmma (m64nNk16), Q/K/V in 128-byte swizzled shared memory. Registers
-# from the offline compile (NVRTC 12.9, sm_90a, 0 spills): d=128 128x128/8w 213-225 (EXTRA
-# 128x64: 230). Shipped where it beat the portable kernel on the H100 (compare_trees.py --quick,
-# L=4096, same run): d=128 +16-20% (fp16 303 TFLOP/s non-causal, 252 causal). At d=64 (173-185
-# registers) it ran 0.88x the portable 128x128 kernel non-causal and 1.01-1.03x causal, and EXTRA
-# was not timed: those calls stay on the sm80 path (benchmarks/NOTES.md).
+# Hopper forward (flash_fwd_wgmma.cu, arch "sm90a"): a TMA producer warpgroup and two consumer
+# warpgroups of 64 query rows; S = Q K^T and O += P V on wgmma (m64nNk16), Q/K/V in 128-byte
+# swizzled shared memory on mbarrier stages. Offline compile (NVRTC 12.9, sm_90a): 168 registers
+# at launch, consumers up to 232 after setmaxnreg, 0 spills. On the H100 (compare_trees.py, sixth
+# session) against the fifth session's cp.async kernel at d=128: 1.07-2.0x (bf16 L=16384 673
+# TFLOP/s); against the portable kernel at d=64: 1.20-1.42x at L >= 4096, 0.92-0.98x at L = 1024
+# (per-block start-up; a persistent grid is the lead). Ping-pong of the consumers measured
+# 0.90-1.01x and is off (FwdWgmmaTraits::PINGPONG). EXTRA (bias, mask, dropout, block layout)
+# runs on the portable path.
 _add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
                                                          "128-key tiles: 81 KB"), arch="sm90a")
 _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "

@@ -17,8 +17,9 @@
 // Every stage has a "full" mbarrier (the copy engine's bytes) and an "empty" one (each
 // consumer thread arrives once its wgmmas have read the stage); no CTA-wide barrier after
 // the start, so the two consumer warpgroups drift freely against each other. With PINGPONG
-// they take turns on the tensor cores through two named barriers: one warpgroup's GEMMs
-// are issued while the other one runs its softmax.
+// they take turns on the tensor cores through two named barriers (one warpgroup's GEMMs
+// issued while the other runs its softmax); on the H100 that measured 0.90-1.01x of the
+// free-running order (sixth session), so it is off.
 // The fifth session's kernel (all threads loading with cp.async, one __syncthreads a
 // tile) spent ~35% of its issue slots on the loader's index arithmetic and 11% of its
 // stalls on the barrier (benchmarks/NOTES.md).
@@ -55,7 +56,7 @@ struct FwdWgmmaTraits {
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + 8 * BARRIERS;
     // Registers a thread after the split: 128 x 40 + 256 x 232 <= 65536.
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-    static constexpr bool PINGPONG = false;
+    static constexpr bool PINGPONG = false;      // measured slower; see the file's head
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
     static_assert(WARPS == 12 && BM == 64 * CONSUMERS, "a producer and two consumer warpgroups of 64 rows");

@@ -162,3 +162,32 @@ def test_over_2_31_elements():
         assert rel_error(cp.asnumpy(out[i]), ref) < 2e-3
     del q, k, v, out
     cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatch):
+    """On compute capability 9.0 the 16-bit forward at head dim 128 runs the TMA kernel; K and V
+    broadcast over the batch (stride 0, which a tensor map cannot describe) take the portable
+    kernel instead, and both answers are within the error budget of the same reference."""
+    from cuflash import _launch
+
+    if _launch._compute_capability() != 90:
+        pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
+    launched = []
+    real = _launch._launch
+    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw)))
+    rng = np.random.default_rng(7)
+    b, h, lq, lk, d = 3, 2, 200, 333, 128
+    q = cp.asarray(rng.standard_normal((b, h, lq, d)).astype(DTYPES[dtype]))
+    k1, v1 = (cp.asarray(rng.standard_normal((1, h, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+    k_bc, v_bc = (cp.broadcast_to(x, (b, h, lk, d)) for x in (k1, v1))
+    k_full, v_full = (cp.ascontiguousarray(x) for x in (k_bc, v_bc))
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k_full, v_full)]
+    opts = dict(causal=True, scale=1 / np.sqrt(d))
+    for k, v, family in ((k_full, v_full, "fwd_wgmma"), (k_bc, v_bc, "fwd_mma")):
+        launched.clear()
+        out = cuflash.attention(q, k, v, causal=True)
+        assert [x.family for x in launched] == [family]
+        ok, msg = within_budget(cp.asnumpy(out).astype(np.float64), exact(*host, dtype=dtype, **opts),
+                                naive_same_dtype(*host, dtype=dtype, **opts), magnitude(*host, **opts), dtype)
+        assert ok, f"{family}: {msg}"
