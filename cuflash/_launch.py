@@ -83,7 +83,8 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     choose = functools.partial(forward_variant, dtype, head_bucket(max(d, dv)), band=masking.band is not None,
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
     variant = choose(cc=_compute_capability())
-    if variant.family == "fwd_wgmma" and not _tma.tma_ok(q, k, v):   # it loads through tensor maps
+    # The Hopper kernel loads through tensor maps: it needs the driver's encoder and layouts a map can describe.
+    if variant.family == "fwd_wgmma" and not (_tma.encoder_available() and _tma.tma_ok(q, k, v)):
         variant = choose(cc=MIN_COMPUTE_CAPABILITY)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()

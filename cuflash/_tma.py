@@ -25,8 +25,12 @@ _SLAB = 64                   # 16-bit columns in one 128-byte swizzle slab
 
 @functools.lru_cache(maxsize=None)
 def _encode_fn():
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuTensorMapEncodeTiled
+    """The driver's encoder, or None where libcuda has none (the forward then takes the portable
+    kernel)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
                    ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
@@ -44,6 +48,11 @@ def _byte_strides(x) -> list:
         out.append(x.strides[axis] if x.shape[axis] > 1 else natural)
         natural = out[-1] * x.shape[axis]
     return out
+
+
+def encoder_available() -> bool:
+    """Whether this process can encode tensor maps (a CUDA 12+ driver's libcuda)."""
+    return _encode_fn() is not None
 
 
 def tma_ok(*arrays) -> bool:
