@@ -109,7 +109,7 @@ def contenders(q, k, v, do, causal, with_bwd):
     return out
 
 
-def run_case(dtype, b, h, n, d, causal, with_bwd, repeat):
+def run_case(dtype, b, h, n, d, causal, with_bwd, repeat, skip=frozenset()):
     rng = cp.random.default_rng(0)
     shape = (b, h, n, d)
     q, k, v, do = (rng.standard_normal(shape, dtype=cp.float32).astype(_cp_dtype(DTYPES[dtype]))
@@ -118,6 +118,8 @@ def run_case(dtype, b, h, n, d, causal, with_bwd, repeat):
     model = None if with_bwd else model_bytes(dtype, b, h, n, d, causal)
     rows = []
     for name, fn in contenders(q, k, v, do, causal, with_bwd).items():
+        if name in skip:
+            continue
         try:
             fn()
             cp.cuda.Device().synchronize()
@@ -152,10 +154,10 @@ def model_bytes(dtype, b, h, n, d, causal) -> dict:
             "tiles_processed": est.tiles_processed, "tiles_total": est.tiles_total}
 
 
-def cases(quick):
+def cases(quick, lengths=None):
     # B*L = 16384 tokens, H*D = 2048, as in KERNEL_NOTES' peer measurements.
     out = []
-    lengths = (1024, 4096) if quick else (1024, 2048, 4096, 8192)
+    lengths = lengths or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))
     for dtype in ("bf16", "fp16"):
         for d in (64, 128):
             for n in lengths:
@@ -256,6 +258,9 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--dtypes", default=None, help="only these dtypes, e.g. bf16,fp16")
     parser.add_argument("--head-dims", default=None, help="only these head dims, e.g. 128")
+    parser.add_argument("--lengths", default=None, help="forward sequence lengths, e.g. 16384 (default 1024-8192; "
+                                                        "1024,4096 with --quick)")
+    parser.add_argument("--skip", default="", help="contenders to leave out, e.g. 'torch math,naive cupy'")
     parser.add_argument("--out", default=None,
                         help="output folder (default: a new ./cuflash-bench-<time>/; "
                              "benchmarks/results replaces the committed results)")
@@ -274,10 +279,12 @@ def main(argv=None):
         from tqdm import tqdm
     except ImportError:
         tqdm = lambda x, **k: x  # noqa: E731
-    chosen = [c for c in cases(args.quick)
+    lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
+    chosen = [c for c in cases(args.quick, lengths)
               if (args.dtypes is None or c[0] in args.dtypes.split(","))
               and (args.head_dims is None or str(c[4]) in args.head_dims.split(","))]
-    results = [run_case(*c, repeat=args.repeat) for c in tqdm(chosen, file=sys.stderr)]
+    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
+    results = [run_case(*c, repeat=args.repeat, skip=skip) for c in tqdm(chosen, file=sys.stderr)]
     out = Path(args.out or time.strftime("cuflash-bench-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "cupy": cp.__version__, "torch": getattr(torch, "__version__", None),
