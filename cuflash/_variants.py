@@ -222,16 +222,19 @@ _add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "the bias stages: 207 KB
 # (backward TFLOP/s, non-causal / causal), one strip, 64x64/4w, 2026-11-22:
 #   d=64: 1 stage 107 / 103, 2 stages 109 / 105;  d=128: 1 stage 94 / 88, 2 stages 96 / 91
 #   (head dim 128 in two passes: dK + dV accumulators and the 64-query score tiles spill in one).
-# Branch bwd2 (NOT YET TIMED: registers from the offline compile, NVRTC 12.9, 0 spills on sm_80 /
-# sm_90; benchmarks/NOTES.md): d=64 two strips a warp, 32-query steps (dK + dV: 128 registers,
-# S^T + dP^T: 64; 254-255 registers, no spill at a 240 cap); d=128 one pass with 32-query steps
-# (dK + dV 128, S^T + dP^T 32), 8 warps of 16 keys. The EXTRA kernels keep the one-strip 64x64 tiles.
+# Branch bwd2 (offline compile, NVRTC 12.9, 0 spills on sm_80 / sm_90; benchmarks/NOTES.md): d=64 two
+# strips a warp, 32-query steps (dK + dV: 128 registers, S^T + dP^T: 64; 254-255 registers, no spill at
+# a 240 cap); d=128 one pass with 32-query steps (dK + dV 128, S^T + dP^T 32), 8 warps of 16 keys. The
+# EXTRA kernels keep the one-strip 64x64 tiles. tune_bwd.py, H100, fp16 L=4096, attention_backward ms
+# (non-causal / causal), sixth session: d=64 64x64/4w 8.27 / 4.78, 32x128/4w 6.38 / 3.87, 32x64/4w
+# 8.08 / 5.39, 64x128/8w 7.98 / 4.77; d=128 64x64/4w two passes 9.73 / 5.47, 32x128/8w 7.81 / 4.55,
+# 32x64/4w 8.04 / 4.53. dK and dV bitwise equal to the 64x64 layout's.
 _add("bwd_dkdv_mma", HALF_TYPES, [32], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
-_add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(32, 128, 4, 2, "two 16-key strips a warp: 0.45 ldmatrix an MMA "
-                                                          "(64x64: 0.6), half the dQ atomics; 66 KB (NOT YET TIMED)"))
-_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(32, 128, 8, 2, "one pass, 8 warps of 16 keys: no recomputed S^T, half "
-                                                           "the dQ atomics of 64 keys; 115 KB (NOT YET TIMED)"),
-     Tile(32, 64, 4, 2, "one pass, 32-query steps: 75 KB, " + _SMALL + " (NOT YET TIMED)"))
+_add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(32, 128, 4, 2, "two 16-key strips a warp: 1.24-1.29x the 64x64 "
+                                                          "layout (tune_bwd.py); 66 KB"))
+_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(32, 128, 8, 2, "one pass, 8 warps of 16 keys: 1.20-1.25x the two-pass "
+                                                           "64x64 (tune_bwd.py); 115 KB"),
+     Tile(32, 64, 4, 2, "one pass, 32-query steps (within 3% of 32x128/8w on the H100): 75 KB, " + _SMALL))
 _add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(64, 64, 4, 2, "EXTRA (251-255 registers at one strip): 2 stages +2-3% "
                                                          "over 1 (tune_bwd.py)"), extra=True)
 _add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "EXTRA: 2 stages +2-3% over 1 (tune_bwd.py); 112 KB "
@@ -418,7 +421,8 @@ class Family:
     smem: Callable[["Variant"], int] = field(compare=False)
 
 
-FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward", "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
+FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward",
+               "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
                "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward",
                "bwd_dq_dmma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
