@@ -5,7 +5,8 @@ A map describes one (B, H, L, D) array of 16-bit elements as a 4-D tensor (D, L,
 innermost first, with a box of 64 columns (one 128-byte swizzle slab, kernels_cu/wgmma.cuh)
 by ``box_rows`` rows, copied into shared memory 128-byte swizzled; what lies outside the
 array (rows past L, columns past D) arrives as zeros. The kernel takes the maps as one
-``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/flash_fwd_wgmma.cu).
+``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/flash_fwd_wgmma.cu,
+``BwdTensorMaps`` in kernels_cu/flash_bwd_wgmma.cu).
 """
 from __future__ import annotations
 
@@ -87,4 +88,11 @@ def fwd_tensor_maps(q, k, v, block_m: int, block_n: int) -> np.ndarray:
     """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``)
     as one opaque kernel argument."""
     raw = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
+    return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))
+
+
+def bwd_tensor_maps(q, dout, k, v, block_m: int, block_n: int) -> np.ndarray:
+    """The Hopper backward's ``BwdTensorMaps`` (Q and dO with ``block_m``-row boxes, K and V with
+    ``block_n``) as one opaque kernel argument."""
+    raw = tensor_map(q, block_m) + tensor_map(dout, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
     return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))

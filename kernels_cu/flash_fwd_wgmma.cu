@@ -66,29 +66,6 @@ struct FwdWgmmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// The k16 step kk of a K-major swizzled operand whose 64-column slabs are
-// slab_bytes apart (wgmma.cuh): slab kk / 4, 32 bytes per step inside it.
-__device__ __forceinline__ uint64 k_major_desc(unsigned tile, int kk, int slab_bytes) {
-    return sw128_desc(tile + (kk / 4) * slab_bytes + (kk % 4) * 32, 16, 1024);
-}
-// The k16 step kk (16 keys) of an MN-major swizzled V tile of `rows` keys.
-__device__ __forceinline__ uint64 mn_major_desc(unsigned tile, int kk, int rows) {
-    return sw128_desc(tile + kk * 16 * 128, rows * 128, 1024);
-}
-
-template <int A, int B, int C>
-__device__ __forceinline__ float (&flat(float (&x)[A][B][C]))[A * B * C] {
-    return reinterpret_cast<float(&)[A * B * C]>(x);
-}
-
-// One ROWS x HEAD tile as SLABS boxes of 64 columns, each ROWS x 128 bytes in shared memory.
-template <int ROWS, int SLABS>
-__device__ __forceinline__ void tma_load_tile(unsigned dst, const TensorMap* map, unsigned bar, int row, int head,
-                                              int batch) {
-#pragma unroll
-    for (int s = 0; s < SLABS; ++s) tma_load_4d(dst + s * ROWS * 128, map, bar, 64 * s, row, head, batch);
-}
-
 // Shared-memory addresses of the pipeline's tiles and barriers.
 template <typename Tr>
 struct WgmmaSmem {

@@ -65,6 +65,16 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap* map, 
         : "memory");
 }
 
+// One ROWS x (64 SLABS) tile of a (D, L, H, B) tensor, rows [row, row + ROWS) of (head,
+// batch), as SLABS boxes of 64 columns: slab s at dst + s * ROWS * 128 bytes (the 128-byte
+// swizzled layout of wgmma.cuh).
+template <int ROWS, int SLABS>
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TensorMap* map, unsigned bar, int row, int head,
+                                              int batch) {
+#pragma unroll
+    for (int s = 0; s < SLABS; ++s) tma_load_4d(dst + s * ROWS * 128, map, bar, 64 * s, row, head, batch);
+}
+
 // Bring the tensor map's 128 bytes into the constant cache ahead of the first copy.
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
