@@ -68,7 +68,7 @@ struct DkdvWgmmaTraits {
     static_assert(WARPS == 12 && BN == 128, "a producer and two consumer warpgroups of 64 keys");
     static_assert((HEAD == 64 && BM == 128) || (HEAD == 128 && BM == 64),
                   "dQ: a 64 x 64 block per consumer warpgroup, split by rows (BM 128) or columns (HEAD 128)");
-    static_assert(STAGES == 2, "Q/dO tiles are double-buffered");
+    static_assert(STAGES >= 2 && STAGES <= 4, "Q/dO tiles: a ring of 2-4 stages");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
@@ -107,7 +107,7 @@ struct KeyBlockSteps {
 };
 
 // The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
-// statistics (all lanes) into stage t % 2 once the consumers have emptied it.
+// statistics (all lanes) into stage t % STAGES once the consumers have emptied it.
 template <typename Tr>
 __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdTensorMaps& maps,
                                               const BwdParams& p, const KeyBlock& blk,
@@ -120,8 +120,8 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
         tma_load_tile<Tr::BN, Tr::SLABS>(sm.v, &maps.v, sm.kv_full(), blk.n0, blk.kv_head, blk.batch);
     }
     for (int t = 0; t < steps.count; ++t) {
-        const int stage = t & 1, head = steps.head(t), m0 = steps.m0(t);
-        mbar_wait(sm.empty(stage), ((t >> 1) & 1) ^ 1);   // the round before this one
+        const int stage = t % Tr::STAGES, head = steps.head(t), m0 = steps.m0(t);
+        mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
         if (lane == 0) {
             mbar_arrive_expect_tx(sm.full(stage), 2 * Tr::Q_BYTES);
             tma_load_tile<BM, Tr::SLABS>(sm.q_tile(stage), &maps.q, sm.full(stage), m0, head, blk.batch);
@@ -150,6 +150,30 @@ __device__ __forceinline__ void store_ds_t(unsigned char* ds_tile, const unsigne
             unsigned char* at = ds_tile + (q / 64) * Tr::BN * 128 + row * 128 + chunk * 16 + (q % 8) * 2;
             *reinterpret_cast<unsigned*>(at) = ds16[kk][i];
         }
+}
+
+// dQ[row0.., col0..] += scale * this warp's 16 x 64 block (the wgmma accumulator: rows g, g + 8,
+// columns 8n + 2t, + 1), four columns per vector reduction: lanes t and t ^ 1 trade halves
+// (one shuffle of a pair each), so the even lane adds row g, columns 8n + 2t .. + 3 and the
+// odd one row g + 8, columns 8n + 2t - 2 .. + 1. rows / cols: how many of the block's rows
+// and columns lie inside dQ (columns come in eights: d is a multiple of 8, _tma.tma_ok).
+__device__ __forceinline__ void add_dq_block(const View& dq_acc, const float (&dq)[8][4], int batch, int head,
+                                             int row0, int col0, int rows, int cols, float scale, int lane) {
+    const bool odd = lane & 1;
+    const int row = lane / 4 + (odd ? 8 : 0);
+    float* dq_row = dq_acc.at<float>(batch, head, row0 + row) + col0;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        // Even lanes give their row g + 8 pair and take the partner's row g pair; odd lanes the reverse.
+        const float give0 = odd ? dq[n][0] : dq[n][2], give1 = odd ? dq[n][1] : dq[n][3];
+        const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1), take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+        const int col = 8 * n + 2 * (lane % 4) - (odd ? 2 : 0);
+        if (row >= rows || col >= cols) continue;
+        if (odd)
+            red_add4(dq_row + col, take0 * scale, take1 * scale, dq[n][2] * scale, dq[n][3] * scale);
+        else
+            red_add4(dq_row + col, dq[n][0] * scale, dq[n][1] * scale, take0 * scale, take1 * scale);
+    }
 }
 
 // Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
@@ -208,10 +232,10 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     zero_frags(acc_dv);
     if (steps.count > 0) mbar_wait(sm.kv_full(), 0);
     for (int t = 0; t < steps.count; ++t) {
-        const int stage = t & 1, head = steps.head(t), m0 = steps.m0(t);
+        const int stage = t % STAGES, head = steps.head(t), m0 = steps.m0(t);
         const unsigned q_tile = sm.q_tile(stage), do_tile = sm.do_tile(stage);
         mod.head = head;
-        mbar_wait(sm.full(stage), (t >> 1) & 1);
+        mbar_wait(sm.full(stage), (t / STAGES) & 1);
 
         // S^T = K_c Q^T and dP^T = V_c dO^T: this warp's 16 keys x BM queries each.
         float st[BM / 8][4], dpt[BM / 8][4];
@@ -277,19 +301,10 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
         fence_regs(dst16);
         mbar_arrive(sm.empty(stage));      // Q, dO and the statistics of this stage are read
 
-        // dQ += scale dS K: this lane's rows g, g + 8 of its warp's 16, two columns per reduction.
-        const int rows_valid = imin(BM, dims.lq - m0);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = dq_row0 + 16 * cwarp + lane / 4 + 8 * r;
-            if (row >= rows_valid) continue;
-            float* dq_row = p.dq_acc.at<float>(blk.batch, head, m0 + row) + dq_col0;
-#pragma unroll
-            for (int n = 0; n < 64 / 8; ++n) {
-                const int col = frag_col(lane, n, 0);   // even; d is a multiple of 8 (_tma.tma_ok)
-                if (dq_col0 + col < dims.d) red_add2(dq_row + col, dq[n][2 * r] * scale, dq[n][2 * r + 1] * scale);
-            }
-        }
+        // dQ += scale dS K: this warp's 16 rows of the block; rows past lq and columns past d are not added.
+        const int warp_row0 = dq_row0 + 16 * cwarp;
+        add_dq_block(p.dq_acc, dq, blk.batch, head, m0 + warp_row0, dq_col0, imin(BM, dims.lq - m0) - warp_row0,
+                     dims.d - dq_col0, scale, lane);
     }
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
