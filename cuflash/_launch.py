@@ -138,7 +138,7 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
             continue   # dbias is exactly zero (a bias constant along keys)
         extra_args = ()
         if variant is hopper:
-            extra_args = (_tma.bwd_tensor_maps(q, dout, k, v, variant.tile.block_m, variant.tile.block_n),)
+            extra_args = (_tma.bwd_tensor_maps(q, dout, k, v, dq_acc, variant.tile.block_m, variant.tile.block_n),)
         _launch(variant, params, (b, hq, group, lq, lk), dbias.grid if variant is dbias_kernel else 0,
                 extra_args=extra_args)
     return dq, dk, dv_, dbias

@@ -179,9 +179,9 @@ _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and t
 # dQ as a 64 x 64 block per warpgroup: d=64 takes 128-query steps (dQ split by rows), d=128 64-query
 # steps (split by columns). Non-EXTRA, non-deterministic calls only (backward_variants).
 _add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
-                                                              "keys, 128-query steps: 162 KB"), arch="sm90a")
+                                                              "keys, 128-query steps: 194 KB"), arch="sm90a")
 _add("bwd_dkdv_wgmma", HALF_TYPES, [128], Tile(64, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
-                                                               "keys, 64-query steps: 162 KB"), arch="sm90a")
+                                                               "keys, 64-query steps: 193 KB"), arch="sm90a")
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
@@ -370,10 +370,11 @@ def _smem_fwd_wgmma(v: "Variant") -> int:
 
 def _smem_dkdv_wgmma(v: "Variant") -> int:
     # Swizzled K, V once; Q, dO and the row statistics (lse, Dsum: fp32) per stage; dS^T twice;
-    # 1024 bytes of alignment slack; mbarriers: K/V full, and full / empty per stage.
+    # the two consumer warpgroups' 64 x 64 fp32 dQ blocks; 1024 bytes of alignment slack;
+    # mbarriers: K/V full, and full / empty per stage.
     t = v.tile
     tiles = (2 * t.block_n * v.head + 2 * t.stages * t.block_m * v.head + 2 * t.block_n * t.block_m) * ITEMSIZE[v.dtype]
-    return 1024 + tiles + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
+    return 1024 + tiles + 2 * 64 * 64 * 4 + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
 
 
 def _smem_fwd_fma(v: "Variant") -> int:

@@ -16,14 +16,3 @@ __device__ __forceinline__ void red_add2(float* at, float a, float b) {
     atomicAdd(at + 1, b);
 #endif
 }
-
-// Four adjacent entries (16-byte aligned) as one vector reduction on sm_90.
-__device__ __forceinline__ void red_add4(float* at, float a, float b, float c, float d) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(at), "f"(a), "f"(b), "f"(c), "f"(d)
-                 : "memory");
-#else
-    red_add2(at, a, b);
-    red_add2(at + 2, c, d);
-#endif
-}

@@ -22,8 +22,12 @@
 //     dS^T -> shared memory (key-major, swizzled), one named barrier with the other warpgroup
 //     dQ_i += scale dS K                       wgmma with both operands MN-major: warpgroup c forms a
 //                                              64 x 64 block of the BM x HEAD product (rows 64 c.. at
-//                                              BM = 128, columns 64 c.. at BM = 64) and adds it to
-//                                              the fp32 accumulator with vector reductions
+//                                              BM = 128, columns 64 c.. at BM = 64), stages it in
+//                                              shared memory, and one of its threads has the copy
+//                                              engine add it to the fp32 accumulator (a bulk tensor
+//                                              reduction: 1.2-1.36x faster forward+backward than the
+//                                              vector atomics from registers it replaced, measured as
+//                                              the bound with no dQ at all; see benchmarks/NOTES.md)
 // dS^T is double-buffered: the named barrier of step t + 1 is passed only after both warpgroups
 // have waited for their step-t dQ products, so buffer t % 2 is free again at step t + 2.
 // dK = scale sum dS^T Q and dV leave from registers at the end. No EXTRA option (bias, mask,
@@ -36,11 +40,11 @@
 #include "wgmma.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
-#include "atomics.cuh"
 
 // The kernel's tensor maps (cuflash/_tma.py): Q and dO with boxes of BM rows, K and V of BN.
+// dq: the fp32 dQ accumulator, boxes of 32 columns (one 128-byte slab) x 64 rows, added into.
 struct BwdTensorMaps {
-    TensorMap q, dout, k, v;
+    TensorMap q, dout, k, v, dq;
 };
 
 template <typename T, typename Cfg, bool EXTRA>
@@ -53,16 +57,19 @@ struct DkdvWgmmaTraits {
     static constexpr int KV_BYTES = BN * HEAD * int(sizeof(T));   // K or V
     static constexpr int DS_BYTES = BN * BM * int(sizeof(T));     // one dS^T buffer: BM / 64 slabs of BN keys
     static constexpr int STATS_BYTES = 2 * BM * int(sizeof(float));   // lse_log2 and Dsum of one stage
+    // dQ staging: each consumer warpgroup's 64 x 64 fp32 block as two swizzled 32-column boxes.
+    static constexpr int DQ_BOX_BYTES = 64 * 128, DQ_STAGE_BYTES = 2 * 2 * DQ_BOX_BYTES;
     // dQ per consumer warpgroup: a 64 x 64 block, rows DQ_ROW_SLABS.. or columns.. of BM x HEAD.
     static constexpr bool DQ_SPLIT_ROWS = BM == 128;
     // Barriers after the tiles: K/V full, then full / empty per stage.
     static constexpr int BARRIERS = 1 + 2 * STAGES;
-    static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES;
+    static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + DQ_STAGE_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + STAGES * STATS_BYTES + 8 * BARRIERS;
-    // The producer warpgroup keeps 40 registers a thread, the consumers take 232:
-    // 128 x 40 + 256 x 232 = 64512 <= 65536.
-    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    // The producer warpgroup keeps 32 registers a thread, the consumers take 240:
+    // 128 x 32 + 256 x 240 = 65536 (24 spilled the producer; at 232 the d=64 band consumer
+    // spilled 8 bytes).
+    static constexpr int PRODUCER_REGS = 32, CONSUMER_REGS = 240;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
     static_assert(WARPS == 12 && BN == 128, "a producer and two consumer warpgroups of 64 keys");
@@ -76,10 +83,11 @@ struct DkdvWgmmaTraits {
 // Shared-memory addresses of the pipeline's tiles, row statistics and barriers.
 template <typename Tr>
 struct BwdWgmmaSmem {
-    unsigned k, v, q, dout, ds, stats, bars;
+    unsigned k, v, q, dout, ds, dq, stats, bars;
     __device__ __forceinline__ unsigned q_tile(int stage) const { return q + stage * Tr::Q_BYTES; }
     __device__ __forceinline__ unsigned do_tile(int stage) const { return dout + stage * Tr::Q_BYTES; }
     __device__ __forceinline__ unsigned ds_tile(int buffer) const { return ds + buffer * Tr::DS_BYTES; }
+    __device__ __forceinline__ unsigned dq_stage(int consumer) const { return dq + consumer * 2 * Tr::DQ_BOX_BYTES; }
     __device__ __forceinline__ unsigned kv_full() const { return bars; }
     // Q, dO (copy engine bytes plus the producer warp's 32 stat arrivals) of one stage.
     __device__ __forceinline__ unsigned full(int stage) const { return bars + 8 * (1 + 2 * stage); }
@@ -152,28 +160,20 @@ __device__ __forceinline__ void store_ds_t(unsigned char* ds_tile, const unsigne
         }
 }
 
-// dQ[row0.., col0..] += scale * this warp's 16 x 64 block (the wgmma accumulator: rows g, g + 8,
-// columns 8n + 2t, + 1), four columns per vector reduction: lanes t and t ^ 1 trade halves
-// (one shuffle of a pair each), so the even lane adds row g, columns 8n + 2t .. + 3 and the
-// odd one row g + 8, columns 8n + 2t - 2 .. + 1. rows / cols: how many of the block's rows
-// and columns lie inside dQ (columns come in eights: d is a multiple of 8, _tma.tma_ok).
-__device__ __forceinline__ void add_dq_block(const View& dq_acc, const float (&dq)[8][4], int batch, int head,
-                                             int row0, int col0, int rows, int cols, float scale, int lane) {
-    const bool odd = lane & 1;
-    const int row = lane / 4 + (odd ? 8 : 0);
-    float* dq_row = dq_acc.at<float>(batch, head, row0 + row) + col0;
+// scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from warp_row0,
+// columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
+// rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
+// A warp's 8-byte stores of one n cover 8 rows x 2 chunks, two wavefronts: no bank conflict.
+__device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
+                                               float scale, int lane) {
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-        // Even lanes give their row g + 8 pair and take the partner's row g pair; odd lanes the reverse.
-        const float give0 = odd ? dq[n][0] : dq[n][2], give1 = odd ? dq[n][1] : dq[n][3];
-        const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1), take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-        const int col = 8 * n + 2 * (lane % 4) - (odd ? 2 : 0);
-        if (row >= rows || col >= cols) continue;
-        if (odd)
-            red_add4(dq_row + col, take0 * scale, take1 * scale, dq[n][2] * scale, dq[n][3] * scale);
-        else
-            red_add4(dq_row + col, dq[n][0] * scale, dq[n][1] * scale, take0 * scale, take1 * scale);
-    }
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + lane / 4 + 8 * r, col = 8 * (n % 4) + 2 * (lane % 4);   // col in the box
+            unsigned char* at = stage + (n / 4) * 64 * 128 + row * 128 + ((col / 4) ^ (row % 8)) * 16 + (col % 4) * 4;
+            *reinterpret_cast<float2*>(at) = make_float2(dq[n][2 * r] * scale, dq[n][2 * r + 1] * scale);
+        }
 }
 
 // Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
@@ -192,7 +192,8 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     sm.q = sm.v + Tr::KV_BYTES;
     sm.dout = sm.q + STAGES * Tr::Q_BYTES;
     sm.ds = sm.dout + STAGES * Tr::Q_BYTES;
-    sm.stats = sm.ds + 2 * Tr::DS_BYTES;
+    sm.dq = sm.ds + 2 * Tr::DS_BYTES;
+    sm.stats = sm.dq + Tr::DQ_STAGE_BYTES;
     sm.bars = sm.stats + STAGES * Tr::STATS_BYTES;
     float* stats0 = reinterpret_cast<float*>(smem_raw + (sm.stats - base));
 
@@ -220,6 +221,7 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     const int consumer = warpgroup - 1, cwarp = warp % 4;
+    const bool wg_leader = threadIdx.x % 128 == 0;            // issues the warpgroup's dQ additions
     const int key_row = 64 * consumer + 16 * cwarp;           // this warp's first key within the block
     const float x_per_s = mod.x_per_score(), scale = float(p.scale);
     const unsigned k_wg = sm.k + consumer * 64 * 128;         // this warpgroup's 64 keys of every K slab
@@ -282,6 +284,8 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
         const unsigned ds_tile = sm.ds_tile(t & 1);
         store_ds_t<Tr>(smem_raw + (ds_tile - base), dst16, key_row, lane);
         fence_proxy_async_smem();          // the stores, before the wgmmas (async proxy) read them
+        // The previous step's dQ addition has read the staging tile (the barrier tells the warpgroup).
+        if (wg_leader && t > 0) bulk_wait_read<0>();
         named_bar_sync(1, Tr::CONSUMER_THREADS);   // both halves of dS^T are in place
 
         // dQ block = dS K: A = dS^T read transposed (rows: queries dq_row0.., k: the block's keys),
@@ -301,11 +305,21 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
         fence_regs(dst16);
         mbar_arrive(sm.empty(stage));      // Q, dO and the statistics of this stage are read
 
-        // dQ += scale dS K: this warp's 16 rows of the block; rows past lq and columns past d are not added.
-        const int warp_row0 = dq_row0 + 16 * cwarp;
-        add_dq_block(p.dq_acc, dq, blk.batch, head, m0 + warp_row0, dq_col0, imin(BM, dims.lq - m0) - warp_row0,
-                     dims.d - dq_col0, scale, lane);
+        // dQ += scale dS K: the block goes through shared memory, and one thread of the warpgroup has
+        // the copy engine add it to the accumulator (rows past lq, columns past d are dropped there).
+        const unsigned dq_stage = sm.dq_stage(consumer);
+        stage_dq_block(smem_raw + (dq_stage - base), dq, 16 * cwarp, scale, lane);
+        fence_proxy_async_smem();
+        named_bar_sync(2 + consumer, 128);
+        if (wg_leader) {
+#pragma unroll
+            for (int box = 0; box < 2; ++box)
+                tma_reduce_add_4d(&maps.dq, dq_stage + box * Tr::DQ_BOX_BYTES, dq_col0 + 32 * box, m0 + dq_row0, head,
+                                  blk.batch);
+            bulk_commit();
+        }
     }
+    if (wg_leader) bulk_wait<0>();   // the last additions have landed (and read the staging tile)
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
 #pragma unroll
