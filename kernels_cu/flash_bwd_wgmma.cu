@@ -66,10 +66,11 @@ struct DkdvWgmmaTraits {
     static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + DQ_STAGE_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + STAGES * STATS_BYTES + 8 * BARRIERS;
-    // The producer warpgroup keeps 32 registers a thread, the consumers take 240:
-    // 128 x 32 + 256 x 240 = 65536 (24 spilled the producer; at 232 the d=64 band consumer
-    // spilled 8 bytes).
-    static constexpr int PRODUCER_REGS = 32, CONSUMER_REGS = 240;
+    // The producer warpgroup keeps 40 registers a thread, the consumers take 232: the CTA holds
+    // 384 x 168 registers from its launch (__launch_bounds__), and setmaxnreg.inc waits until the
+    // others have given back what it takes, so more than that deadlocks (24 spilled the producer).
+    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
     static_assert(WARPS == 12 && BN == 128, "a producer and two consumer warpgroups of 64 keys");
@@ -110,8 +111,12 @@ struct KeyBlockSteps {
         m_blocks = imax(0, queries.end - queries.begin);
         count = (blk.end_head - blk.first_head) * m_blocks;
     }
-    __device__ __forceinline__ int head(int step) const { return first_head + step / m_blocks; }
-    __device__ __forceinline__ int m0(int step) const { return (begin + step % m_blocks) * BM; }
+    // The step after (head, block): the next query block, or the next head's first one. Counted
+    // along rather than divided out of the step index (that cost the d=64 band consumer a spill).
+    __device__ __forceinline__ void advance(int& head, int& block) const {
+        if (++block == m_blocks) block = 0, ++head;
+    }
+    __device__ __forceinline__ int m0(int block) const { return (begin + block) * BM; }
 };
 
 // The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
@@ -127,8 +132,8 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
         tma_load_tile<Tr::BN, Tr::SLABS>(sm.k, &maps.k, sm.kv_full(), blk.n0, blk.kv_head, blk.batch);
         tma_load_tile<Tr::BN, Tr::SLABS>(sm.v, &maps.v, sm.kv_full(), blk.n0, blk.kv_head, blk.batch);
     }
-    for (int t = 0; t < steps.count; ++t) {
-        const int stage = t % Tr::STAGES, head = steps.head(t), m0 = steps.m0(t);
+    for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
+        const int stage = t % Tr::STAGES, m0 = steps.m0(block);
         mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
         if (lane == 0) {
             mbar_arrive_expect_tx(sm.full(stage), 2 * Tr::Q_BYTES);
@@ -233,8 +238,8 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     zero_frags(acc_dk);
     zero_frags(acc_dv);
     if (steps.count > 0) mbar_wait(sm.kv_full(), 0);
-    for (int t = 0; t < steps.count; ++t) {
-        const int stage = t % STAGES, head = steps.head(t), m0 = steps.m0(t);
+    for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
+        const int stage = t % STAGES, m0 = steps.m0(block);
         const unsigned q_tile = sm.q_tile(stage), do_tile = sm.do_tile(stage);
         mod.head = head;
         mbar_wait(sm.full(stage), (t / STAGES) & 1);
@@ -262,14 +267,15 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
         const float* dsum_s = lse_s + BM;
         unsigned pt16[BM / 16][4], dst16[BM / 16][4];
 #pragma unroll
-        for (int n = 0; n < BM / 8; ++n) {
-            const FloatPair lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));   // queries 2t, 2t + 1
-            const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
+        for (int kk = 0; kk < BM / 16; ++kk) {   // packed as formed: the fp32 tiles die 16 queries at a time
 #pragma unroll
-            for (int i = 0; i < 4; ++i) prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], 1.0f, x_per_s);
-        }
+            for (int n = 2 * kk; n < 2 * kk + 2; ++n) {
+                const FloatPair lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));   // queries 2t, 2t + 1
+                const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
+                for (int i = 0; i < 4; ++i)
+                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], 1.0f, x_per_s);
+            }
             pack_a_frag<T, BM>(pt16[kk], st, 16 * kk);
             pack_a_frag<T, BM>(dst16[kk], dpt, 16 * kk);
         }

@@ -56,6 +56,8 @@ struct FwdWgmmaTraits {
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + 8 * BARRIERS;
     // Registers a thread after the split: 128 x 40 + 256 x 232 <= 65536.
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    // setmaxnreg.inc waits for registers the others gave back: more than the launch's 384 x 168 deadlocks.
+    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static constexpr bool PINGPONG = false;      // measured slower; see the file's head
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
