@@ -168,16 +168,24 @@ __device__ __forceinline__ void store_ds_t(unsigned char* ds_tile, const unsigne
 // scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from warp_row0,
 // columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
 // rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
-// A warp's 8-byte stores of one n cover 8 rows x 2 chunks, two wavefronts: no bank conflict.
+// An 8-byte store is served a half-warp (rows g = 0-3 or 4-7) at a time; in the accumulator's
+// order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
+// counted as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
+// the half-warp's four rows then cover the row's four chunk pairs (n % 4) ^ 2 (g & 1) ^ (g >> 1)
+// once each, one wavefront a half.
 __device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
                                                float scale, int lane) {
+    const bool odd_g = (lane / 4) & 1;
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+            const int n = odd_g ? j ^ 2 : j;   // (j ^ 2 stays in j's box of four)
+            const float v0 = odd_g ? dq[j ^ 2][2 * r] : dq[j][2 * r];
+            const float v1 = odd_g ? dq[j ^ 2][2 * r + 1] : dq[j][2 * r + 1];
             const int row = warp_row0 + lane / 4 + 8 * r, col = 8 * (n % 4) + 2 * (lane % 4);   // col in the box
             unsigned char* at = stage + (n / 4) * 64 * 128 + row * 128 + ((col / 4) ^ (row % 8)) * 16 + (col % 4) * 4;
-            *reinterpret_cast<float2*>(at) = make_float2(dq[n][2 * r] * scale, dq[n][2 * r + 1] * scale);
+            *reinterpret_cast<float2*>(at) = make_float2(v0 * scale, v1 * scale);
         }
 }
 
