@@ -106,9 +106,14 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     acc_dtype = np.float64 if dtype == "float64" else np.float32
     extra = masking.extra or not scale_folds(scale)
-    plan = backward_variants(dtype, head_bucket(max(d, dv)), band=masking.band is not None, extra=extra,
-                             vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
-                             smem_limit=_smem_limit(), dbias=dbias_plan is not None)
+    choose = functools.partial(backward_variants, dtype, head_bucket(max(d, dv)), band=masking.band is not None,
+                               extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
+                               smem_limit=_smem_limit(), dbias=dbias_plan is not None)
+    plan = choose(cc=_compute_capability())
+    hopper = next((v_ for v_ in plan if v_.family == "bwd_dkdv_wgmma"), None)
+    # The Hopper kernel loads through tensor maps (see launch_forward).
+    if hopper is not None and not (_tma.encoder_available() and _tma.tma_ok(q, k, v, dout)):
+        plan, hopper = choose(cc=MIN_COMPUTE_CAPABILITY), None
     dbias = None
     dbias_values = _params.DBIAS_OFF
     dbias_kernel = next((v_ for v_ in plan if v_.family == "bwd_dbias_mma"), None)
@@ -131,5 +136,9 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     for variant in plan:
         if variant is dbias_kernel and not dbias.grid:
             continue   # dbias is exactly zero (a bias constant along keys)
-        _launch(variant, params, (b, hq, group, lq, lk), dbias.grid if variant is dbias_kernel else 0)
+        extra_args = ()
+        if variant is hopper:
+            extra_args = (_tma.bwd_tensor_maps(q, dout, k, v, dq_acc, variant.tile.block_m, variant.tile.block_n),)
+        _launch(variant, params, (b, hq, group, lq, lk), dbias.grid if variant is dbias_kernel else 0,
+                extra_args=extra_args)
     return dq, dk, dv_, dbias

@@ -5,7 +5,8 @@ A map describes one (B, H, L, D) array of 16-bit elements as a 4-D tensor (D, L,
 innermost first, with a box of 64 columns (one 128-byte swizzle slab, kernels_cu/wgmma.cuh)
 by ``box_rows`` rows, copied into shared memory 128-byte swizzled; what lies outside the
 array (rows past L, columns past D) arrives as zeros. The kernel takes the maps as one
-``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/flash_fwd_wgmma.cu).
+``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/flash_fwd_wgmma.cu,
+``BwdTensorMaps`` in kernels_cu/flash_bwd_wgmma.cu).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import numpy as np
 
 MAP_BYTES = 128              # sizeof(CUtensorMap)
 _UINT16 = 1                  # CU_TENSOR_MAP_DATA_TYPE_UINT16: the copy engine moves bits
+_FLOAT32 = 7                 # CU_TENSOR_MAP_DATA_TYPE_FLOAT32: what a reduction adds (the backward's dQ)
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 _OOB_FILL_ZEROS = 0          # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
-_SLAB = 64                   # 16-bit columns in one 128-byte swizzle slab
+_SLAB_BYTES = 128            # one swizzle slab: 64 16-bit or 32 fp32 columns
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,15 +69,18 @@ def tma_ok(*arrays) -> bool:
 
 
 def tensor_map(x, box_rows: int) -> bytes:
-    """The 128-byte CUtensorMap of the 4-D array ``x`` (B, H, L, D), box 64 columns x ``box_rows``."""
+    """The 128-byte CUtensorMap of the 4-D array ``x`` (B, H, L, D) of 16-bit elements (copied as
+    bits) or float32 (added into by a reduction), box one 128-byte slab (64 or 32 columns) x
+    ``box_rows``."""
     b, h, length, d = x.shape
     dims = (ctypes.c_uint64 * 4)(d, length, h, b)
     strides = (ctypes.c_uint64 * 3)(*_byte_strides(x))
-    box = (ctypes.c_uint32 * 4)(_SLAB, box_rows, 1, 1)
+    box = (ctypes.c_uint32 * 4)(_SLAB_BYTES // x.itemsize, box_rows, 1, 1)
     steps = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     out = ctypes.create_string_buffer(MAP_BYTES + 64)
     addr = (ctypes.addressof(out) + 63) // 64 * 64        # CUtensorMap is 64-byte aligned
-    err = _encode_fn()(addr, _UINT16, 4, ctypes.c_void_p(x.data.ptr), dims, strides, box, steps,
+    dtype = _UINT16 if x.itemsize == 2 else _FLOAT32
+    err = _encode_fn()(addr, dtype, 4, ctypes.c_void_p(x.data.ptr), dims, strides, box, steps,
                        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} for an array of shape {x.shape}, "
@@ -87,4 +92,13 @@ def fwd_tensor_maps(q, k, v, block_m: int, block_n: int) -> np.ndarray:
     """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``)
     as one opaque kernel argument."""
     raw = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
+    return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))
+
+
+def bwd_tensor_maps(q, dout, k, v, dq_acc, block_m: int, block_n: int) -> np.ndarray:
+    """The Hopper backward's ``BwdTensorMaps`` (Q and dO with ``block_m``-row boxes, K and V with
+    ``block_n``, the float32 dQ accumulator with 64-row boxes of 32 columns, which the kernel adds
+    into) as one opaque kernel argument."""
+    raw = (tensor_map(q, block_m) + tensor_map(dout, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
+           + tensor_map(dq_acc, 64))
     return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))

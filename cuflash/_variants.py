@@ -21,6 +21,7 @@ fwd_fma             flash_fwd_fma.cu        forward, float32, CUDA-core FMA
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
 bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
+bwd_dkdv_wgmma      flash_bwd_wgmma.cu      dK, dV, atomic dQ, float16/bfloat16, Hopper wgmma (arch "sm90a")
 bwd_dbias_mma       flash_bwd_dbias.cu      dbias (a bias's gradient), 16-bit, head dim <= 128
 bwd_dkdv_dmma       flash_bwd_dmma.cu       dK, dV (+ atomic dQ), float64, fp64 tensor cores, head dim <= 128
 bwd_dq_dmma         flash_bwd_dmma.cu       deterministic dQ, float64, fp64 tensor cores, head dim <= 128
@@ -172,6 +173,15 @@ _add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer and tw
                                                          "128-key tiles: 81 KB"), arch="sm90a")
 _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
                                                           "128-key tiles: 161 KB"), arch="sm90a")
+
+# Hopper backward (flash_bwd_wgmma.cu, arch "sm90a"): dK, dV and atomic dQ. A TMA producer warp and
+# two consumer warpgroups of 64 keys (a CTA per 128-key block); S^T, dP^T, dV, dK and dQ on wgmma,
+# dQ as a 64 x 64 block per warpgroup: d=64 takes 128-query steps (dQ split by rows), d=128 64-query
+# steps (split by columns). Non-EXTRA, non-deterministic calls only (backward_variants).
+_add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
+                                                              "keys, 128-query steps: 194 KB"), arch="sm90a")
+_add("bwd_dkdv_wgmma", HALF_TYPES, [128], Tile(64, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
+                                                               "keys, 64-query steps: 193 KB"), arch="sm90a")
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
@@ -358,6 +368,15 @@ def _smem_fwd_wgmma(v: "Variant") -> int:
     return 1024 + (t.block_m + 2 * t.stages * t.block_n) * v.head * ITEMSIZE[v.dtype] + 8 * (1 + 4 * t.stages)
 
 
+def _smem_dkdv_wgmma(v: "Variant") -> int:
+    # Swizzled K, V once; Q, dO and the row statistics (lse, Dsum: fp32) per stage; dS^T twice;
+    # the two consumer warpgroups' 64 x 64 fp32 dQ blocks; 1024 bytes of alignment slack;
+    # mbarriers: K/V full, and full / empty per stage.
+    t = v.tile
+    tiles = (2 * t.block_n * v.head + 2 * t.stages * t.block_m * v.head + 2 * t.block_n * t.block_m) * ITEMSIZE[v.dtype]
+    return 1024 + tiles + 2 * 64 * 64 * 4 + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
+
+
 def _smem_fwd_fma(v: "Variant") -> int:
     t, qk_pitch = v.tile, v.head + 1
     elems = t.block_m * qk_pitch + t.block_n * qk_pitch + t.block_n * v.head + t.block_m * (t.block_n + 1)
@@ -424,7 +443,7 @@ class Family:
 FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward",
                "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
-               "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward",
+               "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward", "bwd_dkdv_wgmma": "backward",
                "bwd_dq_dmma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
 
 FAMILIES: Dict[str, Family] = {
@@ -440,6 +459,7 @@ FAMILIES: Dict[str, Family] = {
     "bwd_dkdv_dmma": Family("flash_bwd_dkdv_dmma", "flash_bwd_dmma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
                             _smem_dkdv_dmma),
     "bwd_dq_dmma": Family("flash_bwd_dq_dmma", "flash_bwd_dmma.cu", ("mask", "vec"), "q", _smem_dq_dmma),
+    "bwd_dkdv_wgmma": Family("flash_bwd_dkdv_wgmma", "flash_bwd_wgmma.cu", ("mask",), "k", _smem_dkdv_wgmma),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
     "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
     "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
@@ -597,20 +617,26 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
 
 @functools.lru_cache(maxsize=None)
 def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool, deterministic: bool,
-                      smem_limit: int = SMEM_MAX, dbias: bool = False) -> Tuple[Variant, ...]:
+                      smem_limit: int = SMEM_MAX, dbias: bool = False, cc: int = 80) -> Tuple[Variant, ...]:
     """The backward kernels for one call, in launch order (see :func:`forward_variant`);
-    ``dbias``: the call wants a bias's gradient (``extra`` then holds)."""
+    ``dbias``: the call wants a bias's gradient (``extra`` then holds). On Hopper (``cc`` 90)
+    16-bit calls with 16-byte loadable rows, no EXTRA option and atomic dQ take the wgmma
+    dK/dV kernel where the table has one."""
     return tuple(v.fitted(smem_limit)
-                 for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit))
+                 for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit, cc))
 
 
 def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, deterministic: bool,
-                   dbias: bool = False, smem_limit: int = SMEM_MAX) -> List[Variant]:
+                   dbias: bool = False, smem_limit: int = SMEM_MAX, cc: int = 80) -> List[Variant]:
     """The backward's kernels in launch order, not yet fitted to ``smem_limit`` (which only
     decides the dK/dV passes here)."""
     atomic = not deterministic
     flags = dict(band=band, extra=extra)
     plan = [Variant("bwd_dsum", dtype, 0)]
+    if (cc == HOPPER_CC and vec and not extra and atomic
+            and ("sm90a", "bwd_dkdv_wgmma", dtype, head) in _TABLE):
+        return plan + [Variant("bwd_dkdv_wgmma", dtype, head, band=band, arch="sm90a"),
+                       Variant("bwd_convert_dq", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
         plan += _dkdv_plan(dtype, head, vec, atomic, smem_limit, **flags)
         if deterministic:
@@ -652,8 +678,9 @@ def all_variants() -> List[Variant]:
             if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
                 seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
                                      cc=HOPPER_CC)] = None
-            for det, dbias in itertools.product((False, True), (False, True) if extra else (False,)):
-                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias, limit):
+            ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
+            for det, dbias, cc in itertools.product((False, True), (False, True) if extra else (False,), ccs):
+                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias, limit, cc):
                     try:
                         seen[v.fitted(limit)] = None
                     except ValueError:   # documented: no such kernel for this GPU class

@@ -82,25 +82,6 @@ struct DqMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// The mask of one 16-key strip of a partial S^T tile without EXTRA (the band and
-// the sequence end): the lane's keys are key_a and key_a + 8, its queries
-// q0 + 8n + e (e = 0, 1), and each key is seen by one interval of queries
-// (ScoreMod::visible_queries), so an element is two compares with a constant.
-// Masked scores become -inf (raw dot products stay raw).
-template <int BM, typename Mod>
-__device__ __forceinline__ void mask_partial_strip_t(float (&st)[BM / 8][4], const Mod& mod, int key_a, int q0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        int lo, hi;
-        mod.visible_queries(key_a + 8 * r, q0, lo, hi);
-#pragma unroll
-        for (int n = 0; n < BM / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (8 * n + e < lo || 8 * n + e > hi) st[n][2 * r + e] = neg_inf<float>();
-    }
-}
-
 // PASS: 0 computes dK and dV together; where their accumulators and the score
 // tiles do not fit the registers together (head dim 128), the launch splits them:
 // PASS 1 = dV only, PASS 2 = dK (and dQ) only, each recomputing S^T (one extra

@@ -56,6 +56,8 @@ struct FwdWgmmaTraits {
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + 8 * BARRIERS;
     // Registers a thread after the split: 128 x 40 + 256 x 232 <= 65536.
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    // setmaxnreg.inc waits for registers the others gave back: more than the launch's 384 x 168 deadlocks.
+    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static constexpr bool PINGPONG = false;      // measured slower; see the file's head
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
@@ -65,29 +67,6 @@ struct FwdWgmmaTraits {
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
-
-// The k16 step kk of a K-major swizzled operand whose 64-column slabs are
-// slab_bytes apart (wgmma.cuh): slab kk / 4, 32 bytes per step inside it.
-__device__ __forceinline__ uint64 k_major_desc(unsigned tile, int kk, int slab_bytes) {
-    return sw128_desc(tile + (kk / 4) * slab_bytes + (kk % 4) * 32, 16, 1024);
-}
-// The k16 step kk (16 keys) of an MN-major swizzled V tile of `rows` keys.
-__device__ __forceinline__ uint64 mn_major_desc(unsigned tile, int kk, int rows) {
-    return sw128_desc(tile + kk * 16 * 128, rows * 128, 1024);
-}
-
-template <int A, int B, int C>
-__device__ __forceinline__ float (&flat(float (&x)[A][B][C]))[A * B * C] {
-    return reinterpret_cast<float(&)[A * B * C]>(x);
-}
-
-// One ROWS x HEAD tile as SLABS boxes of 64 columns, each ROWS x 128 bytes in shared memory.
-template <int ROWS, int SLABS>
-__device__ __forceinline__ void tma_load_tile(unsigned dst, const TensorMap* map, unsigned bar, int row, int head,
-                                              int batch) {
-#pragma unroll
-    for (int s = 0; s < SLABS; ++s) tma_load_4d(dst + s * ROWS * 128, map, bar, 64 * s, row, head, batch);
-}
 
 // Shared-memory addresses of the pipeline's tiles and barriers.
 template <typename Tr>

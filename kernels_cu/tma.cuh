@@ -65,6 +65,37 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap* map, 
         : "memory");
 }
 
+// Add the box at (c0, c1, c2, c3) of shared memory at `src` into the tensor `map` describes
+// (fp32 add, done by the copy engine next to L2; elements outside the tensor are dropped). It
+// reads `src` asynchronously: bulk_commit() closes a group of the issuing thread's bulk
+// operations, bulk_wait_read<N>() waits until at most N of its groups still read their sources.
+__device__ __forceinline__ void tma_reduce_add_4d(const TensorMap* map, unsigned src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+        :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+// ...and until at most N groups are still in flight at all (their writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// One ROWS x (64 SLABS) tile of a (D, L, H, B) tensor, rows [row, row + ROWS) of (head,
+// batch), as SLABS boxes of 64 columns: slab s at dst + s * ROWS * 128 bytes (the 128-byte
+// swizzled layout of wgmma.cuh).
+template <int ROWS, int SLABS>
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TensorMap* map, unsigned bar, int row, int head,
+                                              int batch) {
+#pragma unroll
+    for (int s = 0; s < SLABS; ++s) tma_load_4d(dst + s * ROWS * 128, map, bar, 64 * s, row, head, batch);
+}
+
 // Bring the tensor map's 128 bytes into the constant cache ahead of the first copy.
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");

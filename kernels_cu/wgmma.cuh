@@ -47,6 +47,28 @@ __device__ __forceinline__ uint64 sw128_desc(unsigned smem_byte_addr, unsigned l
            | (1ull << 62);
 }
 
+// The k16 step kk of a K-major swizzled operand whose 64-column slabs are
+// slab_bytes apart: slab kk / 4, 32 bytes per step inside it.
+__device__ __forceinline__ uint64 k_major_desc(unsigned tile, int kk, int slab_bytes) {
+    return sw128_desc(tile + (kk / 4) * slab_bytes + (kk % 4) * 32, 16, 1024);
+}
+// The k16 step kk (16 rows along k) of an MN-major swizzled tile of `rows` rows: V as B
+// of O = P V (rows: keys, n: head dim), dO / Q as B of dV += P^T dO, dK += dS^T Q (rows:
+// queries), dS^T as A and K as B of dQ = dS K (rows: keys; m: queries, n: head dim).
+__device__ __forceinline__ uint64 mn_major_desc(unsigned tile, int kk, int rows) {
+    return sw128_desc(tile + kk * 16 * 128, rows * 128, 1024);
+}
+
+// A fragment array seen as the flat accumulator list a wgmma wrapper takes.
+template <int A, int B, int C>
+__device__ __forceinline__ float (&flat(float (&x)[A][B][C]))[A * B * C] {
+    return reinterpret_cast<float(&)[A * B * C]>(x);
+}
+template <int B, int C>
+__device__ __forceinline__ float (&flat(float (&x)[B][C]))[B * C] {
+    return reinterpret_cast<float(&)[B * C]>(x);
+}
+
 // Order this thread's ordinary (and cp.async, once waited for) shared-memory
 // writes before later reads by the async proxy (wgmma operands); a barrier
 // after it then publishes them to the other threads' wgmmas.
@@ -96,22 +118,29 @@ __device__ __forceinline__ void fence_regs(unsigned (&a)[R][4]) {
 // K-major (no transpose): S = Q K^T.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, int accumulate);
+// D (64 x N) = A B + (accumulate ? D : 0), both operands from shared memory, both
+// MN-major (read transposed): the backward's dQ = dS K, with dS^T stored key-major.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, int accumulate);
 // D (64 x N) += A B with A from registers (the m16n8k16 A fragment of this warp's
 // 16 rows) and B MN-major from shared memory (read transposed): O += P V.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b);
 
 // One specialisation per (type, N); the operand numbers follow the accumulators
-// (N / 2 of them): A_OPS / B_OP / SCALE_OP name them.
-#define CUF_WGMMA_SS(TYPE, PTX_TYPE, N, REGS, ACC, A_OP, B_OP, SCALE_OP)                                     \
+// (N / 2 of them): A_OPS / B_OP / SCALE_OP name them. TNSP: the transpose bits of A
+// and B ("0, 0": both K-major; "1, 1": both MN-major).
+#define CUF_WGMMA_SS_(NAME, TNSP, TYPE, PTX_TYPE, N, REGS, ACC, A_OP, B_OP, SCALE_OP)                        \
     template <>                                                                                              \
-    __device__ __forceinline__ void wgmma_ss<TYPE, N>(float (&d)[N / 2], uint64 desc_a, uint64 desc_b,       \
-                                                      int accumulate) {                                      \
+    __device__ __forceinline__ void NAME<TYPE, N>(float (&d)[N / 2], uint64 desc_a, uint64 desc_b,           \
+                                                  int accumulate) {                                          \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_OP ", 0;\n"                                  \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " " REGS ", "   \
-                     A_OP ", " B_OP ", p, 1, 1, 0, 0;\n}\n"                                                  \
+                     A_OP ", " B_OP ", p, 1, 1, " TNSP ";\n}\n"                                              \
                      : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                  \
     }
+#define CUF_WGMMA_SS(...) CUF_WGMMA_SS_(wgmma_ss, "0, 0", __VA_ARGS__)
+#define CUF_WGMMA_SS_MN(...) CUF_WGMMA_SS_(wgmma_ss_mn, "1, 1", __VA_ARGS__)
 #define CUF_WGMMA_RS(TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                                    \
     template <>                                                                                              \
     __device__ __forceinline__ void wgmma_rs<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4],           \
@@ -125,6 +154,8 @@ CUF_WGMMA_SS(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_SS(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_SS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
 CUF_WGMMA_SS(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
+CUF_WGMMA_SS_MN(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
+CUF_WGMMA_SS_MN(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_RS(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
 CUF_WGMMA_RS(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
 CUF_WGMMA_RS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")

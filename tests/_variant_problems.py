@@ -45,7 +45,7 @@ class Problem:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
                                         deterministic=self.deterministic, smem_limit=self.smem_limit,
-                                        dbias=self.extra)]   # variant_options() has a bias
+                                        dbias=self.extra, cc=self.cc)]   # variant_options() has a bias
 
 
 def variant_options(seed: int) -> dict:

@@ -108,6 +108,51 @@ def test_float64_backward_kernel_choice(d, family, deterministic, launched):
         assert family.replace("dkdv", "dq") in families, families
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 72, 128])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("b,hq,hk,lq,lk", [(1, 2, 2, 1, 1), (2, 4, 2, 300, 77), (1, 3, 1, 129, 520),
+                                          (1, 2, 1, 640, 640)])
+def test_hopper_backward(dtype, d, causal, b, hq, hk, lq, lk, launched):
+    """On compute capability 9.0 the default 16-bit backward at head dims 64 and 128 (72: the 128
+    kernel with zero-filled columns) runs the wgmma dK/dV kernel: lengths of one row, across tile
+    edges (77, 129, 300 against 64- and 128-row steps and 128-key blocks) and several blocks, key
+    blocks that see no query (causal, lq < lk), grouped-query heads; every gradient against the
+    float64 reference under the error rule."""
+    from cuflash import _launch
+
+    if _launch._compute_capability() != 90:
+        pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
+    check_backward(dtype, b, hq, hk, lq, lk, d, d, causal, seed=lq * d + lk)
+    assert "bwd_dkdv_wgmma" in [v.family for v in launched]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_backward_falls_back_where_tensor_maps_cannot_go(dtype, launched):
+    """K and V broadcast over the batch (stride 0, which a tensor map cannot describe) take the portable
+    dK/dV kernel; the contiguous copies take the wgmma one; both gradients agree within the fp32
+    accumulators' rounding (the atomic dQ sums in another order)."""
+    from cuflash import _launch
+
+    if _launch._compute_capability() != 90:
+        pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
+    rng = np.random.default_rng(11)
+    b, h, lq, lk, d = 2, 2, 200, 333, 128
+    q, do = (cp.asarray(rng.standard_normal((b, h, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
+    k1, v1 = (cp.asarray(rng.standard_normal((1, h, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+    k_bc, v_bc = (cp.broadcast_to(x, (b, h, lk, d)) for x in (k1, v1))
+    k_full, v_full = (cp.ascontiguousarray(x) for x in (k_bc, v_bc))
+    out, lse = cuflash.attention_forward(q, k_full, v_full, causal=True)
+    grads = {}
+    for k, v, family in ((k_full, v_full, "bwd_dkdv_wgmma"), (k_bc, v_bc, "bwd_dkdv_mma")):
+        launched.clear()
+        grads[family] = cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+        assert family in [x.family for x in launched]
+    for name, a, c in zip("qkv", grads["bwd_dkdv_wgmma"], grads["bwd_dkdv_mma"]):
+        a, c = (cp.asnumpy(x).astype(np.float64) for x in (a, c))
+        assert rel_error(a, c) < (2e-3 if dtype == "float16" else 1.6e-2), name
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_deterministic_is_bitwise_reproducible(dtype):
     rng = np.random.default_rng(8)

@@ -108,6 +108,25 @@ def test_hopper_selection():
     assert V.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
 
 
+def test_hopper_backward_selection():
+    """Compute capability 9.0 takes the wgmma dK/dV kernel (with atomic dQ) for 16-bit calls with 16-byte
+    loadable rows, no EXTRA option and the default (atomic) dQ at head dims 64 and 128; a deterministic
+    call, a masking option, another head dim or another GPU keeps the portable kernels."""
+    for dtype, head, band in [("float16", 64, False), ("bfloat16", 128, True)]:
+        plan = V.backward_variants(dtype, head, band=band, vec=True, deterministic=False, cc=90)
+        assert [(v.family, v.arch) for v in plan] == [("bwd_dsum", "sm80"), ("bwd_dkdv_wgmma", "sm90a"),
+                                                      ("bwd_convert_dq", "sm80")]
+        assert plan[1].band == band and plan[1].compile_target("sm_90") == "sm_90a"
+    portable = dict(band=False, vec=True, deterministic=False)
+    for kwargs in (dict(cc=80), dict(cc=100), dict(cc=90, deterministic=True), dict(cc=90, extra=True),
+                   dict(cc=90, vec=False)):
+        plan = V.backward_variants("float16", 128, **{**portable, **kwargs})
+        assert "bwd_dkdv_wgmma" not in [v.family for v in plan], kwargs
+    for head in (32, 256):
+        assert "bwd_dkdv_wgmma" not in [v.family for v in V.backward_variants("float16", head, cc=90, **portable)]
+    assert "bwd_dkdv_wgmma" not in [v.family for v in V.backward_variants("float32", 64, cc=90, **portable)]
+
+
 def test_grid_has_no_65535_limit_but_a_2_31_one():
     v = V.forward_variant("float16", 64, band=False, vec=True)
     assert v.grid(batch=70000, heads_q=3, group=1, lq=16, lk=16) == 210000

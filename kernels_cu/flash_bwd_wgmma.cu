@@ -1,0 +1,355 @@
+// flash_bwd_wgmma.cu -- attention backward (dK, dV and atomic dQ) on Hopper's warpgroup MMA
+// (sm_90a), float16 / bfloat16, head dims 64 and 128.
+//
+// The math is flash_bwd_mma.cu's (flash_bwd_fma.cu explains it); the machinery is the Hopper
+// forward's (flash_fwd_wgmma.cu): a producer warp streams tiles through the bulk tensor copy
+// engine (tma.cuh) into 128-byte swizzled shared memory on mbarrier stages, and two consumer
+// warpgroups multiply on wgmma (wgmma.cuh) with their accumulators in registers.
+//
+// One CTA per (key block of BN = 128 keys, K/V head, batch); 3 warpgroups. Warpgroup 0: its
+// first warp loads K and V once, then for every (query head of the group, query block of BM)
+// step that sees the block: Q_i and dO_i by the copy engine, lse_i (in log2 units) and Dsum_i
+// by the warp's 32 lanes, into a two-stage ring. Consumer warpgroup c owns keys
+// [64 c, 64 c + 64) of the block and, per step:
+//     S^T  = K_c Q_i^T,  dP^T = V_c dO_i^T     wgmma, operands from shared memory (M = 64 keys,
+//                                              N = BM queries); the accumulator of a warp is the
+//                                              m16n8 C layout, so softmax.cuh's prob_and_dscore and
+//                                              score_mod.cuh's strip mask apply unchanged
+//     P^T  = 2^(S^T x - lse),  dS^T = P^T (dP^T - Dsum)
+//     dV_c += P^T dO_i,  dK_c += dS^T Q_i      wgmma with P^T / dS^T from registers (16-bit A
+//                                              fragments packed from the accumulators) and dO / Q
+//                                              read transposed (MN-major)
+//     dS^T -> shared memory (key-major, swizzled), one named barrier with the other warpgroup
+//     dQ_i += scale dS K                       wgmma with both operands MN-major: warpgroup c forms a
+//                                              64 x 64 block of the BM x HEAD product (rows 64 c.. at
+//                                              BM = 128, columns 64 c.. at BM = 64), stages it in
+//                                              shared memory, and one of its threads has the copy
+//                                              engine add it to the fp32 accumulator (a bulk tensor
+//                                              reduction: 1.2-1.36x faster forward+backward than the
+//                                              vector atomics from registers it replaced, measured as
+//                                              the bound with no dQ at all; see benchmarks/NOTES.md)
+// dS^T is double-buffered: the named barrier of step t + 1 is passed only after both warpgroups
+// have waited for their step-t dQ products, so buffer t % 2 is free again at step t + 2.
+// dK = scale sum dS^T Q and dV leave from registers at the end. No EXTRA option (bias, mask,
+// dropout, block layout): those take the portable kernels, as does the deterministic dQ.
+#include "common.cuh"
+#include "params.cuh"
+#include "mma.cuh"
+#include "warp_gemm.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+#include "softmax.cuh"
+#include "score_mod.cuh"
+
+// The kernel's tensor maps (cuflash/_tma.py): Q and dO with boxes of BM rows, K and V of BN.
+// dq: the fp32 dQ accumulator, boxes of 32 columns (one 128-byte slab) x 64 rows, added into.
+struct BwdTensorMaps {
+    TensorMap q, dout, k, v, dq;
+};
+
+template <typename T, typename Cfg, bool EXTRA>
+struct DkdvWgmmaTraits {
+    static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS, STAGES = Cfg::STAGES;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int CONSUMER_THREADS = 256;
+    static constexpr int SLABS = HEAD / 64;               // 64-column swizzle slabs of a Q / dO / K / V row
+    static constexpr int Q_BYTES = BM * HEAD * int(sizeof(T));    // one Q or dO stage
+    static constexpr int KV_BYTES = BN * HEAD * int(sizeof(T));   // K or V
+    static constexpr int DS_BYTES = BN * BM * int(sizeof(T));     // one dS^T buffer: BM / 64 slabs of BN keys
+    static constexpr int STATS_BYTES = 2 * BM * int(sizeof(float));   // lse_log2 and Dsum of one stage
+    // dQ staging: each consumer warpgroup's 64 x 64 fp32 block as two swizzled 32-column boxes.
+    static constexpr int DQ_BOX_BYTES = 64 * 128, DQ_STAGE_BYTES = 2 * 2 * DQ_BOX_BYTES;
+    // dQ per consumer warpgroup: a 64 x 64 block, rows DQ_ROW_SLABS.. or columns.. of BM x HEAD.
+    static constexpr bool DQ_SPLIT_ROWS = BM == 128;
+    // Barriers after the tiles: K/V full, then full / empty per stage.
+    static constexpr int BARRIERS = 1 + 2 * STAGES;
+    static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + DQ_STAGE_BYTES;
+    // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
+    static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + STAGES * STATS_BYTES + 8 * BARRIERS;
+    // The producer warpgroup keeps 40 registers a thread, the consumers take 232: the CTA holds
+    // 384 x 168 registers from its launch (__launch_bounds__), and setmaxnreg.inc waits until the
+    // others have given back what it takes, so more than that deadlocks (24 spilled the producer).
+    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
+    static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
+    static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
+    static_assert(WARPS == 12 && BN == 128, "a producer and two consumer warpgroups of 64 keys");
+    static_assert((HEAD == 64 && BM == 128) || (HEAD == 128 && BM == 64),
+                  "dQ: a 64 x 64 block per consumer warpgroup, split by rows (BM 128) or columns (HEAD 128)");
+    static_assert(STAGES >= 2 && STAGES <= 4, "Q/dO tiles: a ring of 2-4 stages");
+    static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
+    static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
+};
+
+// Shared-memory addresses of the pipeline's tiles, row statistics and barriers.
+template <typename Tr>
+struct BwdWgmmaSmem {
+    unsigned k, v, q, dout, ds, dq, stats, bars;
+    __device__ __forceinline__ unsigned q_tile(int stage) const { return q + stage * Tr::Q_BYTES; }
+    __device__ __forceinline__ unsigned do_tile(int stage) const { return dout + stage * Tr::Q_BYTES; }
+    __device__ __forceinline__ unsigned ds_tile(int buffer) const { return ds + buffer * Tr::DS_BYTES; }
+    __device__ __forceinline__ unsigned dq_stage(int consumer) const { return dq + consumer * 2 * Tr::DQ_BOX_BYTES; }
+    __device__ __forceinline__ unsigned kv_full() const { return bars; }
+    // Q, dO (copy engine bytes plus the producer warp's 32 stat arrivals) of one stage.
+    __device__ __forceinline__ unsigned full(int stage) const { return bars + 8 * (1 + 2 * stage); }
+    __device__ __forceinline__ unsigned empty(int stage) const { return bars + 8 * (2 + 2 * stage); }
+    __device__ __forceinline__ float* lse(unsigned char* smem_raw, unsigned base, int stage) const {
+        return reinterpret_cast<float*>(smem_raw + (stats - base) + stage * Tr::STATS_BYTES);
+    }
+};
+
+// The steps of one key block: (query head of the group, query block of BM) pairs whose query
+// block sees some key of the block, in order; the producer and the consumers walk the same list.
+template <int BM>
+struct KeyBlockSteps {
+    int first_head, begin, m_blocks, count;
+
+    template <typename Mod>
+    __device__ __forceinline__ KeyBlockSteps(const Mod& mod, const KeyBlock& blk) : first_head(blk.first_head) {
+        const TileRange queries = mod.query_tiles(blk.n0, blk.keys, BM);
+        begin = queries.begin;
+        m_blocks = imax(0, queries.end - queries.begin);
+        count = (blk.end_head - blk.first_head) * m_blocks;
+    }
+    // The step after (head, block): the next query block, or the next head's first one. Counted
+    // along rather than divided out of the step index (that cost the d=64 band consumer a spill).
+    __device__ __forceinline__ void advance(int& head, int& block) const {
+        if (++block == m_blocks) block = 0, ++head;
+    }
+    __device__ __forceinline__ int m0(int block) const { return (begin + block) * BM; }
+};
+
+// The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
+// statistics (all lanes) into stage t % STAGES once the consumers have emptied it.
+template <typename Tr>
+__device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdTensorMaps& maps,
+                                              const BwdParams& p, const KeyBlock& blk,
+                                              const KeyBlockSteps<Tr::BM>& steps) {
+    constexpr int BM = Tr::BM;
+    const int lane = threadIdx.x % 32;
+    if (lane == 0) {
+        mbar_arrive_expect_tx(sm.kv_full(), 2 * Tr::KV_BYTES);
+        tma_load_tile<Tr::BN, Tr::SLABS>(sm.k, &maps.k, sm.kv_full(), blk.n0, blk.kv_head, blk.batch);
+        tma_load_tile<Tr::BN, Tr::SLABS>(sm.v, &maps.v, sm.kv_full(), blk.n0, blk.kv_head, blk.batch);
+    }
+    for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
+        const int stage = t % Tr::STAGES, m0 = steps.m0(block);
+        mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
+        if (lane == 0) {
+            mbar_arrive_expect_tx(sm.full(stage), 2 * Tr::Q_BYTES);
+            tma_load_tile<BM, Tr::SLABS>(sm.q_tile(stage), &maps.q, sm.full(stage), m0, head, blk.batch);
+            tma_load_tile<BM, Tr::SLABS>(sm.do_tile(stage), &maps.dout, sm.full(stage), m0, head, blk.batch);
+        }
+        float* lse_s = stats0 + stage * 2 * BM;
+        load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, blk.batch, head, m0, imin(BM, p.dims.lq - m0));
+        mbar_arrive(sm.full(stage));   // release: this lane's statistics are visible to the waiters
+    }
+}
+
+// This warp's 16 x BM tile of dS^T (keys key_row.., the step's queries) as 16-bit pairs into the
+// swizzled key-major buffer: query q of key r at slab q / 64, row r, 16-byte chunk
+// ((q % 64) / 8) ^ (r % 8). Each 32-bit store of a warp hits 32 distinct banks (8 rows, each its
+// own chunk by the XOR, 4 lanes a chunk).
+template <typename Tr>
+__device__ __forceinline__ void store_ds_t(unsigned char* ds_tile, const unsigned (&ds16)[Tr::BM / 16][4],
+                                           int key_row, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::BM / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = key_row + lane / 4 + 8 * (i % 2);        // A fragment: a[1], a[3] are row g + 8
+            const int q = 16 * kk + 8 * (i / 2) + 2 * (lane % 4);    // ...and a[2], a[3] queries + 8
+            const int chunk = ((q % 64) / 8) ^ (row % 8);
+            unsigned char* at = ds_tile + (q / 64) * Tr::BN * 128 + row * 128 + chunk * 16 + (q % 8) * 2;
+            *reinterpret_cast<unsigned*>(at) = ds16[kk][i];
+        }
+}
+
+// scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from warp_row0,
+// columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
+// rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
+// An 8-byte store is served a half-warp (rows g = 0-3 or 4-7) at a time; in the accumulator's
+// order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
+// counted as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
+// the half-warp's four rows then cover the row's four chunk pairs (n % 4) ^ 2 (g & 1) ^ (g >> 1)
+// once each, one wavefront a half.
+__device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
+                                               float scale, int lane) {
+    const bool odd_g = (lane / 4) & 1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int n = odd_g ? j ^ 2 : j;   // (j ^ 2 stays in j's box of four)
+            const float v0 = odd_g ? dq[j ^ 2][2 * r] : dq[j][2 * r];
+            const float v1 = odd_g ? dq[j ^ 2][2 * r + 1] : dq[j][2 * r + 1];
+            const int row = warp_row0 + lane / 4 + 8 * r, col = 8 * (n % 4) + 2 * (lane % 4);   // col in the box
+            unsigned char* at = stage + (n / 4) * 64 * 128 + row * 128 + ((col / 4) ^ (row % 8)) * 16 + (col % 4) * 4;
+            *reinterpret_cast<float2*>(at) = make_float2(v0 * scale, v1 * scale);
+        }
+}
+
+// Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
+// The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
+template <typename T, typename Cfg, typename Flags>
+__global__ void __launch_bounds__(Cfg::THREADS, 1)
+flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant__ BwdTensorMaps maps) {
+    typedef DkdvWgmmaTraits<T, Cfg, Flags::EXTRA> Tr;
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned base = smem_addr(smem_raw);
+    const unsigned tiles = base + ((1024u - (base & 1023u)) & 1023u);
+    BwdWgmmaSmem<Tr> sm;
+    sm.k = tiles;
+    sm.v = sm.k + Tr::KV_BYTES;
+    sm.q = sm.v + Tr::KV_BYTES;
+    sm.dout = sm.q + STAGES * Tr::Q_BYTES;
+    sm.ds = sm.dout + STAGES * Tr::Q_BYTES;
+    sm.dq = sm.ds + 2 * Tr::DS_BYTES;
+    sm.stats = sm.dq + Tr::DQ_STAGE_BYTES;
+    sm.bars = sm.stats + STAGES * Tr::STATS_BYTES;
+    float* stats0 = reinterpret_cast<float*>(smem_raw + (sm.stats - base));
+
+    const AttnDims& dims = p.dims;
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
+    ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
+                                  blk.first_head);
+    const KeyBlockSteps<BM> steps(mod, blk);
+
+    if (threadIdx.x == 0) {
+        mbar_init(sm.kv_full(), 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(sm.full(s), 1 + 32);   // lane 0's expect_tx and the 32 lanes' statistics
+            mbar_init(sm.empty(s), Tr::CONSUMER_THREADS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();   // the last CTA-wide barrier: from here on, the mbarriers order everything
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<Tr::PRODUCER_REGS>();
+        if (warp == 0 && steps.count > 0) produce_steps(sm, stats0, maps, p, blk, steps);
+        return;
+    }
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    const int consumer = warpgroup - 1, cwarp = warp % 4;
+    const bool wg_leader = threadIdx.x % 128 == 0;            // issues the warpgroup's dQ additions
+    const int key_row = 64 * consumer + 16 * cwarp;           // this warp's first key within the block
+    const float x_per_s = mod.x_per_score(), scale = float(p.scale);
+    const unsigned k_wg = sm.k + consumer * 64 * 128;         // this warpgroup's 64 keys of every K slab
+    const unsigned v_wg = sm.v + consumer * 64 * 128;
+    // dQ: this warpgroup's 64 x 64 block of dS (BM x BN) K (BN x HEAD), as slab offsets.
+    const int dq_row0 = Tr::DQ_SPLIT_ROWS ? 64 * consumer : 0, dq_col0 = Tr::DQ_SPLIT_ROWS ? 0 : 64 * consumer;
+
+    float acc_dk[HEAD / 8][4], acc_dv[HEAD / 8][4];   // rows: this warp's 16 keys
+    zero_frags(acc_dk);
+    zero_frags(acc_dv);
+    if (steps.count > 0) mbar_wait(sm.kv_full(), 0);
+    for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
+        const int stage = t % STAGES, m0 = steps.m0(block);
+        const unsigned q_tile = sm.q_tile(stage), do_tile = sm.do_tile(stage);
+        mod.head = head;
+        mbar_wait(sm.full(stage), (t / STAGES) & 1);
+
+        // S^T = K_c Q^T and dP^T = V_c dO^T: this warp's 16 keys x BM queries each.
+        float st[BM / 8][4], dpt[BM / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD / 16; ++kk)
+            wgmma_ss<T, BM>(flat(st), k_major_desc(k_wg, kk, BN * 128), k_major_desc(q_tile, kk, BM * 128), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HEAD / 16; ++kk)
+            wgmma_ss<T, BM>(flat(dpt), k_major_desc(v_wg, kk, BN * 128), k_major_desc(do_tile, kk, BM * 128), kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(flat(st));
+        if (mod.tile_is_partial(m0, BM, blk.n0 + key_row, 16))
+            mask_partial_strip_t<BM>(st, mod, blk.n0 + key_row + lane / 4, m0 + 2 * (lane % 4));
+        wgmma_wait<0>();
+        fence_regs(flat(dpt));
+
+        // P^T and dS^T, packed to 16 bits as the A fragments of the next products (16 queries a k-step).
+        const float* lse_s = stats0 + stage * 2 * BM;
+        const float* dsum_s = lse_s + BM;
+        unsigned pt16[BM / 16][4], dst16[BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {   // packed as formed: the fp32 tiles die 16 queries at a time
+#pragma unroll
+            for (int n = 2 * kk; n < 2 * kk + 2; ++n) {
+                const FloatPair lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));   // queries 2t, 2t + 1
+                const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], 1.0f, x_per_s);
+            }
+            pack_a_frag<T, BM>(pt16[kk], st, 16 * kk);
+            pack_a_frag<T, BM>(dst16[kk], dpt, 16 * kk);
+        }
+        // dV_c += P^T dO, dK_c += dS^T Q (in flight while dS^T goes to shared memory).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<T, HEAD>(flat(acc_dv), pt16[kk], mn_major_desc(do_tile, kk, BM));
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<T, HEAD>(flat(acc_dk), dst16[kk], mn_major_desc(q_tile, kk, BM));
+        wgmma_commit();
+
+        const unsigned ds_tile = sm.ds_tile(t & 1);
+        store_ds_t<Tr>(smem_raw + (ds_tile - base), dst16, key_row, lane);
+        fence_proxy_async_smem();          // the stores, before the wgmmas (async proxy) read them
+        // The previous step's dQ addition has read the staging tile (the barrier tells the warpgroup).
+        if (wg_leader && t > 0) bulk_wait_read<0>();
+        named_bar_sync(1, Tr::CONSUMER_THREADS);   // both halves of dS^T are in place
+
+        // dQ block = dS K: A = dS^T read transposed (rows: queries dq_row0.., k: the block's keys),
+        // B = K read transposed (k: keys, n: head-dim columns dq_col0..).
+        float dq[64 / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_ss_mn<T, 64>(flat(dq), mn_major_desc(ds_tile + (dq_row0 / 64) * BN * 128, kk, BN),
+                               mn_major_desc(sm.k + (dq_col0 / 64) * BN * 128, kk, BN), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(flat(acc_dv));
+        fence_regs(flat(acc_dk));
+        fence_regs(flat(dq));
+        fence_regs(pt16);
+        fence_regs(dst16);
+        mbar_arrive(sm.empty(stage));      // Q, dO and the statistics of this stage are read
+
+        // dQ += scale dS K: the block goes through shared memory, and one thread of the warpgroup has
+        // the copy engine add it to the accumulator (rows past lq, columns past d are dropped there).
+        const unsigned dq_stage = sm.dq_stage(consumer);
+        stage_dq_block(smem_raw + (dq_stage - base), dq, 16 * cwarp, scale, lane);
+        fence_proxy_async_smem();
+        named_bar_sync(2 + consumer, 128);
+        if (wg_leader) {
+#pragma unroll
+            for (int box = 0; box < 2; ++box)
+                tma_reduce_add_4d(&maps.dq, dq_stage + box * Tr::DQ_BOX_BYTES, dq_col0 + 32 * box, m0 + dq_row0, head,
+                                  blk.batch);
+            bulk_commit();
+        }
+    }
+    if (wg_leader) bulk_wait<0>();   // the last additions have landed (and read the staging tile)
+
+    // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key_row + lane / 4 + 8 * r;
+        if (key >= blk.keys) continue;
+        T* dk_row = p.dk.at<T>(blk.batch, blk.kv_head, blk.n0 + key);
+        T* dv_row = p.dv.at<T>(blk.batch, blk.kv_head, blk.n0 + key);
+#pragma unroll
+        for (int n = 0; n < HEAD / 8; ++n) {
+            const int col = frag_col(lane, n, 0);
+            if (col < dims.d)
+                *reinterpret_cast<unsigned*>(dk_row + col) = pack2<T>(acc_dk[n][2 * r] * scale,
+                                                                      acc_dk[n][2 * r + 1] * scale);
+            if (col < dims.dv)
+                *reinterpret_cast<unsigned*>(dv_row + col) = pack2<T>(acc_dv[n][2 * r], acc_dv[n][2 * r + 1]);
+        }
+    }
+}
