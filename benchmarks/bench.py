@@ -154,8 +154,9 @@ def model_bytes(dtype, b, h, n, d, causal) -> dict:
             "tiles_processed": est.tiles_processed, "tiles_total": est.tiles_total}
 
 
-def cases(quick, lengths=None):
-    # B*L = 16384 tokens, H*D = 2048, as in KERNEL_NOTES' peer measurements.
+def cases(quick, lengths=None, bwd_lengths=None):
+    # B*L = 16384 tokens, H*D = 2048, as in KERNEL_NOTES' peer measurements. The 16-bit
+    # forward+backward runs causal at L=4096, or at bwd_lengths both causal and not.
     out = []
     lengths = lengths or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))
     for dtype in ("bf16", "fp16"):
@@ -163,7 +164,10 @@ def cases(quick, lengths=None):
             for n in lengths:
                 for causal in (False, True):
                     out.append((dtype, 16384 // n, 2048 // d, n, d, causal, False))
-            out.append((dtype, 4, 2048 // d, 4096, d, True, True))
+            if bwd_lengths is None:
+                out.append((dtype, 4, 2048 // d, 4096, d, True, True))
+            else:
+                out += [(dtype, 16384 // n, 2048 // d, n, d, causal, True) for n in bwd_lengths for causal in (False, True)]
     for dtype, d in (("fp32", 64), ("fp32", 128), ("fp64", 64)):
         for causal in (False, True):
             out.append((dtype, 4, 2048 // d, 4096, d, causal, False))
@@ -260,6 +264,9 @@ def main(argv=None):
     parser.add_argument("--head-dims", default=None, help="only these head dims, e.g. 128")
     parser.add_argument("--lengths", default=None, help="forward sequence lengths, e.g. 16384 (default 1024-8192; "
                                                         "1024,4096 with --quick)")
+    parser.add_argument("--bwd-lengths", default=None,
+                        help="16-bit forward+backward lengths, causal and not, e.g. 1024,4096,16384 (default: "
+                             "L=4096 causal only); an empty string leaves the forward+backward out")
     parser.add_argument("--skip", default="", help="contenders to leave out, e.g. 'torch math,naive cupy'")
     parser.add_argument("--out", default=None,
                         help="output folder (default: a new ./cuflash-bench-<time>/; "
@@ -280,7 +287,8 @@ def main(argv=None):
     except ImportError:
         tqdm = lambda x, **k: x  # noqa: E731
     lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
-    chosen = [c for c in cases(args.quick, lengths)
+    bwd_lengths = None if args.bwd_lengths is None else tuple(int(n) for n in args.bwd_lengths.split(",") if n)
+    chosen = [c for c in cases(args.quick, lengths, bwd_lengths)
               if (args.dtypes is None or c[0] in args.dtypes.split(","))
               and (args.head_dims is None or str(c[4]) in args.head_dims.split(","))]
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
