@@ -84,12 +84,12 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
     variant = choose(cc=_compute_capability())
     # The Hopper kernel loads through tensor maps: it needs the driver's encoder and layouts a map can describe.
-    if variant.family == "fwd_wgmma" and not (_tma.encoder_available() and _tma.tma_ok(q, k, v)):
+    if variant.family == "fwd_wgmma" and not (_tma.encoder_available() and _tma.tma_ok(q, k, v, out)):
         variant = choose(cc=MIN_COMPUTE_CAPABILITY)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.family == "fwd_wgmma":
-        extra_args = (_tma.fwd_tensor_maps(q, k, v, variant.tile.block_m, variant.tile.block_n),)
+        extra_args = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n),)
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]), extra_args=extra_args)
 
 

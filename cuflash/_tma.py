@@ -88,10 +88,10 @@ def tensor_map(x, box_rows: int) -> bytes:
     return ctypes.string_at(addr, MAP_BYTES)
 
 
-def fwd_tensor_maps(q, k, v, block_m: int, block_n: int) -> np.ndarray:
-    """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``)
-    as one opaque kernel argument."""
-    raw = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
+def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int) -> np.ndarray:
+    """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``, the
+    output with 64-row boxes, which the kernel writes) as one opaque kernel argument."""
+    raw = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n) + tensor_map(out, 64)
     return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))
 
 

@@ -147,9 +147,8 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
 }
 
 // This warp's 16 x BM tile of dS^T (keys key_row.., the step's queries) as 16-bit pairs into the
-// swizzled key-major buffer: query q of key r at slab q / 64, row r, 16-byte chunk
-// ((q % 64) / 8) ^ (r % 8). Each 32-bit store of a warp hits 32 distinct banks (8 rows, each its
-// own chunk by the XOR, 4 lanes a chunk).
+// swizzled key-major buffer (sw128_offset: query q of key r at slab q / 64, row r; each 32-bit
+// store of a warp hits 32 distinct banks).
 template <typename Tr>
 __device__ __forceinline__ void store_ds_t(unsigned char* ds_tile, const unsigned (&ds16)[Tr::BM / 16][4],
                                            int key_row, int lane) {
@@ -159,9 +158,7 @@ __device__ __forceinline__ void store_ds_t(unsigned char* ds_tile, const unsigne
         for (int i = 0; i < 4; ++i) {
             const int row = key_row + lane / 4 + 8 * (i % 2);        // A fragment: a[1], a[3] are row g + 8
             const int q = 16 * kk + 8 * (i / 2) + 2 * (lane % 4);    // ...and a[2], a[3] queries + 8
-            const int chunk = ((q % 64) / 8) ^ (row % 8);
-            unsigned char* at = ds_tile + (q / 64) * Tr::BN * 128 + row * 128 + chunk * 16 + (q % 8) * 2;
-            *reinterpret_cast<unsigned*>(at) = ds16[kk][i];
+            *reinterpret_cast<unsigned*>(ds_tile + sw128_offset(row, q, Tr::BN * 128)) = ds16[kk][i];
         }
 }
 

@@ -34,8 +34,9 @@
 
 // The kernel's tensor maps (cuflash/_tma.py): Q, K, V as 4-D (D, L, H, B) tensors, a box of
 // 64 columns (one 128-byte swizzle slab) by BM (Q) or BN (K, V) rows.
+// O: the output, boxes of 64 columns x 64 rows (one consumer warpgroup's rows), written.
 struct FwdTensorMaps {
-    TensorMap q, k, v;
+    TensorMap q, k, v, o;
 };
 
 template <typename T, typename Cfg, bool EXTRA>
@@ -59,6 +60,11 @@ struct FwdWgmmaTraits {
     // setmaxnreg.inc waits for registers the others gave back: more than the launch's 384 x 168 deadlocks.
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static constexpr bool PINGPONG = false;      // measured slower; see the file's head
+    // O through shared memory and a bulk tensor store (the epilogue): at head dim 128 1.03-1.13x
+    // over element-wise stores (whose STG were 13% of the issue samples at L = 1024, with 10% of
+    // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
+    // 0.86-0.93x at L = 4096 non-causal (not understood yet), so 64 keeps the element-wise stores.
+    static constexpr bool TMA_STORE_O = HEAD == 128;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
     static_assert(WARPS == 12 && BM == 64 * CONSUMERS, "a producer and two consumer warpgroups of 64 rows");
@@ -237,20 +243,51 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     // which consumer 0 takes here, leaving no arrival pending when the CTA exits.
     if (Tr::PINGPONG && consumer == 0) my_turn();
 
-    // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
+    // Epilogue: O = acc_o / l, lse per row; rows past lq and columns past dv are not written.
+    if constexpr (Tr::TMA_STORE_O) {
+        // The warpgroup's 64 rows of O go, 16-bit and swizzled, into its own 64 rows of the Q tile
+        // (read for the last time by its last S = Q K^T, which it has waited for), and one thread
+        // has the copy engine write them out, SLABS boxes of 64 x 64 (the tensor map's bounds
+        // clip rows and columns).
+        unsigned char* o_tile = smem_raw + (q_wg - base);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float inv_sum, row_lse;
-        softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
-        const int row = cwarp * 16 + lane / 4 + 8 * r;
-        if (row >= blk.rows) continue;
-        T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
+        for (int r = 0; r < 2; ++r) {
+            float inv_sum, row_lse;
+            softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
+            const int row = (cwarp % 4) * 16 + lane / 4 + 8 * r;   // within the warpgroup's 64
 #pragma unroll
-        for (int t = 0; t < Tr::O_TILES; ++t) {
-            const int col = t * 8 + 2 * (lane % 4);
-            if (col < dims.dv) out_row[col] = from_acc<T>(acc_o[0][t][2 * r] * inv_sum);
-            if (col + 1 < dims.dv) out_row[col + 1] = from_acc<T>(acc_o[0][t][2 * r + 1] * inv_sum);
+            for (int n = 0; n < Tr::O_TILES; ++n)
+                *reinterpret_cast<unsigned*>(o_tile + sw128_offset(row, frag_col(lane, n, 0), BM * 128)) =
+                    pack2<T>(acc_o[0][n][2 * r] * inv_sum, acc_o[0][n][2 * r + 1] * inv_sum);
+            if (lane % 4 == 0 && consumer * 64 + row < blk.rows)
+                *p.lse.at<float>(blk.batch, blk.head, blk.m0 + consumer * 64 + row) = row_lse;
         }
-        if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
+        fence_proxy_async_smem();
+        named_bar_sync(3 + consumer, 128);
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+            for (int s = 0; s < Tr::SLABS; ++s)
+                tma_store_4d(&maps.o, q_wg + s * BM * 128, 64 * s, blk.m0 + consumer * 64, blk.head, blk.batch);
+            bulk_commit();
+            // Only until the engine has read the tile: the CTA may exit with the writes in flight
+            // (they land before the grid completes).
+            bulk_wait_read<0>();
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float inv_sum, row_lse;
+            softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
+            const int row = cwarp * 16 + lane / 4 + 8 * r;
+            if (row >= blk.rows) continue;
+            T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
+#pragma unroll
+            for (int t = 0; t < Tr::O_TILES; ++t) {
+                const int col = t * 8 + 2 * (lane % 4);
+                if (col < dims.dv) out_row[col] = from_acc<T>(acc_o[0][t][2 * r] * inv_sum);
+                if (col + 1 < dims.dv) out_row[col + 1] = from_acc<T>(acc_o[0][t][2 * r + 1] * inv_sum);
+            }
+            if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
+        }
     }
 }

@@ -59,6 +59,14 @@ __device__ __forceinline__ uint64 mn_major_desc(unsigned tile, int kk, int rows)
     return sw128_desc(tile + kk * 16 * 128, rows * 128, 1024);
 }
 
+// The byte offset of 16-bit element (row, col) of a 128-byte swizzled tile whose 64-column
+// slabs are slab_bytes apart (the layout above, which the copy engine reads and writes).
+// A warp storing 32-bit pairs of the m16n8 C layout (rows g, columns 2t of one n8 tile) hits
+// 8 chunks x 4 lanes: 32 distinct banks.
+__device__ __forceinline__ int sw128_offset(int row, int col, int slab_bytes) {
+    return (col / 64) * slab_bytes + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
 // A fragment array seen as the flat accumulator list a wgmma wrapper takes.
 template <int A, int B, int C>
 __device__ __forceinline__ float (&flat(float (&x)[A][B][C]))[A * B * C] {
