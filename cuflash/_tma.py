@@ -1,10 +1,11 @@
 """Tensor maps for Hopper's bulk tensor copy engine (TMA), encoded on the host through the
 driver's ``cuTensorMapEncodeTiled`` (ctypes on libcuda; CuPy does not wrap it).
 
-A map describes one (B, H, L, D) array of 16-bit elements as a 4-D tensor (D, L, H, B),
-innermost first, with a box of 64 columns (one 128-byte swizzle slab, kernels_cu/wgmma.cuh)
-by ``box_rows`` rows, copied into shared memory 128-byte swizzled; what lies outside the
-array (rows past L, columns past D) arrives as zeros. The kernel takes the maps as one
+A map describes one (B, H, L, D) array as a 4-D tensor (D, L, H, B), innermost first, with a
+box of one 128-byte swizzle slab (64 16-bit or 32 fp32 columns, kernels_cu/wgmma.cuh) by
+``box_rows`` rows, 128-byte swizzled in shared memory. Loads (Q, K, V, dO) fill what lies
+outside the array (rows past L, columns past D) with zeros; stores (the forward's O) and
+reductions (the backward's fp32 dQ accumulator) leave it alone. A kernel takes its maps as one
 ``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/flash_fwd_wgmma.cu,
 ``BwdTensorMaps`` in kernels_cu/flash_bwd_wgmma.cu).
 """
