@@ -195,7 +195,7 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = smem_addr(smem_raw);
-    const unsigned tiles = base + ((1024u - (base & 1023u)) & 1023u);
+    const unsigned tiles = align_1024(base);
     BwdWgmmaSmem<Tr> sm;
     sm.k = tiles;
     sm.v = sm.k + Tr::KV_BYTES;

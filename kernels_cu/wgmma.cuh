@@ -47,6 +47,12 @@ __device__ __forceinline__ uint64 sw128_desc(unsigned smem_byte_addr, unsigned l
            | (1ull << 62);
 }
 
+// The first 1024-byte boundary at or after a shared-memory address: where a kernel's swizzled
+// tiles start (its dynamic shared memory carries 1024 bytes of slack for this).
+__device__ __forceinline__ unsigned align_1024(unsigned smem_byte_addr) {
+    return smem_byte_addr + ((1024u - (smem_byte_addr & 1023u)) & 1023u);
+}
+
 // The k16 step kk of a K-major swizzled operand whose 64-column slabs are
 // slab_bytes apart: slab kk / 4, 32 bytes per step inside it.
 __device__ __forceinline__ uint64 k_major_desc(unsigned tile, int kk, int slab_bytes) {
