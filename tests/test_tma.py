@@ -35,3 +35,30 @@ def test_length_one_axes_take_the_contiguous_stride():
     odd = fake((1, 1, 100, 64), strides=(2, 6, 128, 2))
     assert _tma.tma_ok(odd)
     assert _tma._byte_strides(odd) == [128, 128 * 100, 128 * 100]
+
+
+def test_maps_are_encoded_back_to_back_with_their_boxes(monkeypatch):
+    """What the encoder is asked for, per array (dims innermost first, byte strides of L, H, B, a box of
+    one 128-byte slab by the rows asked, the element type), and where each map lands: 128 bytes apart
+    in one 64-byte aligned buffer, in argument order, the kernel argument one opaque element."""
+    import ctypes
+
+    calls = []
+
+    def encoder(addr, dtype, rank, ptr, dims, strides, box, steps, *modes):
+        assert addr % 64 == 0
+        calls.append((dtype, rank, ptr.value, list(dims), list(strides), list(box), list(steps)))
+        ctypes.memset(addr, len(calls), _tma.MAP_BYTES)   # map i is filled with the byte i + 1
+        return 0
+
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: encoder)
+    q = fake((2, 4, 100, 128), ptr=4096)
+    k = fake((2, 1, 300, 128), ptr=8192)
+    dq = fake((2, 4, 100, 128), strides=(4 * 100 * 512, 100 * 512, 512, 4), ptr=65536, itemsize=4)
+    arg = _tma.bwd_tensor_maps(q, q, k, k, dq, 64, 128)
+    assert arg.shape == (1,) and arg.dtype.itemsize == 5 * _tma.MAP_BYTES
+    raw = arg.tobytes()
+    assert [raw[i * _tma.MAP_BYTES] for i in range(5)] == [1, 2, 3, 4, 5]
+    assert calls[0] == (1, 4, 4096, [128, 100, 4, 2], [256, 25600, 102400], [64, 64, 1, 1], [1, 1, 1, 1])
+    assert calls[2][3:6] == ([128, 300, 1, 2], [256, 76800, 76800], [64, 128, 1, 1])
+    assert calls[4][:2] == (7, 4) and calls[4][4:6] == ([512, 51200, 204800], [32, 64, 1, 1])   # float32: 32 columns
