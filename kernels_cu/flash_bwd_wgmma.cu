@@ -25,9 +25,9 @@
 //                                              BM = 128, columns 64 c.. at BM = 64), stages it in
 //                                              shared memory, and one of its threads has the copy
 //                                              engine add it to the fp32 accumulator (a bulk tensor
-//                                              reduction: 1.2-1.36x faster forward+backward than the
-//                                              vector atomics from registers it replaced, measured as
-//                                              the bound with no dQ at all; see benchmarks/NOTES.md)
+//                                              reduction; forward+backward 1.10-1.18x over vector
+//                                              atomics from registers, where leaving dQ out entirely
+//                                              was 1.20-1.36x: benchmarks/NOTES.md)
 // dS^T is double-buffered: the named barrier of step t + 1 is passed only after both warpgroups
 // have waited for their step-t dQ products, so buffer t % 2 is free again at step t + 2.
 // dK = scale sum dS^T Q and dV leave from registers at the end. No EXTRA option (bias, mask,
