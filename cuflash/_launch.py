@@ -8,7 +8,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from . import _params, _tma
-from ._variants import Variant, backward_variants, forward_variant, head_bucket, vec_chunk
+from ._variants import Variant, backward_variants, few_keys, forward_variant, head_bucket, vec_chunk
 
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -80,8 +80,10 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     ``out`` and ``lse``; ``masking`` is the call's :class:`cuflash._masking.KernelMasking`."""
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
-    choose = functools.partial(forward_variant, dtype, head_bucket(max(d, dv)), band=masking.band is not None,
-                               extra=extra, vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit())
+    head = head_bucket(max(d, dv))
+    choose = functools.partial(forward_variant, dtype, head, band=masking.band is not None, extra=extra,
+                               vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit(),
+                               short=few_keys(head, k.shape[2]))
     variant = choose(cc=_compute_capability())
     # The Hopper kernel loads through tensor maps: it needs the driver's encoder and layouts a map can describe.
     if variant.family == "fwd_wgmma" and not (_tma.encoder_available() and _tma.tma_ok(q, k, v, out)):

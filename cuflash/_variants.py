@@ -599,14 +599,27 @@ HOPPER_CC = 90
 """The compute capability whose GPUs (H100, H200) take the sm90a variants."""
 
 
+HOPPER_FWD_MIN_KEYS = {64: 1025}
+"""Head dim -> the fewest keys for which the Hopper forward is chosen. Each of its blocks starts
+and drains its pipeline alone (one CTA an SM), so short rows favour the portable kernel: at head
+dim 64 and L = 1024 the Hopper forward measured 0.89-0.93x the portable one, at L = 2048 0.99-1.05x
+(bench.py sweep, seventh session, H100); at head dim 128 it is faster from L = 1024 (1.01-1.21x)."""
+
+
+def few_keys(head: int, lk: int) -> bool:
+    """Whether a call with ``lk`` keys is below the Hopper forward's threshold at ``head``."""
+    return lk < HOPPER_FWD_MIN_KEYS.get(head, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
-                    smem_limit: int = SMEM_MAX, cc: int = 80) -> Variant:
+                    smem_limit: int = SMEM_MAX, cc: int = 80, short: bool = False) -> Variant:
     """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
     allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
-    with 16-byte loadable rows and no EXTRA option take the wgmma kernel where the table has one
-    (head dim 128: where it was measured faster)."""
-    if cc == HOPPER_CC and vec and not extra and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE:
+    with 16-byte loadable rows and no EXTRA option take the wgmma kernel where the table has one,
+    unless ``short`` (:func:`few_keys`: too few keys for it to pay)."""
+    if (cc == HOPPER_CC and vec and not extra and not short
+            and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE):
         return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cuflash._variants import (ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, backward_variants, forward_variant,
-                               head_bucket, vec_chunk)
+from cuflash._variants import (HOPPER_FWD_MIN_KEYS, ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, backward_variants,
+                               few_keys, forward_variant, head_bucket, vec_chunk)
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
@@ -28,6 +28,7 @@ class Problem:
     deterministic: bool
     smem_limit: int = SMEM_MAX    # the GPU class (shared memory per block) the launcher selects for
     cc: int = 80                  # the compute capability it selects for (90: the Hopper variants)
+    lk: int = LK                  # keys (longer for a Hopper forward with a minimum, HOPPER_FWD_MIN_KEYS)
 
     @property
     def vec(self) -> bool:
@@ -40,7 +41,7 @@ class Problem:
         head = head_bucket(max(self.d, self.dv))
         band = self.causal is not False
         fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
-                              cc=self.cc)
+                              cc=self.cc, short=few_keys(head, self.lk))
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -71,11 +72,15 @@ def problem_for(v: Variant) -> Problem:
     if v.family == "bwd_convert_dq":
         deterministic = False
     # A dV-only pass (pass_ 1) never adds dQ itself, but runs in atomic-dQ plans too.
+    # A Hopper forward with a key threshold gets just past it (an odd tile edge too).
+    lk = LK
+    if v.family == "fwd_wgmma" and head in HOPPER_FWD_MIN_KEYS:
+        lk = HOPPER_FWD_MIN_KEYS[head] + 2
     for det, limit in itertools.product((deterministic, not deterministic), sorted(SMEM_LIMITS.values(), reverse=True)):
-        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc)
+        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc, lk)
         try:
             if v in p.variants():
                 return p
         except ValueError:     # this GPU class has no kernel for the problem
             continue
-    return Problem(v.dtype, d, d, causal, v.extra, backward, deterministic, cc=cc)
+    return Problem(v.dtype, d, d, causal, v.extra, backward, deterministic, cc=cc, lk=lk)

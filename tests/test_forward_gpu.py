@@ -165,6 +165,28 @@ def test_over_2_31_elements():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("lq,lk", [(300, 1025), (1, 1100), (1537, 1537)])
+def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypatch):
+    """On compute capability 9.0 the 16-bit forward runs the TMA kernel from HOPPER_FWD_MIN_KEYS keys on
+    (head dim 64: more than 1024; 128: any), the portable kernel below; answers within the error budget,
+    grouped-query heads, across tile edges."""
+    from cuflash import _launch
+    from cuflash._variants import few_keys
+
+    if _launch._compute_capability() != 90:
+        pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
+    launched = []
+    real = _launch._launch
+    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw)))
+    for keys in (lk, 1024):
+        launched.clear()
+        check_forward(dtype, 1, 4, 2, lq, keys, d, d, causal, seed=lq + keys + d)
+        assert [x.family for x in launched] == ["fwd_mma" if few_keys(d, keys) else "fwd_wgmma"], (d, keys)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatch):
     """On compute capability 9.0 the 16-bit forward at head dim 128 runs the TMA kernel; K and V
     broadcast over the batch (stride 0, which a tensor map cannot describe) take the portable

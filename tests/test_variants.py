@@ -99,6 +99,10 @@ def test_hopper_selection():
     assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
     assert V.forward_variant("float16", 128, band=False, extra=True, vec=True, cc=90).family == "fwd_mma"
     assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_wgmma"
+    # Too few keys for the Hopper forward at head dim 64 (HOPPER_FWD_MIN_KEYS); none at 128.
+    assert V.few_keys(64, 1024) and not V.few_keys(64, 1025) and not V.few_keys(128, 1)
+    assert V.forward_variant("float16", 64, band=False, vec=True, cc=90, short=True).family == "fwd_mma"
+    assert V.forward_variant("float16", 128, band=False, vec=True, cc=90, short=V.few_keys(128, 64)).family == "fwd_wgmma"
     assert V.forward_variant("float16", 32, band=False, vec=True, cc=90).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=80).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=100).family == "fwd_mma"

@@ -14,7 +14,7 @@ from cuflash._variants import all_variants
 
 from _errors import rel_error
 from _gpu_checks import DTYPES, check_backward, check_forward, check_masked
-from _variant_problems import BATCH, HEADS_K, HEADS_Q, LK, LQ, problem_for, variant_options
+from _variant_problems import BATCH, HEADS_K, HEADS_Q, LQ, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -47,13 +47,13 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
     seed = abs(hash(variant.name)) % 2**31
     if p.extra:   # with bias, key padding and dropout; a forward variant's problem runs the forward only
         # (a small-shared-memory forward may have no backward at that limit: float64 at head dim 256)
-        check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, LK, p.d, p.dv, p.causal, seed, variant_options(seed),
+        check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed, variant_options(seed),
                      deterministic=p.deterministic, backward=p.backward)
     elif p.backward:
-        check_backward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, LK, p.d, p.dv, p.causal, seed,
+        check_backward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
                        deterministic=p.deterministic)
     else:
-        check_forward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, LK, p.d, p.dv, p.causal, seed)
+        check_forward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed)
     assert variant in launches, f"{variant.name} was not launched; got {[v.name for v in launches]}"
 
 
