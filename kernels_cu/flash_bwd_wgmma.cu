@@ -59,7 +59,8 @@ struct DkdvWgmmaTraits {
     static constexpr int STATS_BYTES = 2 * BM * int(sizeof(float));   // lse_log2 and Dsum of one stage
     // dQ staging: each consumer warpgroup's 64 x 64 fp32 block as two swizzled 32-column boxes.
     static constexpr int DQ_BOX_BYTES = 64 * 128, DQ_STAGE_BYTES = 2 * 2 * DQ_BOX_BYTES;
-    // dQ per consumer warpgroup: a 64 x 64 block, rows DQ_ROW_SLABS.. or columns.. of BM x HEAD.
+    // dQ per consumer warpgroup c: a 64 x 64 block of the BM x HEAD product, rows 64 c.. (BM 128)
+    // or columns 64 c.. (HEAD 128).
     static constexpr bool DQ_SPLIT_ROWS = BM == 128;
     // Barriers after the tiles: K/V full, then full / empty per stage.
     static constexpr int BARRIERS = 1 + 2 * STAGES;
@@ -93,9 +94,6 @@ struct BwdWgmmaSmem {
     // Q, dO (copy engine bytes plus the producer warp's 32 stat arrivals) of one stage.
     __device__ __forceinline__ unsigned full(int stage) const { return bars + 8 * (1 + 2 * stage); }
     __device__ __forceinline__ unsigned empty(int stage) const { return bars + 8 * (2 + 2 * stage); }
-    __device__ __forceinline__ float* lse(unsigned char* smem_raw, unsigned base, int stage) const {
-        return reinterpret_cast<float*>(smem_raw + (stats - base) + stage * Tr::STATS_BYTES);
-    }
 };
 
 // The steps of one key block: (query head of the group, query block of BM) pairs whose query
