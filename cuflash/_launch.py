@@ -86,7 +86,7 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
                                short=few_keys(head, k.shape[2]))
     variant = choose(cc=_compute_capability())
     # The Hopper kernel loads through tensor maps: it needs the driver's encoder and layouts a map can describe.
-    if variant.family == "fwd_wgmma" and not (_tma.encoder_available() and _tma.tma_ok(q, k, v, out)):
+    if variant.family == "fwd_wgmma" and not _tma.usable(q, k, v, out):
         variant = choose(cc=MIN_COMPUTE_CAPABILITY)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
@@ -114,7 +114,7 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     plan = choose(cc=_compute_capability())
     hopper = next((v_ for v_ in plan if v_.family == "bwd_dkdv_wgmma"), None)
     # The Hopper kernel loads through tensor maps (see launch_forward).
-    if hopper is not None and not (_tma.encoder_available() and _tma.tma_ok(q, k, v, dout)):
+    if hopper is not None and not _tma.usable(q, k, v, dout):
         plan, hopper = choose(cc=MIN_COMPUTE_CAPABILITY), None
     dbias = None
     dbias_values = _params.DBIAS_OFF

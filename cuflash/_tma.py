@@ -58,6 +58,12 @@ def encoder_available() -> bool:
     return _encode_fn() is not None
 
 
+def usable(*arrays) -> bool:
+    """Whether a Hopper kernel can run on these arrays here: the driver has the encoder and the
+    copy engine can read them (:func:`tma_ok`)."""
+    return encoder_available() and tma_ok(*arrays)
+
+
 def tma_ok(*arrays) -> bool:
     """Whether the copy engine can read these 4-D 16-bit arrays: 16-byte aligned bases, a
     unit-stride last axis and other strides positive multiples of 16 bytes below 2**40."""
