@@ -8,7 +8,8 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from . import _params, _tma
-from ._variants import Variant, backward_variants, few_keys, forward_variant, head_bucket, vec_chunk
+from ._build import get_kernel
+from ._variants import Variant, backward_variants, few_keys, forward_choice, head_bucket, vec_chunk
 
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -52,9 +53,10 @@ def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_shape(variant: Variant) -> Tuple[int, int]:
-    """(threads, shared-memory bytes) of a variant, computed once."""
-    return variant.threads, variant.smem_bytes
+def _launch_config(variant: Variant, device_id: int) -> Tuple[object, int, int]:
+    """(compiled kernel, threads, shared-memory bytes) of a variant on a device: one cache lookup
+    a launch (part of the compiled-kernel cache)."""
+    return get_kernel(variant), variant.threads, variant.smem_bytes
 
 
 def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int], grid: int = 0,
@@ -62,10 +64,10 @@ def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int
     """Launch one variant with its params struct (and the kernel's further arguments, e.g. the
     Hopper forward's tensor maps); ``dims`` = (batch, heads_q, group, lq, lk) size the grid unless
     ``grid`` (CTAs) is given."""
-    from ._build import get_kernel
+    import cupy
 
-    threads, smem = _launch_shape(variant)
-    get_kernel(variant)((grid or variant.grid(*dims),), (threads,), (params,) + extra_args, shared_mem=smem)
+    kernel, threads, smem = _launch_config(variant, cupy.cuda.runtime.getDevice())
+    kernel((grid or variant.grid(*dims),), (threads,), (params,) + extra_args, shared_mem=smem)
 
 
 def scale_folds(scale: float) -> bool:
@@ -81,17 +83,16 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
     head = head_bucket(max(d, dv))
-    choose = functools.partial(forward_variant, dtype, head, band=masking.band is not None, extra=extra,
-                               vec=vec_loads_ok(d, dv, q, k, v), smem_limit=_smem_limit(),
-                               short=few_keys(head, k.shape[2]))
-    variant = choose(cc=_compute_capability())
-    # The Hopper kernel loads through tensor maps: it needs the driver's encoder and layouts a map can describe.
-    if variant.family == "fwd_wgmma" and not _tma.usable(q, k, v, out):
-        variant = choose(cc=MIN_COMPUTE_CAPABILITY)
+    variant, portable = forward_choice(dtype, head, masking.band is not None, extra, vec_loads_ok(d, dv, q, k, v),
+                                        few_keys(head, k.shape[2]), _compute_capability(), _smem_limit())
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.family == "fwd_wgmma":
-        extra_args = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n),)
+        # The Hopper kernel loads through tensor maps: it needs the driver's encoder and layouts a map can describe.
+        if _tma.usable(q, k, v, out):
+            extra_args = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n),)
+        else:
+            variant = portable
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]), extra_args=extra_args)
 
 

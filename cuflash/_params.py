@@ -7,6 +7,7 @@ and every struct size against the CUDA definitions.
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any, Dict, Optional
 
@@ -87,11 +88,12 @@ def view(x: Any) -> tuple:
     ``x`` is 4-D ``(B, H, L, D)`` with a unit-stride last axis, or 3-D ``(B, H, L)``
     (a per-row vector such as lse). Strides are in elements; a broadcast axis has stride 0.
     """
-    if x.ndim not in (3, 4):
+    ndim, strides, size = x.ndim, x.strides, x.itemsize
+    if ndim not in (3, 4):
         raise ValueError(f"a kernel view needs a 3-D or 4-D array, got shape {x.shape}")
-    if x.ndim == 4 and x.shape[3] > 1 and x.strides[3] != x.itemsize:
+    if ndim == 4 and strides[3] != size and x.shape[3] > 1:
         raise ValueError("a kernel view needs a unit-stride last axis")
-    return (x.data.ptr,) + tuple(s // x.itemsize for s in x.strides[:3])
+    return x.data.ptr, strides[0] // size, strides[1] // size, strides[2] // size
 
 
 MASK_OFF = (0, 0, 1, 1) + (0,) * 15 + (0, 0, 0, 1.0)
@@ -99,11 +101,16 @@ MASK_OFF = (0, 0, 1, 1) + (0,) * 15 + (0, 0, 0, 1.0)
 DBIAS_OFF = (0,) * 5 + (0, 0, 0, 1, 1, 1, 1, 0)
 
 
+_FLOAT32 = struct.Struct("f")
+
+
 def as_float32(x: float) -> float:
     """``x`` rounded to float32, the kernels' float copy of a scale (beyond float32's
-    range: +-inf, what converting in the kernel gave; ``struct`` would raise)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))
+    range: +-inf, what converting in the kernel gave)."""
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
+    except OverflowError:   # struct refuses what rounds past float32's largest finite value
+        return math.copysign(math.inf, x)
 
 
 def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF) -> np.ndarray:
@@ -120,9 +127,11 @@ def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int,
                mask: tuple = MASK_OFF, dbias: tuple = DBIAS_OFF) -> np.ndarray:
     """BwdParams for 4-D views (vectors lse, dsum 3-D). ``dq_acc`` may be None (deterministic path)."""
     b, hq, lq, d = q.shape
-    views = (view(x) if x is not None else _NO_VIEW for x in (q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv))
-    values = (*(f for vw in views for f in vw), b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, *dbias,
-              scale, scale * LOG2E, as_float32(scale * LOG2E))
+    values = []
+    for x in (q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv):
+        values += view(x) if x is not None else _NO_VIEW
+    values += (b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, *dbias, scale, scale * LOG2E,
+               as_float32(scale * LOG2E))
     return np.frombuffer(_PACK["BwdParams"].pack(*values), dtype=_OPAQUE["BwdParams"])
 
 

@@ -173,6 +173,11 @@ _add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer and tw
                                                          "128-key tiles: 81 KB"), arch="sm90a")
 _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
                                                           "128-key tiles: 161 KB"), arch="sm90a")
+# Head dim 256: acc_o is 128 registers a consumer thread, so 64-key tiles (S 32, P 16 registers):
+# Q 64 KB + two stages of K and V 128 KB = 193 KB.
+_add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
+                                                         "64-key tiles (acc_o is 128 registers): 193 KB"),
+     arch="sm90a")
 
 # Hopper backward (flash_bwd_wgmma.cu, arch "sm90a"): dK, dV and atomic dQ. A TMA producer warp and
 # two consumer warpgroups of 64 keys (a CTA per 128-key block); S^T, dP^T, dV, dK and dQ on wgmma,
@@ -629,6 +634,16 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
 
 
 @functools.lru_cache(maxsize=None)
+def forward_choice(dtype: str, head: int, band: bool, extra: bool, vec: bool, short: bool, cc: int,
+                   smem_limit: int) -> Tuple[Variant, Variant]:
+    """(:func:`forward_variant` for these facts, the portable variant a call falls back to where the
+    Hopper kernel cannot take its arrays), with positional arguments: one cache lookup a call."""
+    choose = functools.partial(forward_variant, dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit,
+                               short=short)
+    return choose(cc=cc), choose(cc=80)
+
+
+@functools.lru_cache(maxsize=None)
 def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool, deterministic: bool,
                       smem_limit: int = SMEM_MAX, dbias: bool = False, cc: int = 80) -> Tuple[Variant, ...]:
     """The backward kernels for one call, in launch order (see :func:`forward_variant`);
@@ -734,11 +749,11 @@ def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str =
     try:
         for table, entries in zip(tables, saved):
             table.update({key: (tile,) for key in entries})
-        forward_variant.cache_clear()
-        backward_variants.cache_clear()
+        for cached in (forward_variant, forward_choice, backward_variants):
+            cached.cache_clear()
         yield
     finally:
         for table, entries in zip(tables, saved):
             table.update(entries)
-        forward_variant.cache_clear()
-        backward_variants.cache_clear()
+        for cached in (forward_variant, forward_choice, backward_variants):
+            cached.cache_clear()

@@ -143,7 +143,9 @@ def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype):
         elif out.size > 0:
             launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype, masking=_masking.kernel_masking(p, opts),
                            scale=p.scale, group=p.group)
-    return out.reshape(p.out_shape()), lse.reshape(p.lse_shape())
+    out_shape, lse_shape = p.out_shape(), p.lse_shape()
+    return (out if out.shape == out_shape else out.reshape(out_shape),
+            lse if lse.shape == lse_shape else lse.reshape(lse_shape))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale: Optional[float] = None,
@@ -218,7 +220,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                                            scale=p.scale, group=p.group, deterministic=bool(deterministic))
             if plan is not None:
                 dbias = plan.result(p, opts)
-        result = tuple(g.reshape(s) for g, s in zip(grads, shapes))
+        result = tuple(g if g.shape == s else g.reshape(s) for g, s in zip(grads, shapes))
     return result if bias is None else result + (dbias,)
 
 

@@ -64,7 +64,8 @@ struct FwdWgmmaTraits {
     // over element-wise stores (whose STG were 13% of the issue samples at L = 1024, with 10% of
     // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
     // 0.86-0.93x at L = 4096 non-causal (not understood yet), so 64 keeps the element-wise stores.
-    static constexpr bool TMA_STORE_O = HEAD == 128;
+    // Head dim 256 (twice 128's bytes a row) stores as 128 does.
+    static constexpr bool TMA_STORE_O = HEAD >= 128;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
     static_assert(WARPS == 12 && BM == 64 * CONSUMERS, "a producer and two consumer warpgroups of 64 rows");

@@ -165,12 +165,12 @@ def test_over_2_31_elements():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 @pytest.mark.parametrize("lq,lk", [(300, 1025), (1, 1100), (1537, 1537)])
 def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypatch):
     """On compute capability 9.0 the 16-bit forward runs the TMA kernel from HOPPER_FWD_MIN_KEYS keys on
-    (head dim 64: more than 1024; 128: any), the portable kernel below; answers within the error budget,
+    (head dim 64: more than 1024; 128 and 256: any), the portable kernel below; answers within the error budget,
     grouped-query heads, across tile edges."""
     from cuflash import _launch
     from cuflash._variants import few_keys

@@ -34,7 +34,7 @@ def test_length_one_axes_take_the_contiguous_stride():
     encoder is given a valid one in its place."""
     odd = fake((1, 1, 100, 64), strides=(2, 6, 128, 2))
     assert _tma.tma_ok(odd)
-    assert _tma._byte_strides(odd) == [128, 128 * 100, 128 * 100]
+    assert _tma._byte_strides(odd) == (128, 128 * 100, 128 * 100)
 
 
 def test_maps_are_encoded_back_to_back_with_their_boxes(monkeypatch):
@@ -46,8 +46,11 @@ def test_maps_are_encoded_back_to_back_with_their_boxes(monkeypatch):
     calls = []
 
     def encoder(addr, dtype, rank, ptr, dims, strides, box, steps, *modes):
+        # the array arguments arrive as addresses (what the driver reads through its pointers)
         assert addr % 64 == 0
-        calls.append((dtype, rank, ptr.value, list(dims), list(strides), list(box), list(steps)))
+        read = [(ctypes.c_uint64 * 4, dims), (ctypes.c_uint64 * 3, strides), (ctypes.c_uint32 * 4, box),
+                (ctypes.c_uint32 * 4, steps)]
+        calls.append((dtype, rank, ptr) + tuple(list(kind.from_address(at)) for kind, at in read))
         ctypes.memset(addr, len(calls), _tma.MAP_BYTES)   # map i is filled with the byte i + 1
         return 0
 

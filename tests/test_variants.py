@@ -107,7 +107,7 @@ def test_hopper_selection():
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=80).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=100).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=False, cc=90).family == "fwd_mma"
-    assert V.forward_variant("float16", 256, band=False, vec=True, cc=90).family == "fwd_mma"
+    assert V.forward_variant("float16", 256, band=False, vec=True, cc=90).family == "fwd_wgmma"
     assert V.forward_variant("float32", 64, band=False, vec=False, cc=90).family == "fwd_fma"
     assert V.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
 
