@@ -1,7 +1,12 @@
 """Benchmark cuflash against naive CuPy attention and PyTorch SDPA backends (needs a GPU).
 
 Same input buffers for every contender (PyTorch reads CuPy's arrays through
-DLPack), CUDA-event timing after warm-up, median of repeated runs. FLOPs:
+DLPack), CUDA-event timing after warm-up, median of repeated runs, two ways:
+``ms`` times each call alone (events around one call, synchronised after it:
+the host's work before the first launch is inside the time, as for a call whose
+result is needed at once), ``ms_queued`` the mean call in a run of ``repeat``
+calls queued back to back (median of 5 runs: the host's work overlaps the GPU's
+wherever it is the shorter, as in a training loop). FLOPs:
 4*B*H*Lq*Lk*D forward (halved when causal); forward+backward is 3.5x forward.
 Writes JSON, a Markdown table and a PNG plot named by device into a new folder
 (./cuflash-bench-<time>/ unless --out says otherwise; --out benchmarks/results
@@ -54,8 +59,24 @@ def _cp_dtype(name):
 
 
 def _time(fn, repeat):
+    """Median ms of one call timed alone (synchronised after each)."""
     res = cupy_benchmark(fn, n_repeat=repeat, n_warmup=3)
     return float(np.median(res.gpu_times[0]) * 1e3)
+
+
+def _time_queued(fn, repeat, runs=5):
+    """Median over ``runs`` of the mean ms per call of ``repeat`` calls queued without a
+    synchronisation between them (the host runs ahead of the GPU where it can)."""
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    per_call = []
+    for _ in range(runs):
+        start.record()
+        for _ in range(repeat):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(cp.cuda.get_elapsed_time(start, end) / repeat)
+    return float(np.median(per_call))
 
 
 def _extra_mib(fn):
@@ -124,8 +145,10 @@ def run_case(dtype, b, h, n, d, causal, with_bwd, repeat, skip=frozenset()):
             fn()
             cp.cuda.Device().synchronize()
             ms = _time(fn, repeat)
+            ms_queued = _time_queued(fn, repeat)
             mib = _extra_mib(fn)
-            row = {"contender": name, "ms": ms, "tflops": flops / ms / 1e9, "extra_mib": mib}
+            row = {"contender": name, "ms": ms, "tflops": flops / ms / 1e9, "ms_queued": ms_queued,
+                   "tflops_queued": flops / ms_queued / 1e9, "extra_mib": mib}
             if model is not None and name in MODEL_OF:
                 row["model_gbps"] = model[MODEL_OF[name]] / ms / 1e6
             rows.append(row)
@@ -154,13 +177,13 @@ def model_bytes(dtype, b, h, n, d, causal) -> dict:
             "tiles_processed": est.tiles_processed, "tiles_total": est.tiles_total}
 
 
-def cases(quick, lengths=None, bwd_lengths=None):
+def cases(quick, lengths=None, bwd_lengths=None, heads=(64, 128)):
     # B*L = 16384 tokens, H*D = 2048, as in KERNEL_NOTES' peer measurements. The 16-bit
     # forward+backward runs causal at L=4096, or at bwd_lengths both causal and not.
     out = []
     lengths = lengths or ((1024, 4096) if quick else (1024, 2048, 4096, 8192))
     for dtype in ("bf16", "fp16"):
-        for d in (64, 128):
+        for d in heads:
             for n in lengths:
                 for causal in (False, True):
                     out.append((dtype, 16384 // n, 2048 // d, n, d, causal, False))
@@ -181,21 +204,27 @@ def markdown(results, device):
              "cuflash is faster. \"model GB/s\" is the HBM traffic `cuflash.estimate` models for the forward "
              "(the tiled kernel's upper bound for cuflash; the stored n x n scores for naive CuPy and torch math) "
              "divided by the measured time: compare it and TFLOP/s with the GPU's ceilings (H100: ~3 TB/s, "
-             "~780 TFLOP/s dense bf16) to see how far a case is from its roofline.", "",
+             "~780 TFLOP/s dense bf16) to see how far a case is from its roofline. \"ms\" times each call alone "
+             "(the host's work before its first kernel included); \"queued\" is the mean call of a run queued "
+             "back to back (the host overlapped with the GPU where it is faster).", "",
              "| pass | dtype | B | H | L | D | causal | contender | ms | TFLOP/s | model GB/s | cuflash speed-up "
-             "| extra MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| queued ms | queued speed-up | extra MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in results:
         ours = next((r for r in case["results"] if r["contender"] == "cuflash" and "ms" in r), None)
         for r in case["results"]:
             head = (f"| {case['pass']} | {case['dtype']} | {case['B']} | {case['H']} | {case['L']} | {case['D']} "
                     f"| {'yes' if case['causal'] else 'no'} | {r['contender']} |")
             if "ms" not in r:
-                lines.append(head + f" n/a | | | | {r['error']} |")
+                lines.append(head + f" n/a | | | | | | {r['error']} |")
                 continue
             ratio = f"{r['ms'] / ours['ms']:.2f}x" if ours else ""
+            queued = f"{r['ms_queued']:.3f}" if "ms_queued" in r else ""
+            ratio_q = (f"{r['ms_queued'] / ours['ms_queued']:.2f}x"
+                       if ours and "ms_queued" in r and "ms_queued" in ours else "")
             gbps = f"{r['model_gbps']:.0f}" if "model_gbps" in r else ""
-            lines.append(head + f" {r['ms']:.3f} | {r['tflops']:.1f} | {gbps} | {ratio} | {r['extra_mib']:.0f} |")
+            lines.append(head + f" {r['ms']:.3f} | {r['tflops']:.1f} | {gbps} | {ratio} | {queued} | {ratio_q} "
+                                f"| {r['extra_mib']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -261,7 +290,8 @@ def main(argv=None):
                         help="only redraw the PNG beside a results JSON (no GPU needed)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--dtypes", default=None, help="only these dtypes, e.g. bf16,fp16")
-    parser.add_argument("--head-dims", default=None, help="only these head dims, e.g. 128")
+    parser.add_argument("--head-dims", default=None, help="only these head dims, e.g. 128 (16-bit rows: any of "
+                                                          "them, e.g. 256; default 64,128)")
     parser.add_argument("--lengths", default=None, help="forward sequence lengths, e.g. 16384 (default 1024-8192; "
                                                         "1024,4096 with --quick)")
     parser.add_argument("--bwd-lengths", default=None,
@@ -288,7 +318,8 @@ def main(argv=None):
         tqdm = lambda x, **k: x  # noqa: E731
     lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
     bwd_lengths = None if args.bwd_lengths is None else tuple(int(n) for n in args.bwd_lengths.split(",") if n)
-    chosen = [c for c in cases(args.quick, lengths, bwd_lengths)
+    heads = tuple(int(d) for d in args.head_dims.split(",")) if args.head_dims else (64, 128)
+    chosen = [c for c in cases(args.quick, lengths, bwd_lengths, heads)
               if (args.dtypes is None or c[0] in args.dtypes.split(","))
               and (args.head_dims is None or str(c[4]) in args.head_dims.split(","))]
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}

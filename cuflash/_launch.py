@@ -88,9 +88,10 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.family == "fwd_wgmma":
-        # The Hopper kernel loads through tensor maps: it needs the driver's encoder and layouts a map can describe.
-        if _tma.usable(q, k, v, out):
-            extra_args = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n),)
+        # The Hopper kernel loads through tensor maps: the driver's encoder and layouts a map can describe.
+        maps = _tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n)
+        if maps is not None:
+            extra_args = (maps,)
         else:
             variant = portable
     _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]), extra_args=extra_args)
@@ -141,7 +142,10 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
             continue   # dbias is exactly zero (a bias constant along keys)
         extra_args = ()
         if variant is hopper:
-            extra_args = (_tma.bwd_tensor_maps(q, dout, k, v, dq_acc, variant.tile.block_m, variant.tile.block_n),)
+            # usable() held for the inputs, and the accumulator is this call's own (16-byte pitch)
+            maps = _tma.bwd_tensor_maps(q, dout, k, v, dq_acc, variant.tile.block_m, variant.tile.block_n)
+            assert maps is not None, "the dQ accumulator's tensor map"
+            extra_args = (maps,)
         _launch(variant, params, (b, hq, group, lq, lk), dbias.grid if variant is dbias_kernel else 0,
                 extra_args=extra_args)
     return dq, dk, dv_, dbias

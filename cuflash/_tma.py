@@ -71,42 +71,53 @@ def usable(*arrays) -> bool:
     return encoder_available() and tma_ok(*arrays)
 
 
+def _strides_if_ok(x):
+    """:func:`_byte_strides` of ``x`` where the copy engine can address it (a 16-byte aligned base,
+    a unit-stride last axis, other strides positive multiples of 16 bytes below 2**40), else None."""
+    if x.strides[3] != x.itemsize or x.data.ptr % 16:
+        return None
+    strides = _byte_strides(x)
+    for s in strides:
+        if s <= 0 or s % 16 or s >= 1 << 40:
+            return None
+    return strides
+
+
 def tma_ok(*arrays) -> bool:
-    """Whether the copy engine can read these 4-D 16-bit arrays: 16-byte aligned bases, a
-    unit-stride last axis and other strides positive multiples of 16 bytes below 2**40."""
-    for x in arrays:
-        if x.itemsize != 2 or x.strides[3] != 2 or x.data.ptr % 16:
-            return False
-        for s in _byte_strides(x):
-            if s <= 0 or s % 16 or s >= 1 << 40:
-                return False
-    return True
+    """Whether the copy engine can read these 4-D 16-bit arrays (see :func:`_strides_if_ok`)."""
+    return all(x.itemsize == 2 and _strides_if_ok(x) is not None for x in arrays)
 
 
 _WORDS = 12   # 64-bit words of one map's encoder arguments: dims 4, strides 3 + 1, box 2, element strides 2
 _ONES = 1 | 1 << 32   # two uint32 ones: the box's H and B extents, and every element stride
 
 
-def tensor_maps(*specs) -> np.ndarray:
+def tensor_maps(*specs) -> "np.ndarray | None":
     """The maps of ``(array, box_rows)`` pairs back to back (a kernel's ``...TensorMaps`` struct), as
-    one opaque kernel argument, encoded straight into one 64-byte aligned buffer. Each map
-    describes its 4-D array (B, H, L, D) of 16-bit elements (copied as bits) or float32 (added into
-    by a reduction) as (D, L, H, B), with a box of one 128-byte slab (64 or 32 columns) x
-    ``box_rows``. This is on every call's path: the encoder's arguments for all maps go into one
-    ``array.array`` (about 3 us a map on an H100 host, against 7 us with ctypes arrays)."""
+    one opaque kernel argument, encoded straight into one 64-byte aligned buffer; None where the
+    driver has no encoder or an array's layout is one the copy engine cannot address
+    (:func:`_strides_if_ok`: the caller then takes the portable kernels). Each map describes its
+    4-D array (B, H, L, D) of 16-bit elements (copied as bits) or float32 (added into by a
+    reduction) as (D, L, H, B), with a box of one 128-byte slab (64 or 32 columns) x ``box_rows``.
+    This is on every call's path: the encoder's arguments for all maps go into one ``array.array``
+    (about 3 us a map on an H100 host, against 7 us with ctypes arrays)."""
+    encode = _encode_fn()
+    if encode is None:
+        return None
+    words = []
+    for x, box_rows in specs:
+        strides = _strides_if_ok(x)
+        if strides is None:
+            return None
+        b, h, length, d = x.shape
+        # box (columns, rows, 1, 1) and element strides (1, 1, 1, 1) as uint32 pairs, little-endian
+        words += (d, length, h, b, *strides, 0, _SLAB_BYTES // x.itemsize | box_rows << 32, _ONES, _ONES, _ONES)
+    args = array.array("Q", words)
+    addr = args.buffer_info()[0]
     nbytes = len(specs) * MAP_BYTES
     buf = np.empty(nbytes + 64, dtype=np.uint8)
     base = buf.ctypes.data
     skip = -base % 64                                   # CUtensorMap is 64-byte aligned
-    words = []
-    for x, box_rows in specs:
-        b, h, length, d = x.shape
-        # box (columns, rows, 1, 1) and element strides (1, 1, 1, 1) as uint32 pairs, little-endian
-        words += (d, length, h, b, *_byte_strides(x), 0, _SLAB_BYTES // x.itemsize | box_rows << 32, _ONES,
-                  _ONES, _ONES)
-    args = array.array("Q", words)
-    addr = args.buffer_info()[0]
-    encode = _encode_fn()
     for i, (x, _) in enumerate(specs):
         a = addr + 8 * _WORDS * i
         err = encode(base + skip + i * MAP_BYTES, _UINT16 if x.itemsize == 2 else _FLOAT32, 4, x.data.ptr, a,
@@ -123,18 +134,22 @@ def _opaque(nbytes: int) -> np.dtype:
 
 
 def tensor_map(x, box_rows: int) -> bytes:
-    """The 128-byte CUtensorMap of one array (see :func:`tensor_maps`)."""
-    return tensor_maps((x, box_rows)).tobytes()
+    """The 128-byte CUtensorMap of one array (see :func:`tensor_maps`; ValueError where there is none)."""
+    maps = tensor_maps((x, box_rows))
+    if maps is None:
+        raise ValueError(f"no tensor map for an array of shape {x.shape}, strides {x.strides} here")
+    return maps.tobytes()
 
 
-def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int) -> np.ndarray:
+def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int) -> "np.ndarray | None":
     """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``, the
-    output with 64-row boxes, which the kernel writes) as one opaque kernel argument."""
+    output with 64-row boxes, which the kernel writes) as one opaque kernel argument, or None
+    (:func:`tensor_maps`)."""
     return tensor_maps((q, block_m), (k, block_n), (v, block_n), (out, 64))
 
 
-def bwd_tensor_maps(q, dout, k, v, dq_acc, block_m: int, block_n: int) -> np.ndarray:
+def bwd_tensor_maps(q, dout, k, v, dq_acc, block_m: int, block_n: int) -> "np.ndarray | None":
     """The Hopper backward's ``BwdTensorMaps`` (Q and dO with ``block_m``-row boxes, K and V with
     ``block_n``, the float32 dQ accumulator with 64-row boxes of 32 columns, which the kernel adds
-    into) as one opaque kernel argument."""
+    into) as one opaque kernel argument, or None (:func:`tensor_maps`)."""
     return tensor_maps((q, block_m), (dout, block_m), (k, block_n), (v, block_n), (dq_acc, 64))
