@@ -169,8 +169,8 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # (per-block start-up; a persistent grid is the lead). Ping-pong of the consumers measured
 # 0.90-1.01x and is off (FwdWgmmaTraits::PINGPONG). EXTRA (bias, mask, dropout, block layout)
 # runs on the portable path.
-_add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
-                                                         "128-key tiles: 81 KB"), arch="sm90a")
+_add("fwd_wgmma", HALF_TYPES, [64], Tile(192, 128, 16, 2, "a TMA producer and three consumer warpgroups of 64 "
+                                                         "rows, 128-key tiles: 89 KB"), arch="sm90a")
 _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
                                                           "128-key tiles: 161 KB"), arch="sm90a")
 # Head dim 256: acc_o is 128 registers a consumer thread, so 64-key tiles (S 32, P 16 registers):

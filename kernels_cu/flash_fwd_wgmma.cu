@@ -3,7 +3,8 @@
 // Warp-specialised: three warpgroups of 4 warps. Warpgroup 0 is the producer: one of its
 // threads streams Q once and K, V tile by tile through the bulk tensor copy engine (tma.cuh)
 // into a two-stage ring of 128-byte swizzled tiles, and gives most of its registers to the
-// others (setmaxnreg). Warpgroups 1 and 2 are the consumers, 64 query rows each, a warp 16:
+// others (setmaxnreg). Warpgroups 1.. (two, or three at head dim 64) are the consumers, 64 query
+// rows each, a warp 16:
 //   wait for Q
 //   for each visible K tile j:
 //       S = Q K_j^T          wgmma, both operands from shared memory (HEAD / 16 k-steps)
@@ -55,10 +56,13 @@ struct FwdWgmmaTraits {
     static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + 8 * BARRIERS;
-    // Registers a thread after the split: 128 x 40 + 256 x 232 <= 65536.
-    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-    // setmaxnreg.inc waits for registers the others gave back: more than the launch's 384 x 168 deadlocks.
-    static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
+    // Registers a thread after the split: two consumer warpgroups 128 x 40 + 256 x 232, three
+    // 128 x 24 + 384 x 160. setmaxnreg.inc waits for registers the others gave back: more than the
+    // launch's share (65536 / THREADS, in steps of 8) deadlocks.
+    static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 24, CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
+    static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+    static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
+                  "the launch's register file");
     static constexpr bool PINGPONG = false;      // measured slower; see the file's head
     // O through shared memory and a bulk tensor store (the epilogue): at head dim 128 1.03-1.13x
     // over element-wise stores (whose STG were 13% of the issue samples at L = 1024, with 10% of
@@ -68,7 +72,9 @@ struct FwdWgmmaTraits {
     static constexpr bool TMA_STORE_O = HEAD >= 128;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
-    static_assert(WARPS == 12 && BM == 64 * CONSUMERS, "a producer and two consumer warpgroups of 64 rows");
+    static_assert((CONSUMERS == 2 || CONSUMERS == 3) && BM == 64 * CONSUMERS,
+                  "a producer and two or three consumer warpgroups of 64 rows");
+    static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong turns are between two warpgroups");
     static_assert(HEAD % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256, "whole swizzle slabs, TMA boxes");
     static_assert(STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
