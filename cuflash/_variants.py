@@ -168,7 +168,9 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # TFLOP/s); against the portable kernel at d=64: 1.20-1.42x at L >= 4096, 0.92-0.98x at L = 1024
 # (per-block start-up; a persistent grid is the lead). Ping-pong of the consumers measured
 # 0.90-1.01x and is off (FwdWgmmaTraits::PINGPONG). EXTRA (bias, mask, dropout, block layout)
-# runs on the portable path.
+# runs on the portable path. Head dim 64 takes three consumer warpgroups (192 rows; 160 registers
+# each after setmaxnreg, the consumer code up to R156): 1.12-1.25x the two-warpgroup kernel
+# non-causal, 1.02-1.06x causal at L 2048-16384 (compare_trees.py, eighth session).
 _add("fwd_wgmma", HALF_TYPES, [64], Tile(192, 128, 16, 2, "a TMA producer and three consumer warpgroups of 64 "
                                                          "rows, 128-key tiles: 89 KB"), arch="sm90a")
 _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
