@@ -22,21 +22,6 @@ spin = cp.RawKernel(r'''extern "C" __global__ void spin(long long n) {
     long long t = clock64(); while (clock64() - t < n) {} }''', "spin")
 
 
-def throughput(fn, n=30):
-    fn()
-    cp.cuda.Device().synchronize()
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    res = []
-    for _ in range(5):
-        e0.record()
-        for _ in range(n):
-            fn()
-        e1.record()
-        e1.synchronize()
-        res.append(cp.cuda.get_elapsed_time(e0, e1) / n)
-    return float(np.median(res))
-
-
 def behind_spin(fn, n=20):
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     res = []
@@ -75,7 +60,7 @@ for d, L, causal, with_bwd in cases:
             line += f" | {name} n/a ({type(exc).__name__})"
             continue
         ev = float(np.median(benchmark(fn, n_repeat=30, n_warmup=3).gpu_times[0]) * 1e3)
-        tp = throughput(fn)
+        tp = bench._time_queued(fn, 30)
         sp = behind_spin(fn)
         line += f" | {name} {ev:.3f}/{tp:.3f}/{sp:.3f} ({flops / ev / 1e9:.0f} TF)"
     print(line, flush=True)
