@@ -143,9 +143,12 @@ def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype):
         elif out.size > 0:
             launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype, masking=_masking.kernel_masking(p, opts),
                            scale=p.scale, group=p.group)
-    out_shape, lse_shape = p.out_shape(), p.lse_shape()
-    return (out if out.shape == out_shape else out.reshape(out_shape),
-            lse if lse.shape == lse_shape else lse.reshape(lse_shape))
+    return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
+
+
+def _shaped(x, shape: tuple):
+    """``x`` with ``shape``: itself when it has it already (a reshape costs a microsecond a call)."""
+    return x if x.shape == shape else x.reshape(shape)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale: Optional[float] = None,
@@ -220,7 +223,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                                            scale=p.scale, group=p.group, deterministic=bool(deterministic))
             if plan is not None:
                 dbias = plan.result(p, opts)
-        result = tuple(g if g.shape == s else g.reshape(s) for g, s in zip(grads, shapes))
+        result = tuple(_shaped(g, s) for g, s in zip(grads, shapes))
     return result if bias is None else result + (dbias,)
 
 
