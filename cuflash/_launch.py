@@ -113,11 +113,19 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     choose = functools.partial(backward_variants, dtype, head_bucket(max(d, dv)), band=masking.band is not None,
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
                                smem_limit=_smem_limit(), dbias=dbias_plan is not None)
+    dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
+    # Rows padded to an even width: the tensor-core dK/dV kernels add two columns at a time.
+    dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d + d % 2), dtype=acc_dtype)[..., :d]
+    dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)
+    dk = cupy.empty((b, hk, lk, d), dtype=q.dtype)
+    dv_ = cupy.empty((b, hk, lk, dv), dtype=q.dtype)
     plan = choose(cc=_compute_capability())
     hopper = next((v_ for v_ in plan if v_.family == "bwd_dkdv_wgmma"), None)
-    # The Hopper kernel loads through tensor maps (see launch_forward).
-    if hopper is not None and not _tma.usable(q, k, v, dout):
-        plan, hopper = choose(cc=MIN_COMPUTE_CAPABILITY), None
+    hopper_maps = None
+    if hopper is not None:   # (atomic dQ: dq_acc exists) its tensor maps, or the portable plan (see launch_forward)
+        hopper_maps = _tma.bwd_tensor_maps(q, dout, k, v, dq_acc, hopper.tile.block_m, hopper.tile.block_n)
+        if hopper_maps is None:
+            plan, hopper = choose(cc=MIN_COMPUTE_CAPABILITY), None
     dbias = None
     dbias_values = _params.DBIAS_OFF
     dbias_kernel = next((v_ for v_ in plan if v_.family == "bwd_dbias_mma"), None)
@@ -129,23 +137,11 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
             dk_kernel = [v_ for v_ in plan if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
             dbias = dbias_plan(dkdv_tile=(dk_kernel.tile.block_m, dk_kernel.tile.block_n))
         dbias_values = dbias.values
-    dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
-    # Rows padded to an even width: the tensor-core dK/dV kernels add two columns at a time.
-    dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d + d % 2), dtype=acc_dtype)[..., :d]
-    dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)
-    dk = cupy.empty((b, hk, lk, d), dtype=q.dtype)
-    dv_ = cupy.empty((b, hk, lk, dv), dtype=q.dtype)
     params = _params.bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv_, group=group, scale=scale,
                                 mask=masking.values, dbias=dbias_values)
     for variant in plan:
         if variant is dbias_kernel and not dbias.grid:
             continue   # dbias is exactly zero (a bias constant along keys)
-        extra_args = ()
-        if variant is hopper:
-            # usable() held for the inputs, and the accumulator is this call's own (16-byte pitch)
-            maps = _tma.bwd_tensor_maps(q, dout, k, v, dq_acc, variant.tile.block_m, variant.tile.block_n)
-            assert maps is not None, "the dQ accumulator's tensor map"
-            extra_args = (maps,)
         _launch(variant, params, (b, hq, group, lq, lk), dbias.grid if variant is dbias_kernel else 0,
-                extra_args=extra_args)
+                extra_args=(hopper_maps,) if variant is hopper else ())
     return dq, dk, dv_, dbias

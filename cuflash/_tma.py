@@ -60,17 +60,6 @@ def _byte_strides(x) -> tuple:
     return sl, sh, sb
 
 
-def encoder_available() -> bool:
-    """Whether this process can encode tensor maps (a CUDA 12+ driver's libcuda)."""
-    return _encode_fn() is not None
-
-
-def usable(*arrays) -> bool:
-    """Whether a Hopper kernel can run on these arrays here: the driver has the encoder and the
-    copy engine can read them (:func:`tma_ok`)."""
-    return encoder_available() and tma_ok(*arrays)
-
-
 def _strides_if_ok(x):
     """:func:`_byte_strides` of ``x`` where the copy engine can address it (a 16-byte aligned base,
     a unit-stride last axis, other strides positive multiples of 16 bytes below 2**40), else None."""
@@ -84,7 +73,8 @@ def _strides_if_ok(x):
 
 
 def tma_ok(*arrays) -> bool:
-    """Whether the copy engine can read these 4-D 16-bit arrays (see :func:`_strides_if_ok`)."""
+    """Whether the copy engine can read these 4-D 16-bit arrays: the rule :func:`tensor_maps` applies
+    (:func:`_strides_if_ok`), for the tests."""
     return all(x.itemsize == 2 and _strides_if_ok(x) is not None for x in arrays)
 
 
@@ -131,14 +121,6 @@ def tensor_maps(*specs) -> "np.ndarray | None":
 @functools.lru_cache(maxsize=None)
 def _opaque(nbytes: int) -> np.dtype:
     return np.dtype((np.void, nbytes))
-
-
-def tensor_map(x, box_rows: int) -> bytes:
-    """The 128-byte CUtensorMap of one array (see :func:`tensor_maps`; ValueError where there is none)."""
-    maps = tensor_maps((x, box_rows))
-    if maps is None:
-        raise ValueError(f"no tensor map for an array of shape {x.shape}, strides {x.strides} here")
-    return maps.tobytes()
 
 
 def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int) -> "np.ndarray | None":
