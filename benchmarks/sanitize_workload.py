@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python benchmarks/sanitize_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_workload.py --quick
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_workload.py --quick --dims 256 --dtypes float16
 
 Odd lengths at the tile edges (Lq = 97, Lk = 130), grouped-query heads, both dQ
 strategies; the full set also covers both causal alignments, unaligned head dims
@@ -25,13 +26,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="head dims 64, 128 and 256 (the Hopper forward), "
                                                                  "bottom-right causal only")
+    parser.add_argument("--dims", default=None, help="only these head dims, e.g. 256 (one kernel under a sanitizer)")
+    parser.add_argument("--dtypes", default=None, help="only these dtypes, e.g. float16,bfloat16")
     args = parser.parse_args(argv)
     dims = (64, 128, 256) if args.quick else (64, 111, 128, 256)
+    if args.dims:
+        dims = tuple(int(d) for d in args.dims.split(","))
+    dtypes = args.dtypes.split(",") if args.dtypes else list(DTYPES)
     modes = ("bottom_right",) if args.quick else (False, "bottom_right")
     rng = np.random.default_rng(0)
     mask = np.ones((2, 1, 1, 130), dtype=bool)
     mask[0, ..., 90:] = False
-    for dtype, d, causal, det, masked in itertools.product(DTYPES, dims, modes, (False, True), (False, True)):
+    for dtype, d, causal, det, masked in itertools.product(dtypes, dims, modes, (False, True), (False, True)):
         q, do = (cp.asarray(rng.standard_normal((2, 2, 97, d)).astype(DTYPES[dtype])) for _ in range(2))
         k, v = (cp.asarray(rng.standard_normal((2, 1, 130, d)).astype(DTYPES[dtype])) for _ in range(2))
         opts = {}

@@ -53,7 +53,8 @@ CXX_TYPE = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "floa
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 MAX_GRID_X = 2**31 - 1
 MMA_BWD_MAX_HEAD = 128
-"""The tensor-core backward covers head dims up to 128; the 16-bit backward at 256 is FMA."""
+"""The portable tensor-core backward covers head dims up to 128; the 16-bit backward at 256 is FMA
+there (on Hopper, the wgmma kernel's head-dim-256 variant)."""
 
 
 def head_bucket(d: int) -> int:
@@ -189,6 +190,14 @@ _add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer w
                                                               "keys, 128-query steps: 194 KB"), arch="sm90a")
 _add("bwd_dkdv_wgmma", HALF_TYPES, [128], Tile(64, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
                                                                "keys, 64-query steps: 193 KB"), arch="sm90a")
+# Head dim 256 (helper branch bwd256, NOT RUN ON A GPU yet): dK + dV of 64 keys over all 256 columns
+# would be 256 accumulator registers a consumer thread (of 232), so both consumer warpgroups own the
+# block's 64 keys and split dK, dV and dQ by columns (128 each: 64 + 64 registers); S^T (warpgroup 0)
+# and dP^T (warpgroup 1) are formed once and P^T / dS^T exchanged in shared memory; dQ is staged in
+# the step's own Q / dO slabs. K, V 64 KB + two stages of Q, dO 128 KB + P^T, dS^T twice 32 KB = 226 KB.
+_add("bwd_dkdv_wgmma", HALF_TYPES, [256], Tile(64, 64, 12, 2, "a TMA producer warp, two consumer warpgroups sharing "
+                                                              "64 keys, 128 columns each, 64-query steps: 226 KB"),
+     arch="sm90a")
 
 # FMA forward: 16 x 16 threads, block_m / 16 rows per thread; Q, K, V and P
 # tiles once each in shared memory.
@@ -378,10 +387,14 @@ def _smem_fwd_wgmma(v: "Variant") -> int:
 def _smem_dkdv_wgmma(v: "Variant") -> int:
     # Swizzled K, V once; Q, dO and the row statistics (lse, Dsum: fp32) per stage; dS^T twice;
     # the two consumer warpgroups' 64 x 64 fp32 dQ blocks; 1024 bytes of alignment slack;
-    # mbarriers: K/V full, and full / empty per stage.
+    # mbarriers: K/V full, and full / empty per stage. Head dim 256 (DkdvWgmmaTraits::SPLIT_HEAD):
+    # P^T twice as well, and no dQ blocks (staged in the step's Q and dO tiles).
     t = v.tile
-    tiles = (2 * t.block_n * v.head + 2 * t.stages * t.block_m * v.head + 2 * t.block_n * t.block_m) * ITEMSIZE[v.dtype]
-    return 1024 + tiles + 2 * 64 * 64 * 4 + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
+    split_head = v.head == 256
+    ds = (2 if split_head else 1) * 2 * t.block_n * t.block_m
+    tiles = (2 * t.block_n * v.head + 2 * t.stages * t.block_m * v.head + ds) * ITEMSIZE[v.dtype]
+    dq_stage = 0 if split_head else 2 * 64 * 64 * 4
+    return 1024 + tiles + dq_stage + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
 
 
 def _smem_fwd_fma(v: "Variant") -> int:

@@ -1,15 +1,17 @@
 // flash_bwd_wgmma.cu -- attention backward (dK, dV and atomic dQ) on Hopper's warpgroup MMA
-// (sm_90a), float16 / bfloat16, head dims 64 and 128.
+// (sm_90a), float16 / bfloat16, head dims 64, 128 and 256.
 //
 // The math is flash_bwd_mma.cu's (flash_bwd_fma.cu explains it); the machinery is the Hopper
 // forward's (flash_fwd_wgmma.cu): a producer warp streams tiles through the bulk tensor copy
 // engine (tma.cuh) into 128-byte swizzled shared memory on mbarrier stages, and two consumer
 // warpgroups multiply on wgmma (wgmma.cuh) with their accumulators in registers.
 //
-// One CTA per (key block of BN = 128 keys, K/V head, batch); 3 warpgroups. Warpgroup 0: its
-// first warp loads K and V once, then for every (query head of the group, query block of BM)
-// step that sees the block: Q_i and dO_i by the copy engine, lse_i (in log2 units) and Dsum_i
-// by the warp's 32 lanes, into a two-stage ring. Consumer warpgroup c owns keys
+// One CTA per (key block of BN keys, K/V head, batch); 3 warpgroups. Warpgroup 0: its first
+// warp loads K and V once, then for every (query head of the group, query block of BM) step
+// that sees the block: Q_i and dO_i by the copy engine, lse_i (in log2 units) and Dsum_i by
+// the warp's 32 lanes, into a two-stage ring. The consumers split the work in one of two ways.
+//
+// Head dims 64 and 128 (consume_key_halves): BN = 128, consumer warpgroup c owns keys
 // [64 c, 64 c + 64) of the block and, per step:
 //     S^T  = K_c Q_i^T,  dP^T = V_c dO_i^T     wgmma, operands from shared memory (M = 64 keys,
 //                                              N = BM queries); the accumulator of a warp is the
@@ -30,6 +32,27 @@
 //                                              was 1.20-1.36x: benchmarks/NOTES.md)
 // dS^T is double-buffered: the named barrier of step t + 1 is passed only after both warpgroups
 // have waited for their step-t dQ products, so buffer t % 2 is free again at step t + 2.
+//
+// Head dim 256 (SPLIT_HEAD, consume_head_halves): dK and dV of 64 keys over 256 columns are
+// 128 + 128 accumulator registers a thread, more than a consumer's 232. So BN = 64 and BM = 64,
+// both consumer warpgroups own all 64 keys of the block, and warpgroup c accumulates columns
+// [128 c, 128 c + 128) of dK and dV (64 + 64 registers). S^T and dP^T are formed once each and
+// exchanged through shared memory (recomputing both in each warpgroup would be 1.4x the
+// tensor-core work), per step:
+//     warpgroup 0: S^T = K Q_i^T; P^T = 2^(S^T x - lse) -> P^T buffer
+//     warpgroup 1: dP^T = V dO_i^T
+//     both:        named barrier P_T; dV_c += P^T dO_i[:, c]    (P^T from shared memory, wgmma_ss_bmn)
+//     warpgroup 1: dS^T = P^T (dP^T - Dsum) -> dS^T buffer    (P^T read back in 16 bits)
+//     both:        named barrier DS_T; dK_c += dS^T Q_i[:, c],  dQ_i[:, c] = dS K[:, c]
+//     dQ_i[:, c] (64 x 128 fp32, two 64-column products) is staged in warpgroup c's own 64-column
+//     slabs of this step's Q and dO (2c, 2c + 1 of each: after P_T / DS_T only its own dK_c / dV_c
+//     read them) and added by the copy engine; the stage goes back to the producer once the engine
+//     has read it (the warpgroup's leader arrives on "empty" one step late).
+// Both barriers are passed by both warpgroups (a warpgroup's wgmmas read the rows its sibling
+// warps stored, so a plain arrive on the writing side would not do). P^T and dS^T are double-
+// buffered: each warpgroup has waited for all its step-t products before it reaches the barriers
+// of step t + 1, so buffer t % 2 is free again at step t + 2.
+//
 // dK = scale sum dS^T Q and dV leave from registers at the end. No EXTRA option (bias, mask,
 // dropout, block layout): those take the portable kernels, as does the deterministic dQ.
 #include "common.cuh"
@@ -52,19 +75,26 @@ struct DkdvWgmmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS, STAGES = Cfg::STAGES;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int CONSUMER_THREADS = 256;
+    // Head dim 256: both consumer warpgroups own the block's keys and split dK / dV by columns
+    // (the file's head); otherwise each owns 64 keys and all columns.
+    static constexpr bool SPLIT_HEAD = HEAD == 256;
+    static constexpr int WG_COLS = SPLIT_HEAD ? HEAD / 2 : HEAD;   // dK / dV columns of a consumer warpgroup
     static constexpr int SLABS = HEAD / 64;               // 64-column swizzle slabs of a Q / dO / K / V row
     static constexpr int Q_BYTES = BM * HEAD * int(sizeof(T));    // one Q or dO stage
     static constexpr int KV_BYTES = BN * HEAD * int(sizeof(T));   // K or V
     static constexpr int DS_BYTES = BN * BM * int(sizeof(T));     // one dS^T buffer: BM / 64 slabs of BN keys
+    static constexpr int PT_BYTES = SPLIT_HEAD ? DS_BYTES : 0;    // one P^T buffer (exchanged as dS^T is)
     static constexpr int STATS_BYTES = 2 * BM * int(sizeof(float));   // lse_log2 and Dsum of one stage
-    // dQ staging: each consumer warpgroup's 64 x 64 fp32 block as two swizzled 32-column boxes.
-    static constexpr int DQ_BOX_BYTES = 64 * 128, DQ_STAGE_BYTES = 2 * 2 * DQ_BOX_BYTES;
-    // dQ per consumer warpgroup c: a 64 x 64 block of the BM x HEAD product, rows 64 c.. (BM 128)
-    // or columns 64 c.. (HEAD 128).
+    // dQ staging: each consumer warpgroup's 64 x 64 fp32 block as two swizzled 32-column boxes
+    // (SPLIT_HEAD stages in the step's Q and dO tiles instead: no room for 64 KB more).
+    static constexpr int DQ_BOX_BYTES = 64 * 128, DQ_STAGE_BYTES = SPLIT_HEAD ? 0 : 2 * 2 * DQ_BOX_BYTES;
+    // dQ per consumer warpgroup c (not SPLIT_HEAD): a 64 x 64 block of the BM x HEAD product, rows
+    // 64 c.. (BM 128) or columns 64 c.. (HEAD 128).
     static constexpr bool DQ_SPLIT_ROWS = BM == 128;
     // Barriers after the tiles: K/V full, then full / empty per stage.
     static constexpr int BARRIERS = 1 + 2 * STAGES;
-    static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + DQ_STAGE_BYTES;
+    static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + 2 * PT_BYTES
+                                      + DQ_STAGE_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + STAGES * STATS_BYTES + 8 * BARRIERS;
     // The producer warpgroup keeps 40 registers a thread, the consumers take 232: the CTA holds
@@ -74,21 +104,34 @@ struct DkdvWgmmaTraits {
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
-    static_assert(WARPS == 12 && BN == 128, "a producer and two consumer warpgroups of 64 keys");
-    static_assert((HEAD == 64 && BM == 128) || (HEAD == 128 && BM == 64),
-                  "dQ: a 64 x 64 block per consumer warpgroup, split by rows (BM 128) or columns (HEAD 128)");
+    static_assert(WARPS == 12 && BN == (SPLIT_HEAD ? 64 : 128),
+                  "a producer and two consumer warpgroups: of 64 keys each, or (SPLIT_HEAD) both of the block's 64");
+    static_assert(SPLIT_HEAD ? BM == 64 : (HEAD == 64 && BM == 128) || (HEAD == 128 && BM == 64),
+                  "dQ: a 64 x 64 block per consumer warpgroup, split by rows (BM 128) or columns (HEAD 128); "
+                  "SPLIT_HEAD: 64-query steps");
+    static_assert(!SPLIT_HEAD || BM * 128 == DQ_BOX_BYTES, "SPLIT_HEAD: a dQ box fills one 64-column slab of Q or dO");
     static_assert(STAGES >= 2 && STAGES <= 4, "Q/dO tiles: a ring of 2-4 stages");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Shared-memory addresses of the pipeline's tiles, row statistics and barriers.
+// Named barriers (0 is __syncthreads). DS_T: dS^T is in shared memory (both consumer
+// warpgroups); DQ_STAGED + c: consumer warpgroup c's dQ staging is complete (its 128 threads);
+// P_T: SPLIT_HEAD's P^T is in shared memory (both consumer warpgroups).
+enum BwdNamedBarrier { BAR_DS_T = 1, BAR_DQ_STAGED = 2, BAR_P_T = 4 };
+
+// Shared-memory addresses of the pipeline's tiles, row statistics and barriers, and the generic
+// pointer of an address (raw is the dynamic shared memory, at shared address base).
 template <typename Tr>
 struct BwdWgmmaSmem {
-    unsigned k, v, q, dout, ds, dq, stats, bars;
+    unsigned char* raw;
+    unsigned base;
+    unsigned k, v, q, dout, ds, pt, dq, stats, bars;
+    __device__ __forceinline__ unsigned char* at(unsigned addr) const { return raw + (addr - base); }
     __device__ __forceinline__ unsigned q_tile(int stage) const { return q + stage * Tr::Q_BYTES; }
     __device__ __forceinline__ unsigned do_tile(int stage) const { return dout + stage * Tr::Q_BYTES; }
     __device__ __forceinline__ unsigned ds_tile(int buffer) const { return ds + buffer * Tr::DS_BYTES; }
+    __device__ __forceinline__ unsigned pt_tile(int buffer) const { return pt + buffer * Tr::PT_BYTES; }
     __device__ __forceinline__ unsigned dq_stage(int consumer) const { return dq + consumer * 2 * Tr::DQ_BOX_BYTES; }
     __device__ __forceinline__ unsigned kv_full() const { return bars; }
     // Q, dO (copy engine bytes plus the producer warp's 32 stat arrivals) of one stage.
@@ -144,20 +187,28 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
     }
 }
 
-// This warp's 16 x BM tile of dS^T (keys key_row.., the step's queries) as 16-bit pairs into the
-// swizzled key-major buffer (sw128_offset: query q of key r at slab q / 64, row r; each 32-bit
-// store of a warp hits 32 distinct banks).
+// Where word i of this warp's 16-bit A fragment kk of a transposed score tile (P^T or dS^T:
+// keys key_row + lane / 4 + 8 (i % 2), queries 16 kk + 8 (i / 2) + 2 (lane % 4) and + 1; a[1],
+// a[3] are row g + 8, a[2], a[3] queries + 8) lies in its swizzled key-major buffer
+// (sw128_offset: query q of key r at slab q / 64, row r). Each 32-bit access of a warp hits 32
+// distinct banks.
 template <typename Tr>
-__device__ __forceinline__ void store_ds_t(unsigned char* ds_tile, const unsigned (&ds16)[Tr::BM / 16][4],
-                                           int key_row, int lane) {
+__device__ __forceinline__ int t_frag_offset(int kk, int i, int key_row, int lane) {
+    const int row = key_row + lane / 4 + 8 * (i % 2);
+    const int q = 16 * kk + 8 * (i / 2) + 2 * (lane % 4);
+    return sw128_offset(row, q, Tr::BN * 128);
+}
+
+// This warp's 16 x BM tile of P^T or dS^T (keys key_row.., the step's queries) as 16-bit pairs
+// into its buffer.
+template <typename Tr>
+__device__ __forceinline__ void store_frags_t(unsigned char* tile, const unsigned (&frags16)[Tr::BM / 16][4],
+                                              int key_row, int lane) {
 #pragma unroll
     for (int kk = 0; kk < Tr::BM / 16; ++kk)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = key_row + lane / 4 + 8 * (i % 2);        // A fragment: a[1], a[3] are row g + 8
-            const int q = 16 * kk + 8 * (i / 2) + 2 * (lane % 4);    // ...and a[2], a[3] queries + 8
-            *reinterpret_cast<unsigned*>(ds_tile + sw128_offset(row, q, Tr::BN * 128)) = ds16[kk][i];
-        }
+        for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<unsigned*>(tile + t_frag_offset<Tr>(kk, i, key_row, lane)) = frags16[kk][i];
 }
 
 // scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from warp_row0,
@@ -184,51 +235,38 @@ __device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float
         }
 }
 
-// Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
-// The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
-template <typename T, typename Cfg, typename Flags>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
-flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant__ BwdTensorMaps maps) {
-    typedef DkdvWgmmaTraits<T, Cfg, Flags::EXTRA> Tr;
-    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const unsigned base = smem_addr(smem_raw);
-    const unsigned tiles = align_1024(base);
-    BwdWgmmaSmem<Tr> sm;
-    sm.k = tiles;
-    sm.v = sm.k + Tr::KV_BYTES;
-    sm.q = sm.v + Tr::KV_BYTES;
-    sm.dout = sm.q + STAGES * Tr::Q_BYTES;
-    sm.ds = sm.dout + STAGES * Tr::Q_BYTES;
-    sm.dq = sm.ds + 2 * Tr::DS_BYTES;
-    sm.stats = sm.dq + Tr::DQ_STAGE_BYTES;
-    sm.bars = sm.stats + STAGES * Tr::STATS_BYTES;
-    float* stats0 = reinterpret_cast<float*>(smem_raw + (sm.stats - base));
-
-    const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
-    ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
-                                  blk.first_head);
-    const KeyBlockSteps<BM> steps(mod, blk);
-
-    if (threadIdx.x == 0) {
-        mbar_init(sm.kv_full(), 1);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(sm.full(s), 1 + 32);   // lane 0's expect_tx and the 32 lanes' statistics
-            mbar_init(sm.empty(s), Tr::CONSUMER_THREADS);
+// dK = scale * acc_dk and dV = acc_dv of this warp's 16 keys (key_row.. within the block) and
+// the warpgroup's columns col0..; keys past lk, columns past d / dv are not written.
+template <typename T, int COLS>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlock& blk, const float (&acc_dk)[COLS / 8][4],
+                                            const float (&acc_dv)[COLS / 8][4], int key_row, int col0, float scale,
+                                            int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key_row + lane / 4 + 8 * r;
+        if (key >= blk.keys) continue;
+        T* dk_row = p.dk.at<T>(blk.batch, blk.kv_head, blk.n0 + key);
+        T* dv_row = p.dv.at<T>(blk.batch, blk.kv_head, blk.n0 + key);
+#pragma unroll
+        for (int n = 0; n < COLS / 8; ++n) {
+            const int col = col0 + frag_col(lane, n, 0);
+            if (col < p.dims.d)
+                *reinterpret_cast<unsigned*>(dk_row + col) = pack2<T>(acc_dk[n][2 * r] * scale,
+                                                                      acc_dk[n][2 * r + 1] * scale);
+            if (col < p.dims.dv)
+                *reinterpret_cast<unsigned*>(dv_row + col) = pack2<T>(acc_dv[n][2 * r], acc_dv[n][2 * r + 1]);
         }
-        mbar_init_fence();
     }
-    __syncthreads();   // the last CTA-wide barrier: from here on, the mbarriers order everything
+}
 
-    if (warpgroup == 0) {
-        setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        if (warp == 0 && steps.count > 0) produce_steps(sm, stats0, maps, p, blk, steps);
-        return;
-    }
-    setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    const int consumer = warpgroup - 1, cwarp = warp % 4;
+// Head dims 64 and 128: consumer warpgroup c owns keys [64 c, 64 c + 64) of the block and all
+// head-dim columns (the file's head).
+template <typename T, typename Tr, typename Mod>
+__device__ __forceinline__ void consume_key_halves(const BwdParams& p, const BwdTensorMaps& maps,
+                                                   const BwdWgmmaSmem<Tr>& sm, const float* stats0, const KeyBlock& blk,
+                                                   Mod& mod, const KeyBlockSteps<Tr::BM>& steps, int lane, int consumer,
+                                                   int cwarp) {
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     const bool wg_leader = threadIdx.x % 128 == 0;            // issues the warpgroup's dQ additions
     const int key_row = 64 * consumer + 16 * cwarp;           // this warp's first key within the block
     const float x_per_s = mod.x_per_score(), scale = float(p.scale);
@@ -291,11 +329,11 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
         wgmma_commit();
 
         const unsigned ds_tile = sm.ds_tile(t & 1);
-        store_ds_t<Tr>(smem_raw + (ds_tile - base), dst16, key_row, lane);
+        store_frags_t<Tr>(sm.at(ds_tile), dst16, key_row, lane);
         fence_proxy_async_smem();          // the stores, before the wgmmas (async proxy) read them
         // The previous step's dQ addition has read the staging tile (the barrier tells the warpgroup).
         if (wg_leader && t > 0) bulk_wait_read<0>();
-        named_bar_sync(1, Tr::CONSUMER_THREADS);   // both halves of dS^T are in place
+        named_bar_sync(BAR_DS_T, Tr::CONSUMER_THREADS);   // both halves of dS^T are in place
 
         // dQ block = dS K: A = dS^T read transposed (rows: queries dq_row0.., k: the block's keys),
         // B = K read transposed (k: keys, n: head-dim columns dq_col0..).
@@ -317,9 +355,9 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
         // dQ += scale dS K: the block goes through shared memory, and one thread of the warpgroup has
         // the copy engine add it to the accumulator (rows past lq, columns past d are dropped there).
         const unsigned dq_stage = sm.dq_stage(consumer);
-        stage_dq_block(smem_raw + (dq_stage - base), dq, 16 * cwarp, scale, lane);
+        stage_dq_block(sm.at(dq_stage), dq, 16 * cwarp, scale, lane);
         fence_proxy_async_smem();
-        named_bar_sync(2 + consumer, 128);
+        named_bar_sync(BAR_DQ_STAGED + consumer, 128);
         if (wg_leader) {
 #pragma unroll
             for (int box = 0; box < 2; ++box)
@@ -330,21 +368,205 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     }
     if (wg_leader) bulk_wait<0>();   // the last additions have landed (and read the staging tile)
 
-    // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
+    // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys.
+    store_dk_dv<T, HEAD>(p, blk, acc_dk, acc_dv, key_row, 0, scale, lane);
+}
+
+// SPLIT_HEAD's warpgroup 1: dS^T = P^T (dP^T - Dsum) for this warp's 16 keys x BM queries, with
+// P^T as warpgroup 0 stored it (16-bit pairs, store_frags_t) and dP^T in registers; dS^T goes
+// into its buffer as 16-bit pairs at the same offsets. dS takes P rounded to 16 bits (as a
+// framework's naive backward does, which rounds every n x n intermediate).
+template <typename T, typename Tr>
+__device__ __forceinline__ void form_ds_t(const unsigned char* pt_tile, unsigned char* ds_tile,
+                                          const float (&dpt)[Tr::BM / 8][4], const float* dsum_s, int key_row,
+                                          int lane) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key_row + lane / 4 + 8 * r;
-        if (key >= blk.keys) continue;
-        T* dk_row = p.dk.at<T>(blk.batch, blk.kv_head, blk.n0 + key);
-        T* dv_row = p.dv.at<T>(blk.batch, blk.kv_head, blk.n0 + key);
+    for (int n = 0; n < Tr::BM / 8; ++n) {
+        const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));   // queries 2t, 2t + 1
 #pragma unroll
-        for (int n = 0; n < HEAD / 8; ++n) {
-            const int col = frag_col(lane, n, 0);
-            if (col < dims.d)
-                *reinterpret_cast<unsigned*>(dk_row + col) = pack2<T>(acc_dk[n][2 * r] * scale,
-                                                                      acc_dk[n][2 * r + 1] * scale);
-            if (col < dims.dv)
-                *reinterpret_cast<unsigned*>(dv_row + col) = pack2<T>(acc_dv[n][2 * r], acc_dv[n][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {   // rows g, g + 8: word 2 (n % 2) + r of A fragment n / 2 (pack_a_frag)
+            const int at = t_frag_offset<Tr>(n / 2, 2 * (n % 2) + r, key_row, lane);
+            const unsigned pt = *reinterpret_cast<const unsigned*>(pt_tile + at);
+            *reinterpret_cast<unsigned*>(ds_tile + at) =
+                pack2<T>(dscore_of_prob(unpack_half<T>(pt, 0), dpt[n][2 * r], dsum[0]),
+                         dscore_of_prob(unpack_half<T>(pt, 1), dpt[n][2 * r + 1], dsum[1]));
         }
     }
+}
+
+// Head dim 256 (SPLIT_HEAD): both consumer warpgroups own the block's 64 keys; warpgroup c forms
+// columns [128 c, 128 c + 128) of dK, dV and dQ, warpgroup 0 P^T and warpgroup 1 dS^T (the file's
+// head).
+template <typename T, typename Tr, typename Mod>
+__device__ __forceinline__ void consume_head_halves(const BwdParams& p, const BwdTensorMaps& maps,
+                                                    const BwdWgmmaSmem<Tr>& sm, const float* stats0, const KeyBlock& blk,
+                                                    Mod& mod, const KeyBlockSteps<Tr::BM>& steps, int lane, int consumer,
+                                                    int cwarp) {
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES, COLS = Tr::WG_COLS;
+    constexpr int SLAB_BYTES = BM * 128;                      // one 64-column slab of a Q or dO stage
+    const bool forms_p = consumer == 0;                       // else it forms dS^T
+    const bool wg_leader = threadIdx.x % 128 == 0;            // issues the warpgroup's dQ additions
+    const int key_row = 16 * cwarp;                           // this warp's first key within the block
+    const int slab0 = consumer * COLS / 64;                   // the warpgroup's first 64-column slab (of 4)
+    const float x_per_s = mod.x_per_score(), scale = float(p.scale);
+
+    float acc_dk[COLS / 8][4], acc_dv[COLS / 8][4];   // rows: this warp's 16 keys; columns 64 slab0..
+    zero_frags(acc_dk);
+    zero_frags(acc_dv);
+    if (steps.count > 0) mbar_wait(sm.kv_full(), 0);
+    for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
+        const int stage = t % STAGES, m0 = steps.m0(block);
+        const unsigned q_tile = sm.q_tile(stage), do_tile = sm.do_tile(stage);
+        const unsigned pt_tile = sm.pt_tile(t & 1), ds_tile = sm.ds_tile(t & 1);
+        const float* lse_s = stats0 + stage * 2 * BM;
+        const float* dsum_s = lse_s + BM;
+        mod.head = head;
+        mbar_wait(sm.full(stage), (t / STAGES) & 1);
+
+        // Warpgroup 0: S^T = K Q^T; warpgroup 1: dP^T = V dO^T (this warp's 16 keys x BM queries).
+        float xt[BM / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD / 16; ++kk)
+            wgmma_ss<T, BM>(flat(xt), k_major_desc(forms_p ? sm.k : sm.v, kk, BN * 128),
+                            k_major_desc(forms_p ? q_tile : do_tile, kk, BM * 128), kk > 0);
+        wgmma_commit();
+        // The previous step's dQ additions have read their staging (this warpgroup's slabs of that
+        // step's Q and dO): with the leader's arrival, the last of the 256, the stage may be refilled.
+        if (wg_leader && t > 0) {
+            bulk_wait_read<0>();
+            mbar_arrive(sm.empty((t - 1) % STAGES));
+        }
+        wgmma_wait<0>();
+        fence_regs(flat(xt));
+
+        if (forms_p) {
+            // P^T = 2^(S^T x - lse), packed to 16 bits 16 queries at a time, into the P^T buffer.
+            if (mod.tile_is_partial(m0, BM, blk.n0 + key_row, 16))
+                mask_partial_strip_t<BM>(xt, mod, blk.n0 + key_row + lane / 4, m0 + 2 * (lane % 4));
+            unsigned pt16[BM / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+                for (int n = 2 * kk; n < 2 * kk + 2; ++n) {
+                    const FloatPair lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));   // queries 2t, 2t + 1
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) xt[n][i] = prob_of_score(xt[n][i], lse_log2[i % 2], x_per_s);
+                }
+                pack_a_frag<T, BM>(pt16[kk], xt, 16 * kk);
+            }
+            store_frags_t<Tr>(sm.at(pt_tile), pt16, key_row, lane);
+            fence_proxy_async_smem();      // the stores, before the wgmmas (async proxy) read them
+        }
+        named_bar_sync(BAR_P_T, Tr::CONSUMER_THREADS);   // P^T is in place
+
+        // dV_c += P^T dO_c: A = P^T (keys x queries, K-major), B = dO's columns 64 slab0.. read transposed.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            wgmma_ss_bmn<T, COLS>(flat(acc_dv), k_major_desc(pt_tile, kk, BN * 128),
+                                  mn_major_desc(do_tile + slab0 * SLAB_BYTES, kk, BM), 1);
+        wgmma_commit();
+
+        if (!forms_p) {
+            form_ds_t<T, Tr>(sm.at(pt_tile), sm.at(ds_tile), xt, dsum_s, key_row, lane);
+            fence_proxy_async_smem();
+        }
+        named_bar_sync(BAR_DS_T, Tr::CONSUMER_THREADS);   // dS^T is in place
+
+        // dK_c += dS^T Q_c as dV_c above; dQ_c = dS K_c in two 64-column products: A = dS^T read
+        // transposed (rows: queries, k: keys), B = K read transposed (k: keys, n: columns).
+        float dq[2][64 / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            wgmma_ss_bmn<T, COLS>(flat(acc_dk), k_major_desc(ds_tile, kk, BN * 128),
+                                  mn_major_desc(q_tile + slab0 * SLAB_BYTES, kk, BM), 1);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                wgmma_ss_mn<T, 64>(flat(dq[j]), mn_major_desc(ds_tile, kk, BN),
+                                   mn_major_desc(sm.k + (slab0 + j) * BN * 128, kk, BN), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(flat(acc_dv));
+        fence_regs(flat(acc_dk));
+        fence_regs(flat(dq));
+
+        // dQ += scale dS K: product j goes, as two 32-column boxes, into this warpgroup's slabs
+        // slab0, slab0 + 1 of Q (j = 0) or dO (j = 1), which nothing reads any more this step.
+        const unsigned staging[2] = {q_tile + slab0 * SLAB_BYTES, do_tile + slab0 * SLAB_BYTES};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) stage_dq_block(sm.at(staging[j]), dq[j], 16 * cwarp, scale, lane);
+        fence_proxy_async_smem();
+        named_bar_sync(BAR_DQ_STAGED + consumer, 128);
+        if (wg_leader) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int box = 0; box < 2; ++box)
+                    tma_reduce_add_4d(&maps.dq, staging[j] + box * Tr::DQ_BOX_BYTES, 64 * (slab0 + j) + 32 * box, m0,
+                                      head, blk.batch);
+            bulk_commit();
+        } else {
+            mbar_arrive(sm.empty(stage));  // this thread is done with the stage (the leader, next step)
+        }
+    }
+    if (wg_leader) bulk_wait<0>();   // the last additions have landed (and read the staging)
+
+    // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys, columns the warpgroup's.
+    store_dk_dv<T, COLS>(p, blk, acc_dk, acc_dv, key_row, 64 * slab0, scale, lane);
+}
+
+// Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
+// The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
+template <typename T, typename Cfg, typename Flags>
+__global__ void __launch_bounds__(Cfg::THREADS, 1)
+flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant__ BwdTensorMaps maps) {
+    typedef DkdvWgmmaTraits<T, Cfg, Flags::EXTRA> Tr;
+    constexpr int BM = Tr::BM, BN = Tr::BN, STAGES = Tr::STAGES;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned base = smem_addr(smem_raw);
+    const unsigned tiles = align_1024(base);
+    BwdWgmmaSmem<Tr> sm;
+    sm.raw = smem_raw;
+    sm.base = base;
+    sm.k = tiles;
+    sm.v = sm.k + Tr::KV_BYTES;
+    sm.q = sm.v + Tr::KV_BYTES;
+    sm.dout = sm.q + STAGES * Tr::Q_BYTES;
+    sm.ds = sm.dout + STAGES * Tr::Q_BYTES;
+    sm.pt = sm.ds + 2 * Tr::DS_BYTES;
+    sm.dq = sm.pt + 2 * Tr::PT_BYTES;
+    sm.stats = sm.dq + Tr::DQ_STAGE_BYTES;
+    sm.bars = sm.stats + STAGES * Tr::STATS_BYTES;
+    float* stats0 = reinterpret_cast<float*>(sm.at(sm.stats));
+
+    const AttnDims& dims = p.dims;
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
+    ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
+                                  blk.first_head);
+    const KeyBlockSteps<BM> steps(mod, blk);
+
+    if (threadIdx.x == 0) {
+        mbar_init(sm.kv_full(), 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(sm.full(s), 1 + 32);   // lane 0's expect_tx and the 32 lanes' statistics
+            mbar_init(sm.empty(s), Tr::CONSUMER_THREADS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();   // the last CTA-wide barrier: from here on, the mbarriers order everything
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<Tr::PRODUCER_REGS>();
+        if (warp == 0 && steps.count > 0) produce_steps(sm, stats0, maps, p, blk, steps);
+        return;
+    }
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    const int consumer = warpgroup - 1, cwarp = warp % 4;   // consumer warpgroup, warp within it
+    if constexpr (Tr::SPLIT_HEAD) consume_head_halves<T>(p, maps, sm, stats0, blk, mod, steps, lane, consumer, cwarp);
+    else consume_key_halves<T>(p, maps, sm, stats0, blk, mod, steps, lane, consumer, cwarp);
 }

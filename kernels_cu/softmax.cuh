@@ -65,18 +65,32 @@ __device__ __forceinline__ A lse_to_log2(A lse) {
     return lse == neg_inf<A>() ? pos_inf<A>() : lse * A(LOG2E);
 }
 
-// P = 2^(x - lse_log2) and dS = P (dP - Dsum), in place: the backward's two
-// elementwise steps for one score, x = s * x_per_s (x_per_s = ScoreMod::x_per_score:
-// the scale where the scores stayed raw dot products, one FFMA with the subtraction;
-// else 1). With dropout, keep is the forward's verdict for this element (keep_scale
-// or 0): the forward multiplied V by keep * P, so dV takes keep * P and
+// The backward's two elementwise steps for one score, x = s * x_per_s (x_per_s =
+// ScoreMod::x_per_score: the scale where the scores stayed raw dot products, one FFMA
+// with the subtraction; else 1):
+//     P = 2^(x - lse_log2)      (prob_of_score)
+//     dS = P (dP - Dsum)        (dscore_of_prob)
+// The head-dim-256 Hopper backward forms them in different warpgroups (P in one, dS
+// from P as the other reads it back in 16 bits); every other kernel in one place
+// (prob_and_dscore).
+template <typename A>
+__device__ __forceinline__ A prob_of_score(A s, A lse_log2, A x_per_s = A(1)) {
+    return fast_exp2(s * x_per_s - lse_log2);
+}
+template <typename A>
+__device__ __forceinline__ A dscore_of_prob(A p, A dp, A dsum) {
+    return p * (dp - dsum);
+}
+
+// P and dS in place. With dropout, keep is the forward's verdict for this element
+// (keep_scale or 0): the forward multiplied V by keep * P, so dV takes keep * P and
 // dS = P (keep * dP - Dsum). Without, keep = 1 folds away.
 template <typename A>
 __device__ __forceinline__ void prob_and_dscore(A& s_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep = A(1),
                                                 A x_per_s = A(1)) {
-    const A p = fast_exp2(s_to_p * x_per_s - lse_log2);
+    const A p = prob_of_score(s_to_p, lse_log2, x_per_s);
     s_to_p = p * keep;
-    dp_to_ds = p * (dp_to_ds * keep - dsum);
+    dp_to_ds = dscore_of_prob(p, dp_to_ds * keep, dsum);
 }
 
 // The backward's row statistics of query rows [m0, m0 + BM) into shared memory:

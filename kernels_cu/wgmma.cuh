@@ -54,7 +54,9 @@ __device__ __forceinline__ unsigned align_1024(unsigned smem_byte_addr) {
 }
 
 // The k16 step kk of a K-major swizzled operand whose 64-column slabs are
-// slab_bytes apart: slab kk / 4, 32 bytes per step inside it.
+// slab_bytes apart: slab kk / 4, 32 bytes per step inside it. Q as A and K as B of
+// S = Q K^T; K / V as A of the backward's S^T / dP^T; P^T / dS^T (rows: keys, k:
+// queries) as A of head dim 256's dV += P^T dO, dK += dS^T Q.
 __device__ __forceinline__ uint64 k_major_desc(unsigned tile, int kk, int slab_bytes) {
     return sw128_desc(tile + (kk / 4) * slab_bytes + (kk % 4) * 32, 16, 1024);
 }
@@ -148,6 +150,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64 desc_a, uint6
 // MN-major (read transposed): the backward's dQ = dS K, with dS^T stored key-major.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, int accumulate);
+// D (64 x N) = A B + (accumulate ? D : 0), A K-major and B MN-major from shared memory:
+// head dim 256's dV += P^T dO and dK += dS^T Q, with P^T / dS^T stored key-major by another
+// warpgroup (flash_bwd_wgmma.cu, SPLIT_HEAD).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_bmn(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, int accumulate);
 // D (64 x N) += A B with A from registers (the m16n8k16 A fragment of this warp's
 // 16 rows) and B MN-major from shared memory (read transposed): O += P V.
 template <typename T, int N>
@@ -155,7 +162,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[
 
 // One specialisation per (type, N); the operand numbers follow the accumulators
 // (N / 2 of them): A_OPS / B_OP / SCALE_OP name them. TNSP: the transpose bits of A
-// and B ("0, 0": both K-major; "1, 1": both MN-major).
+// and B ("0, 0": both K-major; "1, 1": both MN-major; "0, 1": B MN-major).
 #define CUF_WGMMA_SS_(NAME, TNSP, TYPE, PTX_TYPE, N, REGS, ACC, A_OP, B_OP, SCALE_OP)                        \
     template <>                                                                                              \
     __device__ __forceinline__ void NAME<TYPE, N>(float (&d)[N / 2], uint64 desc_a, uint64 desc_b,           \
@@ -167,6 +174,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[
     }
 #define CUF_WGMMA_SS(...) CUF_WGMMA_SS_(wgmma_ss, "0, 0", __VA_ARGS__)
 #define CUF_WGMMA_SS_MN(...) CUF_WGMMA_SS_(wgmma_ss_mn, "1, 1", __VA_ARGS__)
+#define CUF_WGMMA_SS_BMN(...) CUF_WGMMA_SS_(wgmma_ss_bmn, "0, 1", __VA_ARGS__)
 #define CUF_WGMMA_RS(TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                                    \
     template <>                                                                                              \
     __device__ __forceinline__ void wgmma_rs<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4],           \
@@ -182,6 +190,9 @@ CUF_WGMMA_SS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
 CUF_WGMMA_SS(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
 CUF_WGMMA_SS_MN(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_SS_MN(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
+// Head dim 256's dV and dK: 128 of the 256 columns a consumer warpgroup.
+CUF_WGMMA_SS_BMN(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
+CUF_WGMMA_SS_BMN(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
 CUF_WGMMA_RS(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
 CUF_WGMMA_RS(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
 CUF_WGMMA_RS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")

@@ -109,16 +109,16 @@ def test_float64_backward_kernel_choice(d, family, deterministic, launched):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [64, 72, 128])
+@pytest.mark.parametrize("d", [64, 72, 128, 200, 256])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 @pytest.mark.parametrize("b,hq,hk,lq,lk", [(1, 2, 2, 1, 1), (2, 4, 2, 300, 77), (1, 3, 1, 129, 520),
                                           (1, 2, 1, 640, 640)])
 def test_hopper_backward(dtype, d, causal, b, hq, hk, lq, lk, launched):
-    """On compute capability 9.0 the default 16-bit backward at head dims 64 and 128 (72: the 128
-    kernel with zero-filled columns) runs the wgmma dK/dV kernel: lengths of one row, across tile
-    edges (77, 129, 300 against 64- and 128-row steps and 128-key blocks) and several blocks, key
-    blocks that see no query (causal, lq < lk), grouped-query heads; every gradient against the
-    float64 reference under the error rule."""
+    """On compute capability 9.0 the default 16-bit backward at head dims 64, 128 and 256 (72, 200:
+    the 128 / 256 kernel with zero-filled columns) runs the wgmma dK/dV kernel: lengths of one row,
+    across tile edges (77, 129, 300 against 64- and 128-row steps and 64- and 128-key blocks) and
+    several blocks, key blocks that see no query (causal, lq < lk), grouped-query heads; every
+    gradient against the float64 reference under the error rule."""
     from cuflash import _launch
 
     if _launch._compute_capability() != 90:

@@ -114,21 +114,37 @@ def test_hopper_selection():
 
 def test_hopper_backward_selection():
     """Compute capability 9.0 takes the wgmma dK/dV kernel (with atomic dQ) for 16-bit calls with 16-byte
-    loadable rows, no EXTRA option and the default (atomic) dQ at head dims 64 and 128; a deterministic
-    call, a masking option, another head dim or another GPU keeps the portable kernels."""
-    for dtype, head, band in [("float16", 64, False), ("bfloat16", 128, True)]:
+    loadable rows, no EXTRA option and the default (atomic) dQ at head dims 64, 128 and 256; a
+    deterministic call, a masking option, another head dim or another GPU keeps the portable kernels
+    (at head dim 256 the FMA ones)."""
+    for dtype, head, band in [("float16", 64, False), ("bfloat16", 128, True), ("float16", 256, True),
+                              ("bfloat16", 256, False)]:
         plan = V.backward_variants(dtype, head, band=band, vec=True, deterministic=False, cc=90)
         assert [(v.family, v.arch) for v in plan] == [("bwd_dsum", "sm80"), ("bwd_dkdv_wgmma", "sm90a"),
                                                       ("bwd_convert_dq", "sm80")]
         assert plan[1].band == band and plan[1].compile_target("sm_90") == "sm_90a"
     portable = dict(band=False, vec=True, deterministic=False)
-    for kwargs in (dict(cc=80), dict(cc=100), dict(cc=90, deterministic=True), dict(cc=90, extra=True),
-                   dict(cc=90, vec=False)):
-        plan = V.backward_variants("float16", 128, **{**portable, **kwargs})
-        assert "bwd_dkdv_wgmma" not in [v.family for v in plan], kwargs
-    for head in (32, 256):
-        assert "bwd_dkdv_wgmma" not in [v.family for v in V.backward_variants("float16", head, cc=90, **portable)]
+    for head in (128, 256):
+        for kwargs in (dict(cc=80), dict(cc=100), dict(cc=90, deterministic=True), dict(cc=90, extra=True),
+                       dict(cc=90, vec=False)):
+            plan = V.backward_variants("float16", head, **{**portable, **kwargs})
+            assert "bwd_dkdv_wgmma" not in [v.family for v in plan], (head, kwargs)
+            if head == 256:
+                assert "bwd_dkdv_fma" in [v.family for v in plan], kwargs
+    assert "bwd_dkdv_wgmma" not in [v.family for v in V.backward_variants("float16", 32, cc=90, **portable)]
     assert "bwd_dkdv_wgmma" not in [v.family for v in V.backward_variants("float32", 64, cc=90, **portable)]
+
+
+def test_hopper_backward_head_256_layout():
+    """The head-dim-256 Hopper backward (both consumer warpgroups on one 64-key block, split by columns)
+    fits the H100's 227 KB: K, V, two stages of Q and dO, P^T and dS^T twice (dQ is staged in the
+    step's Q / dO tiles), and the kernel's boxes are whole tensor-map boxes (64 query rows = one dQ box)."""
+    v = V.backward_variants("bfloat16", 256, band=True, vec=True, deterministic=False, cc=90)[1]
+    t = v.tile
+    assert (t.block_m, t.block_n, t.warps, t.stages) == (64, 64, 12, 2)
+    assert v.smem_bytes == 1024 + (2 * 64 * 256 + 2 * 2 * 64 * 256 + 2 * 2 * 64 * 64) * 2 + 2 * 2 * 64 * 4 + 8 * 5
+    assert v.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+    assert v.grid(2, 8, 2, 1000, 1000) == -(-1000 // 64) * 4 * 2
 
 
 def test_grid_has_no_65535_limit_but_a_2_31_one():
