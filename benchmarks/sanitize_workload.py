@@ -3,11 +3,15 @@
     compute-sanitizer --tool memcheck  --error-exitcode 1 python benchmarks/sanitize_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_workload.py --quick
     compute-sanitizer --tool racecheck python benchmarks/sanitize_workload.py --quick --dims 256 --dtypes float16
+    compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-extra
 
 Odd lengths at the tile edges (Lq = 97, Lk = 130), grouped-query heads, both dQ
 strategies; the full set also covers both causal alignments, unaligned head dims
-and the two-pass head-dim-128 backward. Prints one line per call so a sanitizer
-report can be placed.
+and the two-pass head-dim-128 backward. ``--hopper-extra``: only forwards that take the
+Hopper kernel with its masking options on compute capability 9.0 (Lk = 1032: past head
+dim 64's key threshold, bias rows in 16-byte chunks; a bias, key padding, dropout and a
+block layout whose first query rows see nothing). Prints one line per call (with the
+kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
 import itertools
@@ -28,7 +32,11 @@ def main(argv=None) -> None:
                                                                  "bottom-right causal only")
     parser.add_argument("--dims", default=None, help="only these head dims, e.g. 256 (one kernel under a sanitizer)")
     parser.add_argument("--dtypes", default=None, help="only these dtypes, e.g. float16,bfloat16")
+    parser.add_argument("--hopper-extra", action="store_true", help="the Hopper forward with masking options only")
     args = parser.parse_args(argv)
+    if args.hopper_extra:
+        hopper_extra()
+        return
     dims = (64, 128, 256) if args.quick else (64, 111, 128, 256)
     if args.dims:
         dims = tuple(int(d) for d in args.dims.split(","))
@@ -51,6 +59,36 @@ def main(argv=None) -> None:
         finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out,) + grads)
         print(f"{dtype:8} d={d:3} causal={causal!s:12} deterministic={det!s:5} masked={masked!s:5} finite={finite}",
               flush=True)
+
+
+def hopper_extra() -> None:
+    from cuflash import _launch
+
+    launched = []
+    real = _launch._launch
+    _launch._launch = lambda variant, *a, **kw: (launched.append(variant.family), real(variant, *a, **kw))
+    rng = np.random.default_rng(0)
+    lq, lk = 197, 1032
+    mask = np.ones((2, 1, 1, lk), dtype=bool)
+    mask[0, ..., lk - 300:] = False
+    layout = np.ones((2, -(-lq // 64), -(-lk // 64)), dtype=bool)
+    layout[0, :4] = False                     # head 0: no key for query rows 0-196 (Q never loaded)
+    layout[1, :, 3] = False
+    for dtype, d, causal in itertools.product(("float16", "bfloat16"), (64, 128, 256), (False, "bottom_right")):
+        q = cp.asarray(rng.standard_normal((2, 2, lq, d)).astype(DTYPES[dtype]))
+        k, v = (cp.asarray(rng.standard_normal((2, 1, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+        cases = {"bias": dict(bias=cp.asarray(rng.standard_normal((1, 2, lq, lk)).astype(DTYPES[dtype]))),
+                 "key bias, dropout": dict(bias=cp.asarray(rng.standard_normal((2, 1, 1, lk)).astype(DTYPES[dtype])),
+                                           dropout_p=0.2, seed=5),
+                 "all": dict(bias=cp.asarray(rng.standard_normal((1, 1, lq, lk)).astype(DTYPES[dtype])),
+                             mask=cp.asarray(mask), dropout_p=0.2, seed=11,
+                             block_layout=cuflash.BlockLayout(cp.asarray(layout), 64))}
+        for name, opts in cases.items():
+            launched.clear()
+            out, lse = cuflash.attention_forward(q, k, v, causal=causal, **opts)
+            cp.cuda.Device().synchronize()
+            finite = bool(cp.isfinite(out.astype(cp.float32)).all())
+            print(f"{dtype:8} d={d:3} causal={causal!s:12} {name:18} {','.join(launched)} finite={finite}", flush=True)
 
 
 if __name__ == "__main__":

@@ -88,8 +88,10 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.family == "fwd_wgmma":
-        # The Hopper kernel loads through tensor maps: the driver's encoder and layouts a map can describe.
-        maps = _tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n)
+        # The Hopper kernel loads through tensor maps (the driver's encoder and layouts a map can describe)
+        # and copies a bias by 16-byte chunks of its rows.
+        maps = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n)
+                if masking.bias_in_chunks else None)
         if maps is not None:
             extra_args = (maps,)
         else:

@@ -196,14 +196,27 @@ def layout_view(states, p: Problem, block: Tuple[int, int]) -> tuple:
     return _broadcast_view(states, (p.batch, p.heads_q, -(-p.lq // block[0]), -(-p.lk // block[1])))
 
 
+def rows_in_chunks(view: tuple, itemsize: int) -> bool:
+    """Whether a score view ``(ptr, batch, head, row, col strides)`` (elements) is rows of whole
+    16-byte chunks at every (batch, head, row): unit key stride, a 16-byte aligned start and
+    batch, head and row strides (0 included). The Hopper forward copies its bias tiles by such
+    chunks only (kernels_cu/tile_io.cuh, ScoreChunkCopy)."""
+    ptr, *strides, col = view
+    chunk = 16 // itemsize
+    return col == 1 and ptr % 16 == 0 and all(s_ % chunk == 0 for s_ in strides)
+
+
 @dataclass
 class KernelMasking:
-    """MaskParams' values for one call, and the arrays they point into (kept alive)."""
+    """MaskParams' values for one call, and the arrays they point into (kept alive).
+    ``bias_in_chunks``: no bias, or one whose rows are 16-byte chunks (:func:`rows_in_chunks`);
+    the Hopper forward takes no other."""
 
     band: Optional[Tuple[int, int]]
     extra: bool
     values: tuple      # MaskParams fields in order
     keep_alive: tuple
+    bias_in_chunks: bool = True
 
 
 def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
@@ -211,10 +224,12 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
     keep = []
     bias_view = mask_view = lay_view = NO_SCORE_VIEW
     block = (1, 1)
+    chunks = True
     if opts.bias is not None:
         b4 = _own_4d(opts.bias.astype(p.q.dtype, copy=False), p)
         keep.append(b4)
         bias_view = score_view(b4, p)
+        chunks = rows_in_chunks(bias_view, b4.itemsize)
     if opts.mask is not None:
         m4 = _own_4d(opts.mask, p)
         keep.append(m4)
@@ -230,7 +245,7 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
     lo, hi = band if band is not None else (0, 0)
     values = (lo, hi, block[0], block[1], *bias_view, *mask_view, *lay_view, threshold, seed & 0xFFFFFFFF,
               seed >> 32, keep_scale)
-    return KernelMasking(band, opts.extra, values, tuple(keep))
+    return KernelMasking(band, opts.extra, values, tuple(keep), chunks)
 
 
 @dataclass

@@ -168,10 +168,13 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # session) against the fifth session's cp.async kernel at d=128: 1.07-2.0x (bf16 L=16384 673
 # TFLOP/s); against the portable kernel at d=64: 1.20-1.42x at L >= 4096, 0.92-0.98x at L = 1024
 # (per-block start-up; a persistent grid is the lead). Ping-pong of the consumers measured
-# 0.90-1.01x and is off (FwdWgmmaTraits::PINGPONG). EXTRA (bias, mask, dropout, block layout)
-# runs on the portable path. Head dim 64 takes three consumer warpgroups (192 rows; 160 registers
-# each after setmaxnreg, the consumer code up to R156): 1.12-1.25x the two-warpgroup kernel
-# non-causal, 1.02-1.06x causal at L 2048-16384 (compare_trees.py, eighth session).
+# 0.90-1.01x and is off (FwdWgmmaTraits::PINGPONG). Head dim 64 takes three consumer warpgroups
+# (192 rows; 160 registers each after setmaxnreg, the consumer code up to R156): 1.12-1.25x the
+# two-warpgroup kernel non-causal, 1.02-1.06x causal at L 2048-16384 (compare_trees.py, eighth
+# session). EXTRA (bias, mask, dropout, block layout; branch hopper-extra, NOT yet run on a GPU)
+# keeps these tiles: a swizzled bias tile per K/V stage (Hopper d=128 and 256: 225 KB), copied
+# by two producer warps; offline 0 spills, consumers up to R157 / R229 of 160 / 232, the producer
+# up to R29 of 32 at head dim 64 (24 without EXTRA) and R37 of 40 (benchmarks/NOTES.md).
 _add("fwd_wgmma", HALF_TYPES, [64], Tile(192, 128, 16, 2, "a TMA producer and three consumer warpgroups of 64 "
                                                          "rows, 128-key tiles: 89 KB"), arch="sm90a")
 _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
@@ -378,10 +381,13 @@ def _smem_fwd_dmma(v: "Variant") -> int:
 
 
 def _smem_fwd_wgmma(v: "Variant") -> int:
-    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), then the pipeline's
-    # mbarriers: Q full, and full / empty for K and V per stage, 8 bytes each.
+    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), with EXTRA a swizzled
+    # block_m x block_n bias tile per stage, then the pipeline's mbarriers: Q full, and full / empty
+    # for K and V per stage (with EXTRA for the bias too), 8 bytes each.
     t = v.tile
-    return 1024 + (t.block_m + 2 * t.stages * t.block_n) * v.head * ITEMSIZE[v.dtype] + 8 * (1 + 4 * t.stages)
+    bias = t.stages * t.block_m * t.block_n if v.extra else 0
+    barriers = 1 + 4 * t.stages + (2 * t.stages if v.extra else 0)
+    return 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype] + 8 * barriers
 
 
 def _smem_dkdv_wgmma(v: "Variant") -> int:
@@ -636,9 +642,11 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
                     smem_limit: int = SMEM_MAX, cc: int = 80, short: bool = False) -> Variant:
     """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
     allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
-    with 16-byte loadable rows and no EXTRA option take the wgmma kernel where the table has one,
-    unless ``short`` (:func:`few_keys`: too few keys for it to pay)."""
-    if (cc == HOPPER_CC and vec and not extra and not short
+    with 16-byte loadable rows take the wgmma kernel where the table has one, EXTRA options
+    included, unless ``short`` (:func:`few_keys`: too few keys for it to pay). The launcher
+    still takes the portable kernel where tensor maps cannot describe the arrays or a bias's
+    rows are not 16-byte chunks (_launch.launch_forward)."""
+    if (cc == HOPPER_CC and vec and not short
             and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE):
         return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
     if dtype in HALF_TYPES:

@@ -24,10 +24,20 @@
 // The fifth session's kernel (all threads loading with cp.async, one __syncthreads a
 // tile) spent ~35% of its issue slots on the loader's index arithmetic and 11% of its
 // stalls on the barrier (benchmarks/NOTES.md).
+// EXTRA (bias, boolean mask, dropout, block layout; score_mod.cuh): the producer and the
+// consumers walk the same visible tiles (next_key_tile skips what a layout turns off).
+// A bias, whose broadcast axes (stride 0) no tensor map can describe, is copied by two
+// more producer warps with cp.async into a bias stage beside each K/V stage (tile_io.cuh's
+// swizzled layout) and read by the consumers with ldmatrix straight into S's fragments,
+// as the portable kernel does (there 2.2x over element loads, benchmarks/NOTES.md); its
+// stages have full / empty mbarriers of their own. The mask (partial tiles only) and
+// dropout (Philox keyed by (seed, batch, head, row, col), so the same keep-mask as the
+// portable kernel's) are per-element work in the consumers, as there.
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
+#include "tile_io.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 #include "softmax.cuh"
@@ -51,15 +61,26 @@ struct FwdWgmmaTraits {
     static constexpr int SLABS = HEAD / 64;         // 64-column swizzle slabs of a row
     static constexpr int Q_BYTES = BM * HEAD * int(sizeof(T));
     static constexpr int KV_BYTES = BN * HEAD * int(sizeof(T));   // one K or V stage
-    // Barriers after the tiles: Q full, then K full / K empty / V full / V empty per stage.
-    static constexpr int BARRIERS = 1 + 4 * STAGES;
-    static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES;
+    // EXTRA: a BM x BN bias tile a stage, swizzled rather than padded (tile_io.cuh,
+    // sw_chunk_offset; padded, head dim 128's two stages would exceed 227 KB), copied by
+    // BIAS_LOADERS producer threads: warps 1 and 2 (warp 0's first thread drives the copy
+    // engine). A tile is 1024-3072 16-byte chunks, 16-48 cp.async a loader: a few hundred
+    // instructions against the thousands of cycles the consumers spend on a tile.
+    static constexpr int BIAS_BYTES = EXTRA ? BM * BN * int(sizeof(T)) : 0;
+    static constexpr int BIAS_LOADERS = 64, FIRST_BIAS_LOADER = 32;
+    // Barriers after the tiles: Q full, then K full / K empty / V full / V empty per stage,
+    // then (EXTRA) bias full / bias empty per stage.
+    static constexpr int BARRIERS = 1 + 4 * STAGES + (EXTRA ? 2 * STAGES : 0);
+    static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + STAGES * BIAS_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + 8 * BARRIERS;
     // Registers a thread after the split: two consumer warpgroups 128 x 40 + 256 x 232, three
-    // 128 x 24 + 384 x 160. setmaxnreg.inc waits for registers the others gave back: more than the
-    // launch's share (65536 / THREADS, in steps of 8) deadlocks.
-    static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 24, CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
+    // 128 x 24 + 384 x 160; with EXTRA the producer's bias loaders walk the tiles too (classify)
+    // and need 32 beside three consumer warpgroups, which fills the register file exactly.
+    // setmaxnreg.inc waits for registers the others gave back: more than the launch's share
+    // (65536 / THREADS, in steps of 8) deadlocks.
+    static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : EXTRA ? 32 : 24;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
     static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
                   "the launch's register file");
@@ -71,7 +92,8 @@ struct FwdWgmmaTraits {
     // Head dim 256 (twice 128's bytes a row) stores as 128 does.
     static constexpr bool TMA_STORE_O = HEAD >= 128;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
-    static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
+    static_assert(FIRST_BIAS_LOADER >= 32 && FIRST_BIAS_LOADER + BIAS_LOADERS <= 128,
+                  "the bias loaders are producer warps other than the copy engine's");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && BM == 64 * CONSUMERS,
                   "a producer and two or three consumer warpgroups of 64 rows");
     static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong turns are between two warpgroups");
@@ -84,27 +106,30 @@ struct FwdWgmmaTraits {
 // Shared-memory addresses of the pipeline's tiles and barriers.
 template <typename Tr>
 struct WgmmaSmem {
-    unsigned q, k, v, bars;
+    unsigned q, k, v, bias, bars;
     __device__ __forceinline__ unsigned k_tile(int stage) const { return k + stage * Tr::KV_BYTES; }
     __device__ __forceinline__ unsigned v_tile(int stage) const { return v + stage * Tr::KV_BYTES; }
+    __device__ __forceinline__ unsigned bias_tile(int stage) const { return bias + stage * Tr::BIAS_BYTES; }
     __device__ __forceinline__ unsigned q_full() const { return bars; }
     __device__ __forceinline__ unsigned k_full(int stage) const { return bars + 8 * (1 + 4 * stage); }
     __device__ __forceinline__ unsigned k_empty(int stage) const { return bars + 8 * (2 + 4 * stage); }
     __device__ __forceinline__ unsigned v_full(int stage) const { return bars + 8 * (3 + 4 * stage); }
     __device__ __forceinline__ unsigned v_empty(int stage) const { return bars + 8 * (4 + 4 * stage); }
+    __device__ __forceinline__ unsigned bias_full(int stage) const { return bars + 8 * (1 + 4 * Tr::STAGES + 2 * stage); }
+    __device__ __forceinline__ unsigned bias_empty(int stage) const { return bars + 8 * (2 + 4 * Tr::STAGES + 2 * stage); }
 };
 
 // The producer's one thread: Q, then K_j and V_j of every visible tile into stage t % 2
-// (t counts visible tiles), each after the consumers have emptied that stage.
+// (t counts visible tiles), each after the consumers have emptied that stage. `first`:
+// the first visible tile (< end; with none, Q is not loaded: the consumers do not wait for it).
 template <typename Tr, typename Mod>
 __device__ __forceinline__ void produce_tiles(const WgmmaSmem<Tr>& sm, const FwdTensorMaps& maps, const Mod& mod,
-                                              const QueryBlock& blk, TileRange keys) {
+                                              const QueryBlock& blk, int first, int end) {
     constexpr int BN = Tr::BN;
     mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
     tma_load_tile<Tr::BM, Tr::SLABS>(sm.q, &maps.q, sm.q_full(), blk.m0, blk.head, blk.batch);
     int t = 0;
-    for (int j = mod.next_key_tile(keys.begin, keys.end, blk.m0, blk.rows, BN); j < keys.end;
-         j = mod.next_key_tile(j + 1, keys.end, blk.m0, blk.rows, BN), ++t) {
+    for (int j = first; j < end; j = mod.next_key_tile(j + 1, end, blk.m0, blk.rows, BN), ++t) {
         const int stage = t & 1;
         const unsigned empty_parity = ((t >> 1) & 1) ^ 1;   // the round before this one
         mbar_wait(sm.k_empty(stage), empty_parity);
@@ -114,6 +139,32 @@ __device__ __forceinline__ void produce_tiles(const WgmmaSmem<Tr>& sm, const Fwd
         mbar_arrive_expect_tx(sm.v_full(stage), Tr::KV_BYTES);
         tma_load_tile<BN, Tr::SLABS>(sm.v_tile(stage), &maps.v, sm.v_full(stage), j * BN, blk.kv_head, blk.batch);
     }
+}
+
+// EXTRA with a bias: the bias loaders (`loader` of BIAS_LOADERS) copy the bias tile of the
+// same visible tiles, rows [m0, m0 + BM) x keys [j BN, j BN + BN), into bias stage t % 2
+// once the consumers have read that stage's previous tile; each loader's arrival on the
+// stage's full barrier comes when its copies have landed. The host launches this kernel
+// only for a bias whose rows are 16-byte chunks (cuflash/_masking.py, bias_in_chunks):
+// element-by-element copies by a few producer threads would be latency-bound, tens of
+// times slower than the consumers.
+template <typename T, typename Tr, typename Mod>
+__device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, const ScoreTensor& bias, const Mod& mod,
+                                                   const QueryBlock& blk, int first, int end, int lk, int loader) {
+    constexpr int BN = Tr::BN;
+    const ScoreChunkCopy<T, Tr::BM, BN, Tr::BIAS_LOADERS> copy(bias, blk.batch, blk.head, blk.m0, loader);
+    int t = 0;
+#pragma unroll 1
+    for (int j = first; j < end; j = mod.next_key_tile(j + 1, end, blk.m0, blk.rows, BN), ++t) {
+        const int stage = t & 1;
+        mbar_wait(sm.bias_empty(stage), ((t >> 1) & 1) ^ 1);   // the round before this one
+        copy.copy(sm.bias_tile(stage), j * BN, blk.rows, lk - j * BN, bias.ptr);
+        mbar_arrive_on_cp_async(sm.bias_full(stage));
+    }
+    // No copy left in flight behind an exiting thread. wait_group counts committed groups only,
+    // and nothing above commits: without the commit the wait would return at once.
+    cp_async_commit();
+    cp_async_wait<0>();
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
@@ -127,7 +178,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     const unsigned base = smem_addr(smem_raw);
     const unsigned tiles = align_1024(base);
     const WgmmaSmem<Tr> sm{tiles, tiles + Tr::Q_BYTES, tiles + Tr::Q_BYTES + STAGES * Tr::KV_BYTES,
-                           tiles + Tr::TILE_BYTES};
+                           tiles + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES, tiles + Tr::TILE_BYTES};
 
     const AttnDims& dims = p.dims;
     const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
@@ -135,6 +186,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
                                         blk.head);
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+    auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
 
     if (threadIdx.x == 0) {
         mbar_init(sm.q_full(), 1);
@@ -143,6 +195,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             mbar_init(sm.v_full(s), 1);
             mbar_init(sm.k_empty(s), Tr::CONSUMER_THREADS);
             mbar_init(sm.v_empty(s), Tr::CONSUMER_THREADS);
+            if constexpr (Flags::EXTRA) {
+                mbar_init(sm.bias_full(s), Tr::BIAS_LOADERS);
+                mbar_init(sm.bias_empty(s), Tr::CONSUMER_THREADS);
+            }
         }
         mbar_init_fence();
     }
@@ -150,13 +206,18 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 
     if (warpgroup == 0) {
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        if (threadIdx.x == 0 && keys.begin < keys.end) produce_tiles(sm, maps, mod, blk, keys);
+        const int first = next_tile(keys.begin);
+        if (threadIdx.x == 0 && first < keys.end) produce_tiles(sm, maps, mod, blk, first, keys.end);
+        if constexpr (Flags::EXTRA) {
+            const int loader = int(threadIdx.x) - Tr::FIRST_BIAS_LOADER;
+            if (loader >= 0 && loader < Tr::BIAS_LOADERS && mod.has_bias())
+                produce_bias_tiles<T>(sm, p.mask.bias, mod, blk, first, keys.end, dims.lk, loader);
+        }
         return;
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     const int consumer = warpgroup - 1, cwarp = warp - 4;   // consumer warpgroup, warp among the consumers
     const float x_per_s = mod.x_per_score();
-    auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
 
     float acc_o[1][Tr::O_TILES][4];
     float row_max[1][2], row_sum[1][2];
@@ -217,11 +278,23 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             row = warp_row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        apply_score_mod(s[0], mod, partial, coord);
+        if constexpr (Flags::EXTRA) {
+            if (mod.has_bias()) {   // x = s * scale + bias * log2(e), the warp's 16 bias rows by ldmatrix
+                mbar_wait(sm.bias_full(stage), full_parity);
+                scale_add_bias_frags_sw<T, BN>(s[0], sm.bias_tile(stage) + cwarp * 16 * BN * int(sizeof(T)), lane,
+                                               mod.scale_log2);
+                mbar_arrive(sm.bias_empty(stage));
+            }
+            apply_score_mod_bits(s[0], mod, partial, coord);   // the per-element tests in a loop: registers
+        } else {
+            apply_score_mod(s[0], mod, partial, coord);
+        }
         // acc_o is still being written: its correction waits for the P V product.
         float correction[2];
         const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
                                                  [&](int, int r, float c) { correction[r] = c; });
+        // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
+        if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);
         wgmma_wait<0>();
         fence_regs(flat(acc_o));
         fence_regs(p_frag);

@@ -155,8 +155,13 @@ struct ScoreMod {
             const int last_row = imin(row1, lq - 1), last_col = imin(col1, lk - 1);
             if (last_row < row0) return TILE_PARTIAL;   // rows past the end only: whatever, they are not written
             bool any = false, all = true;
-            for (int bi = row0 / m.block_q; bi <= last_row / m.block_q; ++bi)
-                for (int bj = col0 / m.block_k; bj <= last_col / m.block_k; ++bj) {
+            // Unsigned division (every index here is >= 0): cheaper, and fewer registers in the
+            // Hopper forward's producer threads, which walk the tiles too.
+            const unsigned bq = m.block_q, bk = m.block_k;
+#pragma unroll 1
+            for (int bi = unsigned(row0) / bq; bi <= int(unsigned(last_row) / bq); ++bi)
+#pragma unroll 1
+                for (int bj = unsigned(col0) / bk; bj <= int(unsigned(last_col) / bk); ++bj) {
                     const int state = *m.layout.at<signed char>(batch, head, bi, bj);
                     any |= state != BLOCK_OFF;
                     all &= state == BLOCK_ALL;
@@ -198,6 +203,14 @@ struct ScoreMod {
         const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
         keep0 = r.word(col & 3) >= m.drop_threshold ? A(m.keep_scale) : A(0);
         keep1 = r.word((col & 3) + 1) >= m.drop_threshold ? A(m.keep_scale) : A(0);
+    }
+
+    // The verdicts of the four keys col .. col + 3 (col a multiple of 4) of one row, one
+    // Philox draw: bit k set iff key col + k is kept (keep() of each, as bits).
+    __device__ __forceinline__ unsigned keep4_bits(int row, int col) const {
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
+        const unsigned t = m.drop_threshold;
+        return unsigned(r.w0 >= t) | unsigned(r.w1 >= t) << 1 | unsigned(r.w2 >= t) << 2 | unsigned(r.w3 >= t) << 3;
     }
 };
 
@@ -279,6 +292,80 @@ __device__ __forceinline__ void apply_dropout(A (&p)[I][J], const Mod& mod, Coor
             }
         }
     }
+}
+
+// The fragment-bit forms of apply_score_mod and apply_dropout, for a warp's m16n8 C
+// fragments (the mma.sync and wgmma accumulator layout: lane 4 g + t holds rows g and
+// g + 8, keys 8 n + 2 t + {0, 1} of n8 tile n) where the unrolled per-element code does
+// not fit (the Hopper forward with EXTRA: its consumer loop grew to ~10000 instructions
+// and spilled). The per-element verdicts are drawn in a loop that is not unrolled and
+// folded into one bit per element, e = 4 n + i (C-fragment element i of tile n, at most
+// 64 a thread); only applying the bits is unrolled. Same values as the unrolled forms.
+template <int N>
+__device__ __forceinline__ bool frag_bit(unsigned long long bits, int n, int i) {
+    static_assert(N <= 16, "one bit an element in 64 bits");
+    return (bits >> (4 * n + i)) & 1ull;
+}
+
+// apply_score_mod's tensor-core form (the caller formed x already where there is a bias):
+// a partial tile's test (allowed) as bits, then masked scores -inf, the others scaled
+// unless already x.
+template <typename Mod, int N, typename Coord>
+__device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod& mod, bool partial, Coord coord) {
+    const bool scaled = mod.has_bias() || mod.scores_stay_raw();
+    if (!partial) {
+        if (!scaled)
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[n][i] *= mod.scale_log2;
+        return;
+    }
+    unsigned long long allowed = 0;
+#pragma unroll 1
+    for (int e = 0; e < 4 * N; ++e) {
+        int row, col;
+        coord(e / 4, e % 4, row, col);
+        allowed |= (unsigned long long)mod.allowed(row, col) << e;
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            s[n][i] = !frag_bit<N>(allowed, n, i) ? neg_inf<float>() : scaled ? s[n][i] : s[n][i] * mod.scale_log2;
+}
+
+// apply_dropout<true>'s verdicts on the C fragments, half a Philox draw an element pair
+// instead of one: keys 8 n + 4 (t / 2) + {0..3} of a row are one draw (dropout.cuh), of
+// which lanes t and t ^ 1 each hold half. Lane t draws that group for row g + 8 (t % 2),
+// keeps its own half and passes the other half to its partner (one shuffle), which drew
+// the other row. Bit e as frag_bit; the keep-mask is exactly keep2's.
+template <int N, typename Mod>
+__device__ __forceinline__ unsigned long long dropout_frag_bits(const Mod& mod, int row_g, int col0, int lane) {
+    const int t = lane % 4, odd = t % 2;
+    unsigned long long bits = 0;
+#pragma unroll 1
+    for (int n = 0; n < N; ++n) {
+        const unsigned drawn = mod.keep4_bits(row_g + 8 * odd, col0 + 8 * n + 4 * (t / 2));
+        const unsigned mine = (drawn >> (2 * odd)) & 3u, theirs = (drawn >> (2 - 2 * odd)) & 3u;
+        const unsigned other_row = __shfl_xor_sync(0xffffffffu, theirs, 1);   // the partner's draw, my keys
+        const unsigned four = odd ? other_row | mine << 2 : mine | other_row << 2;   // rows g, g + 8
+        bits |= (unsigned long long)four << (4 * n);
+    }
+    return bits;
+}
+
+// p *= keep on the C fragments of one warp's 16 rows: row_g = its row g (lane / 4),
+// col0 the tile's first key.
+template <typename Mod, int N>
+__device__ __forceinline__ void apply_dropout_frags(float (&p)[N][4], const Mod& mod, int row_g, int col0, int lane) {
+    if (!mod.has_dropout()) return;
+    const unsigned long long kept = dropout_frag_bits<N>(mod, row_g, col0, lane);
+    const float keep_scale = float(mod.m.keep_scale);
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[n][i] *= frag_bit<N>(kept, n, i) ? keep_scale : 0.0f;
 }
 
 // The dK/dV kernels' mask of one 16-key strip of a partial S^T tile without EXTRA (the band and

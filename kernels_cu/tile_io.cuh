@@ -147,3 +147,62 @@ __device__ __forceinline__ void load_score_tile_acc(A* smem, const ScoreTensor& 
     load_strided_tile<ROWS, COLS, PITCH, THREADS>(smem, t.at<T>(batch, head, row0, col0), t.row_stride, t.col_stride,
                                                   rows_valid, cols_valid, A(0), [](T x) { return A(to_acc(x)); });
 }
+
+// A 16-bit score tile without padding, for ldmatrix: ROWS x COLS elements, row r at
+// r * COLS * 2 bytes, its 16-byte chunk c stored at chunk position c ^ (r % 8). The 8
+// rows of an 8 x 8 ldmatrix block (8 consecutive rows from a multiple of 8, one
+// chunk) then sit in 8 different 4-bank groups, as padding each row by 16 bytes would
+// do, at no extra space (the Hopper forward's bias stages fill shared memory to
+// within 2 KB of the H100's 227 KB: padding would not fit).
+template <int COLS>
+__device__ __forceinline__ unsigned sw_chunk_offset(int row, int chunk) {
+    static_assert(COLS % 64 == 0, "whole groups of 8 chunks a row");
+    return row * COLS * 2 + ((chunk ^ (row & 7)) * 16);
+}
+
+// cp.async of one 16-byte chunk that copies its first src_bytes (0-16) and fills the
+// rest with zeros: a chunk the sequence end cuts needs no element-by-element path.
+__device__ __forceinline__ void cp_async_16_head(unsigned smem_dst_addr, const void* gmem_src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_dst_addr), "l"(gmem_src), "r"(src_bytes));
+}
+
+// One thread's part of copying ROWS x COLS score tiles at rows [row0, row0 + ROWS) of one
+// (batch, head) of `t` (16-bit) into the swizzled layout above, with cp.async (the caller
+// tracks their completion), by THREADS threads of which this is `thread` (a part of a
+// CTA: the Hopper forward's producer warps). Each thread keeps one chunk column and the
+// rows first_row + k ROW_STEP, and walks one pointer down them (as load_tile_fixed_col),
+// in a loop not unrolled: what it holds across tiles is a pointer, a stride and two
+// indices (a producer thread has 24-56 registers). The caller guarantees rows of 16-byte
+// chunks: unit key stride, a 16-byte aligned start and batch, head and row strides (0
+// included) (cuflash/_masking.py, bias_in_chunks).
+template <typename T, int ROWS, int COLS, int THREADS>
+struct ScoreChunkCopy {
+    static constexpr int CHUNKS = COLS / 8, ROW_STEP = THREADS / CHUNKS;
+    static_assert(sizeof(T) == 2, "16-bit tiles");
+    static_assert(THREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "every thread keeps one chunk column");
+    const T* src;   // the thread's chunk of its first row at key 0
+    int64 step;     // ROW_STEP rows of the tensor, in elements
+    int chunk, first_row;
+
+    __device__ __forceinline__ ScoreChunkCopy(const ScoreTensor& t, int batch, int head, int row0, int thread)
+        : chunk(thread % CHUNKS), first_row(thread / CHUNKS) {
+        src = t.at<T>(batch, head, row0 + first_row, 8 * chunk);
+        step = ROW_STEP * t.row_stride;
+    }
+
+    // Keys [col0, col0 + COLS) (col0 a multiple of 8) into the tile at `smem`; rows past
+    // rows_valid and keys past cols_valid are zeros (a chunk the sequence end cuts is
+    // copied in part: cp.async's source size). `valid` is any readable address (given
+    // as the source of chunks that read nothing).
+    __device__ __forceinline__ void copy(unsigned smem, int col0, int rows_valid, int cols_valid,
+                                         const void* valid) const {
+        const int src_bytes = 2 * imax(0, imin(8, cols_valid - 8 * chunk));   // 16, a cut chunk's head, or 0
+        const T* p = src + col0;
+#pragma unroll 1
+        for (int row = first_row; row < ROWS; row += ROW_STEP, p += step) {
+            const int n = row < rows_valid ? src_bytes : 0;
+            cp_async_16_head(smem + sw_chunk_offset<COLS>(row, chunk), n ? p : valid, n);
+        }
+    }
+};

@@ -42,6 +42,13 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
 
+// One arrival, made by the hardware once every cp.async (non-bulk) this thread issued
+// before it has landed; counted against the barrier's expected arrivals (.noinc). The
+// waiters then see those copies.
+__device__ __forceinline__ void mbar_arrive_on_cp_async(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+
 // Spin until the phase of parity `parity` has completed (acquire: the copies and the
 // writes released by its arrivals are visible afterwards).
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {

@@ -176,6 +176,18 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[N / 8][4], const float
     warp_gemm_strips_rn<T, 1, N, K, PB>(one_strip(acc), reinterpret_cast<const float (&)[1][K / 8][4]>(p), b, lane);
 }
 
+// s = s * scale + bias * log2(e) for the two n8 tiles 2g, 2g + 1 of column group g, from
+// the four registers of one ldmatrix.x4 of the bias (layout below).
+template <typename T, int N>
+__device__ __forceinline__ void scale_add_bias_group(float (&s)[N / 8][4], int g, const unsigned (&r)[4], float scale) {
+    const float log2e = float(LOG2E);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            s[2 * g + h][i] = s[2 * g + h][i] * scale + unpack_half<T>(r[2 * h + i / 2], i % 2) * log2e;
+}
+
 // s = s * scale + bias * log2(e) on one warp's 16 x N fp32 C fragments, the bias a
 // 16 x N tile of 16-bit values, row-major in shared memory with pitch P, read
 // straight into fragment positions: one ldmatrix.x4 per 16 columns (4 registers
@@ -187,17 +199,32 @@ template <typename T, int N, int P, bool TRANS>
 __device__ __forceinline__ void scale_add_bias_frags(float (&s)[N / 8][4], const T* tile, int lane, float scale) {
     static_assert(N % 16 == 0, "whole 16-column groups");
     const unsigned addr = TRANS ? bt_lane_addr<T, P>(tile, lane) : a_lane_addr<T, P>(tile, lane);
-    const float log2e = float(LOG2E);
 #pragma unroll
     for (int g = 0; g < N / 16; ++g) {
         unsigned r[4];
         if (TRANS) ldmatrix_x4_trans(r, addr + g * 16 * P * int(sizeof(T)));
         else ldmatrix_x4(r, addr + g * 16 * int(sizeof(T)));
+        scale_add_bias_group<T, N>(s, g, r, scale);
+    }
+}
+
+// The same from a 16-bit tile in tile_io.cuh's swizzled layout (sw_chunk_offset: rows of
+// N elements, chunk c of row r at chunk c ^ (r % 8)): `strip` is the shared address of
+// the warp's first row, a multiple of 8 rows into the tile. ldmatrix.x4 at column
+// group g reads chunk 2g + lane / 16 of row lane % 16, stored at chunk
+// (2g + lane / 16) ^ (lane % 8) = 2g ^ y with y = (lane / 16) ^ (lane % 8) (2g is even,
+// lane / 16 is bit 0): its byte offset in the row is (32 g) ^ (16 y), which repeats
+// every 4 groups, 128 bytes on.
+template <typename T, int N>
+__device__ __forceinline__ void scale_add_bias_frags_sw(float (&s)[N / 8][4], unsigned strip, int lane, float scale) {
+    static_assert(N % 64 == 0, "whole groups of 8 chunks a row");
+    const unsigned row = strip + (lane % 16) * N * int(sizeof(T));
+    const unsigned y16 = 16 * ((lane / 16) ^ (lane % 8));
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                s[2 * g + h][i] = s[2 * g + h][i] * scale + unpack_half<T>(r[2 * h + i / 2], i % 2) * log2e;
+    for (int g = 0; g < N / 16; ++g) {
+        unsigned r[4];
+        ldmatrix_x4(r, row + (((32 * g) % 128) ^ y16) + 128 * (g / 4));
+        scale_add_bias_group<T, N>(s, g, r, scale);
     }
 }
 

@@ -49,13 +49,13 @@ class Problem:
                                         dbias=self.extra, cc=self.cc)]   # variant_options() has a bias
 
 
-def variant_options(seed: int) -> dict:
-    """The EXTRA problems' options: a bias shared by the batch (its gradient crosses CTAs:
-    atomics, or turns when deterministic), key padding, and dropout."""
+def variant_options(seed: int, lk: int = LK) -> dict:
+    """The EXTRA problems' options for ``lk`` keys: a bias shared by the batch (its gradient
+    crosses CTAs: atomics, or turns when deterministic), key padding, and dropout."""
     rng = np.random.default_rng(seed)
-    mask = np.ones((BATCH, 1, 1, LK), dtype=bool)
-    mask[0, :, :, LK - 40:] = False          # batch 0: the last 40 keys are padding (a whole 32-key tile too)
-    return dict(bias=rng.standard_normal((1, HEADS_Q, LQ, LK)), mask=mask, dropout_p=0.125, seed=seed)
+    mask = np.ones((BATCH, 1, 1, lk), dtype=bool)
+    mask[0, :, :, lk - 40:] = False          # batch 0: the last 40 keys are padding (a whole 32-key tile too)
+    return dict(bias=rng.standard_normal((1, HEADS_Q, LQ, lk)), mask=mask, dropout_p=0.125, seed=seed)
 
 
 def problem_for(v: Variant) -> Problem:
@@ -72,10 +72,14 @@ def problem_for(v: Variant) -> Problem:
     if v.family == "bwd_convert_dq":
         deterministic = False
     # A dV-only pass (pass_ 1) never adds dQ itself, but runs in atomic-dQ plans too.
-    # A Hopper forward with a key threshold gets just past it (an odd tile edge too).
+    # A Hopper forward with a key threshold gets just past it (an odd tile edge too); with EXTRA
+    # its keys are a multiple of 8, so that the bias's rows are 16-byte chunks (the Hopper
+    # forward copies no other bias: _masking.rows_in_chunks) and still end inside a tile.
     lk = LK
     if v.family == "fwd_wgmma" and head in HOPPER_FWD_MIN_KEYS:
         lk = HOPPER_FWD_MIN_KEYS[head] + 2
+    if v.family == "fwd_wgmma" and v.extra:
+        lk = -(-lk // 8) * 8
     for det, limit in itertools.product((deterministic, not deterministic), sorted(SMEM_LIMITS.values(), reverse=True)):
         p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc, lk)
         try:

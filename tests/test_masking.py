@@ -292,3 +292,30 @@ def test_dbias_kernel_plan(shape, tiles, walk, sm_count, monkeypatch):
     plan.acc[...] = 1.0
     got = plan.result(p, _masking.Options(bias=bias))
     assert got.shape == bias.shape and (got == splits).all()
+
+
+def test_bias_rows_in_chunks(monkeypatch):
+    """Which biases the Hopper forward copies, by 16-byte chunks of their rows (_masking.rows_in_chunks:
+    unit key stride, 16-byte aligned start, batch, head and row strides); for any other the launcher
+    takes the portable forward. Views are (ptr, batch, head, row, col strides) in elements, 16-bit."""
+    ok = _masking.rows_in_chunks
+    assert ok((0, 0, 0, 4096, 1), 2)                  # (1, 1, L, L), L a multiple of 8
+    assert ok((32, 4096, 0, 0, 1), 2)                 # (B, 1, 1, L): one row a batch, broadcast over rows
+    assert ok((0, 16 * 100 * 136, 100 * 136, 136, 1), 2)
+    assert not ok((0, 0, 0, 130, 1), 2)               # rows 260 bytes apart
+    assert not ok((8, 0, 0, 4096, 1), 2)              # a start 8 bytes off
+    assert not ok((0, 0, 100 * 130 + 4, 136, 1), 2)   # a head stride off
+    assert not ok((0, 0, 0, 1, 4096), 2)              # a transposed view
+    assert not ok((0, 0, 0, 8, 0), 2)                 # constant along keys (stride 0)
+    # Through kernel_masking, as the launcher sees it (NumPy arrays stand in for CuPy's: pointer 0).
+    monkeypatch.setattr(_masking, "_broadcast_view", lambda x4, full: (0,) + tuple(
+        0 if n == 1 and f != 1 else s // x4.itemsize for n, f, s in zip(x4.shape, full, x4.strides)))
+    for lk, chunks in ((136, True), (130, False)):
+        q, k, v, _ = (x.astype(np.float16) for x in _qkv(b=2, hq=4, hk=2, lq=100, lk=lk))
+        p = check_qkv(q, k, v)
+        for shape in ((1, 1, 100, lk), (2, 1, 1, lk), (4, 100, lk)):
+            opts = _masking.check_options(p, bias=np.ones(shape, dtype=np.float32))   # cast to q's dtype first
+            assert _masking.kernel_masking(p, opts).bias_in_chunks == chunks, (lk, shape)
+        opts = _masking.check_options(p, bias=np.ones((1, 1, lk, 100), dtype=np.float16).swapaxes(-1, -2))
+        assert not _masking.kernel_masking(p, opts).bias_in_chunks
+        assert _masking.kernel_masking(p, _masking.check_options(p, mask=np.ones((1, 1, 1, lk), bool))).bias_in_chunks

@@ -191,3 +191,151 @@ def test_matches_torch_sdpa_attn_mask(dtype, kind):
     theirs = theirs.float().cpu().numpy()
     tol = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-5}[dtype]
     assert np.abs(ours - theirs).max() < tol * (1 + np.abs(theirs).max())
+
+
+# --------------------------------------------------------------------------- the Hopper forward (sm_90a)
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The variants launched during the test, in order; skips off compute capability 9.0."""
+    from cuflash import _launch
+
+    if _launch._compute_capability() != 90:
+        pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
+    seen = []
+    real = _launch._launch
+    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (seen.append(variant), real(variant, *a, **kw)))
+    return seen
+
+
+# More keys than head dim 64's threshold (HOPPER_FWD_MIN_KEYS), a multiple of 8 (the bias's rows are
+# then 16-byte chunks: _masking.rows_in_chunks), and tile edges inside the last query and key blocks.
+HOPPER_LQ, HOPPER_LK = 333, 1096
+
+
+def _hopper_options(kind: str, seed: int) -> dict:
+    lq, lk = HOPPER_LQ, HOPPER_LK
+    rng = np.random.default_rng(seed)
+    pad = np.ones((B, 1, 1, lk), dtype=bool)
+    pad[0, ..., lk - 300:] = False
+    pad[1, ..., lk - 5:] = False
+    layout = rng.random((HQ, -(-lq // 64), -(-lk // 64))) < 0.4
+    layout[0, :4] = False      # head 0: query rows 0-255 see nothing (whole Hopper query blocks: Q never loaded)
+    return {
+        "pair bias (1,1,L,L)": dict(bias=rng.standard_normal((1, 1, lq, lk))),
+        "key bias (B,1,1,L)": dict(bias=rng.standard_normal((B, 1, 1, lk))),
+        "head bias (H,L,L)": dict(bias=rng.standard_normal((HQ, lq, lk))),
+        "key padding": dict(mask=pad),
+        "random mask": dict(mask=rng.random((B, HQ, lq, lk)) < 0.3),
+        "empty rows": dict(mask=np.where(np.arange(lq)[:, None] % 7 == 0, False, rng.random((lq, lk)) < 0.5)),
+        "dropout": dict(dropout_p=0.2, seed=seed),
+        "block sparse": dict(block_layout=cuflash.BlockLayout(layout, 64)),
+        "all": dict(bias=rng.standard_normal((1, HQ, lq, lk)), mask=pad, window=(300, 40), dropout_p=0.1, seed=3,
+                    block_layout=cuflash.BlockLayout(layout, 64)),
+    }[kind]
+
+
+HOPPER_KINDS = ["pair bias (1,1,L,L)", "key bias (B,1,1,L)", "head bias (H,L,L)", "key padding", "random mask",
+                "empty rows", "dropout", "block sparse", "all"]
+
+
+@pytest.mark.parametrize("kind", HOPPER_KINDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d, causal", [(64, False), (64, "bottom_right"), (128, True), (128, False),
+                                       (256, "bottom_right")])
+def test_hopper_forward_with_masking_options(kind, dtype, d, causal, launched):
+    """On compute capability 9.0 the forward with a bias, a boolean mask, dropout or a block layout runs the
+    wgmma kernel (EXTRA), at head dims 64 (three consumer warpgroups), 128 and 256, both causal alignments;
+    within the error budget of the reference, rows that see nothing give 0 and lse = -inf."""
+    seed = hash((dtype, kind, str(causal), d)) % 2**31
+    check_masked(dtype, B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d, causal, seed, _hopper_options(kind, seed),
+                 backward=False)
+    assert [(v.family, v.extra) for v in launched] == [("fwd_wgmma", True)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_dropout_drops_what_the_portable_forward_drops(dtype, d, launched, monkeypatch):
+    """Dropout on the Hopper forward keeps exactly the elements the portable forward keeps on the same seed
+    (and the reference's Philox): the backward, which is portable, regenerates that mask. V is one-hot on a
+    window of d keys a head (the other keys masked), so out[b, h, i, c] != 0 exactly where key c0_h + c is
+    kept; the windows sit at keys 0 and 776, two places in Philox's key counter."""
+    from cuflash import _launch
+
+    b, hq, hk, lq, lk, p_drop, seed = 2, 2, 1, 300, HOPPER_LK, 0.3, 12345
+    c0 = (0, 776)
+    rng = np.random.default_rng(d)
+    q = rng.standard_normal((b, hq, lq, d)) * 0.3        # flat scores: no probability near underflow
+    k = rng.standard_normal((b, hk, lk, d))
+    v = np.zeros((b, hk, lk, d))
+    mask = np.zeros((1, hq, 1, lk), dtype=bool)
+    for h, c in enumerate(c0):
+        mask[0, h, 0, c:c + d] = True
+        v[:, :, c:c + d, :] = np.eye(d)
+    dev = [cp.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v)]
+    kept = {}
+    for cc in (90, 80):
+        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        launched.clear()
+        out = cp.asnumpy(cuflash.attention(*dev, mask=cp.asarray(mask), dropout_p=p_drop, seed=seed)).astype(np.float32)
+        assert [x.family for x in launched] == ["fwd_wgmma" if cc == 90 else "fwd_mma"]
+        assert np.isfinite(out).all()
+        kept[cc] = out != 0
+    np.testing.assert_array_equal(kept[90], kept[80])
+    rows, cols = np.arange(lq)[:, None], np.arange(d)[None, :]
+    ref = np.stack([np.stack([reference.dropout_keep(seed, p_drop, bb, h, rows, c0[h] + cols) for h in range(hq)])
+                    for bb in range(b)]) > 0
+    np.testing.assert_array_equal(kept[90], ref)
+    assert 0.6 < kept[90].mean() < 0.8
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_forward_takes_the_portable_kernel_for_a_bias_not_in_chunks(dtype, launched):
+    """The Hopper forward copies a bias by 16-byte chunks of its rows; a bias whose rows are not (1100 keys
+    of 16 bits: 2200-byte rows; a transposed view) runs the portable forward, within the same budget, and
+    a transposed view gives bitwise what the same bias made contiguous gives there."""
+    lq, d = 200, 128
+    for lk, family in ((1096, "fwd_wgmma"), (1100, "fwd_mma")):
+        launched.clear()
+        check_masked(dtype, B, HQ, HK, lq, lk, d, d, True, lk, dict(bias=np.random.default_rng(lk).standard_normal(
+            (1, 1, lq, lk))), backward=False)
+        assert [x.family for x in launched] == [family]
+    rng = np.random.default_rng(3)
+    (_, _, _, _), (qd, kd, vd, _) = make_grad_inputs(rng, dtype, B, HQ, HK, lq, 1096, d, d)
+    dense = cp.asarray(rng.standard_normal((1, 1, lq, 1096)).astype(DTYPES[dtype]))
+    view = cp.ascontiguousarray(dense.swapaxes(-1, -2)).swapaxes(-1, -2)
+    results = []
+    for bias in (view, dense):
+        launched.clear()
+        results.append(cuflash.attention_forward(qd, kd, vd, bias=bias))
+    assert [x.family for x in launched] == ["fwd_wgmma"]   # the dense one; the view took the portable kernel
+    out_view, out_dense = (cp.asnumpy(o).astype(np.float64) for o, _ in results)
+    assert np.abs(out_view - out_dense).max() <= 2e-2 * np.abs(out_dense).max()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_forward_huge_logits_and_empty_rows(dtype, d, launched, monkeypatch):
+    """Logits in the thousands with a bias, and rows whose every key is masked: the Hopper forward's output
+    is finite, empty rows give 0 and lse = -inf, and it agrees with the portable forward."""
+    from cuflash import _launch
+
+    rng = np.random.default_rng(d)
+    lq, lk = 150, HOPPER_LK
+    q = cp.asarray((rng.standard_normal((B, HQ, lq, d)) * 60).astype(DTYPES[dtype]))
+    k, v = (cp.asarray(rng.standard_normal((B, HK, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+    bias = cp.asarray((rng.standard_normal((1, 1, lq, lk)) * 100).astype(DTYPES[dtype]))
+    mask = cp.asarray(np.where(np.arange(lq)[:, None] % 5 == 0, False, rng.random((lq, lk)) < 0.7))
+    results = {}
+    for cc in (90, 80):
+        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        launched.clear()
+        out, lse = cuflash.attention_forward(q, k, v, bias=bias, mask=mask)
+        assert [x.family for x in launched] == ["fwd_wgmma" if cc == 90 else "fwd_mma"]
+        results[cc] = cp.asnumpy(out).astype(np.float64), cp.asnumpy(lse)
+    (out, lse), (out_p, lse_p) = results[90], results[80]
+    empty = np.arange(lq) % 5 == 0
+    assert np.isfinite(out).all() and (out[:, :, empty] == 0).all()
+    assert np.isneginf(lse[:, :, empty]).all() and np.isfinite(lse[:, :, ~empty]).all()
+    np.testing.assert_allclose(lse[:, :, ~empty], lse_p[:, :, ~empty], rtol=1e-5)
+    assert np.abs(out - out_p).max() <= 2e-2 * max(1.0, np.abs(out_p).max())

@@ -93,11 +93,21 @@ def test_selection_rules():
 
 def test_hopper_selection():
     """Compute capability 9.0 takes the wgmma forward for 16-bit calls with 16-byte loadable rows at the
-    head dims it has tiles for; everything else, and every other GPU, the portable path."""
+    head dims it has tiles for, with the EXTRA options (bias, mask, dropout, block layout) too; everything
+    else, and every other GPU, the portable path."""
     v = V.forward_variant("bfloat16", 128, band=True, vec=True, cc=90)
     assert (v.family, v.arch, v.nvrtc_arch) == ("fwd_wgmma", "sm90a", "sm_90a")
     assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
-    assert V.forward_variant("float16", 128, band=False, extra=True, vec=True, cc=90).family == "fwd_mma"
+    for head in (64, 128, 256):
+        x = V.forward_variant("float16", head, band=True, extra=True, vec=True, cc=90)
+        assert (x.family, x.extra, x.band) == ("fwd_wgmma", True, True)
+        assert x.tile == V.forward_variant("float16", head, band=True, vec=True, cc=90).tile   # the plain tile
+        assert x.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+        # ... not where the keys are too few (head dim 64), nor on another GPU or without 16-byte rows
+        assert V.forward_variant("float16", head, band=False, extra=True, vec=True, cc=90,
+                                 short=V.few_keys(head, 1024)).family == ("fwd_mma" if head == 64 else "fwd_wgmma")
+        assert V.forward_variant("float16", head, band=False, extra=True, vec=True, cc=80).family == "fwd_mma"
+        assert V.forward_variant("float16", head, band=False, extra=True, vec=False, cc=90).family == "fwd_mma"
     assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_wgmma"
     # Too few keys for the Hopper forward at head dim 64 (HOPPER_FWD_MIN_KEYS); none at 128.
     assert V.few_keys(64, 1024) and not V.few_keys(64, 1025) and not V.few_keys(128, 1)
