@@ -273,7 +273,9 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         mbar_arrive(sm.k_empty(stage));   // this thread's wgmmas are done with K_j
 
         const int n0 = j * BN;
-        const bool partial = mod.tile_is_partial(warp_row0, 16, n0, BN);
+        // Per warp (its 16 rows): where a block layout's blocks are not multiples of BM, a block's
+        // rows straddle layout rows, and a warp may see none of a tile the CTA loads.
+        const int kind = mod.classify(warp_row0, 16, n0, BN);
         auto coord = [=](int n, int i, int& row, int& col) {
             row = warp_row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
@@ -285,9 +287,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                                                mod.scale_log2);
                 mbar_arrive(sm.bias_empty(stage));
             }
-            apply_score_mod_bits(s[0], mod, partial, coord);   // the per-element tests in a loop: registers
+            // the per-element tests in a loop (registers), none where the warp sees nothing
+            apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
         } else {
-            apply_score_mod(s[0], mod, partial, coord);
+            apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
         }
         // acc_o is still being written: its correction waits for the P V product.
         float correction[2];

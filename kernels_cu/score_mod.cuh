@@ -310,8 +310,12 @@ __device__ __forceinline__ bool frag_bit(unsigned long long bits, int n, int i) 
 // apply_score_mod's tensor-core form (the caller formed x already where there is a bias):
 // a partial tile's test (allowed) as bits, then masked scores -inf, the others scaled
 // unless already x.
+// `unseen`: the caller knows that no element is allowed (classify said TILE_SKIP for these
+// rows, e.g. a layout's off block under a query block that straddles layout rows), which
+// spares the per-element test its layout and mask reads.
 template <typename Mod, int N, typename Coord>
-__device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod& mod, bool partial, Coord coord) {
+__device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod& mod, bool partial, Coord coord,
+                                                     bool unseen = false) {
     const bool scaled = mod.has_bias() || mod.scores_stay_raw();
     if (!partial) {
         if (!scaled)
@@ -323,7 +327,7 @@ __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod
     }
     unsigned long long allowed = 0;
 #pragma unroll 1
-    for (int e = 0; e < 4 * N; ++e) {
+    for (int e = 0; e < (unseen ? 0 : 4 * N); ++e) {
         int row, col;
         coord(e / 4, e % 4, row, col);
         allowed |= (unsigned long long)mod.allowed(row, col) << e;
