@@ -125,7 +125,8 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     hopper = next((v_ for v_ in plan if v_.family == "bwd_dkdv_wgmma"), None)
     hopper_maps = None
     if hopper is not None:   # (atomic dQ: dq_acc exists) its tensor maps, or the portable plan (see launch_forward)
-        hopper_maps = _tma.bwd_tensor_maps(q, dout, k, v, dq_acc, hopper.tile.block_m, hopper.tile.block_n)
+        hopper_maps = (_tma.bwd_tensor_maps(q, dout, k, v, dq_acc, hopper.tile.block_m, hopper.tile.block_n)
+                       if masking.bias_in_chunks else None)
         if hopper_maps is None:
             plan, hopper = choose(cc=MIN_COMPUTE_CAPABILITY), None
     dbias = None

@@ -188,11 +188,17 @@ _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and tw
 # Hopper backward (flash_bwd_wgmma.cu, arch "sm90a"): dK, dV and atomic dQ. A TMA producer warp and
 # two consumer warpgroups of 64 keys (a CTA per 128-key block); S^T, dP^T, dV, dK and dQ on wgmma,
 # dQ as a 64 x 64 block per warpgroup: d=64 takes 128-query steps (dQ split by rows), d=128 64-query
-# steps (split by columns). Non-EXTRA, non-deterministic calls only (backward_variants).
+# steps (split by columns). Non-deterministic calls only (backward_variants); EXTRA at head dims 64 and
+# 128 (helper branch bwd-extra, NOT RUN ON A GPU yet): a swizzled bias tile per Q/dO stage, copied by two
+# producer warps; at d=64 two 32 KB bias stages beside the 128-query steps' buffers would be 258 KB, so
+# EXTRA takes 64-query steps there (dQ split by keys: both warpgroups add into one 64 x 64 block).
 _add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
                                                               "keys, 128-query steps: 194 KB"), arch="sm90a")
 _add("bwd_dkdv_wgmma", HALF_TYPES, [128], Tile(64, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
                                                                "keys, 64-query steps: 193 KB"), arch="sm90a")
+_add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(64, 128, 12, 2, "EXTRA: 64-query steps, dQ split by keys; two bias "
+                                                              "stages: 161 KB (128-query steps: 258 KB)"),
+     arch="sm90a", extra=True)
 # Head dim 256 (helper branch bwd256, NOT RUN ON A GPU yet): dK + dV of 64 keys over all 256 columns
 # would be 256 accumulator registers a consumer thread (of 232), so both consumer warpgroups own the
 # block's 64 keys and split dK, dV and dQ by columns (128 each: 64 + 64 registers); S^T (warpgroup 0)
@@ -394,11 +400,13 @@ def _smem_dkdv_wgmma(v: "Variant") -> int:
     # Swizzled K, V once; Q, dO and the row statistics (lse, Dsum: fp32) per stage; dS^T twice;
     # the two consumer warpgroups' 64 x 64 fp32 dQ blocks; 1024 bytes of alignment slack;
     # mbarriers: K/V full, and full / empty per stage. Head dim 256 (DkdvWgmmaTraits::SPLIT_HEAD):
-    # P^T twice as well, and no dQ blocks (staged in the step's Q and dO tiles).
+    # P^T twice as well, and no dQ blocks (staged in the step's Q and dO tiles). EXTRA: a swizzled
+    # block_m x block_n bias tile per stage (covered by the stage's own barriers).
     t = v.tile
     split_head = v.head == 256
     ds = (2 if split_head else 1) * 2 * t.block_n * t.block_m
-    tiles = (2 * t.block_n * v.head + 2 * t.stages * t.block_m * v.head + ds) * ITEMSIZE[v.dtype]
+    bias = t.stages * t.block_m * t.block_n if v.extra else 0
+    tiles = (2 * t.block_n * v.head + 2 * t.stages * t.block_m * v.head + ds + bias) * ITEMSIZE[v.dtype]
     dq_stage = 0 if split_head else 2 * 64 * 64 * 4
     return 1024 + tiles + dq_stage + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
 
@@ -625,6 +633,12 @@ HOPPER_CC = 90
 """The compute capability whose GPUs (H100, H200) take the sm90a variants."""
 
 
+HOPPER_BWD_EXTRA_HEADS = (64, 128)
+"""Head dims at which the Hopper dK/dV kernel takes EXTRA options (bias, mask, dropout, block layout).
+At 256 its 226 KB of shared memory leave no room for the bias stages (2 x 8 KB): EXTRA calls stay on
+the portable kernels there (branch bwd-extra, NOT RUN ON A GPU yet)."""
+
+
 HOPPER_FWD_MIN_KEYS = {64: 1025}
 """Head dim -> the fewest keys for which the Hopper forward is chosen. Each of its blocks starts
 and drains its pipeline alone (one CTA an SM), so short rows favour the portable kernel: at head
@@ -671,8 +685,11 @@ def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False,
                       smem_limit: int = SMEM_MAX, dbias: bool = False, cc: int = 80) -> Tuple[Variant, ...]:
     """The backward kernels for one call, in launch order (see :func:`forward_variant`);
     ``dbias``: the call wants a bias's gradient (``extra`` then holds). On Hopper (``cc`` 90)
-    16-bit calls with 16-byte loadable rows, no EXTRA option and atomic dQ take the wgmma
-    dK/dV kernel where the table has one."""
+    16-bit calls with 16-byte loadable rows and atomic dQ take the wgmma dK/dV kernel where the
+    table has one, EXTRA options included at the head dims of :data:`HOPPER_BWD_EXTRA_HEADS`
+    (dbias then comes from the portable dbias kernel, which recomputes dS). The launcher still
+    takes the portable plan where tensor maps cannot describe the arrays or a bias's rows are
+    not 16-byte chunks (_launch.launch_backward)."""
     return tuple(v.fitted(smem_limit)
                  for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit, cc))
 
@@ -684,10 +701,12 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
     atomic = not deterministic
     flags = dict(band=band, extra=extra)
     plan = [Variant("bwd_dsum", dtype, 0)]
-    if (cc == HOPPER_CC and vec and not extra and atomic
+    if (cc == HOPPER_CC and vec and atomic and (not extra or head in HOPPER_BWD_EXTRA_HEADS)
             and ("sm90a", "bwd_dkdv_wgmma", dtype, head) in _TABLE):
-        return plan + [Variant("bwd_dkdv_wgmma", dtype, head, band=band, arch="sm90a"),
-                       Variant("bwd_convert_dq", dtype, 0)]
+        plan.append(Variant("bwd_dkdv_wgmma", dtype, head, band=band, extra=extra, arch="sm90a"))
+        if dbias:
+            plan.append(Variant("bwd_dbias_mma", dtype, head, vec=vec, **flags))
+        return plan + [Variant("bwd_convert_dq", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
         plan += _dkdv_plan(dtype, head, vec, atomic, smem_limit, **flags)
         if deterministic:

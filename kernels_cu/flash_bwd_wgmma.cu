@@ -53,12 +53,22 @@
 // buffered: each warpgroup has waited for all its step-t products before it reaches the barriers
 // of step t + 1, so buffer t % 2 is free again at step t + 2.
 //
-// dK = scale sum dS^T Q and dV leave from registers at the end. No EXTRA option (bias, mask,
-// dropout, block layout): those take the portable kernels, as does the deterministic dQ.
+// dK = scale sum dS^T Q and dV leave from registers at the end. The deterministic dQ takes the
+// portable kernels.
+//
+// EXTRA (bias, mask, dropout, block layout; head dims 64 and 128, branch bwd-extra, NOT yet run on a
+// GPU): the portable kernel's policy (flash_bwd_mma.cu) on S^T, whose rows are keys. Producer warps 2-3
+// copy each step's [query][key] bias tile into a swizzled stage beside Q / dO (the Hopper forward's
+// machinery, arriving on the same full barrier), warp 1 loads the row statistics; the consumers read
+// the bias transposed into S^T's fragments (ldmatrix.trans), mask partial strips per element, and draw
+// dropout's keep bits from the same Philox stream (dropout_frag_bits_t). Steps a block layout hides
+// are given back unformed. dbias comes from the portable dbias kernel. Head dim 64 takes 64-query
+// steps there (two bias stages beside 128-query steps would not fit), with dQ split by keys.
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
+#include "tile_io.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 #include "softmax.cuh"
@@ -79,22 +89,33 @@ struct DkdvWgmmaTraits {
     // (the file's head); otherwise each owns 64 keys and all columns.
     static constexpr bool SPLIT_HEAD = HEAD == 256;
     static constexpr int WG_COLS = SPLIT_HEAD ? HEAD / 2 : HEAD;   // dK / dV columns of a consumer warpgroup
+    static constexpr bool EXTRA_OPTIONS = EXTRA;
     static constexpr int SLABS = HEAD / 64;               // 64-column swizzle slabs of a Q / dO / K / V row
     static constexpr int Q_BYTES = BM * HEAD * int(sizeof(T));    // one Q or dO stage
     static constexpr int KV_BYTES = BN * HEAD * int(sizeof(T));   // K or V
     static constexpr int DS_BYTES = BN * BM * int(sizeof(T));     // one dS^T buffer: BM / 64 slabs of BN keys
     static constexpr int PT_BYTES = SPLIT_HEAD ? DS_BYTES : 0;    // one P^T buffer (exchanged as dS^T is)
     static constexpr int STATS_BYTES = 2 * BM * int(sizeof(float));   // lse_log2 and Dsum of one stage
+    // EXTRA: the step's BM x BN bias tile ([query][key], tile_io.cuh's swizzled layout) in each stage,
+    // copied by BIAS_LOADERS producer threads (warps 2 and 3; warp 0 drives the copy engine, warp 1 loads
+    // the row statistics) as the
+    // Hopper forward does. Head dim 64 then takes 64-query steps: at 128, two 32 KB bias stages
+    // would not fit beside its dS^T buffers and dQ staging (258 KB).
+    static constexpr int BIAS_BYTES = EXTRA ? BM * BN * int(sizeof(T)) : 0;
+    static constexpr int BIAS_LOADERS = 64, FIRST_BIAS_LOADER = 64;
     // dQ staging: each consumer warpgroup's 64 x 64 fp32 block as two swizzled 32-column boxes
     // (SPLIT_HEAD stages in the step's Q and dO tiles instead: no room for 64 KB more).
     static constexpr int DQ_BOX_BYTES = 64 * 128, DQ_STAGE_BYTES = SPLIT_HEAD ? 0 : 2 * 2 * DQ_BOX_BYTES;
     // dQ per consumer warpgroup c (not SPLIT_HEAD): a 64 x 64 block of the BM x HEAD product, rows
     // 64 c.. (BM 128) or columns 64 c.. (HEAD 128).
+    // At head dim 64 with 64-query steps (EXTRA) the product is one 64 x 64 block: warpgroup c forms the
+    // part over its own 64 keys (dS[:, 64 c..] K[64 c.., :]) and both add theirs into the same block.
     static constexpr bool DQ_SPLIT_ROWS = BM == 128;
+    static constexpr bool DQ_SPLIT_KEYS = !SPLIT_HEAD && HEAD == 64 && BM == 64;
     // Barriers after the tiles: K/V full, then full / empty per stage.
     static constexpr int BARRIERS = 1 + 2 * STAGES;
     static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + 2 * PT_BYTES
-                                      + DQ_STAGE_BYTES;
+                                      + DQ_STAGE_BYTES + STAGES * BIAS_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + STAGES * STATS_BYTES + 8 * BARRIERS;
     // The producer warpgroup keeps 40 registers a thread, the consumers take 232: the CTA holds
@@ -103,12 +124,15 @@ struct DkdvWgmmaTraits {
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
-    static_assert(!EXTRA, "bias, mask, dropout and block layouts take the portable kernel");
+    static_assert(!EXTRA || !SPLIT_HEAD, "head dim 256 with EXTRA takes the portable kernels: its 226 KB leave no "
+                                         "room for bias stages");
+    static_assert(FIRST_BIAS_LOADER >= 64 && FIRST_BIAS_LOADER + BIAS_LOADERS <= 128,
+                  "the bias loaders are producer warps other than the copy engine's and the statistics'");
     static_assert(WARPS == 12 && BN == (SPLIT_HEAD ? 64 : 128),
                   "a producer and two consumer warpgroups: of 64 keys each, or (SPLIT_HEAD) both of the block's 64");
-    static_assert(SPLIT_HEAD ? BM == 64 : (HEAD == 64 && BM == 128) || (HEAD == 128 && BM == 64),
-                  "dQ: a 64 x 64 block per consumer warpgroup, split by rows (BM 128) or columns (HEAD 128); "
-                  "SPLIT_HEAD: 64-query steps");
+    static_assert(SPLIT_HEAD ? BM == 64 : (HEAD == 64 && (BM == 128 || BM == 64)) || (HEAD == 128 && BM == 64),
+                  "dQ: a 64 x 64 block per consumer warpgroup, split by rows (BM 128), columns (HEAD 128) or "
+                  "keys (HEAD 64, BM 64); SPLIT_HEAD: 64-query steps");
     static_assert(!SPLIT_HEAD || BM * 128 == DQ_BOX_BYTES, "SPLIT_HEAD: a dQ box fills one 64-column slab of Q or dO");
     static_assert(STAGES >= 2 && STAGES <= 4, "Q/dO tiles: a ring of 2-4 stages");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
@@ -126,15 +150,17 @@ template <typename Tr>
 struct BwdWgmmaSmem {
     unsigned char* raw;
     unsigned base;
-    unsigned k, v, q, dout, ds, pt, dq, stats, bars;
+    unsigned k, v, q, dout, ds, pt, dq, bias, stats, bars;
     __device__ __forceinline__ unsigned char* at(unsigned addr) const { return raw + (addr - base); }
     __device__ __forceinline__ unsigned q_tile(int stage) const { return q + stage * Tr::Q_BYTES; }
     __device__ __forceinline__ unsigned do_tile(int stage) const { return dout + stage * Tr::Q_BYTES; }
     __device__ __forceinline__ unsigned ds_tile(int buffer) const { return ds + buffer * Tr::DS_BYTES; }
     __device__ __forceinline__ unsigned pt_tile(int buffer) const { return pt + buffer * Tr::PT_BYTES; }
     __device__ __forceinline__ unsigned dq_stage(int consumer) const { return dq + consumer * 2 * Tr::DQ_BOX_BYTES; }
+    __device__ __forceinline__ unsigned bias_tile(int stage) const { return bias + stage * Tr::BIAS_BYTES; }
     __device__ __forceinline__ unsigned kv_full() const { return bars; }
-    // Q, dO (copy engine bytes plus the producer warp's 32 stat arrivals) of one stage.
+    // Q, dO (copy engine bytes plus the producer warp's 32 stat arrivals) of one stage; with EXTRA and a
+    // bias also the bias loaders' arrivals (one each, when its copies have landed).
     __device__ __forceinline__ unsigned full(int stage) const { return bars + 8 * (1 + 2 * stage); }
     __device__ __forceinline__ unsigned empty(int stage) const { return bars + 8 * (2 + 2 * stage); }
 };
@@ -158,11 +184,20 @@ struct KeyBlockSteps {
         if (++block == m_blocks) block = 0, ++head;
     }
     __device__ __forceinline__ int m0(int block) const { return (begin + block) * BM; }
+    // EXTRA: whether the step at query block m0 of head mod.head sees none of the block's keys (a block
+    // layout's TILE_SKIP, as the portable kernel's next_step). Only the consumers ask: the producer
+    // threads (40 registers, which classify's layout walk overflowed) load every step, and the
+    // consumers give a hidden step's stage straight back.
+    template <typename Mod>
+    __device__ __forceinline__ bool hidden(const Mod& mod, const KeyBlock& blk, int m0) const {
+        return mod.classify(m0, imin(BM, mod.lq - m0), blk.n0, blk.keys) == TILE_SKIP;
+    }
 };
 
 // The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
-// statistics (all lanes) into stage t % STAGES once the consumers have emptied it.
-template <typename Tr>
+// statistics (all lanes; with EXTRA the bias loaders' job: STATS false) into stage t % STAGES once
+// the consumers have emptied it.
+template <typename Tr, bool STATS = true>
 __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdTensorMaps& maps,
                                               const BwdParams& p, const KeyBlock& blk,
                                               const KeyBlockSteps<Tr::BM>& steps) {
@@ -181,10 +216,67 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
             tma_load_tile<BM, Tr::SLABS>(sm.q_tile(stage), &maps.q, sm.full(stage), m0, head, blk.batch);
             tma_load_tile<BM, Tr::SLABS>(sm.do_tile(stage), &maps.dout, sm.full(stage), m0, head, blk.batch);
         }
-        float* lse_s = stats0 + stage * 2 * BM;
-        load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, blk.batch, head, m0, imin(BM, p.dims.lq - m0));
-        mbar_arrive(sm.full(stage));   // release: this lane's statistics are visible to the waiters
+        if constexpr (STATS) {
+            float* lse_s = stats0 + stage * 2 * BM;
+            load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, blk.batch, head, m0, imin(BM, p.dims.lq - m0));
+            mbar_arrive(sm.full(stage));   // release: this lane's statistics are visible to the waiters
+        }
     }
+}
+
+// EXTRA: producer warp 1 loads each step's row statistics into stage t % STAGES once the consumers
+// have emptied it, and its 32 lanes arrive on the stage's full barrier (a release), as warp 0's do in
+// the plain kernel (produce_steps): there, beside the bias loaders' code, warp 0's 40 registers spilled.
+template <typename Tr>
+__device__ __forceinline__ void produce_stats(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdParams& p,
+                                              const KeyBlock& blk, const KeyBlockSteps<Tr::BM>& steps, int lane) {
+    constexpr int BM = Tr::BM;
+#pragma unroll 1
+    for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
+        const int stage = t % Tr::STAGES, m0 = steps.m0(block);
+        mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
+        float* lse_s = stats0 + stage * 2 * BM;
+        load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, blk.batch, head, m0, imin(BM, p.dims.lq - m0), lane);
+        mbar_arrive(sm.full(stage));
+    }
+}
+
+// EXTRA with a bias: the bias loaders (`loader` of BIAS_LOADERS, producer warps 2 and 3) copy each
+// step's bias tile, queries [m0, m0 + BM) of the step's head x the block's keys, into bias stage
+// t % STAGES once the consumers have emptied the stage (the ring of Q and dO: its empty barrier), and
+// arrive on the stage's full barrier when their copies have landed (cp.async.mbarrier.arrive.noinc,
+// counted among full's arrivals): the consumers' one wait covers Q, dO, the statistics and the bias.
+// The host takes this kernel only for a bias whose rows are 16-byte chunks (cuflash/_masking.py,
+// bias_in_chunks), as for the Hopper forward (flash_fwd_wgmma.cu, produce_bias_tiles).
+template <typename T, typename Tr>
+__device__ __forceinline__ void produce_bias_steps(const BwdWgmmaSmem<Tr>& sm, const ScoreTensor& bias,
+                                                   const KeyBlock& blk, const KeyBlockSteps<Tr::BM>& steps, int lq,
+                                                   int lk, int loader) {
+    // A chunk column and the rows first_row + k ROW_STEP a loader (ScoreChunkCopy's split), its source
+    // walked down the query blocks of a head and set again at the next head: a pointer, a stride and
+    // the loop's counters is what lives here (a ScoreChunkCopy built every step took more).
+    typedef ScoreChunkCopy<T, Tr::BM, Tr::BN, Tr::BIAS_LOADERS> Split;
+    const int chunk = loader % Split::CHUNKS, first_row = loader / Split::CHUNKS;
+    const int src_bytes = 2 * imax(0, imin(8, lk - blk.n0 - 8 * chunk));   // 16, a cut chunk's head, or 0
+    const T* src = nullptr;
+#pragma unroll 1
+    for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
+        const int stage = t % Tr::STAGES, m0 = steps.m0(block);
+        if (block == 0) src = bias.at<T>(blk.batch, head, m0 + first_row, blk.n0 + 8 * chunk);
+        mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
+        const unsigned tile = sm.bias_tile(stage);
+        const T* row_src = src;
+#pragma unroll 1
+        for (int row = first_row; row < Tr::BM; row += Split::ROW_STEP, row_src += Split::ROW_STEP * bias.row_stride) {
+            const int n = m0 + row < lq ? src_bytes : 0;
+            cp_async_16_head(tile + sw_chunk_offset<Tr::BN>(row, chunk), n ? row_src : bias.ptr, n);
+        }
+        mbar_arrive_on_cp_async(sm.full(stage));
+        src += Tr::BM * bias.row_stride;   // the next query block of this head
+    }
+    // No copy left in flight behind an exiting thread (wait_group counts committed groups only).
+    cp_async_commit();
+    cp_async_wait<0>();
 }
 
 // Where word i of this warp's 16-bit A fragment kk of a transposed score tile (P^T or dS^T:
@@ -259,6 +351,32 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const KeyBlock& 
     }
 }
 
+// EXTRA: the score policy on this warp's S^T (keys n0 + key_row.., queries m0..; rows are keys, so
+// the coordinates are transposed against the forward's): x = s scale + bias log2 e with the bias read
+// transposed from the stage's [query][key] tile, masked -inf where allowed() says no in a partial
+// tile (the portable kernel's tests, flash_bwd_mma.cu), and dropout's keep bits, returned.
+template <typename T, typename Tr, typename Mod>
+__device__ __forceinline__ unsigned score_mod_t(float (&st)[Tr::BM / 8][4], const Mod& mod, unsigned bias_tile,
+                                                          int m0, int n0, int key_row, int lane) {
+    constexpr int BM = Tr::BM;
+    const bool partial = mod.tile_is_partial(m0, BM, n0 + key_row, 16);
+    if (mod.has_bias()) scale_add_bias_frags_sw_t<T, BM, Tr::BN>(st, bias_tile, key_row, lane, mod.scale_log2);
+    auto coord = [=](int n, int i, int& row, int& col) {
+        row = m0 + frag_col(lane, n, i);
+        col = n0 + key_row + frag_row(lane, i);
+    };
+    apply_score_mod_bits(st, mod, partial, coord);   // the per-element tests in a loop: registers
+    return mod.has_dropout() ? dropout_frag_bits_t<BM / 8>(mod, m0, n0 + key_row, lane) : 0u;
+}
+
+// Dropout's factor on element i of n8 tile n: keep_scale or 0 from the keep bits (bit 4 n + i), 1
+// without dropout.
+template <typename Mod>
+__device__ __forceinline__ float drop_factor(const Mod& mod, unsigned kept, int n, int i) {
+    if (!mod.has_dropout()) return 1.0f;
+    return (kept >> (4 * n + i)) & 1u ? float(mod.m.keep_scale) : 0.0f;
+}
+
 // Head dims 64 and 128: consumer warpgroup c owns keys [64 c, 64 c + 64) of the block and all
 // head-dim columns (the file's head).
 template <typename T, typename Tr, typename Mod>
@@ -272,18 +390,32 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
     const float x_per_s = mod.x_per_score(), scale = float(p.scale);
     const unsigned k_wg = sm.k + consumer * 64 * 128;         // this warpgroup's 64 keys of every K slab
     const unsigned v_wg = sm.v + consumer * 64 * 128;
-    // dQ: this warpgroup's 64 x 64 block of dS (BM x BN) K (BN x HEAD), as slab offsets.
-    const int dq_row0 = Tr::DQ_SPLIT_ROWS ? 64 * consumer : 0, dq_col0 = Tr::DQ_SPLIT_ROWS ? 0 : 64 * consumer;
+    // dQ: this warpgroup's 64 x 64 block of dS (BM x BN) K (BN x HEAD), as slab offsets; DQ_SPLIT_KEYS:
+    // the product over its own keys only (16-key steps kk0..).
+    const int dq_row0 = Tr::DQ_SPLIT_ROWS ? 64 * consumer : 0;
+    const int dq_col0 = Tr::DQ_SPLIT_ROWS || Tr::DQ_SPLIT_KEYS ? 0 : 64 * consumer;
+    constexpr int DQ_K_STEPS = Tr::DQ_SPLIT_KEYS ? 64 / 16 : BN / 16;
+    const int kk0 = Tr::DQ_SPLIT_KEYS ? 4 * consumer : 0;
 
     float acc_dk[HEAD / 8][4], acc_dv[HEAD / 8][4];   // rows: this warp's 16 keys
     zero_frags(acc_dk);
     zero_frags(acc_dv);
     if (steps.count > 0) mbar_wait(sm.kv_full(), 0);
+    int formed = 0;   // EXTRA: steps not hidden so far (both warpgroups agree: a CTA-wide classify)
     for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
         const int stage = t % STAGES, m0 = steps.m0(block);
         const unsigned q_tile = sm.q_tile(stage), do_tile = sm.do_tile(stage);
         mod.head = head;
         mbar_wait(sm.full(stage), (t / STAGES) & 1);
+        if constexpr (Tr::EXTRA_OPTIONS) {
+            if (steps.hidden(mod, blk, m0)) {   // nothing to form: the stage goes straight back
+                mbar_arrive(sm.empty(stage));
+                continue;
+            }
+        }
+        // The dS^T buffer and the dQ staging alternate over the steps formed: between two uses of a
+        // buffer both warpgroups pass the next formed step's DS_T barrier (a hidden step has none).
+        const int u = Tr::EXTRA_OPTIONS ? formed++ : t;
 
         // S^T = K_c Q^T and dP^T = V_c dO^T: this warp's 16 keys x BM queries each.
         float st[BM / 8][4], dpt[BM / 8][4];
@@ -298,8 +430,12 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         wgmma_commit();
         wgmma_wait<1>();
         fence_regs(flat(st));
-        if (mod.tile_is_partial(m0, BM, blk.n0 + key_row, 16))
+        unsigned kept = 0;   // EXTRA with dropout: this thread's keep bits (drop_factor)
+        if constexpr (Tr::EXTRA_OPTIONS) {
+            kept = score_mod_t<T, Tr>(st, mod, sm.bias_tile(stage), m0, blk.n0, key_row, lane);
+        } else if (mod.tile_is_partial(m0, BM, blk.n0 + key_row, 16)) {
             mask_partial_strip_t<BM>(st, mod, blk.n0 + key_row + lane / 4, m0 + 2 * (lane % 4));
+        }
         wgmma_wait<0>();
         fence_regs(flat(dpt));
 
@@ -315,7 +451,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
                 const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
-                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], 1.0f, x_per_s);
+                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
+                                    drop_factor(mod, kept, n, i), x_per_s);
             }
             pack_a_frag<T, BM>(pt16[kk], st, 16 * kk);
             pack_a_frag<T, BM>(dst16[kk], dpt, 16 * kk);
@@ -328,11 +465,11 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<T, HEAD>(flat(acc_dk), dst16[kk], mn_major_desc(q_tile, kk, BM));
         wgmma_commit();
 
-        const unsigned ds_tile = sm.ds_tile(t & 1);
+        const unsigned ds_tile = sm.ds_tile(u & 1);
         store_frags_t<Tr>(sm.at(ds_tile), dst16, key_row, lane);
         fence_proxy_async_smem();          // the stores, before the wgmmas (async proxy) read them
         // The previous step's dQ addition has read the staging tile (the barrier tells the warpgroup).
-        if (wg_leader && t > 0) bulk_wait_read<0>();
+        if (wg_leader && u > 0) bulk_wait_read<0>();
         named_bar_sync(BAR_DS_T, Tr::CONSUMER_THREADS);   // both halves of dS^T are in place
 
         // dQ block = dS K: A = dS^T read transposed (rows: queries dq_row0.., k: the block's keys),
@@ -340,9 +477,9 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         float dq[64 / 8][4];
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_ss_mn<T, 64>(flat(dq), mn_major_desc(ds_tile + (dq_row0 / 64) * BN * 128, kk, BN),
-                               mn_major_desc(sm.k + (dq_col0 / 64) * BN * 128, kk, BN), kk > 0);
+        for (int kk = 0; kk < DQ_K_STEPS; ++kk)
+            wgmma_ss_mn<T, 64>(flat(dq), mn_major_desc(ds_tile + (dq_row0 / 64) * BN * 128, kk0 + kk, BN),
+                               mn_major_desc(sm.k + (dq_col0 / 64) * BN * 128, kk0 + kk, BN), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(flat(acc_dv));
@@ -539,7 +676,8 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     sm.ds = sm.dout + STAGES * Tr::Q_BYTES;
     sm.pt = sm.ds + 2 * Tr::DS_BYTES;
     sm.dq = sm.pt + 2 * Tr::PT_BYTES;
-    sm.stats = sm.dq + Tr::DQ_STAGE_BYTES;
+    sm.bias = sm.dq + Tr::DQ_STAGE_BYTES;
+    sm.stats = sm.bias + STAGES * Tr::BIAS_BYTES;
     sm.bars = sm.stats + STAGES * Tr::STATS_BYTES;
     float* stats0 = reinterpret_cast<float*>(sm.at(sm.stats));
 
@@ -553,7 +691,9 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     if (threadIdx.x == 0) {
         mbar_init(sm.kv_full(), 1);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(sm.full(s), 1 + 32);   // lane 0's expect_tx and the 32 lanes' statistics
+            // lane 0's expect_tx and the 32 lanes' statistics (with EXTRA warp 1's), and with a bias the
+            // loaders' copies
+            mbar_init(sm.full(s), 1 + 32 + (Flags::EXTRA && mod.has_bias() ? Tr::BIAS_LOADERS : 0));
             mbar_init(sm.empty(s), Tr::CONSUMER_THREADS);
         }
         mbar_init_fence();
@@ -562,7 +702,15 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
 
     if (warpgroup == 0) {
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        if (warp == 0 && steps.count > 0) produce_steps(sm, stats0, maps, p, blk, steps);
+        if constexpr (Flags::EXTRA) {   // warp 0 the copy engine, warp 1 the statistics, warps 2 and 3 the bias
+            const int loader = int(threadIdx.x) - Tr::FIRST_BIAS_LOADER;
+            if (warp == 0 && steps.count > 0) produce_steps<Tr, false>(sm, stats0, maps, p, blk, steps);
+            else if (warp == 1) produce_stats(sm, stats0, p, blk, steps, lane);
+            else if (loader >= 0 && loader < Tr::BIAS_LOADERS && mod.has_bias())
+                produce_bias_steps<T>(sm, p.mask.bias, blk, steps, dims.lq, dims.lk, loader);
+        } else if (warp == 0 && steps.count > 0) {
+            produce_steps(sm, stats0, maps, p, blk, steps);
+        }
         return;
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();

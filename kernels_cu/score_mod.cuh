@@ -359,6 +359,34 @@ __device__ __forceinline__ unsigned long long dropout_frag_bits(const Mod& mod, 
     return bits;
 }
 
+// The same verdicts for the dK/dV kernels' transposed tiles (S^T: lane 4 g + t holds keys g, g + 8 and
+// queries 8 n + 2 t + {0, 1} of n8 tile n). A Philox draw covers four consecutive keys of one query,
+// which here lie in four lanes' rows, so the warp draws each (4-key group, query) of the tile once and
+// exchanges bits: for tile n lane (g, t) draws query 8 n + 2 t + g % 2, keys 4 (g / 2) + {0..3} (32
+// draws: the tile's 16 keys x 8 queries), and element i (key k = g + 8 (i / 2), query 2 t + i % 2) is
+// bit k % 4 of lane 4 (2 (k / 4) + i % 2) + t's draw: four shuffles a tile, every lane in each.
+// Bit e = 4 n + i as frag_bit, in 32 bits (N <= 8: one register where the kernel is tightest); the
+// keep-mask is exactly keep()'s. key0: a multiple of 4.
+template <int N, typename Mod>
+__device__ __forceinline__ unsigned dropout_frag_bits_t(const Mod& mod, int query0, int key0, int lane) {
+    static_assert(N <= 8, "one bit an element in 32 bits");
+    const int g = lane / 4, t = lane % 4;
+    unsigned bits = 0;
+#pragma unroll 1
+    for (int n = 0; n < N; ++n) {
+        const unsigned drawn = mod.keep4_bits(query0 + 8 * n + 2 * t + g % 2, key0 + 4 * (g / 2));
+        unsigned four = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = g + 8 * (i / 2);
+            const unsigned theirs = __shfl_sync(0xffffffffu, drawn, 4 * (2 * (key / 4) + i % 2) + t);
+            four |= ((theirs >> (key % 4)) & 1u) << i;
+        }
+        bits |= four << (4 * n);
+    }
+    return bits;
+}
+
 // p *= keep on the C fragments of one warp's 16 rows: row_g = its row g (lane / 4),
 // col0 the tile's first key.
 template <typename Mod, int N>

@@ -95,11 +95,13 @@ __device__ __forceinline__ void prob_and_dscore(A& s_to_p, A& dp_to_ds, A lse_lo
 
 // The backward's row statistics of query rows [m0, m0 + BM) into shared memory:
 // lse in log2 units (lse_to_log2) and Dsum = rowsum(dO * O). Rows past the
-// sequence end get lse_log2 = +inf (so P = 0) and Dsum = 0.
+// sequence end get lse_log2 = +inf (so P = 0) and Dsum = 0. `thread`: this thread's index among the
+// THREADS that share the copy.
 template <int BM, int THREADS, typename A>
 __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& lse, const View& dsum,
-                                               int batch, int head, int m0, int rows_valid) {
-    for (int i = threadIdx.x; i < BM; i += THREADS) {
+                                               int batch, int head, int m0, int rows_valid,
+                                               int thread = threadIdx.x) {
+    for (int i = thread; i < BM; i += THREADS) {
         lse_s[i] = i < rows_valid ? lse_to_log2(*lse.at<const A>(batch, head, m0 + i)) : pos_inf<A>();
         dsum_s[i] = i < rows_valid ? *dsum.at<const A>(batch, head, m0 + i) : A(0);
     }

@@ -228,6 +228,27 @@ __device__ __forceinline__ void scale_add_bias_frags_sw(float (&s)[N / 8][4], un
     }
 }
 
+// The transposed form, for the Hopper dK/dV kernel's S^T (rows: a warp's 16 keys key0.., columns:
+// N queries) with the bias tile [query][key] in the same swizzled layout (rows of KEYS elements):
+// ldmatrix.x4.trans at query group g gives lane l's address to row (query) 16 g + 8 (l / 16) + l % 8,
+// chunk key0 / 8 + (l / 8) % 2 (bt_lane_addr's order), stored at chunk ^ (l % 8): matrix j then holds
+// queries 16 g + 8 (j / 2).., keys key0 + 8 (j % 2).., transposed into S^T's rows, which is
+// scale_add_bias_group's register order (r[2h + i / 2]: n8 tile 2g + h, key row g + 8 (i / 2)).
+// The 8 rows of one matrix are 8 rows of the tile at one chunk: 8 distinct 16-byte bank groups.
+template <typename T, int N, int KEYS>
+__device__ __forceinline__ void scale_add_bias_frags_sw_t(float (&s)[N / 8][4], unsigned tile, int key0, int lane,
+                                                          float scale) {
+    static_assert(N % 16 == 0 && KEYS % 64 == 0, "whole 16-query groups; whole groups of 8 chunks a row");
+    const int row = 8 * (lane / 16) + lane % 8, chunk = key0 / 8 + (lane / 8) % 2;
+    const unsigned addr = tile + row * KEYS * int(sizeof(T)) + ((chunk ^ (row % 8)) * 16);   // sw_chunk_offset
+#pragma unroll
+    for (int g = 0; g < N / 16; ++g) {
+        unsigned r[4];
+        ldmatrix_x4_trans(r, addr + g * 16 * KEYS * int(sizeof(T)));   // 16 rows on: (row % 8) unchanged
+        scale_add_bias_group<T, N>(s, g, r, scale);
+    }
+}
+
 // Row and column (within the 16 x 8n strip) of C-fragment element i of tile n.
 __device__ __forceinline__ int frag_row(int lane, int i) { return lane / 4 + 8 * (i / 2); }
 __device__ __forceinline__ int frag_col(int lane, int n, int i) { return n * 8 + 2 * (lane % 4) + (i % 2); }

@@ -258,12 +258,14 @@ def consume_key_halves_step(lay, q, k, v, do, lse_log2, dsum, x_per_s, scale, t=
     # named barrier DS_T; then each warpgroup's dQ block
     dq_acc = np.zeros((BM, HEAD))
     split_rows = BM == 128
+    split_keys = HEAD == 64 and BM == 64          # DQ_SPLIT_KEYS (EXTRA at head dim 64)
     for consumer in range(2):
-        dq_row0, dq_col0 = (64 * consumer, 0) if split_rows else (0, 64 * consumer)
+        dq_row0, dq_col0 = (64 * consumer, 0) if split_rows else (0, 0) if split_keys else (0, 64 * consumer)
+        k_steps, kk0 = (64 // 16, 4 * consumer) if split_keys else (BN // 16, 0)
         dq = 0
-        for kk in range(BN // 16):
-            dq = wgmma_ss_mn(dq, sm, mn_major_desc(ds_tile + (dq_row0 // 64) * BN * 128, kk, BN),
-                             mn_major_desc(lay.k + (dq_col0 // 64) * BN * 128, kk, BN), 64, kk > 0)
+        for kk in range(k_steps):
+            dq = wgmma_ss_mn(dq, sm, mn_major_desc(ds_tile + (dq_row0 // 64) * BN * 128, kk0 + kk, BN),
+                             mn_major_desc(lay.k + (dq_col0 // 64) * BN * 128, kk0 + kk, BN), 64, kk > 0)
         stage_at = lay.dq_stage(consumer)
         for cwarp in range(4):
             stage_dq_block(sm, stage_at, frags(dq, cwarp), 16 * cwarp, scale)
@@ -341,9 +343,11 @@ def _check(got, want):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-10, err_msg=name)
 
 
-@pytest.mark.parametrize("head,bm", [(64, 128), (128, 64)])
+@pytest.mark.parametrize("head,bm", [(64, 128), (128, 64), (64, 64)])
 def test_key_halves_step_emulated(head, bm):
-    """The GPU-tested layouts (head dims 64, 128) through the emulator: checks the emulator."""
+    """The GPU-tested layouts (head dims 64, 128) through the emulator: checks the emulator. (64, 64):
+    the EXTRA tile at head dim 64 (branch bwd-extra, NOT RUN ON A GPU), dQ split by keys: both
+    warpgroups add their part into the one 64 x 64 block."""
     lay = Layout(head, bm, 128)
     prob = _problem(head, bm, 128, seed=head)
     _check(consume_key_halves_step(lay, *prob), reference(*prob))
@@ -369,3 +373,75 @@ def test_head_halves_layout_fits_and_exchanges_are_conflict_free():
             for key_row in (0, 16, 32, 48):
                 banks = (t_frag_offset(lay, kk, i, key_row) // 4) % 32
                 assert len(set(banks.tolist())) == 32
+
+
+# --------------------------------------------------------------------------- EXTRA (branch bwd-extra)
+
+def sw_chunk_offset(row, chunk, cols):
+    """tile_io.cuh: 16-bit rows of `cols` elements, 16-byte chunk c of row r at c ^ (r % 8)."""
+    return row * cols * 2 + ((chunk ^ (row % 8)) * 16)
+
+
+@pytest.mark.parametrize("bm,bn", [(64, 128)])
+def test_bias_read_transposed_into_st_fragments(bm, bn):
+    """scale_add_bias_frags_sw_t (warp_gemm.cuh): the bias tile [query][key] as the loaders write it
+    (sw_chunk_offset, rows of BN keys), read by ldmatrix.x4.trans at each lane's address, lands in each
+    warp's S^T C fragments (rows: keys key0 + g (+8), columns: queries 8 n + 2 t (+1)) as bias[q, key];
+    each 8-lane phase of an x4 reads 8 distinct 16-byte bank groups."""
+    rng = np.random.default_rng(1)
+    bias = rng.standard_normal((bm, bn))
+    smem = np.full(bm * bn, np.nan)
+    for qr in range(bm):
+        for key in range(bn):
+            smem[(sw_chunk_offset(qr, key // 8, bn) + (key % 8) * 2) // 2] = bias[qr, key]
+    for key0 in range(0, bn, 16):
+        row = 8 * (LANES // 16) + LANES % 8
+        chunk = key0 // 8 + (LANES // 8) % 2
+        addr = row * bn * 2 + ((chunk ^ (row % 8)) * 16)
+        for g in range(bm // 16):
+            a = addr + g * 16 * bn * 2
+            for phase in range(4):
+                groups = (a[8 * phase:8 * phase + 8] % 128) // 16
+                assert len(set(groups.tolist())) == 8
+            # ldmatrix.trans: matrix j's rows are the addresses of lanes 8 j..8 j + 7; lane l receives, in
+            # register j, elements (row 2 (l % 4) + e, column l / 4) of matrix j, e = 0 (low), 1.
+            regs = np.zeros((32, 4, 2))
+            for j in range(4):
+                for l in range(32):
+                    for e in range(2):
+                        src = a[8 * j + 2 * (l % 4) + e] + 2 * (l // 4)
+                        regs[l, j, e] = smem[src // 2]
+            # scale_add_bias_group: r[2h + i / 2] holds elements i, i + 1 (i even) of n8 tile 2g + h.
+            for l in range(32):
+                for h in range(2):
+                    for i in range(4):
+                        got = regs[l, 2 * h + i // 2, i % 2]
+                        key = key0 + l // 4 + 8 * (i // 2)                # frag_row
+                        query = 8 * (2 * g + h) + 2 * (l % 4) + i % 2       # frag_col
+                        assert got == bias[query, key]
+
+
+@pytest.mark.parametrize("q0,k0", [(0, 0), (64, 16), (1088, 112)])
+def test_dropout_bits_for_transposed_fragments(q0, k0):
+    """dropout_frag_bits_t (score_mod.cuh): one Philox draw a lane a tile (query 8 n + 2 t + g % 2, keys
+    4 (g / 2)..) and four shuffles give each lane exactly keep() of its S^T elements, bit 4 n + i."""
+    from cuflash import reference
+
+    seed, p_drop, batch, head, n_tiles = 987654321, 0.3, 1, 3, 8
+    keep = lambda q, k: reference.dropout_keep(seed, p_drop, batch, head, q, k) > 0   # noqa: E731
+    g, t = G, T
+    bits = np.zeros(32, dtype=np.int64)
+    for n in range(n_tiles):
+        dq_ = q0 + 8 * n + 2 * t + g % 2
+        dk_ = k0 + 4 * (g // 2)
+        drawn = sum(keep(dq_, dk_ + b).astype(np.int64) << b for b in range(4))   # keep4_bits
+        four = np.zeros(32, dtype=np.int64)
+        for i in range(4):
+            key = g + 8 * (i // 2)
+            theirs = drawn[4 * (2 * (key // 4) + i % 2) + t]                     # __shfl_sync
+            four |= ((theirs >> (key % 4)) & 1) << i
+        bits |= four << (4 * n)
+    for n in range(n_tiles):
+        for i in range(4):
+            want = keep(q0 + 8 * n + 2 * t + i % 2, k0 + g + 8 * (i // 2))
+            np.testing.assert_array_equal((bits >> (4 * n + i)) & 1, want.astype(np.int64))

@@ -339,3 +339,113 @@ def test_hopper_forward_huge_logits_and_empty_rows(dtype, d, launched, monkeypat
     assert np.isneginf(lse[:, :, empty]).all() and np.isfinite(lse[:, :, ~empty]).all()
     np.testing.assert_allclose(lse[:, :, ~empty], lse_p[:, :, ~empty], rtol=1e-5)
     assert np.abs(out - out_p).max() <= 2e-2 * max(1.0, np.abs(out_p).max())
+
+
+# --------------------------------------------------------------------------- the Hopper backward (sm_90a)
+# Branch bwd-extra (NOT RUN ON A GPU when written): the wgmma dK/dV kernel with EXTRA options at head
+# dims 64 and 128; dbias from the portable dbias kernel; head dim 256 stays portable.
+
+def _hopper_backward_families(dbias: bool):
+    return ["bwd_dsum", "bwd_dkdv_wgmma"] + (["bwd_dbias_mma"] if dbias else []) + ["bwd_convert_dq"]
+
+
+@pytest.mark.parametrize("kind", HOPPER_KINDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d, causal", [(64, False), (64, True), (64, "bottom_right"), (128, False), (128, True),
+                                       (128, "bottom_right")])
+def test_hopper_backward_with_masking_options(kind, dtype, d, causal, launched):
+    """On compute capability 9.0 the backward with a bias, a boolean mask, dropout or a block layout runs
+    the wgmma dK/dV kernel (EXTRA) at head dims 64 and 128, both causal alignments: every gradient within
+    the error budget of the float64 reference, finite, rows and keys that see nothing give 0."""
+    seed = hash((dtype, kind, str(causal), d, "bwd")) % 2**31
+    opts = _hopper_options(kind, seed)
+    check_masked(dtype, B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d, causal, seed, opts)
+    bwd = [(v.family, v.extra) for v in launched if v.family.startswith("bwd_")]
+    assert [f for f, _ in bwd] == _hopper_backward_families("bias" in opts)
+    assert ("bwd_dkdv_wgmma", True) in bwd
+
+
+@pytest.mark.parametrize("kind", ["pair bias (1,1,L,L)", "random mask", "block sparse", "all"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d, causal", [(64, "bottom_right"), (128, True)])
+def test_hopper_backward_agrees_with_the_portable_backward(kind, dtype, d, causal, launched, monkeypatch):
+    """The same gradients (within 16-bit rounding of different summation orders) from the Hopper and the
+    portable backward on the same forward output, dropout included (same keep-mask)."""
+    from cuflash import _launch
+
+    seed = hash((dtype, kind, str(causal), d, "ab")) % 2**31
+    rng = np.random.default_rng(seed)
+    (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d)
+    dev = device_options(_hopper_options(kind, seed), dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, **dev)
+    grads = {}
+    for cc in (90, 80):
+        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        launched.clear()
+        grads[cc] = [cp.asnumpy(g).astype(np.float64)
+                     for g in cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, **dev)]
+        assert ("bwd_dkdv_wgmma" in [v.family for v in launched]) == (cc == 90)
+    for name, h, p in zip(["dq", "dk", "dv", "dbias"], grads[90], grads[80]):
+        assert np.isfinite(h).all(), name
+        assert np.abs(h - p).max() <= 2e-2 * max(1.0, np.abs(p).max()), name
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_backward_dropout_pattern_is_the_forwards(dtype, d, launched, monkeypatch):
+    """The Hopper backward regenerates exactly the forward's keep-mask: with dO = identity over d query rows,
+    dV[key, i] = P[i, key] keep(i, key), so dV != 0 exactly where (i, key) is kept; the same pattern as the
+    portable backward's and the reference's Philox, at keys on both sides of a 128-key block edge."""
+    from cuflash import _launch
+
+    b, h, lk, p_drop, seed = 2, 1, HOPPER_LK, 0.3, 2024
+    rng = np.random.default_rng(d)
+    q = rng.standard_normal((b, h, d, d)) * 0.05       # flat scores: P ~ 1 / lk, far from underflow
+    k = rng.standard_normal((b, h, lk, d))
+    v = rng.standard_normal((b, h, lk, d))
+    do = np.broadcast_to(np.eye(d), (b, h, d, d))
+    qd, kd, vd, dod = (cp.asarray(np.ascontiguousarray(x).astype(DTYPES[dtype])) for x in (q, k, v, do))
+    kept = {}
+    for cc in (90, 80):
+        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        launched.clear()
+        out, lse = cuflash.attention_forward(qd, kd, vd, dropout_p=p_drop, seed=seed)
+        _, _, dv = cuflash.attention_backward(dod, qd, kd, vd, out, lse, dropout_p=p_drop, seed=seed)
+        assert ("bwd_dkdv_wgmma" in [x.family for x in launched]) == (cc == 90)
+        dv = cp.asnumpy(dv).astype(np.float32)
+        assert np.isfinite(dv).all()
+        kept[cc] = dv[:, 0].swapaxes(-1, -2) != 0       # [b, query i, key]
+    np.testing.assert_array_equal(kept[90], kept[80])
+    rows, cols = np.arange(d)[:, None], np.arange(lk)[None, :]
+    ref = np.stack([reference.dropout_keep(seed, p_drop, bb, 0, rows, cols) for bb in range(b)]) > 0
+    np.testing.assert_array_equal(kept[90], ref)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_backward_empty_rows_and_key_blocks(dtype, d, launched):
+    """Rows that see nothing and a whole 128-key block that nobody sees (a mask, and a block layout that
+    hides whole query blocks): gradients exactly 0 there, finite everywhere, with huge biased logits."""
+    rng = np.random.default_rng(d + 1)
+    lq, lk = 300, HOPPER_LK
+    q = cp.asarray((rng.standard_normal((B, HQ, lq, d)) * 30).astype(DTYPES[dtype]))
+    k, v = (cp.asarray(rng.standard_normal((B, HK, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+    do = cp.asarray(rng.standard_normal((B, HQ, lq, d)).astype(DTYPES[dtype]))
+    bias = cp.asarray((rng.standard_normal((1, 1, lq, lk)) * 100).astype(DTYPES[dtype]))
+    mask = rng.random((lq, lk)) < 0.7
+    mask[np.arange(lq) % 5 == 0] = False           # empty rows
+    mask[:, 128:256] = False                       # key block 1: nobody sees it
+    layout = np.ones((HQ, -(-lq // 64), -(-lk // 64)), dtype=bool)
+    layout[0, :2] = False                          # head 0: query rows 0-127 hidden (whole Hopper steps)
+    opts = dict(bias=bias, mask=cp.asarray(mask), block_layout=cuflash.BlockLayout(layout, 64))
+    out, lse = cuflash.attention_forward(q, k, v, **opts)
+    launched.clear()
+    dq, dk, dv, dbias = (cp.asnumpy(g).astype(np.float64) for g in cuflash.attention_backward(do, q, k, v, out, lse,
+                                                                                            **opts))
+    assert "bwd_dkdv_wgmma" in [x.family for x in launched]
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv), ("dbias", dbias)):
+        assert np.isfinite(g).all(), name
+    assert (dq[:, :, np.arange(lq) % 5 == 0] == 0).all()
+    assert (dq[:, 0, :128] == 0).all()
+    assert (dk[:, :, 128:256] == 0).all() and (dv[:, :, 128:256] == 0).all()
+    assert (dbias[..., 128:256] == 0).all()
