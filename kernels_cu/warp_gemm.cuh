@@ -10,6 +10,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "tile_io.cuh"
 
 template <int N>
 __device__ __forceinline__ void zero_frags(float (&acc)[N][4]) {
@@ -240,7 +241,8 @@ __device__ __forceinline__ void scale_add_bias_frags_sw_t(float (&s)[N / 8][4], 
                                                           float scale) {
     static_assert(N % 16 == 0 && KEYS % 64 == 0, "whole 16-query groups; whole groups of 8 chunks a row");
     const int row = 8 * (lane / 16) + lane % 8, chunk = key0 / 8 + (lane / 8) % 2;
-    const unsigned addr = tile + row * KEYS * int(sizeof(T)) + ((chunk ^ (row % 8)) * 16);   // sw_chunk_offset
+    static_assert(sizeof(T) == 2, "16-bit tiles (sw_chunk_offset's rows)");
+    const unsigned addr = tile + sw_chunk_offset<KEYS>(row, chunk);
 #pragma unroll
     for (int g = 0; g < N / 16; ++g) {
         unsigned r[4];
