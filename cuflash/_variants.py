@@ -171,7 +171,7 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # 0.90-1.01x and is off (FwdWgmmaTraits::PINGPONG). Head dim 64 takes three consumer warpgroups
 # (192 rows; 160 registers each after setmaxnreg, the consumer code up to R156): 1.12-1.25x the
 # two-warpgroup kernel non-causal, 1.02-1.06x causal at L 2048-16384 (compare_trees.py, eighth
-# session). EXTRA (bias, mask, dropout, block layout; branch hopper-extra, NOT yet run on a GPU)
+# session). EXTRA (bias, mask, dropout, block layout; ninth session)
 # keeps these tiles: a swizzled bias tile per K/V stage (Hopper d=128 and 256: 225 KB), copied
 # by two producer warps; offline 0 spills, consumers up to R157 / R229 of 160 / 232, the producer
 # up to R29 of 32 at head dim 64 (24 without EXTRA) and R37 of 40 (benchmarks/NOTES.md).
@@ -189,7 +189,7 @@ _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and tw
 # two consumer warpgroups of 64 keys (a CTA per 128-key block); S^T, dP^T, dV, dK and dQ on wgmma,
 # dQ as a 64 x 64 block per warpgroup: d=64 takes 128-query steps (dQ split by rows), d=128 64-query
 # steps (split by columns). Non-deterministic calls only (backward_variants); EXTRA at head dims 64 and
-# 128 (helper branch bwd-extra, NOT RUN ON A GPU yet): a swizzled bias tile per Q/dO stage, copied by two
+# 128 (ninth session): a swizzled bias tile per Q/dO stage, copied by two
 # producer warps; at d=64 two 32 KB bias stages beside the 128-query steps' buffers would be 258 KB, so
 # EXTRA takes 64-query steps there (dQ split by keys: both warpgroups add into one 64 x 64 block).
 _add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
@@ -199,7 +199,7 @@ _add("bwd_dkdv_wgmma", HALF_TYPES, [128], Tile(64, 128, 12, 2, "a TMA producer w
 _add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(64, 128, 12, 2, "EXTRA: 64-query steps, dQ split by keys; two bias "
                                                               "stages: 161 KB (128-query steps: 258 KB)"),
      arch="sm90a", extra=True)
-# Head dim 256 (helper branch bwd256, NOT RUN ON A GPU yet): dK + dV of 64 keys over all 256 columns
+# Head dim 256 (ninth session): dK + dV of 64 keys over all 256 columns
 # would be 256 accumulator registers a consumer thread (of 232), so both consumer warpgroups own the
 # block's 64 keys and split dK, dV and dQ by columns (128 each: 64 + 64 registers); S^T (warpgroup 0)
 # and dP^T (warpgroup 1) are formed once and P^T / dS^T exchanged in shared memory; dQ is staged in
@@ -636,7 +636,7 @@ HOPPER_CC = 90
 HOPPER_BWD_EXTRA_HEADS = (64, 128)
 """Head dims at which the Hopper dK/dV kernel takes EXTRA options (bias, mask, dropout, block layout).
 At 256 its 226 KB of shared memory leave no room for the bias stages (2 x 8 KB): EXTRA calls stay on
-the portable kernels there (branch bwd-extra, NOT RUN ON A GPU yet)."""
+the portable kernels there."""
 
 
 HOPPER_FWD_MIN_KEYS = {64: 1025}

@@ -56,8 +56,8 @@
 // dK = scale sum dS^T Q and dV leave from registers at the end. The deterministic dQ takes the
 // portable kernels.
 //
-// EXTRA (bias, mask, dropout, block layout; head dims 64 and 128, branch bwd-extra, NOT yet run on a
-// GPU): the portable kernel's policy (flash_bwd_mma.cu) on S^T, whose rows are keys. Producer warps 2-3
+// EXTRA (bias, mask, dropout, block layout; head dims 64 and 128): the portable kernel's policy
+// (flash_bwd_mma.cu) on S^T, whose rows are keys. Producer warps 2-3
 // copy each step's [query][key] bias tile into a swizzled stage beside Q / dO (the Hopper forward's
 // machinery, arriving on the same full barrier), warp 1 loads the row statistics; the consumers read
 // the bias transposed into S^T's fragments (ldmatrix.trans), mask partial strips per element, and draw

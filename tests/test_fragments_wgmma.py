@@ -346,7 +346,7 @@ def _check(got, want):
 @pytest.mark.parametrize("head,bm", [(64, 128), (128, 64), (64, 64)])
 def test_key_halves_step_emulated(head, bm):
     """The GPU-tested layouts (head dims 64, 128) through the emulator: checks the emulator. (64, 64):
-    the EXTRA tile at head dim 64 (branch bwd-extra, NOT RUN ON A GPU), dQ split by keys: both
+    the EXTRA tile at head dim 64, dQ split by keys: both
     warpgroups add their part into the one 64 x 64 block."""
     lay = Layout(head, bm, 128)
     prob = _problem(head, bm, 128, seed=head)

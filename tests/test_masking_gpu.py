@@ -342,8 +342,7 @@ def test_hopper_forward_huge_logits_and_empty_rows(dtype, d, launched, monkeypat
 
 
 # --------------------------------------------------------------------------- the Hopper backward (sm_90a)
-# Branch bwd-extra (NOT RUN ON A GPU when written): the wgmma dK/dV kernel with EXTRA options at head
-# dims 64 and 128; dbias from the portable dbias kernel; head dim 256 stays portable.
+# The wgmma dK/dV kernel with EXTRA options at head dims 64 and 128; dbias from the portable dbias kernel; head dim 256 stays portable.
 
 def _hopper_backward_families(dbias: bool):
     return ["bwd_dsum", "bwd_dkdv_wgmma"] + (["bwd_dbias_mma"] if dbias else []) + ["bwd_convert_dq"]
