@@ -65,7 +65,10 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         memory fits a tile, else on CUDA-core FMA. "tf32": the forward on plain
         TF32 tensor cores (operands with 11 significant bits; relative error
         ~1e-3). The float32 backward runs the float32-accurate FMA kernels for
-        both.
+        both. NumPy inputs ignore it: they run the float64 reference (blocked
+        online softmax) whatever the precision. Elements of magnitude 4e34 or
+        more (and inf) of q, k, v ("highest") or q ("tf32") make the rows they
+        reach NaN: the tensor-core split's a * (2^13 + 1) overflows there.
 
     Returns
     -------

@@ -46,7 +46,7 @@
 // score either).
 __device__ __forceinline__ float round_tf32(float a) {
     float c, d, big;
-    asm("mul.rn.f32 %0, %1, 0f46002000;" : "=f"(c) : "f"(a));   // 8193 = 2^13 + 1
+    asm("mul.rn.f32 %0, %1, 0f46000400;" : "=f"(c) : "f"(a));   // 8193 = 2^13 + 1 (0x46000400)
     asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(c), "f"(a));
     asm("sub.rn.f32 %0, %1, %2;" : "=f"(big) : "f"(c), "f"(d));
     return big;

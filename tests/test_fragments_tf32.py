@@ -11,6 +11,9 @@ CPU compile can check:
     key 2t + 1; B reads V[2t][g] and V[2t + 1][g]) and the bias reads; their bank patterns.
 Here the same formulas (transcribed, names as in the CUDA source) drive an emulated warp.
 """
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -21,11 +24,22 @@ f32 = np.float32
 
 # --------------------------------------------------------------------------- the split (round_tf32)
 
+def _veltkamp_constant():
+    """The multiplier of round_tf32's mul.rn.f32, read from the CUDA source (a PTX hex float,
+    0fXXXXXXXX: its IEEE bits), so that the emulation runs the kernel's constant, not a copy."""
+    src = (Path(__file__).resolve().parent.parent / "kernels_cu" / "warp_gemm_tf32.cuh").read_text()
+    bits = re.search(r"mul\.rn\.f32 %0, %1, 0f([0-9A-Fa-f]{8});", src).group(1)
+    return np.array(int(bits, 16), dtype=np.uint32).view(f32)[()]
+
+
+VELTKAMP = _veltkamp_constant()
+
+
 def round_tf32(a):
     """warp_gemm_tf32.cuh round_tf32: three float32 operations, each rounded (mul.rn, sub.rn)."""
     a = np.asarray(a, dtype=f32)
     with np.errstate(over="ignore", invalid="ignore"):
-        c = (a * f32(8193)).astype(f32)
+        c = (a * VELTKAMP).astype(f32)
         d = (c - a).astype(f32)
         return (c - d).astype(f32)
 
@@ -54,6 +68,24 @@ def test_round_tf32_is_a_nearest_11_bit_rounding(values):
     a = values.astype(np.float64)
     err = np.abs(a - big.astype(np.float64))
     assert (err <= np.abs(a) * 2.0**-11 * (1 + 2.0**-20)).all()
+
+
+def test_veltkamp_constant_is_2_pow_13_plus_1():
+    # 0f46002000 (8200 = 2^13 + 2^3, the first version's constant) still leaves 11 significant
+    # bits, but rounds 8191 of every 2^23 values a whole TF32 ulp away (review, offline).
+    assert VELTKAMP == f32(8193)
+
+
+def test_round_tf32_is_round_to_nearest_even_on_a_whole_binade():
+    """Every float32 of [1, 2) and of -[2^-100, 2^-99) against the bit-exact round-to-nearest-even
+    at 10 mantissa bits."""
+    for top in (0x3F800000, 0x8D800000):
+        a = (np.arange(2**23, dtype=np.uint32) | np.uint32(top)).view(f32)
+        bits = a.view(np.uint32).astype(np.int64)
+        keep, rest = bits >> 13, bits & 0x1FFF
+        up = (rest > 0x1000) | ((rest == 0x1000) & (keep & 1 == 1))
+        want = ((keep + up) << 13).astype(np.uint32).view(f32)
+        np.testing.assert_array_equal(round_tf32(a), want)
 
 
 def test_split_carries_a_to_float32_accuracy(values):
