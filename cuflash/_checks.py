@@ -65,11 +65,10 @@ def check_scale(scale: Any, d: int) -> float:
 
 
 def check_unsupported(*, precision="highest") -> None:
-    """Options accepted by the API whose implementation has not landed yet."""
+    """Options the API checks before any other: ``precision`` is "highest" or "tf32" (float32
+    only; the backward runs float32-accurate FMA kernels for both)."""
     if precision not in ("highest", "tf32"):
         raise ValueError(f"precision must be 'highest' or 'tf32', got {precision!r}")
-    if precision == "tf32":
-        raise NotImplementedError("cuflash: the precision='tf32' option is not implemented yet")
 
 
 @dataclass

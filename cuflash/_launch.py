@@ -77,14 +77,16 @@ def scale_folds(scale: float) -> bool:
     return _params.as_float32(scale * _params.LOG2E) >= float(np.finfo(np.float32).tiny)
 
 
-def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, group: int) -> None:
+def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, group: int,
+                   precision: str = "highest") -> None:
     """Run the forward kernel on 4-D views ``(B, H, L, D)`` (last axis unit-stride) into
-    ``out`` and ``lse``; ``masking`` is the call's :class:`cuflash._masking.KernelMasking`."""
+    ``out`` and ``lse``; ``masking`` is the call's :class:`cuflash._masking.KernelMasking`;
+    ``precision`` (float32 only) picks 3xTF32 ("highest") or TF32 ("tf32") tensor cores."""
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
     head = head_bucket(max(d, dv))
     variant, portable = forward_choice(dtype, head, masking.band is not None, extra, vec_loads_ok(d, dv, q, k, v),
-                                        few_keys(head, k.shape[2]), _compute_capability(), _smem_limit())
+                                        few_keys(head, k.shape[2]), _compute_capability(), _smem_limit(), precision)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.family == "fwd_wgmma":

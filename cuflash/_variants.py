@@ -17,7 +17,9 @@ family              entry                   what
 fwd_mma             flash_fwd_mma.cu        forward, float16/bfloat16, mma.sync
 fwd_dmma            flash_fwd_dmma.cu       forward, float64, mma.sync m8n8k4 (fp64 tensor cores)
 fwd_wgmma           flash_fwd_wgmma.cu      forward, float16/bfloat16, Hopper wgmma (arch "sm90a")
-fwd_fma             flash_fwd_fma.cu        forward, float32, CUDA-core FMA
+fwd_tf32x3          flash_fwd_tf32.cu       forward, float32 precision="highest", split TF32 (3xTF32) mma.sync
+fwd_tf32            flash_fwd_tf32.cu       forward, float32 precision="tf32", TF32 mma.sync
+fwd_fma             flash_fwd_fma.cu        forward, float32 where no TF32 tile fits, CUDA-core FMA
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
 bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
@@ -214,6 +216,37 @@ _add("fwd_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "4x4 scores per thread
 _SMALL = "fits " + _SMALL_BYTES
 _add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "113 KB shared"), Tile(32, 64, 8, 1, _SMALL))
 _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key tiles"), Tile(16, 32, 8, 1, _SMALL))
+# float32 on the TF32 tensor cores (flash_fwd_tf32.cu, NOT YET RUN ON A GPU: the tiles are chosen
+# by the offline compile alone, NVRTC 12.9, 0 spills on sm_80 and sm_90; benchmarks/NOTES.md has
+# the register counts). Two families of one kernel: fwd_tf32x3 is precision="highest" (3xTF32,
+# three MMAs a product and the operand splits), fwd_tf32 is precision="tf32" (one MMA).
+# 3xTF32 is MMA-bound (each B fragment load feeds 3 MMAs a strip): one 16-row strip a warp
+# suffices, and its K loop stays rolled (warp_gemm_tf32.cuh); two strips spilled 20-324 bytes.
+# At head dim 256 (acc_o alone 128 registers) 64x16/4w spilled 4-188 bytes: "highest" stays on
+# the FMA kernel there, as does any call whose GPU has no tile here (forward_variant).
+_add("fwd_tf32x3", ["float32"], [32], Tile(64, 64, 4, 2, "one strip a warp (3xTF32 is MMA-bound), 64-key tiles: "
+                                                         "54 KB"))
+_add("fwd_tf32x3", ["float32"], [64], Tile(64, 64, 4, 2, "one strip a warp (3xTF32 is MMA-bound), 64-key tiles: "
+                                                         "102 KB, two CTAs an SM"),
+     Tile(64, 32, 4, 2, "32-key tiles: 68 KB, " + _SMALL_BYTES))
+# Head dim 128: 16-key tiles (S = Q K^T reloads Q's two parts every two n8 tiles; a lead below).
+# 128x32/8w fit sm_90 (252-255 registers) but spilled 28-64 bytes on sm_80.
+_add("fwd_tf32x3", ["float32"], [128], Tile(128, 16, 8, 2, "8 warps of one strip, 16-key tiles (32 spill on sm_80): "
+                                                           "165 KB"),
+     Tile(64, 16, 4, 2, "4 warps: 99 KB, the A100 and " + _SMALL_BYTES))
+_add("fwd_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "the bias stages, 32-key tiles (64 spilled 4 bytes on "
+                                                         "sm_80): 88 KB"), extra=True)
+_add("fwd_tf32x3", ["float32"], [128], Tile(64, 16, 4, 2, "the bias stages: 111 KB"), extra=True)
+# Plain TF32: one MMA a product, so two strips a warp as the 16-bit kernel (each K / V fragment
+# feeds two MMAs; shared-memory bandwidth bounds the one-strip loop).
+_add("fwd_tf32", ["float32"], [32, 64], Tile(128, 64, 4, 2, "two strips a warp, 64-key tiles: d=64 102 KB"),
+     Tile(64, 32, 4, 2, "one strip, 32-key tiles: " + _SMALL_BYTES))
+_add("fwd_tf32", ["float32"], [128], Tile(128, 32, 4, 2, "two strips a warp, 32-key tiles: 132 KB"),
+     Tile(64, 32, 4, 2, "one strip: 99 KB, the A100 and " + _SMALL_BYTES),
+     Tile(64, 16, 4, 2, "16-key tiles: with the bias stages 78 KB, " + _SMALL_BYTES))
+_add("fwd_tf32", ["float32"], [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles: "
+                                                        "195 KB"),
+     Tile(64, 16, 4, 2, "16-key tiles: 130 KB, the A100"))
 # (float64 forwards run on the fp64 tensor cores below; fwd_fma compiles for double too, and
 # forward_variant falls back to it for any head bucket that has no fwd_dmma entry.)
 
@@ -417,6 +450,15 @@ def _smem_fwd_fma(v: "Variant") -> int:
     return elems * ITEMSIZE[v.dtype]
 
 
+def _smem_fwd_tf32(v: "Variant") -> int:
+    # fp32 tiles of pitch head + 4 (flash_fwd_tf32.cu): Q once (twice with the 3xTF32 split:
+    # big and small parts), K and V per stage, with EXTRA a bias tile of pitch block_n + 8 per stage.
+    t = v.tile
+    q = (2 if v.split else 1) * t.block_m * (v.head + 4)
+    bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0
+    return (q + 2 * t.stages * t.block_n * (v.head + 4) + bias) * ITEMSIZE[v.dtype]
+
+
 def _smem_dkdv_mma(v: "Variant") -> int:
     t = v.tile
     ds = t.block_n * (t.block_m + 8) if v.atomic_dq else 0            # dS^T, [key][query]
@@ -475,6 +517,7 @@ class Family:
 
 
 FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward",
+               "fwd_tf32x3": "forward", "fwd_tf32": "forward",
                "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
                "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward", "bwd_dkdv_wgmma": "backward",
@@ -485,6 +528,8 @@ FAMILIES: Dict[str, Family] = {
     "fwd_dmma": Family("flash_fwd_dmma", "flash_fwd_dmma.cu", ("mask", "vec"), "q", _smem_fwd_dmma),
     "fwd_wgmma": Family("flash_fwd_wgmma", "flash_fwd_wgmma.cu", ("mask",), "q", _smem_fwd_wgmma),
     "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),
+    "fwd_tf32x3": Family("flash_fwd_tf32", "flash_fwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_fwd_tf32),
+    "fwd_tf32": Family("flash_fwd_tf32", "flash_fwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_fwd_tf32),
     "bwd_dsum": Family("flash_bwd_dsum", "flash_bwd_aux.cu", (), "q", lambda v: 0),
     "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
                            _smem_dkdv_mma),
@@ -548,6 +593,11 @@ class Variant:
             f"{self.dtype} {FAMILY_WHAT[self.family]} at head dim {self.head} needs "
             f"{min(replace(self, tile=t).smem_bytes for t in self.tiles()) // 1024} KB of shared memory per "
             f"thread block; this GPU allows {smem_limit // 1024} KB. Use a smaller head dim or another dtype.")
+
+    @property
+    def split(self) -> bool:
+        """The 3xTF32 arithmetic of the float32 tensor-core forward (precision="highest")."""
+        return self.family == "fwd_tf32x3"
 
     @property
     def fam(self) -> Family:
@@ -651,15 +701,35 @@ def few_keys(head: int, lk: int) -> bool:
     return lk < HOPPER_FWD_MIN_KEYS.get(head, 0)
 
 
+TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
+"""float32 precision -> the tensor-core forward family (flash_fwd_tf32.cu)."""
+
+FLOAT32_PRECISIONS = ("highest", "tf32", "fma")
+"""What :func:`forward_variant` takes for float32: the public precisions, and "fma", the FMA forward
+(the float32 fallback, kept selectable as the accuracy and speed baseline of the tensor-core kernels
+for the benchmarks and the GPU tests; no public option names it)."""
+
+
 @functools.lru_cache(maxsize=None)
 def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
-                    smem_limit: int = SMEM_MAX, cc: int = 80, short: bool = False) -> Variant:
+                    smem_limit: int = SMEM_MAX, cc: int = 80, short: bool = False,
+                    precision: str = "highest") -> Variant:
     """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
     allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
     with 16-byte loadable rows take the wgmma kernel where the table has one, EXTRA options
     included, unless ``short`` (:func:`few_keys`: too few keys for it to pay). The launcher
     still takes the portable kernel where tensor maps cannot describe the arrays or a bias's
-    rows are not 16-byte chunks (_launch.launch_forward)."""
+    rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
+    3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
+    shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision)."""
+    if dtype == "float32":
+        family = TF32_FAMILY.get(precision)
+        if ("sm80", family, dtype, head) in _TABLE:
+            try:
+                return Variant(family, dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
+            except ValueError:   # no TF32 tile fits this GPU
+                pass
+        return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
     if (cc == HOPPER_CC and vec and not short
             and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE):
         return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
@@ -672,11 +742,11 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
 
 @functools.lru_cache(maxsize=None)
 def forward_choice(dtype: str, head: int, band: bool, extra: bool, vec: bool, short: bool, cc: int,
-                   smem_limit: int) -> Tuple[Variant, Variant]:
+                   smem_limit: int, precision: str = "highest") -> Tuple[Variant, Variant]:
     """(:func:`forward_variant` for these facts, the portable variant a call falls back to where the
     Hopper kernel cannot take its arrays), with positional arguments: one cache lookup a call."""
     choose = functools.partial(forward_variant, dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit,
-                               short=short)
+                               short=short, precision=precision)
     return choose(cc=cc), choose(cc=80)
 
 
@@ -733,8 +803,9 @@ def vec_chunk(itemsize: int) -> int:
 
 
 def vec_choices(dtype: str) -> Tuple[bool, ...]:
-    """16-byte loads exist for the tensor-core kernels only (16-bit, and the float64 forward)."""
-    return (False, True) if dtype in HALF_TYPES or dtype == "float64" else (False,)
+    """Both load widths for every dtype: the tensor-core kernels have a 16-byte ``cp.async`` path
+    (``vec``); the FMA kernels, which float32 keeps for the backward, have no such flag."""
+    return (False, True)
 
 
 def all_variants() -> List[Variant]:
@@ -744,7 +815,9 @@ def all_variants() -> List[Variant]:
     seen: Dict[Variant, None] = {}
     for dtype, head, band, extra in itertools.product(DTYPES, HEAD_BUCKETS, (False, True), (False, True)):
         for vec, limit in itertools.product(vec_choices(dtype), SMEM_LIMITS.values()):
-            seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit)] = None
+            for precision in (FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)):
+                seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
+                                     precision=precision)] = None
             if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
                 seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
                                      cc=HOPPER_CC)] = None

@@ -59,7 +59,16 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         Block-sparse attention: (query block, key block) pairs that are off are
         never loaded.
     precision : {"highest", "tf32"}
-        Reserved for float32 ("tf32" raises NotImplementedError for now).
+        float32 only (ignored for other dtypes). "highest" (default): float32
+        accuracy, the forward on TF32 tensor cores with split operands
+        (3xTF32: a = big + small, three MMAs a product) where the GPU's shared
+        memory fits a tile, else on CUDA-core FMA. "tf32": the forward on plain
+        TF32 tensor cores (operands with 11 significant bits; relative error
+        ~1e-3). The float32 backward runs the float32-accurate FMA kernels for
+        both. NumPy inputs ignore it: they run the float64 reference (blocked
+        online softmax) whatever the precision. Elements of magnitude 4e34 or
+        more (and inf) of q, k, v ("highest") or q ("tf32") make the rows they
+        reach NaN: the tensor-core split's a * (2^13 + 1) overflows there.
 
     Returns
     -------
@@ -104,7 +113,7 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
                                   block_layout=block_layout)
     if p.xp is np:
         return _forward_numpy(p, opts, q.dtype)
-    return _forward_cupy(p, opts, q.dtype)
+    return _forward_cupy(p, opts, q.dtype, precision)
 
 
 def _lse_dtype(dtype_name: str):
@@ -131,7 +140,7 @@ def _forward_numpy(p: _checks.Problem, opts: _masking.Options, dtype) -> Tuple[n
             lse.astype(_lse_dtype(p.dtype)).reshape(p.lse_shape()))
 
 
-def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype):
+def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype, precision: str = "highest"):
     import cupy
 
     with cupy.cuda.Device(p.q.device.id):
@@ -142,7 +151,7 @@ def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype):
             lse.fill(-np.inf)
         elif out.size > 0:
             launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype, masking=_masking.kernel_masking(p, opts),
-                           scale=p.scale, group=p.group)
+                           scale=p.scale, group=p.group, precision=precision)
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 

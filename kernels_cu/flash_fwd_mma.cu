@@ -48,25 +48,6 @@ struct FwdMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// The mask of one strip's partial tile without EXTRA (only the band and the
-// sequence end): the lane's rows are row0 and row0 + 8, its keys col0 + 8n + e
-// (e = 0, 1), and each row's visible keys are one interval (ScoreMod::visible_keys),
-// so every element is two compares with a constant rather than a (row, col) pair
-// formed and tested. Masked scores become -inf (raw dot products stay raw).
-template <typename Tr, typename Mod>
-__device__ __forceinline__ void mask_partial_strip(float (&s)[Tr::S_TILES][4], const Mod& mod, int row0, int col0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        int lo, hi;
-        mod.visible_keys(row0 + 8 * r, col0, lo, hi);
-#pragma unroll
-        for (int n = 0; n < Tr::S_TILES; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (8 * n + e < lo || 8 * n + e > hi) s[n][2 * r + e] = neg_inf<float>();
-    }
-}
-
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
@@ -160,7 +141,7 @@ flash_fwd_mma(const FwdParams p) {
                                                                        mod.scale_log2);
                 apply_score_mod(s[m], mod, partial, strip_coord(m));
             } else if (partial) {
-                mask_partial_strip<Tr>(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
+                mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
             }
         }
         unsigned p16[M][Tr::S_TILES][2];   // P in 16 bits (pack_frags' layout), the A operand of O += P V

@@ -1,5 +1,5 @@
 // mma.cuh -- tensor-core wrappers: ldmatrix and mma.sync m16n8k16 (fp16/bf16 in, fp32 out);
-// mma.sync m8n8k4 (fp64 in, fp64 out).
+// mma.sync m16n8k8 (tf32 in, fp32 out); mma.sync m8n8k4 (fp64 in, fp64 out).
 //
 // Fragment layouts (PTX ISA, "mma.m16n8k16"), lane = threadIdx.x % 32:
 //   A (16x16, row-major): a0 = (row lane/4,     k 2*(lane%4)+{0,1})
@@ -7,7 +7,11 @@
 //                         a2, a3 = the same rows at k + 8
 //   B (16x8, "col"):      b0 = (k 2*(lane%4)+{0,1}, n lane/4), b1 = the same at k + 8
 //   C (16x8, fp32):       c0,c1 = (row lane/4, n 2*(lane%4)+{0,1}); c2,c3 = row + 8
-// and ("mma.m8n8k4" with .f64), g = lane/4, t = lane%4:
+// and ("mma.m16n8k8" with .tf32; one 32-bit element a register), g = lane/4, t = lane%4:
+//   A (16x8, row-major):  a0 = (row g, k t), a1 = (row g + 8, k t), a2, a3 = the same rows at k t + 4
+//   B (8x8, "col"):       b0 = (k t, n g), b1 = (k t + 4, n g)
+//   C (16x8, fp32):       as m16n8k16's
+// and ("mma.m8n8k4" with .f64):
 //   A (8x4, row-major):   a0 = (row g, k t)
 //   B (4x8, "col"):       b0 = (k t, n g)
 //   C (8x8, fp64):        c0,c1 = (row g, n 2t+{0,1})
@@ -53,4 +57,15 @@ __device__ __forceinline__ void mma_884_f64(double (&c)[2], double a, double b) 
     asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
                  : "+d"(c[0]), "+d"(c[1])
                  : "d"(a), "d"(b));
+}
+
+// C += A B on one 16x8 fp32 tile, k = 8, the operands' 32-bit registers read as TF32 (sm_80+).
+// The tensor core reads the top 19 bits of each operand (sign, exponent, 10 mantissa bits: a
+// plain fp32 value is truncated), and it adds the products and C truncating too (measured on
+// an H100, benchmarks/NOTES.md; warp_gemm_tf32.cuh says what that means for an accumulator).
+__device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }

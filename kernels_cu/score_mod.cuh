@@ -400,6 +400,26 @@ __device__ __forceinline__ void apply_dropout_frags(float (&p)[N][4], const Mod&
         for (int i = 0; i < 4; ++i) p[n][i] *= frag_bit<N>(kept, n, i) ? keep_scale : 0.0f;
 }
 
+// The forward's mask of one 16-row strip of a partial tile without EXTRA (only the band and
+// the sequence end), on its m16n8 C fragments (the 16-bit and the TF32 kernels alike): the
+// lane's rows are row0 and row0 + 8, its keys col0 + 8n + e (e = 0, 1), and each row's
+// visible keys are one interval (ScoreMod::visible_keys), so every element is two compares
+// with a constant rather than a (row, col) pair formed and tested. Masked scores become
+// -inf (raw dot products stay raw).
+template <int N, typename Mod>
+__device__ __forceinline__ void mask_partial_strip(float (&s)[N][4], const Mod& mod, int row0, int col0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int lo, hi;
+        mod.visible_keys(row0 + 8 * r, col0, lo, hi);
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (8 * n + e < lo || 8 * n + e > hi) s[n][2 * r + e] = neg_inf<float>();
+    }
+}
+
 // The dK/dV kernels' mask of one 16-key strip of a partial S^T tile without EXTRA (the band and
 // the sequence end): the lane's keys are key_a and key_a + 8, its queries
 // q0 + 8n + e (e = 0, 1), and each key is seen by one interval of queries

@@ -142,3 +142,33 @@ def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, determi
         ok, msg = within_budget(got, r, n, m, dtype, logit_max)
         assert ok, f"{name}: {msg}"
     return out, grads
+
+
+TF32_TOL = 5e-3
+"""precision="tf32" (operands with 11 significant bits, 2^-11 ~ 5e-4 each): the bound on the forward's
+relative error against the float64 reference on unit-normal inputs, and on lse's error relative to
+1 + |lse|."""
+
+
+def check_forward_tf32(b, hq, hk, lq, lk, d, dv, causal, seed, options=None):
+    """The float32 forward with precision="tf32" against the float64 reference (any masking
+    ``options``): relative error below TF32_TOL; lse likewise, -inf exactly where a row sees no key."""
+    cp = _cupy()
+    rng = np.random.default_rng(seed)
+    ref_in, dev, _ = make_inputs(rng, "float32", b, hq, hk, lq, lk, d, dv)
+    options = options or {}
+    scale = 1 / np.sqrt(d)
+    out, lse = cuflash.attention_forward(*dev, causal=causal, scale=scale, precision="tf32",
+                                         **device_options(options, "float32"))
+    opts = dict(causal=causal, scale=scale, **host_options(options, "float32"))
+    ref_out, ref_lse = reference.attention_naive(*ref_in, **opts)
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all(), "NaN or inf in the output"
+    err = rel_error(got, ref_out)
+    assert err < TF32_TOL, f"tf32 rel. error {err:.3e}"
+    got_lse = cp.asnumpy(lse).astype(np.float64)
+    seen = np.isfinite(ref_lse)
+    assert (np.isneginf(got_lse) == ~seen).all(), "lse must be -inf exactly for rows that see no key"
+    lse_err = np.abs(got_lse[seen] - ref_lse[seen]) / (1 + np.abs(ref_lse[seen]))
+    assert lse_err.size == 0 or lse_err.max() < TF32_TOL, f"lse error {lse_err.max():.3e}"
+    return out, err

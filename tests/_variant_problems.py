@@ -29,6 +29,7 @@ class Problem:
     smem_limit: int = SMEM_MAX    # the GPU class (shared memory per block) the launcher selects for
     cc: int = 80                  # the compute capability it selects for (90: the Hopper variants)
     lk: int = LK                  # keys (longer for a Hopper forward with a minimum, HOPPER_FWD_MIN_KEYS)
+    precision: str = "highest"    # float32: "tf32" the plain TF32 forward, "fma" the FMA one (FLOAT32_PRECISIONS)
 
     @property
     def vec(self) -> bool:
@@ -41,7 +42,7 @@ class Problem:
         head = head_bucket(max(self.d, self.dv))
         band = self.causal is not False
         fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
-                              cc=self.cc, short=few_keys(head, self.lk))
+                              cc=self.cc, short=few_keys(head, self.lk), precision=self.precision)
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -80,11 +81,12 @@ def problem_for(v: Variant) -> Problem:
         lk = HOPPER_FWD_MIN_KEYS[head] + 2
     if hopper and v.extra:   # the Hopper backward copies a bias by 16-byte chunks too
         lk = -(-lk // 8) * 8
+    precision = {"fwd_tf32": "tf32", "fwd_fma": "fma"}.get(v.family, "highest") if v.dtype == "float32" else "highest"
     for det, limit in itertools.product((deterministic, not deterministic), sorted(SMEM_LIMITS.values(), reverse=True)):
-        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc, lk)
+        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc, lk, precision)
         try:
             if v in p.variants():
                 return p
         except ValueError:     # this GPU class has no kernel for the problem
             continue
-    return Problem(v.dtype, d, d, causal, v.extra, backward, deterministic, cc=cc, lk=lk)
+    return Problem(v.dtype, d, d, causal, v.extra, backward, deterministic, cc=cc, lk=lk, precision=precision)

@@ -59,11 +59,21 @@ def test_gpu_problem_runs_the_variant(variant):
 
 def test_selection_rules():
     assert V.forward_variant("float16", 64, band=True, vec=True).family == "fwd_mma"
-    for head in V.HEAD_BUCKETS:   # float64 on the fp64 tensor cores, float32 on FMA
+    for head in V.HEAD_BUCKETS:   # float64 on the fp64 tensor cores, float32 on TF32 tensor cores
         assert V.forward_variant("float64", head, band=True, vec=True) == V.Variant("fwd_dmma", "float64", head,
                                                                                     band=True, vec=True)
-        assert V.forward_variant("float32", head, band=True, vec=True) == V.Variant("fwd_fma", "float32", head,
-                                                                                    band=True)
+        assert V.forward_variant("float32", head, band=True, vec=True, precision="tf32") == V.Variant(
+            "fwd_tf32", "float32", head, band=True, vec=True)
+    # precision="highest" on 3xTF32 where a tile fits, else on FMA (head dim 256).
+    highest = V.forward_variant("float32", 128, band=False, vec=True)
+    assert highest == V.Variant("fwd_tf32x3", "float32", 128, vec=True) and highest.split
+    assert V.forward_variant("float32", 256, band=False, vec=True) == V.Variant("fwd_fma", "float32", 256)
+    small = V.SMEM_LIMITS["sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"]
+    assert V.forward_variant("float32", 128, band=False, vec=True, smem_limit=small).family == "fwd_tf32x3"
+    assert V.forward_variant("float32", 128, band=False, vec=True, precision="fma").family == "fwd_fma"
+    # The float32 backward is the FMA one for either precision (the forward's precision does not reach it).
+    assert [v.family for v in V.backward_variants("float32", 64, band=False, vec=True, deterministic=False)] == [
+        "bwd_dsum", "bwd_dkdv_fma", "bwd_convert_dq"]
     # The dK/dV passes follow the tile: head dim 128 is one pass at 32-query steps, two with the
     # EXTRA kernels' 64-query steps (Tile.passes).
     plan = V.backward_variants("bfloat16", 128, band=False, vec=True, deterministic=False)
@@ -118,7 +128,7 @@ def test_hopper_selection():
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=100).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=False, cc=90).family == "fwd_mma"
     assert V.forward_variant("float16", 256, band=False, vec=True, cc=90).family == "fwd_wgmma"
-    assert V.forward_variant("float32", 64, band=False, vec=False, cc=90).family == "fwd_fma"
+    assert V.forward_variant("float32", 64, band=False, vec=False, cc=90).family == "fwd_tf32x3"   # portable
     assert V.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
 
 

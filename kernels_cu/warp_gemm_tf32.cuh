@@ -1,0 +1,229 @@
+// warp_gemm_tf32.cuh -- warp-level GEMMs on float32 data with the TF32 tensor cores
+// (mma.sync m16n8k8, fp32 accumulate), in one of two precisions (SPLIT, compile time):
+//   plain TF32 (precision="tf32"): one MMA a product; operands carry 11 significant bits.
+//   split TF32 (SPLIT, precision="highest", "3xTF32"): each operand a = big + small with
+//       big = a rounded to 11 significant bits and small = (a - big) rounded likewise, and
+//       a b ~ big_a big_b + big_a small_b + small_a big_b; the dropped small_a small_b and
+//       the rounding of small are each below 2^-22 |a b|, about float32's own rounding.
+//
+// Fresh fragments. The tensor core adds an MMA's products and its C input with truncation,
+// not rounding: an accumulator carried through every k-step loses up to an ulp per MMA, in
+// one direction (measured on an H100, the lost tf32 branch of benchmarks/NOTES.md: its
+// 3xTF32 error grew with the head dim). So in SPLIT each k-step's three MMAs go into a zeroed
+// fragment (small products first, then big_a big_b), which is then added to the accumulator
+// with ordinary round-to-nearest FADDs. Plain TF32 (an error of ~2^-11 an operand) chains.
+//
+// Where operands are split. Q is split once per CTA in shared memory (split_tile: big in
+// place, small beside it), since every warp reads its strips again for every key tile. K, V
+// and P are split in registers as their fragments are loaded, each element once per warp that
+// reads it: a shared copy would double the bytes each fragment load moves, and shared-memory
+// bandwidth, not the split's few FP32 instructions, is the scarcer resource next to the MMAs.
+// In plain TF32, Q and P are rounded (once each) and K and V go in as they are: the tensor
+// core then truncates them (2^-10 rather than 2^-11 an element), which saves the rounding of
+// every fragment in every warp.
+//
+// Fragment loads (fp32 data; mma.cuh's m16n8k8 layouts; tiles row-major with pitch P floats):
+//   A of S = Q K^T: ldmatrix.x4 of four 8 x (4 floats) blocks: 16 bytes a row are 4 floats, and
+//       ldmatrix gives lane (g, t) the 32-bit word t of row g: (row g, k t), a0..a3 in order.
+//   B of S = Q K^T (K stored [key][d]): the same, b0 / b1 of two n8 tiles a load.
+//   A of O += P V: P's C fragments as they are, read in a permuted key order: A's k index t
+//       stands for key 2t and t + 4 for key 2t + 1 (a0..a3 = c0, c2, c1, c3), which the B
+//       fragment then follows: b0 = V[2t][g], b1 = V[2t + 1][g], two 4-byte loads (a 32-bit
+//       transpose has no ldmatrix). A contraction's order of terms is free.
+// Banks: ldmatrix rows 16 bytes apart mod 128 (P = 4 mod 32 with P = HEAD + 4) and the V
+// loads' words 8t + g and 8t + 4 + g (2t P = 8t mod 32) are conflict-free with one pitch.
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+#include "warp_gemm.cuh"
+
+// a rounded to nearest at 11 significant bits (TF32's precision), in fp32 bits. Veltkamp's
+// split, c = a (2^13 + 1), big = c - (c - a): three FP32 instructions, which keep NaN a NaN
+// (cvt.rna.tf32.f32 is four, two of them on the slower integer pipe; adding half a TF32 ulp
+// to the bits and masking is two, but turns the NaN 0x7fffffff into -0). The .rn forms stop
+// ptxas from fusing c - a into an FMA (which would make it exact and the split empty).
+// Finite for |a| < 2^114 (c overflows beyond; no attention input of that size has a finite
+// score either).
+__device__ __forceinline__ float round_tf32(float a) {
+    float c, d, big;
+    asm("mul.rn.f32 %0, %1, 0f46000400;" : "=f"(c) : "f"(a));   // 8193 = 2^13 + 1 (0x46000400)
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(c), "f"(a));
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(big) : "f"(c), "f"(d));
+    return big;
+}
+
+// a = big + small, both with 11 significant bits (small exact as a - big before its rounding).
+__device__ __forceinline__ void split_tf32(float a, unsigned& big, unsigned& small) {
+    const float b = round_tf32(a);
+    big = __float_as_uint(b);
+    small = __float_as_uint(round_tf32(a - b));
+}
+
+// A fragment (4 registers) or B fragment pair, raw fp32 bits -> the operands of one precision:
+// SPLIT: big and small; plain: `big` is the raw value itself (the tensor core truncates it).
+template <bool SPLIT, int R>
+__device__ __forceinline__ void split_frag(const unsigned (&raw)[R], unsigned (&big)[R], unsigned (&small)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        if (SPLIT) split_tf32(__uint_as_float(raw[i]), big[i], small[i]);
+        else big[i] = raw[i];
+    }
+}
+
+struct alignas(16) Float4 { float v[4]; };   // one 16-byte shared access
+
+// Every element of a ROWS x COLS tile (pitch P floats) in shared memory, by THREADS threads:
+// SPLIT: big in place and small into `small` (same layout); plain: rounded in place. The
+// caller synchronises before and after.
+template <bool SPLIT, int ROWS, int COLS, int P, int THREADS>
+__device__ __forceinline__ void split_tile(float* tile, float* small) {
+    static_assert(COLS % 4 == 0 && P % 4 == 0, "16-byte groups");
+#pragma unroll 2
+    for (int i = threadIdx.x; i < ROWS * COLS / 4; i += THREADS) {
+        const int at = (i / (COLS / 4)) * P + (i % (COLS / 4)) * 4;
+        const Float4 a = *reinterpret_cast<const Float4*>(tile + at);
+        Float4 big, lo;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            big.v[e] = round_tf32(a.v[e]);
+            lo.v[e] = round_tf32(a.v[e] - big.v[e]);
+        }
+        *reinterpret_cast<Float4*>(tile + at) = big;
+        if (SPLIT) *reinterpret_cast<Float4*>(small + at) = lo;
+    }
+}
+
+// acc[m][t0], acc[m][t0 + 1] += A_m B_h (h = 0, 1: the two n8 tiles) for one k8 step of M
+// strips: in SPLIT from the split operands through fresh fragments (the header), else one
+// chained MMA each. The 2M fresh fragments' chains interleave (each MMA of a step waits on
+// the previous one of its chain only), so the tensor pipe sees 2M independent MMAs a step.
+template <bool SPLIT, int M, int NT>
+__device__ __forceinline__ void mma_step_tf32(float (&acc)[M][NT][4], int t0, const unsigned (&a_big)[M][4],
+                                              const unsigned (&a_small)[M][4], const unsigned (&b_big)[2][2],
+                                              const unsigned (&b_small)[2][2]) {
+    if (!SPLIT) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) mma_1688_tf32(acc[m][t0 + h], a_big[m], b_big[h][0], b_big[h][1]);
+        return;
+    }
+    float fresh[M][2][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) zero_frags(fresh[m]);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma_1688_tf32(fresh[m][h], a_small[m], b_big[h][0], b_big[h][1]);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma_1688_tf32(fresh[m][h], a_big[m], b_small[h][0], b_small[h][1]);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma_1688_tf32(fresh[m][h], a_big[m], b_big[h][0], b_big[h][1]);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][t0 + h][i] += fresh[m][h][i];
+}
+
+// The lane's ldmatrix row address for A fragments of 16-row strips (the strip's first row):
+// matrix i = lane / 8 is rows 8 (i % 2).., floats 4 (i / 2)..
+template <int P>
+__device__ __forceinline__ unsigned a_lane_addr_tf32(const float* strip, int lane) {
+    return smem_addr(strip + (lane % 16) * P + (lane / 16) * 4);
+}
+// ... and for B^T stored [n][k] (K): matrix i is keys 8 (i / 2).., floats 4 (i % 2)..
+template <int P>
+__device__ __forceinline__ unsigned bt_lane_addr_tf32(const float* rows, int lane) {
+    return smem_addr(rows + ((lane / 16) * 8 + lane % 8) * P + ((lane / 8) % 2) * 4);
+}
+
+// S (M strips of 16 rows x N keys) += Q K^T over depth K:
+//   q_big / q_small: the warp's first strip of Q (split_tile's two tiles; q_small unread
+//   unless SPLIT), k: rows [key][d] of K. All pitch P.
+template <bool SPLIT, int M, int N, int K, int P>
+__device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const float* q_big, const float* q_small,
+                                                  const float* k, int lane) {
+    static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
+    const unsigned big_addr = a_lane_addr_tf32<P>(q_big, lane);
+    const unsigned small_addr = a_lane_addr_tf32<P>(q_small, lane);
+    const unsigned k_addr = bt_lane_addr_tf32<P>(k, lane);
+    // SPLIT keeps the k-steps a loop: unrolled, ptxas hoisted later steps' K fragments and their
+    // splits and spilled 20-324 bytes in every SPLIT variant (offline compile, sm_90).
+    constexpr int UNROLL = SPLIT ? 1 : K / 8;
+#pragma unroll UNROLL
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned a_big[M][4], a_small[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            ldmatrix_x4(a_big[m], big_addr + (m * 16 * P + k0) * 4);
+            if (SPLIT) ldmatrix_x4(a_small[m], small_addr + (m * 16 * P + k0) * 4);
+        }
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += 16) {
+            unsigned raw[4], big[4], small[4];
+            ldmatrix_x4(raw, k_addr + (n0 * P + k0) * 4);
+            split_frag<SPLIT>(raw, big, small);
+            mma_step_tf32<SPLIT>(s, n0 / 8, a_big, a_small, reinterpret_cast<const unsigned (&)[2][2]>(big),
+                                 reinterpret_cast<const unsigned (&)[2][2]>(small));
+        }
+    }
+}
+
+// O (M strips of 16 rows x N columns) += P V over K keys: p holds P's C fragments (fp32, the
+// softmax's output), v rows [key][column] (pitch P). Plain TF32 rounds P as it reads it.
+template <bool SPLIT, int M, int N, int K, int P>
+__device__ __forceinline__ void warp_gemm_pv_tf32(float (&o)[M][N / 8][4], const float (&p)[M][K / 8][4],
+                                                  const float* v, int lane) {
+    static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
+    const float* v_lane = v + 2 * (lane % 4) * P + lane / 4;   // V[2t][g]
+#pragma unroll
+    for (int kt = 0; kt < K / 8; ++kt) {
+        unsigned a_big[M][4], a_small[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float c[4] = {p[m][kt][0], p[m][kt][2], p[m][kt][1], p[m][kt][3]};   // keys 2t, 2t + 1
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (SPLIT) split_tf32(c[i], a_big[m][i], a_small[m][i]);
+                else a_big[m][i] = __float_as_uint(round_tf32(c[i]));
+            }
+        }
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += 16) {
+            unsigned raw[2][2], big[2][2], small[2][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                raw[h][0] = __float_as_uint(v_lane[8 * kt * P + n0 + 8 * h]);
+                raw[h][1] = __float_as_uint(v_lane[(8 * kt + 1) * P + n0 + 8 * h]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) split_frag<SPLIT>(raw[h], big[h], small[h]);
+            mma_step_tf32<SPLIT>(o, n0 / 8, a_big, a_small, big, small);
+        }
+    }
+}
+
+// s = s * scale + bias * log2(e) on one strip's 16 x N C fragments, the bias a 16 x N fp32
+// tile in shared memory (pitch P = 8 mod 16 floats: each half-warp's 8-byte loads, rows g,
+// columns 8n + 2t, fall in 16 different bank pairs).
+template <int N, int P>
+__device__ __forceinline__ void scale_add_bias_frags_f32(float (&s)[N / 8][4], const float* tile, int lane,
+                                                         float scale) {
+    static_assert(P % 16 == 8, "16-byte aligned, conflict-free bias rows");
+    const float* at = tile + (lane / 4) * P + 2 * (lane % 4);
+    const float log2e = float(LOG2E);
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const FloatPair b = load_pair(at + 8 * r * P + 8 * n);
+            s[n][2 * r] = s[n][2 * r] * scale + b[0] * log2e;
+            s[n][2 * r + 1] = s[n][2 * r + 1] * scale + b[1] * log2e;
+        }
+}

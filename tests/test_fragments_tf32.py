@@ -1,0 +1,277 @@
+"""The float32 tensor-core forward's arithmetic and fragment layouts, lane by lane in NumPy (CPU).
+
+flash_fwd_tf32 (kernels_cu/flash_fwd_tf32.cu over warp_gemm_tf32.cuh) rests on facts that no
+CPU compile can check:
+  * the split: round_tf32 (Veltkamp's c = a (2^13 + 1), big = c - (c - a), in float32
+    round-to-nearest steps) leaves 11 significant bits, and big + small carries a to ~2^-22;
+  * why each k-step's three MMAs go into a fresh fragment: an MMA that sums with truncation,
+    chained through every k-step, drifts in one direction; the fresh-fragment sum does not;
+  * the lane formulas: ldmatrix of fp32 rows (a 16-byte row is 4 floats), the m16n8k8 TF32
+    A / B / C layouts, the permuted key order of O += P V (A's k index t is key 2t, t + 4 is
+    key 2t + 1; B reads V[2t][g] and V[2t + 1][g]) and the bias reads; their bank patterns.
+Here the same formulas (transcribed, names as in the CUDA source) drive an emulated warp.
+"""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+LANES = np.arange(32)
+G, T = LANES // 4, LANES % 4
+f32 = np.float32
+
+
+# --------------------------------------------------------------------------- the split (round_tf32)
+
+def _veltkamp_constant():
+    """The multiplier of round_tf32's mul.rn.f32, read from the CUDA source (a PTX hex float,
+    0fXXXXXXXX: its IEEE bits), so that the emulation runs the kernel's constant, not a copy."""
+    src = (Path(__file__).resolve().parent.parent / "kernels_cu" / "warp_gemm_tf32.cuh").read_text()
+    bits = re.search(r"mul\.rn\.f32 %0, %1, 0f([0-9A-Fa-f]{8});", src).group(1)
+    return np.array(int(bits, 16), dtype=np.uint32).view(f32)[()]
+
+
+VELTKAMP = _veltkamp_constant()
+
+
+def round_tf32(a):
+    """warp_gemm_tf32.cuh round_tf32: three float32 operations, each rounded (mul.rn, sub.rn)."""
+    a = np.asarray(a, dtype=f32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        c = (a * VELTKAMP).astype(f32)
+        d = (c - a).astype(f32)
+        return (c - d).astype(f32)
+
+
+def split_tf32(a):
+    big = round_tf32(a)
+    return big, round_tf32((np.asarray(a, dtype=f32) - big).astype(f32))
+
+
+def significant_bits_ok(x):
+    """True where x (float32) has at most 11 significant bits: the low 13 mantissa bits are zero."""
+    return (np.asarray(x, dtype=f32).view(np.uint32) & 0x1FFF) == 0
+
+
+@pytest.fixture(scope="module")
+def values():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(200000) * np.exp(rng.uniform(-30, 30, 200000))
+    return np.concatenate([x, [0.0, -0.0, 1.0, 3.0, 2.0**-126, 1e30, -7.5e33]]).astype(f32)
+
+
+def test_round_tf32_is_a_nearest_11_bit_rounding(values):
+    big = round_tf32(values)
+    assert significant_bits_ok(big).all()
+    # Nearest: |a - big| <= half an 11-bit ulp of a (2^-11 relative), never more.
+    a = values.astype(np.float64)
+    err = np.abs(a - big.astype(np.float64))
+    assert (err <= np.abs(a) * 2.0**-11 * (1 + 2.0**-20)).all()
+
+
+def test_veltkamp_constant_is_2_pow_13_plus_1():
+    # 0f46002000 (8200 = 2^13 + 2^3, the first version's constant) still leaves 11 significant
+    # bits, but rounds 8191 of every 2^23 values a whole TF32 ulp away (review, offline).
+    assert VELTKAMP == f32(8193)
+
+
+def test_round_tf32_is_round_to_nearest_even_on_a_whole_binade():
+    """Every float32 of [1, 2) and of -[2^-100, 2^-99) against the bit-exact round-to-nearest-even
+    at 10 mantissa bits."""
+    for top in (0x3F800000, 0x8D800000):
+        a = (np.arange(2**23, dtype=np.uint32) | np.uint32(top)).view(f32)
+        bits = a.view(np.uint32).astype(np.int64)
+        keep, rest = bits >> 13, bits & 0x1FFF
+        up = (rest > 0x1000) | ((rest == 0x1000) & (keep & 1 == 1))
+        want = ((keep + up) << 13).astype(np.uint32).view(f32)
+        np.testing.assert_array_equal(round_tf32(a), want)
+
+
+def test_split_carries_a_to_float32_accuracy(values):
+    big, small = split_tf32(values)
+    assert significant_bits_ok(small).all()
+    a = values.astype(np.float64)
+    rest = a - big.astype(np.float64) - small.astype(np.float64)
+    # small is a - big rounded at 11 bits: what is left is below 2^-22 |a| (float32's unit
+    # roundoff is 2^-24).
+    assert (np.abs(rest) <= np.abs(a) * 2.0**-22).all()
+
+
+def test_three_products_carry_a_product_to_float32_accuracy(values):
+    rng = np.random.default_rng(1)
+    a, b = values[:100000], rng.permutation(values[:100000])
+    a, b = a[np.abs(a) < 1e15], b[:np.count_nonzero(np.abs(a) < 1e15)]
+    a, b = a[np.abs(b) < 1e15], b[np.abs(b) < 1e15]
+    (ab, as_), (bb, bs) = split_tf32(a), split_tf32(b)
+    d = lambda x: x.astype(np.float64)   # products of 11-bit values are exact in float64 (and in fp32)
+    approx = d(ab) * d(bb) + d(ab) * d(bs) + d(as_) * d(bb)
+    exact = d(a) * d(b)
+    assert (np.abs(approx - exact) <= np.abs(exact) * 2.0**-20.5).all()
+
+
+def test_split_keeps_nan():
+    # CUDA's canonical NaN: adding half an ulp to its bits and masking would make it -0.
+    nan = np.array([0x7FFFFFFF, 0x7FC00000, 0xFFFFFFFF], dtype=np.uint32).view(f32)
+    assert np.isnan(round_tf32(nan)).all()
+
+
+# --------------------------------------------------------------------------- why fresh fragments
+
+def mma_truncating(c, a, b):
+    """One emulated MMA k8 step: the products (exact) and C summed, the sum truncated toward zero to
+    float32 (the behaviour the lost tf32 branch measured on an H100; the 3xTF32 design assumes no
+    more than this)."""
+    s = c.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
+    r = s.astype(f32)   # round to nearest, then step toward zero where that rounded up in magnitude
+    up = np.abs(r.astype(np.float64)) > np.abs(s)
+    r[up] = np.nextafter(r[up], f32(0))
+    return r
+
+
+def gemm_3xtf32(a, b, fresh):
+    """a (m x K) @ b (K x n) in k8 steps of three truncating MMAs: into the accumulator (chained)
+    or into a zeroed fragment added with a round-to-nearest FADD (fresh, warp_gemm_tf32.cuh)."""
+    (ab, as_), (bb, bs) = split_tf32(a), split_tf32(b)
+    acc = np.zeros((a.shape[0], b.shape[1]), dtype=f32)
+    for k0 in range(0, a.shape[1], 8):
+        k = slice(k0, k0 + 8)
+        f = np.zeros_like(acc) if fresh else acc
+        f = mma_truncating(f, as_[:, k], bb[k])
+        f = mma_truncating(f, ab[:, k], bs[k])
+        f = mma_truncating(f, ab[:, k], bb[k])
+        acc = (acc + f).astype(f32) if fresh else f
+    return acc
+
+
+def test_fresh_fragments_are_float32_accurate_and_chaining_is_not():
+    rng = np.random.default_rng(2)
+    # Positive operands (a row of probabilities times V; or Q K^T with correlated rows): every
+    # truncation then loses in the same direction.
+    a = rng.uniform(0, 1, (16, 256)).astype(f32)
+    b = rng.uniform(0, 1, (256, 8)).astype(f32)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    naive = (a @ b).astype(np.float64)   # float32 BLAS
+    err = lambda x: np.linalg.norm(x.astype(np.float64) - exact) / np.linalg.norm(exact)
+    fresh, chained = err(gemm_3xtf32(a, b, True)), err(gemm_3xtf32(a, b, False))
+    assert fresh <= 2 * max(err(naive), 2.0**-24)
+    assert chained > 2 * fresh   # the drift the fresh fragments remove
+
+
+# --------------------------------------------------------------------------- fragment layouts
+
+HEAD, BN = 64, 32
+P = HEAD + 4                  # FwdTf32Traits::PITCH
+BIAS_P = BN + 8               # FwdTf32Traits::BIAS_PITCH
+
+
+def ldmatrix_x4_b32(smem, row_addr):
+    """ldmatrix.x4 of 32-bit data: 4 matrices of 8 rows x 16 bytes (4 floats); lanes 8j..8j+7
+    give the row addresses (floats) of matrix j; lane (g, t) receives word t of row g."""
+    regs = []
+    for j in range(4):
+        rows = row_addr[8 * j:8 * j + 8]
+        mat = np.stack([smem[r:r + 4] for r in rows])   # mat[row][word]
+        regs.append(mat[G, T])
+    return regs
+
+
+def mma_1688(c, a, b0, b1):
+    """c (32, 4) += A B, mma.m16n8k8 .tf32 layouts (mma.cuh): a0 (row g, k t), a1 (row g + 8,
+    k t), a2 (row g, k t + 4), a3 (row g + 8, k t + 4); b0 (k t, n g), b1 (k t + 4, n g)."""
+    A = np.zeros((16, 8))
+    B = np.zeros((8, 8))
+    A[G, T], A[G + 8, T], A[G, T + 4], A[G + 8, T + 4] = a
+    B[T, G], B[T + 4, G] = b0, b1
+    C = A @ B
+    c += np.stack([C[G, 2 * T], C[G, 2 * T + 1], C[G + 8, 2 * T], C[G + 8, 2 * T + 1]], axis=1)
+
+
+def a_lane_addr_tf32(strip, pitch=P):
+    return strip + (LANES % 16) * pitch + (LANES // 16) * 4
+
+
+def bt_lane_addr_tf32(rows, pitch=P):
+    return rows + ((LANES // 16) * 8 + LANES % 8) * pitch + ((LANES // 8) % 2) * 4
+
+
+def to_smem(x, pitch):
+    smem = np.full(x.shape[0] * pitch, np.nan)
+    for r in range(x.shape[0]):
+        smem[r * pitch:r * pitch + x.shape[1]] = x[r]
+    return smem
+
+
+def from_frags(frags):
+    """(16 x 8N) matrix from N C fragments."""
+    out = np.zeros((16, 8 * len(frags)))
+    for n, c in enumerate(frags):
+        out[G, 8 * n + 2 * T], out[G, 8 * n + 2 * T + 1] = c[:, 0], c[:, 1]
+        out[G + 8, 8 * n + 2 * T], out[G + 8, 8 * n + 2 * T + 1] = c[:, 2], c[:, 3]
+    return out
+
+
+def test_qk_fragments_give_q_kt():
+    """warp_gemm_qk_tf32: A by ldmatrix from the strip, B pairs by ldmatrix from K rows."""
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((16, HEAD)), rng.standard_normal((BN, HEAD))
+    q_s, k_s = to_smem(q, P), to_smem(k, P)
+    s = [np.zeros((32, 4)) for _ in range(BN // 8)]
+    big_addr, k_addr = a_lane_addr_tf32(0), bt_lane_addr_tf32(0)
+    for k0 in range(0, HEAD, 8):
+        a = ldmatrix_x4_b32(q_s, big_addr + k0)
+        for n0 in range(0, BN, 16):
+            raw = ldmatrix_x4_b32(k_s, k_addr + n0 * P + k0)
+            for h in range(2):
+                mma_1688(s[n0 // 8 + h], a, raw[2 * h], raw[2 * h + 1])
+    np.testing.assert_allclose(from_frags(s), q @ k.T, rtol=1e-12, atol=1e-12)
+
+
+def test_pv_fragments_in_permuted_key_order_give_p_v():
+    """warp_gemm_pv_tf32: A = P's C fragment (c0, c2, c1, c3), B = V[2t][g], V[2t + 1][g]."""
+    rng = np.random.default_rng(4)
+    p, v = rng.uniform(0, 1, (16, BN)), rng.standard_normal((BN, HEAD))
+    p_frags = [np.stack([p[G, 8 * n + 2 * T], p[G, 8 * n + 2 * T + 1], p[G + 8, 8 * n + 2 * T],
+                         p[G + 8, 8 * n + 2 * T + 1]], axis=1) for n in range(BN // 8)]
+    v_s = to_smem(v, P)
+    v_lane = 2 * T * P + G
+    o = [np.zeros((32, 4)) for _ in range(HEAD // 8)]
+    for kt in range(BN // 8):
+        c = p_frags[kt]
+        a = [c[:, 0], c[:, 2], c[:, 1], c[:, 3]]
+        for n0 in range(0, HEAD, 16):
+            for h in range(2):
+                b0 = v_s[v_lane + 8 * kt * P + n0 + 8 * h]
+                b1 = v_s[v_lane + (8 * kt + 1) * P + n0 + 8 * h]
+                mma_1688(o[n0 // 8 + h], a, b0, b1)
+    np.testing.assert_allclose(from_frags(o), p @ v, rtol=1e-12, atol=1e-12)
+
+
+def test_bias_reads_land_on_their_scores():
+    """scale_add_bias_frags_f32: lane reads (row g + 8r, keys 8n + 2t, + 1) as one pair."""
+    rng = np.random.default_rng(5)
+    bias = rng.standard_normal((16, BN))
+    tile = to_smem(bias, BIAS_P)
+    at = G * BIAS_P + 2 * T
+    got = [np.stack([tile[at + 8 * n], tile[at + 8 * n + 1], tile[at + 8 * BIAS_P + 8 * n],
+                     tile[at + 8 * BIAS_P + 8 * n + 1]], axis=1) for n in range(BN // 8)]
+    np.testing.assert_array_equal(from_frags(got), bias)
+
+
+@pytest.mark.parametrize("head", [32, 64, 128, 256])
+def test_shared_loads_are_conflict_free(head):
+    pitch = head + 4
+    # ldmatrix: each matrix's 8 rows of 16 bytes in 8 different 16-byte bank groups (mod 128 bytes).
+    for addr in (a_lane_addr_tf32(0, pitch), bt_lane_addr_tf32(0, pitch)):
+        for j in range(4):
+            groups = (addr[8 * j:8 * j + 8] * 4 // 16) % 8
+            assert len(set(groups)) == 8
+    # V's 4-byte loads b0 and b1: 32 words in 32 different banks.
+    for s in range(2):
+        assert len(set(((2 * T + s) * pitch + G) % 32)) == 32
+    # The bias's 8-byte loads: each half-warp's 16 pairs in 16 different bank pairs.
+    for bn in (16, 32, 64):
+        pitch_b = bn + 8
+        words = G * pitch_b + 2 * T
+        for half in (slice(0, 16), slice(16, 32)):
+            assert len(set((words[half] % 32) // 2)) == 16

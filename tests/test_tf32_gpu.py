@@ -1,0 +1,140 @@
+"""float32 on the TF32 tensor cores (flash_fwd_tf32.cu) against the float64 reference (marker `gpu`).
+
+precision="highest" (3xTF32) must be as accurate as the float32 FMA kernel it replaces, huge logits
+included (DESIGN.md's error rule, and no more than twice the FMA kernel's own error on the same
+inputs); precision="tf32" within _gpu_checks.TF32_TOL. Every head-dim bucket, both causal
+alignments, odd lengths, masking options; the launches are recorded to prove which kernel ran.
+"""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _launch, reference
+
+from _errors import FLOOR, magnitude, norm, rel_error, within_budget
+from _gpu_checks import check_forward, check_forward_tf32, check_masked, make_inputs
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+CAUSAL = [False, True, "bottom_right"]
+SHAPES = [(97, 130, 32), (97, 1025, 59), (1025, 97, 64), (256, 256, 111), (128, 512, 128)]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The variants launched during the test, in order."""
+    seen = []
+    real = _launch._launch
+
+    def record(variant, *args, **kwargs):
+        seen.append(variant)
+        real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(_launch, "_launch", record)
+    return seen
+
+
+def _fma_only(monkeypatch):
+    """Make the launcher take the float32 FMA forward (the accuracy baseline: FLOAT32_PRECISIONS)."""
+    choose = _launch.forward_choice
+    monkeypatch.setattr(_launch, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("lq,lk,d", SHAPES)
+def test_highest_matches_reference(causal, lq, lk, d, launches):
+    check_forward("float32", 1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d)
+    assert launches[-1].family == "fwd_tf32x3", launches[-1].name
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("lq,lk,d", SHAPES + [(200, 130, 256)])
+def test_tf32_matches_reference(causal, lq, lk, d, launches):
+    check_forward_tf32(1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d + 1)
+    assert launches[-1].family == "fwd_tf32", launches[-1].name
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("size", [1.0, 30.0])
+def test_highest_is_as_accurate_as_fma(d, causal, size, monkeypatch):
+    """q and k elements ~ size * N(0, 1) (size 30: logits in the hundreds, where every absolute
+    error of a score becomes a relative error of its probability): 3xTF32's error at most twice
+    the FMA kernel's on the same inputs, plus float32's floor."""
+    rng = np.random.default_rng(int(size) * 1000 + d)
+    b, h, lq, lk = 2, 2, 256, 384
+    q, k, v = (rng.standard_normal((b, h, n, d)) for n in (lq, lk, lk))
+    q, k = q * size, k * size
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    exact64 = [x.astype(np.float64) for x in (q, k, v)]
+    ref, _ = reference.attention_naive(*exact64, causal=causal)
+    mag = magnitude(*exact64, causal=causal, scale=1 / np.sqrt(d))
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    got = cp.asnumpy(cuflash.attention(*dev, causal=causal)).astype(np.float64)
+    with monkeypatch.context() as m:
+        _fma_only(m)
+        fma = cp.asnumpy(cuflash.attention(*dev, causal=causal)).astype(np.float64)
+    err, fma_err = norm(got - ref), norm(fma - ref)
+    assert err <= 2 * fma_err + FLOOR["float32"] * norm(mag), (
+        f"3xTF32 rel. error {err / norm(ref):.3e}, FMA {fma_err / norm(ref):.3e}")
+
+
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_highest_huge_logits_stay_finite(causal, launches):
+    out = check_forward("float32", 1, 2, 2, 64, 80, 64, 64, causal, seed=5, logit_scale=1e4)
+    assert np.isfinite(cp.asnumpy(out)).all()
+    assert launches[-1].family == "fwd_tf32x3"
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [64, 128])
+def test_masking_options_both_precisions(causal, d, launches):
+    """Bias (shared by the batch), key padding and dropout, with a window on top when causal."""
+    seed = d + len(str(causal))
+    rng = np.random.default_rng(seed)
+    lq, lk = 97, 130
+    mask = np.ones((2, 1, 1, lk), dtype=bool)
+    mask[0, :, :, lk - 40:] = False
+    options = dict(bias=rng.standard_normal((1, 2, lq, lk)), mask=mask, dropout_p=0.125, seed=seed)
+    if causal:
+        options["window"] = (48, 0)
+    check_masked("float32", 2, 2, 1, lq, lk, d, d, causal, seed, options, backward=False)
+    assert launches[-1].family == "fwd_tf32x3"
+    check_forward_tf32(2, 2, 1, lq, lk, d, d, causal, seed, options)
+    assert launches[-1].family == "fwd_tf32"
+
+
+def test_tf32_backward_runs_the_fma_backward(launches):
+    """precision="tf32" reaches the backward too: the float32 FMA kernels (float32-accurate), fed
+    the TF32 forward's out and lse."""
+    rng = np.random.default_rng(7)
+    ref_in, dev, _ = make_inputs(rng, "float32", 1, 2, 1, 97, 130, 64, 64)
+    do = rng.standard_normal((1, 2, 97, 64)).astype(np.float32)
+    out, vjp_fn = cuflash.vjp(*dev, causal=True, precision="tf32")
+    grads = vjp_fn(cp.asarray(do))
+    assert {v.family for v in launches} >= {"fwd_tf32", "bwd_dkdv_fma"}
+    ref = reference.attention_backward_naive(do.astype(np.float64), *ref_in, causal=True)
+    for g, r in zip(grads, ref):
+        assert rel_error(cp.asnumpy(g).astype(np.float64), r) < 2e-2
+
+
+def test_highest_propagates_nan(launches):
+    """A NaN in q poisons its row only (round_tf32 keeps NaN a NaN)."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 1, 64, 64)).astype(np.float32) for _ in range(3))
+    q[0, 0, 3, 5] = np.nan
+    out = cp.asnumpy(cuflash.attention(*(cp.asarray(x) for x in (q, k, v))))
+    assert np.isnan(out[0, 0, 3]).all()
+    assert np.isfinite(np.delete(out[0, 0], 3, axis=0)).all()
+    assert launches[-1].family == "fwd_tf32x3"
+
+
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+def test_unaligned_rows_take_the_element_loads(precision, launches):
+    """Head dim 61 (rows not 16-byte chunks): the vec=False variant."""
+    if precision == "tf32":
+        check_forward_tf32(1, 2, 1, 97, 130, 61, 61, True, seed=9)
+    else:
+        check_forward("float32", 1, 2, 1, 97, 130, 61, 61, True, seed=9)
+    assert not launches[-1].vec and launches[-1].family in ("fwd_tf32", "fwd_tf32x3")
