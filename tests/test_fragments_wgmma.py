@@ -445,3 +445,75 @@ def test_dropout_bits_for_transposed_fragments(q0, k0):
         for i in range(4):
             want = keep(q0 + 8 * n + 2 * t + i % 2, k0 + g + 8 * (i // 2))
             np.testing.assert_array_equal((bits >> (4 * n + i)) & 1, want.astype(np.int64))
+
+
+# --------------------------------------------------------------------------- bias_grad_t.cuh
+
+def query_quad(frag):
+    """QueryQuad::of: frag[lane][i] (one n8 tile) -> the four values each lane adds, after the lane
+    pair t, t ^ 1 swapped one pair (__shfl_xor_sync(.., 1))."""
+    odd = (LANES & 1).astype(bool)
+    send0 = np.where(odd, frag[:, 0], frag[:, 2])
+    send1 = np.where(odd, frag[:, 1], frag[:, 3])
+    got0, got1 = send0[LANES ^ 1], send1[LANES ^ 1]
+    return np.stack([np.where(odd, got0, frag[:, 0]), np.where(odd, got1, frag[:, 1]),
+                     np.where(odd, frag[:, 2], got0), np.where(odd, frag[:, 3], got1)], axis=1)
+
+
+QUAD_KEY, QUAD_QUERY = G + 8 * (LANES & 1), 4 * (T // 2)   # QueryQuad::key, QueryQuad::query
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("m0, n0, lq, lk", [(0, 0, 333, 1096), (320, 1024, 333, 1096), (64, 128, 100, 190)])
+def test_dbias_key_major_quads(bm, m0, n0, lq, lk):
+    """bias_grad_t.cuh on one step of both consumer warpgroups (8 warps of 16 keys, dS^T of the block's
+    BN = 128 keys x BM queries in the m16n8 layout): DbiasKeyMajorStep adds every (key < lk, query < lq)
+    element once into a [key][pitch] accumulator, at 16-byte aligned addresses; a warp's instruction
+    covers whole 32-byte sectors (two lanes each: rows of a pitch of whole sectors) except at the lq edge;
+    dropped quads are exactly those past lq or lk.
+    DbiasRowSums (a one-row bias) gives the sums over the step's queries."""
+    rng = np.random.default_rng(bm + m0 + lq)
+    queries = m0 + np.arange(bm)
+    ds_t = rng.standard_normal((128, bm))
+    ds_t[:, queries >= lq] = 0.0                      # P = 0 past lq (load_row_stats: lse_log2 = +inf)
+    pitch = -(-lq // 8) * 8                            # _masking._key_major_plan
+    acc = np.zeros((lk, pitch))
+    row_total = np.zeros(lk)
+    for warp in range(8):                              # key_row = 64 consumer + 16 cwarp
+        key_row = 16 * warp
+        tile = np.zeros((64, bm))
+        tile[:16] = ds_t[key_row:key_row + 16]
+        fr = frags(tile, 0)                            # [lane][n][i]
+        key = n0 + key_row + QUAD_KEY                  # DbiasKeyMajorStep::of
+        q0 = m0 + QUAD_QUERY
+        queries_left = lq - q0
+        sums = np.zeros((32, 2))
+        for n in range(bm // 8):
+            quad = query_quad(fr[:, n])
+            keep = (key < lk) & (8 * n < queries_left)
+            sectors = {}
+            for lane in np.flatnonzero(keep):
+                at = key[lane] * pitch + q0[lane] + 8 * n
+                assert at % 4 == 0                     # red.global.add.v4.f32: 16-byte aligned
+                assert q0[lane] + 8 * n + 3 < pitch    # inside the row (its padding at most)
+                acc.flat[at:at + 4] += quad[lane]
+                sectors.setdefault(at // 8, []).append(lane)
+            whole = m0 + 8 * n + 4 < lq                # both quads of a key's sector start below lq
+            assert all(len(lanes) == (2 if whole else 1) for lanes in sectors.values()), (n, sectors)
+            sums[:, 0] += fr[:, n, 0] + fr[:, n, 1]    # DbiasRowSums::add
+            sums[:, 1] += fr[:, n, 2] + fr[:, n, 3]
+        for r in range(2):                             # DbiasRowSums::flush
+            sums[:, r] += sums[LANES ^ 1, r]
+            sums[:, r] += sums[LANES ^ 2, r]
+            rkey = n0 + key_row + G + 8 * r
+            for lane in np.flatnonzero((T == 0) & (rkey < lk)):
+                row_total[rkey[lane]] += sums[lane, r]
+    keys = n0 + np.arange(128)
+    want = np.zeros((lk, pitch))
+    inside = keys < lk
+    cols = queries[queries < pitch]
+    want[keys[inside][:, None], cols[None, :]] = ds_t[inside][:, queries < pitch]
+    np.testing.assert_allclose(acc, want, rtol=0, atol=1e-12)
+    want_rows = np.zeros(lk)
+    want_rows[keys[inside]] = ds_t[inside].sum(axis=1)
+    np.testing.assert_allclose(row_total, want_rows, rtol=1e-12, atol=1e-12)
