@@ -276,7 +276,8 @@ class DbiasPlan:
             axes = tuple(i for i in range(len(p.lead)) if bias_nd[i] == 1 and g.shape[i] != 1)
             if axes:
                 g = g.sum(axis=axes, keepdims=True)
-        return g.reshape(bias.shape).astype(bias.dtype)
+        # order="C": a key-major accumulator's transposed view would otherwise hand back its layout
+        return g.reshape(bias.shape).astype(bias.dtype, order="C")
 
 
 def dbias_mode(p: Problem, own_shape: tuple, deterministic: bool) -> int:

@@ -326,7 +326,7 @@ def test_dbias_key_major_plan(shape, monkeypatch):
     axes = tuple(a for a in range(4) if (1,) * (4 - len(shape)) + shape != full(p) and
                  ((1,) * (4 - len(shape)) + shape)[a] == 1)
     want = ds.sum(axis=axes, keepdims=True).reshape(shape)
-    assert got.shape == shape
+    assert got.shape == shape and got.flags.c_contiguous
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
