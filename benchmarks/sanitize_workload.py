@@ -33,9 +33,14 @@ def main(argv=None) -> None:
     parser.add_argument("--dims", default=None, help="only these head dims, e.g. 256 (one kernel under a sanitizer)")
     parser.add_argument("--dtypes", default=None, help="only these dtypes, e.g. float16,bfloat16")
     parser.add_argument("--hopper-extra", action="store_true", help="the Hopper forward with masking options only")
+    parser.add_argument("--hopper-dbias", action="store_true",
+                        help="the Hopper backward forming dbias itself, every bias broadcast shape")
     args = parser.parse_args(argv)
     if args.hopper_extra:
         hopper_extra()
+        return
+    if args.hopper_dbias:
+        hopper_dbias()
         return
     dims = (64, 128, 256) if args.quick else (64, 111, 128, 256)
     if args.dims:
@@ -90,6 +95,32 @@ def hopper_extra() -> None:
             finite = bool(cp.isfinite(out.astype(cp.float32)).all())
             print(f"{dtype:8} d={d:3} causal={causal!s:12} {name:18} {','.join(launched)} finite={finite}", flush=True)
 
+
+
+def hopper_dbias() -> None:
+    """Backwards whose Hopper dK/dV kernel adds dbias itself (bias_grad_t.cuh): key-major vector reductions
+    at the Lq / Lk edges (197 queries: a padded row pitch; 1032 keys: a cut key block), one-row sums with
+    two query heads a K/V head, d = 64 and 128."""
+    from cuflash import _launch
+
+    launched = []
+    real = _launch._launch
+    _launch._launch = lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw))
+    rng = np.random.default_rng(1)
+    lq, lk = 197, 1032
+    for dtype, d, causal in itertools.product(("float16", "bfloat16"), (64, 128), (False, "bottom_right")):
+        q, do = (cp.asarray(rng.standard_normal((2, 2, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
+        k, v = (cp.asarray(rng.standard_normal((2, 1, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+        for shape in ((1, 1, lq, lk), (2, 2, lq, lk), (2, 1, 1, lk), (lk,)):
+            bias = cp.asarray(rng.standard_normal(shape).astype(DTYPES[dtype]))
+            out, lse = cuflash.attention_forward(q, k, v, causal=causal, bias=bias)
+            launched.clear()
+            grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, bias=bias)
+            cp.cuda.Device().synchronize()
+            finite = all(bool(cp.isfinite(x.astype(cp.float32)).all()) for x in grads)
+            hopper = [x.dbias for x in launched if x.family == "bwd_dkdv_wgmma"]
+            print(f"{dtype:8} d={d:3} causal={causal!s:12} bias={shape!s:18} hopper dbias={hopper} finite={finite}",
+                  flush=True)
 
 if __name__ == "__main__":
     main()

@@ -105,8 +105,9 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
                     scale: float, group: int, deterministic: bool):
     """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays) from 4-D views of
     the inputs and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides). ``dbias_plan``,
-    called with ``kernel_tile=`` (the tensor-core path's dbias kernel tile and ``sm_count=``)
-    or ``dkdv_tile=`` (the dK kernel's, FMA or float64 tensor-core, which adds dS itself), returns the call's
+    called with ``kernel_tile=`` (the tensor-core path's dbias kernel tile and ``sm_count=``),
+    ``key_major=True`` (the Hopper dK/dV kernel adds dS itself) or ``dkdv_tile=`` (the dK kernel's,
+    FMA or float64 tensor-core, which adds dS itself), returns the call's
     :class:`cuflash._masking.DbiasPlan` (None: no bias), which is returned as ``dbias``."""
     import cupy
 
@@ -138,6 +139,8 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
         if dbias_kernel is not None:
             sm_count = _device_facts(cupy.cuda.runtime.getDevice())[3]
             dbias = dbias_plan(kernel_tile=(dbias_kernel.tile.block_m, dbias_kernel.tile.block_n), sm_count=sm_count)
+        elif hopper is not None and hopper.dbias:
+            dbias = dbias_plan(key_major=True)
         else:
             dk_kernel = [v_ for v_ in plan if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
             dbias = dbias_plan(dkdv_tile=(dk_kernel.tile.block_m, dk_kernel.tile.block_n))

@@ -11,7 +11,8 @@
 * ``dropout_p`` and ``seed`` become a Philox threshold and key.
 * The backward's ``dbias``: an accumulator of the bias's own shape, and how the
   kernels add into it (bias_grad.cuh): the tensor-core backward's own dbias kernel
-  (flash_bwd_dbias.cu), or the FMA dK/dV kernel's adds, atomics or turns.
+  (flash_bwd_dbias.cu), the FMA dK/dV kernel's adds, atomics or turns, or the Hopper
+  dK/dV kernel's vector reductions into a key-major accumulator (bias_grad_t.cuh).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .block_sparse import BlockLayout
 MASK_SUMMARY_BLOCK = (64, 64)
 """Block size of a mask's summary when no block layout sets one."""
 
-DBIAS_NONE, DBIAS_ADD, DBIAS_ATOMIC, DBIAS_ORDERED, DBIAS_KERNEL = 0, 1, 2, 3, 4
+DBIAS_NONE, DBIAS_ADD, DBIAS_ATOMIC, DBIAS_ORDERED, DBIAS_KERNEL, DBIAS_KEY_MAJOR = 0, 1, 2, 3, 4, 5
 MAX_DBIAS_SPLITS = 16
 """At most this many slices of the dbias accumulator (each the bias's own size) when its
 tiles alone are too few to fill the GPU (DbiasParams::splits)."""
@@ -252,7 +253,8 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
 class DbiasPlan:
     """How the backward forms dbias: the accumulator and DbiasParams' values."""
 
-    acc: Any                  # (B', H', Lq', Lk) accumulator, (splits, B', H', Lq', Lk) with splits, or None
+    acc: Any                  # (B', H', Lq', Lk) accumulator (DBIAS_KEY_MAJOR: a transposed view of a
+                              # (B', H', Lk, pitch) array), (splits, B', H', Lq', Lk) with splits, or None
     values: tuple             # DbiasParams fields in order
     keep_alive: tuple
     splits: int = 0           # DBIAS_KERNEL: slices of acc along a leading axis, summed here in order
@@ -274,7 +276,8 @@ class DbiasPlan:
             axes = tuple(i for i in range(len(p.lead)) if bias_nd[i] == 1 and g.shape[i] != 1)
             if axes:
                 g = g.sum(axis=axes, keepdims=True)
-        return g.reshape(bias.shape).astype(bias.dtype)
+        # order="C": a key-major accumulator's transposed view would otherwise hand back its layout
+        return g.reshape(bias.shape).astype(bias.dtype, order="C")
 
 
 def dbias_mode(p: Problem, own_shape: tuple, deterministic: bool) -> int:
@@ -290,11 +293,12 @@ def dbias_mode(p: Problem, own_shape: tuple, deterministic: bool) -> int:
 
 
 def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, kernel_tile=None,
-               sm_count: Optional[int] = None) -> DbiasPlan:
+               sm_count: Optional[int] = None, key_major: bool = False) -> DbiasPlan:
     """Where dS is summed for dbias. ``kernel_tile``: the (block_m, block_n) of the
     tensor-core backward's dbias kernel (DBIAS_KERNEL; ``sm_count`` sizes its splits);
-    otherwise ``dkdv_tile``, the dK/dV kernel's that adds dS itself (FMA, or the
-    float64 tensor-core kernel)."""
+    ``key_major``: the Hopper dK/dV kernel adds dS^T itself (DBIAS_KEY_MAJOR, never
+    deterministic); otherwise ``dkdv_tile``, the dK/dV kernel's that adds dS itself (FMA,
+    or the float64 tensor-core kernel)."""
     off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1, 1, 0)
     if opts.bias is None:
         return DbiasPlan(None, off, ())
@@ -306,6 +310,8 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
         # the output ignore it, and its gradient sum_j dS_ij = 0 exactly.
         return DbiasPlan(None, off, ())
     acc_dtype = np.float64 if p.dtype == "float64" else np.float32
+    if key_major:
+        return _key_major_plan(p, own, acc_dtype)
     if kernel_tile is not None:
         if sm_count is None:
             raise ValueError("the dbias kernel's plan needs the GPU's SM count (it sizes the splits)")
@@ -330,3 +336,17 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
     values = (*score_view(acc, p), 0 if order is None else order.data.ptr, mode, int(lq_ == 1), b_, h_, tiles_i,
               1, 0)
     return DbiasPlan(acc, values, (acc,) if order is None else (acc, order))
+
+
+def _key_major_plan(p: Problem, own: tuple, acc_dtype) -> DbiasPlan:
+    """DBIAS_KEY_MAJOR (kernels_cu/bias_grad_t.cuh): the accumulator is stored [key][query], rows of
+    a pitch of whole 32-byte sectors (each lane adds four queries of one key with one 16-byte vector
+    reduction, two lanes fill a sector; queries past Lq inside a group add zeros into the padding),
+    and seen by the kernel and by :meth:`DbiasPlan.result` as the bias's own (B', H', Lq', Lk) through
+    a transposed view. A one-row bias (Lq' = 1) is one row of keys, with unit key stride."""
+    b_, h_, lq_, lk_ = own
+    pitch = 1 if lq_ == 1 else -(-lq_ // 8) * 8
+    store = p.xp.zeros((b_, h_, lk_, pitch), dtype=acc_dtype)
+    acc = store[..., :lq_].swapaxes(-1, -2)
+    values = (*score_view(acc, p), 0, DBIAS_KEY_MAJOR, int(lq_ == 1), 1, 1, 1, 1, 0)
+    return DbiasPlan(acc, values, (store,))

@@ -194,6 +194,9 @@ _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and tw
 # 128 (ninth session): a swizzled bias tile per Q/dO stage, copied by two
 # producer warps; at d=64 two 32 KB bias stages beside the 128-query steps' buffers would be 258 KB, so
 # EXTRA takes 64-query steps there (dQ split by keys: both warpgroups add into one 64 x 64 block).
+# With a bias's gradient wanted the EXTRA variant adds dS^T itself (``dbias``; helper branch hopper-dbias,
+# NOT RUN ON A GPU yet): vector reductions into a key-major fp32 accumulator, same tiles and shared memory,
+# offline 0 spills, consumer code up to R205 (d=64) / R228 (d=128) of 232; no dbias kernel.
 _add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
                                                               "keys, 128-query steps: 194 KB"), arch="sm90a")
 _add("bwd_dkdv_wgmma", HALF_TYPES, [128], Tile(64, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
@@ -538,7 +541,8 @@ FAMILIES: Dict[str, Family] = {
     "bwd_dkdv_dmma": Family("flash_bwd_dkdv_dmma", "flash_bwd_dmma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
                             _smem_dkdv_dmma),
     "bwd_dq_dmma": Family("flash_bwd_dq_dmma", "flash_bwd_dmma.cu", ("mask", "vec"), "q", _smem_dq_dmma),
-    "bwd_dkdv_wgmma": Family("flash_bwd_dkdv_wgmma", "flash_bwd_wgmma.cu", ("mask",), "k", _smem_dkdv_wgmma),
+    "bwd_dkdv_wgmma": Family("flash_bwd_dkdv_wgmma", "flash_bwd_wgmma.cu", ("mask", "dbias"), "k",
+                             _smem_dkdv_wgmma),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
     "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
     "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
@@ -558,7 +562,8 @@ class Variant:
     bias, boolean mask, block sparsity and dropout (each switched at run time);
     ``vec`` selects 16-byte ``cp.async`` loads; ``pass_`` (dK/dV
     tensor-core kernel) is 0 for dK and dV together, 1 for dV only, 2 for dK
-    only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics.
+    only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics; ``dbias``
+    (Hopper dK/dV kernel) makes it also add dS into dbias (DBIAS_KEY_MAJOR).
     """
 
     family: str
@@ -569,6 +574,7 @@ class Variant:
     vec: bool = False
     pass_: int = 0
     atomic_dq: bool = False
+    dbias: bool = False
     arch: str = "sm80"
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
@@ -756,8 +762,8 @@ def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False,
     """The backward kernels for one call, in launch order (see :func:`forward_variant`);
     ``dbias``: the call wants a bias's gradient (``extra`` then holds). On Hopper (``cc`` 90)
     16-bit calls with 16-byte loadable rows and atomic dQ take the wgmma dK/dV kernel where the
-    table has one, EXTRA options included at the head dims of :data:`HOPPER_BWD_EXTRA_HEADS`
-    (dbias then comes from the portable dbias kernel, which recomputes dS). The launcher still
+    table has one, EXTRA options included at the head dims of :data:`HOPPER_BWD_EXTRA_HEADS`;
+    that kernel then adds dbias itself (``dbias=True`` variant, no dbias kernel). The launcher still
     takes the portable plan where tensor maps cannot describe the arrays or a bias's rows are
     not 16-byte chunks (_launch.launch_backward)."""
     return tuple(v.fitted(smem_limit)
@@ -773,9 +779,9 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
     plan = [Variant("bwd_dsum", dtype, 0)]
     if (cc == HOPPER_CC and vec and atomic and (not extra or head in HOPPER_BWD_EXTRA_HEADS)
             and ("sm90a", "bwd_dkdv_wgmma", dtype, head) in _TABLE):
-        plan.append(Variant("bwd_dkdv_wgmma", dtype, head, band=band, extra=extra, arch="sm90a"))
-        if dbias:
-            plan.append(Variant("bwd_dbias_mma", dtype, head, vec=vec, **flags))
+        # dbias: dS^T from the kernel's registers into a key-major accumulator (vector reductions at L2;
+        # kernels_cu/bias_grad_t.cuh) instead of the dbias kernel's second recomputation of S and dP.
+        plan.append(Variant("bwd_dkdv_wgmma", dtype, head, band=band, extra=extra, dbias=dbias, arch="sm90a"))
         return plan + [Variant("bwd_convert_dq", dtype, 0)]
     if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
         plan += _dkdv_plan(dtype, head, vec, atomic, smem_limit, **flags)

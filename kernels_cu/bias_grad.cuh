@@ -14,6 +14,8 @@
 //                  per-tile counter (wait_turn / pass_turn below).
 //   DBIAS_KERNEL   (the tensor-core backward) a kernel of its own sums dS in
 //                  registers over the broadcast axes, no atomics (flash_bwd_dbias.cu).
+//   DBIAS_KEY_MAJOR (the Hopper dK/dV kernel) adds dS^T from its registers into a
+//                  key-major accumulator with vector reductions (bias_grad_t.cuh).
 // ADD, ATOMIC and ORDERED are the modes of the dK/dV kernels that add dS themselves:
 // the FMA kernel (flash_bwd_fma.cu) and the fp64 tensor-core one (flash_bwd_dmma.cu).
 // A bias with one query row (key padding biases, (B, 1, 1, Lk)) is first summed

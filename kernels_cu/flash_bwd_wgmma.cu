@@ -62,8 +62,13 @@
 // machinery, arriving on the same full barrier), warp 1 loads the row statistics; the consumers read
 // the bias transposed into S^T's fragments (ldmatrix.trans), mask partial strips per element, and draw
 // dropout's keep bits from the same Philox stream (dropout_frag_bits_t). Steps a block layout hides
-// are given back unformed. dbias comes from the portable dbias kernel. Head dim 64 takes 64-query
-// steps there (two bias stages beside 128-query steps would not fit), with dQ split by keys.
+// are given back unformed. Head dim 64 takes 64-query steps there (two bias stages beside 128-query
+// steps would not fit), with dQ split by keys.
+//
+// DBIAS (with EXTRA, branch hopper-dbias, NOT yet run on a GPU): the call wants dbias, so each warp adds
+// its fp32 dS^T, as formed and before it is packed to 16 bits, into a key-major fp32 accumulator with
+// vector reductions (bias_grad_t.cuh); a one-row bias is summed over the queries in registers and added
+// once per (CTA, head). The portable dbias kernel, which recomputes S and dP a second time, is not run.
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
@@ -73,6 +78,7 @@
 #include "wgmma.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "bias_grad_t.cuh"
 
 // The kernel's tensor maps (cuflash/_tma.py): Q and dO with boxes of BM rows, K and V of BN.
 // dq: the fp32 dQ accumulator, boxes of 32 columns (one 128-byte slab) x 64 rows, added into.
@@ -80,7 +86,7 @@ struct BwdTensorMaps {
     TensorMap q, dout, k, v, dq;
 };
 
-template <typename T, typename Cfg, bool EXTRA>
+template <typename T, typename Cfg, bool EXTRA, bool DBIAS = false>
 struct DkdvWgmmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS, STAGES = Cfg::STAGES;
     static constexpr int THREADS = 32 * WARPS;
@@ -90,6 +96,7 @@ struct DkdvWgmmaTraits {
     static constexpr bool SPLIT_HEAD = HEAD == 256;
     static constexpr int WG_COLS = SPLIT_HEAD ? HEAD / 2 : HEAD;   // dK / dV columns of a consumer warpgroup
     static constexpr bool EXTRA_OPTIONS = EXTRA;
+    static constexpr bool ADDS_DBIAS = DBIAS;   // the consumers add dS^T into dbias (bias_grad_t.cuh)
     static constexpr int SLABS = HEAD / 64;               // 64-column swizzle slabs of a Q / dO / K / V row
     static constexpr int Q_BYTES = BM * HEAD * int(sizeof(T));    // one Q or dO stage
     static constexpr int KV_BYTES = BN * HEAD * int(sizeof(T));   // K or V
@@ -124,6 +131,7 @@ struct DkdvWgmmaTraits {
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
+    static_assert(!DBIAS || EXTRA, "dbias comes with a bias, an EXTRA piece");
     static_assert(!EXTRA || !SPLIT_HEAD, "head dim 256 with EXTRA takes the portable kernels: its 226 KB leave no "
                                          "room for bias stages");
     static_assert(FIRST_BIAS_LOADER >= 64 && FIRST_BIAS_LOADER + BIAS_LOADERS <= 128,
@@ -400,6 +408,13 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
     float acc_dk[HEAD / 8][4], acc_dv[HEAD / 8][4];   // rows: this warp's 16 keys
     zero_frags(acc_dk);
     zero_frags(acc_dv);
+    // ADDS_DBIAS: dS^T into the key-major accumulator per step (dbias_tiles), or for a one-row bias summed
+    // over the queries of one head's steps first (dbias_rows, of head rows_head).
+    const bool dbias_on = Tr::ADDS_DBIAS && p.dbias.mode == DBIAS_KEY_MAJOR;
+    const bool dbias_rows = dbias_on && p.dbias.rows_broadcast, dbias_tiles = dbias_on && !dbias_rows;
+    DbiasRowSums row_sums;
+    row_sums.zero();
+    int rows_head = steps.first_head;
     if (steps.count > 0) mbar_wait(sm.kv_full(), 0);
     int formed = 0;   // EXTRA: steps not hidden so far (both warpgroups agree: a CTA-wide classify)
     for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
@@ -416,6 +431,16 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         // The dS^T buffer and the dQ staging alternate over the steps formed: between two uses of a
         // buffer both warpgroups pass the next formed step's DS_T barrier (a hidden step has none).
         const int u = Tr::EXTRA_OPTIONS ? formed++ : t;
+        DbiasKeyMajorStep dbias_step = {nullptr, 0};
+        if constexpr (Tr::ADDS_DBIAS) {
+            if (dbias_rows && head != rows_head) {   // the sums so far belong to the previous head's row
+                row_sums.flush(p.dbias, blk.batch, rows_head, blk.n0 + key_row, p.dims.lk, lane);
+                rows_head = head;
+            }
+            if (dbias_tiles)
+                dbias_step = DbiasKeyMajorStep::of(p.dbias, blk.batch, head, m0, p.dims.lq,
+                                                   blk.n0 + key_row + QueryQuad::key(lane), p.dims.lk, lane);
+        }
 
         // S^T = K_c Q^T and dP^T = V_c dO^T: this warp's 16 keys x BM queries each.
         float st[BM / 8][4], dpt[BM / 8][4];
@@ -453,6 +478,10 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
                 for (int i = 0; i < 4; ++i)
                     prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
                                     drop_factor(mod, kept, n, i), x_per_s);
+                if constexpr (Tr::ADDS_DBIAS) {   // dbias += dS, fp32, before dS^T is packed to 16 bits
+                    if (dbias_tiles) dbias_step.add(dpt[n], n, lane);
+                    else if (dbias_rows) row_sums.add(dpt[n]);
+                }
             }
             pack_a_frag<T, BM>(pt16[kk], st, 16 * kk);
             pack_a_frag<T, BM>(dst16[kk], dpt, 16 * kk);
@@ -504,6 +533,9 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         }
     }
     if (wg_leader) bulk_wait<0>();   // the last additions have landed (and read the staging tile)
+    if constexpr (Tr::ADDS_DBIAS) {
+        if (dbias_rows) row_sums.flush(p.dbias, blk.batch, rows_head, blk.n0 + key_row, p.dims.lk, lane);
+    }
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys.
     store_dk_dv<T, HEAD>(p, blk, acc_dk, acc_dv, key_row, 0, scale, lane);
@@ -658,10 +690,11 @@ __device__ __forceinline__ void consume_head_halves(const BwdParams& p, const Bw
 
 // Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
-template <typename T, typename Cfg, typename Flags>
+// DBIAS: the consumers add dS into dbias (the file's head).
+template <typename T, typename Cfg, typename Flags, bool DBIAS>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
 flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant__ BwdTensorMaps maps) {
-    typedef DkdvWgmmaTraits<T, Cfg, Flags::EXTRA> Tr;
+    typedef DkdvWgmmaTraits<T, Cfg, Flags::EXTRA, DBIAS> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, STAGES = Tr::STAGES;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = smem_addr(smem_raw);

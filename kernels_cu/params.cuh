@@ -61,8 +61,11 @@ struct MaskParams {
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own
 // broadcast shape (stride 0 along its broadcast axes) in the accumulator type.
 // DBIAS_KERNEL: the tensor-core backward's own dbias kernel (flash_bwd_dbias.cu)
-// forms it; the dK/dV kernels add nothing.
-enum DbiasMode { DBIAS_NONE = 0, DBIAS_ADD = 1, DBIAS_ATOMIC = 2, DBIAS_ORDERED = 3, DBIAS_KERNEL = 4 };
+// forms it; the dK/dV kernels add nothing. DBIAS_KEY_MAJOR: the Hopper dK/dV kernel
+// adds dS^T itself into a [key][query] fp32 accumulator (row stride 1, col stride the
+// pitch; bias_grad_t.cuh).
+enum DbiasMode { DBIAS_NONE = 0, DBIAS_ADD = 1, DBIAS_ATOMIC = 2, DBIAS_ORDERED = 3, DBIAS_KERNEL = 4,
+                 DBIAS_KEY_MAJOR = 5 };
 struct DbiasParams {
     ScoreTensor acc;
     int* order;                // DBIAS_ORDERED: contributions landed so far, per bias tile

@@ -29,6 +29,8 @@ class Problem:
     smem_limit: int = SMEM_MAX    # the GPU class (shared memory per block) the launcher selects for
     cc: int = 80                  # the compute capability it selects for (90: the Hopper variants)
     lk: int = LK                  # keys (longer for a Hopper forward with a minimum, HOPPER_FWD_MIN_KEYS)
+    bias: bool = True             # with extra: variant_options() has a bias (the backward forms dbias); False:
+                                  # mask and dropout only (the Hopper dK/dV kernel's variant without dbias)
     precision: str = "highest"    # float32: "tf32" the plain TF32 forward, "fma" the FMA one (FLOAT32_PRECISIONS)
 
     @property
@@ -47,16 +49,20 @@ class Problem:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
                                         deterministic=self.deterministic, smem_limit=self.smem_limit,
-                                        dbias=self.extra, cc=self.cc)]   # variant_options() has a bias
+                                        dbias=self.extra and self.bias, cc=self.cc)]
 
 
-def variant_options(seed: int, lk: int = LK) -> dict:
+def variant_options(seed: int, lk: int = LK, bias: bool = True) -> dict:
     """The EXTRA problems' options for ``lk`` keys: a bias shared by the batch (its gradient
-    crosses CTAs: atomics, or turns when deterministic), key padding, and dropout."""
+    crosses CTAs: atomics, or turns when deterministic; left out where ``bias`` is False),
+    key padding, and dropout."""
     rng = np.random.default_rng(seed)
     mask = np.ones((BATCH, 1, 1, lk), dtype=bool)
     mask[0, :, :, lk - 40:] = False          # batch 0: the last 40 keys are padding (a whole 32-key tile too)
-    return dict(bias=rng.standard_normal((1, HEADS_Q, LQ, lk)), mask=mask, dropout_p=0.125, seed=seed)
+    options = dict(bias=rng.standard_normal((1, HEADS_Q, LQ, lk)), mask=mask, dropout_p=0.125, seed=seed)
+    if not bias:
+        del options["bias"]
+    return options
 
 
 def problem_for(v: Variant) -> Problem:
@@ -82,8 +88,9 @@ def problem_for(v: Variant) -> Problem:
     if hopper and v.extra:   # the Hopper backward copies a bias by 16-byte chunks too
         lk = -(-lk // 8) * 8
     precision = {"fwd_tf32": "tf32", "fwd_fma": "fma"}.get(v.family, "highest") if v.dtype == "float32" else "highest"
-    for det, limit in itertools.product((deterministic, not deterministic), sorted(SMEM_LIMITS.values(), reverse=True)):
-        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc, lk, precision)
+    for bias, det, limit in itertools.product((True, False), (deterministic, not deterministic),
+                                              sorted(SMEM_LIMITS.values(), reverse=True)):
+        p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc, lk, bias, precision)
         try:
             if v in p.variants():
                 return p

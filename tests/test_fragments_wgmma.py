@@ -16,6 +16,8 @@ something before the kernel has run on a GPU. What it cannot see is timing: the 
 after another, so a buffer overwritten while an asynchronous wgmma still reads it (a race
 racecheck finds on the GPU) passes here.
 """
+import itertools
+
 import numpy as np
 import pytest
 
@@ -445,3 +447,171 @@ def test_dropout_bits_for_transposed_fragments(q0, k0):
         for i in range(4):
             want = keep(q0 + 8 * n + 2 * t + i % 2, k0 + g + 8 * (i // 2))
             np.testing.assert_array_equal((bits >> (4 * n + i)) & 1, want.astype(np.int64))
+
+
+# --------------------------------------------------------------------------- bias_grad_t.cuh
+
+def query_quad(frag):
+    """QueryQuad::of: frag[lane][i] (one n8 tile) -> the four values each lane adds, after the lane
+    pair t, t ^ 1 swapped one pair (__shfl_xor_sync(.., 1))."""
+    odd = (LANES & 1).astype(bool)
+    send0 = np.where(odd, frag[:, 0], frag[:, 2])
+    send1 = np.where(odd, frag[:, 1], frag[:, 3])
+    got0, got1 = send0[LANES ^ 1], send1[LANES ^ 1]
+    return np.stack([np.where(odd, got0, frag[:, 0]), np.where(odd, got1, frag[:, 1]),
+                     np.where(odd, frag[:, 2], got0), np.where(odd, frag[:, 3], got1)], axis=1)
+
+
+QUAD_KEY, QUAD_QUERY = G + 8 * (LANES & 1), 4 * (T // 2)   # QueryQuad::key, QueryQuad::query
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("m0, n0, lq, lk", [(0, 0, 333, 1096), (320, 1024, 333, 1096), (64, 128, 100, 190)])
+def test_dbias_key_major_quads(bm, m0, n0, lq, lk):
+    """bias_grad_t.cuh on one step of both consumer warpgroups (8 warps of 16 keys, dS^T of the block's
+    BN = 128 keys x BM queries in the m16n8 layout): DbiasKeyMajorStep adds every (key < lk, query < lq)
+    element once into a [key][pitch] accumulator, at 16-byte aligned addresses; a warp's instruction
+    covers whole 32-byte sectors (two lanes each: rows of a pitch of whole sectors) except at the lq edge;
+    dropped quads are exactly those past lq or lk.
+    DbiasRowSums (a one-row bias) gives the sums over the step's queries."""
+    rng = np.random.default_rng(bm + m0 + lq)
+    queries = m0 + np.arange(bm)
+    ds_t = rng.standard_normal((128, bm))
+    ds_t[:, queries >= lq] = 0.0                      # P = 0 past lq (load_row_stats: lse_log2 = +inf)
+    pitch = -(-lq // 8) * 8                            # _masking._key_major_plan
+    acc = np.zeros((lk, pitch))
+    row_total = np.zeros(lk)
+    for warp in range(8):                              # key_row = 64 consumer + 16 cwarp
+        key_row = 16 * warp
+        tile = np.zeros((64, bm))
+        tile[:16] = ds_t[key_row:key_row + 16]
+        fr = frags(tile, 0)                            # [lane][n][i]
+        key = n0 + key_row + QUAD_KEY                  # DbiasKeyMajorStep::of
+        q0 = m0 + QUAD_QUERY
+        queries_left = lq - q0
+        sums = np.zeros((32, 2))
+        for n in range(bm // 8):
+            quad = query_quad(fr[:, n])
+            keep = (key < lk) & (8 * n < queries_left)
+            sectors = {}
+            for lane in np.flatnonzero(keep):
+                at = key[lane] * pitch + q0[lane] + 8 * n
+                assert at % 4 == 0                     # red.global.add.v4.f32: 16-byte aligned
+                assert q0[lane] + 8 * n + 3 < pitch    # inside the row (its padding at most)
+                acc.flat[at:at + 4] += quad[lane]
+                sectors.setdefault(at // 8, []).append(lane)
+            whole = m0 + 8 * n + 4 < lq                # both quads of a key's sector start below lq
+            assert all(len(lanes) == (2 if whole else 1) for lanes in sectors.values()), (n, sectors)
+            sums[:, 0] += fr[:, n, 0] + fr[:, n, 1]    # DbiasRowSums::add
+            sums[:, 1] += fr[:, n, 2] + fr[:, n, 3]
+        for r in range(2):                             # DbiasRowSums::flush
+            sums[:, r] += sums[LANES ^ 1, r]
+            sums[:, r] += sums[LANES ^ 2, r]
+            rkey = n0 + key_row + G + 8 * r
+            for lane in np.flatnonzero((T == 0) & (rkey < lk)):
+                row_total[rkey[lane]] += sums[lane, r]
+    keys = n0 + np.arange(128)
+    want = np.zeros((lk, pitch))
+    inside = keys < lk
+    cols = queries[queries < pitch]
+    want[keys[inside][:, None], cols[None, :]] = ds_t[inside][:, queries < pitch]
+    np.testing.assert_allclose(acc, want, rtol=0, atol=1e-12)
+    want_rows = np.zeros(lk)
+    want_rows[keys[inside]] = ds_t[inside].sum(axis=1)
+    np.testing.assert_allclose(row_total, want_rows, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("shape", [(1, 1, 203, 150), (2, 4, 203, 150), (2, 1, 203, 150), (1, 4, 203, 150),
+                                   (203, 150), (2, 1, 1, 150), (1, 4, 1, 150), (150,)], ids=str)
+def test_dbias_key_major_whole_backward(bm, shape, monkeypatch):
+    """(Offline review of hopper-dbias.) The consumers' dbias path of flash_bwd_dkdv_wgmma end to end, lane by
+    lane: every CTA (batch, K/V head, key block of 128) walks its query heads (GQA: 2 a K/V head, so the row
+    sums change head inside a CTA) and a range of query blocks (as a causal query_tiles range), with steps a
+    block layout hides (`continue` before any dbias work); each of the 8 warps forms DbiasKeyMajorStep /
+    DbiasRowSums as consume_key_halves does (flush at a formed step of a new head and at the end) and adds
+    through the ScoreTensor strides _masking._key_major_plan hands the kernel (pointer 0 = the store's
+    start). Lq = 203 (a padded row pitch of 208, a last quad cut at the edge), Lk = 150 (a key block cut at 22
+    keys). dS^T past lq is 0 (P = 0 there), past lk garbage (must be dropped). Every v4 address is 16-byte
+    aligned and stays inside its key's row; DbiasPlan.result gives dS of the formed steps summed over the
+    bias's broadcast axes."""
+    from cuflash import _masking
+    from cuflash._checks import check_qkv
+
+    b, hq, hk, lq, lk, bn = 2, 4, 2, 203, 150, 128
+    group = hq // hk
+    full = (b, hq, lq, lk)
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(
+        0 if n == 1 and f != 1 else s_ // x4.itemsize for n, f, s_ in zip(x4.shape, full, x4.strides)))
+    rng = np.random.default_rng(len(shape) * 7 + bm)
+    q, k, v = rng.standard_normal((b, hq, lq, 8)), rng.standard_normal((b, hk, lk, 8)), rng.standard_normal((b, hk, lk, 8))
+    p = check_qkv(q, k, v)
+    bias = np.ones(shape)
+    plan = _masking.dbias_plan(p, _masking.Options(bias=bias), False, key_major=True)
+    _, bs, hs, rs, cs = plan.values[:5]
+    assert plan.values[6] == _masking.DBIAS_KEY_MAJOR
+    rows_bc = bool(plan.values[7])
+    store = plan.keep_alive[0].reshape(-1)
+    ds = rng.standard_normal(full)
+    formed_mask = np.zeros(full, dtype=bool)
+    q_blocks = -(-lq // bm)
+
+    def flush(sums, batch, head, key0):
+        for r in range(2):
+            sums[:, r] += sums[LANES ^ 1, r]
+            sums[:, r] += sums[LANES ^ 2, r]
+            key = key0 + G + 8 * r
+            for lane in np.flatnonzero((T == 0) & (key < lk)):
+                store[batch * bs + head * hs + key[lane] * cs] += sums[lane, r]
+        sums[:] = 0.0
+
+    for batch, kv_head, kblock in itertools.product(range(b), range(hk), range(-(-lk // bn))):
+        n0 = bn * kblock
+        begin = kblock % q_blocks                       # a causal-like range of query blocks
+        m_blocks = q_blocks - begin
+        first_head = kv_head * group
+        hidden = rng.random((group, m_blocks)) < 0.3
+        for consumer, cwarp in itertools.product(range(2), range(4)):
+            key_row = 64 * consumer + 16 * cwarp
+            sums = np.zeros((32, 2))
+            rows_head = first_head
+            head, block = first_head, 0
+            for _ in range(group * m_blocks):
+                m0 = (begin + block) * bm
+                if not hidden[head - first_head, block]:
+                    if rows_bc and head != rows_head:
+                        flush(sums, batch, rows_head, n0 + key_row)
+                        rows_head = head
+                    keys = n0 + key_row + np.arange(16)
+                    queries = m0 + np.arange(bm)
+                    tile = np.zeros((64, bm))
+                    tile[:16] = rng.standard_normal((16, bm))                        # garbage past lk
+                    kin, qin = keys < lk, queries < lq
+                    tile[:16][:, ~qin] = 0.0                                         # P = 0 past lq
+                    tile[:16][np.ix_(kin, qin)] = ds[batch, head][np.ix_(queries[qin], keys[kin])].T
+                    formed_mask[batch, head][np.ix_(queries[qin], keys[kin])] = True
+                    fr = frags(tile, 0)
+                    key = n0 + key_row + QUAD_KEY
+                    q0 = m0 + QUAD_QUERY
+                    for n in range(bm // 8):
+                        quad = query_quad(fr[:, n])             # all 32 lanes shuffle
+                        if rows_bc:
+                            sums[:, 0] += fr[:, n, 0] + fr[:, n, 1]
+                            sums[:, 1] += fr[:, n, 2] + fr[:, n, 3]
+                            continue
+                        for lane in np.flatnonzero((key < lk) & (8 * n < lq - q0)):
+                            at = batch * bs + head * hs + (q0[lane] + 8 * n) * rs + key[lane] * cs
+                            assert at % 4 == 0 and at + 4 <= store.size
+                            assert (at + 3) // cs == at // cs            # one key's row (pitch cs)
+                            store[at:at + 4] += quad[lane]
+                block += 1
+                if block == m_blocks:
+                    block, head = 0, head + 1
+            if rows_bc:
+                flush(sums, batch, rows_head, n0 + key_row)
+    got = plan.result(p, _masking.Options(bias=bias))
+    own = (1,) * (4 - len(shape)) + shape
+    axes = tuple(a for a in range(4) if own[a] == 1 and full[a] != 1)
+    want = (ds * formed_mask).sum(axis=axes, keepdims=True).reshape(shape)
+    assert got.shape == shape and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -294,6 +294,42 @@ def test_dbias_kernel_plan(shape, tiles, walk, sm_count, monkeypatch):
     assert got.shape == bias.shape and (got == splits).all()
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 100, 130), (2, 4, 100, 130), (2, 1, 100, 130), (1, 4, 100, 130),
+                                   (100, 130), (2, 1, 1, 130), (1, 4, 1, 130), (130,)])
+def test_dbias_key_major_plan(shape, monkeypatch):
+    """The Hopper dK/dV kernel's dbias accumulator (DBIAS_KEY_MAJOR, kernels_cu/bias_grad_t.cuh): stored
+    [key][query] with rows of whole 32-byte sectors, seen through the (batch, head, row, col) strides the
+    kernel addresses (0 along broadcast axes; a one-row bias by its key stride alone). Every score's dS
+    added where the kernel adds it sums back into exactly the bias's shape: dS summed over its broadcast
+    axes. (NumPy arrays stand in for CuPy's, with the device pointer 0.)"""
+    full = lambda p: (p.batch, p.heads_q, p.lq, p.lk)   # noqa: E731
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(
+        0 if n == 1 and f != 1 else s_ // x4.itemsize for n, f, s_ in zip(x4.shape, full(p), x4.strides)))
+    q, k, v, _ = _qkv(b=2, hq=4, hk=2, lq=100, lk=130)
+    p = check_qkv(q, k, v)
+    bias = np.ones(shape)
+    plan = _masking.dbias_plan(p, _masking.Options(bias=bias), False, key_major=True)
+    _, bs, hs, rs, cs = plan.values[:5]
+    assert plan.values[6] == _masking.DBIAS_KEY_MAJOR and plan.values[7] == int(len(shape) > 1 and shape[-2] == 1
+                                                                                 or len(shape) == 1)
+    store = plan.keep_alive[0]
+    assert store.flags.c_contiguous and store.dtype == (np.float64 if p.dtype == "float64" else np.float32)
+    if plan.values[7]:   # one row: unit key stride (scalar adds), no row stride
+        assert (rs, cs) == (0, 1)
+    else:                # [key][query]: 16-byte quads of queries, rows of whole 32-byte sectors
+        assert rs == 1 and cs % 8 == 0 and cs >= 100 and bs % 8 == 0 and hs % 8 == 0
+    ds = np.random.default_rng(3).standard_normal(full(p))
+    b, h, i, j = np.indices(full(p))
+    at = b * bs + h * hs + (0 if plan.values[7] else i) * rs + j * cs
+    np.add.at(store.reshape(-1), at.reshape(-1), ds.reshape(-1))
+    got = plan.result(p, _masking.Options(bias=bias))
+    axes = tuple(a for a in range(4) if (1,) * (4 - len(shape)) + shape != full(p) and
+                 ((1,) * (4 - len(shape)) + shape)[a] == 1)
+    want = ds.sum(axis=axes, keepdims=True).reshape(shape)
+    assert got.shape == shape and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_bias_rows_in_chunks(monkeypatch):
     """Which biases the Hopper forward copies, by 16-byte chunks of their rows (_masking.rows_in_chunks:
     unit key stride, 16-byte aligned start, batch, head and row strides); for any other the launcher

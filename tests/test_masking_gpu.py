@@ -342,10 +342,11 @@ def test_hopper_forward_huge_logits_and_empty_rows(dtype, d, launched, monkeypat
 
 
 # --------------------------------------------------------------------------- the Hopper backward (sm_90a)
-# The wgmma dK/dV kernel with EXTRA options at head dims 64 and 128; dbias from the portable dbias kernel; head dim 256 stays portable.
+# The wgmma dK/dV kernel with EXTRA options at head dims 64 and 128 adds dbias itself
+# (kernels_cu/bias_grad_t.cuh), no dbias kernel; head dim 256 stays portable.
 
 def _hopper_backward_families(dbias: bool):
-    return ["bwd_dsum", "bwd_dkdv_wgmma"] + (["bwd_dbias_mma"] if dbias else []) + ["bwd_convert_dq"]
+    return ["bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq"]
 
 
 @pytest.mark.parametrize("kind", HOPPER_KINDS)
@@ -448,3 +449,58 @@ def test_hopper_backward_empty_rows_and_key_blocks(dtype, d, launched):
     assert (dq[:, 0, :128] == 0).all()
     assert (dk[:, :, 128:256] == 0).all() and (dv[:, :, 128:256] == 0).all()
     assert (dbias[..., 128:256] == 0).all()
+
+
+HOPPER_DBIAS_SHAPES = [(1, 1, HOPPER_LQ, HOPPER_LK), (B, 1, HOPPER_LQ, HOPPER_LK), (1, HQ, HOPPER_LQ, HOPPER_LK),
+                       (B, HQ, HOPPER_LQ, HOPPER_LK), (HOPPER_LQ, HOPPER_LK), (B, 1, 1, HOPPER_LK),
+                       (1, HQ, 1, HOPPER_LK), (HOPPER_LK,)]
+
+
+@pytest.mark.parametrize("shape", HOPPER_DBIAS_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d, causal", [(64, True), (64, "bottom_right"), (128, True), (128, "bottom_right"),
+                                       (64, False)])
+def test_hopper_dbias_every_broadcast_shape(shape, dtype, d, causal, launched, monkeypatch):
+    """dbias from the Hopper dK/dV kernel itself (its dbias variant: dS^T added from registers into a
+    key-major fp32 accumulator, bias_grad_t.cuh; no dbias kernel) for every broadcast shape of the bias:
+    shared by batch and / or heads (reductions from several CTAs), full, 2-D, one row per batch or head
+    or for all (summed over the queries in registers first). Lq = 333 (a row pitch with padding), Lk = 1096
+    (a key block cut at 72 keys), two query heads per K/V head (the row sums change head inside a CTA).
+    Within the float64 reference's error budget, and close to the portable dbias kernel's result."""
+    from cuflash import _launch
+
+    seed = hash((dtype, shape, str(causal), d, "hdb")) % 2**31
+    rng = np.random.default_rng(seed)
+    opts = dict(bias=rng.standard_normal(shape))
+    check_masked(dtype, B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d, causal, seed, opts)
+    wgmma = [v for v in launched if v.family == "bwd_dkdv_wgmma"]
+    assert [v.family for v in launched if v.family.startswith("bwd_")] == _hopper_backward_families(True)
+    assert len(wgmma) == 1 and wgmma[0].dbias and wgmma[0].extra
+    (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d)
+    dev = device_options(opts, dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, **dev)
+    dbias = {}
+    for cc in (90, 80):
+        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        launched.clear()
+        dbias[cc] = cp.asnumpy(cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, **dev)[3])
+        assert ("bwd_dbias_mma" in [v.family for v in launched]) == (cc == 80)
+        assert dbias[cc].shape == shape and np.isfinite(dbias[cc].astype(np.float64)).all()
+    h, p = (dbias[cc].astype(np.float64) for cc in (90, 80))
+    assert np.abs(h - p).max() <= 2e-2 * max(1.0, np.abs(p).max())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_dbias_deterministic_stays_portable(dtype, launched):
+    """deterministic=True: no atomics, so the portable backward and its dbias kernel, bitwise stable."""
+    rng = np.random.default_rng(5)
+    opts = dict(bias=rng.standard_normal((1, 1, HOPPER_LQ, HOPPER_LK)))
+    (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, HOPPER_LQ, HOPPER_LK, 64, 64)
+    dev = device_options(opts, dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+    launched.clear()
+    first = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)[3]
+    families = [v.family for v in launched]
+    assert "bwd_dkdv_wgmma" not in families and "bwd_dbias_mma" in families
+    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)[3]
+    assert bool((first.view(cp.uint8) == again.view(cp.uint8)).all())

@@ -135,8 +135,9 @@ def test_hopper_selection():
 def test_hopper_backward_selection():
     """Compute capability 9.0 takes the wgmma dK/dV kernel (with atomic dQ) for 16-bit calls with 16-byte
     loadable rows and the default (atomic) dQ at head dims 64, 128 and 256, EXTRA options at 64 and 128
-    (with the portable dbias kernel for a bias's gradient); a deterministic call, a masking option at
-    256, another head dim or another GPU keeps the portable kernels (at head dim 256 the FMA ones)."""
+    (adding a bias's gradient itself: its dbias variant, no dbias kernel); a deterministic call, a masking
+    option at 256, another head dim or another GPU keeps the portable kernels (at head dim 256 the FMA ones),
+    and a deterministic dbias the portable dbias kernel (no atomics)."""
     for dtype, head, band in [("float16", 64, False), ("bfloat16", 128, True), ("float16", 256, True),
                               ("bfloat16", 256, False)]:
         plan = V.backward_variants(dtype, head, band=band, vec=True, deterministic=False, cc=90)
@@ -147,9 +148,9 @@ def test_hopper_backward_selection():
                                      ("float16", 128, True, False), ("bfloat16", 128, False, True)]:
         plan = V.backward_variants(dtype, head, band=band, extra=True, vec=True, deterministic=False, cc=90,
                                    dbias=dbias)
-        assert [v.family for v in plan] == (["bwd_dsum", "bwd_dkdv_wgmma"] + (["bwd_dbias_mma"] if dbias else [])
-                                            + ["bwd_convert_dq"])
-        assert plan[1].extra and plan[1].band == band and plan[1].tile.block_m == 64
+        assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq"]
+        assert plan[1].extra and plan[1].band == band and plan[1].tile.block_m == 64 and plan[1].dbias == dbias
+        assert plan[1].name.endswith(f", {str(dbias).lower()}>")
         assert plan[1].smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
     portable = dict(band=False, vec=True, deterministic=False)
     for head in (128, 256):
@@ -159,6 +160,9 @@ def test_hopper_backward_selection():
             assert "bwd_dkdv_wgmma" not in [v.family for v in plan], (head, kwargs)
             if head == 256:
                 assert "bwd_dkdv_fma" in [v.family for v in plan], kwargs
+    plan = V.backward_variants("float16", 64, cc=90, extra=True, dbias=True, vec=True, band=False,
+                               deterministic=True)
+    assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_mma", "bwd_dq_mma", "bwd_dbias_mma"]
     plan = V.backward_variants("float16", 256, cc=90, extra=True, **portable)   # HOPPER_BWD_EXTRA_HEADS
     assert "bwd_dkdv_wgmma" not in [v.family for v in plan] and "bwd_dkdv_fma" in [v.family for v in plan]
     assert "bwd_dkdv_wgmma" not in [v.family for v in V.backward_variants("float16", 32, cc=90, **portable)]

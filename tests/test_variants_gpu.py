@@ -53,7 +53,7 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
                            variant_options(seed, p.lk) if p.extra else None)
     elif p.extra:   # with bias, key padding and dropout; a forward variant's problem runs the forward only
         # (a small-shared-memory forward may have no backward at that limit: float64 at head dim 256)
-        check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed, variant_options(seed, p.lk),
+        check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed, variant_options(seed, p.lk, p.bias),
                      deterministic=p.deterministic, backward=p.backward)
     elif p.backward:
         check_backward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
