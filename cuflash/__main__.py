@@ -4,7 +4,8 @@
   info      versions, device, NVRTC, kernel cache
   compile   build every kernel variant for this GPU, or check builds for --arch without one
   estimate  tiles, score entries and HBM bytes of naive attention vs the tiled kernel
-  bench     benchmark against PyTorch SDPA and naive CuPy (GPU, source checkout)
+  bench     benchmark against PyTorch SDPA and naive CuPy (GPU, source checkout);
+            bench --precision: float32/float64 speed next to each contender's error
 """
 from __future__ import annotations
 
@@ -253,11 +254,16 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args, rest) -> int:
-    """Run benchmarks/bench.py from the source checkout this package comes from."""
+    """Run benchmarks/bench.py (with --precision: benchmarks/bench_precision.py) from the source
+    checkout this package comes from."""
     import runpy
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    name = "bench.py"
+    if "--precision" in rest:   # float32 / float64 speed next to error: benchmarks/bench_precision.py
+        name = "bench_precision.py"
+        rest = [a for a in rest if a != "--precision"]
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not script.is_file():
         raise SystemExit("error: the benchmark ships with the source repository, not the installed package: "
                          "clone it and run `python -m cuflash bench` (or `python benchmarks/bench.py`) there")
@@ -327,7 +333,9 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_estimate)
     p = sub.add_parser("bench", help="benchmark against PyTorch SDPA and naive CuPy (GPU; benchmarks/bench.py)",
                        description="Run benchmarks/bench.py (needs a GPU and a source checkout); every option "
-                                   "after `bench` goes to it, e.g. --quick, --out DIR, --replot JSON.",
+                                   "after `bench` goes to it, e.g. --quick, --out DIR, --replot JSON. With "
+                                   "--precision: benchmarks/bench_precision.py instead (float32 and float64, "
+                                   "each contender's error next to its speed).",
                        add_help=False)
     p.set_defaults(fn=cmd_bench)
     args, rest = parser.parse_known_args(argv)

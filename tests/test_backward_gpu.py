@@ -1,11 +1,12 @@
 """Backward kernels on the GPU (marker `gpu`): reference, finite differences,
-determinism, empty rows, huge logits, memory."""
+determinism, empty rows, huge logits, memory, float64 at L = 65536."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
+from cuflash import reference
 
 from _errors import FLOOR, rel_error
 from _gpu_checks import DTYPES, check_backward, check_masked, make_grad_inputs
@@ -234,6 +235,38 @@ def test_backward_memory_is_linear():
     assert extra <= 16 * n * d * 4, extra          # a small multiple of one L x D fp32 array
     assert extra < lxl / 50
     assert all(bool(cp.isfinite(g.astype(cp.float32)).all()) for g in grads)
+
+
+def _check_causal_rows(q, k, v, do, out, lse, grads, head=32, tail=128, tol=1e-12):
+    """One head's (L, D) host arrays, causal: out, lse, dq of the first ``head`` and the last ``tail``
+    query rows, and dk, dv of the last ``tail`` keys, against the float64 reference computed for those
+    query rows only (the keys each sees under a mask). The last ``tail`` keys are seen only by the last
+    ``tail`` queries, so their dK and dV from those rows are complete."""
+    n = q.shape[0]
+    rows = np.r_[0:head, n - tail:n]
+    mask = np.arange(n)[None, :] <= rows[:, None]          # top-left causal, for these rows
+    ref_out, ref_lse = reference.attention_naive(q[rows], k, v, mask=mask)
+    ref_dq, ref_dk, ref_dv = reference.attention_backward_naive(do[rows], q[rows], k, v, mask=mask)
+    dq, dk, dv = grads
+    for name, got, ref in (("out", out[rows], ref_out), ("dq", dq[rows], ref_dq),
+                           ("dk", dk[-tail:], ref_dk[-tail:]), ("dv", dv[-tail:], ref_dv[-tail:])):
+        assert rel_error(got, ref) < tol, (name, rel_error(got, ref))
+    np.testing.assert_allclose(lse[rows], ref_lse, rtol=tol, atol=tol)
+
+
+def test_float64_causal_at_65536_on_one_head():
+    """L = 65536, D = 64, one head, float64, causal (issue 10): forward and backward finite, and rows of
+    out / lse / dq and keys of dk / dv against the float64 reference computed for those rows only."""
+    n, d = 65536, 64
+    rng = np.random.default_rng(15)
+    host = [rng.standard_normal((1, 1, n, d)) for _ in range(4)]
+    q, k, v, do = (cp.asarray(x) for x in host)
+    out, lse = cuflash.attention_forward(q, k, v, causal=True)
+    grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+    got = [cp.asnumpy(x)[0, 0] for x in (out, lse) + tuple(grads)]
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+        assert np.isfinite(x).all(), name
+    _check_causal_rows(*(x[0, 0] for x in host), got[0], got[1], got[2:])
 
 
 def test_backward_validation():

@@ -49,6 +49,17 @@ def test_bench_says_what_it_needs():
     assert "GPU" in str(info.value) or "source repository" in str(info.value)
 
 
+@pytest.mark.skipif(gpu_available()[0], reason="on a GPU this would run the benchmark")
+def test_bench_precision_runs_the_precision_script(capsys):
+    """`bench --precision` runs benchmarks/bench_precision.py (its options, its no-GPU message)."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--precision", "--help"])
+    assert info.value.code == 0 and "--logit-scale" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--quick", "--precision"])
+    assert "bench_precision.py" in str(info.value) and "GPU" in str(info.value)
+
+
 def test_unknown_arguments_are_refused():
     with pytest.raises(SystemExit):
         main(["info", "--bogus"])
