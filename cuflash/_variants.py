@@ -407,12 +407,17 @@ _add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 216
 # small parts, four fp32 tiles of block_n rows), Q / dO / bias per stage, dS^T for the atomic dQ.
 # dQ: a warp owns 16 query rows; Q and dO split once (four tiles with 3xTF32), K / V / bias per stage.
 # A call whose GPU has no tile here takes the FMA kernel for that part of the plan (_backward_plan).
-_add("bwd_dkdv_tf32x3", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 92 KB (EXTRA 126)"),
-     Tile(32, 64, 4, 2, "32-query steps: 65 KB (EXTRA 82), " + _SMALL_BYTES))
-_add("bwd_dkdv_tf32x3", ["float32"], [64], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 114 KB (EXTRA 131)"),
-     Tile(16, 64, 4, 1, "16-query steps, one Q/dO stage: 84 KB (EXTRA 88), " + _SMALL_BYTES))
-_add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps: 174 KB (EXTRA 183)"),
-     Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100"))
+# 3xTF32 dK/dV (a fresh fragment and the split operands on top of the accumulators) spilled offline
+# at 64-query steps at d=32 (20-36 bytes on sm_80), 32-query steps at d=64 (28-68 bytes) and in one
+# pass at d=128 (16-64 bytes; 16-query steps, one stage with EXTRA and element loads: 724-796):
+# d=32 and 64 take half the query rows a step, d=128 two passes (dV, then dK and dQ: S^T twice).
+_add("bwd_dkdv_tf32x3", ["float32"], [32], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps (64 spilled 20-36 "
+                                                              "bytes on sm_80): 65 KB (EXTRA 82)"))
+_add("bwd_dkdv_tf32x3", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps (32 spilled 28-68 "
+                                                              "bytes): 92 KB (EXTRA 99)"))
+_add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps, two passes (one "
+                                                               "spilled 16-64 bytes): 174 KB (EXTRA 183)", passes=2),
+     Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2))
 _add("bwd_dkdv_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 73 KB (EXTRA 108)"),
      Tile(32, 64, 4, 2, "32-query steps: 46 KB (EXTRA 64), " + _SMALL_BYTES))
 _add("bwd_dkdv_tf32", ["float32"], [64], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 79 KB (EXTRA 97)"))
@@ -725,12 +730,12 @@ class Variant:
 # --------------------------------------------------------------------------- selection
 
 def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
-                 vec: bool = True) -> List[Tuple[int, bool]]:
+                 vec: bool = True, family: str = "bwd_dkdv_mma") -> List[Tuple[int, bool]]:
     """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel with ``tile``: dK and dV in one
-    pass, or in two where the tile says so (``Tile.passes``) and at head dim 64 with the EXTRA
-    code, element-wise loads and atomic dQ (20-84 spilled bytes in one pass; with 16-byte loads
-    it fits in 254 registers since dbias has a kernel of its own)."""
-    one = tile.passes == 1 and not (head == 64 and extra and atomic_dq and not vec)
+    pass, or in two where the tile says so (``Tile.passes``) and, in the 16-bit kernel, at head dim
+    64 with the EXTRA code, element-wise loads and atomic dQ (20-84 spilled bytes in one pass; with
+    16-byte loads it fits in 254 registers since dbias has a kernel of its own)."""
+    one = tile.passes == 1 and not (family == "bwd_dkdv_mma" and head == 64 and extra and atomic_dq and not vec)
     return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
 
 
@@ -879,7 +884,11 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
         # (both add into the same fp32 dQ accumulator, and dbias in the dK/dV kernel).
         dkdv_family, dq_family = TF32_BWD_FAMILIES[precision]
         dkdv = Variant(dkdv_family, dtype, head, vec=vec, atomic_dq=atomic, **flags)
-        plan.append(dkdv if _fits(dkdv, smem_limit) else Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
+        if _fits(dkdv, smem_limit):   # one pass or two, as the fitted tile says (Tile.passes)
+            plan += [replace(dkdv, pass_=p, atomic_dq=a)
+                     for p, a in _dkdv_passes(dkdv.fitted(smem_limit).tile, head, atomic, extra, vec, family=dkdv_family)]
+        else:
+            plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
         if deterministic:
             dq = Variant(dq_family, dtype, head, vec=vec, **flags)
             plan.append(dq if _fits(dq, smem_limit) else Variant("bwd_dq_fma", dtype, head, **flags))
