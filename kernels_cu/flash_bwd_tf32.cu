@@ -155,8 +155,9 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     zero_frags(acc_dk);
     zero_frags(acc_dv);
     // dS^T's 8-byte store of (key row r of the fragment, queries 2t, 2t + 1), t = lane % 4, for
-    // n8 query tile n is at ds_lane + 8 r DS_PITCH + 8 n (a 2-way bank conflict: 4g + 2t words
-    // apart; the loads that read them back, once per column block, are conflict-free).
+    // n8 query tile n is at ds_lane + 8 r DS_PITCH + 8 n (up to a 2-way bank conflict, a half-warp's
+    // rows g DS_PITCH apart with DS_PITCH = 4 (mod 16); the loads that read them back, once per
+    // column block, are conflict-free: tests/test_fragments_tf32.py).
     float* ds_lane = ds_s + (key0 + lane / 4) * Tr::DS_PITCH + 2 * (lane % 4);
     // Steps walk (query head of the group, query block) pairs over the query blocks that can see
     // this key block; every block when dbias contributions take turns (DBIAS_ORDERED: each step
