@@ -68,7 +68,8 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         tensor cores at head dims up to 128 where a tile fits, else the
         float32-accurate FMA kernels. NumPy inputs ignore it: they run the float64 reference (blocked
         online softmax) whatever the precision. Elements of magnitude 4e34 or
-        more (and inf) of q, k, v ("highest") or q ("tf32") make the rows they
+        more (and inf) of q, k, v and, in the backward, dout ("highest"; "tf32":
+        q, and k and v in the backward) make the rows they
         reach NaN: the tensor-core split's a * (2^13 + 1) overflows there.
 
     Returns
