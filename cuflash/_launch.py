@@ -102,13 +102,14 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
 
 
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan: Optional[Callable] = None,
-                    scale: float, group: int, deterministic: bool):
+                    scale: float, group: int, deterministic: bool, precision: str = "highest"):
     """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays) from 4-D views of
     the inputs and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides). ``dbias_plan``,
     called with ``kernel_tile=`` (the tensor-core path's dbias kernel tile and ``sm_count=``),
     ``key_major=True`` (the Hopper dK/dV kernel adds dS itself) or ``dkdv_tile=`` (the dK kernel's,
     FMA or float64 tensor-core, which adds dS itself), returns the call's
-    :class:`cuflash._masking.DbiasPlan` (None: no bias), which is returned as ``dbias``."""
+    :class:`cuflash._masking.DbiasPlan` (None: no bias), which is returned as ``dbias``. ``precision``
+    (float32 only) picks 3xTF32 ("highest") or TF32 ("tf32") tensor cores, or "fma" the FMA kernels."""
     import cupy
 
     b, hq, lq, d = q.shape
@@ -117,7 +118,7 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
     extra = masking.extra or not scale_folds(scale)
     choose = functools.partial(backward_variants, dtype, head_bucket(max(d, dv)), band=masking.band is not None,
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
-                               smem_limit=_smem_limit(), dbias=dbias_plan is not None)
+                               smem_limit=_smem_limit(), dbias=dbias_plan is not None, precision=precision)
     dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
     # Rows padded to an even width: the tensor-core dK/dV kernels add two columns at a time.
     dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d + d % 2), dtype=acc_dtype)[..., :d]

@@ -27,6 +27,10 @@ bwd_dkdv_wgmma      flash_bwd_wgmma.cu      dK, dV, atomic dQ, float16/bfloat16,
 bwd_dbias_mma       flash_bwd_dbias.cu      dbias (a bias's gradient), 16-bit, head dim <= 128
 bwd_dkdv_dmma       flash_bwd_dmma.cu       dK, dV (+ atomic dQ), float64, fp64 tensor cores, head dim <= 128
 bwd_dq_dmma         flash_bwd_dmma.cu       deterministic dQ, float64, fp64 tensor cores, head dim <= 128
+bwd_dkdv_tf32x3     flash_bwd_tf32.cu       dK, dV (+ atomic dQ), float32 precision="highest", 3xTF32 mma.sync
+bwd_dq_tf32x3       flash_bwd_tf32.cu       deterministic dQ, float32 precision="highest", 3xTF32 mma.sync
+bwd_dkdv_tf32       flash_bwd_tf32.cu       dK, dV (+ atomic dQ), float32 precision="tf32", TF32 mma.sync
+bwd_dq_tf32         flash_bwd_tf32.cu       deterministic dQ, float32 precision="tf32", TF32 mma.sync
 bwd_dkdv_fma        flash_bwd_fma.cu        dK, dV (+ atomic dQ), FMA
 bwd_dq_fma          flash_bwd_fma.cu        deterministic dQ, FMA
 bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
@@ -395,6 +399,43 @@ _add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 216
      Tile(32, 16, 4, 2, "one 8-row tile a warp: 140 KB, the A100"),
      Tile(8, 16, 1, 2, "one warp: 83 KB, " + _SMALL_BYTES), extra=True)
 
+# float32 backward on the TF32 tensor cores (flash_bwd_tf32.cu; branch tf32-bwd, NOT RUN ON A GPU: the
+# tiles are chosen by shared-memory arithmetic and the offline compile alone, NVRTC 12.9, 0 spills on
+# sm_80 and sm_90; benchmarks/NOTES.md has the register counts). Two families per kernel, as the
+# forward: *_tf32x3 is precision="highest" (3xTF32), *_tf32 is precision="tf32". dK/dV: a warp owns
+# 16 keys (block_n = 16 warps); K and V are split once per CTA in shared memory (3xTF32: big and
+# small parts, four fp32 tiles of block_n rows), Q / dO / bias per stage, dS^T for the atomic dQ.
+# dQ: a warp owns 16 query rows; Q and dO split once (four tiles with 3xTF32), K / V / bias per stage.
+# A call whose GPU has no tile here takes the FMA kernel for that part of the plan (_backward_plan).
+# 3xTF32 dK/dV (a fresh fragment and the split operands on top of the accumulators) spilled offline
+# at 64-query steps at d=32 (20-36 bytes on sm_80), 32-query steps at d=64 (28-68 bytes) and in one
+# pass at d=128 (16-64 bytes; 16-query steps, one stage with EXTRA and element loads: 724-796):
+# d=32 and 64 take half the query rows a step, d=128 two passes (dV, then dK and dQ: S^T twice).
+_add("bwd_dkdv_tf32x3", ["float32"], [32], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps (64 spilled 20-36 "
+                                                              "bytes on sm_80): 65 KB (EXTRA 82)"))
+_add("bwd_dkdv_tf32x3", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps (32 spilled 28-68 "
+                                                              "bytes): 92 KB (EXTRA 99)"))
+_add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps, two passes (one "
+                                                               "spilled 16-64 bytes): 174 KB (EXTRA 183)", passes=2),
+     Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2))
+_add("bwd_dkdv_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 73 KB (EXTRA 108)"),
+     Tile(32, 64, 4, 2, "32-query steps: 46 KB (EXTRA 64), " + _SMALL_BYTES))
+_add("bwd_dkdv_tf32", ["float32"], [64], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 79 KB (EXTRA 97)"))
+_add("bwd_dkdv_tf32", ["float32"], [128], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 145 KB (EXTRA 162)"),
+     Tile(16, 64, 4, 1, "16-query steps, one Q/dO stage: 90 KB (EXTRA 94), " + _SMALL_BYTES))
+_add("bwd_dq_tf32x3", ["float32"], [32], Tile(64, 64, 4, 2, "16 rows a warp, 64-key steps: 74 KB (EXTRA 111)"),
+     Tile(64, 32, 4, 2, "32-key steps: EXTRA 76 KB, " + _SMALL_BYTES))
+_add("bwd_dq_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "16 rows a warp, 32-key steps: 104 KB (EXTRA 125)"),
+     Tile(32, 32, 2, 2, "two warps: 70 KB (EXTRA 80), " + _SMALL_BYTES))
+_add("bwd_dq_tf32x3", ["float32"], [128], Tile(64, 16, 4, 2, "16 rows a warp, 16-key steps: 169 KB (EXTRA 181)"),
+     Tile(32, 16, 2, 2, "two warps: 101 KB (EXTRA 108), the A100"))
+_add("bwd_dq_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 rows a warp, 64-key steps: 55 KB (EXTRA 92)"))
+_add("bwd_dq_tf32", ["float32"], [64], Tile(64, 64, 4, 2, "16 rows a warp, 64-key steps: 104 KB (EXTRA 141)"),
+     Tile(64, 32, 4, 2, "32-key steps: 70 KB (EXTRA 90), " + _SMALL_BYTES))
+_add("bwd_dq_tf32", ["float32"], [128], Tile(64, 32, 4, 2, "16 rows a warp, 32-key steps: 135 KB (EXTRA 156)"),
+     Tile(64, 16, 4, 2, "16-key steps: 101 KB, " + _SMALL_BYTES),
+     Tile(32, 16, 2, 2, "two warps: EXTRA 74 KB, " + _SMALL_BYTES))
+
 # Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
 _add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
                                    ctas=8))
@@ -498,6 +539,25 @@ def _smem_dq_dmma(v: "Variant") -> int:
     return (2 * t.block_m * v.head + t.stages * (2 * t.block_n * v.head + bias)) * 8
 
 
+def _smem_dkdv_tf32(v: "Variant") -> int:
+    # fp32 tiles of pitch head + 4 (flash_bwd_tf32.cu, DkdvTf32Traits): K and V once (twice each with
+    # the 3xTF32 split: big and small parts), Q and dO (and with EXTRA a [query][key] bias tile of
+    # pitch block_n + 4) per stage, dS^T (pitch block_m + 4) with atomic dQ, lse and Dsum.
+    t, pitch = v.tile, v.head + 4
+    kv = (4 if v.split else 2) * t.block_n * pitch
+    bias = t.block_m * (t.block_n + 4) if v.extra else 0
+    ds = t.block_n * (t.block_m + 4) if v.atomic_dq else 0
+    return (kv + t.stages * (2 * t.block_m * pitch + bias) + ds + 2 * t.block_m) * 4
+
+
+def _smem_dq_tf32(v: "Variant") -> int:
+    # Q and dO once (twice each with the split), K and V (and with EXTRA a bias tile of pitch
+    # block_n + 8) per stage (DqTf32Traits).
+    t, pitch = v.tile, v.head + 4
+    bias = t.block_m * (t.block_n + 8) if v.extra else 0
+    return ((4 if v.split else 2) * t.block_m * pitch + t.stages * (2 * t.block_n * pitch + bias)) * 4
+
+
 def _smem_bwd_fma(v: "Variant") -> int:
     t, pitch = v.tile, v.head + 1
     tiles = (2 * t.block_n + 2 * t.block_m) * pitch * ITEMSIZE[v.dtype]
@@ -523,7 +583,8 @@ FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forwar
                "fwd_tf32x3": "forward", "fwd_tf32": "forward",
                "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
-               "bwd_dq_fma": "deterministic backward", "bwd_dkdv_dmma": "backward", "bwd_dkdv_wgmma": "backward",
+               "bwd_dq_fma": "deterministic backward", "bwd_dkdv_tf32x3": "backward", "bwd_dkdv_tf32": "backward",
+               "bwd_dq_tf32x3": "deterministic backward", "bwd_dq_tf32": "deterministic backward", "bwd_dkdv_dmma": "backward", "bwd_dkdv_wgmma": "backward",
                "bwd_dq_dmma": "deterministic backward", "bwd_convert_dq": "backward", "bwd_dbias_mma": "bias gradient"}
 
 FAMILIES: Dict[str, Family] = {
@@ -543,6 +604,12 @@ FAMILIES: Dict[str, Family] = {
     "bwd_dq_dmma": Family("flash_bwd_dq_dmma", "flash_bwd_dmma.cu", ("mask", "vec"), "q", _smem_dq_dmma),
     "bwd_dkdv_wgmma": Family("flash_bwd_dkdv_wgmma", "flash_bwd_wgmma.cu", ("mask", "dbias"), "k",
                              _smem_dkdv_wgmma),
+    "bwd_dkdv_tf32x3": Family("flash_bwd_dkdv_tf32", "flash_bwd_tf32.cu", ("mask", "pass_", "atomic_dq", "vec", "split"),
+                              "k", _smem_dkdv_tf32),
+    "bwd_dkdv_tf32": Family("flash_bwd_dkdv_tf32", "flash_bwd_tf32.cu", ("mask", "pass_", "atomic_dq", "vec", "split"),
+                            "k", _smem_dkdv_tf32),
+    "bwd_dq_tf32x3": Family("flash_bwd_dq_tf32", "flash_bwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_dq_tf32),
+    "bwd_dq_tf32": Family("flash_bwd_dq_tf32", "flash_bwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_dq_tf32),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
     "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
     "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
@@ -602,8 +669,8 @@ class Variant:
 
     @property
     def split(self) -> bool:
-        """The 3xTF32 arithmetic of the float32 tensor-core forward (precision="highest")."""
-        return self.family == "fwd_tf32x3"
+        """The 3xTF32 arithmetic of the float32 tensor-core kernels (precision="highest")."""
+        return self.family.endswith("_tf32x3")
 
     @property
     def fam(self) -> Family:
@@ -663,12 +730,12 @@ class Variant:
 # --------------------------------------------------------------------------- selection
 
 def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
-                 vec: bool = True) -> List[Tuple[int, bool]]:
+                 vec: bool = True, family: str = "bwd_dkdv_mma") -> List[Tuple[int, bool]]:
     """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel with ``tile``: dK and dV in one
-    pass, or in two where the tile says so (``Tile.passes``) and at head dim 64 with the EXTRA
-    code, element-wise loads and atomic dQ (20-84 spilled bytes in one pass; with 16-byte loads
-    it fits in 254 registers since dbias has a kernel of its own)."""
-    one = tile.passes == 1 and not (head == 64 and extra and atomic_dq and not vec)
+    pass, or in two where the tile says so (``Tile.passes``) and, in the 16-bit kernel, at head dim
+    64 with the EXTRA code, element-wise loads and atomic dQ (20-84 spilled bytes in one pass; with
+    16-byte loads it fits in 254 registers since dbias has a kernel of its own)."""
+    one = tile.passes == 1 and not (family == "bwd_dkdv_mma" and head == 64 and extra and atomic_dq and not vec)
     return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
 
 
@@ -756,24 +823,42 @@ def forward_choice(dtype: str, head: int, band: bool, extra: bool, vec: bool, sh
     return choose(cc=cc), choose(cc=80)
 
 
+TF32_BWD_FAMILIES = {"highest": ("bwd_dkdv_tf32x3", "bwd_dq_tf32x3"), "tf32": ("bwd_dkdv_tf32", "bwd_dq_tf32")}
+"""float32 precision -> the tensor-core backward's (dK/dV, deterministic dQ) families (flash_bwd_tf32.cu);
+"fma" (FLOAT32_PRECISIONS) keeps the FMA backward."""
+
+
 @functools.lru_cache(maxsize=None)
 def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool, deterministic: bool,
-                      smem_limit: int = SMEM_MAX, dbias: bool = False, cc: int = 80) -> Tuple[Variant, ...]:
+                      smem_limit: int = SMEM_MAX, dbias: bool = False, cc: int = 80,
+                      precision: str = "highest") -> Tuple[Variant, ...]:
     """The backward kernels for one call, in launch order (see :func:`forward_variant`);
-    ``dbias``: the call wants a bias's gradient (``extra`` then holds). On Hopper (``cc`` 90)
+    ``dbias``: the call wants a bias's gradient (``extra`` then holds). float32 runs on the TF32
+    tensor cores at ``precision`` (:data:`TF32_BWD_FAMILIES`) where the GPU's shared memory fits a
+    tile, kernel by kernel, else on the FMA kernels; they add dbias in the dK/dV kernel. On Hopper (``cc`` 90)
     16-bit calls with 16-byte loadable rows and atomic dQ take the wgmma dK/dV kernel where the
     table has one, EXTRA options included at the head dims of :data:`HOPPER_BWD_EXTRA_HEADS`;
     that kernel then adds dbias itself (``dbias=True`` variant, no dbias kernel). The launcher still
     takes the portable plan where tensor maps cannot describe the arrays or a bias's rows are
     not 16-byte chunks (_launch.launch_backward)."""
     return tuple(v.fitted(smem_limit)
-                 for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit, cc))
+                 for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit, cc,
+                                         precision))
+
+
+def _fits(v: Variant, smem_limit: int) -> bool:
+    try:
+        v.fitted(smem_limit)
+    except ValueError:
+        return False
+    return True
 
 
 def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, deterministic: bool,
-                   dbias: bool = False, smem_limit: int = SMEM_MAX, cc: int = 80) -> List[Variant]:
+                   dbias: bool = False, smem_limit: int = SMEM_MAX, cc: int = 80,
+                   precision: str = "highest") -> List[Variant]:
     """The backward's kernels in launch order, not yet fitted to ``smem_limit`` (which only
-    decides the dK/dV passes here)."""
+    decides the dK/dV passes and the float32 tensor-core kernels' fallback here)."""
     atomic = not deterministic
     flags = dict(band=band, extra=extra)
     plan = [Variant("bwd_dsum", dtype, 0)]
@@ -794,6 +879,19 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
         plan.append(Variant("bwd_dkdv_dmma", dtype, head, vec=vec, atomic_dq=atomic, **flags))
         if deterministic:
             plan.append(Variant("bwd_dq_dmma", dtype, head, vec=vec, **flags))
+    elif dtype == "float32" and ("sm80", TF32_BWD_FAMILIES.get(precision, ("",))[0], dtype, head) in _TABLE:
+        # float32 on the TF32 tensor cores, each kernel falling back to its FMA twin where no tile fits
+        # (both add into the same fp32 dQ accumulator, and dbias in the dK/dV kernel).
+        dkdv_family, dq_family = TF32_BWD_FAMILIES[precision]
+        dkdv = Variant(dkdv_family, dtype, head, vec=vec, atomic_dq=atomic, **flags)
+        if _fits(dkdv, smem_limit):   # one pass or two, as the fitted tile says (Tile.passes)
+            plan += [replace(dkdv, pass_=p, atomic_dq=a)
+                     for p, a in _dkdv_passes(dkdv.fitted(smem_limit).tile, head, atomic, extra, vec, family=dkdv_family)]
+        else:
+            plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
+        if deterministic:
+            dq = Variant(dq_family, dtype, head, vec=vec, **flags)
+            plan.append(dq if _fits(dq, smem_limit) else Variant("bwd_dq_fma", dtype, head, **flags))
     else:
         plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
         if deterministic:
@@ -828,8 +926,10 @@ def all_variants() -> List[Variant]:
                 seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
                                      cc=HOPPER_CC)] = None
             ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
-            for det, dbias, cc in itertools.product((False, True), (False, True) if extra else (False,), ccs):
-                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias, limit, cc):
+            precisions = FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)
+            for det, dbias, cc, precision in itertools.product((False, True), (False, True) if extra else (False,),
+                                                               ccs, precisions):
+                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias, limit, cc, precision):
                     try:
                         seen[v.fitted(limit)] = None
                     except ValueError:   # documented: no such kernel for this GPU class

@@ -64,10 +64,12 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         (3xTF32: a = big + small, three MMAs a product) where the GPU's shared
         memory fits a tile, else on CUDA-core FMA. "tf32": the forward on plain
         TF32 tensor cores (operands with 11 significant bits; relative error
-        ~1e-3). The float32 backward runs the float32-accurate FMA kernels for
-        both. NumPy inputs ignore it: they run the float64 reference (blocked
+        ~1e-3). The float32 backward takes the same precision: 3xTF32 or TF32
+        tensor cores at head dims up to 128 where a tile fits, else the
+        float32-accurate FMA kernels. NumPy inputs ignore it: they run the float64 reference (blocked
         online softmax) whatever the precision. Elements of magnitude 4e34 or
-        more (and inf) of q, k, v ("highest") or q ("tf32") make the rows they
+        more (and inf) of q, k, v and, in the backward, dout ("highest"; "tf32":
+        q, and k and v in the backward) make the rows they
         reach NaN: the tensor-core split's a * (2^13 + 1) overflows there.
 
     Returns
@@ -229,7 +231,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                     return _masking.dbias_plan(p, opts, bool(deterministic), **where)
             *grads, plan = launch_backward(dout4, p.q, p.k, p.v, out4, lse4, dtype=p.dtype,
                                            masking=_masking.kernel_masking(p, opts), dbias_plan=plan_fn,
-                                           scale=p.scale, group=p.group, deterministic=bool(deterministic))
+                                           scale=p.scale, group=p.group, deterministic=bool(deterministic),
+                                           precision=precision)
             if plan is not None:
                 dbias = plan.result(p, opts)
         result = tuple(_shaped(g, s) for g, s in zip(grads, shapes))

@@ -227,3 +227,72 @@ __device__ __forceinline__ void scale_add_bias_frags_f32(float (&s)[N / 8][4], c
             s[n][2 * r + 1] = s[n][2 * r + 1] * scale + b[1] * log2e;
         }
 }
+
+// ---------------------------------------------------------------------------
+// The backward's further forms (flash_bwd_tf32.cu). Its dK/dV kernel forms S^T = K Q^T and
+// dP^T = V dO^T with warp_gemm_qk_tf32 (A: the warp's 16 keys of K or V, split once per CTA;
+// B: Q or dO rows, split per fragment) and dV += P^T dO, dK += dS^T Q with warp_gemm_pv_tf32
+// (A: P^T's and dS^T's C fragments in the permuted key order, here queries; B: dO or Q rows).
+// Two reads are new: the bias seen transposed (S^T's rows are keys) and dQ += dS K with dS
+// stored transposed and K already split.
+
+// s = s * scale + bias * log2(e) on one 16-key strip of S^T (16 keys x N queries) from a
+// [query][key] fp32 bias tile of pitch P (`tile`: the strip's first key). Element (key g + 8r,
+// query 8n + 2t + e) reads tile[(8n + 2t + e) P + g + 8r]: for one (n, r, e) the warp's 32
+// 4-byte loads hit banks 2t P + g (mod 32) = 8t + g or 24t + g for P = 4 (mod 8): all 32.
+template <int N, int P>
+__device__ __forceinline__ void scale_add_bias_frags_f32_t(float (&s)[N / 8][4], const float* tile, int lane,
+                                                           float scale) {
+    static_assert(P % 8 == 4, "conflict-free transposed reads; 16-byte aligned rows");
+    const float* at = tile + 2 * (lane % 4) * P + lane / 4;
+    const float log2e = float(LOG2E);
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)   // C element i: key + 8 (i / 2), query + i % 2
+            s[n][i] = s[n][i] * scale + at[(8 * n + i % 2) * P + 8 * (i / 2)] * log2e;
+}
+
+// dQ (one 16-query strip x N columns) += dS K over K keys, with
+//   dS stored transposed, [key][query] (pitch PA; `ds_t`: the strip's first query column), read
+//       in warp_gemm_pv_tf32's permuted key order: A's k index t is key 2t, t + 4 is key 2t + 1,
+//       so a0..a3 = dS^T[2t][g], dS^T[2t][g + 8], dS^T[2t + 1][g], dS^T[2t + 1][g + 8]: 4-byte
+//       loads on banks 2t PA + g = 8t + g (mod 32) for PA = 4 (mod 16), conflict-free;
+//   K already split in shared memory (rows [key][column], pitch PB, `k_big` / `k_small`: the
+//       first column of the block; k_small unread unless SPLIT): b0 = K[2t][g], b1 = K[2t + 1][g].
+// dS is split (SPLIT) or rounded (plain) as it is read.
+template <bool SPLIT, int N, int K, int PA, int PB>
+__device__ __forceinline__ void warp_gemm_ds_k_tf32(float (&acc)[1][N / 8][4], const float* ds_t, const float* k_big,
+                                                    const float* k_small, int lane) {
+    static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
+    static_assert(PA % 16 == 4, "conflict-free transposed dS loads");
+    const int g = lane / 4, t = lane % 4;
+    const float* a_lane = ds_t + 2 * t * PA + g;
+    const int b_lane = 2 * t * PB + g;
+    // SPLIT keeps the key steps a loop, as warp_gemm_qk_tf32 (hoisted loads would outlive the step).
+    constexpr int UNROLL = SPLIT ? 1 : K / 8;
+#pragma unroll UNROLL
+    for (int kt = 0; kt < K / 8; ++kt) {
+        const float* a_at = a_lane + 8 * kt * PA;
+        const float raw[4] = {a_at[0], a_at[8], a_at[PA], a_at[PA + 8]};
+        unsigned a_big[1][4], a_small[1][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (SPLIT) split_tf32(raw[i], a_big[0][i], a_small[0][i]);
+            else a_big[0][i] = __float_as_uint(round_tf32(raw[i]));
+        }
+#pragma unroll
+        for (int n0 = 0; n0 < N; n0 += 16) {
+            unsigned big[2][2], small[2][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    const int at = b_lane + (8 * kt + s) * PB + n0 + 8 * h;
+                    big[h][s] = __float_as_uint(k_big[at]);
+                    small[h][s] = SPLIT ? __float_as_uint(k_small[at]) : 0u;
+                }
+            mma_step_tf32<SPLIT>(acc, n0 / 8, a_big, a_small, big, small);
+        }
+    }
+}

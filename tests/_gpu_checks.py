@@ -172,3 +172,34 @@ def check_forward_tf32(b, hq, hk, lq, lk, d, dv, causal, seed, options=None):
     lse_err = np.abs(got_lse[seen] - ref_lse[seen]) / (1 + np.abs(ref_lse[seen]))
     assert lse_err.size == 0 or lse_err.max() < TF32_TOL, f"lse error {lse_err.max():.3e}"
     return out, err
+
+
+TF32_BWD_TOL = 1e-2
+"""precision="tf32" backward: the bound on each gradient's relative error (norm) against the float64
+reference on unit-normal inputs. dS = P (dP - Dsum) subtracts two TF32-accurate numbers of similar
+size, so the gradients carry a few times the forward's ~1e-3 (an offline estimate: check on the GPU)."""
+
+
+def check_backward_tf32(b, hq, hk, lq, lk, d, dv, causal, seed, options=None, deterministic=False):
+    """Forward and backward with precision="tf32" (any masking ``options``, dbias too) against the
+    float64 reference: every gradient's relative error below TF32_BWD_TOL. Returns the errors."""
+    cp = _cupy()
+    rng = np.random.default_rng(seed)
+    (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, "float32", b, hq, hk, lq, lk, d, dv)
+    options = options or {}
+    dev, host = device_options(options, "float32"), host_options(options, "float32")
+    scale = 1 / np.sqrt(d)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, scale=scale, precision="tf32", **dev)
+    grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, scale=scale, precision="tf32",
+                                       deterministic=deterministic, **dev)
+    _, ref = exact(q, k, v, do, causal=causal, scale=scale, dtype="float32", **host)
+    names = ["dq", "dk", "dv"] + (["dbias"] if options.get("bias") is not None else [])
+    assert len(grads) == len(names)
+    errors = {}
+    for name, g, r in zip(names, grads, ref):
+        got = cp.asnumpy(g).astype(np.float64)
+        assert got.shape == r.shape, (name, got.shape, r.shape)
+        assert np.isfinite(got).all(), f"{name} has NaN/inf"
+        errors[name] = rel_error(got, r)
+        assert errors[name] < TF32_BWD_TOL, f"tf32 {name} rel. error {errors[name]:.3e}"
+    return errors

@@ -31,7 +31,7 @@ class Problem:
     lk: int = LK                  # keys (longer for a Hopper forward with a minimum, HOPPER_FWD_MIN_KEYS)
     bias: bool = True             # with extra: variant_options() has a bias (the backward forms dbias); False:
                                   # mask and dropout only (the Hopper dK/dV kernel's variant without dbias)
-    precision: str = "highest"    # float32: "tf32" the plain TF32 forward, "fma" the FMA one (FLOAT32_PRECISIONS)
+    precision: str = "highest"    # float32: "tf32" the plain TF32 kernels, "fma" the FMA ones (FLOAT32_PRECISIONS)
 
     @property
     def vec(self) -> bool:
@@ -49,7 +49,7 @@ class Problem:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
                                         deterministic=self.deterministic, smem_limit=self.smem_limit,
-                                        dbias=self.extra and self.bias, cc=self.cc)]
+                                        dbias=self.extra and self.bias, cc=self.cc, precision=self.precision)]
 
 
 def variant_options(seed: int, lk: int = LK, bias: bool = True) -> dict:
@@ -87,7 +87,10 @@ def problem_for(v: Variant) -> Problem:
         lk = HOPPER_FWD_MIN_KEYS[head] + 2
     if hopper and v.extra:   # the Hopper backward copies a bias by 16-byte chunks too
         lk = -(-lk // 8) * 8
-    precision = {"fwd_tf32": "tf32", "fwd_fma": "fma"}.get(v.family, "highest") if v.dtype == "float32" else "highest"
+    precision = "highest"
+    if v.dtype == "float32":   # the family's precision: the plain TF32 kernels, or the FMA ones (the baseline)
+        precision = {"fwd_tf32": "tf32", "bwd_dkdv_tf32": "tf32", "bwd_dq_tf32": "tf32", "fwd_fma": "fma",
+                     "bwd_dkdv_fma": "fma", "bwd_dq_fma": "fma"}.get(v.family, "highest")
     for bias, det, limit in itertools.product((True, False), (deterministic, not deterministic),
                                               sorted(SMEM_LIMITS.values(), reverse=True)):
         p = Problem(v.dtype, d, d, causal, v.extra, backward, det, limit, cc, lk, bias, precision)

@@ -275,3 +275,174 @@ def test_shared_loads_are_conflict_free(head):
         words = G * pitch_b + 2 * T
         for half in (slice(0, 16), slice(16, 32)):
             assert len(set((words[half] % 32) // 2)) == 16
+
+
+# --------------------------------------------------------------------------- the backward (flash_bwd_tf32.cu)
+#
+# The dK/dV kernel reuses the forward's two GEMMs with other roles: S^T = K Q^T and dP^T = V dO^T
+# are warp_gemm_qk_tf32 with A = the warp's 16 keys of K / V and B = Q / dO rows; dV += P^T dO
+# and dK += dS^T Q are warp_gemm_pv_tf32 with A = P^T's / dS^T's C fragments (rows keys, columns
+# queries, in the permuted order: A's k index t is query 2t, t + 4 is 2t + 1) and B = dO / Q rows.
+# New: the transposed bias read, dS^T's store, dQ += dS K from it (warp_gemm_ds_k_tf32), dbias.
+
+def warp_qk(a_s, a_row0, b_s, n, k, pitch):
+    """warp_gemm_qk_tf32 (one strip): C fragments of A[a_row0 : a_row0 + 16] B^T, B rows [n][k]."""
+    out = [np.zeros((32, 4)) for _ in range(n // 8)]
+    a_addr, b_addr = a_lane_addr_tf32(a_row0 * pitch, pitch), bt_lane_addr_tf32(0, pitch)
+    for k0 in range(0, k, 8):
+        a = ldmatrix_x4_b32(a_s, a_addr + k0)
+        for n0 in range(0, n, 16):
+            raw = ldmatrix_x4_b32(b_s, b_addr + n0 * pitch + k0)
+            for h in range(2):
+                mma_1688(out[n0 // 8 + h], a, raw[2 * h], raw[2 * h + 1])
+    return out
+
+
+def warp_pv(c_frags, b_s, n, pitch):
+    """warp_gemm_pv_tf32 (one strip): C fragments of (the 16 x 8KT matrix of c_frags) B, B rows [k][n]."""
+    out = [np.zeros((32, 4)) for _ in range(n // 8)]
+    b_lane = 2 * T * pitch + G
+    for kt, c in enumerate(c_frags):
+        a = [c[:, 0], c[:, 2], c[:, 1], c[:, 3]]
+        for n0 in range(0, n, 16):
+            for h in range(2):
+                mma_1688(out[n0 // 8 + h], a, b_s[b_lane + 8 * kt * pitch + n0 + 8 * h],
+                         b_s[b_lane + (8 * kt + 1) * pitch + n0 + 8 * h])
+    return out
+
+
+def warp_ds_k(ds_s, strip_col, k_s, col0, n, keys, pa, pb):
+    """warp_gemm_ds_k_tf32: dQ fragments (16 queries x n columns from col0) of dS K, dS^T stored
+    [key][query] (pitch pa, the strip's first query column strip_col), K rows [key][column] (pitch pb)."""
+    out = [np.zeros((32, 4)) for _ in range(n // 8)]
+    a_lane = strip_col + 2 * T * pa + G
+    b_lane = 2 * T * pb + G
+    for kt in range(keys // 8):
+        a_at = a_lane + 8 * kt * pa
+        a = [ds_s[a_at], ds_s[a_at + 8], ds_s[a_at + pa], ds_s[a_at + pa + 8]]
+        for n0 in range(0, n, 16):
+            for h in range(2):
+                at = b_lane + 8 * kt * pb + col0 + n0 + 8 * h
+                mma_1688(out[n0 // 8 + h], a, k_s[at], k_s[at + pb])
+    return out
+
+
+def bias_frags_t(tile, key0, n, pitch):
+    """scale_add_bias_frags_f32_t's reads (scale 1, without the log2(e)): S^T-shaped fragments."""
+    at = key0 + 2 * T * pitch + G
+    return [np.stack([tile[at + (8 * j + i % 2) * pitch + 8 * (i // 2)] for i in range(4)], axis=1)
+            for j in range(n // 8)]
+
+
+@pytest.mark.parametrize("head,bm,warps", [(32, 64, 4), (32, 32, 4), (64, 16, 4), (64, 32, 4), (128, 16, 4)])
+def test_dkdv_step_fragments_give_the_gradients(head, bm, warps):
+    """One step of flash_bwd_dkdv_tf32, every warp of the CTA, from shared memory to dK, dV and the
+    dQ block: S^T, dP^T by the forward's qk GEMM with K / V as A, P^T and dS^T used as A of the pv
+    GEMM in their C-fragment order, dS^T stored key-major (the kernel's ds_lane) and read back
+    by warp_gemm_ds_k_tf32 with the warps splitting dQ by rows and columns (DkdvTf32Traits)."""
+    rng = np.random.default_rng(head + bm)
+    bn, pitch, ds_pitch = 16 * warps, head + 4, bm + 4
+    k, v = rng.standard_normal((bn, head)), rng.standard_normal((bn, head))
+    q, do = rng.standard_normal((bm, head)), rng.standard_normal((bm, head))
+    lse, dsum = rng.uniform(2, 3, bm), rng.standard_normal(bm)
+    k_s, v_s, q_s, do_s = (to_smem(x, pitch) for x in (k, v, q, do))
+    ds_s = np.full(bn * ds_pitch, np.nan)
+    dk, dv = np.zeros((bn, head)), np.zeros((bn, head))
+    for warp in range(warps):
+        key0 = 16 * warp
+        st = from_frags(warp_qk(k_s, key0, q_s, bm, head, pitch))     # S^T: 16 keys x bm queries
+        dpt = from_frags(warp_qk(v_s, key0, do_s, bm, head, pitch))   # dP^T
+        pt = np.exp(st - lse[None, :])                                # (the kernel's exp2 of x: same map)
+        dst = pt * (dpt - dsum[None, :])
+        frags = lambda x: [np.stack([x[G, 8 * n + 2 * T], x[G, 8 * n + 2 * T + 1], x[G + 8, 8 * n + 2 * T],
+                                     x[G + 8, 8 * n + 2 * T + 1]], axis=1) for n in range(bm // 8)]
+        dv[key0:key0 + 16] = from_frags(warp_pv(frags(pt), do_s, head, pitch))
+        dk[key0:key0 + 16] = from_frags(warp_pv(frags(dst), q_s, head, pitch))
+        # ds_lane + 8 r DS_PITCH + 8 n: (key key0 + g + 8r, queries 8n + 2t, + 1), one 8-byte store.
+        for n, c in enumerate(frags(dst)):
+            for r in range(2):
+                at = (key0 + G + 8 * r) * ds_pitch + 8 * n + 2 * T
+                ds_s[at], ds_s[at + 1] = c[:, 2 * r], c[:, 2 * r + 1]
+    p_full = np.exp(k @ q.T - lse[None, :])
+    ds_full = p_full * (v @ do.T - dsum[None, :])                    # dS^T, keys x queries
+    np.testing.assert_allclose(dv, p_full @ do, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(dk, ds_full @ q, rtol=1e-10, atol=1e-10)
+    # dQ: BM / 16 row strips x Q_SPLIT column blocks, one per warp, DQ_CHUNK columns at a time.
+    q_split = warps // (bm // 16)
+    dq_cols = head // q_split
+    chunk = min(dq_cols, 32)
+    dq = np.full((bm, head), np.nan)
+    for warp in range(warps):
+        strip = warp // q_split
+        for c in range(dq_cols // chunk):
+            col0 = (warp % q_split) * dq_cols + c * chunk
+            part = from_frags(warp_ds_k(ds_s, strip * 16, k_s, col0, chunk, bn, ds_pitch, pitch))
+            dq[16 * strip:16 * strip + 16, col0:col0 + chunk] = part
+    np.testing.assert_allclose(dq, ds_full.T @ k, rtol=1e-10, atol=1e-10)
+
+
+def test_dq_kernel_fragments_give_ds_k():
+    """flash_bwd_dq_tf32: S = Q K^T and dP = dO V^T by the qk GEMM (Q, dO as A), dQ += dS K by the
+    pv GEMM with K as its [key][column] B operand (the forward's O += P V with V := K)."""
+    rng = np.random.default_rng(11)
+    head, bn, pitch = 64, 32, 68
+    q, do = rng.standard_normal((16, head)), rng.standard_normal((16, head))
+    k, v = rng.standard_normal((bn, head)), rng.standard_normal((bn, head))
+    lse, dsum = rng.uniform(2, 3, 16), rng.standard_normal(16)
+    q_s, do_s, k_s, v_s = (to_smem(x, pitch) for x in (q, do, k, v))
+    s = from_frags(warp_qk(q_s, 0, k_s, bn, head, pitch))
+    dp = from_frags(warp_qk(do_s, 0, v_s, bn, head, pitch))
+    ds = np.exp(s - lse[:, None]) * (dp - dsum[:, None])
+    ds_frags = [np.stack([ds[G, 8 * n + 2 * T], ds[G, 8 * n + 2 * T + 1], ds[G + 8, 8 * n + 2 * T],
+                          ds[G + 8, 8 * n + 2 * T + 1]], axis=1) for n in range(bn // 8)]
+    dq = from_frags(warp_pv(ds_frags, k_s, head, pitch))
+    want = (np.exp(q @ k.T - lse[:, None]) * (do @ v.T - dsum[:, None])) @ k
+    np.testing.assert_allclose(dq, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("bn", [32, 64])
+def test_transposed_bias_reads_land_on_s_t(bn):
+    """scale_add_bias_frags_f32_t: a [query][key] tile (pitch block_n + 4) read into the S^T
+    fragments of each warp's 16 keys."""
+    rng = np.random.default_rng(bn)
+    bm, pitch = 32, bn + 4
+    bias = rng.standard_normal((bm, bn))
+    tile = to_smem(bias, pitch)
+    for key0 in range(0, bn, 16):
+        np.testing.assert_array_equal(from_frags(bias_frags_t(tile, key0, bm, pitch)), bias[:, key0:key0 + 16].T)
+
+
+def test_dbias_fragment_map_and_one_row_sums():
+    """add_dbias_frags_t_f32: element i of n8 tile n is (key key_first + g + 8 (i / 2), query
+    m0 + 8n + 2t + i % 2); a one-row bias sums a key's queries over the lane, then its 4 lanes."""
+    rng = np.random.default_rng(12)
+    bm, m0, key_first = 32, 64, 16
+    dst = rng.standard_normal((16, bm))   # one warp's dS^T: 16 keys x bm queries
+    frags = [np.stack([dst[G, 8 * n + 2 * T], dst[G, 8 * n + 2 * T + 1], dst[G + 8, 8 * n + 2 * T],
+                       dst[G + 8, 8 * n + 2 * T + 1]], axis=1) for n in range(bm // 8)]
+    acc = np.zeros((m0 + bm, key_first + 16))
+    for n, c in enumerate(frags):
+        for i in range(4):
+            acc[m0 + 8 * n + 2 * T + i % 2, key_first + G + 8 * (i // 2)] += c[:, i]
+    np.testing.assert_array_equal(acc[m0:, key_first:], dst.T)
+    for r in range(2):
+        lane_sums = sum(c[:, 2 * r] + c[:, 2 * r + 1] for c in frags)
+        key_sums = lane_sums.reshape(8, 4).sum(axis=1)   # group_sum<4>: the 4 lanes of key g (+ 8r)
+        np.testing.assert_allclose(key_sums, dst[8 * r:8 * r + 8].sum(axis=1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("bm,bn", [(16, 64), (32, 64), (64, 64), (32, 32)])
+def test_backward_shared_loads_are_conflict_free(bm, bn):
+    """Transposed bias reads (pitch block_n + 4) and dQ's dS^T loads (pitch block_m + 4): each
+    warp-wide 4-byte load on 32 different banks. dS^T's 8-byte stores from the fragments are a
+    2-way conflict (documented in flash_bwd_tf32.cu; one store per element, read back per column block)."""
+    for pitch in (bn + 4,):
+        for i in range(4):   # scale_add_bias_frags_f32_t: word (8n + i % 2) P + 8 (i / 2) + 2t P + g
+            words = (i % 2) * pitch + 8 * (i // 2) + 2 * T * pitch + G
+            assert len(set(words % 32)) == 32
+    pa = bm + 4
+    for off in (0, 8, pa, pa + 8):   # warp_gemm_ds_k_tf32's a_at[0], [8], [PA], [PA + 8]
+        assert len(set((2 * T * pa + G + off) % 32)) == 32
+    words = G * pa + 2 * T   # the 8-byte stores, by half-warps: bank pair (word / 2) mod 16 per lane
+    for half in (slice(0, 16), slice(16, 32)):
+        assert np.bincount((words[half] // 2) % 16).max() == 2   # at most 2-way

@@ -71,9 +71,28 @@ def test_selection_rules():
     small = V.SMEM_LIMITS["sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"]
     assert V.forward_variant("float32", 128, band=False, vec=True, smem_limit=small).family == "fwd_tf32x3"
     assert V.forward_variant("float32", 128, band=False, vec=True, precision="fma").family == "fwd_fma"
-    # The float32 backward is the FMA one for either precision (the forward's precision does not reach it).
-    assert [v.family for v in V.backward_variants("float32", 64, band=False, vec=True, deterministic=False)] == [
-        "bwd_dsum", "bwd_dkdv_fma", "bwd_convert_dq"]
+    # The float32 backward follows the precision: 3xTF32, TF32, or the FMA kernels ("fma", the baseline);
+    # FMA at head dim 256, and kernel by kernel where no tensor-core tile fits the GPU.
+    for precision, (dkdv, dq) in [("highest", ("bwd_dkdv_tf32x3", "bwd_dq_tf32x3")),
+                                  ("tf32", ("bwd_dkdv_tf32", "bwd_dq_tf32")), ("fma", ("bwd_dkdv_fma", "bwd_dq_fma"))]:
+        assert [v.family for v in V.backward_variants("float32", 64, band=False, vec=True, deterministic=False,
+                                                      precision=precision)] == ["bwd_dsum", dkdv, "bwd_convert_dq"]
+        plan = V.backward_variants("float32", 32, band=True, extra=True, vec=False, deterministic=True, dbias=True,
+                                   precision=precision)
+        assert [v.family for v in plan] == ["bwd_dsum", dkdv, dq]
+        assert plan[1].split == (precision == "highest") and not plan[1].atomic_dq
+        assert [v.family for v in V.backward_variants("float32", 256, band=False, vec=True, deterministic=True,
+                                                      precision=precision)] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
+    # 3xTF32 at head dim 128: dV, then dK (and the atomic dQ), each pass recomputing S^T (Tile.passes).
+    plan = V.backward_variants("float32", 128, band=True, vec=True, deterministic=False)
+    assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
+        ("bwd_dsum", 0, False), ("bwd_dkdv_tf32x3", 1, False), ("bwd_dkdv_tf32x3", 2, True), ("bwd_convert_dq", 0, False)]
+    # On 99 KB GPUs at head dim 128 no 3xTF32 dK/dV tile fits, but the dQ kernel's does (without EXTRA):
+    # the fallback is kernel by kernel.
+    plan = V.backward_variants("float32", 128, band=False, vec=True, deterministic=True, smem_limit=small)
+    assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_tf32x3"]
+    plan = V.backward_variants("float32", 128, band=False, extra=True, vec=True, deterministic=True, smem_limit=small)
+    assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
     # The dK/dV passes follow the tile: head dim 128 is one pass at 32-query steps, two with the
     # EXTRA kernels' 64-query steps (Tile.passes).
     plan = V.backward_variants("bfloat16", 128, band=False, vec=True, deterministic=False)

@@ -13,7 +13,8 @@ from cuflash import _launch, reference
 from cuflash._variants import all_variants
 
 from _errors import rel_error
-from _gpu_checks import DTYPES, check_backward, check_forward, check_forward_tf32, check_masked
+from _gpu_checks import (DTYPES, check_backward, check_backward_tf32, check_forward, check_forward_tf32,
+                         check_masked)
 from _variant_problems import BATCH, HEADS_K, HEADS_Q, LQ, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
@@ -44,11 +45,15 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
     assert _launch._smem_limit() >= p.smem_limit
     monkeypatch.setattr(_launch, "_smem_limit", lambda: p.smem_limit)
     monkeypatch.setattr(_launch, "_compute_capability", lambda: p.cc)
-    if p.precision == "fma":   # the float32 FMA forward, which no public option selects (FLOAT32_PRECISIONS)
-        choose = _launch.forward_choice
+    if p.precision == "fma":   # the float32 FMA kernels, which no public option selects (FLOAT32_PRECISIONS)
+        choose, plan = _launch.forward_choice, _launch.backward_variants
         monkeypatch.setattr(_launch, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
+        monkeypatch.setattr(_launch, "backward_variants", lambda *args, **kw: plan(*args, **{**kw, "precision": "fma"}))
     seed = abs(hash(variant.name)) % 2**31
-    if p.precision == "tf32":   # the plain TF32 forward: its own error bound (_gpu_checks.TF32_TOL)
+    if p.precision == "tf32" and p.backward:   # the plain TF32 kernels: their own error bound (TF32_BWD_TOL)
+        check_backward_tf32(BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
+                            variant_options(seed, p.lk, p.bias) if p.extra else None, deterministic=p.deterministic)
+    elif p.precision == "tf32":   # the plain TF32 forward: its own error bound (_gpu_checks.TF32_TOL)
         check_forward_tf32(BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
                            variant_options(seed, p.lk) if p.extra else None)
     elif p.extra:   # with bias, key padding and dropout; a forward variant's problem runs the forward only
