@@ -198,8 +198,8 @@ _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and tw
 # 128 (ninth session): a swizzled bias tile per Q/dO stage, copied by two
 # producer warps; at d=64 two 32 KB bias stages beside the 128-query steps' buffers would be 258 KB, so
 # EXTRA takes 64-query steps there (dQ split by keys: both warpgroups add into one 64 x 64 block).
-# With a bias's gradient wanted the EXTRA variant adds dS^T itself (``dbias``; helper branch hopper-dbias,
-# NOT RUN ON A GPU yet): vector reductions into a key-major fp32 accumulator, same tiles and shared memory,
+# With a bias's gradient wanted the EXTRA variant adds dS^T itself (``dbias``; branch hopper-dbias,
+# run on the H100 in the tenth session: bias forward+backward 9.6 -> 7.9 ms): vector reductions into a key-major fp32 accumulator, same tiles and shared memory,
 # offline 0 spills, consumer code up to R205 (d=64) / R228 (d=128) of 232; no dbias kernel.
 _add("bwd_dkdv_wgmma", HALF_TYPES, [64], Tile(128, 128, 12, 2, "a TMA producer warp, two consumer warpgroups of 64 "
                                                               "keys, 128-query steps: 194 KB"), arch="sm90a")
@@ -223,8 +223,8 @@ _add("fwd_fma", ["float32"], [32, 64], Tile(64, 64, 8, 1, "4x4 scores per thread
 _SMALL = "fits " + _SMALL_BYTES
 _add("fwd_fma", ["float32"], [128], Tile(64, 64, 8, 1, "113 KB shared"), Tile(32, 64, 8, 1, _SMALL))
 _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key tiles"), Tile(16, 32, 8, 1, _SMALL))
-# float32 on the TF32 tensor cores (flash_fwd_tf32.cu, NOT YET RUN ON A GPU: the tiles are chosen
-# by the offline compile alone, NVRTC 12.9, 0 spills on sm_80 and sm_90; benchmarks/NOTES.md has
+# float32 on the TF32 tensor cores (flash_fwd_tf32.cu; run on the H100 in the tenth session, 34-42
+# TFLOP/s "highest", 125-167 "tf32": the tiles are still chosen by the offline compile alone, NVRTC 12.9, 0 spills on sm_80 and sm_90; benchmarks/NOTES.md has
 # the register counts). Two families of one kernel: fwd_tf32x3 is precision="highest" (3xTF32,
 # three MMAs a product and the operand splits), fwd_tf32 is precision="tf32" (one MMA).
 # 3xTF32 is MMA-bound (each B fragment load feeds 3 MMAs a strip): one 16-row strip a warp
@@ -399,8 +399,8 @@ _add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 216
      Tile(32, 16, 4, 2, "one 8-row tile a warp: 140 KB, the A100"),
      Tile(8, 16, 1, 2, "one warp: 83 KB, " + _SMALL_BYTES), extra=True)
 
-# float32 backward on the TF32 tensor cores (flash_bwd_tf32.cu; branch tf32-bwd, NOT RUN ON A GPU: the
-# tiles are chosen by shared-memory arithmetic and the offline compile alone, NVRTC 12.9, 0 spills on
+# float32 backward on the TF32 tensor cores (flash_bwd_tf32.cu; branch tf32-bwd, run on the H100 in the tenth
+# session, benchmarks/NOTES.md: the tiles are still chosen by shared-memory arithmetic and the offline compile alone, NVRTC 12.9, 0 spills on
 # sm_80 and sm_90; benchmarks/NOTES.md has the register counts). Two families per kernel, as the
 # forward: *_tf32x3 is precision="highest" (3xTF32), *_tf32 is precision="tf32". dK/dV: a warp owns
 # 16 keys (block_n = 16 warps); K and V are split once per CTA in shared memory (3xTF32: big and
