@@ -1,6 +1,9 @@
 """The command line (CPU): info, help, argument errors, the no-GPU demo."""
+from pathlib import Path
+
 import pytest
 
+import cuflash.__main__
 from cuflash.__main__ import main
 from cuflash._device import gpu_available
 
@@ -51,7 +54,13 @@ def test_bench_says_what_it_needs():
 
 @pytest.mark.skipif(gpu_available()[0], reason="on a GPU this would run the benchmark")
 def test_bench_precision_runs_the_precision_script(capsys):
-    """`bench --precision` runs benchmarks/bench_precision.py (its options, its no-GPU message)."""
+    """`bench --precision` runs benchmarks/bench_precision.py (its options, its no-GPU message);
+    an installed package without the source tree names the repository instead."""
+    if not (Path(cuflash.__main__.__file__).resolve().parent.parent / "benchmarks" / "bench_precision.py").is_file():
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "--quick", "--precision"])
+        assert "source repository" in str(info.value)
+        return
     with pytest.raises(SystemExit) as info:
         main(["bench", "--precision", "--help"])
     assert info.value.code == 0 and "--logit-scale" in capsys.readouterr().out

@@ -12,10 +12,11 @@ CPU compile can check:
 Here the same formulas (transcribed, names as in the CUDA source) drive an emulated warp.
 """
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from cuflash._build import kernel_dir
 
 LANES = np.arange(32)
 G, T = LANES // 4, LANES % 4
@@ -27,7 +28,7 @@ f32 = np.float32
 def _veltkamp_constant():
     """The multiplier of round_tf32's mul.rn.f32, read from the CUDA source (a PTX hex float,
     0fXXXXXXXX: its IEEE bits), so that the emulation runs the kernel's constant, not a copy."""
-    src = (Path(__file__).resolve().parent.parent / "kernels_cu" / "warp_gemm_tf32.cuh").read_text()
+    src = (kernel_dir() / "warp_gemm_tf32.cuh").read_text()   # the installed package's copy in CI
     bits = re.search(r"mul\.rn\.f32 %0, %1, 0f([0-9A-Fa-f]{8});", src).group(1)
     return np.array(int(bits, 16), dtype=np.uint32).view(f32)[()]
 
