@@ -177,15 +177,28 @@ def _layout_dense(block_layout, rows: slice, cols: slice, ndim: int, xp):
 
 
 def _dropout_tile(dropout, shape: tuple, rows: slice, cols: slice, xp):
-    """The dropout keep factors of one (rows, cols) tile of scores of ``shape`` (..., Hq, rows, cols)."""
+    """The dropout keep factors of one (rows, cols) tile of scores of ``shape`` (..., Hq, rows, cols).
+
+    :func:`dropout_keep` for the tile, with each Philox counter drawn once: the four keys 4c..4c+3
+    share the counter (c, row, head, batch) and take its four words in order, so the words of the
+    quads the tile touches, laid side by side, are the keys' words (a quarter of the work)."""
     p, seed = dropout
     lead = shape[:-3]
     nb = int(np.prod(lead, dtype=np.int64)) if lead else 1
     batch = np.arange(nb).reshape(lead + (1, 1, 1)) if lead else np.zeros((1, 1, 1), dtype=np.int64)
     head = np.arange(shape[-3]).reshape(shape[-3], 1, 1)
     r = np.arange(rows.start, rows.stop).reshape(-1, 1)
-    c = np.arange(cols.start, cols.stop).reshape(1, -1)
-    return dropout_keep(seed, p, batch, head, r, c, xp=xp)
+    if cols.stop <= cols.start:
+        return dropout_keep(seed, p, batch, head, r, np.arange(cols.start, cols.stop).reshape(1, -1), xp=xp)
+    quads = np.arange(cols.start >> 2, ((cols.stop - 1) >> 2) + 1).reshape(1, -1)
+    qshape = np.broadcast_shapes(batch.shape, head.shape, r.shape, quads.shape)
+    b_, h_, r_, c_ = (xp.broadcast_to(xp.asarray(x, dtype=np.int64), qshape) for x in (batch, head, r, quads))
+    words = philox4x32_10(c_, r_, h_, b_, int(seed) & 0xFFFFFFFF, int(seed) >> 32, xp=xp)
+    word = xp.stack(words, axis=-1).reshape(qshape[:-1] + (4 * qshape[-1],))   # key 4c + i: word i of quad c
+    first = cols.start - 4 * (cols.start >> 2)
+    word = word[..., first:first + (cols.stop - cols.start)]
+    keep = word >= np.uint32(dropout_threshold(p))
+    return xp.where(keep, 1.0 / (1.0 - float(p)), 0.0)
 
 
 def _check_real(x, name: str) -> None:

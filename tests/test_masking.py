@@ -53,6 +53,24 @@ def test_dropout_depends_on_every_coordinate_and_the_seed():
     np.testing.assert_array_equal(again, base)
 
 
+@settings(max_examples=60, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), max_size=2), hq=st.integers(1, 3), lq=st.integers(1, 40),
+       lk=st.integers(1, 70), data=st.data(), seed=st.integers(0, 2**63 - 1), p=st.floats(0.01, 0.99))
+def test_dropout_tile_draws_each_counter_once_and_matches_dropout_keep(lead, hq, lq, lk, data, seed, p):
+    """The references' tiles (reference._dropout_tile) draw one Philox counter per four keys and slice
+    the words; element for element they are dropout_keep's, for any tile start (mid-quad too)."""
+    r0 = data.draw(st.integers(0, lq)); r1 = data.draw(st.integers(r0, lq))
+    c0 = data.draw(st.integers(0, lk)); c1 = data.draw(st.integers(c0, lk))
+    lead = tuple(lead)
+    tile = reference._dropout_tile((p, seed), lead + (hq, lq, lk), slice(r0, r1), slice(c0, c1), np)
+    nb = int(np.prod(lead)) if lead else 1
+    batch = np.arange(nb).reshape(lead + (1, 1, 1)) if lead else np.zeros((1, 1, 1), dtype=np.int64)
+    each = reference.dropout_keep(seed, p, batch, np.arange(hq).reshape(hq, 1, 1), np.arange(r0, r1)[:, None],
+                                  np.arange(c0, c1)[None, :])
+    assert tile.shape == each.shape
+    np.testing.assert_array_equal(tile, each)
+
+
 # --------------------------------------------------------------------------- band
 
 @pytest.mark.parametrize("lq,lk", [(7, 7), (5, 9), (9, 5)])
