@@ -17,3 +17,20 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     return f"cuflash GPU: {_GPU_WHY if not _GPU_OK else 'yes, ' + _GPU_WHY}"
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernel variants launched during the test, in order (``_launch._launch`` recorded): proof of
+    which kernel ran."""
+    from cuflash import _launch
+
+    seen = []
+    real = _launch._launch
+
+    def record(variant, *args, **kwargs):
+        seen.append(variant)
+        real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(_launch, "_launch", record)
+    return seen

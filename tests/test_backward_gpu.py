@@ -61,14 +61,9 @@ def test_float64_kernel_matches_finite_differences(causal):
 
 
 @pytest.fixture
-def launched(monkeypatch):
-    """The variants launched during the test, in order."""
-    from cuflash import _launch
-
-    seen = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (seen.append(variant), real(variant, *a, **kw)))
-    return seen
+def launched(launches):
+    """The variants launched during the test, in order (conftest's recorder)."""
+    return launches
 
 
 @pytest.mark.parametrize("d", [32, 59, 64, 111, 128])

@@ -201,16 +201,12 @@ def test_matches_torch_sdpa_attn_mask(dtype, kind):
 # --------------------------------------------------------------------------- the Hopper forward (sm_90a)
 
 @pytest.fixture
-def launched(monkeypatch):
-    """The variants launched during the test, in order; skips off compute capability 9.0."""
-    from cuflash import _launch
-
+def launched(launches):
+    """The variants launched during the test, in order (conftest's recorder); skips off compute
+    capability 9.0."""
     if _launch._compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
-    seen = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (seen.append(variant), real(variant, *a, **kw)))
-    return seen
+    return launches
 
 
 # More keys than head dim 64's threshold (HOPPER_FWD_MIN_KEYS), a multiple of 8 (the bias's rows are

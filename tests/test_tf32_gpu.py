@@ -23,20 +23,6 @@ CAUSAL = [False, True, "bottom_right"]
 SHAPES = [(97, 130, 32), (97, 1025, 59), (1025, 97, 64), (256, 256, 111), (128, 512, 128)]
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The variants launched during the test, in order."""
-    seen = []
-    real = _launch._launch
-
-    def record(variant, *args, **kwargs):
-        seen.append(variant)
-        real(variant, *args, **kwargs)
-
-    monkeypatch.setattr(_launch, "_launch", record)
-    return seen
-
-
 def _fma_only(monkeypatch):
     """Make the launcher take the float32 FMA forward (the accuracy baseline: FLOAT32_PRECISIONS)."""
     choose = _launch.forward_choice

@@ -21,20 +21,6 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The variants launched during the test, in order."""
-    seen = []
-    real = _launch._launch
-
-    def record(variant, *args, **kwargs):
-        seen.append(variant)
-        real(variant, *args, **kwargs)
-
-    monkeypatch.setattr(_launch, "_launch", record)
-    return seen
-
-
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_every_variant_against_reference(variant, launches, monkeypatch):
     p = problem_for(variant)
