@@ -71,17 +71,8 @@ flash_fwd_tf32(const FwdParams p) {
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
     auto load_kv = [&](int j, int stage) {
-        const int n0 = j * BN;
-        load_tile_fixed_col<float, BN, HEAD, P, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS,
-                                                                  p.k.at<const float>(blk.batch, blk.kv_head, n0),
-                                                                  p.k.row_stride, dims.lk - n0, dims.d);
-        load_tile_fixed_col<float, BN, HEAD, P, Tr::THREADS, VEC>(v_s + stage * Tr::KV_ELEMS,
-                                                                  p.v.at<const float>(blk.batch, blk.kv_head, n0),
-                                                                  p.v.row_stride, dims.lk - n0, dims.dv);
-        if (mod.has_bias())
-            load_score_tile<float, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS, p.mask.bias,
-                                                                       blk.batch, blk.head, blk.m0, n0, blk.rows,
-                                                                       dims.lk - n0);
+        load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
+            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some).

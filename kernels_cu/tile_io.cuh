@@ -139,6 +139,26 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
                                                       zero_value<T>(), [](T x) { return x; });
 }
 
+// One key tile of a query block's pipeline, into stage ``stage`` of the K, V and bias rings (KV_ELEMS
+// and BIAS_ELEMS elements a stage): K and V rows n0.. (fixed-column copies, zero past lk and past the
+// head dims) and, with a bias, the block's BM x BN bias tile. All cp.async where the layout allows;
+// the caller commits the group. The forwards (16-bit and TF32) and the TF32 dQ kernel share it.
+template <typename T, int BM, int BN, int HEAD, int P, int BIAS_PITCH, int THREADS, bool VEC, int KV_ELEMS,
+          int BIAS_ELEMS, typename Params>
+__device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stage, const Params& p,
+                                             const QueryBlock& blk, bool with_bias, int n0) {
+    const AttnDims& dims = p.dims;
+    load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS,
+                                                      p.k.template at<const T>(blk.batch, blk.kv_head, n0),
+                                                      p.k.row_stride, dims.lk - n0, dims.d);
+    load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS,
+                                                      p.v.template at<const T>(blk.batch, blk.kv_head, n0),
+                                                      p.v.row_stride, dims.lk - n0, dims.dv);
+    if (with_bias)
+        load_score_tile<T, BM, BN, BIAS_PITCH, THREADS>(bias_s + stage * BIAS_ELEMS, p.mask.bias, blk.batch, blk.head,
+                                                        blk.m0, n0, blk.rows, dims.lk - n0);
+}
+
 // Into a tile of the accumulator type A (the FMA kernels' P tile), converted;
 // synchronous (the caller's __syncthreads publishes it).
 template <typename T, typename A, int ROWS, int COLS, int PITCH, int THREADS>
