@@ -15,6 +15,9 @@
 #   hot       ncu --set full per "$HOT_SPECS" entry case:kernel-regex:launch-skip:launch-count,
 #             then benchmarks/ncu_hot.py (stall reasons, hottest SASS lines)
 #   masking   benchmarks/bench_masking.py $MASK_ARGS (default --repeat 10) into $OUT/masking
+#   tune      the float64 / float32 tuning candidates (branch perf-combo): dmma_rate.py, tune_fwd.py and
+#             tune_bwd.py --dtype float64, tune_f32.py; each under $TUNE_TIMEOUT (default 200 s), exit codes
+#             and table tails in the summary
 #   ncu       Nsight Compute on benchmarks/profile_case.py for $NCU_CASES (default "plain bias"):
 #             three forward or dK/dV launches after the first call, key sections, text in ncu_<case>.log
 # Logs are written to a scratch folder and come back as $OUT/logs.tgz beside $OUT/summary.txt
@@ -71,6 +74,15 @@ fi
 if has masking; then
   python3 benchmarks/bench_masking.py ${MASK_ARGS:---repeat 10} --out "$OUT/masking" > "$OUT/masking.log" 2>&1
   { echo "== masking (exit $?) =="; cat "$OUT"/masking/*.md 2>/dev/null || tail -20 "$OUT/masking.log"; } >> "$summary"
+fi
+if has tune; then
+  echo "== tune ==" >> "$summary"
+  for cmd in "dmma_rate.py" "tune_fwd.py --dtype float64 --heads 64,128 --lengths 4096 --wide-only" \
+             "tune_bwd.py --dtype float64 --heads 64,128" "tune_f32.py --heads 64,128"; do
+    name=${cmd%%.py*}
+    timeout "${TUNE_TIMEOUT:-200}" python3 benchmarks/$cmd > "$OUT/$name.log" 2>&1
+    { echo "-- $cmd: exit $?"; grep -v "^\s*$" "$OUT/$name.log" | tail -"${TUNE_TAIL:-30}"; } >> "$summary"
+  done
 fi
 if has ncu; then
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

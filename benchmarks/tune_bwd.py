@@ -13,8 +13,19 @@ same order give identical bits; the report says whether they are), and dQ too (i
 atomic additions come in any order, so it differs in the last bits). Each config
 compiles its variants on first use (a few seconds each); the whole run takes about
 a minute on an H100.
+
+--dtype float64 times the fp64 tensor-core backward (bwd_dkdv_dmma, bwd_dq_dmma) instead:
+CANDIDATES_F64 name the dK/dV tile (None: the table's), the dQ path (atomic adds in the
+dK/dV kernel, or the deterministic dQ kernel) and each kernel's Variant.wide_k (label kA,B:
+0 is mma.m8n8k4, 16 mma.m16n8k16 over pairs of 8-row tiles, sm_90 only). The first config is the table's plan;
+dK and dV of the others are compared with it, and dQ of the first --check-rows query rows
+of batch 0, head 0 with a long-double reference (relative Frobenius norm).
+
+    PYTHONPATH=. python benchmarks/tune_bwd.py --dtype float64 [--heads 64,128]
 """
 import argparse
+import contextlib
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,6 +33,7 @@ import cupy as cp
 from cupyx.profiler import benchmark
 
 import cuflash
+from cuflash import _launch, reference
 from cuflash._variants import Tile, tile_override
 
 CANDIDATES = {
@@ -29,16 +41,97 @@ CANDIDATES = {
     128: [(64, 64, 4, 2), (32, 128, 8, 1), (32, 64, 4, 1)],
 }
 TOLERANCE = 4e-3   # max |new - reference| / max |reference|: a few fp16 ulps of the largest entry
+# float64 (branch f64-perf, benchmarks/NOTES.md): (dK/dV tile or None, deterministic, dK/dV wide_k, dQ
+# kernel wide_k). Offline compile, sm_90, plain kernels: d=64 16x64/4w with atomic dQ spills 8-168 bytes
+# at every wide_k, so the m16n8k16 candidates take the deterministic dQ kernel (dK/dV 16x64 k16 252
+# registers, dQ 64x16 k16 200: 0 spills); d=128 takes the two-pass 16x64 tile (two 8-key tiles a warp,
+# pairs for m16n8k16: 228 / 252 registers) and keeps the dQ kernel on m8n8k4 (64x16 k16 spills 28 bytes).
+_TWO_PASS = Tile(16, 64, 4, 1, "tuning", passes=2)
+CANDIDATES_F64 = {
+    64: [(None, False, 0, 0), (None, True, 0, 0), (None, True, 16, 16), (None, True, 0, 16)],
+    128: [(None, False, 0, 0), (None, True, 0, 0), (_TWO_PASS, True, 0, 0), (_TWO_PASS, True, 16, 0)],
+}
+TOLERANCE_F64 = 1e-12
 
 
 def rel_diff(a, b):
-    return float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max() / cp.abs(b.astype(cp.float32)).max())
+    work = cp.float64 if a.dtype == cp.float64 else cp.float32
+    return float(cp.abs(a.astype(work) - b.astype(work)).max() / cp.abs(b.astype(work)).max())
+
+
+@contextlib.contextmanager
+def wide_backward(dkdv_k, dq_k):
+    """The float64 tensor-core backward's dK/dV and dQ kernels with these ``wide_k``."""
+    real = _launch.backward_variants
+    wide = {"bwd_dkdv_dmma": dkdv_k, "bwd_dq_dmma": dq_k}
+
+    def pick(*args, **kwargs):
+        plan = []
+        for v in real(*args, **kwargs):
+            if v.family in wide:
+                v = replace(v, wide_k=wide[v.family])
+            if v.family == "bwd_dkdv_dmma" and v.tile.passes == 2:   # the table's plan has one pass only
+                plan += [replace(v, pass_=1, atomic_dq=False), replace(v, pass_=2)]
+            else:
+                plan.append(v)
+        return tuple(plan)
+
+    _launch.backward_variants = pick
+    try:
+        yield
+    finally:
+        _launch.backward_variants = real
+
+
+def main_float64(heads, rows):
+    """The fp64 tensor-core backward's candidates (CANDIDATES_F64), L = 4096."""
+    sm90 = int(cp.cuda.Device().compute_capability) >= 90
+    print(f"{'D':>4} {'config':>22} {'causal':>6} {'ms':>8} {'TFLOP/s':>8} {'dK diff':>8} {'dV diff':>8} "
+          f"{'dQ err':>8}")
+    failed = []
+    for d in heads:
+        n, b, h = 4096, 16384 // 4096, 2048 // d
+        rng = cp.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float64) for _ in range(4))
+        for causal in (False, True):
+            out, lse = cuflash.attention_forward(q, k, v, causal=causal)
+            ex = reference.attention_backward_naive(*(cp.asnumpy(x[0, 0, :rows]) for x in (do, q)),
+                                                    *(cp.asnumpy(x[0, 0]) for x in (k, v)), causal=causal,
+                                                    dtype="longdouble")[0]
+            first = None
+            for tile, det, dkdv_k, dq_k in CANDIDATES_F64[d]:
+                if (dkdv_k or dq_k) and not sm90:
+                    continue
+                label = (f"{'table' if tile is None else f'{tile.block_m}x{tile.block_n}/{tile.passes}p'}"
+                         f"/{'det' if det else 'atomic'}/k{dkdv_k}" + (f",{dq_k}" if det else ""))
+                ctx = (tile_override("bwd_dkdv_dmma", d, tile, dtypes=("float64",)) if tile is not None
+                       else contextlib.nullcontext())
+                with ctx, wide_backward(dkdv_k, dq_k):
+                    call = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det)
+                    dq, dk, dv = call()
+                    t = benchmark(call, n_repeat=10, n_warmup=2)
+                ms = float(np.median(t.gpu_times[0]) * 1e3)
+                flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                first = first or (dk, dv)
+                diffs = [rel_diff(x, r) for x, r in zip((dk, dv), first)]
+                got = cp.asnumpy(dq[0, 0, :rows]).astype(np.longdouble)
+                err = float(np.linalg.norm((got - ex).ravel()) / np.linalg.norm(ex.ravel()))
+                print(f"{d:4d} {label:>22} {str(causal):>6} {ms:8.3f} {flops / ms / 1e9:8.1f} "
+                      f"{diffs[0]:8.1e} {diffs[1]:8.1e} {err:8.1e}", flush=True)
+                if max(diffs + [err]) > TOLERANCE_F64 or not all(bool(cp.isfinite(x).all()) for x in (dq, dk, dv)):
+                    failed.append(f"d={d} {label} causal={causal}: {diffs} {err}")
+    if failed:
+        raise SystemExit("float64 gradients off:\n" + "\n".join(failed))
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", default="64,128")
+    parser.add_argument("--dtype", choices=("float16", "float64"), default="float16")
+    parser.add_argument("--check-rows", type=int, default=64, help="float64: query rows of dQ checked in long double")
     args = parser.parse_args()
+    if args.dtype == "float64":
+        return main_float64([int(x) for x in args.heads.split(",")], args.check_rows)
     print(f"{'D':>4} {'config':>14} {'causal':>6} {'ms':>8} {'TFLOP/s':>8} {'dK diff':>8} {'dV diff':>8} "
           f"{'dQ diff':>8} {'dK,dV bits':>10}")
     failed = []

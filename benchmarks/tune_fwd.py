@@ -3,9 +3,15 @@ table's "why" column). B x L = 16384 tokens, H x D = 2048, L = 1024 and 4096.
 fp16 and bf16 (fwd_mma): a config with BM > 16 * warps gives each warp BM / (16 * warps)
 row strips. float64 (fwd_dmma, --dtype float64): each warp owns BM / (8 * warps) 8-row
 tiles; the first row of each head dim is the FMA kernel that fwd_dmma replaced, at its
-last table tile (the baseline).
+last table tile (the baseline). A float64 config (BM, BN, warps, K) with K = 4, 8 or 16
+runs the GEMMs on mma.m16n8kK over pairs of 8-row tiles (Variant.wide_k; sm_90 only:
+skipped elsewhere). float64 rows also give the error against a long-double reference
+on the first --check-rows query rows of batch 0, head 0 (relative Frobenius norm); a row
+above TOLERANCE_F64 (or with a non-finite output) is marked FAILED, and the script exits
+with status 1 after the last row.
 
-    PYTHONPATH=. python benchmarks/tune_fwd.py [--heads 64,128] [--dtype float64]
+    PYTHONPATH=. python benchmarks/tune_fwd.py [--heads 64,128] [--dtype float64] [--lengths 1024,4096]
+        [--wide-only]
 """
 import argparse
 import contextlib
@@ -17,7 +23,7 @@ import cupy as cp
 from cupyx.profiler import benchmark
 
 import cuflash
-from cuflash import _launch
+from cuflash import _launch, reference
 from cuflash._variants import Tile, Variant, tile_override
 
 # (block_m, block_n, warps); the first is the reference the others are checked against.
@@ -27,40 +33,77 @@ CANDIDATES = {
     128: [(64, 64, 4), (128, 32, 4), (64, 32, 2)],
 }
 # float64: "fma" is the FMA baseline; every config compiles with 0 spills (plain kernel).
+# (BM, BN, warps, K): the m16n8kK candidates of branch f64-perf (benchmarks/NOTES.md), plain
+# kernel registers on sm_90 from the offline compile: d=64 64x32/4w K=16 176, K=4 152 (m8n8k4
+# 168); d=128 64x32/4w K=16 240, K=4 254 (m8n8k4 236); 128x16/8w: two warps a scheduler at d=128.
 CANDIDATES_F64 = {
     32: ["fma", (128, 32, 4), (64, 32, 4), (64, 64, 4), (128, 16, 4)],
-    64: ["fma", (64, 32, 4), (64, 16, 4), (64, 64, 4), (128, 32, 4), (32, 32, 2)],
-    128: ["fma", (64, 32, 4), (64, 16, 4), (64, 24, 4), (32, 16, 2)],
+    64: ["fma", (64, 32, 4), (64, 16, 4), (64, 64, 4), (128, 32, 4), (32, 32, 2),
+         (64, 32, 4, 16), (64, 32, 4, 4), (128, 32, 8, 16)],
+    128: ["fma", (64, 32, 4), (64, 16, 4), (64, 24, 4), (32, 16, 2),
+          (64, 32, 4, 16), (64, 32, 4, 4), (128, 16, 8, 16), (128, 16, 8)],
     256: ["fma", (32, 16, 4), (32, 8, 4), (16, 16, 2), (16, 8, 2)],
 }
+TOLERANCE_F64 = 1e-12   # float64 rows: relative error against long double (fp64 kernels reach ~1e-15)
 # The float64 FMA forward's tiles before fwd_dmma (flash_fwd_fma.cu: 256 threads).
 FMA_F64 = {32: Tile(64, 64, 8, 1, "baseline"), 64: Tile(64, 64, 8, 1, "baseline"),
            128: Tile(32, 32, 8, 1, "baseline", ctas=2), 256: Tile(32, 32, 8, 1, "baseline")}
 
 
 @contextlib.contextmanager
-def fma_forward(d):
-    """Forwards of head bucket d through the FMA kernel (the float64 baseline)."""
-    real = _launch.forward_variant
+def forced_forward(family, tile, wide_k=0):
+    """Every forward through ``family`` at ``tile`` (and ``wide_k``), whatever the table says
+    (launch_forward asks forward_choice for its variant and the portable fallback)."""
+    real = _launch.forward_choice
 
-    def pick(dtype, head, *, band, extra=False, vec, smem_limit):
-        return Variant("fwd_fma", dtype, head, band=band, extra=extra, tile=FMA_F64[head])
+    def pick(dtype, head, band, extra, vec, short, cc, smem_limit, precision="highest"):
+        v = Variant(family, dtype, head, band=band, extra=extra, vec=vec and family != "fwd_fma", tile=tile,
+                    wide_k=wide_k)
+        return v, v
 
-    _launch.forward_variant = pick
+    _launch.forward_choice = pick
     try:
         yield
     finally:
-        _launch.forward_variant = real
+        _launch.forward_choice = real
+
+
+def fma_forward(d):
+    """Forwards of head bucket d through the FMA kernel (the float64 baseline)."""
+    return forced_forward("fwd_fma", FMA_F64[d])
 
 
 def config(d, cand, float64):
     """(label, context manager) of one candidate."""
     if cand == "fma":
         return "FMA", fma_forward(d)
+    if len(cand) == 4:   # float64 on mma.m16n8kK
+        bm, bn, warps, wide_k = cand
+        return f"{bm}x{bn}/{warps}w/k{wide_k}", forced_forward("fwd_dmma", Tile(bm, bn, warps, 2, "tuning"), wide_k)
     bm, bn, warps = cand
     family = "fwd_dmma" if float64 else "fwd_mma"
     dtypes = ["float64"] if float64 else ["float16", "bfloat16"]
     return f"{bm}x{bn}/{warps}w", tile_override(family, d, Tile(bm, bn, warps, 2, "tuning"), dtypes=dtypes)
+
+
+def long_double_exact(q, k, v, causal, rows):
+    """out[0, 0, :rows] by attention_naive in long double (top-left causal: the first rows see the same keys
+    as in the whole problem)."""
+    qs, ks, vs = (cp.asnumpy(x[0, 0]) for x in (q[:, :, :rows], k, v))
+    return reference.attention_naive(qs, ks, vs, causal=causal, dtype="longdouble")[0]
+
+
+def long_double_error(exact, out, rows):
+    """Relative Frobenius error of out[0, 0, :rows] against ``exact``."""
+    got = cp.asnumpy(out[0, 0, :rows]).astype(np.longdouble)
+    return float(np.linalg.norm((got - exact).ravel()) / np.linalg.norm(exact.ravel()))
+
+
+def f64_failure(err: float, finite: bool) -> str:
+    """Why a float64 row fails its long-double check ("" if it passes; NaN fails)."""
+    if not finite:
+        return "non-finite output"
+    return "" if err <= TOLERANCE_F64 else f"rel err {err:.1e} > {TOLERANCE_F64:.0e}"
 
 
 def main():
@@ -68,19 +111,32 @@ def main():
     parser.add_argument("--heads", default=None, help="head dims (default 32,64,128; 32,64,128,256 for float64)")
     parser.add_argument("--dtype", choices=("half", "float64"), default="half",
                         help="half: float16 and bfloat16 (fwd_mma); float64: fwd_dmma against the FMA baseline")
+    parser.add_argument("--lengths", default="1024,4096")
+    parser.add_argument("--check-rows", type=int, default=128, help="float64: query rows checked in long double")
+    parser.add_argument("--wide-only", action="store_true",
+                        help="float64: only the table's tile and the m16n8kK candidates (with the m8n8k4 tiles they "
+                             "are compared with)")
     args = parser.parse_args()
     float64 = args.dtype == "float64"
+    sm90 = int(cp.cuda.Device().compute_capability) >= 90
     heads = args.heads or ("32,64,128,256" if float64 else "32,64,128")
     dtypes = (np.float64,) if float64 else (np.float16, ml_dtypes.bfloat16)
-    print(f"{'dtype':5} {'D':>4} {'L':>5} {'config':>12} {'causal':>6} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>9}")
+    print(f"{'dtype':5} {'D':>4} {'L':>5} {'config':>14} {'causal':>6} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>9}"
+          + (f" {'rel err':>8}" if float64 else ""))
+    failed = []
     for d in (int(x) for x in heads.split(",")):
         for dtype in dtypes:
-            for n in (1024, 4096):
+            for n in (int(x) for x in args.lengths.split(",")):
                 b, h = 16384 // n, 2048 // d
                 rng = cp.random.default_rng(0)
                 q, k, v = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(3))
-                refs = {}
+                refs, exacts = {}, {}
                 for cand in (CANDIDATES_F64 if float64 else CANDIDATES)[d]:
+                    if float64 and cand != "fma" and len(cand) == 4 and not sm90:
+                        continue
+                    if float64 and args.wide_only and (cand == "fma" or (len(cand) == 3 and cand[:2] not in
+                                                                         ((64, 32), (128, 16)))):
+                        continue
                     label, ctx = config(d, cand, float64)
                     with ctx:
                         for causal in (False, True):
@@ -90,8 +146,19 @@ def main():
                             t = benchmark(lambda: cuflash.attention(q, k, v, causal=causal), n_repeat=30, n_warmup=5)
                             ms = float(np.median(t.gpu_times[0]) * 1e3)
                             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-                            print(f"{np.dtype(dtype).name[:5]:5} {d:4d} {n:5d} {label:>12} {str(causal):>6} "
-                                  f"{ms:8.3f} {flops / ms / 1e9:8.1f} {diff:9.2e}", flush=True)
+                            err, why = "", ""
+                            if float64:
+                                if causal not in exacts:
+                                    exacts[causal] = long_double_exact(q, k, v, causal, args.check_rows)
+                                rel = long_double_error(exacts[causal], out, args.check_rows)
+                                why = f64_failure(rel, bool(cp.isfinite(out).all()))
+                                err = f" {rel:8.1e}" + (" FAILED" if why else "")
+                                if why:
+                                    failed.append(f"D={d} L={n} {label} causal={causal}: {why}")
+                            print(f"{np.dtype(dtype).name[:5]:5} {d:4d} {n:5d} {label:>14} {str(causal):>6} "
+                                  f"{ms:8.3f} {flops / ms / 1e9:8.1f} {diff:9.2e}{err}", flush=True)
+    if failed:
+        raise SystemExit("float64 outputs off (timings of these rows mean nothing):\n" + "\n".join(failed))
 
 
 if __name__ == "__main__":

@@ -84,7 +84,11 @@ class Tile:
     ``why`` is the measurement or constraint that chose it. ``passes`` (the
     tensor-core dK/dV kernel only): 1 forms dK and dV in one pass, 2 in a dV pass
     and a dK pass where their accumulators and the step's score tiles would not
-    fit the registers together (:func:`_dkdv_passes`)."""
+    fit the registers together (:func:`_dkdv_passes`). ``split`` (the 3xTF32 families
+    only, ``*_tf32x3``): how operands are split into big + small, the kernels' SPLIT kind
+    (warp_gemm_tf32.cuh): 1 both parts rounded (TF32X3_ROUNDED), 2 big rounded by its bits
+    and small left for the tensor core to truncate (TF32X3_FAST, a tuning candidate:
+    benchmarks/tune_f32.py)."""
 
     block_m: int
     block_n: int
@@ -93,6 +97,7 @@ class Tile:
     why: str
     ctas: int = 1
     passes: int = 1
+    split: int = 1
 
 
 # --------------------------------------------------------------------------- the table
@@ -616,6 +621,10 @@ FAMILIES: Dict[str, Family] = {
 }
 
 
+WIDE_K_FAMILIES = ("fwd_dmma", "bwd_dkdv_dmma", "bwd_dq_dmma")
+"""Families whose kernels take ``WIDE_K`` (Variant.wide_k) as their last template parameter."""
+
+
 def _cxx(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -631,6 +640,9 @@ class Variant:
     tensor-core kernel) is 0 for dK and dV together, 1 for dV only, 2 for dK
     only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics; ``dbias``
     (Hopper dK/dV kernel) makes it also add dS into dbias (DBIAS_KEY_MAJOR).
+    ``wide_k`` (the fp64 tensor-core kernels of :data:`WIDE_K_FAMILIES`, sm_90+ only): 0 runs
+    their GEMMs on ``mma.m8n8k4``, 4 / 8 / 16 on ``mma.m16n8k{4,8,16}`` over pairs of 8-row tiles
+    (warp_gemm_f64.cuh). No table entry sets it yet: benchmarks/tune_fwd.py times it.
     """
 
     family: str
@@ -643,11 +655,14 @@ class Variant:
     atomic_dq: bool = False
     dbias: bool = False
     arch: str = "sm80"
+    wide_k: int = 0
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
     def __post_init__(self):
         if self.tile is None:
             object.__setattr__(self, "tile", self.tiles()[0])
+        if self.wide_k and (self.family not in WIDE_K_FAMILIES or self.wide_k not in (4, 8, 16)):
+            raise ValueError(f"wide_k={self.wide_k}: 4, 8 or 16, and only for {', '.join(WIDE_K_FAMILIES)}")
 
     def tiles(self) -> Tuple[Tile, ...]:
         """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
@@ -668,9 +683,11 @@ class Variant:
             f"thread block; this GPU allows {smem_limit // 1024} KB. Use a smaller head dim or another dtype.")
 
     @property
-    def split(self) -> bool:
-        """The 3xTF32 arithmetic of the float32 tensor-core kernels (precision="highest")."""
-        return self.family.endswith("_tf32x3")
+    def split(self) -> int:
+        """The float32 tensor-core kernels' SPLIT kind (warp_gemm_tf32.cuh): 0 plain TF32
+        (precision="tf32"); for the 3xTF32 families (precision="highest") the tile's kind,
+        nonzero."""
+        return self.tile.split if self.family.endswith("_tf32x3") else 0
 
     @property
     def fam(self) -> Family:
@@ -687,6 +704,8 @@ class Variant:
         ``sm_90``, ...); None where such a GPU never runs it (the Hopper path off Hopper)."""
         if self.arch == "sm90a":
             return "sm_90a" if arch.rstrip("a") == "sm_90" else None
+        if self.wide_k and int(arch.split("_")[1].rstrip("a")) < 90:
+            return None   # mma.m16n8k* with f64 needs sm_90
         return arch
 
     @property
@@ -711,6 +730,8 @@ class Variant:
         for flag in self.fam.flags:
             args.append(f"MaskFlags<{_cxx(self.band)}, {_cxx(self.extra)}>" if flag == "mask"
                         else _cxx(getattr(self, flag)))
+        if self.wide_k:   # the kernel's last template parameter, 0 (m8n8k4) by default
+            args.append(str(self.wide_k))
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

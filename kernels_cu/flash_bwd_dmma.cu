@@ -131,7 +131,9 @@ __device__ __forceinline__ void add_dbias_frags_t(const DbiasParams& g, const do
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each
 // recomputing S^T, where both accumulators would not fit the registers.
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
-template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC>
+// WIDE_K (sm_90+): 0 runs every GEMM on m8n8k4, 4 / 8 / 16 on m16n8kWIDE_K over pairs of
+// 8-row tiles (warp_gemm_f64.cuh): this warp's key tiles, and with ATOMIC_DQ the query tiles.
+template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int WIDE_K = 0>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_dmma(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
@@ -215,8 +217,8 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
         double st[M][QT][2], dpt[M][QT][2];   // S^T, dP^T: this warp's keys x BM queries
         zero_frags(st);
         zero_frags(dpt);
-        warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD>(st, k_s + key0 * HEAD, q_s, lane);        // S^T = K Q^T
-        if (DO_DK) warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD>(dpt, v_s + key0 * HEAD, do_s, lane);   // dP^T = V dO^T
+        warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD, WIDE_K>(st, k_s + key0 * HEAD, q_s, lane);        // S^T = K Q^T
+        if (DO_DK) warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD, WIDE_K>(dpt, v_s + key0 * HEAD, do_s, lane);   // dP^T = V dO^T
         const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, Tr::WARP_KEYS);
         const double* bias_tile = bias_stages + stage * Tr::BIAS_ELEMS + key0;
 #pragma unroll
@@ -253,14 +255,14 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
             add_dbias_frags_t(p.dbias, dpt, batch, head, m0, n0 + key0, dims, lane);
             if (ordered) turn.pass_turn();
         }
-        if constexpr (DO_DV) warp_gemm_rn_swz<M, Tr::D_TILES, QT, HEAD>(acc_dv, st, do_s, lane);    // dV += P^T dO
-        if constexpr (DO_DK) warp_gemm_rn_swz<M, Tr::D_TILES, QT, HEAD>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
+        if constexpr (DO_DV) warp_gemm_rn_swz<M, Tr::D_TILES, QT, HEAD, WIDE_K>(acc_dv, st, do_s, lane);    // dV += P^T dO
+        if constexpr (DO_DK) warp_gemm_rn_swz<M, Tr::D_TILES, QT, HEAD, WIDE_K>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
         if constexpr (ATOMIC_DQ) {                                         // dQ += scale dS K: this warp's columns
             __syncthreads();
             double part[QT][Tr::DQ_TILES][2];
             zero_frags(part);
             const int tile0 = warp * Tr::DQ_TILES;
-            warp_gemm_nn_swz<QT, Tr::DQ_TILES, BN, BN, HEAD>(part, ds_s, k_s, tile0, lane);
+            warp_gemm_nn_swz<QT, Tr::DQ_TILES, BN, BN, HEAD, WIDE_K>(part, ds_s, k_s, tile0, lane);
 #pragma unroll
             for (int r = 0; r < QT; ++r) {
                 const int row = 8 * r + frag_row_f64(lane);
@@ -302,7 +304,8 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
 // dQ without atomics: the CTA walks its key tiles in order, so the sum order is
 // fixed and the result bitwise reproducible.
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC>
+// WIDE_K as in flash_bwd_dkdv_dmma (pairs of this warp's 8-row query tiles).
+template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_dmma(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
@@ -367,8 +370,8 @@ flash_bwd_dq_dmma(const BwdParams p) {
         double s[M][Tr::S_TILES][2], dp[M][Tr::S_TILES][2];
         zero_frags(s);
         zero_frags(dp);
-        warp_gemm_nt_swz<M, Tr::S_TILES, HEAD, HEAD, HEAD>(s, q_s + warp_row0 * HEAD, k_tile, lane);   // S = Q K^T
-        warp_gemm_nt_swz<M, Tr::S_TILES, HEAD, HEAD, HEAD>(dp, do_s + warp_row0 * HEAD, v_s + stage * Tr::KV_ELEMS,
+        warp_gemm_nt_swz<M, Tr::S_TILES, HEAD, HEAD, HEAD, WIDE_K>(s, q_s + warp_row0 * HEAD, k_tile, lane);   // S = Q K^T
+        warp_gemm_nt_swz<M, Tr::S_TILES, HEAD, HEAD, HEAD, WIDE_K>(dp, do_s + warp_row0 * HEAD, v_s + stage * Tr::KV_ELEMS,
                                                            lane);                                      // dP = dO V^T
         const int n0 = j * BN;
         const bool partial = mod.tile_is_partial(blk.m0 + warp_row0, Tr::WARP_ROWS, n0, BN);
@@ -395,7 +398,7 @@ flash_bwd_dq_dmma(const BwdParams p) {
                 prob_and_dscore(s[m][n][1], dp[m][n][1], lse_log2[m], dsum[m], keep1, x_per_s);
             }
         }
-        warp_gemm_rn_swz<M, Tr::D_TILES, Tr::S_TILES, HEAD>(acc_dq, dp, k_tile, lane);   // dQ += dS K
+        warp_gemm_rn_swz<M, Tr::D_TILES, Tr::S_TILES, HEAD, WIDE_K>(acc_dq, dp, k_tile, lane);   // dQ += dS K
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;
     }

@@ -1,7 +1,7 @@
 // flash_bwd_tf32.cu -- attention backward on float32 data with the TF32 tensor cores.
 //
 // flash_bwd_fma.cu's math (see there), flash_bwd_mma.cu's loop order, and warp_gemm_tf32.cuh's
-// arithmetic at one of two precisions (SPLIT, compile time), as flash_fwd_tf32.cu:
+// arithmetic at one of two precisions (SPLIT, an int kind of warp_gemm_tf32.cuh), as flash_fwd_tf32.cu:
 //   SPLIT (precision="highest"): 3xTF32, operands split into big + small, each k-step's
 //         three MMAs in a fresh fragment added to the accumulator by FADD: float32 accuracy.
 //   plain (precision="tf32"): one MMA a product, ~2^-11 an operand.
@@ -38,7 +38,7 @@
 #include "bias_grad.cuh"
 #include "atomics.cuh"
 
-template <typename Cfg, bool SPLIT, bool ATOMIC_DQ, bool EXTRA>
+template <typename Cfg, int SPLIT, bool ATOMIC_DQ, bool EXTRA>
 struct DkdvTf32Traits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
@@ -65,7 +65,7 @@ struct DkdvTf32Traits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-template <typename Cfg, bool SPLIT, bool EXTRA>
+template <typename Cfg, int SPLIT, bool EXTRA>
 struct DqTf32Traits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
@@ -116,7 +116,7 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each recomputing S^T
 // (the variant table's tiles all take one pass today: cuflash/_variants.py).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
-template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, bool SPLIT>
+template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_tf32(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
@@ -329,7 +329,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC, bool SPLIT>
+template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_tf32(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");

@@ -68,7 +68,9 @@ __device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES]
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC>
+// WIDE_K (sm_90+; warp_gemm_f64.cuh): 0 runs both GEMMs on m8n8k4, 4 / 8 / 16 on
+// m16n8kWIDE_K over pairs of a warp's 8-row tiles (the H100's full fp64 tensor rate).
+template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_dmma(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
@@ -131,7 +133,7 @@ flash_fwd_dmma(const FwdParams p) {
 
         double s[M][Tr::S_TILES][2];   // S = Q K^T for this warp's rows
         zero_frags(s);
-        warp_gemm_nt_f64<M, Tr::S_TILES, HEAD, Tr::QK_PITCH, Tr::QK_PITCH>(
+        warp_gemm_nt_f64<M, Tr::S_TILES, HEAD, Tr::QK_PITCH, Tr::QK_PITCH, WIDE_K>(
             s, q_s + warp * Tr::WARP_ROWS * Tr::QK_PITCH, k_s + stage * Tr::K_ELEMS, lane);
         const int n0 = j * BN;
         const bool partial = mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN);
@@ -149,7 +151,7 @@ flash_fwd_dmma(const FwdParams p) {
             warp_softmax_update_f64<Tr>(s[m], acc_o[m], row_max[m], row_sum[m], mod.x_per_score());
             apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
         }
-        warp_gemm_rn_f64<M, Tr::O_TILES, Tr::S_TILES, Tr::V_PITCH>(acc_o, s, v_s + stage * Tr::V_ELEMS, lane);   // O += P V
+        warp_gemm_rn_f64<M, Tr::O_TILES, Tr::S_TILES, Tr::V_PITCH, WIDE_K>(acc_o, s, v_s + stage * Tr::V_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;
     }

@@ -2,7 +2,7 @@
 //
 // flash_fwd_mma.cu's algorithm and layout (FlashAttention-2 loop order; each of the WARPS
 // warps owns STRIPS x 16 query rows; K/V double-buffered with cp.async) on mma.sync m16n8k8
-// TF32 (sm_80+) at one of two precisions (SPLIT, warp_gemm_tf32.cuh):
+// TF32 (sm_80+) at one of two precisions (SPLIT, an int kind of warp_gemm_tf32.cuh):
 //   SPLIT (precision="highest"): 3xTF32, operands split into big + small, each k-step's
 //         three MMAs in a fresh fragment added to the accumulator by FADD: float32 accuracy.
 //   plain (precision="tf32"): one MMA a product, ~2^-11 an operand.
@@ -27,7 +27,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 
-template <typename Cfg, bool EXTRA, bool SPLIT>
+template <typename Cfg, bool EXTRA, int SPLIT>
 struct FwdTf32Traits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
@@ -50,7 +50,7 @@ struct FwdTf32Traits {
 };
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC, bool SPLIT>
+template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_tf32(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");

@@ -15,6 +15,11 @@
 //   A (8x4, row-major):   a0 = (row g, k t)
 //   B (4x8, "col"):       b0 = (k t, n g)
 //   C (8x8, fp64):        c0,c1 = (row g, n 2t+{0,1})
+// and ("mma.m16n8k4", "m16n8k8", "m16n8k16" with .f64, sm_90+), K = 4 K4, j < K4:
+//   A (16xK, row-major):  a[2j] = (row g, k t + 4j), a[2j+1] = (row g + 8, k t + 4j)
+//   B (Kx8, "col"):       b[j] = (k t + 4j, n g)
+//   C (16x8, fp64):       c0,c1 = (row g, n 2t+{0,1}); c2,c3 = row g + 8
+// i.e. m8n8k4's fragments stacked: two 8-row tiles in M, K4 of its k4 steps in K.
 #pragma once
 #include "common.cuh"
 
@@ -57,6 +62,42 @@ __device__ __forceinline__ void mma_884_f64(double (&c)[2], double a, double b) 
     asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
                  : "+d"(c[0]), "+d"(c[1])
                  : "d"(a), "d"(b));
+}
+
+// C += A B on one 16x8 fp64 tile, k = 4 K4 (sm_90+: DMMA.16x8x4, 16x8x8, 16x8x16), in
+// m8n8k4's fragments: c_top / c_bot are the C fragments of rows g / g + 8, a_top[j] / a_bot[j]
+// the A fragments of those 8-row tiles at k step j, b[j] the B fragment at k step j. Why: on the
+// H100 the m8n8k4 shape runs at half the fp64 tensor-core rate (33.2 TFLOP/s measured against
+// m16n8k16's 66.7, kernel notes), so a warp that holds 8-row tiles in pairs issues these instead.
+template <int K4>
+__device__ __forceinline__ void mma_16x8_f64(double (&c_top)[2], double (&c_bot)[2], const double (&a_top)[K4],
+                                             const double (&a_bot)[K4], const double (&b)[K4]);
+
+template <>
+__device__ __forceinline__ void mma_16x8_f64<1>(double (&c_top)[2], double (&c_bot)[2], const double (&a_top)[1],
+                                                const double (&a_bot)[1], const double (&b)[1]) {
+    asm volatile("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+                 : "+d"(c_top[0]), "+d"(c_top[1]), "+d"(c_bot[0]), "+d"(c_bot[1])
+                 : "d"(a_top[0]), "d"(a_bot[0]), "d"(b[0]));
+}
+
+template <>
+__device__ __forceinline__ void mma_16x8_f64<2>(double (&c_top)[2], double (&c_bot)[2], const double (&a_top)[2],
+                                                const double (&a_bot)[2], const double (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+d"(c_top[0]), "+d"(c_top[1]), "+d"(c_bot[0]), "+d"(c_bot[1])
+                 : "d"(a_top[0]), "d"(a_bot[0]), "d"(a_top[1]), "d"(a_bot[1]), "d"(b[0]), "d"(b[1]));
+}
+
+template <>
+__device__ __forceinline__ void mma_16x8_f64<4>(double (&c_top)[2], double (&c_bot)[2], const double (&a_top)[4],
+                                                const double (&a_bot)[4], const double (&b)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, {%0, %1, %2, %3};"
+                 : "+d"(c_top[0]), "+d"(c_top[1]), "+d"(c_bot[0]), "+d"(c_bot[1])
+                 : "d"(a_top[0]), "d"(a_bot[0]), "d"(a_top[1]), "d"(a_bot[1]), "d"(a_top[2]), "d"(a_bot[2]),
+                   "d"(a_top[3]), "d"(a_bot[3]), "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]));
 }
 
 // C += A B on one 16x8 fp32 tile, k = 8, the operands' 32-bit registers read as TF32 (sm_80+).

@@ -38,23 +38,46 @@ __device__ __forceinline__ void zero_frags(double (&acc)[M][N][2]) {
 
 // acc[m][n] += A_m B_n^T over depth K: A_m = rows [8m, 8m + 8) of `a` (pitch PA),
 // B_n = rows [8n, 8n + 8) of `b` (pitch PB), both row-major [row][k].
-template <int M, int N, int K, int PA, int PB>
+// WIDE_K (sm_90+): 0 issues m8n8k4; 4, 8 or 16 issues m16n8kWIDE_K on each pair of
+// 8-row tiles (2m, 2m + 1), WIDE_K / 4 k4 steps at once (mma_16x8_f64): the same
+// fragments and loads, half the tensor-core time per flop on the H100.
+template <int M, int N, int K, int PA, int PB, int WIDE_K = 0>
 __device__ __forceinline__ void warp_gemm_nt_f64(double (&acc)[M][N][2], const double* a, const double* b, int lane) {
     static_assert(K % 4 == 0, "k4 steps");
     static_assert(PA % 8 == 4 && PB % 8 == 4, "conflict-free pitches (see the header)");
     const double* a_lane = a + (lane / 4) * PA + lane % 4;   // A[g][t]
     const double* b_lane = b + (lane / 4) * PB + lane % 4;   // B^T[n = g][k = t]
+    if constexpr (WIDE_K == 0) {
 #pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 4) {
-        double af[M], bf[N];
+        for (int k0 = 0; k0 < K; k0 += 4) {
+            double af[M], bf[N];
 #pragma unroll
-        for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * PA + k0];
+            for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * PA + k0];
 #pragma unroll
-        for (int n = 0; n < N; ++n) bf[n] = b_lane[8 * n * PB + k0];
+            for (int n = 0; n < N; ++n) bf[n] = b_lane[8 * n * PB + k0];
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+            for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+                for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+        }
+    } else {
+        constexpr int K4 = WIDE_K / 4;   // k4 steps per MMA
+        static_assert(M % 2 == 0 && K % WIDE_K == 0, "pairs of 8-row tiles, whole MMA depths");
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += WIDE_K) {
+            double af[M][K4], bf[N][K4];
+#pragma unroll
+            for (int j = 0; j < K4; ++j) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) af[m][j] = a_lane[8 * m * PA + k0 + 4 * j];
+#pragma unroll
+                for (int n = 0; n < N; ++n) bf[n][j] = b_lane[8 * n * PB + k0 + 4 * j];
+            }
+#pragma unroll
+            for (int m = 0; m < M; m += 2)
+#pragma unroll
+                for (int n = 0; n < N; ++n) mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], af[m], af[m + 1], bf[n]);
+        }
     }
 }
 
@@ -64,21 +87,49 @@ __device__ __forceinline__ void warp_gemm_nt_f64(double (&acc)[M][N][2], const d
 // 2t + 1. Rather than move P between lanes, each 8-key tile is two k4 steps over
 // permuted keys: step s takes a0 = P[g][8kt + 2t + s] and b0 = B[8kt + 2t + s][g].
 // A and B agree on the order, and a dot product's terms may come in any order.
-template <int M, int N, int KT, int PB>
+// WIDE_K as in warp_gemm_nt_f64: one m16n8kWIDE_K takes WIDE_K / 4 consecutive permuted
+// k4 steps (step q = 2 kt + s) of a pair of 8-row tiles.
+template <int M, int N, int KT, int PB, int WIDE_K = 0>
 __device__ __forceinline__ void warp_gemm_rn_f64(double (&acc)[M][N][2], const double (&p)[M][KT][2], const double* b,
                                                  int lane) {
     static_assert(PB % 4 == 2, "conflict-free pitch (see the header)");
     const double* b_lane = b + 2 * (lane % 4) * PB + lane / 4;   // B[2t][g]
+    if constexpr (WIDE_K == 0) {
 #pragma unroll
-    for (int kt = 0; kt < KT; ++kt)
+        for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
+            for (int s = 0; s < 2; ++s)
+#pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    const double bf = b_lane[(8 * kt + s) * PB + 8 * n];
+#pragma unroll
+                    for (int m = 0; m < M; ++m) mma_884_f64(acc[m][n], p[m][kt][s], bf);
+                }
+    } else {
+        constexpr int K4 = WIDE_K / 4;
+        static_assert(M % 2 == 0 && (2 * KT) % K4 == 0, "pairs of 8-row tiles, whole MMA depths");
+#pragma unroll
+        for (int q0 = 0; q0 < 2 * KT; q0 += K4)
 #pragma unroll
             for (int n = 0; n < N; ++n) {
-                const double bf = b_lane[(8 * kt + s) * PB + 8 * n];
+                double bf[K4];
 #pragma unroll
-                for (int m = 0; m < M; ++m) mma_884_f64(acc[m][n], p[m][kt][s], bf);
+                for (int j = 0; j < K4; ++j) {
+                    const int q = q0 + j;   // key tile q / 2, permuted step q % 2
+                    bf[j] = b_lane[(8 * (q / 2) + q % 2) * PB + 8 * n];
+                }
+#pragma unroll
+                for (int m = 0; m < M; m += 2) {
+                    double top[K4], bot[K4];
+#pragma unroll
+                    for (int j = 0; j < K4; ++j) {
+                        top[j] = p[m][(q0 + j) / 2][(q0 + j) % 2];
+                        bot[j] = p[m + 1][(q0 + j) / 2][(q0 + j) % 2];
+                    }
+                    mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], top, bot, bf);
+                }
             }
+    }
 }
 
 // Two neighbouring doubles of shared memory in one 16-byte load (addr 16-byte aligned).
@@ -120,45 +171,95 @@ __device__ __forceinline__ int swz_col(int col, int x) { return (col & ~15) + ((
 
 // acc[m][n] += A_m B_n^T over depth K, A_m = rows [8m, 8m + 8) of `a` (CA columns),
 // B_n = rows [8n, 8n + 8) of `b` (CB columns): lanes read (row g, column k0 + t).
-template <int M, int N, int K, int CA, int CB>
+// WIDE_K in these three as in warp_gemm_nt_f64 (pairs of 8-row tiles on m16n8kWIDE_K).
+template <int M, int N, int K, int CA, int CB, int WIDE_K = 0>
 __device__ __forceinline__ void warp_gemm_nt_swz(double (&acc)[M][N][2], const double* a, const double* b, int lane) {
     static_assert(K % 4 == 0, "k4 steps");
     const int g = lane / 4, t = lane % 4, x = swz_xor(g);
     const double* a_lane = a + g * CA + t;
     const double* b_lane = b + g * CB + t;
+    if constexpr (WIDE_K == 0) {
 #pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 4) {
-        const int col = swz_col(k0, x);   // (k0 + t) ^ x = (k0 ^ x) + t: x is a multiple of 4
-        double af[M], bf[N];
+        for (int k0 = 0; k0 < K; k0 += 4) {
+            const int col = swz_col(k0, x);   // (k0 + t) ^ x = (k0 ^ x) + t: x is a multiple of 4
+            double af[M], bf[N];
 #pragma unroll
-        for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * CA + col];
+            for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * CA + col];
 #pragma unroll
-        for (int n = 0; n < N; ++n) bf[n] = b_lane[8 * n * CB + col];
+            for (int n = 0; n < N; ++n) bf[n] = b_lane[8 * n * CB + col];
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+            for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+                for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+        }
+    } else {
+        constexpr int K4 = WIDE_K / 4;
+        static_assert(M % 2 == 0 && K % WIDE_K == 0, "pairs of 8-row tiles, whole MMA depths");
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += WIDE_K) {
+            double af[M][K4], bf[N][K4];
+#pragma unroll
+            for (int j = 0; j < K4; ++j) {
+                const int col = swz_col(k0 + 4 * j, x);
+#pragma unroll
+                for (int m = 0; m < M; ++m) af[m][j] = a_lane[8 * m * CA + col];
+#pragma unroll
+                for (int n = 0; n < N; ++n) bf[n][j] = b_lane[8 * n * CB + col];
+            }
+#pragma unroll
+            for (int m = 0; m < M; m += 2)
+#pragma unroll
+                for (int n = 0; n < N; ++n) mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], af[m], af[m + 1], bf[n]);
+        }
     }
 }
 
 // acc[m][n] += P_m B_n with P in C fragments (warp_gemm_rn_f64's permuted keys:
 // step s of key tile kt takes key 8kt + 2t + s) and B a swizzled [key][column]
 // tile of CB columns: lanes read (row 8kt + 2t + s, column 8n + g).
-template <int M, int N, int KT, int CB>
+template <int M, int N, int KT, int CB, int WIDE_K = 0>
 __device__ __forceinline__ void warp_gemm_rn_swz(double (&acc)[M][N][2], const double (&p)[M][KT][2], const double* b,
                                                  int lane) {
     const int g = lane / 4, t = lane % 4;
+    if constexpr (WIDE_K == 0) {
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-        const int x = swz_xor(2 * t + s);
-        const double* b_lane = b + (2 * t + s) * CB;
+        for (int s = 0; s < 2; ++s) {
+            const int x = swz_xor(2 * t + s);
+            const double* b_lane = b + (2 * t + s) * CB;
 #pragma unroll
-        for (int kt = 0; kt < KT; ++kt)
+            for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    const double bf = b_lane[8 * kt * CB + swz_col(8 * n + g, x)];
+#pragma unroll
+                    for (int m = 0; m < M; ++m) mma_884_f64(acc[m][n], p[m][kt][s], bf);
+                }
+        }
+    } else {
+        constexpr int K4 = WIDE_K / 4;
+        static_assert(M % 2 == 0 && (2 * KT) % K4 == 0, "pairs of 8-row tiles, whole MMA depths");
+        const int x[2] = {swz_xor(2 * t), swz_xor(2 * t + 1)};
+        const double* b_lane[2] = {b + 2 * t * CB, b + (2 * t + 1) * CB};
+#pragma unroll
+        for (int q0 = 0; q0 < 2 * KT; q0 += K4)   // permuted k4 step q = 2 kt + s
 #pragma unroll
             for (int n = 0; n < N; ++n) {
-                const double bf = b_lane[8 * kt * CB + swz_col(8 * n + g, x)];
+                double bf[K4];
 #pragma unroll
-                for (int m = 0; m < M; ++m) mma_884_f64(acc[m][n], p[m][kt][s], bf);
+                for (int j = 0; j < K4; ++j) {
+                    const int kt = (q0 + j) / 2, s = (q0 + j) % 2;
+                    bf[j] = b_lane[s][8 * kt * CB + swz_col(8 * n + g, x[s])];
+                }
+#pragma unroll
+                for (int m = 0; m < M; m += 2) {
+                    double top[K4], bot[K4];
+#pragma unroll
+                    for (int j = 0; j < K4; ++j) {
+                        top[j] = p[m][(q0 + j) / 2][(q0 + j) % 2];
+                        bot[j] = p[m + 1][(q0 + j) / 2][(q0 + j) % 2];
+                    }
+                    mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], top, bot, bf);
+                }
             }
     }
 }
@@ -167,25 +268,46 @@ __device__ __forceinline__ void warp_gemm_rn_swz(double (&acc)[M][N][2], const d
 // (CA columns), B = rows [0, K) of `b` (CB columns), columns 8 (n_first + n) + ..
 // (n_first: the caller's first column tile). Lanes read A at (row g, column k0 + t)
 // and B at (row k0 + t, column 8 (n_first + n) + g).
-template <int M, int N, int K, int CA, int CB>
+template <int M, int N, int K, int CA, int CB, int WIDE_K = 0>
 __device__ __forceinline__ void warp_gemm_nn_swz(double (&acc)[M][N][2], const double* a, const double* b, int n_first,
                                                  int lane) {
     static_assert(K % 4 == 0, "k4 steps");
     const int g = lane / 4, t = lane % 4, xa = swz_xor(g);
     const double* a_lane = a + g * CA + t;
     const double* b_lane = b + t * CB;
+    if constexpr (WIDE_K == 0) {
 #pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 4) {
-        const int xb = swz_xor(k0 + t);   // two values: k0 = 0 or 4 (mod 8)
-        double af[M], bf[N];
+        for (int k0 = 0; k0 < K; k0 += 4) {
+            const int xb = swz_xor(k0 + t);   // two values: k0 = 0 or 4 (mod 8)
+            double af[M], bf[N];
 #pragma unroll
-        for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * CA + swz_col(k0, xa)];
+            for (int m = 0; m < M; ++m) af[m] = a_lane[8 * m * CA + swz_col(k0, xa)];
 #pragma unroll
-        for (int n = 0; n < N; ++n) bf[n] = b_lane[k0 * CB + swz_col(8 * (n_first + n) + g, xb)];
+            for (int n = 0; n < N; ++n) bf[n] = b_lane[k0 * CB + swz_col(8 * (n_first + n) + g, xb)];
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+            for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+                for (int n = 0; n < N; ++n) mma_884_f64(acc[m][n], af[m], bf[n]);
+        }
+    } else {
+        constexpr int K4 = WIDE_K / 4;
+        static_assert(M % 2 == 0 && K % WIDE_K == 0, "pairs of 8-row tiles, whole MMA depths");
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += WIDE_K) {
+            double af[M][K4], bf[N][K4];
+#pragma unroll
+            for (int j = 0; j < K4; ++j) {
+                const int k = k0 + 4 * j, xb = swz_xor(k + t);
+#pragma unroll
+                for (int m = 0; m < M; ++m) af[m][j] = a_lane[8 * m * CA + swz_col(k, xa)];
+#pragma unroll
+                for (int n = 0; n < N; ++n) bf[n][j] = b_lane[k * CB + swz_col(8 * (n_first + n) + g, xb)];
+            }
+#pragma unroll
+            for (int m = 0; m < M; m += 2)
+#pragma unroll
+                for (int n = 0; n < N; ++n) mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], af[m], af[m + 1], bf[n]);
+        }
     }
 }
 

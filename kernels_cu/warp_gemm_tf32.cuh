@@ -1,10 +1,19 @@
 // warp_gemm_tf32.cuh -- warp-level GEMMs on float32 data with the TF32 tensor cores
-// (mma.sync m16n8k8, fp32 accumulate), in one of two precisions (SPLIT, compile time):
-//   plain TF32 (precision="tf32"): one MMA a product; operands carry 11 significant bits.
-//   split TF32 (SPLIT, precision="highest", "3xTF32"): each operand a = big + small with
+// (mma.sync m16n8k8, fp32 accumulate), in one of three arithmetics (SPLIT, compile time;
+// the kernels' SPLIT template parameter is one of the TF32_* kinds below):
+//   TF32_PLAIN (precision="tf32"): one MMA a product; operands carry 11 significant bits.
+//   TF32X3_ROUNDED (precision="highest", "3xTF32"): each operand a = big + small with
 //       big = a rounded to 11 significant bits and small = (a - big) rounded likewise, and
 //       a b ~ big_a big_b + big_a small_b + small_a big_b; the dropped small_a small_b and
 //       the rounding of small are each below 2^-22 |a b|, about float32's own rounding.
+//   TF32X3_FAST (3xTF32, a cheaper split; a tuning candidate, benchmarks/tune_f32.py): big
+//       rounded by its bits (two integer instructions) and small = a - big (exact) left
+//       unrounded: the tensor core truncates it. small has at most 12 significant bits, so
+//       the bit dropped leaves at most 2^-23 |a|, the rounded split's worst case too (its one
+//       dropped bit is then a tie); CUTLASS's fast-f32 GEMMs also truncate small. 3
+//       instructions an element instead of 7: the split of K, V and P per fragment is most
+//       of the forward's issue slots (benchmarks/NOTES.md, branch f32-perf: the 3xTF32
+//       kernels are issue-bound, not tensor-bound).
 //
 // Fresh fragments. The tensor core adds an MMA's products and its C input with truncation,
 // not rounding: an accumulator carried through every k-step loses up to an ulp per MMA, in
@@ -52,8 +61,29 @@ __device__ __forceinline__ float round_tf32(float a) {
     return big;
 }
 
-// a = big + small, both with 11 significant bits (small exact as a - big before its rounding).
+// The arithmetic kinds (values of the kernels' int SPLIT; any nonzero kind is a 3xTF32 split).
+constexpr int TF32_PLAIN = 0, TF32X3_ROUNDED = 1, TF32X3_FAST = 2;
+
+// a rounded to nearest (ties away from zero) at 11 significant bits by its bits: half a TF32
+// ulp added to the magnitude, the low 13 bits cleared. Two integer instructions. A NaN may
+// become -0 or 0 here, but the caller's small = a - big is then NaN, so NaN still reaches the
+// products; +-inf gives big = +-inf and small = NaN (inf - inf); finite values within half a
+// TF32 ulp of FLT_MAX (|bits| >= 0x7f7ff000) give big = +-inf and small = -+inf: the products'
+// sum is NaN either way (tests/test_fragments_tf32.py), as the rounded split's is from 2^114.
+__device__ __forceinline__ unsigned round_tf32_bits(float a) {
+    return (__float_as_uint(a) + 0x1000u) & 0xffffe000u;
+}
+
+// a = big + small: big with 11 significant bits; small with 11 (ROUNDED: rounded, exact as
+// a - big before its rounding) or up to 13 (FAST: a - big exactly, which the tensor core
+// truncates to 11).
+template <int SPLIT = TF32X3_ROUNDED>
 __device__ __forceinline__ void split_tf32(float a, unsigned& big, unsigned& small) {
+    if (SPLIT == TF32X3_FAST) {
+        big = round_tf32_bits(a);
+        small = __float_as_uint(a - __uint_as_float(big));
+        return;
+    }
     const float b = round_tf32(a);
     big = __float_as_uint(b);
     small = __float_as_uint(round_tf32(a - b));
@@ -61,11 +91,11 @@ __device__ __forceinline__ void split_tf32(float a, unsigned& big, unsigned& sma
 
 // A fragment (4 registers) or B fragment pair, raw fp32 bits -> the operands of one precision:
 // SPLIT: big and small; plain: `big` is the raw value itself (the tensor core truncates it).
-template <bool SPLIT, int R>
+template <int SPLIT, int R>
 __device__ __forceinline__ void split_frag(const unsigned (&raw)[R], unsigned (&big)[R], unsigned (&small)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        if (SPLIT) split_tf32(__uint_as_float(raw[i]), big[i], small[i]);
+        if (SPLIT) split_tf32<SPLIT>(__uint_as_float(raw[i]), big[i], small[i]);
         else big[i] = raw[i];
     }
 }
@@ -75,7 +105,7 @@ struct alignas(16) Float4 { float v[4]; };   // one 16-byte shared access
 // Every element of a ROWS x COLS tile (pitch P floats) in shared memory, by THREADS threads:
 // SPLIT: big in place and small into `small` (same layout); plain: rounded in place. The
 // caller synchronises before and after.
-template <bool SPLIT, int ROWS, int COLS, int P, int THREADS>
+template <int SPLIT, int ROWS, int COLS, int P, int THREADS>
 __device__ __forceinline__ void split_tile(float* tile, float* small) {
     static_assert(COLS % 4 == 0 && P % 4 == 0, "16-byte groups");
 #pragma unroll 2
@@ -85,6 +115,13 @@ __device__ __forceinline__ void split_tile(float* tile, float* small) {
         Float4 big, lo;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+            if (SPLIT == TF32X3_FAST) {
+                unsigned b, l;
+                split_tf32<TF32X3_FAST>(a.v[e], b, l);
+                big.v[e] = __uint_as_float(b);
+                lo.v[e] = __uint_as_float(l);
+                continue;
+            }
             big.v[e] = round_tf32(a.v[e]);
             lo.v[e] = round_tf32(a.v[e] - big.v[e]);
         }
@@ -97,7 +134,7 @@ __device__ __forceinline__ void split_tile(float* tile, float* small) {
 // strips: in SPLIT from the split operands through fresh fragments (the header), else one
 // chained MMA each. The 2M fresh fragments' chains interleave (each MMA of a step waits on
 // the previous one of its chain only), so the tensor pipe sees 2M independent MMAs a step.
-template <bool SPLIT, int M, int NT>
+template <int SPLIT, int M, int NT>
 __device__ __forceinline__ void mma_step_tf32(float (&acc)[M][NT][4], int t0, const unsigned (&a_big)[M][4],
                                               const unsigned (&a_small)[M][4], const unsigned (&b_big)[2][2],
                                               const unsigned (&b_small)[2][2]) {
@@ -146,7 +183,7 @@ __device__ __forceinline__ unsigned bt_lane_addr_tf32(const float* rows, int lan
 // S (M strips of 16 rows x N keys) += Q K^T over depth K:
 //   q_big / q_small: the warp's first strip of Q (split_tile's two tiles; q_small unread
 //   unless SPLIT), k: rows [key][d] of K. All pitch P.
-template <bool SPLIT, int M, int N, int K, int P>
+template <int SPLIT, int M, int N, int K, int P>
 __device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const float* q_big, const float* q_small,
                                                   const float* k, int lane) {
     static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
@@ -177,7 +214,7 @@ __device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const
 
 // O (M strips of 16 rows x N columns) += P V over K keys: p holds P's C fragments (fp32, the
 // softmax's output), v rows [key][column] (pitch P). Plain TF32 rounds P as it reads it.
-template <bool SPLIT, int M, int N, int K, int P>
+template <int SPLIT, int M, int N, int K, int P>
 __device__ __forceinline__ void warp_gemm_pv_tf32(float (&o)[M][N / 8][4], const float (&p)[M][K / 8][4],
                                                   const float* v, int lane) {
     static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
@@ -190,7 +227,7 @@ __device__ __forceinline__ void warp_gemm_pv_tf32(float (&o)[M][N / 8][4], const
             const float c[4] = {p[m][kt][0], p[m][kt][2], p[m][kt][1], p[m][kt][3]};   // keys 2t, 2t + 1
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                if (SPLIT) split_tf32(c[i], a_big[m][i], a_small[m][i]);
+                if (SPLIT) split_tf32<SPLIT>(c[i], a_big[m][i], a_small[m][i]);
                 else a_big[m][i] = __float_as_uint(round_tf32(c[i]));
             }
         }
@@ -261,7 +298,7 @@ __device__ __forceinline__ void scale_add_bias_frags_f32_t(float (&s)[N / 8][4],
 //   K already split in shared memory (rows [key][column], pitch PB, `k_big` / `k_small`: the
 //       first column of the block; k_small unread unless SPLIT): b0 = K[2t][g], b1 = K[2t + 1][g].
 // dS is split (SPLIT) or rounded (plain) as it is read.
-template <bool SPLIT, int N, int K, int PA, int PB>
+template <int SPLIT, int N, int K, int PA, int PB>
 __device__ __forceinline__ void warp_gemm_ds_k_tf32(float (&acc)[1][N / 8][4], const float* ds_t, const float* k_big,
                                                     const float* k_small, int lane) {
     static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
@@ -278,7 +315,7 @@ __device__ __forceinline__ void warp_gemm_ds_k_tf32(float (&acc)[1][N / 8][4], c
         unsigned a_big[1][4], a_small[1][4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            if (SPLIT) split_tf32(raw[i], a_big[0][i], a_small[0][i]);
+            if (SPLIT) split_tf32<SPLIT>(raw[i], a_big[0][i], a_small[0][i]);
             else a_big[0][i] = __float_as_uint(round_tf32(raw[i]));
         }
 #pragma unroll

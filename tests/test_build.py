@@ -87,3 +87,30 @@ def test_compile_error_carries_log():
     with pytest.raises(CompileError) as info:
         compile_offline(v.entry, v.name.replace("half_t", "int", 1), "sm_90")
     assert "error" in info.value.log
+
+
+def _wide_k_candidates():
+    """The fp64 m16n8kK candidates benchmarks/tune_fwd.py and tune_bwd.py time (--dtype float64; branch
+    f64-perf): not in the table yet, so test_variant_compiles_without_spills does not build them."""
+    from cuflash._variants import Tile, Variant
+
+    def fwd(d, bm, bn, warps, k, band):
+        return Variant("fwd_dmma", "float64", d, band=band, vec=True, tile=Tile(bm, bn, warps, 2, "tuning"), wide_k=k)
+
+    two_pass = Tile(16, 64, 4, 1, "tuning", passes=2)
+    out = []
+    for band in (False, True):
+        out += [fwd(64, 64, 32, 4, 16, band), fwd(64, 64, 32, 4, 4, band), fwd(64, 128, 32, 8, 16, band),
+                fwd(128, 64, 32, 4, 16, band), fwd(128, 64, 32, 4, 4, band), fwd(128, 128, 16, 8, 16, band),
+                Variant("bwd_dkdv_dmma", "float64", 64, band=band, vec=True, wide_k=16),
+                Variant("bwd_dq_dmma", "float64", 64, band=band, vec=True, wide_k=16)]
+        out += [Variant("bwd_dkdv_dmma", "float64", 128, band=band, vec=True, pass_=p, tile=two_pass, wide_k=16)
+                for p in (1, 2)]
+    return out
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant", _wide_k_candidates(), ids=lambda v: v.name)
+def test_wide_k_candidates_compile_without_spills_on_sm90(variant):
+    build = compile_offline(variant.entry, variant.name, variant.compile_target("sm_90"))
+    assert build.spills == 0 and build.stack_frame == 0, f"{variant.name}:\n{build.log}"

@@ -8,6 +8,8 @@ a swizzle that is not a permutation, or a bank conflict fails here without a GPU
 The dK/dV step of flash_bwd_dkdv_dmma (S^T, P^T, dS^T, dV, dK, and dQ through the dS
 tile) is emulated for a whole CTA and compared with the NumPy gradients.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -104,7 +106,203 @@ def warp_gemm_nn_swz(acc, M, N, K, CA, CB, smem_a, a0, smem_b, b0, n_first):
                 mma_884(acc[m][n], af[m], bf[n])
 
 
+# --------------------------------------------------------------------------- WIDE_K (sm_90 m16n8kK)
+
+def mma_16x8(c_top, c_bot, a_top, a_bot, b):
+    """mma.m16n8kK.f64 from the PTX layout (K = 4 len(b)): a[2j] = A[g][t + 4j], a[2j + 1] =
+    A[g + 8][t + 4j], b[j] = B[t + 4j][g]; C[g][2t + i] in c_top, C[g + 8][2t + i] in c_bot."""
+    k = 4 * len(b)
+    A, B = np.zeros((16, k)), np.zeros((k, 8))
+    for j in range(len(b)):
+        A[G, T + 4 * j], A[G + 8, T + 4 * j], B[T + 4 * j, G] = a_top[j], a_bot[j], b[j]
+    C = A @ B
+    c_top += np.stack([C[G, 2 * T], C[G, 2 * T + 1]], axis=1)
+    c_bot += np.stack([C[G + 8, 2 * T], C[G + 8, 2 * T + 1]], axis=1)
+
+
+def warp_gemm_nt_f64_wide(acc, M, N, K, PA, PB, smem_a, smem_b, wide_k):
+    k4 = wide_k // 4
+    a_lane, b_lane = G * PA + T, G * PB + T
+    for k0 in range(0, K, wide_k):
+        af = [[smem_a[a_lane + 8 * m * PA + k0 + 4 * j] for j in range(k4)] for m in range(M)]
+        bf = [[smem_b[b_lane + 8 * n * PB + k0 + 4 * j] for j in range(k4)] for n in range(N)]
+        for m in range(0, M, 2):
+            for n in range(N):
+                mma_16x8(acc[m][n], acc[m + 1][n], af[m], af[m + 1], bf[n])
+
+
+def warp_gemm_rn_f64_wide(acc, M, N, KT, PB, p, smem_b, wide_k):
+    k4 = wide_k // 4
+    b_lane = 2 * T * PB + G
+    for q0 in range(0, 2 * KT, k4):
+        for n in range(N):
+            bf = [smem_b[b_lane + (8 * ((q0 + j) // 2) + (q0 + j) % 2) * PB + 8 * n] for j in range(k4)]
+            for m in range(0, M, 2):
+                top = [p[m][(q0 + j) // 2][:, (q0 + j) % 2] for j in range(k4)]
+                bot = [p[m + 1][(q0 + j) // 2][:, (q0 + j) % 2] for j in range(k4)]
+                mma_16x8(acc[m][n], acc[m + 1][n], top, bot, bf)
+
+
+def warp_gemm_nt_swz_wide(acc, M, N, K, CA, CB, smem_a, a0, smem_b, b0, wide_k):
+    k4, x = wide_k // 4, swz_xor(G)
+    a_lane, b_lane = a0 + G * CA + T, b0 + G * CB + T
+    for k0 in range(0, K, wide_k):
+        cols = [swz_col(k0 + 4 * j, x) for j in range(k4)]
+        af = [[smem_a[a_lane + 8 * m * CA + cols[j]] for j in range(k4)] for m in range(M)]
+        bf = [[smem_b[b_lane + 8 * n * CB + cols[j]] for j in range(k4)] for n in range(N)]
+        for m in range(0, M, 2):
+            for n in range(N):
+                mma_16x8(acc[m][n], acc[m + 1][n], af[m], af[m + 1], bf[n])
+
+
+def warp_gemm_rn_swz_wide(acc, M, N, KT, CB, p, smem_b, b0, wide_k):
+    k4 = wide_k // 4
+    x = [swz_xor(2 * T), swz_xor(2 * T + 1)]
+    b_lane = [b0 + 2 * T * CB, b0 + (2 * T + 1) * CB]
+    for q0 in range(0, 2 * KT, k4):
+        for n in range(N):
+            bf = []
+            for j in range(k4):
+                kt, s_ = (q0 + j) // 2, (q0 + j) % 2
+                bf.append(smem_b[b_lane[s_] + 8 * kt * CB + swz_col(8 * n + G, x[s_])])
+            for m in range(0, M, 2):
+                top = [p[m][(q0 + j) // 2][:, (q0 + j) % 2] for j in range(k4)]
+                bot = [p[m + 1][(q0 + j) // 2][:, (q0 + j) % 2] for j in range(k4)]
+                mma_16x8(acc[m][n], acc[m + 1][n], top, bot, bf)
+
+
+def warp_gemm_nn_swz_wide(acc, M, N, K, CA, CB, smem_a, a0, smem_b, b0, n_first, wide_k):
+    k4, xa = wide_k // 4, swz_xor(G)
+    a_lane, b_lane = a0 + G * CA + T, b0 + T * CB
+    for k0 in range(0, K, wide_k):
+        af = [[None] * k4 for _ in range(M)]
+        bf = [[None] * k4 for _ in range(N)]
+        for j in range(k4):
+            k = k0 + 4 * j
+            xb = swz_xor(k + T)
+            for m in range(M):
+                af[m][j] = smem_a[a_lane + 8 * m * CA + swz_col(k, xa)]
+            for n in range(N):
+                bf[n][j] = smem_b[b_lane + k * CB + swz_col(8 * (n_first + n) + G, xb)]
+        for m in range(0, M, 2):
+            for n in range(N):
+                mma_16x8(acc[m][n], acc[m + 1][n], af[m], af[m + 1], bf[n])
+
+
+def c_frags(p, M, KT):
+    """The (8M, 8KT) matrix p as [M][KT] C fragments."""
+    return [[np.stack([p[8 * m + G, 8 * kt + 2 * T], p[8 * m + G, 8 * kt + 2 * T + 1]], axis=1) for kt in range(KT)]
+            for m in range(M)]
+
+
 # --------------------------------------------------------------------------- tests
+
+def test_m16n8k4_is_two_stacked_m8n8k4():
+    """mma_16x8's layout (PTX ISA) against mma.cuh's m8n8k4: the identity WIDE_K rests on."""
+    rng = np.random.default_rng(5)
+    a_top, a_bot, b = (rng.standard_normal(32) for _ in range(3))
+    wide_top, wide_bot, top, bot = (np.zeros((32, 2)) for _ in range(4))
+    mma_16x8(wide_top, wide_bot, [a_top], [a_bot], [b])
+    mma_884(top, a_top, b)
+    mma_884(bot, a_bot, b)
+    np.testing.assert_allclose(wide_top, top, rtol=1e-15)
+    np.testing.assert_allclose(wide_bot, bot, rtol=1e-15)
+
+
+def _mma_16x8_asm(k4):
+    """mma.cuh's mma_16x8_f64<k4>: (PTX shape, the asm's register groups as lists of operand numbers, and
+    the C++ expression bound to each operand number), read from the source the kernels build."""
+    from cuflash._build import kernel_dir
+
+    src = (kernel_dir() / "mma.cuh").read_text()
+    body = re.search(r"void mma_16x8_f64<%d>\(.*?\n}" % k4, src, re.S).group(0)
+    asm = re.search(r'asm volatile\((.*?);"\s*:', body, re.S).group(1)
+    shape = re.search(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.f64\.f64\.f64\.f64", asm).group(1)
+    groups = [[int(x) for x in re.findall(r"%(\d+)", g)] for g in re.findall(r"\{([^}]*)\}", asm)]
+    exprs = re.findall(r'"\+?d"\(([^)]*)\)', body)
+    return shape, groups, exprs
+
+
+@pytest.mark.parametrize("k4", [1, 2, 4])
+def test_mma_16x8_asm_operands_follow_the_ptx_register_order(k4):
+    """The asm's operand order against the PTX ISA's per-register formulas for .f64 m16n8kK (as CUTLASS's
+    SM90_16x8xK_F64 traits give them), not against the stacked reading mma.cuh documents: A register i
+    holds (row g + 8 (i % 2), k t + 4 (i // 2)), B register i (k t + 4 i, n g), C/D register i
+    (row g + 8 (i // 2), n 2t + i % 2). Then one MMA built from those formulas and the operands' values
+    equals two m8n8k4 per k4 step: a swapped operand in mma.cuh fails here, where the emulated
+    GEMMs (which take mma_16x8's argument lists as given) cannot see it."""
+    shape, groups, exprs = _mma_16x8_asm(k4)
+    assert shape == f"m16n8k{4 * k4}"
+    d, a, b, c = groups
+    assert d == c == [0, 1, 2, 3], "D and C: the four accumulators, in place"
+    assert a == list(range(4, 4 + 2 * k4)) and b == list(range(4 + 2 * k4, 4 + 3 * k4))
+    # The expected expression of each register from the ISA's row/column of that register.
+    for i in range(4):
+        assert exprs[d[i]] == f"c_{'top' if i // 2 == 0 else 'bot'}[{i % 2}]", (i, exprs)
+    for i in range(2 * k4):
+        assert exprs[a[i]] == f"a_{'top' if i % 2 == 0 else 'bot'}[{i // 2}]", (i, exprs)
+    for i in range(k4):
+        assert exprs[b[i]] == f"b[{i}]", (i, exprs)
+    # Numerically: lane values per C++ name, placed by the ISA formulas, against m8n8k4 per k4 step.
+    rng = np.random.default_rng(9)
+    vals = {f"{x}[{j}]": rng.standard_normal(32) for x in ("a_top", "a_bot", "b") for j in range(k4)}
+    vals.update({f"c_{x}[{i}]": rng.standard_normal(32) for x in ("top", "bot") for i in range(2)})
+    A, B, C = np.zeros((16, 4 * k4)), np.zeros((4 * k4, 8)), np.zeros((16, 8))
+    for i in range(2 * k4):
+        A[G + 8 * (i % 2), T + 4 * (i // 2)] = vals[exprs[a[i]]]
+    for i in range(k4):
+        B[T + 4 * i, G] = vals[exprs[b[i]]]
+    for i in range(4):
+        C[G + 8 * (i // 2), 2 * T + i % 2] = vals[exprs[c[i]]]
+    D = A @ B + C
+    top = np.stack([vals["c_top[0]"], vals["c_top[1]"]], axis=1)
+    bot = np.stack([vals["c_bot[0]"], vals["c_bot[1]"]], axis=1)
+    for j in range(k4):
+        mma_884(top, vals[f"a_top[{j}]"], vals[f"b[{j}]"])
+        mma_884(bot, vals[f"a_bot[{j}]"], vals[f"b[{j}]"])
+    np.testing.assert_allclose(np.stack([D[G, 2 * T], D[G, 2 * T + 1]], axis=1), top, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(np.stack([D[G + 8, 2 * T], D[G + 8, 2 * T + 1]], axis=1), bot, rtol=1e-13,
+                               atol=1e-13)
+
+
+@pytest.mark.parametrize("wide_k", [4, 8, 16])
+@pytest.mark.parametrize("M,N,head", [(2, 4, 64), (2, 4, 128), (4, 2, 32)])
+def test_wide_padded_gemms(wide_k, M, N, head):
+    """fwd_dmma's S = Q K^T (pitch head + 4) and O += P V (pitch head + 2) with WIDE_K."""
+    rng = np.random.default_rng(6)
+    q, k = rng.standard_normal((8 * M, head)), rng.standard_normal((8 * N, head))
+    pq, pk = np.zeros((8 * M, head + 4)), np.zeros((8 * N, head + 4))
+    pq[:, :head], pk[:, :head] = q, k
+    acc = zero_frags(M, N)
+    warp_gemm_nt_f64_wide(acc, M, N, head, head + 4, head + 4, pq.ravel(), pk.ravel(), wide_k)
+    np.testing.assert_allclose(frags_to_matrix(acc), q @ k.T, rtol=1e-12, atol=1e-12)
+    p, v = rng.standard_normal((8 * M, 8 * N)), rng.standard_normal((8 * N, head))
+    pv = np.zeros((8 * N, head + 2))
+    pv[:, :head] = v
+    acc = zero_frags(M, head // 8)
+    warp_gemm_rn_f64_wide(acc, M, head // 8, N, head + 2, c_frags(p, M, N), pv.ravel(), wide_k)
+    np.testing.assert_allclose(frags_to_matrix(acc), p @ v, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("wide_k", [4, 8, 16])
+def test_wide_swizzled_gemms(wide_k):
+    """The backward's three swizzled GEMMs with WIDE_K, tiles starting past row 0 as the kernels' do."""
+    rng = np.random.default_rng(7)
+    M, N, K = 2, 2, 64
+    a, b = rng.standard_normal((8 * M + 8, K)), rng.standard_normal((8 * N + 16, K))
+    acc = zero_frags(M, N)
+    warp_gemm_nt_swz_wide(acc, M, N, K, K, K, store_swz(a), 8 * K, store_swz(b), 16 * K, wide_k)
+    np.testing.assert_allclose(frags_to_matrix(acc), a[8:8 + 8 * M] @ b[16:16 + 8 * N].T, rtol=1e-12, atol=1e-12)
+    KT, NO = 2, 8
+    p, v = rng.standard_normal((8 * M, 8 * KT)), rng.standard_normal((8 * KT, 8 * NO))
+    acc = zero_frags(M, NO)
+    warp_gemm_rn_swz_wide(acc, M, NO, KT, 8 * NO, c_frags(p, M, KT), store_swz(v), 0, wide_k)
+    np.testing.assert_allclose(frags_to_matrix(acc), p @ v, rtol=1e-12, atol=1e-12)
+    a, b = rng.standard_normal((8 * M, K)), rng.standard_normal((K, 64))
+    acc = zero_frags(M, 2)
+    warp_gemm_nn_swz_wide(acc, M, 2, K, K, 64, store_swz(a), 0, store_swz(b), 0, 3, wide_k)
+    np.testing.assert_allclose(frags_to_matrix(acc), a @ b[:, 24:40], rtol=1e-12, atol=1e-12)
+
 
 @pytest.mark.parametrize("cols", [16, 32, 64, 128])
 def test_swizzle_is_a_permutation_that_keeps_chunks_whole(cols):

@@ -117,6 +117,120 @@ def test_split_keeps_nan():
     assert np.isnan(round_tf32(nan)).all()
 
 
+def _fast_split_source():
+    """round_tf32_bits' two constants (and a check of split_tf32's FAST branch), read from the CUDA
+    source, so that the emulation runs the kernel's constants and operations, not a copy (review,
+    offline: a transcription once hid a wrong Veltkamp constant)."""
+    src = (kernel_dir() / "warp_gemm_tf32.cuh").read_text()
+    m = re.search(r"return \(__float_as_uint\(a\) \+ (0x[0-9A-Fa-f]+)u\) & (0x[0-9A-Fa-f]+)u;", src)
+    fast = re.search(r"if \(SPLIT == TF32X3_FAST\) \{\s*big = round_tf32_bits\(a\);\s*"
+                     r"small = __float_as_uint\(a - __uint_as_float\(big\)\);\s*return;", src)
+    assert m and fast, "warp_gemm_tf32.cuh's fast split changed: update the emulation"
+    return np.uint32(int(m.group(1), 16)), np.uint32(int(m.group(2), 16))
+
+
+FAST_HALF_ULP, FAST_MASK = _fast_split_source()
+
+
+def test_fast_split_constants():
+    assert FAST_HALF_ULP == 1 << 12 and FAST_MASK == 0xFFFFFFFF ^ 0x1FFF   # half a TF32 ulp; 13 low bits
+
+
+def round_tf32_bits(a):
+    """warp_gemm_tf32.cuh round_tf32_bits (TF32X3_FAST's big): half a TF32 ulp added to the bits,
+    the low 13 bits cleared (uint32 arithmetic wraps as the GPU's does)."""
+    bits = np.asarray(a, dtype=f32).view(np.uint32)
+    return ((bits + FAST_HALF_ULP) & FAST_MASK).view(f32)
+
+
+def truncate_tf32(a):
+    """What the tensor core reads of a float32 operand: the top 19 bits (mma.cuh)."""
+    return (np.asarray(a, dtype=f32).view(np.uint32) & np.uint32(0xFFFFE000)).view(f32)
+
+
+def split_tf32_fast(a):
+    """TF32X3_FAST as the tensor core sees it: big rounded by its bits, small = a - big in float32
+    (exact), then truncated to 11 bits by the MMA."""
+    big = round_tf32_bits(a)
+    with np.errstate(invalid="ignore"):
+        small = (np.asarray(a, dtype=f32) - big).astype(f32)
+    return big, truncate_tf32(small)
+
+
+def test_fast_split_carries_a_to_float32_accuracy(values):
+    finite = values[np.abs(values) < 1e37]
+    big, small = split_tf32_fast(finite)
+    assert significant_bits_ok(big).all() and significant_bits_ok(small).all()
+    # big is within half a TF32 ulp of a (a nearest rounding, ties away from zero)...
+    a = finite.astype(np.float64)
+    assert (np.abs(a - big.astype(np.float64)) <= np.abs(a) * 2.0**-11).all()
+    # ... and the truncated small leaves at most 2^-23 |a| (one float32 ulp of a: small has at most
+    # 12 significant bits, the tensor core drops the last; the rounded split's worst case is the same).
+    rest = a - big.astype(np.float64) - small.astype(np.float64)
+    assert (np.abs(rest) <= np.abs(a) * 2.0**-23).all()
+
+
+def test_fast_split_three_products_carry_a_product_to_float32_accuracy(values):
+    rng = np.random.default_rng(1)
+    a = values[np.abs(values) < 1e15][:100000]
+    b = rng.permutation(a)
+    (ab, as_), (bb, bs) = split_tf32_fast(a), split_tf32_fast(b)
+    d = lambda x: x.astype(np.float64)
+    approx = d(ab) * d(bb) + d(ab) * d(bs) + d(as_) * d(bb)
+    exact = d(a) * d(b)
+    # small_a small_b dropped (<= 2^-22 |ab|) + two truncations (<= 2^-23 |a| |b| (1 + 2^-11) each)
+    assert (np.abs(approx - exact) <= np.abs(exact) * 2.0**-21 * (1 + 2.0**-10)).all()
+
+
+@pytest.mark.parametrize("sign,exponent", [(0, 127), (1, 127), (1, 100), (0, 150), (0, 254), (1, 254)])
+def test_fast_split_on_a_whole_binade(sign, exponent):
+    """Every float32 of one binade (all 2^23 mantissas) through the fast split, against a float64
+    round-to-nearest-ties-away at 11 significant bits: big exact, a - big exact in float32 (no
+    rounding), what the tensor core reads of small within 2^-23 |a|. Top binade: big overflows to
+    inf only within half a TF32 ulp of FLT_MAX (0x7f7ff000 on)."""
+    bits = (np.uint32(sign) << np.uint32(31)) | (np.uint32(exponent) << np.uint32(23)) | np.arange(1 << 23, dtype=np.uint32)
+    a = bits.view(f32)
+    big = round_tf32_bits(a)
+    with np.errstate(invalid="ignore", over="ignore"):
+        small = (a - big).astype(f32)
+    finite = np.isfinite(big)
+    top = (bits & np.uint32(0x7FFFFFFF)) >= 0x7F7FF000
+    assert (finite == ~top).all()
+    assert np.isinf(small[top]).all() and (np.sign(small[top]) == -np.sign(a[top])).all()
+    A, B = a[finite].astype(np.float64), big[finite].astype(np.float64)
+    ulp = 2.0 ** (exponent - 127 - 10)
+    assert (B == np.sign(A) * np.floor(np.abs(A) / ulp + 0.5) * ulp).all()
+    assert significant_bits_ok(big).all()
+    assert (small[finite].astype(np.float64) == A - B).all()
+    rest = A - B - truncate_tf32(small[finite]).astype(np.float64)
+    assert (np.abs(rest) <= np.abs(A) * 2.0**-23).all()
+    assert np.abs(rest).max() == ulp * 2.0**-13   # the bound is attained: one float32 ulp of a
+
+
+def test_fast_split_near_float_max_gives_nan_not_a_finite_wrong_value():
+    # Within half a TF32 ulp of FLT_MAX big rounds to inf and small = a - inf = -inf: the three
+    # products then sum to NaN (inf - inf, or inf * 0), never to a finite wrong value. (The rounded
+    # split's Veltkamp c = a (2^13 + 1) overflows from 2^114 on: NaN too.)
+    a = np.array([np.finfo(f32).max, -np.finfo(f32).max], dtype=f32)
+    big, small = split_tf32_fast(a)
+    assert np.isinf(big).all() and np.isinf(small).all() and (np.sign(big) == -np.sign(small)).all()
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in (f32(1.0), f32(0.0), f32(3 * 2.0**-20)):
+            bb, bs = split_tf32_fast(np.array([b]))
+            prods = big * bb + big * bs + small * bb
+            assert np.isnan(prods).all()
+
+
+def test_fast_split_keeps_nan_and_inf_out_of_finite_results():
+    # A NaN's big may come out as -0 or 0 (0x7fffffff + 0x1000 wraps the sign), but small = a - big
+    # is NaN, so a product with it is NaN; inf gives big = inf and small = inf - inf = NaN.
+    # 0x7f800001 (a NaN with only low bits set): big = inf, small = NaN - inf = NaN.
+    bad = np.array([0x7FFFFFFF, 0x7FC00000, 0xFFFFFFFF, 0x7F800000, 0xFF800000, 0x7F800001, 0xFF800FFF],
+                   dtype=np.uint32).view(f32)
+    big, small = split_tf32_fast(bad)
+    assert np.isnan(small).all()
+
+
 # --------------------------------------------------------------------------- why fresh fragments
 
 def mma_truncating(c, a, b):
@@ -130,10 +244,12 @@ def mma_truncating(c, a, b):
     return r
 
 
-def gemm_3xtf32(a, b, fresh):
+def gemm_3xtf32(a, b, fresh, split=None):
     """a (m x K) @ b (K x n) in k8 steps of three truncating MMAs: into the accumulator (chained)
-    or into a zeroed fragment added with a round-to-nearest FADD (fresh, warp_gemm_tf32.cuh)."""
-    (ab, as_), (bb, bs) = split_tf32(a), split_tf32(b)
+    or into a zeroed fragment added with a round-to-nearest FADD (fresh, warp_gemm_tf32.cuh);
+    ``split``: split_tf32 (TF32X3_ROUNDED, the default) or split_tf32_fast (TF32X3_FAST)."""
+    split = split or split_tf32
+    (ab, as_), (bb, bs) = split(a), split(b)
     acc = np.zeros((a.shape[0], b.shape[1]), dtype=f32)
     for k0 in range(0, a.shape[1], 8):
         k = slice(k0, k0 + 8)
@@ -157,6 +273,22 @@ def test_fresh_fragments_are_float32_accurate_and_chaining_is_not():
     fresh, chained = err(gemm_3xtf32(a, b, True)), err(gemm_3xtf32(a, b, False))
     assert fresh <= 2 * max(err(naive), 2.0**-24)
     assert chained > 2 * fresh   # the drift the fresh fragments remove
+
+
+@pytest.mark.parametrize("kind", ["uniform", "normal"])
+def test_fast_split_gemm_stays_within_twice_float32(kind):
+    # TF32X3_FAST (a tuning candidate): small truncated instead of rounded. Its GEMM error must stay
+    # within the rule the GPU tests apply (twice the naive float32 computation's), on positive
+    # operands (every truncation one way) and signed ones.
+    rng = np.random.default_rng(3)
+    draw = (lambda *s: rng.uniform(0, 1, s)) if kind == "uniform" else (lambda *s: rng.standard_normal(s))
+    a, b = draw(64, 128).astype(f32), draw(128, 64).astype(f32)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    err = lambda x: np.linalg.norm(x.astype(np.float64) - exact) / np.linalg.norm(exact)
+    naive = err((a @ b).astype(f32))
+    fast, rounded = err(gemm_3xtf32(a, b, True, split_tf32_fast)), err(gemm_3xtf32(a, b, True))
+    assert fast <= 2 * max(naive, 2.0**-24)
+    assert fast <= 2 * rounded + 2.0**-24
 
 
 # --------------------------------------------------------------------------- fragment layouts

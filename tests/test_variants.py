@@ -207,3 +207,19 @@ def test_grid_has_no_65535_limit_but_a_2_31_one():
     tiles = 2**31 // (batch * heads) + 1                  # one tile row more than 2^31 - 1 CTAs allow
     with pytest.raises(ValueError, match="grid limit"):
         v.grid(batch=batch, heads_q=heads, group=1, lq=tiles * v.tile.block_m, lk=16)
+
+
+def test_wide_k_variants_name_their_mma_shape():
+    """Variant.wide_k (branch f64-perf): the kernels' last template parameter, only where it is non-zero (the
+    table's variants keep their names and code), sm_90 only, and only for the fp64 tensor-core families."""
+    plain = V.Variant("fwd_dmma", "float64", 128, vec=True)
+    wide = V.Variant("fwd_dmma", "float64", 128, vec=True, wide_k=16)
+    assert not plain.name.endswith(", 16>") and wide.name == plain.name[:-1] + ", 16>"
+    assert wide.compile_target("sm_80") is None and wide.compile_target("sm_90") == "sm_90"
+    assert plain.compile_target("sm_80") == "sm_80"
+    dkdv = V.Variant("bwd_dkdv_dmma", "float64", 64, vec=True, wide_k=8)
+    assert dkdv.name.endswith(", 0, false, true, 8>")
+    for family, wide_k in (("fwd_dmma", 12), ("fwd_fma", 16)):
+        with pytest.raises(ValueError, match="wide_k"):
+            V.Variant(family, "float64", 64, tile=V.Tile(64, 32, 4, 2, "test"), wide_k=wide_k)
+    assert all(v.wide_k == 0 for v in V.all_variants())   # nothing routes to them yet
