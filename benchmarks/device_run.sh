@@ -16,7 +16,7 @@
 #             then benchmarks/ncu_hot.py (stall reasons, hottest SASS lines)
 #   masking   benchmarks/bench_masking.py $MASK_ARGS (default --repeat 10) into $OUT/masking
 #   tune      the float64 / float32 tuning candidates (branch perf-combo): dmma_rate.py, tune_fwd.py and
-#             tune_bwd.py --dtype float64, tune_f32.py; each under $TUNE_TIMEOUT (default 200 s), exit codes
+#             tune_bwd.py --dtype float64, tune_f32.py (or the ';'-separated $TUNE_CMDS); each under $TUNE_TIMEOUT (default 200 s), exit codes
 #             and table tails in the summary
 #   ncu       Nsight Compute on benchmarks/profile_case.py for $NCU_CASES (default "plain bias"):
 #             three forward or dK/dV launches after the first call, key sections, text in ncu_<case>.log
@@ -77,8 +77,9 @@ if has masking; then
 fi
 if has tune; then
   echo "== tune ==" >> "$summary"
-  for cmd in "dmma_rate.py" "tune_fwd.py --dtype float64 --heads 64,128 --lengths 4096 --wide-only" \
-             "tune_bwd.py --dtype float64 --heads 64,128" "tune_f32.py --heads 64,128"; do
+  # $TUNE_CMDS: ';'-separated script commands (default: all four)
+  IFS=';' read -ra tune_cmds <<< "${TUNE_CMDS:-dmma_rate.py;tune_fwd.py --dtype float64 --heads 64,128 --lengths 4096 --wide-only;tune_bwd.py --dtype float64 --heads 64,128;tune_f32.py --heads 64,128}"
+  for cmd in "${tune_cmds[@]}"; do
     name=${cmd%%.py*}
     timeout "${TUNE_TIMEOUT:-200}" python3 benchmarks/$cmd > "$OUT/$name.log" 2>&1
     { echo "-- $cmd: exit $?"; grep -v "^\s*$" "$OUT/$name.log" | tail -"${TUNE_TAIL:-30}"; } >> "$summary"
