@@ -69,7 +69,7 @@ def wide_backward(dkdv_k, dq_k):
         plan = []
         for v in real(*args, **kwargs):
             if v.family in wide:
-                v = replace(v, wide_k=wide[v.family])
+                v = replace(v, tile=replace(v.tile, wide_k=wide[v.family]))
             if v.family == "bwd_dkdv_dmma" and v.tile.passes == 2:   # the table's plan has one pass only
                 plan += [replace(v, pass_=1, atomic_dq=False), replace(v, pass_=2)]
             else:

@@ -15,6 +15,7 @@ with status 1 after the last row.
 """
 import argparse
 import contextlib
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -57,8 +58,8 @@ def forced_forward(family, tile, wide_k=0):
     real = _launch.forward_choice
 
     def pick(dtype, head, band, extra, vec, short, cc, smem_limit, precision="highest"):
-        v = Variant(family, dtype, head, band=band, extra=extra, vec=vec and family != "fwd_fma", tile=tile,
-                    wide_k=wide_k)
+        v = Variant(family, dtype, head, band=band, extra=extra, vec=vec and family != "fwd_fma",
+                    tile=replace(tile, wide_k=wide_k))
         return v, v
 
     _launch.forward_choice = pick

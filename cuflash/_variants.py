@@ -38,8 +38,11 @@ bwd_convert_dq      flash_bwd_aux.cu        dQ accumulator -> input dtype
 
 ``arch`` names the family's instruction set: "sm80" is the portable mma.sync / FMA
 path that runs on every GPU of compute capability 8.0 or newer (it is compiled for
-sm_80 and sm_90 in the CPU check); "sm90a" is Hopper's own (wgmma), compiled for
-sm_90a only and chosen on GPUs of compute capability 9.0 (:func:`forward_variant`).
+sm_80 and sm_90 in the CPU check); "sm90" rows hold tiles of the same portable kernels
+that GPUs of compute capability 9.0 or newer take instead of the "sm80" row (tiles tuned on the
+H100 that spill on sm_80, or the fp64 MMA shapes that need sm_90: Tile.wide_k), compiled for
+sm_90 only; "sm90a" is Hopper's own (wgmma), compiled for sm_90a only and chosen on GPUs of
+compute capability 9.0 (:func:`forward_variant`).
 """
 from __future__ import annotations
 
@@ -88,7 +91,11 @@ class Tile:
     only, ``*_tf32x3``): how operands are split into big + small, the kernels' SPLIT kind
     (warp_gemm_tf32.cuh): 1 both parts rounded (TF32X3_ROUNDED), 2 big rounded by its bits
     and small left for the tensor core to truncate (TF32X3_FAST, a tuning candidate:
-    benchmarks/tune_f32.py)."""
+    benchmarks/tune_f32.py). ``wide_k`` (the fp64 tensor-core families of :data:`WIDE_K_FAMILIES`,
+    sm_90+ only, so in "sm90" rows): 0 runs their GEMMs on ``mma.m8n8k4``, 4 / 8 / 16 on
+    ``mma.m16n8k{4,8,16}`` over pairs of 8-row tiles (warp_gemm_f64.cuh), which run at full fp64
+    tensor-core rate on the H100 where m8n8k4 runs at half (benchmarks/dmma_rate.py: 66 against 33
+    TFLOP/s)."""
 
     block_m: int
     block_n: int
@@ -98,6 +105,7 @@ class Tile:
     ctas: int = 1
     passes: int = 1
     split: int = 1
+    wide_k: int = 0
 
 
 # --------------------------------------------------------------------------- the table
@@ -238,17 +246,26 @@ _add("fwd_fma", ["float32"], [256], Tile(64, 32, 8, 1, "137 KB shared; 32-key ti
 # the FMA kernel there, as does any call whose GPU has no tile here (forward_variant).
 _add("fwd_tf32x3", ["float32"], [32], Tile(64, 64, 4, 2, "one strip a warp (3xTF32 is MMA-bound), 64-key tiles: "
                                                          "54 KB"))
-_add("fwd_tf32x3", ["float32"], [64], Tile(64, 64, 4, 2, "one strip a warp (3xTF32 is MMA-bound), 64-key tiles: "
-                                                         "102 KB, two CTAs an SM"),
-     Tile(64, 32, 4, 2, "32-key tiles: 68 KB, " + _SMALL_BYTES))
-# Head dim 128: 16-key tiles (S = Q K^T reloads Q's two parts every two n8 tiles; a lead below).
-# 128x32/8w fit sm_90 (252-255 registers) but spilled 28-64 bytes on sm_80.
-_add("fwd_tf32x3", ["float32"], [128], Tile(128, 16, 8, 2, "8 warps of one strip, 16-key tiles (32 spill on sm_80): "
-                                                           "165 KB"),
-     Tile(64, 16, 4, 2, "4 warps: 99 KB, the A100 and " + _SMALL_BYTES))
+# Eleventh session (benchmarks/tune_f32.py on the H100, L=4096, TFLOP/s non-causal / causal): the fast
+# operand split (Tile.split 2, TF32X3_FAST: 3 instructions an element instead of 7; the kernels were
+# instruction-issue bound) with the same errors as the rounded split (4.6-4.7e-7 against float64):
+#   d=64:  64x64/4w rounded (the table before) 42.0 / 39.9; fast 64x64/4w 54.1 / 49.7 (254 registers on
+#          sm_90, 12 bytes spilled on sm_80: an "sm90" row), 64x32/4w 50.1 / 46.3, 128x64/8w 51.7 / 47.6.
+#   d=128: 128x16/8w rounded (the table before) 36.7 / 33.5; fast 128x16/8w 43.5 / 38.7, 128x32/8w 50.5 /
+#          46.6 (255 registers with 16-byte loads); rounded 128x32/8w 42.5 / 39.6.
+_add("fwd_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "fast split, one strip a warp, 32-key tiles: 1.19x the "
+                                                         "rounded 64x64 (tune_f32.py); 68 KB", split=2))
+_add("fwd_tf32x3", ["float32"], [64], Tile(64, 64, 4, 2, "fast split, 64-key tiles (12 bytes spilled on sm_80): "
+                                                         "1.25-1.29x the rounded 64x64 (tune_f32.py); 102 KB",
+                                           split=2), arch="sm90")
+# 128x32/8w fast (50.5 / 46.6) spills 16 bytes on sm_90 in its element-load (vec=False) variants: a lead.
+_add("fwd_tf32x3", ["float32"], [128], Tile(128, 16, 8, 2, "fast split, 8 warps of one strip, 16-key tiles: "
+                                                           "1.16-1.19x the rounded one (tune_f32.py); 165 KB",
+                                            split=2),
+     Tile(64, 16, 4, 2, "4 warps, 16-key tiles: 99 KB, the A100 and " + _SMALL_BYTES, split=2))
 _add("fwd_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "the bias stages, 32-key tiles (64 spilled 4 bytes on "
-                                                         "sm_80): 88 KB"), extra=True)
-_add("fwd_tf32x3", ["float32"], [128], Tile(64, 16, 4, 2, "the bias stages: 111 KB"), extra=True)
+                                                         "sm_80), fast split: 88 KB", split=2), extra=True)
+_add("fwd_tf32x3", ["float32"], [128], Tile(64, 16, 4, 2, "the bias stages, fast split: 111 KB", split=2), extra=True)
 # Plain TF32: one MMA a product, so two strips a warp as the 16-bit kernel (each K / V fragment
 # feeds two MMAs; shared-memory bandwidth bounds the one-strip loop).
 _add("fwd_tf32", ["float32"], [32, 64], Tile(128, 64, 4, 2, "two strips a warp, 64-key tiles: d=64 102 KB"),
@@ -282,6 +299,17 @@ _add("fwd_dmma", ["float64"], [64], Tile(64, 32, 4, 2, "two 8-row tiles a warp, 
      Tile(64, 16, 4, 2, "16-key tiles: 69 KB, " + _SMALL))
 _add("fwd_dmma", ["float64"], [128], Tile(64, 32, 4, 2, "two 8-row tiles a warp, 197 KB (one CTA an SM)"),
      Tile(64, 16, 4, 2, "16-key tiles: 131 KB, the A100"), Tile(32, 16, 2, 2, "two warps: 99 KB, " + _SMALL))
+# sm_90 runs mma.m16n8k{4,8,16}.f64 at full rate, m8n8k4 at half (benchmarks/dmma_rate.py on the H100: 66
+# against 33 TFLOP/s). tune_fwd.py --dtype float64 (eleventh session, H100, L=4096, TFLOP/s non-causal /
+# causal): d=64 64x32/4w m8n8k4 (the sm80 row) 18.5 / 18.1, 64x32/4w k16 25.5 / 22.5, k4 25.9 / 24.8,
+# 128x32/8w k16 26.8 / 24.9; d=128 64x32/4w 16.0 / 15.5, k16 20.0 / 19.1, k4 23.0 / 21.9, 128x16/8w 21.5 /
+# 19.8, 128x16/8w k16 31.5 / 28.5. Errors 2.1-2.2e-15 (non-causal) against long double, as m8n8k4's.
+_add("fwd_dmma", ["float64"], [64], Tile(128, 32, 8, 2, "mma.m16n8k16 (full-rate fp64 on sm_90), four 8-row tiles a "
+                                                        "warp: 1.38-1.45x m8n8k4's 64x32 (tune_fwd.py); 135 KB",
+                                         wide_k=16), arch="sm90")
+_add("fwd_dmma", ["float64"], [128], Tile(128, 16, 8, 2, "mma.m16n8k16 (full-rate fp64 on sm_90), 8 warps, 16-key "
+                                                         "tiles: 1.84-1.97x m8n8k4's 64x32 (tune_fwd.py); 197 KB",
+                                          wide_k=16), arch="sm90")
 _add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "acc_o alone is 128 registers: one 8-row tile a warp; 195 KB"),
      Tile(32, 8, 4, 2, "8-key tiles: 133 KB, the A100"), Tile(8, 8, 1, 2, "one warp: 83 KB, " + _SMALL))
 # With EXTRA each stage also holds a BM x BN fp64 bias tile: smaller tiles keep two CTAs an SM.
@@ -418,11 +446,15 @@ _add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "the bias stages: 216
 # d=32 and 64 take half the query rows a step, d=128 two passes (dV, then dK and dQ: S^T twice).
 _add("bwd_dkdv_tf32x3", ["float32"], [32], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps (64 spilled 20-36 "
                                                               "bytes on sm_80): 65 KB (EXTRA 82)"))
+# The fast operand split (Tile.split 2; tune_f32.py on the H100, eleventh session, backward TFLOP/s
+# non-causal / causal): d=64 33.4 / 30.3 -> 38.8 / 35.3, d=128 19.6 / 18.8 -> 21.9 / 20.8, errors equal.
 _add("bwd_dkdv_tf32x3", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps (32 spilled 28-68 "
-                                                              "bytes): 92 KB (EXTRA 99)"))
+                                                              "bytes), fast split: 1.16x rounded; 92 KB (EXTRA 99)",
+                                                split=2))
 _add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps, two passes (one "
-                                                               "spilled 16-64 bytes): 174 KB (EXTRA 183)", passes=2),
-     Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2))
+                                                               "spilled 16-64 bytes), fast split: 1.11x rounded; "
+                                                               "174 KB (EXTRA 183)", passes=2, split=2),
+     Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2, split=2))
 _add("bwd_dkdv_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 73 KB (EXTRA 108)"),
      Tile(32, 64, 4, 2, "32-query steps: 46 KB (EXTRA 64), " + _SMALL_BYTES))
 _add("bwd_dkdv_tf32", ["float32"], [64], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 79 KB (EXTRA 97)"))
@@ -640,9 +672,8 @@ class Variant:
     tensor-core kernel) is 0 for dK and dV together, 1 for dV only, 2 for dK
     only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics; ``dbias``
     (Hopper dK/dV kernel) makes it also add dS into dbias (DBIAS_KEY_MAJOR).
-    ``wide_k`` (the fp64 tensor-core kernels of :data:`WIDE_K_FAMILIES`, sm_90+ only): 0 runs
-    their GEMMs on ``mma.m8n8k4``, 4 / 8 / 16 on ``mma.m16n8k{4,8,16}`` over pairs of 8-row tiles
-    (warp_gemm_f64.cuh). No table entry sets it yet: benchmarks/tune_fwd.py times it.
+    ``arch``: the table rows the variant's tile comes from ("sm80", "sm90" or "sm90a"; see the
+    module's docstring).
     """
 
     family: str
@@ -655,7 +686,6 @@ class Variant:
     atomic_dq: bool = False
     dbias: bool = False
     arch: str = "sm80"
-    wide_k: int = 0
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
     def __post_init__(self):
@@ -663,6 +693,11 @@ class Variant:
             object.__setattr__(self, "tile", self.tiles()[0])
         if self.wide_k and (self.family not in WIDE_K_FAMILIES or self.wide_k not in (4, 8, 16)):
             raise ValueError(f"wide_k={self.wide_k}: 4, 8 or 16, and only for {', '.join(WIDE_K_FAMILIES)}")
+
+    @property
+    def wide_k(self) -> int:
+        """The fp64 tensor-core kernels' MMA k (Tile.wide_k; 0: m8n8k4), their last template parameter."""
+        return self.tile.wide_k
 
     def tiles(self) -> Tuple[Tile, ...]:
         """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
@@ -704,8 +739,8 @@ class Variant:
         ``sm_90``, ...); None where such a GPU never runs it (the Hopper path off Hopper)."""
         if self.arch == "sm90a":
             return "sm_90a" if arch.rstrip("a") == "sm_90" else None
-        if self.wide_k and int(arch.split("_")[1].rstrip("a")) < 90:
-            return None   # mma.m16n8k* with f64 needs sm_90
+        if (self.wide_k or self.arch == "sm90") and int(arch.split("_")[1].rstrip("a")) < 90:
+            return None   # an "sm90" row (mma.m16n8k* with f64 needs sm_90; other tiles spill on sm_80)
         return arch
 
     @property
@@ -795,6 +830,22 @@ def few_keys(head: int, lk: int) -> bool:
     return lk < HOPPER_FWD_MIN_KEYS.get(head, 0)
 
 
+SM90_MIN_CC = 90
+"""The compute capability from which a portable family takes its "sm90" row where the table has one."""
+
+
+def _portable_arch(family: str, dtype: str, head: int, extra: bool, cc: int) -> str:
+    """The row ("sm90" or "sm80") a portable variant's tiles come from on a GPU of compute
+    capability ``cc``: "sm90" from SM90_MIN_CC where the table that serves the call (the EXTRA
+    table with ``extra``, where it has the key) has such a row."""
+    if cc < SM90_MIN_CC:
+        return "sm80"
+    key = ("sm90", family, dtype, head)
+    if extra and ("sm80", family, dtype, head) in _EXTRA_TABLE:
+        return "sm90" if key in _EXTRA_TABLE else "sm80"
+    return "sm90" if key in _TABLE else "sm80"
+
+
 TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 """float32 precision -> the tensor-core forward family (flash_fwd_tf32.cu)."""
 
@@ -820,7 +871,8 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
         family = TF32_FAMILY.get(precision)
         if ("sm80", family, dtype, head) in _TABLE:
             try:
-                return Variant(family, dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
+                return Variant(family, dtype, head, band=band, extra=extra, vec=vec,
+                               arch=_portable_arch(family, dtype, head, extra, cc)).fitted(smem_limit)
             except ValueError:   # no TF32 tile fits this GPU
                 pass
         return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
@@ -830,7 +882,8 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
     if ("sm80", "fwd_dmma", dtype, head) in _TABLE:
-        return Variant("fwd_dmma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
+        return Variant("fwd_dmma", dtype, head, band=band, extra=extra, vec=vec,
+                       arch=_portable_arch("fwd_dmma", dtype, head, extra, cc)).fitted(smem_limit)
     return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
 
 
@@ -944,8 +997,9 @@ def all_variants() -> List[Variant]:
                 seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
                                      precision=precision)] = None
             if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
-                seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
-                                     cc=HOPPER_CC)] = None
+                for precision in (FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)):
+                    seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
+                                         cc=HOPPER_CC, precision=precision)] = None
             ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
             precisions = FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)
             for det, dbias, cc, precision in itertools.product((False, True), (False, True) if extra else (False,),
@@ -977,8 +1031,9 @@ def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
 
 
 @contextlib.contextmanager
-def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str = "sm80"):
-    """Temporarily replace table entries; for the tuning scripts in benchmarks/ only.
+def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: "str | None" = None):
+    """Temporarily replace table entries; for the tuning scripts in benchmarks/ only. ``arch`` None:
+    the portable rows, "sm80" and "sm90" where the table has one (so that a GPU of either class runs ``tile``).
 
     A variant carries the tile it was built with (and its name expression says
     so), so kernels compiled for one configuration are never served for another;
@@ -986,7 +1041,7 @@ def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: str =
     table as it is.
     """
     tables = (_TABLE, _EXTRA_TABLE)   # every table that has the key
-    keys = [(arch, family, dtype, head) for dtype in dtypes]
+    keys = [(a, family, dtype, head) for dtype in dtypes for a in ((arch,) if arch else ("sm80", "sm90"))]
     saved = [{key: table[key] for key in keys if key in table} for table in tables]
     try:
         for table, entries in zip(tables, saved):

@@ -71,7 +71,7 @@ def problem_for(v: Variant) -> Problem:
     the largest GPU class of SMEM_LIMITS under which the launcher picks v's tile."""
     head = v.head or 64
     hopper = v.arch == "sm90a"    # selected on compute capability 9.0, 16-byte loads only
-    cc = 90 if hopper else 80
+    cc = 90 if v.arch in ("sm90a", "sm90") else 80   # "sm90": the portable kernels' sm_90 rows
     d = head if v.vec or hopper else head - 5
     causal = False if not v.band else ("bottom_right" if head in (64, 256) else True)
     backward = not v.family.startswith("fwd")

@@ -7,6 +7,7 @@ size in each variant's name expression, so a table entry that disagrees with
 its kernel fails to compile here.
 """
 import os
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -95,16 +96,19 @@ def _wide_k_candidates():
     from cuflash._variants import Tile, Variant
 
     def fwd(d, bm, bn, warps, k, band):
-        return Variant("fwd_dmma", "float64", d, band=band, vec=True, tile=Tile(bm, bn, warps, 2, "tuning"), wide_k=k)
+        return Variant("fwd_dmma", "float64", d, band=band, vec=True, tile=Tile(bm, bn, warps, 2, "tuning", wide_k=k))
 
-    two_pass = Tile(16, 64, 4, 1, "tuning", passes=2)
+    def wide(family, d, band, **kw):   # the sm80 row's tile on mma.m16n8k16
+        v = Variant(family, "float64", d, band=band, vec=True, **kw)
+        return replace(v, tile=replace(v.tile, wide_k=16))
+
+    two_pass = Tile(16, 64, 4, 1, "tuning", passes=2, wide_k=16)
     out = []
     for band in (False, True):
         out += [fwd(64, 64, 32, 4, 16, band), fwd(64, 64, 32, 4, 4, band), fwd(64, 128, 32, 8, 16, band),
                 fwd(128, 64, 32, 4, 16, band), fwd(128, 64, 32, 4, 4, band), fwd(128, 128, 16, 8, 16, band),
-                Variant("bwd_dkdv_dmma", "float64", 64, band=band, vec=True, wide_k=16),
-                Variant("bwd_dq_dmma", "float64", 64, band=band, vec=True, wide_k=16)]
-        out += [Variant("bwd_dkdv_dmma", "float64", 128, band=band, vec=True, pass_=p, tile=two_pass, wide_k=16)
+                wide("bwd_dkdv_dmma", 64, band), wide("bwd_dq_dmma", 64, band)]
+        out += [Variant("bwd_dkdv_dmma", "float64", 128, band=band, vec=True, pass_=p, tile=two_pass)
                 for p in (1, 2)]
     return out
 

@@ -37,8 +37,8 @@ def test_every_candidate_is_what_an_h100_launches(family, candidates, causal):
             ran = tf.planned(d, causal, family, tile)
             assert ran and all(v.tile == want and v.split == want.split for v in ran), (d, tile, ran)
             assert all(v.smem_bytes <= tf.H100_SMEM for v in ran)
-    # the override is gone afterwards: the table's kind-1 kernels again
-    assert all(v.split == 1 for v in tf.planned(64, causal, family, None))
+    # the override is gone afterwards: the table's kernels again (the fast split since the eleventh session)
+    assert all(v.split == 2 and v.tile == tf.expected(family, 64, None) for v in tf.planned(64, causal, family, None))
 
 
 def test_check_ran_stops_on_a_fallback():

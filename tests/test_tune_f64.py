@@ -15,7 +15,7 @@ pytest.importorskip("cupy")
 pytest.importorskip("ml_dtypes")
 
 from cuflash import _launch  # noqa: E402
-from cuflash._variants import SMEM_LIMITS, backward_variants, tile_override  # noqa: E402
+from cuflash._variants import SMEM_LIMITS, backward_variants, forward_variant, tile_override  # noqa: E402
 
 _BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 H100 = SMEM_LIMITS["sm_90 (H100, H200)"]
@@ -63,7 +63,7 @@ def test_tune_fwd_launches_the_candidate_it_names(tune_fwd, d):
                 assert (v.tile.block_m, v.tile.block_n, v.tile.warps) == (bm, bn, warps), label
                 assert v.name.endswith(f", {wide_k}>")
     v, _ = _launch.forward_choice("float64", d, False, False, True, False, 90, H100)
-    assert v.wide_k == 0   # restored
+    assert v == forward_variant("float64", d, band=False, vec=True, cc=90, smem_limit=H100)   # restored
 
 
 @pytest.mark.parametrize("d", [64, 128])

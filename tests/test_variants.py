@@ -1,5 +1,6 @@
 """The variant table (CPU): complete, consistent, and fully covered by the GPU tests."""
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -209,17 +210,37 @@ def test_grid_has_no_65535_limit_but_a_2_31_one():
         v.grid(batch=batch, heads_q=heads, group=1, lq=tiles * v.tile.block_m, lk=16)
 
 
+def _with_wide_k(v, k):
+    return replace(v, tile=replace(v.tile, wide_k=k))
+
+
 def test_wide_k_variants_name_their_mma_shape():
-    """Variant.wide_k (branch f64-perf): the kernels' last template parameter, only where it is non-zero (the
-    table's variants keep their names and code), sm_90 only, and only for the fp64 tensor-core families."""
+    """Tile.wide_k (branch f64-perf): the kernels' last template parameter, only where it is non-zero (the
+    m8n8k4 variants keep their names and code), sm_90 only, and only for the fp64 tensor-core families."""
     plain = V.Variant("fwd_dmma", "float64", 128, vec=True)
-    wide = V.Variant("fwd_dmma", "float64", 128, vec=True, wide_k=16)
+    wide = _with_wide_k(plain, 16)
     assert not plain.name.endswith(", 16>") and wide.name == plain.name[:-1] + ", 16>"
     assert wide.compile_target("sm_80") is None and wide.compile_target("sm_90") == "sm_90"
     assert plain.compile_target("sm_80") == "sm_80"
-    dkdv = V.Variant("bwd_dkdv_dmma", "float64", 64, vec=True, wide_k=8)
+    dkdv = _with_wide_k(V.Variant("bwd_dkdv_dmma", "float64", 64, vec=True), 8)
     assert dkdv.name.endswith(", 0, false, true, 8>")
     for family, wide_k in (("fwd_dmma", 12), ("fwd_fma", 16)):
         with pytest.raises(ValueError, match="wide_k"):
-            V.Variant(family, "float64", 64, tile=V.Tile(64, 32, 4, 2, "test"), wide_k=wide_k)
-    assert all(v.wide_k == 0 for v in V.all_variants())   # nothing routes to them yet
+            V.Variant(family, "float64", 64, tile=V.Tile(64, 32, 4, 2, "test", wide_k=wide_k))
+
+
+def test_sm90_rows_are_chosen_from_compute_capability_9():
+    """The "sm90" rows (tiles tuned on the H100 that spill on sm_80, or Tile.wide_k's sm_90-only MMA shapes)
+    serve calls on compute capability >= 9.0 only, are compiled for sm_90 only, and EXTRA calls keep the EXTRA
+    table's sm80 row where it has one and the sm90 row has no EXTRA twin."""
+    sm90 = [v for v in V.all_variants() if v.arch == "sm90"]
+    assert sm90 and all(v.compile_target("sm_80") is None and v.compile_target("sm_90") == "sm_90" for v in sm90)
+    assert all(v.wide_k == 0 for v in V.all_variants() if v.arch == "sm80")
+    for dtype, head, family in (("float64", 128, "fwd_dmma"), ("float32", 64, "fwd_tf32x3")):
+        new = V.forward_variant(dtype, head, band=False, vec=True, cc=90)
+        old = V.forward_variant(dtype, head, band=False, vec=True, cc=80)
+        assert (new.family, new.arch, old.family, old.arch) == (family, "sm90", family, "sm80")
+        assert new.tile == V._TABLE[("sm90", family, dtype, head)][0] != old.tile
+        extra = V.forward_variant(dtype, head, band=False, extra=True, vec=True, cc=90)
+        assert extra.arch == "sm80" and extra.tile == V._EXTRA_TABLE[("sm80", family, dtype, head)][0]
+    assert V.forward_variant("float64", 128, band=False, vec=True, cc=90).wide_k == 16
