@@ -303,6 +303,10 @@ def device_slug(device):
 # ----------------------------------------------------------------------------- the GPU part
 
 def _git_commit():
+    """The tree's commit: $CUFLASH_COMMIT where set (a device copy of a working tree may carry another
+    checkout's git metadata), else git's HEAD."""
+    if os.environ.get("CUFLASH_COMMIT"):
+        return os.environ["CUFLASH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                               capture_output=True, text=True, timeout=10).stdout.strip() or None

@@ -144,7 +144,8 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
             dbias = dbias_plan(key_major=True)
         else:
             dk_kernel = [v_ for v_ in plan if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
-            dbias = dbias_plan(dkdv_tile=(dk_kernel.tile.block_m, dk_kernel.tile.block_n))
+            dbias = dbias_plan(dkdv_tile=(dk_kernel.tile.block_m, dk_kernel.tile.block_n),
+                               key_major_for_atomics=dk_kernel.family in ("bwd_dkdv_tf32x3", "bwd_dkdv_tf32"))
         dbias_values = dbias.values
     params = _params.bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv_, group=group, scale=scale,
                                 mask=masking.values, dbias=dbias_values)

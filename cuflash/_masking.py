@@ -293,12 +293,16 @@ def dbias_mode(p: Problem, own_shape: tuple, deterministic: bool) -> int:
 
 
 def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, kernel_tile=None,
-               sm_count: Optional[int] = None, key_major: bool = False) -> DbiasPlan:
+               sm_count: Optional[int] = None, key_major: bool = False,
+               key_major_for_atomics: bool = False) -> DbiasPlan:
     """Where dS is summed for dbias. ``kernel_tile``: the (block_m, block_n) of the
     tensor-core backward's dbias kernel (DBIAS_KERNEL; ``sm_count`` sizes its splits);
     ``key_major``: the Hopper dK/dV kernel adds dS^T itself (DBIAS_KEY_MAJOR, never
     deterministic); otherwise ``dkdv_tile``, the dK/dV kernel's that adds dS itself (FMA,
-    or the float64 tensor-core kernel)."""
+    or the float64 / float32 tensor-core kernels). ``key_major_for_atomics`` (the float32
+    tensor-core dK/dV kernels, whose fragments are the Hopper kernel's m16n8 layout): where
+    CTAs would meet with atomics (DBIAS_ATOMIC) on a bias with query rows, DBIAS_KEY_MAJOR's
+    vector reductions instead (a quarter of the L2 operations, whole sectors)."""
     off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1, 1, 0)
     if opts.bias is None:
         return DbiasPlan(None, off, ())
@@ -328,8 +332,10 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
         values = (*score_view(slices[0], p), 0, DBIAS_KERNEL, int(lq_ == 1), 1, 1, 1, splits,
                   b_ * h_ * lq_ * pitch)
         return DbiasPlan(slices, values, (slices,), splits=splits, grid=tiles * splits)
-    acc = xp.zeros(own, dtype=acc_dtype)
     mode = dbias_mode(p, own, deterministic)
+    if key_major_for_atomics and mode == DBIAS_ATOMIC and lq_ > 1:
+        return _key_major_plan(p, own, acc_dtype)
+    acc = xp.zeros(own, dtype=acc_dtype)
     block_m, block_n = dkdv_tile
     tiles_i = 1 if lq_ == 1 else -(-p.lq // block_m)
     order = xp.zeros(b_ * h_ * tiles_i * -(-p.lk // block_n), dtype=np.int32) if mode == DBIAS_ORDERED else None

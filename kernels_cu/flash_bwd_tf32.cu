@@ -18,7 +18,8 @@
 // dQ_i += scale dS K_j by rows and columns (warp_gemm_ds_k_tf32, K's split parts as B), added to
 // the fp32 accumulator with vector reductions (atomics.cuh). With EXTRA each Q/dO stage has the
 // step's bias tile ([query][key]) beside it, and a bias that wants its gradient gets dS added
-// here (bias_grad.cuh's ADD / ATOMIC / ORDERED modes, as the FMA kernel: no dbias kernel).
+// here (bias_grad.cuh's ADD / ATOMIC / ORDERED modes, as the FMA kernel, or bias_grad_t.cuh's
+// vector reductions into a key-major accumulator, as the Hopper kernel: no dbias kernel).
 //
 // flash_bwd_dq_tf32: the deterministic dQ. One CTA per (query block, head, batch); warp w owns
 // the 16 query rows 16 w.. and walks the key blocks in order, K/V (and the bias) double-buffered:
@@ -36,6 +37,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 #include "bias_grad.cuh"
+#include "bias_grad_t.cuh"
 #include "atomics.cuh"
 
 template <typename Cfg, int SPLIT, bool ATOMIC_DQ, bool EXTRA>
@@ -87,10 +89,21 @@ struct DqTf32Traits {
 // queries m0 + 8n + 2t + e; C element i: r = i / 2, e = i % 2). A one-row bias: each key's
 // queries are summed first, in a fixed order (this lane's, then the 4 lanes of the key), and
 // one lane adds (flash_bwd_dmma.cu's add_dbias_frags_t on the m16n8 layout).
+// DBIAS_KEY_MAJOR (a bias with query rows shared by CTAs, deterministic=False; cuflash/_launch.py):
+// the m16n8 accumulator layout is the Hopper kernel's, so each lane adds four queries of one key
+// with one vector reduction into the [key][query] accumulator (bias_grad_t.cuh), a quarter of the
+// scalar atomics of DBIAS_ATOMIC, whole sectors. All 32 lanes take this branch together.
 template <int N>
 __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, const float (&dst)[N][4], int batch,
                                                       int head, int m0, int key_first, const AttnDims& dims,
                                                       int lane) {
+    if (g.mode == DBIAS_KEY_MAJOR) {
+        const DbiasKeyMajorStep step = DbiasKeyMajorStep::of(g, batch, head, m0, dims.lq,
+                                                             key_first + QueryQuad::key(lane), dims.lk, lane);
+#pragma unroll
+        for (int n = 0; n < N; ++n) step.add(dst[n], n, lane);
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key_first + lane / 4 + 8 * r;

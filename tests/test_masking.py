@@ -373,3 +373,23 @@ def test_bias_rows_in_chunks(monkeypatch):
         opts = _masking.check_options(p, bias=np.ones((1, 1, lk, 100), dtype=np.float16).swapaxes(-1, -2))
         assert not _masking.kernel_masking(p, opts).bias_in_chunks
         assert _masking.kernel_masking(p, _masking.check_options(p, mask=np.ones((1, 1, 1, lk), bool))).bias_in_chunks
+
+
+@pytest.mark.parametrize("shape, deterministic, want", [
+    ((1, 1, 100, 130), False, "KEY_MAJOR"),   # shared by batch and K/V heads, with query rows
+    ((2, 1, 100, 130), False, "KEY_MAJOR"),
+    ((2, 4, 100, 130), False, "ADD"),         # one CTA per element: plain adds
+    ((1, 1, 1, 130), False, "ATOMIC"),        # one row: row sums with atomics, as before
+])
+def test_dbias_key_major_for_atomics(shape, deterministic, want, monkeypatch):
+    """The float32 tensor-core dK/dV kernels (key_major_for_atomics): DBIAS_KEY_MAJOR where CTAs would
+    otherwise meet with scalar atomics on a bias with query rows, every other mode unchanged (deterministic
+    turns: test_masking_gpu.py's test_float32_dbias_key_major; their counters need a device array)."""
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(s // x4.itemsize for s in x4.strides))
+    q, k, v, _ = _qkv(b=2, hq=4, hk=2, lq=100, lk=130)
+    p = check_qkv(q, k, v)
+    plan = _masking.dbias_plan(p, _masking.Options(bias=np.ones(shape)), deterministic, dkdv_tile=(16, 64),
+                               key_major_for_atomics=True)
+    assert plan.values[6] == getattr(_masking, f"DBIAS_{want}")
+    plain = _masking.dbias_plan(p, _masking.Options(bias=np.ones(shape)), deterministic, dkdv_tile=(16, 64))
+    assert plain.values[6] == getattr(_masking, f"DBIAS_{'ATOMIC' if want == 'KEY_MAJOR' else want}")

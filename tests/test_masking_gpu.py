@@ -505,3 +505,46 @@ def test_hopper_dbias_deterministic_stays_portable(dtype, launched):
     assert "bwd_dkdv_wgmma" not in families and "bwd_dbias_mma" in families
     again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)[3]
     assert bool((first.view(cp.uint8) == again.view(cp.uint8)).all())
+
+
+@pytest.mark.parametrize("shape", HOPPER_DBIAS_SHAPES, ids=str)
+@pytest.mark.parametrize("d, causal", [(64, True), (128, "bottom_right"), (64, False)])
+def test_float32_dbias_key_major(shape, d, causal, monkeypatch):
+    """float32 on the TF32 tensor cores: a bias with query rows that CTAs share (over batch or K/V heads)
+    gets dbias from the dK/dV kernel's vector reductions into a key-major accumulator (DBIAS_KEY_MAJOR,
+    bias_grad_t.cuh) instead of scalar atomics; a full bias keeps plain adds, a one-row bias its atomics of
+    row sums, deterministic=True its turns. Every shape within the float64 reference's budget ("highest"),
+    and "tf32"'s dbias close to it. Lq = 333 (a quad of queries crossing Lq), Lk = 1096."""
+    from cuflash import _masking
+
+    plans = []
+    real = _masking.dbias_plan
+
+    def record(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        plans.append(plan.values[6])
+        return plan
+
+    monkeypatch.setattr(_masking, "dbias_plan", record)
+    seed = hash((shape, str(causal), d, "f32km")) % 2**31
+    rng = np.random.default_rng(seed)
+    opts = dict(bias=rng.standard_normal(shape))
+    check_masked("float32", B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d, causal, seed, opts)
+    full = (1,) * (4 - len(shape)) + tuple(shape)
+    shared = (full[0] == 1 and B > 1) or (full[1] == 1 and HK > 1)
+    want = _masking.DBIAS_KEY_MAJOR if shared and full[2] > 1 else (
+        _masking.DBIAS_ATOMIC if shared else _masking.DBIAS_ADD)
+    assert plans == [want]
+    (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, "float32", B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d)
+    dev = device_options(opts, "float32")
+    got = {}
+    for precision in ("highest", "tf32"):
+        out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, precision=precision, **dev)
+        got[precision] = cp.asnumpy(cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal,
+                                                               precision=precision, **dev)[3]).astype(np.float64)
+        assert got[precision].shape == tuple(shape) and np.isfinite(got[precision]).all()
+    ref = got["highest"]
+    assert np.abs(got["tf32"] - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max())
+    plans.clear()
+    cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=True, **dev)
+    assert plans == [_masking.DBIAS_ORDERED if shared else _masking.DBIAS_ADD]
