@@ -81,6 +81,24 @@ __device__ __forceinline__ void warp_gemm_nt_f64(double (&acc)[M][N][2], const d
     }
 }
 
+// acc[m][n] += P_m B for every pair of 8-row tiles (m, m + 1) over the K4 permuted k4 steps
+// q0.. (step q: key tile q / 2, permuted step q % 2, warp_gemm_rn_f64's order), one
+// m16n8k(4 K4) each; bf holds the lane's B fragment of those steps for column tile n.
+template <int K4, int M, int N, int KT>
+__device__ __forceinline__ void mma_p_pairs_f64(double (&acc)[M][N][2], const double (&p)[M][KT][2], int n, int q0,
+                                                const double (&bf)[K4]) {
+#pragma unroll
+    for (int m = 0; m < M; m += 2) {
+        double top[K4], bot[K4];
+#pragma unroll
+        for (int j = 0; j < K4; ++j) {
+            top[j] = p[m][(q0 + j) / 2][(q0 + j) % 2];
+            bot[j] = p[m + 1][(q0 + j) / 2][(q0 + j) % 2];
+        }
+        mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], top, bot, bf);
+    }
+}
+
 // acc[m][n] += P_m B_n over the 8 KT keys: P_m the C fragments p[m][0..KT) (row g,
 // keys 8kt + 2t, 8kt + 2t + 1), B row-major [key][column] (pitch PB).
 // An A fragment needs key t of a k4 step, but a C fragment holds keys 2t and
@@ -118,16 +136,7 @@ __device__ __forceinline__ void warp_gemm_rn_f64(double (&acc)[M][N][2], const d
                     const int q = q0 + j;   // key tile q / 2, permuted step q % 2
                     bf[j] = b_lane[(8 * (q / 2) + q % 2) * PB + 8 * n];
                 }
-#pragma unroll
-                for (int m = 0; m < M; m += 2) {
-                    double top[K4], bot[K4];
-#pragma unroll
-                    for (int j = 0; j < K4; ++j) {
-                        top[j] = p[m][(q0 + j) / 2][(q0 + j) % 2];
-                        bot[j] = p[m + 1][(q0 + j) / 2][(q0 + j) % 2];
-                    }
-                    mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], top, bot, bf);
-                }
+                mma_p_pairs_f64<K4>(acc, p, n, q0, bf);
             }
     }
 }
@@ -250,16 +259,7 @@ __device__ __forceinline__ void warp_gemm_rn_swz(double (&acc)[M][N][2], const d
                     const int kt = (q0 + j) / 2, s = (q0 + j) % 2;
                     bf[j] = b_lane[s][8 * kt * CB + swz_col(8 * n + g, x[s])];
                 }
-#pragma unroll
-                for (int m = 0; m < M; m += 2) {
-                    double top[K4], bot[K4];
-#pragma unroll
-                    for (int j = 0; j < K4; ++j) {
-                        top[j] = p[m][(q0 + j) / 2][(q0 + j) % 2];
-                        bot[j] = p[m + 1][(q0 + j) / 2][(q0 + j) % 2];
-                    }
-                    mma_16x8_f64<K4>(acc[m][n], acc[m + 1][n], top, bot, bf);
-                }
+                mma_p_pairs_f64<K4>(acc, p, n, q0, bf);
             }
     }
 }
