@@ -95,9 +95,7 @@ class Tile:
     sm_90+ only, so in "sm90" rows): 0 runs their GEMMs on ``mma.m8n8k4``, 4 / 8 / 16 on
     ``mma.m16n8k{4,8,16}`` over pairs of 8-row tiles (warp_gemm_f64.cuh), which run at full fp64
     tensor-core rate on the H100 where m8n8k4 runs at half (benchmarks/dmma_rate.py: 66 against 33
-    TFLOP/s). ``vec_only``: only variants with 16-byte loads (``Variant.vec``) take this tile; the
-    element-load ones go on to the next (a tile whose scalar loader's addresses push it past the
-    registers)."""
+    TFLOP/s)."""
 
     block_m: int
     block_n: int
@@ -108,7 +106,6 @@ class Tile:
     passes: int = 1
     split: int = 1
     wide_k: int = 0
-    vec_only: bool = False
 
 
 # --------------------------------------------------------------------------- the table
@@ -261,12 +258,10 @@ _add("fwd_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "fast split, one strip 
 _add("fwd_tf32x3", ["float32"], [64], Tile(64, 64, 4, 2, "fast split, 64-key tiles (12 bytes spilled on sm_80): "
                                                          "1.25-1.29x the rounded 64x64 (tune_f32.py); 102 KB",
                                            split=2), arch="sm90")
-# 128x32/8w fast spills 16 bytes on sm_90 in its element-load (vec=False) variants: 16-byte loads only.
-_add("fwd_tf32x3", ["float32"], [128], Tile(128, 32, 8, 2, "fast split, 8 warps of one strip, 32-key tiles, 16-byte "
-                                                           "loads: 1.38-1.39x the rounded 128x16 (tune_f32.py); "
-                                                           "198 KB", split=2, vec_only=True),
-     Tile(128, 16, 8, 2, "element loads (32-key tiles spill 16 bytes on sm_90), fast split, 16-key tiles: "
-                         "1.16-1.19x the rounded one (tune_f32.py); 165 KB", split=2),
+# 128x32/8w fast (50.5 / 46.6) spills 16 bytes on sm_90 in its element-load (vec=False) variants: a lead.
+_add("fwd_tf32x3", ["float32"], [128], Tile(128, 16, 8, 2, "fast split, 8 warps of one strip, 16-key tiles: "
+                                                           "1.16-1.19x the rounded one (tune_f32.py); 165 KB",
+                                            split=2),
      Tile(64, 16, 4, 2, "4 warps, 16-key tiles: 99 KB, the A100 and " + _SMALL_BYTES, split=2))
 _add("fwd_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "the bias stages, 32-key tiles (64 spilled 4 bytes on "
                                                          "sm_80), fast split: 88 KB", split=2), extra=True)
@@ -712,19 +707,14 @@ class Variant:
         return _TABLE[key]
 
     def fitted(self, smem_limit: int) -> "Variant":
-        """This variant with the first tile whose shared memory fits ``smem_limit`` bytes (tiles marked
-        ``vec_only`` only for 16-byte loads)."""
-        tiles = [t for t in self.tiles() if self.vec or not t.vec_only]
-        if not tiles:
-            raise ValueError(f"{self.dtype} {FAMILY_WHAT[self.family]} at head dim {self.head}: the table has "
-                             f"tiles for 16-byte loads only")
-        for tile in tiles:
+        """This variant with the first tile whose shared memory fits ``smem_limit`` bytes."""
+        for tile in self.tiles():
             v = replace(self, tile=tile)
             if v.smem_bytes <= smem_limit:
                 return v
         raise ValueError(
             f"{self.dtype} {FAMILY_WHAT[self.family]} at head dim {self.head} needs "
-            f"{min(replace(self, tile=t).smem_bytes for t in tiles) // 1024} KB of shared memory per "
+            f"{min(replace(self, tile=t).smem_bytes for t in self.tiles()) // 1024} KB of shared memory per "
             f"thread block; this GPU allows {smem_limit // 1024} KB. Use a smaller head dim or another dtype.")
 
     @property
