@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _params, _tma
 from ._build import get_kernel
-from ._variants import Variant, backward_variants, few_keys, forward_choice, head_bucket, vec_chunk
+from ._variants import TF32_BWD_FAMILIES, Variant, backward_variants, few_keys, forward_choice, head_bucket, vec_chunk
 
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -145,7 +145,7 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
         else:
             dk_kernel = [v_ for v_ in plan if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
             dbias = dbias_plan(dkdv_tile=(dk_kernel.tile.block_m, dk_kernel.tile.block_n),
-                               key_major_for_atomics=dk_kernel.family in ("bwd_dkdv_tf32x3", "bwd_dkdv_tf32"))
+                               key_major_for_atomics=any(dk_kernel.family == f[0] for f in TF32_BWD_FAMILIES.values()))
         dbias_values = dbias.values
     params = _params.bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv_, group=group, scale=scale,
                                 mask=masking.values, dbias=dbias_values)
