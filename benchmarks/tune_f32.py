@@ -32,8 +32,8 @@ H100_SMEM = _variants.SMEM_LIMITS["sm_90 (H100, H200)"]
 
 # Candidates by head dim, the table's first (None). Registers / spills offline (NVRTC 12.9,
 # sm_90 / sm_80) and the SASS arithmetic are in benchmarks/NOTES.md, branch f32-perf.
-# The eleventh session adopted the fast split (the table's first: 64x64/4w s2 at d=64 on sm_90, 128x16/8w s2
-# at d=128; the backward's 16x64 tiles with s2); the rounded tiles of the table before it are the baselines.
+# The eleventh session adopted the fast split (the table's first: 64x64/4w s2 at d=64 on sm_90, 128x32/8w s2
+# at d=128, 16-byte loads only; the backward's 16x64 tiles with s2); the rounded tiles of the table before it are the baselines.
 FWD_CANDIDATES = {
     64: [None,
          Tile(64, 64, 4, 2, "rounded", split=1),         # the table before (42.0 / 39.9 TFLOP/s on the H100)
@@ -41,14 +41,19 @@ FWD_CANDIDATES = {
          Tile(128, 64, 8, 2, "fast split", split=2)],    # 254 regs sm_90 (sm_80: 12 bytes spilled)
     128: [None,
           Tile(128, 16, 8, 2, "rounded", split=1),       # the table before (36.7 / 33.5)
-          Tile(128, 32, 8, 2, "fast split", split=2),    # 255 regs (vec=False spills 16 bytes on sm_90)
+          Tile(128, 16, 8, 2, "fast split", split=2),    # the element-load tile (210 / 238 regs)
           Tile(128, 32, 8, 2, "rounded", split=1)],      # 252 regs sm_90 (sm_80: 28 bytes spilled)
 }
+# Backward: the table's first splits Q / dO once a step in shared memory (Tile.stage_split, branch
+# tf32-bwd-split, offline only); the fast split per fragment is the table before it (38.8 / 35.3 at d=64,
+# 21.9 / 20.8 at d=128 in the eleventh session): keep stage_split in the table only where it wins.
 BWD_CANDIDATES = {
     64: [None,
-         Tile(16, 64, 4, 2, "rounded", split=1)],                # the table before
+         Tile(16, 64, 4, 2, "fast split per fragment", split=2),                # the table before
+         Tile(16, 64, 4, 2, "rounded", split=1)],                               # the table before that
     128: [None,
-          Tile(16, 64, 4, 2, "rounded", passes=2, split=1)],     # the table before
+          Tile(16, 64, 4, 2, "fast split per fragment", passes=2, split=2),     # the table before
+          Tile(16, 64, 4, 2, "rounded", passes=2, split=1)],                    # the table before that
 }
 
 
@@ -56,7 +61,8 @@ def label(tile):
     if tile is None:
         return "table"
     passes = f"/{tile.passes}p" if tile.passes != 1 else ""
-    return f"{tile.block_m}x{tile.block_n}/{tile.warps}w{passes} s{tile.split}"
+    stage = " stage-split" if tile.stage_split else ""
+    return f"{tile.block_m}x{tile.block_n}/{tile.warps}w{passes} s{tile.split}{stage}"
 
 
 def override(family, d, tile):

@@ -128,14 +128,29 @@ struct TileCfg {
 struct BlockInfo {
     int tile, head, batch;
 
+    // head_group 0: tiles vary fastest, then heads, then batches. head_group G > 0: the (batch,
+    // head) pairs in groups of G, each group's CTAs tile by tile with its G pairs side by side
+    // (the last group may be smaller), so that the CTAs that add into one tile of an accumulator
+    // shared across heads run together (dbias, bias_grad_t.cuh: DBIAS_HEAD_GROUP). For a fixed
+    // tile, blockIdx still grows with (batch, head) in both orders.
     template <bool REVERSE>
-    __device__ __forceinline__ static BlockInfo from_grid(int n_tiles, int heads) {
+    __device__ __forceinline__ static BlockInfo from_grid(int n_tiles, int heads, int head_group = 0) {
         const int idx = blockIdx.x;
-        const int tile = idx % n_tiles, rest = idx / n_tiles;
+        int tile, pair;
+        if (head_group > 0) {
+            const int pairs = gridDim.x / n_tiles, span = n_tiles * head_group;
+            const int group = idx / span, in_group = idx % span;
+            const int size = imin(head_group, pairs - group * head_group);
+            tile = in_group / size;
+            pair = group * head_group + in_group % size;
+        } else {
+            tile = idx % n_tiles;
+            pair = idx / n_tiles;
+        }
         BlockInfo b;
         b.tile = REVERSE ? n_tiles - 1 - tile : tile;
-        b.head = rest % heads;
-        b.batch = rest / heads;
+        b.head = pair % heads;
+        b.batch = pair / heads;
         return b;
     }
 };
@@ -163,9 +178,10 @@ struct KeyBlock {
     int n0, keys;   // keys <= BN: the block's keys inside the sequence
     int first_head, end_head;
 
+    // head_group: BlockInfo's, over (batch, K/V head) pairs.
     template <int BN>
-    __device__ __forceinline__ static KeyBlock from_grid(const AttnDims& dims) {
-        const BlockInfo b = BlockInfo::from_grid<false>(ceil_div(dims.lk, BN), dims.heads_q / dims.group);
+    __device__ __forceinline__ static KeyBlock from_grid(const AttnDims& dims, int head_group = 0) {
+        const BlockInfo b = BlockInfo::from_grid<false>(ceil_div(dims.lk, BN), dims.heads_q / dims.group, head_group);
         const int n0 = b.tile * BN;
         return {b.batch, b.head, n0, imin(BN, dims.lk - n0), b.head * dims.group, (b.head + 1) * dims.group};
     }

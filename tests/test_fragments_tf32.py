@@ -579,3 +579,76 @@ def test_backward_shared_loads_are_conflict_free(bm, bn):
     words = G * pa + 2 * T   # the 8-byte stores, by half-warps: bank pair (word / 2) mod 16 per lane
     for half in (slice(0, 16), slice(16, 32)):
         assert np.bincount((words[half] // 2) % 16).max() == 2   # at most 2-way
+
+
+# --------------------------------------------------------------------------- STAGE_SPLIT (dK/dV)
+# flash_bwd_dkdv_tf32 with STAGE_SPLIT splits the step's Q and dO once in shared memory
+# (split_tile_even: big in place, small into a tile of the same layout), and the qk / pv GEMMs
+# read big and small at the addresses their per-fragment split read the raw value from.
+
+def split_tile_even_groups(rows, cols, pitch, threads):
+    """split_tile_even's 16-byte groups: the float offset `at` of each (thread, j)."""
+    groups = rows * cols // 4
+    assert groups % threads == 0
+    return [[(i // (cols // 4)) * pitch + (i % (cols // 4)) * 4 for i in (x + j * threads for j in
+                                                                          range(groups // threads))]
+            for x in range(threads)]
+
+
+def stage_split_fast(tile, rows, cols, pitch, threads):
+    """(big tile, small tile) as split_tile_even<TF32X3_FAST> leaves them: small = a - big in float32,
+    not yet truncated (the tensor core truncates it); floats outside the groups untouched / NaN."""
+    big, small = tile.astype(f32).copy(), np.full(tile.shape, np.nan, dtype=f32)
+    for ats in split_tile_even_groups(rows, cols, pitch, threads):
+        for at in ats:
+            a = tile[at:at + 4].astype(f32)
+            big[at:at + 4] = round_tf32_bits(a)
+            small[at:at + 4] = a - big[at:at + 4]
+    return big, small
+
+
+@pytest.mark.parametrize("bm,head,threads", [(16, 64, 128), (16, 128, 128), (32, 32, 128), (16, 64, 256)])
+def test_stage_split_covers_the_tile_once(bm, head, threads):
+    """Every element of the BM x HEAD tile in exactly one thread's group, the pad columns in none."""
+    pitch = head + 4
+    seen = np.zeros(bm * pitch, dtype=int)
+    for ats in split_tile_even_groups(bm, head, pitch, threads):
+        for at in ats:
+            seen[at:at + 4] += 1
+    expect = np.zeros((bm, pitch), dtype=int)
+    expect[:, :head] = 1
+    np.testing.assert_array_equal(seen, expect.ravel())
+
+
+@pytest.mark.parametrize("head,bm", [(64, 16), (128, 16)])
+def test_stage_split_operands_equal_the_fragment_split(head, bm):
+    """The B operands the GEMMs read from the pre-split tiles are bit for bit the per-fragment
+    split's (warp_gemm_qk_tf32's ldmatrix of B^T rows, warp_gemm_pv_tf32's [k][n] loads), so the
+    MMAs and their results are the same."""
+    rng = np.random.default_rng(head)
+    pitch = head + 4
+    raw = to_smem(rng.standard_normal((bm, head)) * 4.0 ** rng.integers(-8, 8, (bm, head)), pitch).astype(f32)
+    big_s, small_s = stage_split_fast(raw, bm, head, pitch, 128)
+
+    def fragment_split(x):
+        x = np.asarray(x, dtype=f32)
+        b = round_tf32_bits(x)
+        return b, (x - b).astype(f32)
+
+    b_addr = bt_lane_addr_tf32(0, pitch)   # qk: B^T rows [query][d], ldmatrix
+    for k0 in range(0, head, 8):
+        for n0 in range(0, bm, 16):
+            at = b_addr + n0 * pitch + k0
+            for r, b, s in zip(ldmatrix_x4_b32(raw, at), ldmatrix_x4_b32(big_s, at), ldmatrix_x4_b32(small_s, at)):
+                fb, fs = fragment_split(r)
+                np.testing.assert_array_equal(b.view(np.uint32), fb.view(np.uint32))
+                np.testing.assert_array_equal(s.view(np.uint32), fs.view(np.uint32))
+    b_lane = 2 * T * pitch + G               # pv: B rows [query][column], 4-byte loads
+    for kt in range(bm // 8):
+        for n0 in range(0, head, 16):
+            for h in range(2):
+                for s_ in range(2):
+                    at = b_lane + (8 * kt + s_) * pitch + n0 + 8 * h
+                    fb, fs = fragment_split(raw[at])
+                    np.testing.assert_array_equal(big_s[at].view(np.uint32), fb.view(np.uint32))
+                    np.testing.assert_array_equal(small_s[at].view(np.uint32), fs.view(np.uint32))

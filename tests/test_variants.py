@@ -244,3 +244,17 @@ def test_sm90_rows_are_chosen_from_compute_capability_9():
         extra = V.forward_variant(dtype, head, band=False, extra=True, vec=True, cc=90)
         assert extra.arch == "sm80" and extra.tile == V._EXTRA_TABLE[("sm80", family, dtype, head)][0]
     assert V.forward_variant("float64", 128, band=False, vec=True, cc=90).wide_k == 16
+
+
+def test_vec_only_tiles_serve_16_byte_loads_only():
+    """Tile.vec_only: the float32 3xTF32 forward's 128x32 tile at head dim 128 spills in its element-load
+    variants, so those take the next tile; a table of vec_only tiles alone has nothing for element loads."""
+    fast = V.forward_variant("float32", 128, band=False, vec=True, cc=90)
+    scalar = V.forward_variant("float32", 128, band=False, vec=False, cc=90)
+    assert fast.tile.vec_only and (fast.tile.block_n, scalar.tile.block_n) == (32, 16) and not scalar.tile.vec_only
+    assert not any(v.tile.vec_only and not v.vec for v in V.all_variants())
+    only = V.Tile(64, 32, 4, 2, "test", vec_only=True)
+    with V.tile_override("fwd_tf32x3", 64, only, dtypes=("float32",)):
+        assert V.Variant("fwd_tf32x3", "float32", 64, vec=True).fitted(V.SMEM_MAX).tile == only
+        with pytest.raises(ValueError, match="16-byte loads only"):
+            V.Variant("fwd_tf32x3", "float32", 64, vec=False, tile=only).fitted(V.SMEM_MAX)
