@@ -44,16 +44,11 @@ FWD_CANDIDATES = {
           Tile(128, 16, 8, 2, "fast split", split=2),    # the element-load tile (210 / 238 regs)
           Tile(128, 32, 8, 2, "rounded", split=1)],      # 252 regs sm_90 (sm_80: 28 bytes spilled)
 }
-# Backward: the table's first splits Q / dO once a step in shared memory (Tile.stage_split, branch
-# tf32-bwd-split, offline only); the fast split per fragment is the table before it (38.8 / 35.3 at d=64,
-# 21.9 / 20.8 at d=128 in the eleventh session): keep stage_split in the table only where it wins.
 BWD_CANDIDATES = {
     64: [None,
-         Tile(16, 64, 4, 2, "fast split per fragment", split=2),                # the table before
-         Tile(16, 64, 4, 2, "rounded", split=1)],                               # the table before that
+         Tile(16, 64, 4, 2, "rounded", split=1)],                # the table before
     128: [None,
-          Tile(16, 64, 4, 2, "fast split per fragment", passes=2, split=2),     # the table before
-          Tile(16, 64, 4, 2, "rounded", passes=2, split=1)],                    # the table before that
+          Tile(16, 64, 4, 2, "rounded", passes=2, split=1)],     # the table before
 }
 
 
@@ -61,8 +56,7 @@ def label(tile):
     if tile is None:
         return "table"
     passes = f"/{tile.passes}p" if tile.passes != 1 else ""
-    stage = " stage-split" if tile.stage_split else ""
-    return f"{tile.block_m}x{tile.block_n}/{tile.warps}w{passes} s{tile.split}{stage}"
+    return f"{tile.block_m}x{tile.block_n}/{tile.warps}w{passes} s{tile.split}"
 
 
 def override(family, d, tile):

@@ -97,9 +97,7 @@ class Tile:
     tensor-core rate on the H100 where m8n8k4 runs at half (benchmarks/dmma_rate.py: 66 against 33
     TFLOP/s). ``vec_only``: only variants with 16-byte loads (``Variant.vec``) take this tile; the
     element-load ones go on to the next (a tile whose scalar loader's addresses push it past the
-    registers). ``stage_split`` (``bwd_dkdv_tf32x3`` only): Q and dO are split into big + small once a
-    query step by the whole CTA in shared memory (one more Q and dO tile of small parts), not per
-    fragment by every warp (flash_bwd_tf32.cu's STAGE_SPLIT)."""
+    registers)."""
 
     block_m: int
     block_n: int
@@ -111,7 +109,6 @@ class Tile:
     split: int = 1
     wide_k: int = 0
     vec_only: bool = False
-    stage_split: bool = False
 
 
 # --------------------------------------------------------------------------- the table
@@ -456,20 +453,13 @@ _add("bwd_dkdv_tf32x3", ["float32"], [32], Tile(32, 64, 4, 2, "16 keys a warp, 3
                                                               "bytes on sm_80): 65 KB (EXTRA 82)"))
 # The fast operand split (Tile.split 2; tune_f32.py on the H100, eleventh session, backward TFLOP/s
 # non-causal / causal): d=64 33.4 / 30.3 -> 38.8 / 35.3, d=128 19.6 / 18.8 -> 21.9 / 20.8, errors equal.
-# Q and dO split once a step in shared memory (Tile.stage_split; branch tf32-bwd-split, OFFLINE ONLY, not
-# yet run on a GPU: benchmarks/NOTES.md predicts it from the SASS, 0 spills on sm_80 / sm_90; the tiles
-# without it follow, as measured above, for the GPUs whose shared memory does not take the extra tiles).
-# Before it, without stage_split (tune_f32.py's baselines): d=64 92 KB (EXTRA 99), d=128 two stages 174 KB (EXTRA 183).
 _add("bwd_dkdv_tf32x3", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps (32 spilled 28-68 "
-                                                              "bytes), fast split (1.16x rounded), Q / dO split once "
-                                                              "a step (offline only): 101 KB (EXTRA 110)",
-                                                split=2, stage_split=True),
-     Tile(16, 64, 4, 2, "Q / dO split per fragment: EXTRA 99 KB, " + _SMALL_BYTES, split=2))
+                                                              "bytes), fast split: 1.16x rounded; 92 KB (EXTRA 99)",
+                                                split=2))
 _add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 16-query steps, two passes (one "
-                                                               "spilled 16-64 bytes), fast split (1.11x rounded), Q / "
-                                                               "dO split once a step (offline only): 191 KB (EXTRA "
-                                                               "200)", passes=2, split=2, stage_split=True),
-     Tile(16, 64, 4, 1, "one Q/dO stage split per fragment: 157 KB (EXTRA 162), the A100", passes=2, split=2))
+                                                               "spilled 16-64 bytes), fast split: 1.11x rounded; "
+                                                               "174 KB (EXTRA 183)", passes=2, split=2),
+     Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2, split=2))
 _add("bwd_dkdv_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 73 KB (EXTRA 108)"),
      Tile(32, 64, 4, 2, "32-query steps: 46 KB (EXTRA 64), " + _SMALL_BYTES))
 _add("bwd_dkdv_tf32", ["float32"], [64], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 79 KB (EXTRA 97)"))
@@ -594,14 +584,12 @@ def _smem_dq_dmma(v: "Variant") -> int:
 def _smem_dkdv_tf32(v: "Variant") -> int:
     # fp32 tiles of pitch head + 4 (flash_bwd_tf32.cu, DkdvTf32Traits): K and V once (twice each with
     # the 3xTF32 split: big and small parts), Q and dO (and with EXTRA a [query][key] bias tile of
-    # pitch block_n + 4) per stage, the small parts of the step's Q and dO with stage_split, dS^T
-    # (pitch block_m + 4) with atomic dQ, lse and Dsum.
+    # pitch block_n + 4) per stage, dS^T (pitch block_m + 4) with atomic dQ, lse and Dsum.
     t, pitch = v.tile, v.head + 4
     kv = (4 if v.split else 2) * t.block_n * pitch
     bias = t.block_m * (t.block_n + 4) if v.extra else 0
-    small = 2 * t.block_m * pitch if v.stage_split else 0
     ds = t.block_n * (t.block_m + 4) if v.atomic_dq else 0
-    return (kv + t.stages * (2 * t.block_m * pitch + bias) + small + ds + 2 * t.block_m) * 4
+    return (kv + t.stages * (2 * t.block_m * pitch + bias) + ds + 2 * t.block_m) * 4
 
 
 def _smem_dq_tf32(v: "Variant") -> int:
@@ -658,10 +646,10 @@ FAMILIES: Dict[str, Family] = {
     "bwd_dq_dmma": Family("flash_bwd_dq_dmma", "flash_bwd_dmma.cu", ("mask", "vec"), "q", _smem_dq_dmma),
     "bwd_dkdv_wgmma": Family("flash_bwd_dkdv_wgmma", "flash_bwd_wgmma.cu", ("mask", "dbias"), "k",
                              _smem_dkdv_wgmma),
-    "bwd_dkdv_tf32x3": Family("flash_bwd_dkdv_tf32", "flash_bwd_tf32.cu",
-                              ("mask", "pass_", "atomic_dq", "vec", "split", "stage_split"), "k", _smem_dkdv_tf32),
-    "bwd_dkdv_tf32": Family("flash_bwd_dkdv_tf32", "flash_bwd_tf32.cu",
-                            ("mask", "pass_", "atomic_dq", "vec", "split", "stage_split"), "k", _smem_dkdv_tf32),
+    "bwd_dkdv_tf32x3": Family("flash_bwd_dkdv_tf32", "flash_bwd_tf32.cu", ("mask", "pass_", "atomic_dq", "vec", "split"),
+                              "k", _smem_dkdv_tf32),
+    "bwd_dkdv_tf32": Family("flash_bwd_dkdv_tf32", "flash_bwd_tf32.cu", ("mask", "pass_", "atomic_dq", "vec", "split"),
+                            "k", _smem_dkdv_tf32),
     "bwd_dq_tf32x3": Family("flash_bwd_dq_tf32", "flash_bwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_dq_tf32),
     "bwd_dq_tf32": Family("flash_bwd_dq_tf32", "flash_bwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_dq_tf32),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
@@ -745,11 +733,6 @@ class Variant:
         (precision="tf32"); for the 3xTF32 families (precision="highest") the tile's kind,
         nonzero."""
         return self.tile.split if self.family.endswith("_tf32x3") else 0
-
-    @property
-    def stage_split(self) -> bool:
-        """The 3xTF32 dK/dV kernel's STAGE_SPLIT (Tile.stage_split); False for every other family."""
-        return self.tile.stage_split and self.family == "bwd_dkdv_tf32x3"
 
     @property
     def fam(self) -> Family:

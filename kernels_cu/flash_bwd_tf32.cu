@@ -13,11 +13,7 @@
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i         (warp_gemm_pv_tf32; A: P^T, dS^T in registers)
 // K_j and V_j are the A operands of every step: split once per CTA in shared memory
 // (split_tile: big in place, small beside; plain: rounded in place). Q_i and dO_i are B
-// operands, double-buffered with cp.async and split either per fragment as the forward splits
-// K and V (each element by each of the 4 warps, once for each of the two GEMMs that read it), or,
-// with STAGE_SPLIT (3xTF32 only), once per step by the whole CTA in shared memory: big in place
-// in the stage, small into one single-buffered tile per operand, so the four GEMMs load big and
-// small parts (twice the fragment bytes, no split arithmetic; one __syncthreads more a step).
+// operands, double-buffered with cp.async and split per fragment as the forward splits K and V.
 // With ATOMIC_DQ each warp stores its dS^T fragments ([key][query], fp32) and the warps split
 // dQ_i += scale dS K_j by rows and columns (warp_gemm_ds_k_tf32, K's split parts as B), added to
 // the fp32 accumulator with vector reductions (atomics.cuh). With EXTRA each Q/dO stage has the
@@ -44,14 +40,13 @@
 #include "bias_grad_t.cuh"
 #include "atomics.cuh"
 
-template <typename Cfg, int SPLIT, bool ATOMIC_DQ, bool EXTRA, bool STAGE_SPLIT>
+template <typename Cfg, int SPLIT, bool ATOMIC_DQ, bool EXTRA>
 struct DkdvTf32Traits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
     static constexpr int PITCH = HEAD + 4;               // = 4 (mod 32) floats: warp_gemm_tf32.cuh
     static constexpr int KV_ELEMS = BN * PITCH;          // K or V (and with SPLIT each one's small part)
     static constexpr int QD_ELEMS = BM * PITCH;          // one stage of Q or dO
-    static constexpr int QD_SMALL_ELEMS = STAGE_SPLIT ? QD_ELEMS : 0;   // the step's small part of Q or dO
     static constexpr int DS_PITCH = BM + 4;              // = 4 (mod 16): warp_gemm_ds_k_tf32's loads
     static constexpr int DS_ELEMS = ATOMIC_DQ ? BN * DS_PITCH : 0;   // dS^T, [key][query]
     static constexpr int BIAS_PITCH = BN + 4;            // = 4 (mod 8): scale_add_bias_frags_f32_t
@@ -62,14 +57,12 @@ struct DkdvTf32Traits {
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
     static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
     static constexpr int SMEM_BYTES =
-        ((SPLIT ? 4 : 2) * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS) + 2 * QD_SMALL_ELEMS + DS_ELEMS + 2 * BM) *
-        int(sizeof(float));
+        ((SPLIT ? 4 : 2) * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS) + DS_ELEMS + 2 * BM) * int(sizeof(float));
     static_assert(HEAD % 32 == 0 && BM % 16 == 0, "tiles: n8 pairs; pitches = 4 (mod 32)");
     static_assert(BN == 16 * WARPS, "each warp owns one 16-key strip");
     static_assert(WARPS % (BM / 16) == 0, "dQ: whole row strips per warp group");
     static_assert(DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0, "dQ column blocks of whole 16-column groups");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
-    static_assert(SPLIT || !STAGE_SPLIT, "plain TF32 splits nothing");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
@@ -135,13 +128,12 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
 
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each recomputing S^T
 // (the variant table's tiles all take one pass today: cuflash/_variants.py).
-// STAGE_SPLIT: Q_i and dO_i split once a step in shared memory (the header), not per fragment.
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
-template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT, bool STAGE_SPLIT>
+template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_tf32(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
-    typedef DkdvTf32Traits<Cfg, SPLIT, ATOMIC_DQ, Flags::EXTRA, STAGE_SPLIT> Tr;
+    typedef DkdvTf32Traits<Cfg, SPLIT, ATOMIC_DQ, Flags::EXTRA> Tr;
     constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH, QT = BM / 8;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
@@ -153,9 +145,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     float* q_stages = v_small_s + (SPLIT ? Tr::KV_ELEMS : 0);     // STAGES x [BM][P]
     float* do_stages = q_stages + Tr::STAGES * Tr::QD_ELEMS;      // STAGES x [BM][P]
     float* bias_stages = do_stages + Tr::STAGES * Tr::QD_ELEMS;   // STAGES x [BM][BIAS_PITCH] (EXTRA)
-    float* q_small_s = bias_stages + Tr::STAGES * Tr::BIAS_ELEMS; // STAGE_SPLIT: this step's small parts
-    float* do_small_s = q_small_s + Tr::QD_SMALL_ELEMS;
-    float* ds_s = do_small_s + Tr::QD_SMALL_ELEMS;                // dS^T, [key][query] (ATOMIC_DQ)
+    float* ds_s = bias_stages + Tr::STAGES * Tr::BIAS_ELEMS;      // dS^T, [key][query] (ATOMIC_DQ)
     float* lse_s = ds_s + Tr::DS_ELEMS;                           // the step's lse in log2 units
     float* dsum_s = lse_s + BM;
 
@@ -237,25 +227,16 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
         }
         load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
         __syncthreads();
-        float* q_s = q_stages + stage * Tr::QD_ELEMS;
-        float* do_s = do_stages + stage * Tr::QD_ELEMS;
-        if constexpr (STAGE_SPLIT) {
-            // Big in place in the stage, small into the step's single tiles. Both were last read
-            // before the previous step's closing __syncthreads, and the next cp.async into this
-            // stage is issued after this step's: the split is the stage's only writer meanwhile.
-            split_tile_even<SPLIT, BM, HEAD, P, Tr::THREADS>(q_s, q_small_s);
-            split_tile_even<SPLIT, BM, HEAD, P, Tr::THREADS>(do_s, do_small_s);
-            __syncthreads();
-        }
+        const float* q_s = q_stages + stage * Tr::QD_ELEMS;
+        const float* do_s = do_stages + stage * Tr::QD_ELEMS;
         float st[QT][4], dpt[QT][4];   // S^T, dP^T: this warp's 16 keys x BM queries
         zero_frags(st);
         zero_frags(dpt);
-        warp_gemm_qk_tf32<SPLIT, 1, BM, HEAD, P, STAGE_SPLIT>(one_strip(st), k_s + key0 * P, k_small_s + key0 * P,
-                                                              q_s, lane, q_small_s);         // S^T = K Q^T
+        warp_gemm_qk_tf32<SPLIT, 1, BM, HEAD, P>(one_strip(st), k_s + key0 * P, k_small_s + key0 * P, q_s,
+                                                 lane);                                       // S^T = K Q^T
         if (DO_DK)
-            warp_gemm_qk_tf32<SPLIT, 1, BM, HEAD, P, STAGE_SPLIT>(one_strip(dpt), v_s + key0 * P,
-                                                                  v_small_s + key0 * P, do_s, lane,
-                                                                  do_small_s);               // dP^T = V dO^T
+            warp_gemm_qk_tf32<SPLIT, 1, BM, HEAD, P>(one_strip(dpt), v_s + key0 * P, v_small_s + key0 * P, do_s,
+                                                     lane);                                   // dP^T = V dO^T
         // Rows of these tiles are keys, columns queries; the mask is decided for this warp's keys.
         const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, 16);
         if constexpr (Flags::EXTRA) {
@@ -307,12 +288,10 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             add_dbias_frags_t_f32(p.dbias, dpt, batch, head, m0, n0 + key0, dims, lane);
             if (ordered) turn.pass_turn();
         }
-        if constexpr (DO_DV)                                                                           // dV += P^T dO
-            warp_gemm_pv_tf32<SPLIT, 1, HEAD, BM, P, STAGE_SPLIT>(one_strip(acc_dv), one_strip(st), do_s, lane,
-                                                                  do_small_s);
-        if constexpr (DO_DK)                                                                           // dK += dS^T Q
-            warp_gemm_pv_tf32<SPLIT, 1, HEAD, BM, P, STAGE_SPLIT>(one_strip(acc_dk), one_strip(dpt), q_s, lane,
-                                                                  q_small_s);
+        if constexpr (DO_DV)
+            warp_gemm_pv_tf32<SPLIT, 1, HEAD, BM, P>(one_strip(acc_dv), one_strip(st), do_s, lane);   // dV += P^T dO
+        if constexpr (DO_DK)
+            warp_gemm_pv_tf32<SPLIT, 1, HEAD, BM, P>(one_strip(acc_dk), one_strip(dpt), q_s, lane);   // dK += dS^T Q
         if constexpr (ATOMIC_DQ) {                                                 // dQ += scale dS K
             __syncthreads();
             const int strip = warp / Tr::Q_SPLIT;
@@ -338,7 +317,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
                 }
             }
         }
-        __syncthreads();   // this stage, the row stats, dS^T (and the small parts) are read; the next step may overwrite them
+        __syncthreads();   // this stage, the row stats and dS^T are read; the next step may overwrite them
         step = next;
         if (Tr::STAGES == 2) stage ^= 1;
         else if (step < n_steps) issue_query_block(step, 0);

@@ -27,9 +27,6 @@
 // and P are split in registers as their fragments are loaded, each element once per warp that
 // reads it: a shared copy would double the bytes each fragment load moves, and shared-memory
 // bandwidth, not the split's few FP32 instructions, is the scarcer resource next to the MMAs.
-// The backward's dK/dV kernel may split its B operands Q and dO once a step in shared memory
-// instead (STAGE_SPLIT, flash_bwd_tf32.cu): there 4 warps and two GEMMs each read every element,
-// 8 splits of it a step, and the GEMMs take the split parts (B_SPLIT).
 // In plain TF32, Q and P are rounded (once each) and K and V go in as they are: the tensor
 // core then truncates them (2^-10 rather than 2^-11 an element), which saves the rounding of
 // every fragment in every warp.
@@ -105,23 +102,6 @@ __device__ __forceinline__ void split_frag(const unsigned (&raw)[R], unsigned (&
 
 struct alignas(16) Float4 { float v[4]; };   // one 16-byte shared access
 
-// Four elements split: SPLIT: big and small parts; plain: `big` rounded (`lo` unset).
-template <int SPLIT>
-__device__ __forceinline__ void split_float4(const Float4& a, Float4& big, Float4& lo) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        if (SPLIT == TF32X3_FAST) {
-            unsigned b, l;
-            split_tf32<TF32X3_FAST>(a.v[e], b, l);
-            big.v[e] = __uint_as_float(b);
-            lo.v[e] = __uint_as_float(l);
-            continue;
-        }
-        big.v[e] = round_tf32(a.v[e]);
-        lo.v[e] = round_tf32(a.v[e] - big.v[e]);
-    }
-}
-
 // Every element of a ROWS x COLS tile (pitch P floats) in shared memory, by THREADS threads:
 // SPLIT: big in place and small into `small` (same layout); plain: rounded in place. The
 // caller synchronises before and after.
@@ -133,29 +113,20 @@ __device__ __forceinline__ void split_tile(float* tile, float* small) {
         const int at = (i / (COLS / 4)) * P + (i % (COLS / 4)) * 4;
         const Float4 a = *reinterpret_cast<const Float4*>(tile + at);
         Float4 big, lo;
-        split_float4<SPLIT>(a, big, lo);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (SPLIT == TF32X3_FAST) {
+                unsigned b, l;
+                split_tf32<TF32X3_FAST>(a.v[e], b, l);
+                big.v[e] = __uint_as_float(b);
+                lo.v[e] = __uint_as_float(l);
+                continue;
+            }
+            big.v[e] = round_tf32(a.v[e]);
+            lo.v[e] = round_tf32(a.v[e] - big.v[e]);
+        }
         *reinterpret_cast<Float4*>(tile + at) = big;
         if (SPLIT) *reinterpret_cast<Float4*>(small + at) = lo;
-    }
-}
-
-// split_tile (SPLIT only) for a tile whose 16-byte groups the threads share evenly, split again
-// every step of a loop: a fixed trip count, unrolled, with unsigned offsets, so each thread's
-// offsets are loop-invariant (split_tile's signed, rolled form spent ~12 instructions of address
-// arithmetic a group: the SASS of flash_bwd_dkdv_tf32 with STAGE_SPLIT).
-template <int SPLIT, int ROWS, int COLS, int P, int THREADS>
-__device__ __forceinline__ void split_tile_even(float* tile, float* small) {
-    constexpr int GROUPS = ROWS * COLS / 4;
-    static_assert(SPLIT, "a split into big and small parts");
-    static_assert(COLS % 4 == 0 && P % 4 == 0 && GROUPS % THREADS == 0, "16-byte groups, as many a thread");
-#pragma unroll
-    for (int j = 0; j < GROUPS / THREADS; ++j) {
-        const unsigned i = threadIdx.x + j * THREADS;
-        const unsigned at = (i / (COLS / 4)) * P + (i % (COLS / 4)) * 4;
-        Float4 big, lo;
-        split_float4<SPLIT>(*reinterpret_cast<const Float4*>(tile + at), big, lo);
-        *reinterpret_cast<Float4*>(tile + at) = big;
-        *reinterpret_cast<Float4*>(small + at) = lo;
     }
 }
 
@@ -212,17 +183,13 @@ __device__ __forceinline__ unsigned bt_lane_addr_tf32(const float* rows, int lan
 // S (M strips of 16 rows x N keys) += Q K^T over depth K:
 //   q_big / q_small: the warp's first strip of Q (split_tile's two tiles; q_small unread
 //   unless SPLIT), k: rows [key][d] of K. All pitch P.
-//   B_SPLIT (SPLIT only): K too is split already, k its big part and k_small its small part
-//   (split_tile), two ldmatrix a fragment instead of one and the split; else k_small is unread.
-template <int SPLIT, int M, int N, int K, int P, bool B_SPLIT = false>
+template <int SPLIT, int M, int N, int K, int P>
 __device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const float* q_big, const float* q_small,
-                                                  const float* k, int lane, const float* k_small = nullptr) {
-    static_assert(SPLIT || !B_SPLIT, "plain TF32 has no small parts");
+                                                  const float* k, int lane) {
     static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
     const unsigned big_addr = a_lane_addr_tf32<P>(q_big, lane);
     const unsigned small_addr = a_lane_addr_tf32<P>(q_small, lane);
     const unsigned k_addr = bt_lane_addr_tf32<P>(k, lane);
-    const unsigned k_small_addr = B_SPLIT ? bt_lane_addr_tf32<P>(k_small, lane) : 0u;
     // SPLIT keeps the k-steps a loop: unrolled, ptxas hoisted later steps' K fragments and their
     // splits and spilled 20-324 bytes in every SPLIT variant (offline compile, sm_90).
     constexpr int UNROLL = SPLIT ? 1 : K / 8;
@@ -236,15 +203,9 @@ __device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const
         }
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
-            unsigned big[4], small[4];
-            if (B_SPLIT) {
-                ldmatrix_x4(big, k_addr + (n0 * P + k0) * 4);
-                ldmatrix_x4(small, k_small_addr + (n0 * P + k0) * 4);
-            } else {
-                unsigned raw[4];
-                ldmatrix_x4(raw, k_addr + (n0 * P + k0) * 4);
-                split_frag<SPLIT>(raw, big, small);
-            }
+            unsigned raw[4], big[4], small[4];
+            ldmatrix_x4(raw, k_addr + (n0 * P + k0) * 4);
+            split_frag<SPLIT>(raw, big, small);
             mma_step_tf32<SPLIT>(s, n0 / 8, a_big, a_small, reinterpret_cast<const unsigned (&)[2][2]>(big),
                                  reinterpret_cast<const unsigned (&)[2][2]>(small));
         }
@@ -253,15 +214,11 @@ __device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const
 
 // O (M strips of 16 rows x N columns) += P V over K keys: p holds P's C fragments (fp32, the
 // softmax's output), v rows [key][column] (pitch P). Plain TF32 rounds P as it reads it.
-// B_SPLIT (SPLIT only): V is split already, v its big part and v_small its small part
-// (split_tile): four 4-byte loads a fragment pair more and no split; else v_small is unread.
-template <int SPLIT, int M, int N, int K, int P, bool B_SPLIT = false>
+template <int SPLIT, int M, int N, int K, int P>
 __device__ __forceinline__ void warp_gemm_pv_tf32(float (&o)[M][N / 8][4], const float (&p)[M][K / 8][4],
-                                                  const float* v, int lane, const float* v_small = nullptr) {
+                                                  const float* v, int lane) {
     static_assert(N % 16 == 0 && K % 8 == 0, "mma tiles: n8 pairs, k8 steps");
-    static_assert(SPLIT || !B_SPLIT, "plain TF32 has no small parts");
-    const int v_at = 2 * (lane % 4) * P + lane / 4;   // V[2t][g]
-    const float* v_lane = v + v_at;
+    const float* v_lane = v + 2 * (lane % 4) * P + lane / 4;   // V[2t][g]
 #pragma unroll
     for (int kt = 0; kt < K / 8; ++kt) {
         unsigned a_big[M][4], a_small[M][4];
@@ -283,17 +240,7 @@ __device__ __forceinline__ void warp_gemm_pv_tf32(float (&o)[M][N / 8][4], const
                 raw[h][1] = __float_as_uint(v_lane[(8 * kt + 1) * P + n0 + 8 * h]);
             }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (B_SPLIT) {
-                    const float* small_lane = v_small + v_at;
-                    big[h][0] = raw[h][0];
-                    big[h][1] = raw[h][1];
-                    small[h][0] = __float_as_uint(small_lane[8 * kt * P + n0 + 8 * h]);
-                    small[h][1] = __float_as_uint(small_lane[(8 * kt + 1) * P + n0 + 8 * h]);
-                } else {
-                    split_frag<SPLIT>(raw[h], big[h], small[h]);
-                }
-            }
+            for (int h = 0; h < 2; ++h) split_frag<SPLIT>(raw[h], big[h], small[h]);
             mma_step_tf32<SPLIT>(o, n0 / 8, a_big, a_small, big, small);
         }
     }
@@ -321,7 +268,7 @@ __device__ __forceinline__ void scale_add_bias_frags_f32(float (&s)[N / 8][4], c
 // ---------------------------------------------------------------------------
 // The backward's further forms (flash_bwd_tf32.cu). Its dK/dV kernel forms S^T = K Q^T and
 // dP^T = V dO^T with warp_gemm_qk_tf32 (A: the warp's 16 keys of K or V, split once per CTA;
-// B: Q or dO rows, split per fragment or, with STAGE_SPLIT, read split) and dV += P^T dO, dK += dS^T Q with warp_gemm_pv_tf32
+// B: Q or dO rows, split per fragment) and dV += P^T dO, dK += dS^T Q with warp_gemm_pv_tf32
 // (A: P^T's and dS^T's C fragments in the permuted key order, here queries; B: dO or Q rows).
 // Two reads are new: the bias seen transposed (S^T's rows are keys) and dQ += dS K with dS
 // stored transposed and K already split.

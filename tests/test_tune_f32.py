@@ -35,8 +35,7 @@ def test_every_candidate_is_what_an_h100_launches(family, candidates, causal):
         for tile in tiles:
             want = tf.expected(family, d, tile)
             ran = tf.planned(d, causal, family, tile)
-            assert ran and all(v.tile == want and v.split == want.split and v.stage_split == want.stage_split
-                               for v in ran), (d, tile, ran)
+            assert ran and all(v.tile == want and v.split == want.split for v in ran), (d, tile, ran)
             assert all(v.smem_bytes <= tf.H100_SMEM for v in ran)
     # the override is gone afterwards: the table's kernels again (the fast split since the eleventh session)
     assert all(v.split == 2 and v.tile == tf.expected(family, 64, None) for v in tf.planned(64, causal, family, None))
@@ -62,13 +61,3 @@ def test_error_rule_flags_nan_and_inf():
     assert tf.flagged_errors([2.7e-7], [1e-7])   # 2 x 1e-7 + 2^-24 = 2.6e-7
     assert tf.flagged_errors([nan], None) and tf.flagged_errors([nan], [1e-7])
     assert tf.flagged_errors([1e-7, inf, 1e-7], [1e-7] * 3)
-
-
-def test_backward_candidates_compare_the_stage_split():
-    """The table's dK/dV tile (Q / dO split once a step) against the same tile split per fragment."""
-    for d in (64, 128):
-        table = tf.expected("bwd_dkdv_tf32x3", d, None)
-        assert table.stage_split and table.split == 2
-        others = [t for t in tf.BWD_CANDIDATES[d][1:] if t.split == 2]
-        assert [t.stage_split for t in others] == [False]
-        assert tf.label(table) != tf.label(others[0])
