@@ -4,8 +4,9 @@
     PYTHONPATH=. python benchmarks/profile_case.py padding   # (B, 1, 1, L) key-padding mask
     PYTHONPATH=. python benchmarks/profile_case.py plain     # no option, the same shapes
 
-B=4, H=16, L=4096, D=64 (--head-dim), float16 (the bench_masking.py shape). Each case runs
---calls forward+backward calls (the first compiles); profile the last ones, e.g.
+B=4, H=16, L=4096 (--seqlen), D=64 (--head-dim), float16 (--dtype), not causal (--causal): the
+bench_masking.py shape. Each case runs --calls forward+backward calls (--forward-only: forwards;
+the first compiles); profile the last ones, e.g.
 
     ncu -k regex:flash_ --launch-skip 8 --launch-count 4 --section SpeedOfLight \\
         --section WarpStateStats python benchmarks/profile_case.py bias
@@ -26,20 +27,24 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--causal", action="store_true", help="causal (top-left), for the causal kernels' profile")
+    ap.add_argument("--forward-only", action="store_true", help="forward calls only")
     args = ap.parse_args()
     b, h, n, d = 4, 16, args.seqlen, args.head_dim
     rng = cp.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(args.dtype) for _ in range(4))
-    opts = {}
+    opts = {"causal": True} if args.causal else {}
     if args.case == "bias":
         opts["bias"] = rng.standard_normal((1, 1, n, n), dtype=cp.float32).astype(args.dtype)
     elif args.case == "padding":
         opts["mask"] = cp.ones((b, 1, 1, n), dtype=bool)
     for _ in range(args.calls):
         out, lse = cuflash.attention_forward(q, k, v, **opts)
-        cuflash.attention_backward(do, q, k, v, out, lse, **opts)
+        if not args.forward_only:
+            cuflash.attention_backward(do, q, k, v, out, lse, **opts)
     cp.cuda.Device().synchronize()
-    print(f"{args.case}: {args.calls} forward+backward calls, B={b} H={h} L={n} D={d} {args.dtype}")
+    what = "forward" if args.forward_only else "forward+backward"
+    print(f"{args.case}: {args.calls} {what} calls, B={b} H={h} L={n} D={d} {args.dtype} causal={args.causal}")
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
     double* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims);
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int n0 = blk.n0, batch = blk.batch, keys_valid = blk.keys;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int key0 = warp * Tr::WARP_KEYS;                      // this warp's keys within the block
@@ -319,7 +319,7 @@ flash_bwd_dq_dmma(const BwdParams p) {
     double* bias_s = v_s + Cfg::STAGES * Tr::KV_ELEMS;         // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const ScoreMod<Flags, double, double> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
     const double x_per_s = mod.x_per_score();

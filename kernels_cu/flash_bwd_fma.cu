@@ -221,7 +221,7 @@ flash_bwd_dkdv_fma(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const BwdSmem<T, Tr> sm(smem_raw);
     const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<Tr::BN>(dims);
+    const KeyBlock blk = KeyBlock::from_grid<Tr::BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int n0 = blk.n0, batch = blk.batch;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const A scale = A(p.scale);
@@ -307,7 +307,7 @@ flash_bwd_dq_fma(const BwdParams p) {
     typedef typename Tr::A A;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const BwdSmem<T, Tr> sm(smem_raw);
-    const QueryBlock blk = QueryBlock::from_grid<Tr::BM>(p.dims);
+    const QueryBlock blk = QueryBlock::from_grid<Tr::BM>(p.dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const ScoreMod<Flags, A, T> mod(p.mask, p.dims, acc_param<A>(p.scale_log2, p.scale_log2_f), blk.batch, blk.head);
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, Tr::BN);

@@ -105,7 +105,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims);
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int n0 = blk.n0, kv_head = blk.kv_head, batch = blk.batch, keys_valid = blk.keys;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float scale = float(p.scale);
@@ -304,7 +304,7 @@ flash_bwd_dq_mma(const BwdParams p) {
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int m0 = blk.m0, head = blk.head, batch = blk.batch, kv_head = blk.kv_head, rows_valid = blk.rows;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = warp * 16;

@@ -151,7 +151,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
 
     const AttnDims& dims = p.dims;
     const bool key_major = Flags::EXTRA && DO_DK && p.dbias.mode == DBIAS_KEY_MAJOR;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, key_major ? DBIAS_HEAD_GROUP : 0);
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, key_major ? DBIAS_HEAD_GROUP : shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int n0 = blk.n0, batch = blk.batch, keys_valid = blk.keys;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int key0 = warp * 16;                                   // this warp's first key within the block
@@ -359,7 +359,7 @@ flash_bwd_dq_tf32(const BwdParams p) {
     float* bias_s = v_s + 2 * Tr::KV_ELEMS;                       // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = warp * 16;                                   // this warp's first row within the block
     const ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);

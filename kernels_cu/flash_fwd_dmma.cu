@@ -83,7 +83,7 @@ flash_fwd_dmma(const FwdParams p) {
     double* bias_s = v_s + Cfg::STAGES * Tr::V_ELEMS;      // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const ScoreMod<Flags, double, double> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);

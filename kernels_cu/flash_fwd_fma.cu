@@ -48,7 +48,7 @@ flash_fwd_fma(const FwdParams p) {
     A* p_s = v_s + BN * Tr::V_PITCH;
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int m0 = blk.m0;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int row0 = ty * Tr::TM;   // first row of this thread within the tile

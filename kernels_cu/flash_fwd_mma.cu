@@ -61,7 +61,7 @@ flash_fwd_mma(const FwdParams p) {
     T* bias_s = v_s + 2 * Tr::KV_ELEMS;          // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
                                         blk.head);

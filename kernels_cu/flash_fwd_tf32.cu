@@ -64,7 +64,7 @@ flash_fwd_tf32(const FwdParams p) {
     float* bias_s = v_s + 2 * Tr::KV_ELEMS;               // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
     const float x_per_s = mod.x_per_score();

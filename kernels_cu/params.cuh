@@ -155,6 +155,26 @@ struct BlockInfo {
     }
 };
 
+// The (batch, head) groups (BlockInfo's head_group) of a grid whose CTAs read a bias or a
+// boolean mask that has rows and is shared across batches or heads ((1, 1, Lq, Lk), (B, 1, Lq,
+// Lk), ...): CTAs of one tile index (query rows, or keys) read the same slice of it. With tiles
+// fastest a wave spans every tile of a few heads, so it walks the whole tensor once per head: a
+// (1, 1, 4096, 4096) fp32 bias is 64 MB, above the H100's 50 MB L2, read from DRAM once for each
+// of 64 (batch, head) pairs. 16 heads side by side read each slice into L2 once per group.
+constexpr int SHARED_SCORES_HEAD_GROUP = 16;
+
+__device__ __forceinline__ bool shared_with_rows(const ScoreTensor& t) {
+    return t.ptr != nullptr && t.row_stride != 0 && (t.batch_stride == 0 || t.head_stride == 0);
+}
+
+template <bool EXTRA>
+__device__ __forceinline__ int shared_scores_head_group(const MaskParams& m) {
+    if constexpr (EXTRA) {
+        if (shared_with_rows(m.bias) || shared_with_rows(m.mask)) return SHARED_SCORES_HEAD_GROUP;
+    }
+    return 0;
+}
+
 // What a query-major CTA owns (forward, deterministic dQ, the row-wise kernels):
 // query rows [m0, m0 + rows) of query head `head`, which reads K/V head kv_head.
 // Grid: ceil(Lq / BM) x Hq x B.
@@ -162,9 +182,10 @@ struct QueryBlock {
     int batch, head, kv_head;
     int m0, rows;   // rows <= BM: the block's rows inside the sequence
 
+    // head_group: BlockInfo's, over (batch, query head) pairs.
     template <int BM, bool REVERSE = true>
-    __device__ __forceinline__ static QueryBlock from_grid(const AttnDims& dims) {
-        const BlockInfo b = BlockInfo::from_grid<REVERSE>(ceil_div(dims.lq, BM), dims.heads_q);
+    __device__ __forceinline__ static QueryBlock from_grid(const AttnDims& dims, int head_group = 0) {
+        const BlockInfo b = BlockInfo::from_grid<REVERSE>(ceil_div(dims.lq, BM), dims.heads_q, head_group);
         const int m0 = b.tile * BM;
         return {b.batch, b.head, b.head / dims.group, m0, imin(BM, dims.lq - m0)};
     }
