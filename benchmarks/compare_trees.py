@@ -69,7 +69,10 @@ def masking_cases():
     for kind in ("fwd", "fwd+bwd"):
         out += [("bias (1,1,L,L)", kind, "float16", 4, 16, 4096, 64, False, bias),
                 ("key padding", kind, "float16", 4, 16, 4096, 64, False, padding),
-                ("window (256, 0)", kind, "float16", 1, 16, 16384, 64, True, window)]
+                ("window (256, 0)", kind, "float16", 1, 16, 16384, 64, True, window),
+                ("bias (1,1,L,L)", kind, "float32", 4, 16, 4096, 64, False, bias),
+                ("bias (1,1,L,L)", kind, "float32", 1, 16, 8192, 64, False, bias),
+                ("bias (1,1,L,L)", kind, "float16", 1, 16, 16384, 64, False, bias)]
     return out
 
 
@@ -152,7 +155,8 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--host", action="store_true", help="only the host overhead per call")
     parser.add_argument("--only", default=None, help="only the cases whose label (e.g. 'fwd bfloat16 128 4096 "
-                                                     "True') matches this regular expression")
+                                                     "True'; masking cases: 'bias (1,1,L,L) fwd float32 8192') "
+                                                     "matches this regular expression")
     parser.add_argument("--lengths", default=None, help="comma-separated forward lengths (default 1024,4096; "
                                                         "4096 with --quick)")
     parser.add_argument("--masking", action="store_true", help="also the masking benchmark's bias, key padding "
@@ -180,14 +184,16 @@ def main(argv=None):
               f"{1 / r['ratio_spread'][1]:5.3f}-{1 / r['ratio_spread'][0]:5.3f} {r['max_abs_diff_first_output']:9.2e}",
               flush=True)
     if args.masking:
-        print(f"{'masking case':16} {'pass':8} {'before ms':>10} {'after ms':>9} {'speed-up':>8} {'spread':>12} "
+        print(f"{'masking case':16} {'pass':8} {'dtype':8} {'L':>5} {'before ms':>10} {'after ms':>9} {'speed-up':>8} {'spread':>12} "
               f"{'max|diff|':>9}", flush=True)
         for label, kind, dtype, b, h, n, d, causal, make in masking_cases():
+            if args.only and not re.search(args.only, f"{label} {kind} {dtype} {n}"):
+                continue
             r = run_case(mods, kind, dtype, d, n, causal, args.rounds, args.repeat, b=b, h=h,
                          opts=make(b, h, n, dtype))
             r["case"] = label
             rows.append(r)
-            print(f"{label:16} {kind:8} {r['before_ms']:10.3f} {r['after_ms']:9.3f} {r['speedup']:7.3f}x "
+            print(f"{label:16} {kind:8} {dtype:8} {n:5d} {r['before_ms']:10.3f} {r['after_ms']:9.3f} {r['speedup']:7.3f}x "
                   f"{1 / r['ratio_spread'][1]:5.3f}-{1 / r['ratio_spread'][0]:5.3f} "
                   f"{r['max_abs_diff_first_output']:9.2e}", flush=True)
     if args.json:
