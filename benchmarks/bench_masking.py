@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _cp_dtype, _time, torch  # noqa: E402
+from bench_precision import git_commit  # noqa: E402
 
 import cupy as cp  # noqa: E402
 
@@ -134,9 +135,11 @@ def small_heads(rows, quick, repeat):
                 _row(rows, "small head", f"D={d} {dtype}", b, h, n, d, bwd, res)
 
 
-def markdown(rows, device):
-    lines = [f"# cuflash masking benchmarks ({device})", "",
-             "| group | case | pass | cuflash ms | cuflash TFLOP/s* | SDPA efficient ms | ratio |", "|---|---|---|---|---|---|---|"]
+def markdown(rows, device, meta=None):
+    lines = [f"# cuflash masking benchmarks ({device})", ""]
+    if meta:
+        lines += [f"`{meta['command']}` (commit {meta.get('commit') or '?'}, torch {meta.get('torch')})", ""]
+    lines += ["| group | case | pass | cuflash ms | cuflash TFLOP/s* | SDPA efficient ms | ratio |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["results"]["cuflash"]
         e = r["results"].get("torch efficient")
@@ -161,10 +164,11 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     stem = "masking-" + re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
     meta = dict(device=device, command="PYTHONPATH=. python benchmarks/bench_masking.py " + " ".join(argv or sys.argv[1:]),
-                time=time.strftime("%Y-%m-%d %H:%M"), torch=None if torch is None else torch.__version__)
+                time=time.strftime("%Y-%m-%d %H:%M"), torch=None if torch is None else torch.__version__,
+                commit=git_commit())
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    (out / f"{stem}.md").write_text(markdown(rows, device))
-    print(markdown(rows, device))
+    (out / f"{stem}.md").write_text(markdown(rows, device, meta))
+    print(markdown(rows, device, meta))
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def device_slug(device):
 
 # ----------------------------------------------------------------------------- the GPU part
 
-def _git_commit():
+def git_commit():
     """The tree's commit: $CUFLASH_COMMIT where set (a device copy of a working tree may carry another
     checkout's git metadata), else git's HEAD."""
     if os.environ.get("CUFLASH_COMMIT"):
@@ -533,7 +533,7 @@ def main(argv=None):
         results.append(res)
         print(short_table(res), flush=True)
     meta = {"device": device, "cupy": cp.__version__, "torch": getattr(torch, "__version__", None),
-            "cuflash": cuflash.__version__, "commit": _git_commit(),
+            "cuflash": cuflash.__version__, "commit": git_commit(),
             "command": "python benchmarks/bench_precision.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "time": time.strftime("%Y-%m-%d %H:%M"), "logit_scale": args.logit_scale, "seed": args.seed,
             "ref": args.ref, "probe": args.probe, "ref_seconds": round(ref_s, 1),
