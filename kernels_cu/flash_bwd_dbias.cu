@@ -140,12 +140,7 @@ flash_bwd_dbias_mma(const BwdParams p) {
         const int m0 = w.m0<BM>(step);
         mod.batch = w.batch(step);
         mod.head = w.head(step);
-        if (Tr::STAGES == 2 && next < w.end) {   // prefetch the next step while this one computes
-            issue_step(next, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        prefetch_next_step<Tr::STAGES>(next, w.end, stage, issue_step);   // the next step meanwhile
         load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, mod.batch, mod.head, m0, rows_of(step));
         __syncthreads();
 

@@ -204,12 +204,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
         const int head = step_head(step), q_block = step_block(step), m0 = q_block * BM;
         const int rows_valid = imin(BM, dims.lq - m0);
         mod.head = head;
-        if (Tr::STAGES == 2 && next < n_steps) {   // prefetch the next block while this one computes
-            issue_query_block(next, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        prefetch_next_step<Tr::STAGES>(next, n_steps, stage, issue_query_block);   // the next block meanwhile
         load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
         __syncthreads();
         const double* q_s = q_stages + stage * Tr::QD_ELEMS;
@@ -359,12 +354,7 @@ flash_bwd_dq_dmma(const BwdParams p) {
     }
     for (int stage = 0; j < keys.end; stage ^= 1) {
         const int next = next_tile(j + 1);
-        if (next < keys.end) {   // prefetch the next visible tile into the other stage
-            load_kv(next, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        prefetch_next_step<2>(next, keys.end, stage, load_kv);   // the next visible tile into the other stage
         __syncthreads();
         const double* k_tile = k_s + stage * Tr::KV_ELEMS;
         double s[M][Tr::S_TILES][2], dp[M][Tr::S_TILES][2];

@@ -162,12 +162,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         const int next = next_step(step + 1);
         const int head = step_head(step), m0 = step_m0(step), rows_valid = imin(BM, dims.lq - m0);
         mod.head = head;
-        if (Tr::STAGES == 2 && next < n_steps) {   // prefetch the next block while this one computes
-            issue_query_block(next, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        prefetch_next_step<Tr::STAGES>(next, n_steps, stage, issue_query_block);   // the next block meanwhile
         load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
         __syncthreads();
         const T* q_s = q_stages + stage * BM * P;

@@ -123,12 +123,7 @@ flash_fwd_dmma(const FwdParams p) {
     const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
     for (int stage = 0; j < keys.end; stage ^= 1) {
         const int next = next_tile(j + 1);
-        if (next < keys.end) {   // prefetch the next visible tile into the other stage
-            load_kv(next, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        prefetch_next_step<2>(next, keys.end, stage, load_kv);   // the next visible tile into the other stage
         __syncthreads();
 
         double s[M][Tr::S_TILES][2];   // S = Q K^T for this warp's rows

@@ -99,12 +99,7 @@ flash_fwd_mma(const FwdParams p) {
     if constexpr (!Flags::EXTRA) full = mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
     for (int stage = 0; j < keys.end; stage ^= 1) {
         const int next = next_tile(j + 1);
-        if (next < keys.end) {   // prefetch the next visible tile into the other stage
-            load_kv(next, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        prefetch_next_step<2>(next, keys.end, stage, load_kv);   // the next visible tile into the other stage
         __syncthreads();
 
         float s[M][Tr::S_TILES][4];   // S = Q K^T for this warp's rows

@@ -21,6 +21,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
+// One step of a ring of STAGES (1 or 2) cp.async stages over a sequence of steps (key tiles, or
+// query blocks): with two stages and a step `next` before `end`, issue(next, stage ^ 1) starts
+// its copies into the other stage (issue commits its group) while this step computes from
+// `stage`. Returns once this thread's copies for this step have landed; a CTA barrier must
+// follow before any thread reads the stage.
+template <int STAGES, typename Issue>
+__device__ __forceinline__ void prefetch_next_step(int next, int end, int stage, Issue&& issue) {
+    if (STAGES == 2 && next < end) {
+        issue(next, stage ^ 1);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+}
+
 // VEC: 16-byte cp.async chunks. The caller guarantees 16-byte aligned rows and,
 // unless CUT_CHUNKS, cols_valid a multiple of the chunk (with CUT_CHUNKS a chunk
 // the row end cuts is copied element by element). Otherwise element by element.
