@@ -23,15 +23,6 @@
 #include "params.cuh"
 #include "atomics.cuh"
 
-// The dK/dV grid's (batch, K/V head) groups while CTAs add into a key-major accumulator shared
-// across heads (KeyBlock::from_grid's head_group). With tiles fastest (no groups) a wave of CTAs
-// spans every key block of a few heads, so it touches the whole accumulator (64 MB in fp32 at
-// L = 4096), which the 50 MB L2 cannot hold: each head's pass went to DRAM (ncu, eleventh session:
-// 7.8 GB of DRAM traffic in a 6.0 ms kernel against 0.3 GB without dbias). 16 heads side by side
-// keep a wave on 132 / 16 ~ 8 key blocks (16 MB of accumulator at L = 4096, D = 64, 128-key blocks)
-// and their Q / dO (16 MB) in L2, and revisit each accumulator slice once per group.
-constexpr int DBIAS_HEAD_GROUP = 16;
-
 // The word a lane sends to its partner t ^ 1 and the four it then adds: an even t keeps key g,
 // queries 2t, 2t + 1 and takes 2t + 2, 2t + 3 from its partner; an odd t keeps key g + 8,
 // queries 2t, 2t + 1 and takes 2t - 2, 2t - 1. frag: elements 0-3 of one n8 tile.

@@ -151,7 +151,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
 
     const AttnDims& dims = p.dims;
     const bool key_major = Flags::EXTRA && DO_DK && p.dbias.mode == DBIAS_KEY_MAJOR;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, key_major ? DBIAS_HEAD_GROUP : shared_scores_head_group<Flags::EXTRA>(p.mask));
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask, key_major));
     const int n0 = blk.n0, batch = blk.batch, keys_valid = blk.keys;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int key0 = warp * 16;                                   // this warp's first key within the block

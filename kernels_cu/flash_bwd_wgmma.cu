@@ -715,7 +715,7 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     float* stats0 = reinterpret_cast<float*>(sm.at(sm.stats));
 
     const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, DBIAS ? DBIAS_HEAD_GROUP : shared_scores_head_group<Flags::EXTRA>(p.mask));
+    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask, DBIAS));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
     ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
                                   blk.first_head);

@@ -131,7 +131,7 @@ struct BlockInfo {
     // head_group 0: tiles vary fastest, then heads, then batches. head_group G > 0: the (batch,
     // head) pairs in groups of G, each group's CTAs tile by tile with its G pairs side by side
     // (the last group may be smaller), so that the CTAs that add into one tile of an accumulator
-    // shared across heads run together (dbias, bias_grad_t.cuh: DBIAS_HEAD_GROUP). For a fixed
+    // shared across heads run together (shared_scores_head_group below). For a fixed
     // tile, blockIdx still grows with (batch, head) in both orders.
     template <bool REVERSE>
     __device__ __forceinline__ static BlockInfo from_grid(int n_tiles, int heads, int head_group = 0) {
@@ -155,12 +155,14 @@ struct BlockInfo {
     }
 };
 
-// The (batch, head) groups (BlockInfo's head_group) of a grid whose CTAs read a bias or a
-// boolean mask that has rows and is shared across batches or heads ((1, 1, Lq, Lk), (B, 1, Lq,
-// Lk), ...): CTAs of one tile index (query rows, or keys) read the same slice of it. With tiles
-// fastest a wave spans every tile of a few heads, so it walks the whole tensor once per head: a
-// (1, 1, 4096, 4096) fp32 bias is 64 MB, above the H100's 50 MB L2, read from DRAM once for each
-// of 64 (batch, head) pairs. 16 heads side by side read each slice into L2 once per group.
+// The (batch, head) groups (BlockInfo's head_group) of a grid whose CTAs share a tensor across
+// batches or heads: a bias or boolean mask that has rows ((1, 1, Lq, Lk), (B, 1, Lq, Lk), ...), whose
+// slice for one tile index (query rows, or keys) every (batch, head) reads, or a dbias accumulator
+// they all add into (`adds_shared_dbias`: the key-major one, bias_grad_t.cuh). With tiles fastest a
+// wave spans every tile of a few heads and walks the whole tensor once per head: a (1, 1, 4096,
+// 4096) fp32 bias or accumulator is 64 MB, above the H100's 50 MB L2, so each (batch, head) pass
+// went to DRAM (ncu, eleventh session: 7.8 GB in the Hopper dbias kernel; 1.9 GB with groups).
+// 16 heads side by side read or add each slice once per group.
 constexpr int SHARED_SCORES_HEAD_GROUP = 16;
 
 __device__ __forceinline__ bool shared_with_rows(const ScoreTensor& t) {
@@ -168,9 +170,9 @@ __device__ __forceinline__ bool shared_with_rows(const ScoreTensor& t) {
 }
 
 template <bool EXTRA>
-__device__ __forceinline__ int shared_scores_head_group(const MaskParams& m) {
+__device__ __forceinline__ int shared_scores_head_group(const MaskParams& m, bool adds_shared_dbias = false) {
     if constexpr (EXTRA) {
-        if (shared_with_rows(m.bias) || shared_with_rows(m.mask)) return SHARED_SCORES_HEAD_GROUP;
+        if (adds_shared_dbias || shared_with_rows(m.bias) || shared_with_rows(m.mask)) return SHARED_SCORES_HEAD_GROUP;
     }
     return 0;
 }
