@@ -1,6 +1,7 @@
 """Time float32 precision="highest" (3xTF32) candidates side by side: tiles and the operand
 split (Tile.split: 1 rounded, the table's; 2 TF32X3_FAST, warp_gemm_tf32.cuh), forward
-(fwd_tf32x3) and backward (bwd_dkdv_tf32x3), each checked against float64.
+(fwd_tf32x3) and backward (bwd_dkdv_tf32x3), each checked against float64; on a Hopper GPU also the
+forward on TF32 wgmma (fwd_wgmma_tf32x3, FWD_WGMMA_CANDIDATES; rows "wgmma ...").
 B x L = 16384 tokens, H x D = 2048, non-causal and causal (top-left).
 
     PYTHONPATH=. python benchmarks/tune_f32.py [--heads 64,128] [--length 4096] [--logit-scale 1]
@@ -44,6 +45,18 @@ FWD_CANDIDATES = {
           Tile(128, 16, 8, 2, "fast split", split=2),    # the element-load tile (210 / 238 regs)
           Tile(128, 32, 8, 2, "rounded", split=1)],      # 252 regs sm_90 (sm_80: 28 bytes spilled)
 }
+# The Hopper forward on TF32 wgmma (fwd_wgmma_tf32x3, arch "sm90a"; branch tf32-wgmma, offline only): timed
+# after the portable candidates, its errors held to the portable table kernel's (the rule below). The portable
+# candidates run with the sm90a row hidden (without_hopper_forward), as the launcher would without it.
+# Offline (NVRTC 12.9, sm_90a), 0 spills each; benchmarks/NOTES.md, branch tf32-wgmma.
+HOPPER_FWD = "fwd_wgmma_tf32x3"
+FWD_WGMMA_CANDIDATES = {
+    64: [None,                                           # 128x64/12w, TF32X3_PARTS: two consumer warpgroups
+         Tile(128, 64, 12, 2, "rounded parts", split=1),  # both parts by Veltkamp (7 FP32 instructions, not 4)
+         Tile(64, 64, 8, 2, "one consumer", split=3)],    # 193 KB: the softmax not overlapped by a second warpgroup
+    128: [None,                                          # 64x32/8w, one consumer warpgroup (225 KB)
+          Tile(64, 32, 8, 2, "rounded parts", split=1)],
+}
 BWD_CANDIDATES = {
     64: [None,
          Tile(16, 64, 4, 2, "rounded", split=1)],                # the table before
@@ -59,8 +72,32 @@ def label(tile):
     return f"{tile.block_m}x{tile.block_n}/{tile.warps}w{passes} s{tile.split}"
 
 
+@contextlib.contextmanager
+def without_hopper_forward(d):
+    """The variant table without its float32 Hopper forward row at head dim ``d``: an H100 then runs the
+    portable fwd_tf32x3 (its "sm90" row included), as it would with no such row."""
+    key = ("sm90a", HOPPER_FWD, "float32", d)
+    saved = _variants._TABLE.pop(key, None)
+    caches = (_variants.forward_variant, _variants.forward_choice)
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            _variants._TABLE[key] = saved
+        for cached in caches:
+            cached.cache_clear()
+
+
 def override(family, d, tile):
-    return contextlib.nullcontext() if tile is None else tile_override(family, d, tile, dtypes=("float32",))
+    stack = contextlib.ExitStack()
+    if family == "fwd_tf32x3":
+        stack.enter_context(without_hopper_forward(d))
+    if tile is not None:
+        arch = "sm90a" if family == HOPPER_FWD else None
+        stack.enter_context(tile_override(family, d, tile, dtypes=("float32",), arch=arch))
+    return stack
 
 
 def expected(family, d, tile):
@@ -68,6 +105,8 @@ def expected(family, d, tile):
     row where there is one)."""
     if tile is not None:
         return tile
+    if family == HOPPER_FWD:
+        return _variants.Variant(family, "float32", d, arch="sm90a").tiles()[0]
     arch = _variants._portable_arch(family, "float32", d, False, 90)
     return _variants.Variant(family, "float32", d, arch=arch).tiles()[0]
 
@@ -165,6 +204,13 @@ def sdpa_efficient(q, k, v, do, causal, repeat):
     return f_ms, b_ms - f_ms
 
 
+def _hopper():
+    """Whether the current GPU takes the sm90a kernels (compute capability 9.0)."""
+    from cuflash import _launch
+
+    return _launch._compute_capability() == _variants.HOPPER_CC
+
+
 def flagged_errors(errs, table_errs):
     """Whether a candidate's errors fail the rule: not finite, or above twice the table's + 2^-24
     (the table's own row: not finite)."""
@@ -228,6 +274,15 @@ def main():
                     ms = median_ms(run, args.repeat)
                 row("fwd", label(tile), ms, errs, table_errs, peer and peer[0])
                 table_errs = table_errs or errs
+            for tile in FWD_WGMMA_CANDIDATES.get(d, []) if _hopper() else []:
+                with override(HOPPER_FWD, d, tile):
+                    run = lambda: cuflash.attention_forward(q, k, v, causal=causal, precision="highest")
+                    with launches() as seen:
+                        out, _ = run()
+                    check_ran(seen, HOPPER_FWD, d, tile, f"fwd d={d} causal={causal} wgmma {label(tile)}")
+                    errs = [rel_err(out, ref[0])]
+                    ms = median_ms(run, args.repeat)
+                row("fwd", "wgmma " + label(tile), ms, errs, table_errs, peer and peer[0])
             if args.skip_bwd:
                 continue
             out, lse = cuflash.attention_forward(q, k, v, causal=causal, precision="highest")

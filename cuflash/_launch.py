@@ -89,9 +89,10 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
                                         few_keys(head, k.shape[2]), _compute_capability(), _smem_limit(), precision)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
-    if variant.family == "fwd_wgmma":
-        # The Hopper kernel loads through tensor maps (the driver's encoder and layouts a map can describe)
-        # and copies a bias by 16-byte chunks of its rows.
+    if variant.arch == "sm90a":
+        # The Hopper kernels (16-bit, and float32 on TF32 wgmma) load through tensor maps (the driver's
+        # encoder and layouts a map can describe; float32 maps need the same 16-byte aligned bases and
+        # strides) and copy a bias by 16-byte chunks of its rows.
         maps = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n)
                 if masking.bias_in_chunks else None)
         if maps is not None:

@@ -6,7 +6,8 @@ box of one 128-byte swizzle slab (64 16-bit or 32 fp32 columns, kernels_cu/wgmma
 ``box_rows`` rows, 128-byte swizzled in shared memory. Loads (Q, K, V, dO) fill what lies
 outside the array (rows past L, columns past D) with zeros; stores (the forward's O) and
 reductions (the backward's fp32 dQ accumulator) leave it alone. A kernel takes its maps as one
-``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/flash_fwd_wgmma.cu,
+``__grid_constant__`` parameter (``FwdTensorMaps`` in kernels_cu/tma.cuh, for the 16-bit
+flash_fwd_wgmma.cu and the float32 flash_fwd_wgmma_tf32.cu, whose float32 maps have 32-column boxes;
 ``BwdTensorMaps`` in kernels_cu/flash_bwd_wgmma.cu).
 """
 from __future__ import annotations
@@ -73,9 +74,9 @@ def _strides_if_ok(x):
 
 
 def tma_ok(*arrays) -> bool:
-    """Whether the copy engine can read these 4-D 16-bit arrays: the rule :func:`tensor_maps` applies
-    (:func:`_strides_if_ok`), for the tests."""
-    return all(x.itemsize == 2 and _strides_if_ok(x) is not None for x in arrays)
+    """Whether the copy engine can read these 4-D 16-bit or float32 arrays: the rule :func:`tensor_maps`
+    applies (:func:`_strides_if_ok`), for the tests."""
+    return all(x.itemsize in (2, 4) and _strides_if_ok(x) is not None for x in arrays)
 
 
 _WORDS = 12   # 64-bit words of one map's encoder arguments: dims 4, strides 3 + 1, box 2, element strides 2

@@ -19,6 +19,8 @@ fwd_dmma            flash_fwd_dmma.cu       forward, float64, mma.sync m8n8k4 (f
 fwd_wgmma           flash_fwd_wgmma.cu      forward, float16/bfloat16, Hopper wgmma (arch "sm90a")
 fwd_tf32x3          flash_fwd_tf32.cu       forward, float32 precision="highest", split TF32 (3xTF32) mma.sync
 fwd_tf32            flash_fwd_tf32.cu       forward, float32 precision="tf32", TF32 mma.sync
+fwd_wgmma_tf32x3    flash_fwd_wgmma_tf32.cu forward, float32 precision="highest", 3xTF32 on Hopper wgmma (arch "sm90a")
+fwd_wgmma_tf32      flash_fwd_wgmma_tf32.cu forward, float32 precision="tf32", TF32 on Hopper wgmma (arch "sm90a")
 fwd_fma             flash_fwd_fma.cu        forward, float32 where no TF32 tile fits, CUDA-core FMA
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
@@ -95,7 +97,9 @@ class Tile:
     sm_90+ only, so in "sm90" rows): 0 runs their GEMMs on ``mma.m8n8k4``, 4 / 8 / 16 on
     ``mma.m16n8k{4,8,16}`` over pairs of 8-row tiles (warp_gemm_f64.cuh), which run at full fp64
     tensor-core rate on the H100 where m8n8k4 runs at half (benchmarks/dmma_rate.py: 66 against 33
-    TFLOP/s). ``vec_only``: only variants with 16-byte loads (``Variant.vec``) take this tile; the
+    TFLOP/s). ``split`` 3 (TF32X3_PARTS, the Hopper wgmma forward's ``fwd_wgmma_tf32x3``): big as
+    the fast split's, small = a - big with its low 13 bits cleared, so that the tensor core reads both
+    exactly whether it rounds or truncates. ``vec_only``: only variants with 16-byte loads (``Variant.vec``) take this tile; the
     element-load ones go on to the next (a tile whose scalar loader's addresses push it past the
     registers)."""
 
@@ -281,6 +285,26 @@ _add("fwd_tf32", ["float32"], [128], Tile(128, 32, 4, 2, "two strips a warp, 32-
 _add("fwd_tf32", ["float32"], [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles: "
                                                         "195 KB"),
      Tile(64, 16, 4, 2, "16-key tiles: 130 KB, the A100"))
+# float32 on Hopper's warpgroup MMA with TF32 operands (flash_fwd_wgmma_tf32.cu, arch "sm90a"; branch
+# tf32-wgmma, written and compiled offline, NOT RUN ON A GPU yet): a TMA producer warpgroup that also
+# writes K's parts and V's transposed parts (TF32 wgmma takes K-major shared operands only), consumer
+# warpgroups of 64 rows; 3xTF32 in fresh fragments pipelined two deep (wgmma_tf32.cuh). Shared memory
+# is the limit (fp32 parts: Q twice, a stage K twice, V once as loaded, V^T twice): head dim 64 takes
+# two consumer warpgroups and 64-key tiles (225 KB), head dim 128 one warpgroup and 32-key tiles
+# (225 KB). Offline compile (NVRTC 12.9, sm_90a), 0 spills: d=64 168 registers at launch (consumers
+# 232, the producer 40 after setmaxnreg), d=128 240. No EXTRA options (those calls keep fwd_tf32x3).
+_add("fwd_wgmma_tf32x3", ["float32"], [64], Tile(128, 64, 12, 2, "a TMA producer (K's parts, V^T's) and two "
+                                                                "consumer warpgroups of 64 rows, 64-key tiles: "
+                                                                "225 KB (offline only)", split=3), arch="sm90a")
+_add("fwd_wgmma_tf32x3", ["float32"], [128], Tile(64, 32, 8, 2, "a TMA producer and one consumer warpgroup, "
+                                                               "32-key tiles: 225 KB (offline only)", split=3),
+     arch="sm90a")
+# Plain TF32: one wgmma a k8 step, chained; no small parts (d=64 129 KB, d=128 129 KB). The same tiles
+# as 3xTF32 until measured (benchmarks/tune_f32.py has larger candidates).
+_add("fwd_wgmma_tf32", ["float32"], [64], Tile(128, 64, 12, 2, "as fwd_wgmma_tf32x3's: 129 KB (offline only)"),
+     arch="sm90a")
+_add("fwd_wgmma_tf32", ["float32"], [128], Tile(64, 32, 8, 2, "as fwd_wgmma_tf32x3's: 129 KB (offline only)"),
+     arch="sm90a")
 # (float64 forwards run on the fp64 tensor cores below; fwd_fma compiles for double too, and
 # forward_variant falls back to it for any head bucket that has no fwd_dmma entry.)
 
@@ -515,6 +539,15 @@ def _smem_fwd_wgmma(v: "Variant") -> int:
     return 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype] + 8 * barriers
 
 
+def _smem_fwd_wgmma_tf32(v: "Variant") -> int:
+    # FwdWgmmaTf32Traits: fp32 swizzled tiles (1024 bytes of alignment slack): Q (loaded, then big)
+    # and with 3xTF32 Q small; per stage K (loaded, then big) [+ K small], V as loaded, V^T big
+    # [+ V^T small]; then mbarriers: Q full, and K / V full, ready, empty per stage, 8 bytes each.
+    t, parts = v.tile, 2 if v.split else 1
+    kv = t.block_n * v.head * 4
+    return 1024 + parts * t.block_m * v.head * 4 + t.stages * (2 * parts + 1) * kv + 8 * (1 + 6 * t.stages)
+
+
 def _smem_dkdv_wgmma(v: "Variant") -> int:
     # Swizzled K, V once; Q, dO and the row statistics (lse, Dsum: fp32) per stage; dS^T twice;
     # the two consumer warpgroups' 64 x 64 fp32 dQ blocks; 1024 bytes of alignment slack;
@@ -622,7 +655,8 @@ class Family:
 
 
 FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward",
-               "fwd_tf32x3": "forward", "fwd_tf32": "forward",
+               "fwd_tf32x3": "forward", "fwd_tf32": "forward", "fwd_wgmma_tf32x3": "forward",
+               "fwd_wgmma_tf32": "forward",
                "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
                "bwd_dq_fma": "deterministic backward", "bwd_dkdv_tf32x3": "backward", "bwd_dkdv_tf32": "backward",
@@ -636,6 +670,10 @@ FAMILIES: Dict[str, Family] = {
     "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),
     "fwd_tf32x3": Family("flash_fwd_tf32", "flash_fwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_fwd_tf32),
     "fwd_tf32": Family("flash_fwd_tf32", "flash_fwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_fwd_tf32),
+    "fwd_wgmma_tf32x3": Family("flash_fwd_wgmma_tf32", "flash_fwd_wgmma_tf32.cu", ("mask", "split"), "q",
+                               _smem_fwd_wgmma_tf32),
+    "fwd_wgmma_tf32": Family("flash_fwd_wgmma_tf32", "flash_fwd_wgmma_tf32.cu", ("mask", "split"), "q",
+                             _smem_fwd_wgmma_tf32),
     "bwd_dsum": Family("flash_bwd_dsum", "flash_bwd_aux.cu", (), "q", lambda v: 0),
     "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
                            _smem_dkdv_mma),
@@ -859,6 +897,10 @@ def _portable_arch(family: str, dtype: str, head: int, extra: bool, cc: int) -> 
 TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 """float32 precision -> the tensor-core forward family (flash_fwd_tf32.cu)."""
 
+TF32_WGMMA_FAMILY = {"highest": "fwd_wgmma_tf32x3", "tf32": "fwd_wgmma_tf32"}
+"""float32 precision -> the Hopper forward family (flash_fwd_wgmma_tf32.cu, arch "sm90a"), chosen on
+compute capability 9.0 for calls without EXTRA options whose rows are 16-byte loadable."""
+
 FLOAT32_PRECISIONS = ("highest", "tf32", "fma")
 """What :func:`forward_variant` takes for float32: the public precisions, and "fma", the FMA forward
 (the float32 fallback, kept selectable as the accuracy and speed baseline of the tensor-core kernels
@@ -868,7 +910,7 @@ for the benchmarks and the GPU tests; no public option names it)."""
 @functools.lru_cache(maxsize=None)
 def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
                     smem_limit: int = SMEM_MAX, cc: int = 80, short: bool = False,
-                    precision: str = "highest") -> Variant:
+                    precision: str = "highest", wgmma: bool = True) -> Variant:
     """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
     allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
     with 16-byte loadable rows take the wgmma kernel where the table has one, EXTRA options
@@ -876,8 +918,16 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     still takes the portable kernel where tensor maps cannot describe the arrays or a bias's
     rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
     3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
-    shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision)."""
+    shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision); on
+    Hopper, calls without EXTRA options and with 16-byte loadable rows take the wgmma kernel of
+    :data:`TF32_WGMMA_FAMILY` where the table has one (``short`` does not apply: its threshold is
+    the 16-bit kernel's measurement). ``wgmma`` False: the portable kernel the GPU would take were
+    there no Hopper kernel (the fallback where tensor maps cannot describe a call's arrays)."""
     if dtype == "float32":
+        hopper = TF32_WGMMA_FAMILY.get(precision)
+        if cc == HOPPER_CC and wgmma and vec and not extra and ("sm90a", hopper, dtype, head) in _TABLE:
+            with contextlib.suppress(ValueError):   # no Hopper tile fits: the portable kernels below
+                return Variant(hopper, dtype, head, band=band, arch="sm90a").fitted(smem_limit)
         family = TF32_FAMILY.get(precision)
         if ("sm80", family, dtype, head) in _TABLE:
             try:
@@ -886,7 +936,7 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
             except ValueError:   # no TF32 tile fits this GPU
                 pass
         return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
-    if (cc == HOPPER_CC and vec and not short
+    if (cc == HOPPER_CC and wgmma and vec and not short
             and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE):
         return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
     if dtype in HALF_TYPES:
@@ -901,10 +951,11 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
 def forward_choice(dtype: str, head: int, band: bool, extra: bool, vec: bool, short: bool, cc: int,
                    smem_limit: int, precision: str = "highest") -> Tuple[Variant, Variant]:
     """(:func:`forward_variant` for these facts, the portable variant a call falls back to where the
-    Hopper kernel cannot take its arrays), with positional arguments: one cache lookup a call."""
+    Hopper kernel cannot take its arrays: the same GPU's, "sm90" rows included), with positional
+    arguments: one cache lookup a call."""
     choose = functools.partial(forward_variant, dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit,
-                               short=short, precision=precision)
-    return choose(cc=cc), choose(cc=80)
+                               short=short, precision=precision, cc=cc)
+    return choose(), choose(wgmma=False)
 
 
 TF32_BWD_FAMILIES = {"highest": ("bwd_dkdv_tf32x3", "bwd_dq_tf32x3"), "tf32": ("bwd_dkdv_tf32", "bwd_dq_tf32")}

@@ -43,13 +43,6 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 
-// The kernel's tensor maps (cuflash/_tma.py): Q, K, V as 4-D (D, L, H, B) tensors, a box of
-// 64 columns (one 128-byte swizzle slab) by BM (Q) or BN (K, V) rows.
-// O: the output, boxes of 64 columns x 64 rows (one consumer warpgroup's rows), written.
-struct FwdTensorMaps {
-    TensorMap q, k, v, o;
-};
-
 template <typename T, typename Cfg, bool EXTRA>
 struct FwdWgmmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS, STAGES = Cfg::STAGES;

@@ -22,6 +22,14 @@ struct alignas(64) TensorMap {
     unsigned long long opaque[16];
 };
 
+// The Hopper forwards' tensor maps (cuflash/_tma.py, fwd_tensor_maps): Q, K, V as 4-D (D, L, H, B)
+// tensors, a box of one 128-byte swizzle slab (64 16-bit or 32 fp32 columns) by BM (Q) or BN (K, V)
+// rows. O: the output, boxes of one slab x 64 rows (one consumer warpgroup's rows), written by the
+// 16-bit kernel at head dim >= 128 (flash_fwd_wgmma.cu); the float32 kernel stores O itself.
+struct FwdTensorMaps {
+    TensorMap q, k, v, o;
+};
+
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(arrivals) : "memory");
 }
@@ -100,14 +108,14 @@ __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
 }
 
-// One ROWS x (64 SLABS) tile of a (D, L, H, B) tensor, rows [row, row + ROWS) of (head,
-// batch), as SLABS boxes of 64 columns: slab s at dst + s * ROWS * 128 bytes (the 128-byte
-// swizzled layout of wgmma.cuh).
-template <int ROWS, int SLABS>
+// One ROWS x (SLAB_COLS SLABS) tile of a (D, L, H, B) tensor, rows [row, row + ROWS) of (head,
+// batch), as SLABS boxes of one 128-byte slab each (SLAB_COLS = 64 16-bit or 32 fp32 columns):
+// slab s at dst + s * ROWS * 128 bytes (the 128-byte swizzled layout of wgmma.cuh).
+template <int ROWS, int SLABS, int SLAB_COLS = 64>
 __device__ __forceinline__ void tma_load_tile(unsigned dst, const TensorMap* map, unsigned bar, int row, int head,
                                               int batch) {
 #pragma unroll
-    for (int s = 0; s < SLABS; ++s) tma_load_4d(dst + s * ROWS * 128, map, bar, 64 * s, row, head, batch);
+    for (int s = 0; s < SLABS; ++s) tma_load_4d(dst + s * ROWS * 128, map, bar, SLAB_COLS * s, row, head, batch);
 }
 
 // Bring the tensor map's 128 bytes into the constant cache ahead of the first copy.

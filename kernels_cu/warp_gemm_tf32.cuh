@@ -62,7 +62,9 @@ __device__ __forceinline__ float round_tf32(float a) {
 }
 
 // The arithmetic kinds (values of the kernels' int SPLIT; any nonzero kind is a 3xTF32 split).
-constexpr int TF32_PLAIN = 0, TF32X3_ROUNDED = 1, TF32X3_FAST = 2;
+// TF32X3_PARTS (the Hopper wgmma forward, flash_fwd_wgmma_tf32.cu): big as FAST's, small = a - big
+// with its low 13 bits cleared, so that both parts are exact TF32 values (split_tf32 below).
+constexpr int TF32_PLAIN = 0, TF32X3_ROUNDED = 1, TF32X3_FAST = 2, TF32X3_PARTS = 3;
 
 // a rounded to nearest (ties away from zero) at 11 significant bits by its bits: half a TF32
 // ulp added to the magnitude, the low 13 bits cleared. Two integer instructions. A NaN may
@@ -75,13 +77,23 @@ __device__ __forceinline__ unsigned round_tf32_bits(float a) {
 }
 
 // a = big + small: big with 11 significant bits; small with 11 (ROUNDED: rounded, exact as
-// a - big before its rounding) or up to 13 (FAST: a - big exactly, which the tensor core
-// truncates to 11).
+// a - big before its rounding; PARTS: a - big truncated by its bits) or up to 12 (FAST: a - big
+// exactly, which the tensor core truncates to 11).
+// PARTS gives the tensor core nothing to round or truncate (both parts have their low 13 bits
+// zero), so its result does not depend on which of the two the hardware does; the cost is one
+// LOP3 over FAST. Its error bound is FAST's: big is a rounded to 11 bits, so for a in [2^e,
+// 2^(e+1)) a - big is a multiple of 2^(e-23) below 2^(e-11) in magnitude: at most 12
+// significant bits (13 only when it is the power of two 2^(e-11), which clearing keeps), of
+// which the cleared low bit is below 2^(e-23) <= 2^-23 |a|. NaN survives: a NaN's big may
+// wrap to +-0, but small = a - big is then a NaN whose cleared form (0x7fffe000 for the
+// canonical 0x7fffffff) is still a NaN; +-inf gives big = +-inf and small = NaN, as FAST
+// (tests/test_fragments_wgmma_tf32.py).
 template <int SPLIT = TF32X3_ROUNDED>
 __device__ __forceinline__ void split_tf32(float a, unsigned& big, unsigned& small) {
-    if (SPLIT == TF32X3_FAST) {
+    if (SPLIT == TF32X3_FAST || SPLIT == TF32X3_PARTS) {
         big = round_tf32_bits(a);
         small = __float_as_uint(a - __uint_as_float(big));
+        if (SPLIT == TF32X3_PARTS) small &= 0xffffe000u;
         return;
     }
     const float b = round_tf32(a);

@@ -89,7 +89,7 @@ def problem_for(v: Variant) -> Problem:
         lk = -(-lk // 8) * 8
     precision = "highest"
     if v.dtype == "float32":   # the family's precision: the plain TF32 kernels, or the FMA ones (the baseline)
-        precision = {"fwd_tf32": "tf32", "bwd_dkdv_tf32": "tf32", "bwd_dq_tf32": "tf32", "fwd_fma": "fma",
+        precision = {"fwd_tf32": "tf32", "fwd_wgmma_tf32": "tf32", "bwd_dkdv_tf32": "tf32", "bwd_dq_tf32": "tf32", "fwd_fma": "fma",
                      "bwd_dkdv_fma": "fma", "bwd_dq_fma": "fma"}.get(v.family, "highest")
     for bias, det, limit in itertools.product((True, False), (deterministic, not deterministic),
                                               sorted(SMEM_LIMITS.values(), reverse=True)):

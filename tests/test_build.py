@@ -68,7 +68,7 @@ def test_variant_compiles_without_spills(builds, arch, variant):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("family", ["fwd_mma", "fwd_dmma", "fwd_wgmma", "bwd_dkdv_mma", "bwd_dkdv_dmma", "bwd_dq_dmma",
+@pytest.mark.parametrize("family", ["fwd_mma", "fwd_dmma", "fwd_wgmma", "fwd_wgmma_tf32x3", "bwd_dkdv_mma", "bwd_dkdv_dmma", "bwd_dq_dmma",
                                     "bwd_dkdv_wgmma"])
 def test_table_and_kernel_cannot_drift(family):
     """A name expression whose shared-memory size or thread count disagrees with the

@@ -123,8 +123,11 @@ def _fast_split_source():
     offline: a transcription once hid a wrong Veltkamp constant)."""
     src = (kernel_dir() / "warp_gemm_tf32.cuh").read_text()
     m = re.search(r"return \(__float_as_uint\(a\) \+ (0x[0-9A-Fa-f]+)u\) & (0x[0-9A-Fa-f]+)u;", src)
-    fast = re.search(r"if \(SPLIT == TF32X3_FAST\) \{\s*big = round_tf32_bits\(a\);\s*"
-                     r"small = __float_as_uint\(a - __uint_as_float\(big\)\);\s*return;", src)
+    # (TF32X3_PARTS, the Hopper kernel's, shares the branch and only clears small's low bits on top:
+    # tests/test_fragments_wgmma_tf32.py)
+    fast = re.search(r"if \(SPLIT == TF32X3_FAST \|\| SPLIT == TF32X3_PARTS\) \{\s*big = round_tf32_bits\(a\);\s*"
+                     r"small = __float_as_uint\(a - __uint_as_float\(big\)\);\s*"
+                     r"if \(SPLIT == TF32X3_PARTS\) small &= 0x[0-9a-f]+u;\s*return;", src)
     assert m and fast, "warp_gemm_tf32.cuh's fast split changed: update the emulation"
     return np.uint32(int(m.group(1), 16)), np.uint32(int(m.group(2), 16))
 

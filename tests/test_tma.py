@@ -20,12 +20,18 @@ def test_contiguous_and_transposed_views_pass():
     assert _tma.tma_ok(fake((2, 3, 77, 64), strides=(77 * 3 * 128, 128, 3 * 128, 2)))
 
 
+def test_float32_arrays_pass():
+    """The float32 Hopper forward (flash_fwd_wgmma_tf32.cu) loads through the same maps, 32 columns a box."""
+    assert _tma.tma_ok(fake((2, 4, 100, 64), strides=(4 * 100 * 256, 100 * 256, 256, 4), itemsize=4))
+
+
 def test_rejected_layouts():
     assert not _tma.tma_ok(fake((2, 4, 100, 64), ptr=4096 + 8))                       # base not 16-byte aligned
     assert not _tma.tma_ok(fake((2, 4, 100, 60)))                                      # rows 120 bytes apart
     assert not _tma.tma_ok(fake((3, 4, 100, 64), strides=(0, 12800, 128, 2)))          # broadcast over batch
     assert not _tma.tma_ok(fake((2, 4, 100, 64), strides=(51200, 12800, 128, 4)))      # last axis not unit-stride
-    assert not _tma.tma_ok(fake((2, 4, 100, 64), itemsize=4))                          # 32-bit elements
+    assert not _tma.tma_ok(fake((2, 4, 100, 64), strides=(4 * 100 * 512, 100 * 512, 512, 8), itemsize=8))  # fp64
+    assert not _tma.tma_ok(fake((2, 4, 100, 62), strides=(4 * 100 * 248, 100 * 248, 248, 4), itemsize=4))  # 248 B
     assert not _tma.tma_ok(fake((2, 4, 100, 64)), fake((2, 4, 100, 64), ptr=4100))     # any one array decides
 
 

@@ -28,7 +28,8 @@ def test_imports_without_cupy(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("family,candidates", [("fwd_tf32x3", tf.FWD_CANDIDATES), ("bwd_dkdv_tf32x3", tf.BWD_CANDIDATES)])
+@pytest.mark.parametrize("family,candidates", [("fwd_tf32x3", tf.FWD_CANDIDATES), ("bwd_dkdv_tf32x3", tf.BWD_CANDIDATES),
+                                               (tf.HOPPER_FWD, tf.FWD_WGMMA_CANDIDATES)])
 def test_every_candidate_is_what_an_h100_launches(family, candidates, causal):
     for d, tiles in candidates.items():
         assert tiles[0] is None   # the table's tile first: the reference of the error rule
@@ -37,8 +38,11 @@ def test_every_candidate_is_what_an_h100_launches(family, candidates, causal):
             ran = tf.planned(d, causal, family, tile)
             assert ran and all(v.tile == want and v.split == want.split for v in ran), (d, tile, ran)
             assert all(v.smem_bytes <= tf.H100_SMEM for v in ran)
-    # the override is gone afterwards: the table's kernels again (the fast split since the eleventh session)
-    assert all(v.split == 2 and v.tile == tf.expected(family, 64, None) for v in tf.planned(64, causal, family, None))
+    # the override is gone afterwards: the table's kernels again (the fast split since the eleventh session; the
+    # Hopper forward's TF32X3_PARTS)
+    split = 3 if family == tf.HOPPER_FWD else 2
+    assert all(v.split == split and v.tile == tf.expected(family, 64, None) for v in tf.planned(64, causal, family, None))
+    assert ("sm90a", tf.HOPPER_FWD, "float32", 64) in V._TABLE   # without_hopper_forward put the row back
 
 
 def test_check_ran_stops_on_a_fallback():

@@ -152,6 +152,38 @@ def test_hopper_selection():
     assert V.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
 
 
+def test_hopper_float32_selection():
+    """Compute capability 9.0 takes the TF32 wgmma forward (flash_fwd_wgmma_tf32.cu) for float32 calls
+    without EXTRA options and with 16-byte loadable rows at head dims 64 and 128, 3xTF32 for "highest"
+    and plain TF32 for "tf32", causal / windowed (band) included, short rows too; EXTRA calls, element
+    loads, head dims 32 and 256 and other GPUs keep the portable kernels, which are also each call's
+    fallback (forward_choice's second variant: the same GPU's portable row, "sm90" included)."""
+    for head in (64, 128):
+        for band in (False, True):
+            for precision, family in (("highest", "fwd_wgmma_tf32x3"), ("tf32", "fwd_wgmma_tf32")):
+                v, portable = V.forward_choice("float32", head, band, False, True, True, 90, V.SMEM_MAX, precision)
+                assert (v.family, v.arch, v.band, v.nvrtc_arch) == (family, "sm90a", band, "sm_90a")
+                assert v.split == (3 if precision == "highest" else 0)
+                assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
+                assert portable == V.forward_variant("float32", head, band=band, vec=True, cc=90, precision=precision,
+                                                     wgmma=False)
+                assert portable.family == V.TF32_FAMILY[precision] and portable.arch != "sm90a"
+                assert V.forward_variant("float32", head, band=band, extra=True, vec=True, cc=90,
+                                         precision=precision).family == V.TF32_FAMILY[precision]
+                assert V.forward_variant("float32", head, band=band, vec=False, cc=90,
+                                         precision=precision).family == V.TF32_FAMILY[precision]
+                assert V.forward_variant("float32", head, band=band, vec=True, cc=80,
+                                         precision=precision).family == V.TF32_FAMILY[precision]
+            assert v.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+    for head in (32, 256):
+        assert V.forward_variant("float32", head, band=False, vec=True, cc=90).arch != "sm90a"
+    assert V.forward_variant("float32", 64, band=False, vec=True, cc=90, precision="fma").family == "fwd_fma"
+    # name expression: float, the tile, the masking flags, the split kind (TF32X3_PARTS = 3; plain 0)
+    hi = V.forward_variant("float32", 64, band=True, vec=True, cc=90)
+    assert hi.name.startswith("flash_fwd_wgmma_tf32<float, TileCfg<64, 128, 64, 12, 2, 1, 384, ")
+    assert hi.name.endswith(", MaskFlags<true, false>, 3>")
+
+
 def test_hopper_backward_selection():
     """Compute capability 9.0 takes the wgmma dK/dV kernel (with atomic dQ) for 16-bit calls with 16-byte
     loadable rows and the default (atomic) dQ at head dims 64, 128 and 256, EXTRA options at 64 and 128
@@ -237,7 +269,8 @@ def test_sm90_rows_are_chosen_from_compute_capability_9():
     assert sm90 and all(v.compile_target("sm_80") is None and v.compile_target("sm_90") == "sm_90" for v in sm90)
     assert all(v.wide_k == 0 for v in V.all_variants() if v.arch == "sm80")
     for dtype, head, family in (("float64", 128, "fwd_dmma"), ("float32", 64, "fwd_tf32x3")):
-        new = V.forward_variant(dtype, head, band=False, vec=True, cc=90)
+        # (float32 with 16-byte rows takes the Hopper wgmma kernel; its portable fallback is this row)
+        new = V.forward_variant(dtype, head, band=False, vec=True, cc=90, wgmma=False)
         old = V.forward_variant(dtype, head, band=False, vec=True, cc=80)
         assert (new.family, new.arch, old.family, old.arch) == (family, "sm90", family, "sm80")
         assert new.tile == V._TABLE[("sm90", family, dtype, head)][0] != old.tile
@@ -249,7 +282,7 @@ def test_sm90_rows_are_chosen_from_compute_capability_9():
 def test_vec_only_tiles_serve_16_byte_loads_only():
     """Tile.vec_only: the float32 3xTF32 forward's 128x32 tile at head dim 128 spills in its element-load
     variants, so those take the next tile; a table of vec_only tiles alone has nothing for element loads."""
-    fast = V.forward_variant("float32", 128, band=False, vec=True, cc=90)
+    fast = V.forward_variant("float32", 128, band=False, vec=True, cc=90, wgmma=False)
     scalar = V.forward_variant("float32", 128, band=False, vec=False, cc=90)
     assert fast.tile.vec_only and (fast.tile.block_n, scalar.tile.block_n) == (32, 16) and not scalar.tile.vec_only
     assert not any(v.tile.vec_only and not v.vec for v in V.all_variants())
