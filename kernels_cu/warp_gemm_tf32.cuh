@@ -203,8 +203,11 @@ __device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const
     const unsigned small_addr = a_lane_addr_tf32<P>(q_small, lane);
     const unsigned k_addr = bt_lane_addr_tf32<P>(k, lane);
     // SPLIT keeps the k-steps a loop: unrolled, ptxas hoisted later steps' K fragments and their
-    // splits and spilled 20-324 bytes in every SPLIT variant (offline compile, sm_90).
-    constexpr int UNROLL = SPLIT ? 1 : K / 8;
+    // splits and spilled 20-324 bytes in every SPLIT variant (offline compile, sm_90). Where a step
+    // has only the two fresh-fragment chains of one strip and one n8 pair (N = 16, M = 1: the dK/dV
+    // kernel's 16-query steps), two steps unrolled put four in flight: ncu found that kernel's warps
+    // waiting on MMA latency (twelfth session), and one step's fresh fragments were the next step's.
+    constexpr int UNROLL = !SPLIT ? K / 8 : (M * N == 16 ? 2 : 1);
 #pragma unroll UNROLL
     for (int k0 = 0; k0 < K; k0 += 8) {
         unsigned a_big[M][4], a_small[M][4];
@@ -318,8 +321,9 @@ __device__ __forceinline__ void warp_gemm_ds_k_tf32(float (&acc)[1][N / 8][4], c
     const int g = lane / 4, t = lane % 4;
     const float* a_lane = ds_t + 2 * t * PA + g;
     const int b_lane = 2 * t * PB + g;
-    // SPLIT keeps the key steps a loop, as warp_gemm_qk_tf32 (hoisted loads would outlive the step).
-    constexpr int UNROLL = SPLIT ? 1 : K / 8;
+    // SPLIT keeps the key steps a loop, as warp_gemm_qk_tf32 (hoisted loads would outlive the step),
+    // two steps at a time where a step has only two MMA chains (N = 16), as there.
+    constexpr int UNROLL = !SPLIT ? K / 8 : (N == 16 ? 2 : 1);
 #pragma unroll UNROLL
     for (int kt = 0; kt < K / 8; ++kt) {
         const float* a_at = a_lane + 8 * kt * PA;
