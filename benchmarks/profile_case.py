@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--causal", action="store_true", help="causal (top-left), for the causal kernels' profile")
     ap.add_argument("--forward-only", action="store_true", help="forward calls only")
+    ap.add_argument("--portable", action="store_true",
+                    help="the portable mma.sync path on a Hopper GPU (bench.py's \"cuflash sm80\")")
     args = ap.parse_args()
     b, h, n, d = 4, 16, args.seqlen, args.head_dim
     rng = cp.random.default_rng(0)
@@ -38,13 +40,17 @@ def main() -> None:
         opts["bias"] = rng.standard_normal((1, 1, n, n), dtype=cp.float32).astype(args.dtype)
     elif args.case == "padding":
         opts["mask"] = cp.ones((b, 1, 1, n), dtype=bool)
+    if args.portable:   # as bench.py's "cuflash sm80" contender: the kernels a GPU without sm_90a runs
+        from cuflash import _launch
+        _launch._compute_capability = lambda: 80
     for _ in range(args.calls):
         out, lse = cuflash.attention_forward(q, k, v, **opts)
         if not args.forward_only:
             cuflash.attention_backward(do, q, k, v, out, lse, **opts)
     cp.cuda.Device().synchronize()
     what = "forward" if args.forward_only else "forward+backward"
-    print(f"{args.case}: {args.calls} {what} calls, B={b} H={h} L={n} D={d} {args.dtype} causal={args.causal}")
+    print(f"{args.case}: {args.calls} {what} calls, B={b} H={h} L={n} D={d} {args.dtype} causal={args.causal}"
+          + (" (portable path)" if args.portable else ""))
 
 
 if __name__ == "__main__":
