@@ -11,6 +11,7 @@ import pytest
 
 import cuflash
 from cuflash import _launch, reference
+from cuflash._variants import HOPPER_CC, head_bucket
 
 from _errors import FLOOR, magnitude, norm, rel_error, within_budget
 from _gpu_checks import (check_backward, check_backward_tf32, check_forward, check_forward_tf32, check_masked,
@@ -23,6 +24,28 @@ CAUSAL = [False, True, "bottom_right"]
 SHAPES = [(97, 130, 32), (97, 1025, 59), (1025, 97, 64), (256, 256, 111), (128, 512, 128)]
 
 
+WGMMA_TF32_HEADS = (64, 128)
+"""Head-dim buckets of the Hopper float32 forward (fwd_wgmma_tf32x3 / fwd_wgmma_tf32 rows)."""
+
+
+@pytest.fixture(params=["default", "portable"])
+def path(request, monkeypatch):
+    """"default": the kernels this GPU takes; "portable": the call as on a GPU without sm_90a
+    (compute capability patched to 8.0, as bench.py's "cuflash sm80" contender)."""
+    if request.param == "portable":
+        monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    return request.param
+
+
+def _forward_family(base: str, d: int, extra: bool = False) -> str:
+    """The float32 forward family a call of head dim d takes on this GPU (base: "fwd_tf32x3" or
+    "fwd_tf32"): the wgmma one on compute capability 9.0 for head buckets 64 and 128 with 16-byte
+    rows (d a multiple of 4) and no masking options, else base."""
+    hopper = (_launch._compute_capability() == HOPPER_CC and not extra and d % 4 == 0
+              and head_bucket(d) in WGMMA_TF32_HEADS)
+    return base.replace("fwd_", "fwd_wgmma_") if hopper else base
+
+
 def _fma_only(monkeypatch):
     """Make the launcher take the float32 FMA forward (the accuracy baseline: FLOAT32_PRECISIONS)."""
     choose = _launch.forward_choice
@@ -31,16 +54,16 @@ def _fma_only(monkeypatch):
 
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("lq,lk,d", SHAPES)
-def test_highest_matches_reference(causal, lq, lk, d, launches):
+def test_highest_matches_reference(causal, lq, lk, d, path, launches):
     check_forward("float32", 1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d)
-    assert launches[-1].family == "fwd_tf32x3", launches[-1].name
+    assert launches[-1].family == _forward_family("fwd_tf32x3", d), launches[-1].name
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("lq,lk,d", SHAPES + [(200, 130, 256)])
-def test_tf32_matches_reference(causal, lq, lk, d, launches):
+def test_tf32_matches_reference(causal, lq, lk, d, path, launches):
     check_forward_tf32(1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d + 1)
-    assert launches[-1].family == "fwd_tf32", launches[-1].name
+    assert launches[-1].family == _forward_family("fwd_tf32", d), launches[-1].name
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -69,10 +92,10 @@ def test_highest_is_as_accurate_as_fma(d, causal, size, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
-def test_highest_huge_logits_stay_finite(causal, launches):
+def test_highest_huge_logits_stay_finite(causal, path, launches):
     out = check_forward("float32", 1, 2, 2, 64, 80, 64, 64, causal, seed=5, logit_scale=1e4)
     assert np.isfinite(cp.asnumpy(out)).all()
-    assert launches[-1].family == "fwd_tf32x3"
+    assert launches[-1].family == _forward_family("fwd_tf32x3", 64)
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
@@ -120,7 +143,7 @@ def test_backward_highest_matches_reference(causal, lq, lk, d, deterministic, la
 def test_backward_tf32_matches_reference(causal, lq, lk, d, deterministic, launches):
     check_backward_tf32(1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d + 3, deterministic=deterministic)
     fams = _families(launches)
-    assert "fwd_tf32" in fams and "bwd_dkdv_tf32" in fams, fams
+    assert _forward_family("fwd_tf32", d) in fams and "bwd_dkdv_tf32" in fams, fams
     assert ("bwd_dq_tf32" in fams) == deterministic, fams
 
 
@@ -205,13 +228,13 @@ def test_vjp_passes_the_precision(launches):
     do = rng.standard_normal((1, 2, 97, 64)).astype(np.float32)
     out, vjp_fn = cuflash.vjp(*dev, causal=True, precision="tf32")
     grads = vjp_fn(cp.asarray(do))
-    assert {"fwd_tf32", "bwd_dkdv_tf32"} <= set(_families(launches))
+    assert {_forward_family("fwd_tf32", 64), "bwd_dkdv_tf32"} <= set(_families(launches))
     ref = reference.attention_backward_naive(do.astype(np.float64), *ref_in, causal=True)
     for g, r in zip(grads, ref):
         assert rel_error(cp.asnumpy(g).astype(np.float64), r) < 1e-2
 
 
-def test_highest_propagates_nan(launches):
+def test_highest_propagates_nan(path, launches):
     """A NaN in q poisons its row only (round_tf32 keeps NaN a NaN)."""
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal((1, 1, 64, 64)).astype(np.float32) for _ in range(3))
@@ -219,7 +242,7 @@ def test_highest_propagates_nan(launches):
     out = cp.asnumpy(cuflash.attention(*(cp.asarray(x) for x in (q, k, v))))
     assert np.isnan(out[0, 0, 3]).all()
     assert np.isfinite(np.delete(out[0, 0], 3, axis=0)).all()
-    assert launches[-1].family == "fwd_tf32x3"
+    assert launches[-1].family == _forward_family("fwd_tf32x3", 64)
 
 
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
