@@ -161,13 +161,20 @@ def main(argv=None):
                                                         "4096 with --quick)")
     parser.add_argument("--masking", action="store_true", help="also the masking benchmark's bias, key padding "
                                                                "and window cases")
+    parser.add_argument("--portable", action="store_true", help="both trees on the portable mma.sync path (the "
+                                                                "compute capability patched to 8.0 on a Hopper GPU)")
+    parser.add_argument("--no-host", action="store_true", help="skip the host-time lines")
     args = parser.parse_args(argv)
     mods = [load_tree(args.before.resolve(), "cuflash_before"), load_tree(args.after.resolve(), "cuflash_after")]
+    if args.portable:   # as bench.py's "cuflash sm80" contender
+        for m in mods:
+            m._launch._compute_capability = lambda: 80
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     rows = []
-    print(f"device {device}; before {args.before}, after {args.after}", flush=True)
-    for kind, before_us, after_us in host_overhead(mods):
+    print(f"device {device}; before {args.before}, after {args.after}" + (" (portable path)" if args.portable else ""),
+          flush=True)
+    for kind, before_us, after_us in ([] if args.no_host and not args.host else host_overhead(mods)):
         print(f"host time per call, {kind:7}: before {before_us:6.1f} us, after {after_us:6.1f} us", flush=True)
     if args.host:
         return
