@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/profile_case.py padding   # (B, 1, 1, L) key-padding mask
     PYTHONPATH=. python benchmarks/profile_case.py plain     # no option, the same shapes
 
-B=4, H=16, L=4096 (--seqlen), D=64 (--head-dim), float16 (--dtype), not causal (--causal): the
+B=4 (--batch), H=16 (--heads), L=4096 (--seqlen), D=64 (--head-dim), float16 (--dtype), not causal (--causal): the
 bench_masking.py shape. Each case runs --calls forward+backward calls (--forward-only: forwards;
 the first compiles); profile the last ones, e.g.
 
@@ -27,12 +27,16 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--causal", action="store_true", help="causal (top-left), for the causal kernels' profile")
     ap.add_argument("--forward-only", action="store_true", help="forward calls only")
+    ap.add_argument("--no-short-rule", action="store_true",
+                    help="Hopper: the wgmma forward also for few keys (HOPPER_FWD_MIN_KEYS emptied)")
     ap.add_argument("--portable", action="store_true",
                     help="the portable mma.sync path on a Hopper GPU (bench.py's \"cuflash sm80\")")
     args = ap.parse_args()
-    b, h, n, d = 4, 16, args.seqlen, args.head_dim
+    b, h, n, d = args.batch, args.heads, args.seqlen, args.head_dim
     rng = cp.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(args.dtype) for _ in range(4))
     opts = {"causal": True} if args.causal else {}
@@ -40,6 +44,9 @@ def main() -> None:
         opts["bias"] = rng.standard_normal((1, 1, n, n), dtype=cp.float32).astype(args.dtype)
     elif args.case == "padding":
         opts["mask"] = cp.ones((b, 1, 1, n), dtype=bool)
+    if args.no_short_rule:
+        from cuflash import _variants
+        _variants.HOPPER_FWD_MIN_KEYS.clear()
     if args.portable:   # as bench.py's "cuflash sm80" contender: the kernels a GPU without sm_90a runs
         from cuflash import _launch
         _launch._compute_capability = lambda: 80

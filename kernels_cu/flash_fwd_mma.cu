@@ -166,8 +166,7 @@ flash_fwd_mma(const FwdParams p) {
 #pragma unroll
             for (int t = 0; t < Tr::O_TILES; ++t) {
                 const int col = t * 8 + 2 * (lane % 4);
-                if (col < dims.dv) out_row[col] = from_acc<T>(acc_o[m][t][2 * r] * inv_sum);
-                if (col + 1 < dims.dv) out_row[col + 1] = from_acc<T>(acc_o[m][t][2 * r + 1] * inv_sum);
+                store_out_pair<VEC>(out_row, col, dims.dv, acc_o[m][t][2 * r] * inv_sum, acc_o[m][t][2 * r + 1] * inv_sum);
             }
             if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
         }

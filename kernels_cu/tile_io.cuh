@@ -36,6 +36,28 @@ __device__ __forceinline__ void prefetch_next_step(int next, int end, int stage,
     }
 }
 
+// Output rows: a C fragment's two adjacent columns col, col + 1 (col even) of one row, lo and hi
+// from the accumulator. PAIRS (dv known even: the variants whose V rows are 16-byte chunks, VEC and
+// the Hopper kernels): one 2-element store, since the outputs are cuflash's own contiguous arrays
+// (api.py allocates them) and every row of an even dv starts 2-element aligned (16-bit pairs 4
+// bytes, float 8, double 16): half the store instructions of the element-wise epilogue. Otherwise
+// element by element (with dv odd the rows alternate in alignment).
+template <typename T, typename A>
+__device__ __forceinline__ void store_pair(T* dst, A lo, A hi) {
+    if constexpr (sizeof(T) == 2) *reinterpret_cast<unsigned*>(dst) = pack2<T>(lo, hi);
+    else if constexpr (sizeof(T) == 4) *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+    else *reinterpret_cast<double2*>(dst) = make_double2(lo, hi);
+}
+template <bool PAIRS, typename T, typename A>
+__device__ __forceinline__ void store_out_pair(T* out_row, int col, int dv, A lo, A hi) {
+    if (PAIRS) {
+        if (col < dv) store_pair(out_row + col, lo, hi);
+        return;
+    }
+    if (col < dv) out_row[col] = from_acc<T>(lo);
+    if (col + 1 < dv) out_row[col + 1] = from_acc<T>(hi);
+}
+
 // VEC: 16-byte cp.async chunks. The caller guarantees 16-byte aligned rows and,
 // unless CUT_CHUNKS, cols_valid a multiple of the chunk (with CUT_CHUNKS a chunk
 // the row end cuts is copied element by element). Otherwise element by element.
