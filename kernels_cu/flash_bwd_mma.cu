@@ -273,13 +273,13 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             T* dk_row = p.dk.at<T>(batch, kv_head, n0 + key);
             T* dv_row = p.dv.at<T>(batch, kv_head, n0 + key);
 #pragma unroll
-            for (int n = 0; n < HEAD / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = frag_col(lane, n, e);
-                    if (DO_DK && col < dims.d) dk_row[col] = from_acc<T>(acc_dk[m][n][2 * r + e] * scale);
-                    if (DO_DV && col < dims.dv) dv_row[col] = from_acc<T>(acc_dv[m][n][2 * r + e]);
-                }
+            for (int n = 0; n < HEAD / 8; ++n) {
+                const int col = frag_col(lane, n, 0);
+                if (DO_DK)
+                    store_out_pair<VEC>(dk_row, col, dims.d, acc_dk[m][n][2 * r] * scale,
+                                        acc_dk[m][n][2 * r + 1] * scale);
+                if (DO_DV) store_out_pair<VEC>(dv_row, col, dims.dv, acc_dv[m][n][2 * r], acc_dv[m][n][2 * r + 1]);
+            }
         }
 }
 
