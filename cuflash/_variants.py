@@ -899,7 +899,8 @@ TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 
 TF32_WGMMA_FAMILY = {"highest": "fwd_wgmma_tf32x3", "tf32": "fwd_wgmma_tf32"}
 """float32 precision -> the Hopper forward family (flash_fwd_wgmma_tf32.cu, arch "sm90a"), chosen on
-compute capability 9.0 for calls without EXTRA options whose rows are 16-byte loadable."""
+compute capability 9.0 for calls whose rows are 16-byte loadable, EXTRA options included (a bias
+whose rows are not 16-byte chunks falls back to the portable kernel: _launch.launch_forward)."""
 
 FLOAT32_PRECISIONS = ("highest", "tf32", "fma")
 """What :func:`forward_variant` takes for float32: the public precisions, and "fma", the FMA forward
@@ -919,15 +920,15 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
     3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
     shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision); on
-    Hopper, calls without EXTRA options and with 16-byte loadable rows take the wgmma kernel of
-    :data:`TF32_WGMMA_FAMILY` where the table has one (``short`` does not apply: its threshold is
+    Hopper, calls with 16-byte loadable rows take the wgmma kernel of :data:`TF32_WGMMA_FAMILY`
+    where the table has one, EXTRA options included (``short`` does not apply: its threshold is
     the 16-bit kernel's measurement). ``wgmma`` False: the portable kernel the GPU would take were
     there no Hopper kernel (the fallback where tensor maps cannot describe a call's arrays)."""
     if dtype == "float32":
         hopper = TF32_WGMMA_FAMILY.get(precision)
-        if cc == HOPPER_CC and wgmma and vec and not extra and ("sm90a", hopper, dtype, head) in _TABLE:
+        if cc == HOPPER_CC and wgmma and vec and ("sm90a", hopper, dtype, head) in _TABLE:
             with contextlib.suppress(ValueError):   # no Hopper tile fits: the portable kernels below
-                return Variant(hopper, dtype, head, band=band, arch="sm90a").fitted(smem_limit)
+                return Variant(hopper, dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
         family = TF32_FAMILY.get(precision)
         if ("sm80", family, dtype, head) in _TABLE:
             try:
