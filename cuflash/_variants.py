@@ -292,7 +292,11 @@ _add("fwd_tf32", ["float32"], [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regi
 # is the limit (fp32 parts: Q twice, a stage K twice, V once as loaded, V^T twice): head dim 64 takes
 # two consumer warpgroups and 64-key tiles (225 KB), head dim 128 one warpgroup and 32-key tiles
 # (225 KB). Offline compile (NVRTC 12.9, sm_90a), 0 spills: d=64 168 registers at launch (consumers
-# 232, the producer 40 after setmaxnreg), d=128 240. No EXTRA options (those calls keep fwd_tf32x3).
+# 232, the producer 40 after setmaxnreg), d=128 240. EXTRA (bias, mask, dropout, block layout; branch
+# wgmma-tf32-extra, offline only) keeps these tiles and their shared memory (no EXTRA rows: the
+# _EXTRA_TABLE is for tiles that differ): no room for bias stages, so the consumers read the bias from
+# global memory into S's fragments (bias_frags.cuh); 0 spills, consumer code up to R227 of 232 (d=64
+# 3xTF32; R195 without EXTRA), R233 of 240 (d=128 3xTF32; R227), R164 plain TF32 (sm_90a SASS, NVRTC 13).
 _add("fwd_wgmma_tf32x3", ["float32"], [64], Tile(128, 64, 12, 2, "a TMA producer (K's parts, V^T's) and two "
                                                                 "consumer warpgroups of 64 rows, 64-key tiles: "
                                                                 "225 KB (offline only)", split=3), arch="sm90a")
