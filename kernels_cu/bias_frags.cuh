@@ -3,10 +3,11 @@
 // (flash_fwd_wgmma_tf32.cu, 225 KB of tiles of the 227 KB an SM has).
 //
 // Lane 4 g + t holds rows g and g + 8, keys 8 n + 2 t + {0, 1} of n8 tile n: per row and tile two
-// neighbouring floats, one 8-byte load. A warp's load instruction then reads 8 rows x 32 bytes, whole
-// 32-byte sectors, nothing fetched twice. The host passes only biases whose rows are 16-byte chunks
-// (unit key stride, 16-byte aligned start and strides, 0 included: cuflash/_masking.py,
-// rows_in_chunks), so every pair is 8-byte aligned. A caller issues the loads before a GEMM whose
+// neighbouring floats, one 8-byte load. A warp's load instruction then reads 8 rows x 32 contiguous
+// bytes (one 32-byte sector a row where the rows are 32-byte aligned, e.g. a key count that is a
+// multiple of 8; two half-used ones otherwise), nothing fetched twice. The host passes only biases
+// whose rows are 16-byte chunks (unit key stride, 16-byte aligned start and strides, 0 included:
+// cuflash/_masking.py, rows_in_chunks), so every pair is 8-byte aligned. A caller issues the loads before a GEMM whose
 // latency hides theirs and adds them (scale_add_bias_regs) once the GEMM is done.
 #pragma once
 #include "common.cuh"
