@@ -1,8 +1,9 @@
 """Smoke test of the float32 Hopper forward on TF32 wgmma (branch tf32-wgmma, kernels_cu/
 flash_fwd_wgmma_tf32.cu; the EXTRA options of branch wgmma-tf32-extra: bias, boolean mask, dropout,
 block layout): a few small forward calls per precision on an H100 / H200, the kernel families
-launched, and out / lse errors against the float64 NumPy reference, next to the portable TF32 kernel's (the same call with the compute capability patched to 8.0). Run it FIRST, under a
-timeout (a wrong mbarrier count or parity hangs rather than fails):
+launched, and out / lse errors against the float64 NumPy reference, next to the portable TF32
+kernel's (the same call with the compute capability patched to 8.0). Run it FIRST, under a timeout
+(a wrong mbarrier count or parity hangs rather than fails):
     timeout 60 env PYTHONPATH=. python benchmarks/smoke_tf32_wgmma.py
 Each line: precision, the case, the families launched, max |out - ref| / max |ref|, the relative
 Frobenius error, max |lse - ref|; "PORTABLE" the same for the mma.sync kernel. Expect "highest"
