@@ -4,7 +4,9 @@ block layout): a few small forward calls per precision on an H100 / H200, the ke
 launched, and out / lse errors against the float64 NumPy reference, next to the portable TF32
 kernel's (the same call with the compute capability patched to 8.0). Run it FIRST, under a timeout
 (a wrong mbarrier count or parity hangs rather than fails):
-    timeout 60 env PYTHONPATH=. python benchmarks/smoke_tf32_wgmma.py
+    timeout 60 env PYTHONPATH=. python benchmarks/smoke_tf32_wgmma.py [--plain | --extra]
+(``--plain``: the cases without masking options only, ``--extra``: those with them only; on a cold
+kernel cache each half compiles ~16 variants, so the two halves under separate timeouts of 60 s.)
 Each line: precision, the case, the families launched, max |out - ref| / max |ref|, the relative
 Frobenius error, max |lse - ref|; "PORTABLE" the same for the mma.sync kernel. Expect "highest"
 within ~2x the portable 3xTF32 error (~1e-6 relative) and "tf32" around 1e-3. The script
@@ -143,6 +145,11 @@ def run(case, precision, portable=False):
           f"{'' if finite else '  NOT FINITE (or lse not -inf where no key is seen)'}", flush=True)
     return fro, lse_err, finite, launched[:], bool(opts) and all(launched_extra)
 
+
+if "--plain" in sys.argv[1:]:
+    CASES = [c for c in CASES if len(c) == 9]
+elif "--extra" in sys.argv[1:]:
+    CASES = [c for c in CASES if len(c) > 9]
 
 WANT = {"highest": "fwd_wgmma_tf32x3", "tf32": "fwd_wgmma_tf32"}
 PORTABLE = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
