@@ -30,10 +30,11 @@
 // (next_key_tile skips what a layout turns off); each consumer warp classifies its 16 rows, tests a
 // partial tile's elements (apply_score_mod_bits) and applies dropout after the softmax statistics
 // (apply_dropout_frags), the 16-bit kernel's fragment-bit forms (the C layouts are the same). The
-// bias cannot be staged as there: the tiles take 225 KB of the 227 KB an SM has at both head dims.
+// bias cannot be staged as there: the 3xTF32 tiles take 225 KB of the 227 KB an SM has at both head
+// dims (plain TF32's 129 KB would leave room, but one code path serves both precisions).
 // The consumers read it from global memory straight into S's fragment positions (bias_frags.cuh:
-// one 8-byte load a row and n8 tile, whole sectors), issued before S = Q K_t^T so that the GEMM
-// (HEAD / 8 k8 steps, three wgmmas each with 3xTF32) hides their latency; a bias that several heads
+// one 8-byte load a row and n8 tile), issued before S = Q K_t^T so that the GEMM (HEAD / 8 k8
+// steps, three wgmmas each with 3xTF32) hides their latency; a bias that several heads
 // or batches share is read by CTAs of 16 heads side by side (shared_scores_head_group), from L2.
 #include "common.cuh"
 #include "params.cuh"
