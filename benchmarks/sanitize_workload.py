@@ -4,14 +4,18 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_workload.py --quick
     compute-sanitizer --tool racecheck python benchmarks/sanitize_workload.py --quick --dims 256 --dtypes float16
     compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-extra
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-extra \
+        --dtypes float32
 
 Odd lengths at the tile edges (Lq = 97, Lk = 130), grouped-query heads, both dQ
 strategies; the full set also covers both causal alignments, unaligned head dims
 and the two-pass head-dim-128 backward. ``--hopper-extra``: only forwards that take the
 Hopper kernel with its masking options on compute capability 9.0 (Lk = 1032: past head
 dim 64's key threshold, bias rows in 16-byte chunks; a bias, key padding, dropout and a
-block layout whose first query rows see nothing). Prints one line per call (with the
-kernels it launched) so a sanitizer report can be placed.
+block layout whose first query rows see nothing; a bias broadcast over rows with an odd
+key count, whose last float pair the sequence end cuts). ``--dtypes float32`` with it: the
+float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both precisions).
+Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
 import itertools
@@ -37,7 +41,7 @@ def main(argv=None) -> None:
                         help="the Hopper backward forming dbias itself, every bias broadcast shape")
     args = parser.parse_args(argv)
     if args.hopper_extra:
-        hopper_extra()
+        hopper_extra(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
         return
     if args.hopper_dbias:
         hopper_dbias()
@@ -66,7 +70,7 @@ def main(argv=None) -> None:
               flush=True)
 
 
-def hopper_extra() -> None:
+def hopper_extra(dtypes) -> None:
     from cuflash import _launch
 
     launched = []
@@ -79,7 +83,11 @@ def hopper_extra() -> None:
     layout = np.ones((2, -(-lq // 64), -(-lk // 64)), dtype=bool)
     layout[0, :4] = False                     # head 0: no key for query rows 0-196 (Q never loaded)
     layout[1, :, 3] = False
-    for dtype, d, causal in itertools.product(("float16", "bfloat16"), (64, 128, 256), (False, "bottom_right")):
+    runs = [(dtype, d, causal, precision) for dtype in dtypes
+            for d in ((64, 128) if dtype == "float32" else (64, 128, 256))   # the float32 kernel's head dims
+            for causal in (False, "bottom_right")
+            for precision in (("highest", "tf32") if dtype == "float32" else ("highest",))]
+    for dtype, d, causal, precision in runs:
         q = cp.asarray(rng.standard_normal((2, 2, lq, d)).astype(DTYPES[dtype]))
         k, v = (cp.asarray(rng.standard_normal((2, 1, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
         cases = {"bias": dict(bias=cp.asarray(rng.standard_normal((1, 2, lq, lk)).astype(DTYPES[dtype]))),
@@ -88,12 +96,17 @@ def hopper_extra() -> None:
                  "all": dict(bias=cp.asarray(rng.standard_normal((1, 1, lq, lk)).astype(DTYPES[dtype])),
                              mask=cp.asarray(mask), dropout_p=0.2, seed=11,
                              block_layout=cuflash.BlockLayout(cp.asarray(layout), 64))}
-        for name, opts in cases.items():
+        # (1, 1, 1, lk - 1): every stride 0, so 16-byte chunks whatever the key count
+        odd = dict(bias=cp.asarray(rng.standard_normal((1, 1, 1, lk - 1)).astype(DTYPES[dtype])))
+        prec = dict(precision=precision) if dtype == "float32" else {}
+        for name, opts in [*cases.items(), ("row bias, odd keys", odd)]:
+            keys = slice(0, lk - 1) if name == "row bias, odd keys" else slice(None)
             launched.clear()
-            out, lse = cuflash.attention_forward(q, k, v, causal=causal, **opts)
+            out, lse = cuflash.attention_forward(q, k[:, :, keys], v[:, :, keys], causal=causal, **opts, **prec)
             cp.cuda.Device().synchronize()
             finite = bool(cp.isfinite(out.astype(cp.float32)).all())
-            print(f"{dtype:8} d={d:3} causal={causal!s:12} {name:18} {','.join(launched)} finite={finite}", flush=True)
+            print(f"{dtype:8} d={d:3} causal={causal!s:12} {precision:7} {name:18} {','.join(launched)} "
+                  f"finite={finite}", flush=True)
 
 
 

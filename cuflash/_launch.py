@@ -92,7 +92,9 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     if variant.arch == "sm90a":
         # The Hopper kernels (16-bit, and float32 on TF32 wgmma) load through tensor maps (the driver's
         # encoder and layouts a map can describe; float32 maps need the same 16-byte aligned bases and
-        # strides) and copy a bias by 16-byte chunks of its rows.
+        # strides) and read a bias by 16-byte chunks of its rows (16-bit: cp.async into shared memory;
+        # float32: 8-byte pairs straight into the score fragments, bias_frags.cuh): any other call,
+        # EXTRA or not, takes the portable kernel of the same GPU.
         maps = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n)
                 if masking.bias_in_chunks else None)
         if maps is not None:

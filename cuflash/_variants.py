@@ -292,7 +292,11 @@ _add("fwd_tf32", ["float32"], [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regi
 # is the limit (fp32 parts: Q twice, a stage K twice, V once as loaded, V^T twice): head dim 64 takes
 # two consumer warpgroups and 64-key tiles (225 KB), head dim 128 one warpgroup and 32-key tiles
 # (225 KB). Offline compile (NVRTC 12.9, sm_90a), 0 spills: d=64 168 registers at launch (consumers
-# 232, the producer 40 after setmaxnreg), d=128 240. No EXTRA options (those calls keep fwd_tf32x3).
+# 232, the producer 40 after setmaxnreg), d=128 240. EXTRA (bias, mask, dropout, block layout; branch
+# wgmma-tf32-extra, offline only) keeps these tiles and their shared memory (no EXTRA rows: the
+# _EXTRA_TABLE is for tiles that differ): no room for bias stages, so the consumers read the bias from
+# global memory into S's fragments (bias_frags.cuh); 0 spills, consumer code up to R227 of 232 (d=64
+# 3xTF32; R195 without EXTRA), R233 of 240 (d=128 3xTF32; R227), R164 plain TF32 (sm_90a SASS, NVRTC 13).
 _add("fwd_wgmma_tf32x3", ["float32"], [64], Tile(128, 64, 12, 2, "a TMA producer (K's parts, V^T's) and two "
                                                                 "consumer warpgroups of 64 rows, 64-key tiles: "
                                                                 "225 KB (offline only)", split=3), arch="sm90a")
@@ -899,7 +903,8 @@ TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 
 TF32_WGMMA_FAMILY = {"highest": "fwd_wgmma_tf32x3", "tf32": "fwd_wgmma_tf32"}
 """float32 precision -> the Hopper forward family (flash_fwd_wgmma_tf32.cu, arch "sm90a"), chosen on
-compute capability 9.0 for calls without EXTRA options whose rows are 16-byte loadable."""
+compute capability 9.0 for calls whose rows are 16-byte loadable, EXTRA options included (a bias
+whose rows are not 16-byte chunks falls back to the portable kernel: _launch.launch_forward)."""
 
 FLOAT32_PRECISIONS = ("highest", "tf32", "fma")
 """What :func:`forward_variant` takes for float32: the public precisions, and "fma", the FMA forward
@@ -919,15 +924,15 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
     3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
     shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision); on
-    Hopper, calls without EXTRA options and with 16-byte loadable rows take the wgmma kernel of
-    :data:`TF32_WGMMA_FAMILY` where the table has one (``short`` does not apply: its threshold is
+    Hopper, calls with 16-byte loadable rows take the wgmma kernel of :data:`TF32_WGMMA_FAMILY`
+    where the table has one, EXTRA options included (``short`` does not apply: its threshold is
     the 16-bit kernel's measurement). ``wgmma`` False: the portable kernel the GPU would take were
     there no Hopper kernel (the fallback where tensor maps cannot describe a call's arrays)."""
     if dtype == "float32":
         hopper = TF32_WGMMA_FAMILY.get(precision)
-        if cc == HOPPER_CC and wgmma and vec and not extra and ("sm90a", hopper, dtype, head) in _TABLE:
+        if cc == HOPPER_CC and wgmma and vec and ("sm90a", hopper, dtype, head) in _TABLE:
             with contextlib.suppress(ValueError):   # no Hopper tile fits: the portable kernels below
-                return Variant(hopper, dtype, head, band=band, arch="sm90a").fitted(smem_limit)
+                return Variant(hopper, dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
         family = TF32_FAMILY.get(precision)
         if ("sm80", family, dtype, head) in _TABLE:
             try:

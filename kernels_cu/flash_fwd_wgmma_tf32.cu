@@ -1,6 +1,6 @@
 // flash_fwd_wgmma_tf32.cu -- forward attention on float32 data with Hopper's warpgroup MMA on TF32
-// operands (sm_90a), precision "highest" (3xTF32) or "tf32" (plain), without the EXTRA options (bias,
-// boolean mask, dropout, block layout: those calls keep the portable flash_fwd_tf32.cu).
+// operands (sm_90a), precision "highest" (3xTF32) or "tf32" (plain), with or without the EXTRA options
+// (bias, boolean mask, dropout, block layout; score_mod.cuh).
 //
 // flash_fwd_wgmma.cu's pipeline (a producer warpgroup streaming K/V through the bulk tensor copy
 // engine into two stages of 128-byte swizzled tiles with mbarriers; consumer warpgroups of 64 query
@@ -26,6 +26,16 @@
 // Within a consumer the two GEMMs and the softmax run in sequence; with two consumer warpgroups one's
 // softmax overlaps the other's GEMMs. The accuracy structure is the portable kernel's
 // (warp_gemm_tf32.cuh): each k8 step's three products in a fresh fragment, added with FADD.
+// EXTRA, as flash_fwd_wgmma.cu's: the producer and the consumers walk the same visible tiles
+// (next_key_tile skips what a layout turns off); each consumer warp classifies its 16 rows, tests a
+// partial tile's elements (apply_score_mod_bits) and applies dropout after the softmax statistics
+// (apply_dropout_frags), the 16-bit kernel's fragment-bit forms (the C layouts are the same). The
+// bias cannot be staged as there: the 3xTF32 tiles take 225 KB of the 227 KB an SM has at both head
+// dims (plain TF32's 129 KB would leave room, but one code path serves both precisions).
+// The consumers read it from global memory straight into S's fragment positions (bias_frags.cuh:
+// one 8-byte load a row and n8 tile), issued before S = Q K_t^T so that the GEMM (HEAD / 8 k8
+// steps, three wgmmas each with 3xTF32) hides their latency; a bias that several heads
+// or batches share is read by CTAs of 16 heads side by side (shared_scores_head_group), from L2.
 #include "common.cuh"
 #include "params.cuh"
 #include "mma.cuh"
@@ -37,6 +47,7 @@
 #include "tf32_operands.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "bias_frags.cuh"
 
 template <typename Cfg, int SPLIT>
 struct FwdWgmmaTf32Traits {
@@ -171,7 +182,6 @@ template <typename T, typename Cfg, typename Flags, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
 flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     static_assert(sizeof(T) == sizeof(float), "float32 data on TF32 tensor cores");
-    static_assert(!Flags::EXTRA, "bias, mask, dropout and block layouts run on the portable kernel");
     typedef FwdWgmmaTf32Traits<Cfg, SPLIT> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     constexpr int PV_N = Tr::PV_N, PIECES = Tr::PV_PIECES;
@@ -179,7 +189,7 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
     const Tf32Smem<Tr> sm(align_1024(smem_addr(smem_raw)));
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims);
+    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
     const ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
@@ -232,6 +242,15 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
         const int stage = t & 1;
         const int next = next_tile(j + 1);
 
+        const int n0 = j * BN;
+        // EXTRA with a bias: this warp's 16 x BN bias, in flight during S = Q K^T.
+        float bias_frag[Flags::EXTRA ? Tr::S_TILES : 1][4];
+        if constexpr (Flags::EXTRA) {
+            if (mod.has_bias())
+                load_bias_frags(bias_frag, p.mask.bias, blk.batch, blk.head, warp_row0 + lane / 4, n0, dims.lq,
+                                dims.lk, lane);
+        }
+
         // S = Q K^T for this warpgroup's 64 rows (a warp's 16 in its C fragments).
         float s[1][Tr::S_TILES][4];
         mbar_wait(sm.k_ready(stage), tile_parity(t));
@@ -261,16 +280,24 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
         }
         mbar_arrive(sm.k_empty(stage));   // this thread's wgmmas are done with K_t
 
-        const int n0 = j * BN;
+        // Per warp (its 16 rows): a block layout's blocks may straddle them (flash_fwd_wgmma.cu).
         const int kind = mod.classify(warp_row0, 16, n0, BN);
         auto coord = [=](int n, int i, int& row, int& col) {
             row = warp_row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
+        if constexpr (Flags::EXTRA) {
+            if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);   // x = s scale + bias log2(e)
+            // the per-element tests in a loop (registers), none where the warp sees nothing
+            apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
+        } else {
+            apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
+        }
         // P = 2^(x - m_new) in s; acc_o is not in flight, so a moved reference rescales it at once.
         warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
                               [&](int, int r, float c) { rescale_acc_row(acc_o, 0, r, c); });
+        // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
+        if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);
 
         // P's A fragments: k8 step kk is keys 8kk..8kk+7 (S's n8 tile kk) in V^T's permuted order,
         // A's k index t being key 2t and t + 4 key 2t + 1: a0..a3 = c0, c2, c1, c3, no shuffle.

@@ -346,3 +346,63 @@ def test_transposition_covers_v_once():
                 written += [int(w) // 16 for w in write]
         assert sorted(seen) == sorted((kk, nn) for kk in range(bn) for nn in range(head))
         assert len(set(written)) == len(written) == bn * head // 4
+
+
+# --------------------------------------------------------------------------- the bias read (bias_frags.cuh)
+
+def _load_bias_frags(n_tiles, strides, row_g, col0, lq, lk):
+    """load_bias_frags (transcribed) for every lane: per lane and element (n, i) the element offset read
+    (strides: batch, head, row in elements at batch = head = 0), None where it reads nothing (0), and
+    the pair loads as (offset, floats)."""
+    reads = np.full((32, n_tiles, 4), -1, dtype=np.int64)
+    loads = []
+    for lane in range(32):
+        col = col0 + 2 * (lane % 4)
+        for r in range(2):
+            row = row_g[lane] + 8 * r
+            keys_left = lk - col if row < lq else 0
+            at = (row if row < lq else 0) * strides[2] + col
+            for n in range(n_tiles):
+                if 8 * n + 1 < keys_left:
+                    reads[lane, n, 2 * r:2 * r + 2] = (at + 8 * n, at + 8 * n + 1)
+                    loads.append((at + 8 * n, 2))
+                elif 8 * n < keys_left:
+                    reads[lane, n, 2 * r] = at + 8 * n
+                    loads.append((at + 8 * n, 1))
+    return reads, loads
+
+
+def test_bias_frags_source_is_the_transcription():
+    src = (kernel_dir() / "bias_frags.cuh").read_text()
+    for line in ("const int col = col0 + 2 * (lane % 4);",
+                 "const int keys_left = row < lq ? lk - col : 0;",
+                 "bias.at<float>(batch, head, row < lq ? row : 0, col);",
+                 "if (8 * n + 1 < keys_left) pair = __ldg(reinterpret_cast<const float2*>(at + 8 * n));",
+                 "else if (8 * n < keys_left) pair.x = __ldg(at + 8 * n);",
+                 "b[n][2 * r] = pair.x;", "b[n][2 * r + 1] = pair.y;"):
+        assert line in src, line
+    kernel = (kernel_dir() / "flash_fwd_wgmma_tf32.cu").read_text()
+    assert "load_bias_frags(bias_frag, p.mask.bias, blk.batch, blk.head, warp_row0 + lane / 4, n0, dims.lq," in kernel
+
+
+@pytest.mark.parametrize("n_tiles", [4, 8])
+@pytest.mark.parametrize("lq,lk,row_stride", [(97, 132, 132), (97, 130, 132), (333, 1031, 0), (64, 64, 64)])
+def test_bias_frags_read_each_visible_element_into_its_fragment(n_tiles, lq, lk, row_stride):
+    """Every element (row < lq, col < lk) of a warp's 16 x 8 N tile is read once, into the C-fragment position
+    the kernel's coord names (row g + 8 (i / 2), key 8 n + 2 t + i % 2); nothing past the sequence ends; pairs
+    8-byte aligned when the rows are 16-byte chunks (row stride a multiple of 4, or 0); one warp instruction
+    (fixed n, r) reads 32 contiguous bytes a row."""
+    for warp_row0 in range(0, lq + 16, 16):
+        for col0 in range(0, lk, 8 * n_tiles):
+            row_g = warp_row0 + G
+            reads, loads = _load_bias_frags(n_tiles, (0, 0, row_stride), row_g, col0, lq, lk)
+            for n in range(n_tiles):
+                for i in range(4):
+                    row, col = row_g + 8 * (i // 2), col0 + 8 * n + 2 * T + i % 2
+                    seen = (row < lq) & (col < lk)
+                    want = np.where(seen, row * row_stride + col, -1)
+                    np.testing.assert_array_equal(reads[:, n, i], want)
+            assert all(off % 2 == 0 for off, floats in loads if floats == 2)
+    # one instruction's pairs: the 4 lanes of a row read keys 8 n + 0..7, 32 contiguous bytes
+    offs = (2 * T).reshape(8, 4)
+    assert (offs[:, 0] == 0).all() and (np.diff(offs, axis=1) == 2).all()

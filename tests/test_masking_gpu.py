@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import _launch, reference
 
-from _gpu_checks import DTYPES, check_masked, device_options, make_grad_inputs
+from _gpu_checks import DTYPES, check_forward_tf32, check_masked, device_options, make_grad_inputs
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -340,6 +340,103 @@ def test_hopper_forward_huge_logits_and_empty_rows(dtype, d, launched, monkeypat
     assert np.isneginf(lse[:, :, empty]).all() and np.isfinite(lse[:, :, ~empty]).all()
     np.testing.assert_allclose(lse[:, :, ~empty], lse_p[:, :, ~empty], rtol=1e-5)
     assert np.abs(out - out_p).max() <= 2e-2 * max(1.0, np.abs(out_p).max())
+
+
+# ------------------------------------------------------------- the float32 Hopper forward (sm_90a, TF32 wgmma)
+# flash_fwd_wgmma_tf32.cu with EXTRA (branch wgmma-tf32-extra): head dims 64 and 128, the bias read from
+# global memory into S's fragments (bias_frags.cuh), so again only for bias rows of 16-byte chunks.
+
+HOPPER_F32_FWD = {"highest": ("fwd_wgmma_tf32x3", "fwd_tf32x3"), "tf32": ("fwd_wgmma_tf32", "fwd_tf32")}
+"""float32 precision -> (the Hopper forward family, the portable one)."""
+
+
+@pytest.mark.parametrize("kind", HOPPER_KINDS)
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+@pytest.mark.parametrize("d, causal", [(64, False), (64, "bottom_right"), (128, True), (128, False)])
+def test_hopper_float32_forward_with_masking_options(kind, precision, d, causal, launched):
+    """On compute capability 9.0 the float32 forward with a bias, a boolean mask, dropout or a block layout runs
+    the TF32 wgmma kernel (EXTRA) of its precision: "highest" within the error budget of the reference, "tf32"
+    within TF32_TOL; rows that see nothing give 0 and lse = -inf."""
+    seed = hash(("float32", kind, str(causal), d, precision)) % 2**31
+    opts = _hopper_options(kind, seed)
+    if precision == "highest":
+        check_masked("float32", B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d, causal, seed, opts, backward=False)
+    else:
+        check_forward_tf32(B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d, causal, seed, opts)
+    assert [(v.family, v.extra) for v in launched] == [(HOPPER_F32_FWD[precision][0], True)]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_float32_dropout_drops_what_the_portable_forward_drops(d, launched, monkeypatch):
+    """As test_hopper_dropout_drops_what_the_portable_forward_drops, for the float32 Hopper forward (3xTF32)."""
+    b, hq, hk, lq, lk, p_drop, seed = 2, 2, 1, 300, HOPPER_LK, 0.3, 4321
+    c0 = (0, 776)
+    rng = np.random.default_rng(d)
+    q = rng.standard_normal((b, hq, lq, d)) * 0.3
+    k = rng.standard_normal((b, hk, lk, d))
+    v = np.zeros((b, hk, lk, d))
+    mask = np.zeros((1, hq, 1, lk), dtype=bool)
+    for h, c in enumerate(c0):
+        mask[0, h, 0, c:c + d] = True
+        v[:, :, c:c + d, :] = np.eye(d)
+    dev = [cp.asarray(x.astype(np.float32)) for x in (q, k, v)]
+    kept = {}
+    for cc in (90, 80):
+        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        launched.clear()
+        out = cp.asnumpy(cuflash.attention(*dev, mask=cp.asarray(mask), dropout_p=p_drop, seed=seed))
+        assert [x.family for x in launched] == [HOPPER_F32_FWD["highest"][0 if cc == 90 else 1]]
+        assert np.isfinite(out).all()
+        kept[cc] = out != 0
+    np.testing.assert_array_equal(kept[90], kept[80])
+    rows, cols = np.arange(lq)[:, None], np.arange(d)[None, :]
+    ref = np.stack([np.stack([reference.dropout_keep(seed, p_drop, bb, h, rows, c0[h] + cols) for h in range(hq)])
+                    for bb in range(b)]) > 0
+    np.testing.assert_array_equal(kept[90], ref)
+
+
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+def test_hopper_float32_forward_bias_not_in_chunks_takes_the_portable_kernel(precision, launched):
+    """The float32 Hopper forward reads a bias by 8-byte pairs of 16-byte chunked rows: 1096 keys (4384-byte
+    rows) run it, 1098 (4392 bytes) the portable forward of the same precision, both within their bounds; a
+    (1, 1, 1, 1097) bias (every stride 0: chunks whatever the key count, its last pair cut by the sequence
+    end) runs it too."""
+    lq, d = 200, 64
+    for lk, bias_shape, hopper in ((1096, (1, 1, lq, 1096), True), (1098, (1, 1, lq, 1098), False),
+                                   (1097, (1, 1, 1, 1097), True)):
+        launched.clear()
+        opts = dict(bias=np.random.default_rng(lk).standard_normal(bias_shape))
+        if precision == "highest":
+            check_masked("float32", B, HQ, HK, lq, lk, d, d, True, lk, opts, backward=False)
+        else:
+            check_forward_tf32(B, HQ, HK, lq, lk, d, d, True, lk, opts)
+        assert [x.family for x in launched] == [HOPPER_F32_FWD[precision][0 if hopper else 1]], lk
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_float32_forward_huge_logits_and_empty_rows(d, launched, monkeypatch):
+    """As test_hopper_forward_huge_logits_and_empty_rows, for the float32 Hopper forward (3xTF32) against the
+    portable 3xTF32 one."""
+    rng = np.random.default_rng(d)
+    lq, lk = 150, HOPPER_LK
+    q = cp.asarray((rng.standard_normal((B, HQ, lq, d)) * 60).astype(np.float32))
+    k, v = (cp.asarray(rng.standard_normal((B, HK, lk, d)).astype(np.float32)) for _ in range(2))
+    bias = cp.asarray((rng.standard_normal((1, 1, lq, lk)) * 100).astype(np.float32))
+    mask = cp.asarray(np.where(np.arange(lq)[:, None] % 5 == 0, False, rng.random((lq, lk)) < 0.7))
+    results = {}
+    for cc in (90, 80):
+        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        launched.clear()
+        out, lse = cuflash.attention_forward(q, k, v, bias=bias, mask=mask)
+        assert [x.family for x in launched] == [HOPPER_F32_FWD["highest"][0 if cc == 90 else 1]]
+        results[cc] = cp.asnumpy(out).astype(np.float64), cp.asnumpy(lse)
+    (out, lse), (out_p, lse_p) = results[90], results[80]
+    empty = np.arange(lq) % 5 == 0
+    assert np.isfinite(out).all() and (out[:, :, empty] == 0).all()
+    assert np.isneginf(lse[:, :, empty]).all() and np.isfinite(lse[:, :, ~empty]).all()
+    # Logits in the hundreds: float32's score error (~2^-23 of them) moves probabilities by ~1e-4 relative.
+    np.testing.assert_allclose(lse[:, :, ~empty], lse_p[:, :, ~empty], rtol=1e-5)
+    assert np.abs(out - out_p).max() <= 2e-3 * max(1.0, np.abs(out_p).max())
 
 
 # --------------------------------------------------------------------------- the Hopper backward (sm_90a)

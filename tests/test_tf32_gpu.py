@@ -37,11 +37,13 @@ def path(request, monkeypatch):
     return request.param
 
 
-def _forward_family(base: str, d: int, extra: bool = False) -> str:
+def _forward_family(base: str, d: int, bias_lk: int = 0) -> str:
     """The float32 forward family a call of head dim d takes on this GPU (base: "fwd_tf32x3" or
     "fwd_tf32"): the wgmma one on compute capability 9.0 for head buckets 64 and 128 with 16-byte
-    rows (d a multiple of 4) and no masking options, else base."""
-    hopper = (_launch._compute_capability() == HOPPER_CC and not extra and d % 4 == 0
+    rows (d a multiple of 4), masking options included, unless the call has a (contiguous) bias of
+    ``bias_lk`` keys whose rows are not 16-byte chunks (bias_lk not a multiple of 4: the launcher's
+    fallback, _masking.rows_in_chunks), else base."""
+    hopper = (_launch._compute_capability() == HOPPER_CC and d % 4 == 0 and bias_lk % 4 == 0
               and head_bucket(d) in WGMMA_TF32_HEADS)
     return base.replace("fwd_", "fwd_wgmma_") if hopper else base
 
@@ -100,20 +102,23 @@ def test_highest_huge_logits_stay_finite(causal, path, launches):
 
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [64, 128])
-def test_masking_options_both_precisions(causal, d, launches):
-    """Bias (shared by the batch), key padding and dropout, with a window on top when causal."""
-    seed = d + len(str(causal))
+@pytest.mark.parametrize("lk", [130, 132])
+def test_masking_options_both_precisions(causal, d, lk, launches):
+    """Bias (shared by the batch), key padding and dropout, with a window on top when causal. On compute
+    capability 9.0 132 keys (528-byte bias rows) run the wgmma forward, 130 (520 bytes: not 16-byte
+    chunks) the portable one."""
+    seed = d + len(str(causal)) + lk
     rng = np.random.default_rng(seed)
-    lq, lk = 97, 130
+    lq = 97
     mask = np.ones((2, 1, 1, lk), dtype=bool)
     mask[0, :, :, lk - 40:] = False
     options = dict(bias=rng.standard_normal((1, 2, lq, lk)), mask=mask, dropout_p=0.125, seed=seed)
     if causal:
         options["window"] = (48, 0)
     check_masked("float32", 2, 2, 1, lq, lk, d, d, causal, seed, options, backward=False)
-    assert launches[-1].family == "fwd_tf32x3"
+    assert launches[-1].family == _forward_family("fwd_tf32x3", d, bias_lk=lk) and launches[-1].extra
     check_forward_tf32(2, 2, 1, lq, lk, d, d, causal, seed, options)
-    assert launches[-1].family == "fwd_tf32"
+    assert launches[-1].family == _forward_family("fwd_tf32", d, bias_lk=lk) and launches[-1].extra
 
 
 def _fma_backward_only(monkeypatch):

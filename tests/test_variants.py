@@ -154,22 +154,23 @@ def test_hopper_selection():
 
 def test_hopper_float32_selection():
     """Compute capability 9.0 takes the TF32 wgmma forward (flash_fwd_wgmma_tf32.cu) for float32 calls
-    without EXTRA options and with 16-byte loadable rows at head dims 64 and 128, 3xTF32 for "highest"
-    and plain TF32 for "tf32", causal / windowed (band) included, short rows too; EXTRA calls, element
-    loads, head dims 32 and 256 and other GPUs keep the portable kernels, which are also each call's
-    fallback (forward_choice's second variant: the same GPU's portable row, "sm90" included)."""
+    with 16-byte loadable rows at head dims 64 and 128, 3xTF32 for "highest" and plain TF32 for "tf32",
+    causal / windowed (band) and EXTRA options included (its EXTRA variant: the same tile and shared
+    memory, the bias read from global memory), short rows too; element loads, head dims 32 and 256 and
+    other GPUs keep the portable kernels, which are also each call's fallback (forward_choice's second
+    variant: the same GPU's portable row, "sm90" included, EXTRA where the call has it)."""
     for head in (64, 128):
-        for band in (False, True):
+        for band, extra in itertools.product((False, True), (False, True)):
             for precision, family in (("highest", "fwd_wgmma_tf32x3"), ("tf32", "fwd_wgmma_tf32")):
-                v, portable = V.forward_choice("float32", head, band, False, True, True, 90, V.SMEM_MAX, precision)
-                assert (v.family, v.arch, v.band, v.nvrtc_arch) == (family, "sm90a", band, "sm_90a")
+                v, portable = V.forward_choice("float32", head, band, extra, True, True, 90, V.SMEM_MAX, precision)
+                assert (v.family, v.arch, v.band, v.extra, v.nvrtc_arch) == (family, "sm90a", band, extra, "sm_90a")
                 assert v.split == (3 if precision == "highest" else 0)
                 assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
-                assert portable == V.forward_variant("float32", head, band=band, vec=True, cc=90, precision=precision,
-                                                     wgmma=False)
+                assert v.tile == V.Variant(family, "float32", head, arch="sm90a").fitted(V.SMEM_MAX).tile
+                assert portable == V.forward_variant("float32", head, band=band, extra=extra, vec=True, cc=90,
+                                                     precision=precision, wgmma=False)
                 assert portable.family == V.TF32_FAMILY[precision] and portable.arch != "sm90a"
-                assert V.forward_variant("float32", head, band=band, extra=True, vec=True, cc=90,
-                                         precision=precision).family == V.TF32_FAMILY[precision]
+                assert portable.extra == extra
                 assert V.forward_variant("float32", head, band=band, vec=False, cc=90,
                                          precision=precision).family == V.TF32_FAMILY[precision]
                 assert V.forward_variant("float32", head, band=band, vec=True, cc=80,
@@ -182,6 +183,9 @@ def test_hopper_float32_selection():
     hi = V.forward_variant("float32", 64, band=True, vec=True, cc=90)
     assert hi.name.startswith("flash_fwd_wgmma_tf32<float, TileCfg<64, 128, 64, 12, 2, 1, 384, ")
     assert hi.name.endswith(", MaskFlags<true, false>, 3>")
+    ex = V.forward_variant("float32", 128, band=False, extra=True, vec=True, cc=90, precision="tf32")
+    assert ex.name.endswith(", MaskFlags<false, true>, 0>") and ex.smem_bytes == V.forward_variant(
+        "float32", 128, band=False, vec=True, cc=90, precision="tf32").smem_bytes
 
 
 def test_hopper_backward_selection():
@@ -269,12 +273,12 @@ def test_sm90_rows_are_chosen_from_compute_capability_9():
     assert sm90 and all(v.compile_target("sm_80") is None and v.compile_target("sm_90") == "sm_90" for v in sm90)
     assert all(v.wide_k == 0 for v in V.all_variants() if v.arch == "sm80")
     for dtype, head, family in (("float64", 128, "fwd_dmma"), ("float32", 64, "fwd_tf32x3")):
-        # (float32 with 16-byte rows takes the Hopper wgmma kernel; its portable fallback is this row)
+        # (float32 with 16-byte rows takes the Hopper wgmma kernel, EXTRA too; its portable fallback is this row)
         new = V.forward_variant(dtype, head, band=False, vec=True, cc=90, wgmma=False)
         old = V.forward_variant(dtype, head, band=False, vec=True, cc=80)
         assert (new.family, new.arch, old.family, old.arch) == (family, "sm90", family, "sm80")
         assert new.tile == V._TABLE[("sm90", family, dtype, head)][0] != old.tile
-        extra = V.forward_variant(dtype, head, band=False, extra=True, vec=True, cc=90)
+        extra = V.forward_variant(dtype, head, band=False, extra=True, vec=True, cc=90, wgmma=False)
         assert extra.arch == "sm80" and extra.tile == V._EXTRA_TABLE[("sm80", family, dtype, head)][0]
     assert V.forward_variant("float64", 128, band=False, vec=True, cc=90).wide_k == 16
 
