@@ -360,8 +360,8 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
 #pragma unroll
         for (int n = 0; n < Tr::O_TILES; ++n) {
             const int col = n * 8 + 2 * (lane % 4);
-            if (col < dims.dv) out_row[col] = acc_o[0][n][2 * r] * inv_sum;
-            if (col + 1 < dims.dv) out_row[col + 1] = acc_o[0][n][2 * r + 1] * inv_sum;
+            store_out_pair<true>(out_row, col, dims.dv, acc_o[0][n][2 * r] * inv_sum,
+                                 acc_o[0][n][2 * r + 1] * inv_sum);
         }
         if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
     }
