@@ -20,7 +20,7 @@ fwd_wgmma           flash_fwd_wgmma.cu      forward, float16/bfloat16, Hopper wg
 fwd_tf32x3          flash_fwd_tf32.cu       forward, float32 precision="highest", split TF32 (3xTF32) mma.sync
 fwd_tf32            flash_fwd_tf32.cu       forward, float32 precision="tf32", TF32 mma.sync
 fwd_wgmma_tf32x3    flash_fwd_wgmma_tf32.cu forward, float32 precision="highest", 3xTF32 on Hopper wgmma (arch "sm90a")
-fwd_wgmma_tf32      flash_fwd_wgmma_tf32.cu forward, float32 precision="tf32", TF32 on Hopper wgmma (arch "sm90a")
+fwd_wgmma_tf32      flash_fwd_wgmma_tf32.cu plain TF32 on Hopper wgmma: no table rows (slower than fwd_tf32 on the H100)
 fwd_fma             flash_fwd_fma.cu        forward, float32 where no TF32 tile fits, CUDA-core FMA
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
@@ -299,16 +299,16 @@ _add("fwd_tf32", ["float32"], [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regi
 # 3xTF32; R195 without EXTRA), R233 of 240 (d=128 3xTF32; R227), R164 plain TF32 (sm_90a SASS, NVRTC 13).
 _add("fwd_wgmma_tf32x3", ["float32"], [64], Tile(128, 64, 12, 2, "a TMA producer (K's parts, V^T's) and two "
                                                                 "consumer warpgroups of 64 rows, 64-key tiles: "
-                                                                "225 KB (offline only)", split=3), arch="sm90a")
+                                                                "225 KB; 79 TFLOP/s, 1.45x the portable table "
+                                                                "(tune_f32.py, H100)", split=3), arch="sm90a")
 _add("fwd_wgmma_tf32x3", ["float32"], [128], Tile(64, 32, 8, 2, "a TMA producer and one consumer warpgroup, "
-                                                               "32-key tiles: 225 KB (offline only)", split=3),
+                                                               "32-key tiles: 225 KB; 54 TFLOP/s, 1.04x the "
+                                                               "portable table (H100)", split=3),
      arch="sm90a")
-# Plain TF32: one wgmma a k8 step, chained; no small parts (d=64 129 KB, d=128 129 KB). The same tiles
-# as 3xTF32 until measured (benchmarks/tune_f32.py has larger candidates).
-_add("fwd_wgmma_tf32", ["float32"], [64], Tile(128, 64, 12, 2, "as fwd_wgmma_tf32x3's: 129 KB (offline only)"),
-     arch="sm90a")
-_add("fwd_wgmma_tf32", ["float32"], [128], Tile(64, 32, 8, 2, "as fwd_wgmma_tf32x3's: 129 KB (offline only)"),
-     arch="sm90a")
+# Plain TF32 (SPLIT 0: one wgmma a k8 step, no small parts; the same tiles at 129 KB) has no rows: on
+# the H100 it measured slower than the portable fwd_tf32 (bench_precision.py --quick, thirteenth session:
+# 127.9 against 146.2 TFLOP/s at D=64, 76.7 against 138.7 at D=128), the producer's V^T copy being the
+# limit without a split to hide it. The family stays defined (fwd_wgmma_tf32); rows here route it.
 # (float64 forwards run on the fp64 tensor cores below; fwd_fma compiles for double too, and
 # forward_variant falls back to it for any head bucket that has no fwd_dmma entry.)
 
@@ -901,10 +901,11 @@ def _portable_arch(family: str, dtype: str, head: int, extra: bool, cc: int) -> 
 TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 """float32 precision -> the tensor-core forward family (flash_fwd_tf32.cu)."""
 
-TF32_WGMMA_FAMILY = {"highest": "fwd_wgmma_tf32x3", "tf32": "fwd_wgmma_tf32"}
+TF32_WGMMA_FAMILY = {"highest": "fwd_wgmma_tf32x3"}
 """float32 precision -> the Hopper forward family (flash_fwd_wgmma_tf32.cu, arch "sm90a"), chosen on
 compute capability 9.0 for calls whose rows are 16-byte loadable, EXTRA options included (a bias
-whose rows are not 16-byte chunks falls back to the portable kernel: _launch.launch_forward)."""
+whose rows are not 16-byte chunks falls back to the portable kernel: _launch.launch_forward).
+"tf32" keeps the portable fwd_tf32, faster on the H100 (the fwd_wgmma_tf32 rows above)."""
 
 FLOAT32_PRECISIONS = ("highest", "tf32", "fma")
 """What :func:`forward_variant` takes for float32: the public precisions, and "fma", the FMA forward

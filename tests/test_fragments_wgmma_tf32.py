@@ -213,8 +213,9 @@ HOPPER_F32 = [v for v in V.all_variants() if v.family in ("fwd_wgmma_tf32x3", "f
 
 
 def test_variants_exist():
-    assert {(v.family, v.head) for v in HOPPER_F32} == {(f, h) for f in ("fwd_wgmma_tf32x3", "fwd_wgmma_tf32")
-                                                        for h in (64, 128)}
+    """3xTF32 at head dims 64 and 128; plain TF32 (fwd_wgmma_tf32) has no rows: the portable fwd_tf32 is
+    faster on the H100 (cuflash/_variants.py)."""
+    assert {(v.family, v.head) for v in HOPPER_F32} == {("fwd_wgmma_tf32x3", h) for h in (64, 128)}
 
 
 @pytest.mark.parametrize("v", HOPPER_F32, ids=lambda v: v.name)

@@ -350,8 +350,9 @@ def test_hopper_forward_huge_logits_and_empty_rows(dtype, d, launched, monkeypat
 # flash_fwd_wgmma_tf32.cu with EXTRA (branch wgmma-tf32-extra): head dims 64 and 128, the bias read from
 # global memory into S's fragments (bias_frags.cuh), so again only for bias rows of 16-byte chunks.
 
-HOPPER_F32_FWD = {"highest": ("fwd_wgmma_tf32x3", "fwd_tf32x3"), "tf32": ("fwd_wgmma_tf32", "fwd_tf32")}
-"""float32 precision -> (the Hopper forward family, the portable one)."""
+HOPPER_F32_FWD = {"highest": ("fwd_wgmma_tf32x3", "fwd_tf32x3"), "tf32": ("fwd_tf32", "fwd_tf32")}
+"""float32 precision -> (the family a Hopper GPU takes, the portable one): "tf32" keeps the portable kernel
+(faster there; _variants.TF32_WGMMA_FAMILY)."""
 
 
 @pytest.mark.parametrize("kind", HOPPER_KINDS)

@@ -39,11 +39,12 @@ def path(request, monkeypatch):
 
 def _forward_family(base: str, d: int, bias_lk: int = 0) -> str:
     """The float32 forward family a call of head dim d takes on this GPU (base: "fwd_tf32x3" or
-    "fwd_tf32"): the wgmma one on compute capability 9.0 for head buckets 64 and 128 with 16-byte
+    "fwd_tf32"; "tf32" keeps the portable kernel on Hopper too, _variants.TF32_WGMMA_FAMILY): for
+    "highest" the wgmma one on compute capability 9.0 for head buckets 64 and 128 with 16-byte
     rows (d a multiple of 4), masking options included, unless the call has a (contiguous) bias of
     ``bias_lk`` keys whose rows are not 16-byte chunks (bias_lk not a multiple of 4: the launcher's
     fallback, _masking.rows_in_chunks), else base."""
-    hopper = (_launch._compute_capability() == HOPPER_CC and d % 4 == 0 and bias_lk % 4 == 0
+    hopper = (base == "fwd_tf32x3" and _launch._compute_capability() == HOPPER_CC and d % 4 == 0 and bias_lk % 4 == 0
               and head_bucket(d) in WGMMA_TF32_HEADS)
     return base.replace("fwd_", "fwd_wgmma_") if hopper else base
 

@@ -154,14 +154,17 @@ def test_hopper_selection():
 
 def test_hopper_float32_selection():
     """Compute capability 9.0 takes the TF32 wgmma forward (flash_fwd_wgmma_tf32.cu) for float32 calls
-    with 16-byte loadable rows at head dims 64 and 128, 3xTF32 for "highest" and plain TF32 for "tf32",
+    with 16-byte loadable rows at head dims 64 and 128, 3xTF32 for "highest" ("tf32" keeps the portable
+    fwd_tf32, faster there: TF32_WGMMA_FAMILY),
     causal / windowed (band) and EXTRA options included (its EXTRA variant: the same tile and shared
     memory, the bias read from global memory), short rows too; element loads, head dims 32 and 256 and
     other GPUs keep the portable kernels, which are also each call's fallback (forward_choice's second
     variant: the same GPU's portable row, "sm90" included, EXTRA where the call has it)."""
     for head in (64, 128):
         for band, extra in itertools.product((False, True), (False, True)):
-            for precision, family in (("highest", "fwd_wgmma_tf32x3"), ("tf32", "fwd_wgmma_tf32")):
+            v, portable = V.forward_choice("float32", head, band, extra, True, True, 90, V.SMEM_MAX, "tf32")
+            assert v == portable and v.family == "fwd_tf32" and v.extra == extra
+            for precision, family in (("highest", "fwd_wgmma_tf32x3"),):
                 v, portable = V.forward_choice("float32", head, band, extra, True, True, 90, V.SMEM_MAX, precision)
                 assert (v.family, v.arch, v.band, v.extra, v.nvrtc_arch) == (family, "sm90a", band, extra, "sm_90a")
                 assert v.split == (3 if precision == "highest" else 0)
@@ -183,9 +186,9 @@ def test_hopper_float32_selection():
     hi = V.forward_variant("float32", 64, band=True, vec=True, cc=90)
     assert hi.name.startswith("flash_fwd_wgmma_tf32<float, TileCfg<64, 128, 64, 12, 2, 1, 384, ")
     assert hi.name.endswith(", MaskFlags<true, false>, 3>")
-    ex = V.forward_variant("float32", 128, band=False, extra=True, vec=True, cc=90, precision="tf32")
-    assert ex.name.endswith(", MaskFlags<false, true>, 0>") and ex.smem_bytes == V.forward_variant(
-        "float32", 128, band=False, vec=True, cc=90, precision="tf32").smem_bytes
+    ex = V.forward_variant("float32", 128, band=False, extra=True, vec=True, cc=90)
+    assert ex.name.endswith(", MaskFlags<false, true>, 3>") and ex.smem_bytes == V.forward_variant(
+        "float32", 128, band=False, vec=True, cc=90).smem_bytes
 
 
 def test_hopper_backward_selection():
