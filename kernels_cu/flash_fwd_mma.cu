@@ -79,12 +79,7 @@ flash_fwd_mma(const FwdParams p) {
     constexpr int M = Tr::STRIPS;
     float acc_o[M][Tr::O_TILES][4];
     float row_max[M][2], row_sum[M][2];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-        zero_frags(acc_o[m]);
-        row_max[m][0] = row_max[m][1] = neg_inf<float>();
-        row_sum[m][0] = row_sum[m][1] = 0.0f;
-    }
+    start_rows(acc_o, row_max, row_sum);
 
     int j = next_tile(keys.begin);
     if (j < keys.end) {

@@ -214,9 +214,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 
     float acc_o[1][Tr::O_TILES][4];
     float row_max[1][2], row_sum[1][2];
-    zero_frags(acc_o[0]);
-    row_max[0][0] = row_max[0][1] = neg_inf<float>();
-    row_sum[0][0] = row_sum[0][1] = 0.0f;
+    start_rows(acc_o, row_max, row_sum);
     unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
 
     const unsigned q_wg = sm.q + consumer * 64 * 128;       // this warpgroup's 64 rows of every Q slab

@@ -221,9 +221,7 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
 
     float acc_o[1][Tr::O_TILES][4];
     float row_max[1][2], row_sum[1][2];
-    zero_frags(acc_o[0]);
-    row_max[0][0] = row_max[0][1] = neg_inf<float>();
-    row_sum[0][0] = row_sum[0][1] = 0.0f;
+    start_rows(acc_o, row_max, row_sum);
 
     // This warpgroup's 64 rows of every Q slab (big, and small with SPLIT).
     const unsigned q_rows = consumer * 64 * 128;

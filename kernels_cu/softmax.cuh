@@ -186,6 +186,22 @@ __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4],
     });
 }
 
+// A warp's rows before their first key tile (the state warp_softmax_step carries): O = 0, running
+// max -inf (so the first tile's correction is exp2(-inf) = 0), running sum 0.
+template <int M, int O_TILES>
+__device__ __forceinline__ void start_rows(float (&acc_o)[M][O_TILES][4], float (&row_max)[M][2],
+                                           float (&row_sum)[M][2]) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int t = 0; t < O_TILES; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_o[m][t][i] = 0.0f;
+        row_max[m][0] = row_max[m][1] = neg_inf<float>();
+        row_sum[m][0] = row_sum[m][1] = 0.0f;
+    }
+}
+
 // Row r of strip m of acc_o times `correction`.
 template <int M, int O_TILES>
 __device__ __forceinline__ void rescale_acc_row(float (&acc_o)[M][O_TILES][4], int m, int r, float correction) {
