@@ -234,6 +234,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
                                                      lane);                                   // dP^T = V dO^T
         // Rows of these tiles are keys, columns queries; the mask is decided for this warp's keys.
         const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, 16);
+        unsigned kept = 0;   // EXTRA with dropout: the step's keep bits (drop_factor)
         if constexpr (Flags::EXTRA) {
             auto coord = [&](int n, int i, int& row, int& col) {
                 row = m0 + frag_col(lane, n, i);
@@ -243,32 +244,24 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             if (mod.has_bias())
                 scale_add_bias_frags_f32_t<BM, Tr::BIAS_PITCH>(st, bias_stages + stage * Tr::BIAS_ELEMS + key0, lane,
                                                                mod.scale_log2);
-            apply_score_mod(st, mod, partial, coord);
+            // The per-element tests and the Philox draws in loops, once a step, outside the
+            // probability loop below: unrolled there per element, they made the EXTRA kernel's
+            // loop ~25% more instructions than the plain one's (ncu, fourteenth session).
+            apply_score_mod_bits(st, mod, partial, coord);
+            if (mod.has_dropout()) kept = dropout_frag_bits_t<QT>(mod, m0, n0 + key0, lane);
         } else if (partial) {
             mask_partial_strip_t<BM>(st, mod, n0 + key0 + lane / 4, m0 + 2 * (lane % 4));
         }
         // P^T and dS^T in place, in fp32 (st: P^T, dpt: dS^T).
 #pragma unroll
         for (int n = 0; n < QT; ++n) {
-            // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one 8-byte
-            // load (the EXTRA kernels load each stat where it is used, as flash_bwd_mma.cu).
-            FloatPair lse_log2, dsum;
-            if constexpr (!Flags::EXTRA) {
-                lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));
-                dsum = load_pair(dsum_s + frag_col(lane, n, 0));
-            }
+            // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one 8-byte load.
+            const FloatPair lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));
+            const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = frag_col(lane, n, i);
-                // Dropout: a lane's two elements of a row are two queries of one key, not the
-                // neighbouring keys one Philox draw serves: a draw per element.
-                float keep = 1.0f;
-                if (mod.has_dropout()) keep = mod.keep(m0 + row, n0 + key0 + frag_row(lane, i));
-                if constexpr (Flags::EXTRA)   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
-                    prob_and_dscore(st[n][i], dpt[n][i], lse_s[row], dsum_s[row], keep);
-                else
-                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
-            }
+            for (int i = 0; i < 4; ++i)   // (x_per_s is 1 with EXTRA: ScoreMod::scores_stay_raw)
+                prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], drop_factor(mod, kept, n, i),
+                                x_per_s);
             if (ATOMIC_DQ)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)

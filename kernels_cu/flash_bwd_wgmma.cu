@@ -377,14 +377,6 @@ __device__ __forceinline__ unsigned score_mod_t(float (&st)[Tr::BM / 8][4], cons
     return mod.has_dropout() ? dropout_frag_bits_t<BM / 8>(mod, m0, n0 + key_row, lane) : 0u;
 }
 
-// Dropout's factor on element i of n8 tile n: keep_scale or 0 from the keep bits (bit 4 n + i), 1
-// without dropout.
-template <typename Mod>
-__device__ __forceinline__ float drop_factor(const Mod& mod, unsigned kept, int n, int i) {
-    if (!mod.has_dropout()) return 1.0f;
-    return (kept >> (4 * n + i)) & 1u ? float(mod.m.keep_scale) : 0.0f;
-}
-
 // Head dims 64 and 128: consumer warpgroup c owns keys [64 c, 64 c + 64) of the block and all
 // head-dim columns (the file's head).
 template <typename T, typename Tr, typename Mod>

@@ -387,6 +387,15 @@ __device__ __forceinline__ unsigned dropout_frag_bits_t(const Mod& mod, int quer
     return bits;
 }
 
+// Dropout's factor on element i of n8 tile n: keep_scale or 0 from keep bits laid out as
+// dropout_frag_bits(_t) lay them out (bit 4 n + i), 1 without dropout (a uniform test: the
+// probability loops that use it carry no Philox draw and no branch).
+template <typename Mod, typename Bits>
+__device__ __forceinline__ float drop_factor(const Mod& mod, Bits kept, int n, int i) {
+    if (!mod.has_dropout()) return 1.0f;
+    return (kept >> (4 * n + i)) & 1u ? float(mod.m.keep_scale) : 0.0f;
+}
+
 // p *= keep on the C fragments of one warp's 16 rows: row_g = its row g (lane / 4),
 // col0 the tile's first key.
 template <typename Mod, int N>
