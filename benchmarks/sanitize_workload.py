@@ -13,7 +13,8 @@ and the two-pass head-dim-128 backward. ``--hopper-extra``: only forwards that t
 Hopper kernel with its masking options on compute capability 9.0 (Lk = 1032: past head
 dim 64's key threshold, bias rows in 16-byte chunks; a bias, key padding, dropout and a
 block layout whose first query rows see nothing; a bias broadcast over rows with an odd
-key count, whose last float pair the sequence end cuts). ``--dtypes float32`` with it: the
+key count, whose last float pair the sequence end cuts). ``--portable``: the portable kernels
+(mma.sync / DMMA / TF32) even on an H100, e.g. the 16-bit dK/dV kernel of flash_bwd_mma.cu. ``--dtypes float32`` with it: the
 float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both precisions).
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
@@ -39,7 +40,12 @@ def main(argv=None) -> None:
     parser.add_argument("--hopper-extra", action="store_true", help="the Hopper forward with masking options only")
     parser.add_argument("--hopper-dbias", action="store_true",
                         help="the Hopper backward forming dbias itself, every bias broadcast shape")
+    parser.add_argument("--portable", action="store_true",
+                        help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
+    if args.portable:   # as bench.py's "cuflash sm80" contender
+        from cuflash import _launch
+        _launch._compute_capability = lambda: 80
     if args.hopper_extra:
         hopper_extra(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
         return

@@ -128,21 +128,9 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     T* ds_lane = ds_s + (key0 + lane / 4) * Tr::DS_PITCH + 2 * (lane % 4);
     // Steps walk (query head of the group, query block) pairs over the query
     // blocks that can see this key block.
-    const TileRange queries = mod.query_tiles(n0, keys_valid, BM);
-    const int m_blocks = imax(0, queries.end - queries.begin);
-    const int n_steps = (blk.end_head - blk.first_head) * m_blocks;
-    auto step_head = [&](int step) { return blk.first_head + step / m_blocks; };
-    auto step_m0 = [&](int step) { return (queries.begin + step % m_blocks) * BM; };
-    auto next_step = [&](int step) {   // the first step >= step whose tile is visible
-        for (; step < n_steps; ++step) {
-            mod.head = step_head(step);
-            const int m0 = step_m0(step);
-            if (mod.classify(m0, imin(BM, dims.lq - m0), n0, keys_valid) != TILE_SKIP) break;
-        }
-        return step;
-    };
-    auto issue_query_block = [&](int step, int stage) {
-        const int head = step_head(step), m0 = step_m0(step);
+    const KeyBlockSteps<BM> steps(mod, blk);
+    auto issue_query_block = [&](const StepCursor& at, int stage) {
+        const int head = at.head, m0 = steps.m0(at.block);
         const int rows = imin(BM, dims.lq - m0);
         load_tile_fixed_col<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q.at<const T>(batch, head, m0),
                                                               p.q.row_stride, rows, dims.d);
@@ -155,14 +143,15 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                                                                    keys_valid);
         cp_async_commit();
     };
-    int step = next_step(0);
-    if (step < n_steps) issue_query_block(step, 0);
+    StepCursor cur = StepCursor::first(steps).next_visible(steps, mod, blk, true);
+    if (cur.t < steps.count) issue_query_block(cur, 0);
 #pragma unroll 1
-    for (int stage = 0; step < n_steps;) {
-        const int next = next_step(step + 1);
-        const int head = step_head(step), m0 = step_m0(step), rows_valid = imin(BM, dims.lq - m0);
+    for (int stage = 0; cur.t < steps.count;) {
+        const StepCursor next = cur.after(steps).next_visible(steps, mod, blk, true);
+        const int head = cur.head, m0 = steps.m0(cur.block), rows_valid = imin(BM, dims.lq - m0);
         mod.head = head;
-        prefetch_next_step<Tr::STAGES>(next, n_steps, stage, issue_query_block);   // the next block meanwhile
+        prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
+                                       [&](int, int into) { issue_query_block(next, into); });
         load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
         __syncthreads();
         const T* q_s = q_stages + stage * BM * P;
@@ -255,10 +244,13 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                 }
             }
         }
-        __syncthreads();   // this stage, the row stats and dS^T are read; the next step may overwrite them
-        step = next;
+        // With ATOMIC_DQ the barrier before dQ already follows every read of this stage and of the
+        // row stats (dQ reads dS^T and K only), and the next step writes dS^T only after its first
+        // barrier, which every warp reaches after this step's dQ: no third barrier a step.
+        if (!ATOMIC_DQ) __syncthreads();   // this stage and the row stats are read; the next step may overwrite them
+        cur = next;
         if (Tr::STAGES == 2) stage ^= 1;
-        else if (step < n_steps) issue_query_block(step, 0);
+        else if (cur.t < steps.count) issue_query_block(cur, 0);
     }
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.

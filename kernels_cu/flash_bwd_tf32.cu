@@ -177,21 +177,9 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     // this key block; every block when dbias contributions take turns (DBIAS_ORDERED: each step
     // passes its turn; a tile nothing sees adds zeros).
     const int q_blocks = ceil_div(dims.lq, BM);
-    const TileRange queries = ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM);
-    const int m_blocks = imax(0, queries.end - queries.begin);
-    const int n_steps = (blk.end_head - blk.first_head) * m_blocks;
-    auto step_head = [&](int step) { return blk.first_head + step / m_blocks; };
-    auto step_block = [&](int step) { return queries.begin + step % m_blocks; };
-    auto next_step = [&](int step) {   // the first step >= step whose tile is visible
-        for (; step < n_steps && !ordered; ++step) {
-            mod.head = step_head(step);
-            const int m0 = step_block(step) * BM;
-            if (mod.classify(m0, imin(BM, dims.lq - m0), n0, keys_valid) != TILE_SKIP) break;
-        }
-        return step;
-    };
-    auto issue_query_block = [&](int step, int stage) {
-        const int head = step_head(step), m0 = step_block(step) * BM;
+    const KeyBlockSteps<BM> steps(ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM), blk);
+    auto issue_query_block = [&](const StepCursor& at, int stage) {
+        const int head = at.head, m0 = steps.m0(at.block);
         const int rows = imin(BM, dims.lq - m0);
         load_tile_fixed_col<float, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * Tr::QD_ELEMS,
                                                                   p.q.at<const float>(batch, head, m0),
@@ -205,8 +193,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
                                                                        keys_valid);
         cp_async_commit();
     };
-    int step = next_step(0);
-    if (step < n_steps) issue_query_block(step, 0);
+    StepCursor cur = StepCursor::first(steps).next_visible(steps, mod, blk, !ordered);
+    if (cur.t < steps.count) issue_query_block(cur, 0);
     // K and V are split once, before the loop (the first query block arrives meanwhile); the
     // loop's first __syncthreads publishes the split.
     cp_async_wait<0>();
@@ -214,12 +202,13 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     split_tile<SPLIT, BN, HEAD, P, Tr::THREADS>(k_s, k_small_s);
     split_tile<SPLIT, BN, HEAD, P, Tr::THREADS>(v_s, v_small_s);
 #pragma unroll 1
-    for (int stage = 0; step < n_steps;) {
-        const int next = next_step(step + 1);
-        const int head = step_head(step), q_block = step_block(step), m0 = q_block * BM;
+    for (int stage = 0; cur.t < steps.count;) {
+        const StepCursor next = cur.after(steps).next_visible(steps, mod, blk, !ordered);
+        const int head = cur.head, q_block = steps.begin + cur.block, m0 = q_block * BM;
         const int rows_valid = imin(BM, dims.lq - m0);
         mod.head = head;
-        prefetch_next_step<Tr::STAGES>(next, n_steps, stage, issue_query_block);   // the next block meanwhile
+        prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
+                                       [&](int, int into) { issue_query_block(next, into); });
         load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
         __syncthreads();
         const float* q_s = q_stages + stage * Tr::QD_ELEMS;
@@ -305,10 +294,13 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
                 }
             }
         }
-        __syncthreads();   // this stage, the row stats and dS^T are read; the next step may overwrite them
-        step = next;
+        // With ATOMIC_DQ the barrier before dQ already follows every read of this stage and of the
+        // row stats (dQ reads dS^T and K only), and the next step writes dS^T only after its first
+        // barrier, which every warp reaches after this step's dQ: no third barrier a step.
+        if (!ATOMIC_DQ) __syncthreads();   // this stage and the row stats are read; the next step may overwrite them
+        cur = next;
         if (Tr::STAGES == 2) stage ^= 1;
-        else if (step < n_steps) issue_query_block(step, 0);
+        else if (cur.t < steps.count) issue_query_block(cur, 0);
     }
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys (lane / 4 + 8 r of the warp's strip).

@@ -173,35 +173,6 @@ struct BwdWgmmaSmem {
     __device__ __forceinline__ unsigned empty(int stage) const { return bars + 8 * (2 + 2 * stage); }
 };
 
-// The steps of one key block: (query head of the group, query block of BM) pairs whose query
-// block sees some key of the block, in order; the producer and the consumers walk the same list.
-template <int BM>
-struct KeyBlockSteps {
-    int first_head, begin, m_blocks, count;
-
-    template <typename Mod>
-    __device__ __forceinline__ KeyBlockSteps(const Mod& mod, const KeyBlock& blk) : first_head(blk.first_head) {
-        const TileRange queries = mod.query_tiles(blk.n0, blk.keys, BM);
-        begin = queries.begin;
-        m_blocks = imax(0, queries.end - queries.begin);
-        count = (blk.end_head - blk.first_head) * m_blocks;
-    }
-    // The step after (head, block): the next query block, or the next head's first one. Counted
-    // along rather than divided out of the step index (that cost the d=64 band consumer a spill).
-    __device__ __forceinline__ void advance(int& head, int& block) const {
-        if (++block == m_blocks) block = 0, ++head;
-    }
-    __device__ __forceinline__ int m0(int block) const { return (begin + block) * BM; }
-    // EXTRA: whether the step at query block m0 of head mod.head sees none of the block's keys (a block
-    // layout's TILE_SKIP, as the portable kernel's next_step). Only the consumers ask: the producer
-    // threads (40 registers, which classify's layout walk overflowed) load every step, and the
-    // consumers give a hidden step's stage straight back.
-    template <typename Mod>
-    __device__ __forceinline__ bool hidden(const Mod& mod, const KeyBlock& blk, int m0) const {
-        return mod.classify(m0, imin(BM, mod.lq - m0), blk.n0, blk.keys) == TILE_SKIP;
-    }
-};
-
 // The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
 // statistics (all lanes; with EXTRA the bias loaders' job: STATS false) into stage t % STAGES once
 // the consumers have emptied it.

@@ -214,6 +214,66 @@ struct ScoreMod {
     }
 };
 
+// The steps of one key block (dK/dV): (query head of the group, query block of BM) pairs whose
+// query block sees some key of the block, in order (query_tiles; or the given range of blocks, the
+// portable kernels' ordered dbias turns, which walk every block). The Hopper kernel's producer and
+// consumers walk the same list; the portable kernels walk it with a StepCursor.
+template <int BM>
+struct KeyBlockSteps {
+    int first_head, begin, m_blocks, count;
+
+    __device__ __forceinline__ KeyBlockSteps(const TileRange& queries, const KeyBlock& blk)
+        : first_head(blk.first_head), begin(queries.begin), m_blocks(imax(0, queries.end - queries.begin)),
+          count((blk.end_head - blk.first_head) * m_blocks) {}
+    template <typename Mod>
+    __device__ __forceinline__ KeyBlockSteps(const Mod& mod, const KeyBlock& blk)
+        : KeyBlockSteps(mod.query_tiles(blk.n0, blk.keys, BM), blk) {}
+    // The step after (head, block): the next query block, or the next head's first one. Counted
+    // along rather than divided out of the step index (that cost the d=64 band consumer a spill,
+    // and the portable kernels two integer divisions a step).
+    __device__ __forceinline__ void advance(int& head, int& block) const {
+        if (++block == m_blocks) block = 0, ++head;
+    }
+    __device__ __forceinline__ int m0(int block) const { return (begin + block) * BM; }
+    // EXTRA: whether the step at query block m0 of head mod.head sees none of the block's keys (a block
+    // layout's TILE_SKIP). The Hopper kernel's consumers ask (its producer threads, 40 registers, which
+    // classify's layout walk overflowed, load every step; the consumers give a hidden step's stage
+    // straight back); the portable kernels skip such steps (StepCursor::next_visible).
+    template <typename Mod>
+    __device__ __forceinline__ bool hidden(const Mod& mod, const KeyBlock& blk, int m0) const {
+        return mod.classify(m0, imin(BM, mod.lq - m0), blk.n0, blk.keys) == TILE_SKIP;
+    }
+};
+
+// A position in a KeyBlockSteps list: step t of `count`, query head `head`, block index `block`.
+struct StepCursor {
+    int t, head, block;
+
+    template <int BM>
+    __device__ __forceinline__ static StepCursor first(const KeyBlockSteps<BM>& steps) {
+        return {0, steps.first_head, 0};
+    }
+    template <int BM>
+    __device__ __forceinline__ StepCursor after(const KeyBlockSteps<BM>& steps) const {
+        StepCursor c = *this;
+        ++c.t;
+        steps.advance(c.head, c.block);
+        return c;
+    }
+    // This step or the first later one a block layout does not hide (every step unless `skip`: the
+    // ordered dbias turns visit them all). Leaves mod.head at the last head it asked about.
+    template <int BM, typename Mod>
+    __device__ __forceinline__ StepCursor next_visible(const KeyBlockSteps<BM>& steps, Mod& mod, const KeyBlock& blk,
+                                                       bool skip) const {
+        StepCursor c = *this;
+        for (; skip && c.t < steps.count; c = c.after(steps)) {
+            mod.head = c.head;
+            if (!steps.hidden(mod, blk, steps.m0(c.block))) break;
+        }
+        return c;
+    }
+};
+
 // score() over a register tile s[I][J]; coord(i, j, row, col) names the element's
 // absolute query row and key column (each kernel's fragment layout differs), and
 // bias(i, j, row, col) its bias when the call has one, from wherever the kernel
