@@ -621,12 +621,12 @@ def _smem_dq_dmma(v: "Variant") -> int:
 def _smem_dkdv_tf32(v: "Variant") -> int:
     # fp32 tiles of pitch head + 4 (flash_bwd_tf32.cu, DkdvTf32Traits): K and V once (twice each with
     # the 3xTF32 split: big and small parts), Q and dO (and with EXTRA a [query][key] bias tile of
-    # pitch block_n + 4) per stage, dS^T (pitch block_m + 4) with atomic dQ, lse and Dsum.
+    # pitch block_n + 4) and the rows' lse and Dsum per stage, dS^T (pitch block_m + 4) with atomic dQ.
     t, pitch = v.tile, v.head + 4
     kv = (4 if v.split else 2) * t.block_n * pitch
     bias = t.block_m * (t.block_n + 4) if v.extra else 0
     ds = t.block_n * (t.block_m + 4) if v.atomic_dq else 0
-    return (kv + t.stages * (2 * t.block_m * pitch + bias) + ds + 2 * t.block_m) * 4
+    return (kv + t.stages * (2 * t.block_m * pitch + bias + 2 * t.block_m) + ds) * 4
 
 
 def _smem_dq_tf32(v: "Variant") -> int:

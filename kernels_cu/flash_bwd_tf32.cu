@@ -57,7 +57,7 @@ struct DkdvTf32Traits {
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
     static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
     static constexpr int SMEM_BYTES =
-        ((SPLIT ? 4 : 2) * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS) + DS_ELEMS + 2 * BM) * int(sizeof(float));
+        ((SPLIT ? 4 : 2) * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS + 2 * BM) + DS_ELEMS) * int(sizeof(float));
     static_assert(HEAD % 32 == 0 && BM % 16 == 0, "tiles: n8 pairs; pitches = 4 (mod 32)");
     static_assert(BN == 16 * WARPS, "each warp owns one 16-key strip");
     static_assert(WARPS % (BM / 16) == 0, "dQ: whole row strips per warp group");
@@ -146,8 +146,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     float* do_stages = q_stages + Tr::STAGES * Tr::QD_ELEMS;      // STAGES x [BM][P]
     float* bias_stages = do_stages + Tr::STAGES * Tr::QD_ELEMS;   // STAGES x [BM][BIAS_PITCH] (EXTRA)
     float* ds_s = bias_stages + Tr::STAGES * Tr::BIAS_ELEMS;      // dS^T, [key][query] (ATOMIC_DQ)
-    float* lse_s = ds_s + Tr::DS_ELEMS;                           // the step's lse in log2 units
-    float* dsum_s = lse_s + BM;
+    float* stat_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [lse | Dsum] of BM rows, raw
 
     const AttnDims& dims = p.dims;
     const bool key_major = Flags::EXTRA && DO_DK && p.dbias.mode == DBIAS_KEY_MAJOR;
@@ -191,6 +190,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             load_score_tile<float, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS,
                                                                        p.mask.bias, batch, head, m0, n0, rows,
                                                                        keys_valid);
+        copy_row_stats_async<BM, Tr::THREADS>(stat_stages + stage * 2 * BM, p.lse, p.dsum, batch, head, m0, rows);
         cp_async_commit();
     };
     StepCursor cur = StepCursor::first(steps).next_visible(steps, mod, blk, !ordered);
@@ -209,8 +209,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
         mod.head = head;
         prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
                                        [&](int, int into) { issue_query_block(next, into); });
-        load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
         __syncthreads();
+        const float* stats = stat_stages + stage * 2 * BM;
         const float* q_s = q_stages + stage * Tr::QD_ELEMS;
         const float* do_s = do_stages + stage * Tr::QD_ELEMS;
         float st[QT][4], dpt[QT][4];   // S^T, dP^T: this warp's 16 keys x BM queries
@@ -245,8 +245,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
 #pragma unroll
         for (int n = 0; n < QT; ++n) {
             // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one 8-byte load.
-            const FloatPair lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));
-            const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
+            float lse_log2[2], dsum[2];
+            stat_pair_of<BM>(stats, frag_col(lane, n, 0), rows_valid, lse_log2, dsum);
 #pragma unroll
             for (int i = 0; i < 4; ++i)   // (x_per_s is 1 with EXTRA: ScoreMod::scores_stay_raw)
                 prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], drop_factor(mod, kept, n, i),

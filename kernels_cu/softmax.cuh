@@ -107,6 +107,41 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
     }
 }
 
+// The same statistics copied raw by cp.async into a stage (lse at stats[0, BM), Dsum at
+// stats[BM, 2 BM)), so that a pipelined kernel fetches a step's statistics with its Q / dO tiles
+// (the caller commits the group), one step ahead, instead of a warp's loads in front of the
+// step's first barrier. Rows past the sequence end are not read (cp.async fills zeros);
+// stat_pair_of() gives them lse_log2 = +inf and Dsum = 0.
+template <int BM, int THREADS, typename A>
+__device__ __forceinline__ void copy_row_stats_async(A* stats, const View& lse, const View& dsum, int batch, int head,
+                                                     int m0, int rows_valid, int thread = threadIdx.x) {
+    static_assert(sizeof(A) == 4 || sizeof(A) == 8, "cp.async of 4 or 8 bytes");
+    for (int i = thread; i < 2 * BM; i += THREADS) {
+        const int row = i % BM;
+        const A* src = (i < BM ? lse : dsum).at<const A>(batch, head, m0 + (row < rows_valid ? row : 0));
+        const unsigned bytes = row < rows_valid ? unsigned(sizeof(A)) : 0u;
+        if constexpr (sizeof(A) == 4)
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(smem_addr(stats + i)), "l"(src), "r"(bytes));
+        else
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(smem_addr(stats + i)), "l"(src), "r"(bytes));
+    }
+}
+
+// A lane's two consecutive rows row, row + 1 (row even) of a float copy_row_stats_async stage, as
+// load_row_stats would have stored them: lse in log2 units (+inf past rows_valid: P = 0 there)
+// and Dsum (0 past rows_valid).
+template <int BM>
+__device__ __forceinline__ void stat_pair_of(const float* stats, int row, int rows_valid, float (&lse_log2)[2],
+                                             float (&dsum)[2]) {
+    const FloatPair lse = load_pair(stats + row), sum = load_pair(stats + BM + row);   // 8-byte aligned: row even
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const bool valid = row + e < rows_valid;
+        lse_log2[e] = valid ? lse_to_log2(lse[e]) : pos_inf<float>();
+        dsum[e] = valid ? sum[e] : 0.0f;
+    }
+}
+
 // One key tile's online-softmax step for all of this warp's rows: M strips, and
 // in each the two C-fragment rows lane/4 and lane/4 + 8 (held by 4 lanes each).
 // s holds scores with x = s * x_per_s > 0 (raw dot products with the scale
