@@ -320,7 +320,10 @@ __device__ __forceinline__ void warp_gemm_ds_k_tf32(float (&acc)[1][N / 8][4], c
     static_assert(PA % 16 == 4, "conflict-free transposed dS loads");
     const int g = lane / 4, t = lane % 4;
     const float* a_lane = ds_t + 2 * t * PA + g;
-    const int b_lane = 2 * t * PB + g;
+    // Lane pointers, so that every load below is one base and an immediate offset (indices into
+    // k_big / k_small made ptxas form each of a step's eight addresses with two instructions).
+    const float* kb_lane = k_big + 2 * t * PB + g;
+    const float* ks_lane = k_small + 2 * t * PB + g;
     // SPLIT keeps the key steps a loop, as warp_gemm_qk_tf32 (hoisted loads would outlive the step),
     // two steps at a time where a step has only two MMA chains (N = 16), as there.
     constexpr int UNROLL = !SPLIT ? K / 8 : (N == 16 ? 2 : 1);
@@ -341,9 +344,9 @@ __device__ __forceinline__ void warp_gemm_ds_k_tf32(float (&acc)[1][N / 8][4], c
             for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
-                    const int at = b_lane + (8 * kt + s) * PB + n0 + 8 * h;
-                    big[h][s] = __float_as_uint(k_big[at]);
-                    small[h][s] = SPLIT ? __float_as_uint(k_small[at]) : 0u;
+                    const int at = (8 * kt + s) * PB + n0 + 8 * h;
+                    big[h][s] = __float_as_uint(kb_lane[at]);
+                    small[h][s] = SPLIT ? __float_as_uint(ks_lane[at]) : 0u;
                 }
             mma_step_tf32<SPLIT>(acc, n0 / 8, a_big, a_small, big, small);
         }
