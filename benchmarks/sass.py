@@ -10,7 +10,10 @@ source is compiled with NVRTC 13 (through ctypes: CuPy's own NVRTC may be 12.x, 
 nvdisasm 13 does not read) with cuflash's options, disassembled with nvdisasm, and summarised:
 registers and spills, the instruction count by opcode, and the lines worth a look in a
 float16 / float32 kernel (fp64 instructions and conversions: F2F.F32.F64 in a loop is a double
-parameter converted again on every iteration). ``--full`` prints the whole listing. ``--tile
+parameter converted again on every iteration). ``--full`` prints the whole listing. ``NVRTC_LIB=/path/to/libnvrtc.so.13`` compiles with another NVRTC 13,
+e.g. the device's 13.0 (``pip download nvidia-cuda-nvrtc==13.0.88`` and unzip it; add its lib folder to
+LD_LIBRARY_PATH for the builtins): the versions schedule some loops differently (fourteenth session: 104 against 84
+instructions in one dK/dV loop). ``--tile
 BM,BN,WARPS,STAGES`` swaps the variant's tile for a candidate that is not in the table yet.
 """
 from __future__ import annotations
@@ -45,7 +48,7 @@ def _cu13(*parts: str) -> str:
 
 def cubin(entry: str, name: str, arch: str) -> tuple:
     """(cubin bytes, ptxas log) of one name expression, compiled with NVRTC 13."""
-    lib = ctypes.CDLL(_cu13("lib", "libnvrtc.so.13"))
+    lib = ctypes.CDLL(os.environ.get("NVRTC_LIB") or _cu13("lib", "libnvrtc.so.13"))
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), load_source(entry).encode(), entry.encode(), 0, None, None):
         raise SystemExit("nvrtcCreateProgram failed")
