@@ -13,7 +13,8 @@
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i         (warp_gemm_pv_tf32; A: P^T, dS^T in registers)
 // K_j and V_j are the A operands of every step: split once per CTA in shared memory
 // (split_tile: big in place, small beside; plain: rounded in place). Q_i and dO_i are B
-// operands, double-buffered with cp.async and split per fragment as the forward splits K and V.
+// operands, double-buffered with cp.async (with the rows' lse and Dsum, so a step's statistics
+// arrive with its tiles) and split per fragment as the forward splits K and V.
 // With ATOMIC_DQ each warp stores its dS^T fragments ([key][query], fp32) and the warps split
 // dQ_i += scale dS K_j by rows and columns (warp_gemm_ds_k_tf32, K's split parts as B), added to
 // the fp32 accumulator with vector reductions (atomics.cuh). With EXTRA each Q/dO stage has the
