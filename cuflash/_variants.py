@@ -587,7 +587,7 @@ def _smem_dkdv_mma(v: "Variant") -> int:
     ds = t.block_n * (t.block_m + 8) if v.atomic_dq else 0            # dS^T, [key][query]
     bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per Q/dO stage
     return (((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds + bias) * ITEMSIZE[v.dtype]
-            + 2 * t.block_m * 4)
+            + t.stages * 2 * t.block_m * 4)   # the rows' lse and Dsum per stage
 
 
 def _smem_dq_mma(v: "Variant") -> int:

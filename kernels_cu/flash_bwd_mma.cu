@@ -55,7 +55,7 @@ struct DkdvMmaTraits {
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
     static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
     static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS + STAGES * BIAS_ELEMS)
-                                      * int(sizeof(T)) + 2 * BM * int(sizeof(float));
+                                      * int(sizeof(T)) + STAGES * 2 * BM * int(sizeof(float));
     static_assert(HEAD % 16 == 0 && BM % 16 == 0 && WARPS % (BM / 16) == 0, "tile shape");
     static_assert(DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0, "dQ column blocks of whole 16-column groups");
     static_assert(BN == WARP_KEYS * WARPS && (KEY_STRIPS == 1 || KEY_STRIPS == 2), "one or two 16-key strips a warp");
@@ -101,8 +101,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     T* do_stages = q_stages + Tr::STAGES * BM * P;            // STAGES x [BM][P]
     T* ds_s = do_stages + Tr::STAGES * BM * P;                // dS^T as [key][query] (ATOMIC_DQ)
     T* bias_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [BM][BIAS_PITCH] (EXTRA)
-    float* lse_s = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
-    float* dsum_s = lse_s + BM;
+    // STAGES x [lse | Dsum] of BM rows, raw (copy_row_stats_async: with the step's Q / dO)
+    float* stat_stages = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
 
     const AttnDims& dims = p.dims;
     const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
@@ -141,6 +141,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS, p.mask.bias,
                                                                    batch, head, m0, n0, imin(BM, dims.lq - m0),
                                                                    keys_valid);
+        copy_row_stats_async<BM, Tr::THREADS>(stat_stages + stage * 2 * BM, p.lse, p.dsum, batch, head, m0, rows);
         cp_async_commit();
     };
     StepCursor cur = StepCursor::first(steps).next_visible(steps, mod, blk, true);
@@ -152,8 +153,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         mod.head = head;
         prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
                                        [&](int, int into) { issue_query_block(next, into); });
-        load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
         __syncthreads();
+        const float* stats = stat_stages + stage * 2 * BM;
         const T* q_s = q_stages + stage * BM * P;
         const T* do_s = do_stages + stage * BM * P;
         float st[M][BM / 8][4], dpt[M][BM / 8][4];          // S^T, dP^T: WARP_KEYS keys x BM queries
@@ -166,8 +167,10 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         if (DO_DK) warp_gemm_strips_smem<T, M, BM, HEAD, P, P, false>(dpt, v_s + key0 * P, do_s, lane);  // dP^T = V dO^T
         // Rows of these tiles are keys, columns queries; the mask is decided for this warp's keys.
         const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, Tr::WARP_KEYS);
+        unsigned kept[M];   // EXTRA with dropout: each strip's keep bits (drop_factor)
 #pragma unroll
         for (int m = 0; m < M; ++m) {
+            kept[m] = 0u;
             if constexpr (Flags::EXTRA) {
                 auto coord = [&](int n, int i, int& row, int& col) {
                     row = m0 + frag_col(lane, n, i);
@@ -177,7 +180,11 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                 if (mod.has_bias())
                     scale_add_bias_frags<T, BM, Tr::BIAS_PITCH, true>(st[m], bias_stages + stage * Tr::BIAS_ELEMS + key0
                                                                       + 16 * m, lane, mod.scale_log2);
-                apply_score_mod(st[m], mod, partial, coord);
+                // The per-element tests and the Philox draws in loops, once a step, outside the
+                // probability loop below (as flash_bwd_tf32.cu: unrolled there, they cost the
+                // float32 kernel instruction-cache misses).
+                apply_score_mod_bits(st[m], mod, partial, coord);
+                if (mod.has_dropout()) kept[m] = dropout_frag_bits_t<BM / 8>(mod, m0, n0 + key0 + 16 * m, lane);
             } else if (partial) {
                 mask_partial_strip_t<BM>(st[m], mod, n0 + key0 + 16 * m + lane / 4, m0 + 2 * (lane % 4));
             }
@@ -190,22 +197,19 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one
             // 8-byte load, for all strips. The EXTRA kernels (251-255 registers) load each
             // stat where it is used: the pairs' longer live ranges spilled there.
-            FloatPair lse_log2, dsum;
-            if constexpr (!Flags::EXTRA) {
-                lse_log2 = load_pair(lse_s + frag_col(lane, n, 0));
-                dsum = load_pair(dsum_s + frag_col(lane, n, 0));
-            }
+            float lse_log2[2], dsum[2];
+            if constexpr (!Flags::EXTRA) stat_pair_of<BM>(stats, frag_col(lane, n, 0), lse_log2, dsum);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int row = frag_col(lane, n, i);
-                    float keep = 1.0f;
-                    if (mod.has_dropout())
-                        keep = mod.keep(m0 + row, n0 + key0 + 16 * m + frag_row(lane, i));
-                    if constexpr (Flags::EXTRA)   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
-                        prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_s[row], dsum_s[row], keep);   // st: P^T, dpt: dS^T
-                    else
+                    const float keep = drop_factor(mod, kept[m], n, i);
+                    if constexpr (Flags::EXTRA) {   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
+                        float lse_row, dsum_row;
+                        stat_of<BM>(stats, row, lse_row, dsum_row);
+                        prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_row, dsum_row, keep);   // st: P^T, dpt: dS^T
+                    } else
                         prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
                 }
 #pragma unroll

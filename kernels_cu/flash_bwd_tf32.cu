@@ -247,7 +247,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
         for (int n = 0; n < QT; ++n) {
             // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one 8-byte load.
             float lse_log2[2], dsum[2];
-            stat_pair_of<BM>(stats, frag_col(lane, n, 0), rows_valid, lse_log2, dsum);
+            stat_pair_of<BM>(stats, frag_col(lane, n, 0), lse_log2, dsum);
 #pragma unroll
             for (int i = 0; i < 4; ++i)   // (x_per_s is 1 with EXTRA: ScoreMod::scores_stay_raw)
                 prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], drop_factor(mod, kept, n, i),

@@ -110,8 +110,11 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
 // The same statistics copied raw by cp.async into a stage (lse at stats[0, BM), Dsum at
 // stats[BM, 2 BM)), so that a pipelined kernel fetches a step's statistics with its Q / dO tiles
 // (the caller commits the group), one step ahead, instead of a warp's loads in front of the
-// step's first barrier. Rows past the sequence end are not read (cp.async fills zeros);
-// stat_pair_of() gives them lse_log2 = +inf and Dsum = 0.
+// step's first barrier. Rows past the sequence end are not read: cp.async fills them with zeros,
+// lse = 0 and Dsum = 0. Their Q and dO rows are zero too (the tile copies' fill), so such a row
+// has scores 0 (or -inf where a partial tile's test hides it), P = 2^0 = 1 at most, dP = 0 and
+// dS = P (dP - Dsum) = 0: it adds nothing to dV, dK, dQ or dbias, as P = 0 (load_row_stats'
+// lse_log2 = +inf) would not either, and the per-element test that would give it is saved.
 template <int BM, int THREADS, typename A>
 __device__ __forceinline__ void copy_row_stats_async(A* stats, const View& lse, const View& dsum, int batch, int head,
                                                      int m0, int rows_valid, int thread = threadIdx.x) {
@@ -127,18 +130,21 @@ __device__ __forceinline__ void copy_row_stats_async(A* stats, const View& lse, 
     }
 }
 
-// A lane's two consecutive rows row, row + 1 (row even) of a float copy_row_stats_async stage, as
-// load_row_stats would have stored them: lse in log2 units (+inf past rows_valid: P = 0 there)
-// and Dsum (0 past rows_valid).
+// Row `row` of a copy_row_stats_async stage: lse in log2 units (lse_to_log2: a row with nothing to
+// attend keeps P = 0) and Dsum. stat_pair_of: a lane's two consecutive rows row, row + 1 (row
+// even) of a float stage, in two 8-byte loads.
+template <int BM, typename A>
+__device__ __forceinline__ void stat_of(const A* stats, int row, A& lse_log2, A& dsum) {
+    lse_log2 = lse_to_log2(stats[row]);
+    dsum = stats[BM + row];
+}
 template <int BM>
-__device__ __forceinline__ void stat_pair_of(const float* stats, int row, int rows_valid, float (&lse_log2)[2],
-                                             float (&dsum)[2]) {
+__device__ __forceinline__ void stat_pair_of(const float* stats, int row, float (&lse_log2)[2], float (&dsum)[2]) {
     const FloatPair lse = load_pair(stats + row), sum = load_pair(stats + BM + row);   // 8-byte aligned: row even
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-        const bool valid = row + e < rows_valid;
-        lse_log2[e] = valid ? lse_to_log2(lse[e]) : pos_inf<float>();
-        dsum[e] = valid ? sum[e] : 0.0f;
+        lse_log2[e] = lse_to_log2(lse[e]);
+        dsum[e] = sum[e];
     }
 }
 
