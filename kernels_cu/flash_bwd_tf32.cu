@@ -295,10 +295,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
                 }
             }
         }
-        // With ATOMIC_DQ the barrier before dQ already follows every read of this stage and of the
-        // row stats (dQ reads dS^T and K only), and the next step writes dS^T only after its first
-        // barrier, which every warp reaches after this step's dQ: no third barrier a step.
-        if (!ATOMIC_DQ) __syncthreads();   // this stage and the row stats are read; the next step may overwrite them
+        end_of_step_barrier<ATOMIC_DQ>();   // this stage and the row stats are read
         cur = next;
         if (Tr::STAGES == 2) stage ^= 1;
         else if (cur.t < steps.count) issue_query_block(cur, 0);

@@ -36,6 +36,16 @@ __device__ __forceinline__ void prefetch_next_step(int next, int end, int stage,
     }
 }
 
+// The end of one step of a dK/dV kernel's query-block ring (prefetch_next_step): the next step's
+// copies may overwrite this step's stage and row stats only once every warp has read them. With
+// an atomic dQ (DQ_BARRIER: its step already has a barrier between forming dS^T and the dQ product
+// that reads dS^T and K only) that barrier follows every such read, and the next step writes dS^T
+// only after its own first barrier, which every warp reaches after this step's dQ: none needed here.
+template <bool DQ_BARRIER>
+__device__ __forceinline__ void end_of_step_barrier() {
+    if (!DQ_BARRIER) __syncthreads();
+}
+
 // Output rows: a C fragment's two adjacent columns col, col + 1 (col even) of one row, lo and hi
 // from the accumulator. PAIRS (dv known even: the variants whose V rows are 16-byte chunks, VEC and
 // the Hopper kernels): one 2-element store, since the outputs are cuflash's own contiguous arrays
