@@ -145,9 +145,14 @@ _EXTRA_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
 """Tiles for the EXTRA variants (bias / mask / block sparsity / dropout compiled in) where
 the plain variant's tile would spill with that code on top."""
 
+_SHORT_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
+"""Tiles for calls with too few keys for the table's tile to pay (:func:`few_keys`; ``Variant.short``):
+the Hopper forward's short-rows tiles, plain and band variants only."""
 
-def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False) -> None:
-    table = _EXTRA_TABLE if extra else _TABLE
+
+def _add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False,
+         short: bool = False) -> None:
+    table = _SHORT_TABLE if short else _EXTRA_TABLE if extra else _TABLE
     for dtype in dtypes:
         for head in heads:
             table[(arch, family, dtype, head)] = tiles
@@ -210,6 +215,15 @@ _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and t
 _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
                                                          "64-key tiles (acc_o is 128 registers): 193 KB"),
      arch="sm90a")
+# Short rows at head dim 64 (few_keys): the 192 x 128 tile runs one CTA an SM, whose start (Q and the
+# first tiles in flight, nothing to overlap them) and epilogue no other CTA hides: ~16 K cycles a block
+# against ~2.5 K a key tile at L = 1024 (ncu, thirteenth session). Two CTAs an SM: 384 x 80 registers at
+# launch, the producer keeps 24, the consumers take 104 (FwdWgmmaTraits, MIN_CTAS 2), which 64-key tiles
+# fit when each tile's P V is waited for before the next S (OVERLAP_PV off; with it 16 bytes spill and
+# ptxas serialises every wgmma). Offline (NVRTC 12.9 and 13.0, sm_90a): 0 spills, consumer code up to R87.
+_add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 64, 12, 2, "short rows: two consumer warpgroups of 64 rows, 64-key "
+                                                        "tiles, two CTAs an SM: 49 KB", ctas=2),
+     arch="sm90a", short=True)
 
 # Hopper backward (flash_bwd_wgmma.cu, arch "sm90a"): dK, dV and atomic dQ. A TMA producer warp and
 # two consumer warpgroups of 64 keys (a CTA per 128-key block); S^T, dP^T, dV, dK and dQ on wgmma,
@@ -720,7 +734,8 @@ class Variant:
     only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics; ``dbias``
     (Hopper dK/dV kernel) makes it also add dS into dbias (DBIAS_KEY_MAJOR).
     ``arch``: the table rows the variant's tile comes from ("sm80", "sm90" or "sm90a"; see the
-    module's docstring).
+    module's docstring). ``short``: the tile comes from the short-rows table (calls with
+    :func:`few_keys`).
     """
 
     family: str
@@ -733,6 +748,7 @@ class Variant:
     atomic_dq: bool = False
     dbias: bool = False
     arch: str = "sm80"
+    short: bool = False
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
     def __post_init__(self):
@@ -749,6 +765,8 @@ class Variant:
     def tiles(self) -> Tuple[Tile, ...]:
         """The table's tiles for this variant's (arch, family, dtype, head), preferred first."""
         key = (self.arch, self.family, self.dtype, self.head)
+        if self.short:
+            return _SHORT_TABLE[key]
         if self.extra and key in _EXTRA_TABLE:
             return _EXTRA_TABLE[key]
         return _TABLE[key]
@@ -882,6 +900,13 @@ def few_keys(head: int, lk: int) -> bool:
     return lk < HOPPER_FWD_MIN_KEYS.get(head, 0)
 
 
+def has_short_tile(dtype: str, head: int) -> bool:
+    """Whether the Hopper forward has a short-rows tile (``Variant.short``) for ``dtype`` at ``head``."""
+    return ("sm90a", "fwd_wgmma", dtype, head) in _SHORT_TABLE
+
+
+
+
 SM90_MIN_CC = 90
 """The compute capability from which a portable family takes its "sm90" row where the table has one."""
 
@@ -920,7 +945,9 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
     allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
     with 16-byte loadable rows take the wgmma kernel where the table has one, EXTRA options
-    included, unless ``short`` (:func:`few_keys`: too few keys for it to pay). The launcher
+    included; with ``short`` (:func:`few_keys`: too few keys for the table's tile to pay) its
+    short-rows tile (``Variant.short``) where the table has one and no EXTRA option, else the
+    portable kernel. The launcher
     still takes the portable kernel where tensor maps cannot describe the arrays or a bias's
     rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
     3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
@@ -942,9 +969,13 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
             except ValueError:   # no TF32 tile fits this GPU
                 pass
         return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
-    if (cc == HOPPER_CC and wgmma and vec and not short
-            and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE):
-        return Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
+    if cc == HOPPER_CC and wgmma and vec and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE:
+        hopper = Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a")
+        if not short:
+            return hopper.fitted(smem_limit)
+        if not extra and has_short_tile(dtype, head):
+            with contextlib.suppress(ValueError):   # no short-rows tile fits: the portable kernel
+                return replace(hopper, short=True, tile=None).fitted(smem_limit)
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
     if ("sm80", "fwd_dmma", dtype, head) in _TABLE:
@@ -1064,9 +1095,10 @@ def all_variants() -> List[Variant]:
                 seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
                                      precision=precision)] = None
             if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
-                for precision in (FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)):
+                for precision, short in itertools.product(
+                        FLOAT32_PRECISIONS if dtype == "float32" else ("highest",), (False, True)):
                     seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
-                                         cc=HOPPER_CC, precision=precision)] = None
+                                         cc=HOPPER_CC, precision=precision, short=short)] = None
             ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
             precisions = FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)
             for det, dbias, cc, precision in itertools.product((False, True), (False, True) if extra else (False,),
@@ -1092,7 +1124,7 @@ def unsupported(smem_limit: int) -> List[Variant]:
 
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
     """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
-    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE)
+    return ((key, tile) for table in (_TABLE, _EXTRA_TABLE, _SHORT_TABLE)
             for key, tiles in table.items()
             for tile in tiles)
 

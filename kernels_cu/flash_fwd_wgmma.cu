@@ -72,12 +72,27 @@ struct FwdWgmmaTraits {
     // and need 32 beside three consumer warpgroups, which fills the register file exactly.
     // setmaxnreg.inc waits for registers the others gave back: more than the launch's share
     // (65536 / THREADS, in steps of 8) deadlocks.
-    static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : EXTRA ? 32 : 24;
-    static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
-    static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+    // Short rows (Cfg::MIN_CTAS 2: two CTAs an SM, two consumer warpgroups, no EXTRA): each CTA
+    // holds 384 x 80 registers from its launch; the producer keeps 24 and the consumers take 104
+    // (128 x 24 + 256 x 104 <= 384 x 80), which 64-key tiles at head dim 64 fit (S 32, P 16,
+    // acc_o 32). The second CTA hides each block's start (Q and the first tiles in flight with
+    // nothing to overlap them) and its epilogue, which one CTA an SM leaves bare: ~16 K cycles a
+    // block against ~2.5 K a key tile at L = 1024 (ncu, thirteenth session).
+    static constexpr int LAUNCH_REGS = 65536 / (THREADS * Cfg::MIN_CTAS) / 8 * 8;
+    static constexpr int PRODUCER_REGS = Cfg::MIN_CTAS > 1 ? 24 : CONSUMERS == 2 ? 40 : EXTRA ? 32 : 24;
+    static constexpr int CONSUMER_REGS = Cfg::MIN_CTAS > 1
+        ? (THREADS * LAUNCH_REGS - 128 * PRODUCER_REGS) / CONSUMER_THREADS / 8 * 8 : CONSUMERS == 2 ? 232 : 160;
+    static_assert(Cfg::MIN_CTAS == 1 || (Cfg::MIN_CTAS == 2 && CONSUMERS == 2 && !EXTRA),
+                  "two CTAs an SM: two consumer warpgroups, no EXTRA (more registers for its bias loaders)");
     static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
                   "the launch's register file");
     static constexpr bool PINGPONG = false;      // measured slower; see the file's head
+    // O += P V of tile j in flight during S = Q K^T of tile j + 1 and its softmax (P of tile j, S of
+    // tile j + 1 and acc_o live together: 80 registers of fragments at 64-key tiles, 128 at 128).
+    // Two CTAs an SM have too few registers for that (104 a consumer thread: 16 bytes spilled, and
+    // ptxas then serialises every wgmma), and four consumer warpgroups an SM keep the tensor cores
+    // busy without it: each tile's P V is issued after its softmax and waited for before the next S.
+    static constexpr bool OVERLAP_PV = Cfg::MIN_CTAS == 1;
     // O through shared memory and a bulk tensor store (the epilogue): at head dim 128 1.03-1.13x
     // over element-wise stores (whose STG were 13% of the issue samples at L = 1024, with 10% of
     // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
@@ -89,7 +104,7 @@ struct FwdWgmmaTraits {
                   "the bias loaders are producer warps other than the copy engine's");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && BM == 64 * CONSUMERS,
                   "a producer and two or three consumer warpgroups of 64 rows");
-    static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong turns are between two warpgroups");
+    static_assert(!PINGPONG || (CONSUMERS == 2 && OVERLAP_PV), "the ping-pong turns are between two warpgroups");
     static_assert(HEAD % 64 == 0 && BN % 64 == 0 && BM <= 256 && BN <= 256, "whole swizzle slabs, TMA boxes");
     static_assert(STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
@@ -163,7 +178,7 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
 template <typename T, typename Cfg, typename Flags>
-__global__ void __launch_bounds__(Cfg::THREADS, 1)
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
@@ -209,7 +224,9 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         return;
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    const int consumer = warpgroup - 1, cwarp = warp - 4;   // consumer warpgroup, warp among the consumers
+    // (The consumer warpgroup through a shuffle from lane 0: ptxas then knows it is warp-uniform and keeps
+    // the Q descriptors built from it in uniform registers.)
+    const int consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0), cwarp = warp - 4;
     const float x_per_s = mod.x_per_score();
 
     float acc_o[1][Tr::O_TILES][4];
@@ -240,7 +257,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         const int next = next_tile(j + 1);
         mbar_wait(sm.k_full(stage), full_parity);
 
-        // S = Q K^T for this warp's 16 rows and, in flight meanwhile, O += P V of the previous tile.
+        // S = Q K^T for this warp's 16 rows and (OVERLAP_PV), in flight meanwhile, O += P V of the
+        // previous tile.
         float s[1][Tr::S_TILES][4];
         const unsigned k_tile = sm.k_tile(stage);
         my_turn();
@@ -249,7 +267,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         for (int kk = 0; kk < HEAD / 16; ++kk)
             wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128), kk > 0);
         wgmma_commit();
-        if (t > 0) {
+        if (Tr::OVERLAP_PV && t > 0) {
             mbar_wait(sm.v_full(stage ^ 1), ((t - 1) >> 1) & 1);
             wgmma_fence();          // a new block for ptxas, which would insert it itself (C7519)
             issue_pv(stage ^ 1);
@@ -289,19 +307,31 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                                                  [&](int, int r, float c) { correction[r] = c; });
         // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
         if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);
-        wgmma_wait<0>();
-        fence_regs(flat(acc_o));
-        fence_regs(p_frag);
-        if (t > 0) mbar_arrive(sm.v_empty(stage ^ 1));   // ...and with V of the previous tile
+        if constexpr (Tr::OVERLAP_PV) {
+            wgmma_wait<0>();
+            fence_regs(flat(acc_o));
+            fence_regs(p_frag);
+            if (t > 0) mbar_arrive(sm.v_empty(stage ^ 1));   // ...and with V of the previous tile
+        }
         if (moved) {
             rescale_acc_row(acc_o, 0, 0, correction[0]);
             rescale_acc_row(acc_o, 0, 1, correction[1]);
         }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) pack_a_frag<T, BN>(p_frag[kk], s[0], 16 * kk);
+        if constexpr (!Tr::OVERLAP_PV) {   // this tile's O += P V now, done before the next S
+            mbar_wait(sm.v_full(stage), full_parity);
+            wgmma_fence();
+            issue_pv(stage);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(flat(acc_o));
+            fence_regs(p_frag);
+            mbar_arrive(sm.v_empty(stage));
+        }
         j = next;
     }
-    if (t > 0) {   // the last tile's O += P V
+    if (Tr::OVERLAP_PV && t > 0) {   // the last tile's O += P V
         const int stage = (t - 1) & 1;
         mbar_wait(sm.v_full(stage), ((t - 1) >> 1) & 1);
         my_turn();

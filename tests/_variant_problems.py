@@ -79,11 +79,12 @@ def problem_for(v: Variant) -> Problem:
     if v.family == "bwd_convert_dq":
         deterministic = False
     # A dV-only pass (pass_ 1) never adds dQ itself, but runs in atomic-dQ plans too.
-    # A Hopper forward with a key threshold gets just past it (an odd tile edge too); a Hopper
+    # A Hopper forward with a key threshold gets just past it (an odd tile edge too; its short-rows
+    # tile, Variant.short, stays below it); a Hopper
     # variant with EXTRA gets keys a multiple of 8, so that the bias's rows are 16-byte chunks (the
     # Hopper kernels copy no other bias: _masking.rows_in_chunks) and still end inside a tile.
     lk = LK
-    if v.family == "fwd_wgmma" and head in HOPPER_FWD_MIN_KEYS:
+    if v.family == "fwd_wgmma" and head in HOPPER_FWD_MIN_KEYS and not v.short:
         lk = HOPPER_FWD_MIN_KEYS[head] + 2
     if hopper and v.extra:   # the Hopper backward copies a bias by 16-byte chunks too
         lk = -(-lk // 8) * 8

@@ -169,9 +169,9 @@ def test_over_2_31_elements():
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 @pytest.mark.parametrize("lq,lk", [(300, 1025), (1, 1100), (1537, 1537)])
 def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypatch):
-    """On compute capability 9.0 the 16-bit forward runs the TMA kernel from HOPPER_FWD_MIN_KEYS keys on
-    (head dim 64: more than 1024; 128 and 256: any), the portable kernel below; answers within the error budget,
-    grouped-query heads, across tile edges."""
+    """On compute capability 9.0 the 16-bit forward runs the TMA kernel's table tile from HOPPER_FWD_MIN_KEYS
+    keys on (head dim 64: more than 1024; 128 and 256: any), its short-rows tile below (two CTAs an SM,
+    Variant.short); answers within the error budget, grouped-query heads, across tile edges."""
     from cuflash import _launch
     from cuflash._variants import few_keys
 
@@ -183,7 +183,8 @@ def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypa
     for keys in (lk, 1024):
         launched.clear()
         check_forward(dtype, 1, 4, 2, lq, keys, d, d, causal, seed=lq + keys + d)
-        assert [x.family for x in launched] == ["fwd_mma" if few_keys(d, keys) else "fwd_wgmma"], (d, keys)
+        assert [x.family for x in launched] == ["fwd_wgmma"], (d, keys)
+        assert launched[0].short == (d == 64 and few_keys(d, keys)), (d, keys)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -133,7 +133,8 @@ def test_hopper_selection():
         assert (x.family, x.extra, x.band) == ("fwd_wgmma", True, True)
         assert x.tile == V.forward_variant("float16", head, band=True, vec=True, cc=90).tile   # the plain tile
         assert x.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
-        # ... not where the keys are too few (head dim 64), nor on another GPU or without 16-byte rows
+        # ... not where the keys are too few (head dim 64: its short-rows tile takes no EXTRA option), nor on
+        # another GPU or without 16-byte rows
         assert V.forward_variant("float16", head, band=False, extra=True, vec=True, cc=90,
                                  short=V.few_keys(head, 1024)).family == ("fwd_mma" if head == 64 else "fwd_wgmma")
         assert V.forward_variant("float16", head, band=False, extra=True, vec=True, cc=80).family == "fwd_mma"
@@ -141,7 +142,13 @@ def test_hopper_selection():
     assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_wgmma"
     # Too few keys for the Hopper forward at head dim 64 (HOPPER_FWD_MIN_KEYS); none at 128.
     assert V.few_keys(64, 1024) and not V.few_keys(64, 1025) and not V.few_keys(128, 1)
-    assert V.forward_variant("float16", 64, band=False, vec=True, cc=90, short=True).family == "fwd_mma"
+    # ... where the short-rows tile takes them: two CTAs an SM (Variant.short)
+    for band in (False, True):
+        short = V.forward_variant("float16", 64, band=band, vec=True, cc=90, short=True)
+        assert (short.family, short.short, short.tile.ctas) == ("fwd_wgmma", True, 2)
+        assert short.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"] // 2   # two CTAs an SM
+        assert short in V.all_variants()
+    assert V.forward_variant("float16", 64, band=False, vec=False, cc=90, short=True).family == "fwd_mma"
     assert V.forward_variant("float16", 128, band=False, vec=True, cc=90, short=V.few_keys(128, 64)).family == "fwd_wgmma"
     assert V.forward_variant("float16", 32, band=False, vec=True, cc=90).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=80).family == "fwd_mma"

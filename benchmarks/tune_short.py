@@ -1,0 +1,133 @@
+"""The Hopper forward at short rows: which kernel should a call with few keys take? (issue 9)
+
+At head dim 64 the table's Hopper tile (192 x 128, one CTA an SM) starts and drains each
+block's pipeline alone, so below HOPPER_FWD_MIN_KEYS keys the portable kernel used to run
+instead. The short-rows table (Variant.short) gives those calls a Hopper tile with two CTAs an SM. This
+script times, on the same buffers and interleaved round by round, every head dim's
+
+    portable     the portable kernel (forward_variant(..., wgmma=False))
+    hopper       the table's Hopper tile
+    short        the short-rows tile (Variant.short), where the head dim has one
+    cudnn        PyTorch SDPA's cuDNN backend (when torch imports)
+
+at B x L = 16384 tokens, H x D = 2048 (bench.py's shape), timed alone (cupyx benchmark: the
+host's work before the kernel included) and queued (the mean call of back-to-back calls),
+and prints each contender's max |difference| from the portable kernel's output.
+
+    PYTHONPATH=. python benchmarks/tune_short.py [--heads 64] [--lengths 512,1024,2048,4096] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+
+import cupy as cp
+from cupyx.profiler import benchmark
+
+import cuflash
+from cuflash import _launch
+from cuflash._variants import Variant, forward_variant, has_short_tile
+
+try:
+    import torch
+except ImportError:   # pragma: no cover - the device has it
+    torch = None
+
+
+@contextlib.contextmanager
+def forced(kind):
+    """Forwards through one kernel choice ("portable", "hopper" or "short") whatever the rules say."""
+    real = _launch.forward_choice
+
+    def pick(dtype, head, band, extra, vec, short, cc, smem_limit, precision="highest"):
+        portable = forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit, cc=cc,
+                                   wgmma=False)
+        if kind == "portable":
+            return portable, portable
+        hopper = Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
+        if kind == "short":
+            hopper = replace(hopper, short=True, tile=None).fitted(smem_limit)
+        return hopper, portable
+
+    _launch.forward_choice = pick
+    try:
+        yield
+    finally:
+        _launch.forward_choice = real
+
+
+def time_alone(fn, repeat):
+    return float(np.median(benchmark(fn, n_repeat=repeat, n_warmup=3).gpu_times[0]) * 1e3)
+
+
+def time_queued(fn, repeat):
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    fn()
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / repeat
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="64")
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=30)
+    args = ap.parse_args()
+    print(f"{'dtype':8} {'D':>3} {'L':>5} {'causal':>6} {'contender':>9} {'ms':>7} {'TFLOP/s':>7} {'queued':>7} "
+          f"{'TFLOP/s':>7} {'vs cudnn':>8} {'q vs cudnn':>10} {'max|diff|':>9}")
+    for d in (int(x) for x in args.heads.split(",")):
+        for dname in args.dtypes.split(","):
+            dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dname]
+            for n in (int(x) for x in args.lengths.split(",")):
+                b, h = max(1, 16384 // n), 2048 // d
+                rng = cp.random.default_rng(0)
+                q, k, v = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(3))
+                for causal in (False, True):
+                    kinds = ["portable", "hopper"] + (["short"] if has_short_tile(dname, d) else [])
+                    fns = {}
+                    for kind in kinds:
+                        def run(kind=kind):
+                            with forced(kind):
+                                return cuflash.attention(q, k, v, causal=causal)
+                        fns[kind] = run
+                    if torch is not None:
+                        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+
+                        def cudnn():
+                            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                        fns["cudnn"] = cudnn
+                    ref = fns["portable"]().astype(cp.float32)
+                    diffs = {kind: float(cp.abs(fns[kind]().astype(cp.float32) - ref).max()) for kind in kinds}
+                    alone = {kind: [] for kind in fns}
+                    queued = {kind: [] for kind in fns}
+                    for _ in range(args.rounds):
+                        for kind, fn in fns.items():
+                            alone[kind].append(time_alone(fn, args.repeat))
+                            queued[kind].append(time_queued(fn, args.repeat))
+                    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                    ms = {kind: float(np.median(x)) for kind, x in alone.items()}
+                    qms = {kind: float(np.median(x)) for kind, x in queued.items()}
+                    for kind in fns:
+                        vs = f"{ms['cudnn'] / ms[kind]:8.2f}" if "cudnn" in ms else f"{'':8}"
+                        qvs = f"{qms['cudnn'] / qms[kind]:10.2f}" if "cudnn" in qms else f"{'':10}"
+                        diff = f"{diffs[kind]:9.2e}" if kind in diffs else ""
+                        print(f"{dname:8} {d:3d} {n:5d} {str(causal):>6} {kind:>9} {ms[kind]:7.3f} "
+                              f"{flops / ms[kind] / 1e9:7.1f} {qms[kind]:7.3f} {flops / qms[kind] / 1e9:7.1f} {vs} "
+                              f"{qvs} {diff}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
