@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import cuflash  # noqa: E402
 from cuflash import _checks, _launch, _masking, _params, _tma  # noqa: E402
-from cuflash._variants import few_keys, forward_choice, head_bucket  # noqa: E402
+from cuflash._variants import forward_choice, head_bucket, row_class  # noqa: E402
 
 rng = cp.random.default_rng(0)
 L, d = 1024, 128
@@ -40,7 +40,7 @@ def staged():
         dd, dv = q.shape[3], v.shape[3]
         head = head_bucket(max(dd, dv))
         variant, _ = forward_choice("bfloat16", head, False, False, _launch.vec_loads_ok(dd, dv, q, k, v),
-                                    few_keys(head, k.shape[2]), _launch._compute_capability(), _launch._smem_limit())
+                                    row_class(head, k.shape[2], False), _launch._compute_capability(), _launch._smem_limit())
         t.append(time.perf_counter())
         params = _params.fwd_params(q, k, v, out, lse, group=1, scale=p.scale, mask=masking.values)
         t.append(time.perf_counter())

@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true", help="causal (top-left), for the causal kernels' profile")
     ap.add_argument("--forward-only", action="store_true", help="forward calls only")
     ap.add_argument("--no-short-rule", action="store_true",
-                    help="Hopper: the wgmma forward also for few keys (HOPPER_FWD_MIN_KEYS emptied)")
+                    help="Hopper: the wgmma forward's table tile also for few keys (HOPPER_FWD_MIN_KEYS and "
+                         "HOPPER_FWD_SHORT_KEYS emptied)")
     ap.add_argument("--portable", action="store_true",
                     help="the portable mma.sync path on a Hopper GPU (bench.py's \"cuflash sm80\")")
     args = ap.parse_args()
@@ -47,6 +48,7 @@ def main() -> None:
     if args.no_short_rule:
         from cuflash import _variants
         _variants.HOPPER_FWD_MIN_KEYS.clear()
+        _variants.HOPPER_FWD_SHORT_KEYS.clear()
     if args.portable:   # as bench.py's "cuflash sm80" contender: the kernels a GPU without sm_90a runs
         from cuflash import _launch
         _launch._compute_capability = lambda: 80

@@ -57,7 +57,7 @@ def forced_forward(family, tile, wide_k=0):
     (launch_forward asks forward_choice for its variant and the portable fallback)."""
     real = _launch.forward_choice
 
-    def pick(dtype, head, band, extra, vec, short, cc, smem_limit, precision="highest"):
+    def pick(dtype, head, band, extra, vec, rows, cc, smem_limit, precision="highest"):
         v = Variant(family, dtype, head, band=band, extra=extra, vec=vec and family != "fwd_fma",
                     tile=replace(tile, wide_k=wide_k))
         return v, v

@@ -2,8 +2,8 @@
 
 At head dim 64 the table's Hopper tile (192 x 128, one CTA an SM) starts and drains each
 block's pipeline alone, so below HOPPER_FWD_MIN_KEYS keys the portable kernel used to run
-instead. The short-rows table (Variant.short) gives those calls a Hopper tile with two CTAs an SM. This
-script times, on the same buffers and interleaved round by round, every head dim's
+instead. The short-rows table (Variant.short) gives calls whose query blocks visit at most
+HOPPER_FWD_SHORT_KEYS keys on average a Hopper tile with two CTAs an SM. This script times, on the same buffers and interleaved round by round, every head dim's
 
     portable     the portable kernel (forward_variant(..., wgmma=False))
     hopper       the table's Hopper tile
@@ -43,7 +43,7 @@ def forced(kind):
     """Forwards through one kernel choice ("portable", "hopper" or "short") whatever the rules say."""
     real = _launch.forward_choice
 
-    def pick(dtype, head, band, extra, vec, short, cc, smem_limit, precision="highest"):
+    def pick(dtype, head, band, extra, vec, rows, cc, smem_limit, precision="highest"):
         portable = forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit, cc=cc,
                                    wgmma=False)
         if kind == "portable":

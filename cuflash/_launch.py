@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _params, _tma
 from ._build import get_kernel
-from ._variants import TF32_BWD_FAMILIES, Variant, backward_variants, few_keys, forward_choice, head_bucket, vec_chunk
+from ._variants import TF32_BWD_FAMILIES, Variant, backward_variants, forward_choice, head_bucket, row_class, vec_chunk
 
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -85,8 +85,9 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
     head = head_bucket(max(d, dv))
-    variant, portable = forward_choice(dtype, head, masking.band is not None, extra, vec_loads_ok(d, dv, q, k, v),
-                                        few_keys(head, k.shape[2]), _compute_capability(), _smem_limit(), precision)
+    band = masking.band is not None
+    variant, portable = forward_choice(dtype, head, band, extra, vec_loads_ok(d, dv, q, k, v),
+                                        row_class(head, k.shape[2], band), _compute_capability(), _smem_limit(), precision)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.arch == "sm90a":

@@ -146,7 +146,7 @@ _EXTRA_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
 the plain variant's tile would spill with that code on top."""
 
 _SHORT_TABLE: Dict[Tuple[str, str, str, int], Tuple[Tile, ...]] = {}
-"""Tiles for calls with too few keys for the table's tile to pay (:func:`few_keys`; ``Variant.short``):
+"""Tiles for calls with too few keys for the table's tile to pay (:func:`row_class`; ``Variant.short``):
 the Hopper forward's short-rows tiles, plain and band variants only."""
 
 
@@ -215,7 +215,7 @@ _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and t
 _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
                                                          "64-key tiles (acc_o is 128 registers): 193 KB"),
      arch="sm90a")
-# Short rows at head dim 64 (few_keys): the 192 x 128 tile runs one CTA an SM, whose start (Q and the
+# Short rows at head dim 64 (row_class, HOPPER_FWD_SHORT_KEYS): the 192 x 128 tile runs one CTA an SM, whose start (Q and the
 # first tiles in flight, nothing to overlap them) and epilogue no other CTA hides: ~16 K cycles a block
 # against ~2.5 K a key tile at L = 1024 (ncu, thirteenth session). Two CTAs an SM: 384 x 80 registers at
 # launch, the producer keeps 24, the consumers take 104 (FwdWgmmaTraits, MIN_CTAS 2), which 64-key tiles
@@ -734,8 +734,8 @@ class Variant:
     only; ``atomic_dq`` makes the dK/dV kernel also add dQ with atomics; ``dbias``
     (Hopper dK/dV kernel) makes it also add dS into dbias (DBIAS_KEY_MAJOR).
     ``arch``: the table rows the variant's tile comes from ("sm80", "sm90" or "sm90a"; see the
-    module's docstring). ``short``: the tile comes from the short-rows table (calls with
-    :func:`few_keys`).
+    module's docstring). ``short``: the tile comes from the short-rows table (calls whose query
+    blocks visit few keys, :func:`row_class`).
     """
 
     family: str
@@ -889,15 +889,31 @@ the portable kernels there."""
 
 
 HOPPER_FWD_MIN_KEYS = {64: 1025}
-"""Head dim -> the fewest keys for which the Hopper forward is chosen. Each of its blocks starts
-and drains its pipeline alone (one CTA an SM), so short rows favour the portable kernel: at head
-dim 64 and L = 1024 the Hopper forward measured 0.89-0.93x the portable one, at L = 2048 0.99-1.05x
-(bench.py sweep, seventh session, H100); at head dim 128 it is faster from L = 1024 (1.01-1.21x)."""
+"""Head dim -> the fewest keys for which the Hopper forward's table tile takes an EXTRA call (bias,
+mask, dropout, block layout). Each of its blocks starts and drains its pipeline alone (one CTA an
+SM), so short rows favour the portable kernel: at head dim 64 and L = 1024 the Hopper forward measured
+0.89-0.93x the portable one, at L = 2048 0.99-1.05x (bench.py sweep, seventh session, H100); at head
+dim 128 it is faster from L = 1024 (1.01-1.21x)."""
+
+HOPPER_FWD_SHORT_KEYS = {64: 2048}
+"""Head dim -> the most keys a query block visits on average (every key; half of them with a causal
+mask or a window) for which a call without EXTRA options takes the Hopper forward's short-rows tile
+(``Variant.short``: two CTAs an SM). benchmarks/tune_short.py (fifteenth session, H100, bf16 / fp16,
+queued ratio to cuDNN, table tile -> short tile): L = 1024 0.81-0.84 -> 0.98-1.00, causal 0.57 ->
+0.90-0.91; L = 2048 1.01-1.05 -> 1.03-1.05, causal 0.76-0.78 -> 0.96-1.01; L = 4096 1.07 -> 1.04,
+causal 0.89-0.91 -> 1.01."""
+
+ROWS = ("long", "short", "few")
+"""How many keys a call's query blocks visit, for the Hopper forward's choice (:func:`row_class`)."""
 
 
-def few_keys(head: int, lk: int) -> bool:
-    """Whether a call with ``lk`` keys is below the Hopper forward's threshold at ``head``."""
-    return lk < HOPPER_FWD_MIN_KEYS.get(head, 0)
+def row_class(head: int, lk: int, band: bool) -> str:
+    """"few": fewer than :data:`HOPPER_FWD_MIN_KEYS` keys (EXTRA calls run the portable forward);
+    "short": at most :data:`HOPPER_FWD_SHORT_KEYS` keys visited by a query block on average, ``lk``
+    or ``lk / 2`` with a ``band`` (causal mask or window); else "long"."""
+    if lk < HOPPER_FWD_MIN_KEYS.get(head, 0):
+        return "few"
+    return "short" if (lk / 2 if band else lk) <= HOPPER_FWD_SHORT_KEYS.get(head, 0) else "long"
 
 
 def has_short_tile(dtype: str, head: int) -> bool:
@@ -940,21 +956,21 @@ for the benchmarks and the GPU tests; no public option names it)."""
 
 @functools.lru_cache(maxsize=None)
 def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
-                    smem_limit: int = SMEM_MAX, cc: int = 80, short: bool = False,
+                    smem_limit: int = SMEM_MAX, cc: int = 80, rows: str = "long",
                     precision: str = "highest", wgmma: bool = True) -> Variant:
     """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
     allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
     with 16-byte loadable rows take the wgmma kernel where the table has one, EXTRA options
-    included; with ``short`` (:func:`few_keys`: too few keys for the table's tile to pay) its
-    short-rows tile (``Variant.short``) where the table has one and no EXTRA option, else the
-    portable kernel. The launcher
+    included; where ``rows`` (:func:`row_class`) says the query blocks visit few keys, calls without
+    EXTRA options take its short-rows tile (``Variant.short``) where the table has one, and EXTRA
+    calls with "few" keys the portable kernel. The launcher
     still takes the portable kernel where tensor maps cannot describe the arrays or a bias's
     rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
     3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
     shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision); on
     Hopper, calls with 16-byte loadable rows take the wgmma kernel of :data:`TF32_WGMMA_FAMILY`
-    where the table has one, EXTRA options included (``short`` does not apply: its threshold is
-    the 16-bit kernel's measurement). ``wgmma`` False: the portable kernel the GPU would take were
+    where the table has one, EXTRA options included (``rows`` does not apply: its thresholds are
+    the 16-bit kernel's measurements). ``wgmma`` False: the portable kernel the GPU would take were
     there no Hopper kernel (the fallback where tensor maps cannot describe a call's arrays)."""
     if dtype == "float32":
         hopper = TF32_WGMMA_FAMILY.get(precision)
@@ -971,11 +987,10 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
         return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
     if cc == HOPPER_CC and wgmma and vec and ("sm90a", "fwd_wgmma", dtype, head) in _TABLE:
         hopper = Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a")
-        if not short:
+        if rows != "long" and not extra and has_short_tile(dtype, head):
+            return replace(hopper, short=True, tile=None).fitted(smem_limit)
+        if rows != "few" or not extra:
             return hopper.fitted(smem_limit)
-        if not extra and has_short_tile(dtype, head):
-            with contextlib.suppress(ValueError):   # no short-rows tile fits: the portable kernel
-                return replace(hopper, short=True, tile=None).fitted(smem_limit)
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
     if ("sm80", "fwd_dmma", dtype, head) in _TABLE:
@@ -985,13 +1000,13 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
 
 
 @functools.lru_cache(maxsize=None)
-def forward_choice(dtype: str, head: int, band: bool, extra: bool, vec: bool, short: bool, cc: int,
+def forward_choice(dtype: str, head: int, band: bool, extra: bool, vec: bool, rows: str, cc: int,
                    smem_limit: int, precision: str = "highest") -> Tuple[Variant, Variant]:
     """(:func:`forward_variant` for these facts, the portable variant a call falls back to where the
     Hopper kernel cannot take its arrays: the same GPU's, "sm90" rows included), with positional
     arguments: one cache lookup a call."""
     choose = functools.partial(forward_variant, dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit,
-                               short=short, precision=precision, cc=cc)
+                               rows=rows, precision=precision, cc=cc)
     return choose(), choose(wgmma=False)
 
 
@@ -1095,10 +1110,10 @@ def all_variants() -> List[Variant]:
                 seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
                                      precision=precision)] = None
             if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
-                for precision, short in itertools.product(
-                        FLOAT32_PRECISIONS if dtype == "float32" else ("highest",), (False, True)):
+                for precision, rows in itertools.product(
+                        FLOAT32_PRECISIONS if dtype == "float32" else ("highest",), ROWS):
                     seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
-                                         cc=HOPPER_CC, precision=precision, short=short)] = None
+                                         cc=HOPPER_CC, precision=precision, rows=rows)] = None
             ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
             precisions = FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)
             for det, dbias, cc, precision in itertools.product((False, True), (False, True) if extra else (False,),

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cuflash._variants import (HOPPER_FWD_MIN_KEYS, ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, backward_variants,
-                               few_keys, forward_variant, head_bucket, vec_chunk)
+from cuflash._variants import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS, ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, backward_variants,
+                               forward_variant, head_bucket, row_class, vec_chunk)
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
@@ -28,7 +28,7 @@ class Problem:
     deterministic: bool
     smem_limit: int = SMEM_MAX    # the GPU class (shared memory per block) the launcher selects for
     cc: int = 80                  # the compute capability it selects for (90: the Hopper variants)
-    lk: int = LK                  # keys (longer for a Hopper forward with a minimum, HOPPER_FWD_MIN_KEYS)
+    lk: int = LK                  # keys (longer for the Hopper forward's table tile: row_class)
     bias: bool = True             # with extra: variant_options() has a bias (the backward forms dbias); False:
                                   # mask and dropout only (the Hopper dK/dV kernel's variant without dbias)
     precision: str = "highest"    # float32: "tf32" the plain TF32 kernels, "fma" the FMA ones (FLOAT32_PRECISIONS)
@@ -44,7 +44,7 @@ class Problem:
         head = head_bucket(max(self.d, self.dv))
         band = self.causal is not False
         fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
-                              cc=self.cc, short=few_keys(head, self.lk), precision=self.precision)
+                              cc=self.cc, rows=row_class(head, self.lk, band), precision=self.precision)
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -85,7 +85,8 @@ def problem_for(v: Variant) -> Problem:
     # Hopper kernels copy no other bias: _masking.rows_in_chunks) and still end inside a tile.
     lk = LK
     if v.family == "fwd_wgmma" and head in HOPPER_FWD_MIN_KEYS and not v.short:
-        lk = HOPPER_FWD_MIN_KEYS[head] + 2
+        # past the short-rows threshold (EXTRA calls: past the minimum), twice it under a band
+        lk = (HOPPER_FWD_MIN_KEYS[head] if v.extra else HOPPER_FWD_SHORT_KEYS[head] * (2 if v.band else 1)) + 2
     if hopper and v.extra:   # the Hopper backward copies a bias by 16-byte chunks too
         lk = -(-lk // 8) * 8
     precision = "highest"

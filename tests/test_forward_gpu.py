@@ -167,13 +167,14 @@ def test_over_2_31_elements():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
-@pytest.mark.parametrize("lq,lk", [(300, 1025), (1, 1100), (1537, 1537)])
+@pytest.mark.parametrize("lq,lk", [(300, 2049), (1, 4100), (700, 4097)])
 def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypatch):
-    """On compute capability 9.0 the 16-bit forward runs the TMA kernel's table tile from HOPPER_FWD_MIN_KEYS
-    keys on (head dim 64: more than 1024; 128 and 256: any), its short-rows tile below (two CTAs an SM,
-    Variant.short); answers within the error budget, grouped-query heads, across tile edges."""
+    """On compute capability 9.0 the 16-bit forward runs the TMA kernel: at head dim 64 its short-rows tile
+    (two CTAs an SM, Variant.short) where a query block visits at most HOPPER_FWD_SHORT_KEYS keys on average
+    (half the keys under a causal mask), the table tile past that (at 128 and 256 always); answers within the
+    error budget, grouped-query heads, across tile edges."""
     from cuflash import _launch
-    from cuflash._variants import few_keys
+    from cuflash._variants import row_class
 
     if _launch._compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
@@ -184,7 +185,7 @@ def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypa
         launched.clear()
         check_forward(dtype, 1, 4, 2, lq, keys, d, d, causal, seed=lq + keys + d)
         assert [x.family for x in launched] == ["fwd_wgmma"], (d, keys)
-        assert launched[0].short == (d == 64 and few_keys(d, keys)), (d, keys)
+        assert launched[0].short == (row_class(d, keys, causal is not False) != "long"), (d, keys)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

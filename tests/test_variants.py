@@ -136,20 +136,28 @@ def test_hopper_selection():
         # ... not where the keys are too few (head dim 64: its short-rows tile takes no EXTRA option), nor on
         # another GPU or without 16-byte rows
         assert V.forward_variant("float16", head, band=False, extra=True, vec=True, cc=90,
-                                 short=V.few_keys(head, 1024)).family == ("fwd_mma" if head == 64 else "fwd_wgmma")
+                                 rows=V.row_class(head, 1024, False)).family == ("fwd_mma" if head == 64 else "fwd_wgmma")
         assert V.forward_variant("float16", head, band=False, extra=True, vec=True, cc=80).family == "fwd_mma"
         assert V.forward_variant("float16", head, band=False, extra=True, vec=False, cc=90).family == "fwd_mma"
     assert V.forward_variant("float16", 64, band=False, vec=True, cc=90).family == "fwd_wgmma"
-    # Too few keys for the Hopper forward at head dim 64 (HOPPER_FWD_MIN_KEYS); none at 128.
-    assert V.few_keys(64, 1024) and not V.few_keys(64, 1025) and not V.few_keys(128, 1)
+    # Few keys for the Hopper forward's table tile at head dim 64 (HOPPER_FWD_MIN_KEYS for EXTRA calls, and
+    # HOPPER_FWD_SHORT_KEYS visited by a query block on average: half the keys under a band); none at 128.
+    assert [V.row_class(64, lk, False) for lk in (1024, 1025, 2048, 2049)] == ["few", "short", "short", "long"]
+    assert [V.row_class(64, lk, True) for lk in (1024, 4096, 4098)] == ["few", "short", "long"]
+    assert V.row_class(128, 1, False) == V.row_class(128, 1, True) == "long"
     # ... where the short-rows tile takes them: two CTAs an SM (Variant.short)
     for band in (False, True):
-        short = V.forward_variant("float16", 64, band=band, vec=True, cc=90, short=True)
-        assert (short.family, short.short, short.tile.ctas) == ("fwd_wgmma", True, 2)
-        assert short.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"] // 2   # two CTAs an SM
-        assert short in V.all_variants()
-    assert V.forward_variant("float16", 64, band=False, vec=False, cc=90, short=True).family == "fwd_mma"
-    assert V.forward_variant("float16", 128, band=False, vec=True, cc=90, short=V.few_keys(128, 64)).family == "fwd_wgmma"
+        for rows in ("few", "short"):
+            short = V.forward_variant("float16", 64, band=band, vec=True, cc=90, rows=rows)
+            assert (short.family, short.short, short.tile.ctas) == ("fwd_wgmma", True, 2)
+            assert short.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"] // 2   # two CTAs an SM
+            assert short in V.all_variants()
+            # EXTRA calls: the table tile for "short" rows, the portable kernel for "few"
+            x = V.forward_variant("float16", 64, band=band, extra=True, vec=True, cc=90, rows=rows)
+            assert (x.family, x.short) == (("fwd_wgmma", False) if rows == "short" else ("fwd_mma", False))
+        assert not V.forward_variant("float16", 64, band=band, vec=True, cc=90, rows="long").short
+    assert V.forward_variant("float16", 64, band=False, vec=False, cc=90, rows="few").family == "fwd_mma"
+    assert V.forward_variant("float16", 128, band=False, vec=True, cc=90, rows=V.row_class(128, 64, False)).family == "fwd_wgmma"
     assert V.forward_variant("float16", 32, band=False, vec=True, cc=90).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=80).family == "fwd_mma"
     assert V.forward_variant("bfloat16", 128, band=True, vec=True, cc=100).family == "fwd_mma"
