@@ -2,6 +2,7 @@
 struct (``_params``), launch on CuPy's current stream. Nothing here is per variant."""
 from __future__ import annotations
 
+import array
 import functools
 from typing import Callable, Optional, Tuple
 
@@ -53,21 +54,26 @@ def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(variant: Variant, device_id: int) -> Tuple[object, int, int]:
-    """(compiled kernel, threads, shared-memory bytes) of a variant on a device: one cache lookup
-    a launch (part of the compiled-kernel cache)."""
-    return get_kernel(variant), variant.threads, variant.smem_bytes
+def _launch_config(variant: Variant, device_id: int) -> Tuple[int, int, int]:
+    """(the compiled kernel's CUfunction handle, threads, shared-memory bytes) of a variant on a
+    device: one cache lookup a launch (part of the compiled-kernel cache)."""
+    return get_kernel(variant).kernel.ptr, variant.threads, variant.smem_bytes
 
 
 def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int], grid: int = 0,
             extra_args: tuple = ()) -> None:
     """Launch one variant with its params struct (and the kernel's further arguments, e.g. the
-    Hopper forward's tensor maps); ``dims`` = (batch, heads_q, group, lq, lk) size the grid unless
-    ``grid`` (CTAs) is given."""
+    Hopper forward's tensor maps) on CuPy's current stream; ``dims`` = (batch, heads_q, group, lq,
+    lk) size the grid unless ``grid`` (CTAs) is given. Every argument is one opaque NumPy item,
+    passed to the driver's launch by its host address (``kernelParams``: the driver copies the
+    bytes at the call), not through ``RawKernel.__call__``, which converts each argument first."""
     import cupy
+    from cupy.cuda import driver
 
-    kernel, threads, smem = _launch_config(variant, cupy.cuda.runtime.getDevice())
-    kernel((grid or variant.grid(*dims),), (threads,), (params,) + extra_args, shared_mem=smem)
+    func, threads, smem = _launch_config(variant, cupy.cuda.runtime.getDevice())
+    pointers = array.array("Q", [a.ctypes.data for a in (params,) + extra_args])
+    driver.launchKernel(func, grid or variant.grid(*dims), 1, 1, threads, 1, 1, smem,
+                        cupy.cuda.get_current_stream().ptr, pointers.buffer_info()[0], 0)
 
 
 def scale_folds(scale: float) -> bool:
