@@ -76,6 +76,12 @@ def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int
                         cupy.cuda.get_current_stream().ptr, pointers.buffer_info()[0], 0)
 
 
+TMA_STORE_O_HEAD = 128
+"""The 16-bit Hopper forward stores O through its tensor map from this head dim on
+(``FwdWgmmaTraits::TMA_STORE_O``); below it, and in the float32 one, O is stored element by
+element and its map is not encoded."""
+
+
 def scale_folds(scale: float) -> bool:
     """Whether the plain kernels can take ``scale``: they fold ``scale * log2(e)`` (as float32)
     into the exponential, which needs it positive and normal (``ScoreMod::scores_stay_raw`` in
@@ -102,7 +108,8 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
         # strides) and read a bias by 16-byte chunks of its rows (16-bit: cp.async into shared memory;
         # float32: 8-byte pairs straight into the score fragments, bias_frags.cuh): any other call,
         # EXTRA or not, takes the portable kernel of the same GPU.
-        maps = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n)
+        maps = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n,
+                                     store_out=variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD)
                 if masking.bias_in_chunks else None)
         if maps is not None:
             extra_args = (maps,)

@@ -87,7 +87,8 @@ def tensor_maps(*specs) -> "np.ndarray | None":
     """The maps of ``(array, box_rows)`` pairs back to back (a kernel's ``...TensorMaps`` struct), as
     one opaque kernel argument, encoded straight into one 64-byte aligned buffer; None where the
     driver has no encoder or an array's layout is one the copy engine cannot address
-    (:func:`_strides_if_ok`: the caller then takes the portable kernels). Each map describes its
+    (:func:`_strides_if_ok`: the caller then takes the portable kernels); a ``None`` array leaves its
+    map as zeros (one the kernel does not read). Each map describes its
     4-D array (B, H, L, D) of 16-bit elements (copied as bits) or float32 (added into by a
     reduction) as (D, L, H, B), with a box of one 128-byte slab (64 or 32 columns) x ``box_rows``.
     This is on every call's path: the encoder's arguments for all maps go into one ``array.array``
@@ -97,6 +98,9 @@ def tensor_maps(*specs) -> "np.ndarray | None":
         return None
     words = []
     for x, box_rows in specs:
+        if x is None:   # a map the kernel does not read: left as zeros
+            words += (0,) * _WORDS
+            continue
         strides = _strides_if_ok(x)
         if strides is None:
             return None
@@ -106,10 +110,12 @@ def tensor_maps(*specs) -> "np.ndarray | None":
     args = array.array("Q", words)
     addr = args.buffer_info()[0]
     nbytes = len(specs) * MAP_BYTES
-    buf = np.empty(nbytes + 64, dtype=np.uint8)
+    buf = np.zeros(nbytes + 64, dtype=np.uint8)
     base = buf.ctypes.data
     skip = -base % 64                                   # CUtensorMap is 64-byte aligned
     for i, (x, _) in enumerate(specs):
+        if x is None:
+            continue
         a = addr + 8 * _WORDS * i
         err = encode(base + skip + i * MAP_BYTES, _UINT16 if x.itemsize == 2 else _FLOAT32, 4, x.data.ptr, a,
                      a + 32, a + 64, a + 80, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
@@ -124,11 +130,12 @@ def _opaque(nbytes: int) -> np.dtype:
     return np.dtype((np.void, nbytes))
 
 
-def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int) -> "np.ndarray | None":
+def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int, store_out: bool = True) -> "np.ndarray | None":
     """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``, the
     output with 64-row boxes, which the kernel writes) as one opaque kernel argument, or None
-    (:func:`tensor_maps`)."""
-    return tensor_maps((q, block_m), (k, block_n), (v, block_n), (out, 64))
+    (:func:`tensor_maps`). ``store_out`` False: the output's map left as zeros, for a kernel that
+    stores O element by element (each encoding is a few microseconds of every call's host time)."""
+    return tensor_maps((q, block_m), (k, block_n), (v, block_n), (out if store_out else None, 64))
 
 
 def bwd_tensor_maps(q, dout, k, v, dq_acc, block_m: int, block_n: int) -> "np.ndarray | None":

@@ -98,7 +98,7 @@ struct FwdWgmmaTraits {
     // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
     // 0.86-0.93x at L = 4096 non-causal (not understood yet), so 64 keeps the element-wise stores.
     // Head dim 256 (twice 128's bytes a row) stores as 128 does.
-    static constexpr bool TMA_STORE_O = HEAD >= 128;
+    static constexpr bool TMA_STORE_O = HEAD >= 128;   // (the host encodes the O map only then: _launch.TMA_STORE_O_HEAD)
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(FIRST_BIAS_LOADER >= 32 && FIRST_BIAS_LOADER + BIAS_LOADERS <= 128,
                   "the bias loaders are producer warps other than the copy engine's");
@@ -224,9 +224,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         return;
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    // (The consumer warpgroup through a shuffle from lane 0: ptxas then knows it is warp-uniform and keeps
-    // the Q descriptors built from it in uniform registers.)
-    const int consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0), cwarp = warp - 4;
+    const int consumer = warpgroup - 1, cwarp = warp - 4;   // consumer warpgroup, warp among the consumers
     const float x_per_s = mod.x_per_score();
 
     float acc_o[1][Tr::O_TILES][4];

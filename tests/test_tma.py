@@ -71,3 +71,28 @@ def test_maps_are_encoded_back_to_back_with_their_boxes(monkeypatch):
     assert calls[0] == (1, 4, 4096, [128, 100, 4, 2], [256, 25600, 102400], [64, 64, 1, 1], [1, 1, 1, 1])
     assert calls[2][3:6] == ([128, 300, 1, 2], [256, 76800, 76800], [64, 128, 1, 1])
     assert calls[4][:2] == (7, 4) and calls[4][4:6] == ([512, 51200, 204800], [32, 64, 1, 1])   # float32: 32 columns
+
+
+def test_a_map_the_kernel_does_not_read_is_left_as_zeros(monkeypatch):
+    """fwd_tensor_maps(store_out=False) (the 16-bit forward below head dim 128 stores O element by element,
+    the float32 one always): three encodes, not four, and the output's 128 bytes stay zero."""
+    import ctypes
+
+    calls = []
+
+    def encoder(addr, dtype, rank, ptr, *rest):
+        calls.append(ptr)
+        ctypes.memset(addr, 0xAB, _tma.MAP_BYTES)
+        return 0
+
+    monkeypatch.setattr(_tma, "_encode_fn", lambda: encoder)
+    q, k, v, out = (fake((2, 4, 100, 64), ptr=4096 * (i + 1)) for i in range(4))
+    raw = _tma.fwd_tensor_maps(q, k, v, out, 128, 64, store_out=False).tobytes()
+    assert calls == [4096, 8192, 12288]
+    assert raw[:3 * _tma.MAP_BYTES] == b"\xab" * (3 * _tma.MAP_BYTES) and raw[3 * _tma.MAP_BYTES:] == bytes(128)
+    calls.clear()
+    _tma.fwd_tensor_maps(q, k, v, out, 128, 64)
+    assert calls == [4096, 8192, 12288, 16384]
+    # an unreadable layout anywhere but in the skipped map still sends the call to the portable kernel
+    assert _tma.fwd_tensor_maps(q, fake((2, 4, 100, 64), ptr=4100), v, out, 128, 64, store_out=False) is None
+    assert _tma.fwd_tensor_maps(q, k, v, fake((2, 4, 100, 64), ptr=4100), 128, 64, store_out=False) is not None
