@@ -99,7 +99,8 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     head = head_bucket(max(d, dv))
     band = masking.band is not None
     variant, portable = forward_choice(dtype, head, band, extra, vec_loads_ok(d, dv, q, k, v),
-                                        row_class(head, k.shape[2], band), _compute_capability(), _smem_limit(), precision)
+                                        row_class(head, k.shape[2], band), _compute_capability(), _smem_limit(),
+                                        precision)
     params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.arch == "sm90a":

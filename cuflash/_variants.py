@@ -215,12 +215,14 @@ _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and t
 _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
                                                          "64-key tiles (acc_o is 128 registers): 193 KB"),
      arch="sm90a")
-# Short rows at head dim 64 (row_class, HOPPER_FWD_SHORT_KEYS): the 192 x 128 tile runs one CTA an SM, whose start (Q and the
-# first tiles in flight, nothing to overlap them) and epilogue no other CTA hides: ~16 K cycles a block
-# against ~2.5 K a key tile at L = 1024 (ncu, thirteenth session). Two CTAs an SM: 384 x 80 registers at
-# launch, the producer keeps 24, the consumers take 104 (FwdWgmmaTraits, MIN_CTAS 2), which 64-key tiles
-# fit when each tile's P V is waited for before the next S (OVERLAP_PV off; with it 16 bytes spill and
-# ptxas serialises every wgmma). Offline (NVRTC 12.9 and 13.0, sm_90a): 0 spills, consumer code up to R87.
+# Short rows at head dim 64 (row_class, HOPPER_FWD_SHORT_KEYS): the 192 x 128 tile runs one CTA an SM,
+# whose start (Q and the first tiles in flight, nothing to overlap them) and epilogue no other CTA
+# hides: ~16 K cycles a block against ~2.5 K a key tile at L = 1024 (ncu, thirteenth session). Two CTAs
+# an SM: 384 x 80 registers at launch, the producer keeps 24, the consumers take 104 (FwdWgmmaTraits,
+# MIN_CTAS 2), which 64-key tiles fit when each tile's P V is waited for before the next S (OVERLAP_PV
+# off; with it 16 bytes spill and ptxas serialises every wgmma). Offline (NVRTC 12.9 and 13.0, sm_90a):
+# 0 spills, consumer code up to R98. benchmarks/tune_short.py, H100: L = 1024 1.19-1.21x the 192-row tile
+# non-causal, 1.6x causal (queued; benchmarks/NOTES.md, fifteenth session).
 _add("fwd_wgmma", HALF_TYPES, [64], Tile(128, 64, 12, 2, "short rows: two consumer warpgroups of 64 rows, 64-key "
                                                         "tiles, two CTAs an SM: 49 KB", ctas=2),
      arch="sm90a", short=True)
@@ -919,7 +921,6 @@ def row_class(head: int, lk: int, band: bool) -> str:
 def has_short_tile(dtype: str, head: int) -> bool:
     """Whether the Hopper forward has a short-rows tile (``Variant.short``) for ``dtype`` at ``head``."""
     return ("sm90a", "fwd_wgmma", dtype, head) in _SHORT_TABLE
-
 
 
 

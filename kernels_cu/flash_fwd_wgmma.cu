@@ -98,7 +98,8 @@ struct FwdWgmmaTraits {
     // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
     // 0.86-0.93x at L = 4096 non-causal (not understood yet), so 64 keeps the element-wise stores.
     // Head dim 256 (twice 128's bytes a row) stores as 128 does.
-    static constexpr bool TMA_STORE_O = HEAD >= 128;   // (the host encodes the O map only then: _launch.TMA_STORE_O_HEAD)
+    // (The host encodes the O tensor map only then: cuflash/_launch.py, TMA_STORE_O_HEAD.)
+    static constexpr bool TMA_STORE_O = HEAD >= 128;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(FIRST_BIAS_LOADER >= 32 && FIRST_BIAS_LOADER + BIAS_LOADERS <= 128,
                   "the bias loaders are producer warps other than the copy engine's");
