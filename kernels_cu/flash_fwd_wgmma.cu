@@ -245,6 +245,18 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     // barrier 1 + c, 256 threads: its 128 waiting, the other's 128 arriving).
     auto my_turn = [&]() { if (Tr::PINGPONG) named_bar_sync(1 + consumer, 2 * 128); };
     auto your_turn = [&]() { if (Tr::PINGPONG) named_bar_arrive(2 - consumer, 2 * 128); };
+    // O += P V of a tile whose V is at `stage`, finished here: the product every tile gets
+    // without OVERLAP_PV, and the last tile's with it.
+    auto pv_now = [&](int stage, unsigned full_parity) {
+        mbar_wait(sm.v_full(stage), full_parity);
+        my_turn();
+        wgmma_fence();
+        issue_pv(stage);
+        wgmma_commit();
+        your_turn();
+        wgmma_wait<0>();
+        fence_regs(flat(acc_o));
+    };
     if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
 
     int j = next_tile(keys.begin);
@@ -319,28 +331,13 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) pack_a_frag<T, BN>(p_frag[kk], s[0], 16 * kk);
         if constexpr (!Tr::OVERLAP_PV) {   // this tile's O += P V now, done before the next S
-            mbar_wait(sm.v_full(stage), full_parity);
-            wgmma_fence();
-            issue_pv(stage);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(flat(acc_o));
+            pv_now(stage, full_parity);
             fence_regs(p_frag);
             mbar_arrive(sm.v_empty(stage));
         }
         j = next;
     }
-    if (Tr::OVERLAP_PV && t > 0) {   // the last tile's O += P V
-        const int stage = (t - 1) & 1;
-        mbar_wait(sm.v_full(stage), ((t - 1) >> 1) & 1);
-        my_turn();
-        wgmma_fence();
-        issue_pv(stage);
-        wgmma_commit();
-        your_turn();
-        wgmma_wait<0>();
-        fence_regs(flat(acc_o));
-    }
+    if (Tr::OVERLAP_PV && t > 0) pv_now((t - 1) & 1, ((t - 1) >> 1) & 1);   // the last tile's O += P V
     // PINGPONG: every turn a warpgroup waits for is one the other gave. Both see the same
     // tiles, so each took and gave t + (t > 0) turns; consumer 1 gave one more at the start,
     // which consumer 0 takes here, leaving no arrival pending when the CTA exits.
