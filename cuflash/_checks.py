@@ -2,6 +2,7 @@
 before anything reaches a kernel."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -24,14 +25,21 @@ if _BF16 is not None:
 MAX_HEAD_DIM = 256
 
 
+@functools.lru_cache(maxsize=None)
+def _cupy():
+    """The cupy module, or None where CuPy does not import (NumPy-only use)."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
 def array_module(x: Any):
     """numpy or cupy for an array; TypeError for anything else."""
     if isinstance(x, np.ndarray):
         return np
-    try:
-        import cupy
-    except ImportError:
-        cupy = None
+    cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return cupy
     raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
@@ -148,11 +156,12 @@ def check_qkv(q, k, v, *, causal=False, scale=None) -> Problem:
         if array_module(x) is not xp:
             raise TypeError(f"q is a {xp.__name__} array but {name} is a "
                             f"{array_module(x).__name__} array: pass all inputs from one library")
-    names = [dtype_name(x, n) for n, x in (("q", q), ("k", k), ("v", v))]
-    if len(set(names)) != 1:
+    dtype = dtype_name(q, "q")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        dtype_name(k, "k"), dtype_name(v, "v")   # an unsupported dtype is the first thing to say
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if xp is not np:
-        devices = (q.device.id, k.device.id, v.device.id)
+        devices = (q.data.device_id, k.data.device_id, v.data.device_id)
         if devices[0] != devices[1] or devices[0] != devices[2]:
             raise ValueError(f"q, k, v are on different devices {sorted(set(devices))}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -184,7 +193,7 @@ def check_qkv(q, k, v, *, causal=False, scale=None) -> Problem:
     mode = causal_mode(causal)
     scale = check_scale(scale, d)
     lead_size = math.prod(lead)
-    return Problem(xp, names[0], lead, _as_4d(q, xp, lead_size), _as_4d(k, xp, lead_size),
+    return Problem(xp, dtype, lead, _as_4d(q, xp, lead_size), _as_4d(k, xp, lead_size),
                    _as_4d(v, xp, lead_size), mode, scale, tuple(q.shape))
 
 

@@ -3,6 +3,7 @@ struct (``_params``), launch on CuPy's current stream. Nothing here is per varia
 from __future__ import annotations
 
 import array
+import contextlib
 import functools
 from typing import Callable, Optional, Tuple
 
@@ -60,18 +61,37 @@ def _launch_config(variant: Variant, device_id: int) -> Tuple[int, int, int]:
     return get_kernel(variant).kernel.ptr, variant.threads, variant.smem_bytes
 
 
-def _launch(variant: Variant, params: np.ndarray, dims: Tuple[int, int, int, int, int], grid: int = 0,
-            extra_args: tuple = ()) -> None:
-    """Launch one variant with its params struct (and the kernel's further arguments, e.g. the
-    Hopper forward's tensor maps) on CuPy's current stream; ``dims`` = (batch, heads_q, group, lq,
-    lk) size the grid unless ``grid`` (CTAs) is given. Every argument is one opaque NumPy item,
-    passed to the driver's launch by its host address (``kernelParams``: the driver copies the
-    bytes at the call), not through ``RawKernel.__call__``, which converts each argument first."""
+@functools.lru_cache(maxsize=None)
+def _cupy():
+    """(cupy, cupy.cuda.driver), imported on the first launch (NumPy-only users need no CuPy)."""
     import cupy
     from cupy.cuda import driver
 
+    return cupy, driver
+
+
+def on_device(device_id: int):
+    """A context in which ``device_id`` is the current device: CuPy's ``Device`` where another one
+    is current, else a no-op (entering and leaving CuPy's costs a few microseconds of a call)."""
+    cupy, _ = _cupy()
+    return _CURRENT if cupy.cuda.runtime.getDevice() == device_id else cupy.cuda.Device(device_id)
+
+
+_CURRENT = contextlib.nullcontext()
+
+
+def _launch(variant: Variant, params: _params.HostArg, dims: Tuple[int, int, int, int, int], grid: int = 0,
+            extra_args: tuple = ()) -> None:
+    """Launch one variant with its params struct (and the kernel's further arguments, e.g. the
+    Hopper forward's tensor maps, each a :class:`cuflash._params.HostArg`) on CuPy's current
+    stream; ``dims`` = (batch, heads_q, group, lq, lk) size the grid unless ``grid`` (CTAs) is
+    given. The arguments go to the driver's launch by their host addresses (``kernelParams``: the
+    driver copies the bytes at the call), not through ``RawKernel.__call__``, which converts each
+    argument first."""
+    cupy, driver = _cupy()
     func, threads, smem = _launch_config(variant, cupy.cuda.runtime.getDevice())
-    pointers = array.array("Q", [a.ctypes.data for a in (params,) + extra_args])
+    pointers = array.array("Q", (params.address,) if not extra_args else
+                           [params.address] + [a.address for a in extra_args])
     driver.launchKernel(func, grid or variant.grid(*dims), 1, 1, threads, 1, 1, smem,
                         cupy.cuda.get_current_stream().ptr, pointers.buffer_info()[0], 0)
 

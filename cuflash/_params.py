@@ -1,5 +1,5 @@
-"""Host-side mirror of ``kernels_cu/params.cuh``: FwdParams / BwdParams as NumPy structured
-scalars, passed to the kernels by value.
+"""Host-side mirror of ``kernels_cu/params.cuh``: FwdParams / BwdParams laid out as NumPy
+structured dtypes, packed into host bytes (:class:`HostArg`) the kernels receive by value.
 
 The layouts below are written once, as NumPy dtypes with C alignment; ``tests/test_params.py``
 compiles :func:`layout_check_source` with NVRTC, which ``static_assert``s every field offset
@@ -7,6 +7,7 @@ and every struct size against the CUDA definitions.
 """
 from __future__ import annotations
 
+import array
 import math
 import struct
 from typing import Any, Dict, Optional
@@ -74,12 +75,37 @@ def _packer(dtype: np.dtype) -> struct.Struct:
 
 
 _PACK = {name: _packer(STRUCTS[name]) for name in ("FwdParams", "BwdParams")}
-# CuPy passes a size-one NumPy array by value, reading its address through
-# __array_interface__, which rebuilds a structured dtype's field description on
-# every call (~20-50 us for BwdParams). The same bytes as one opaque void item
-# cost nothing; view them with STRUCTS[...] to read the fields.
-_OPAQUE = {name: np.dtype((np.void, STRUCTS[name].itemsize)) for name in _PACK}
 _NO_VIEW = (0, 0, 0, 0)
+
+
+class HostArg:
+    """One kernel argument's bytes in host memory: the driver's launch copies them from ``address``
+    (``kernelParams``). ``HostArg(raw)`` holds the bytes ``raw``; ``HostArg.zeros(nbytes, align)``
+    zero bytes at an ``align``-byte aligned address (a CUtensorMap's 64: the driver's encoder
+    writes it in place). ``data`` views exactly the argument's bytes
+    (``np.frombuffer(arg.data, STRUCTS["FwdParams"])`` reads the fields).
+
+    An ``array.array`` holds them because its address costs ~0.1 us to read, against ~1 us for
+    a NumPy array's ``.ctypes.data``: on every launch's host path, which a short call's
+    CUDA-event timing sees."""
+
+    __slots__ = ("_buffer", "_skip", "address", "nbytes")
+
+    def __init__(self, raw: bytes):
+        self._buffer = array.array("B", raw)
+        self._skip, self.nbytes = 0, len(raw)
+        self.address = self._buffer.buffer_info()[0]
+
+    @classmethod
+    def zeros(cls, nbytes: int, align: int) -> "HostArg":
+        arg = cls(bytes(nbytes + align))
+        arg._skip, arg.nbytes = -arg.address % align, nbytes
+        arg.address += arg._skip
+        return arg
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self._buffer)[self._skip:self._skip + self.nbytes]
 
 
 def view(x: Any) -> tuple:
@@ -113,18 +139,17 @@ def as_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF) -> np.ndarray:
+def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF) -> HostArg:
     """FwdParams for 4-D views ``q (B, Hq, Lq, D)``, ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``
-    and MaskParams' values ``mask`` (cuflash._masking): one opaque item of ``sizeof(FwdParams)``
-    bytes (``.view(STRUCTS["FwdParams"])`` shows the fields)."""
+    and MaskParams' values ``mask`` (cuflash._masking), as ``sizeof(FwdParams)`` bytes."""
     b, hq, lq, d = q.shape
     values = (*view(q), *view(k), *view(v), *view(out), *view(lse),
               b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, scale * LOG2E, as_float32(scale * LOG2E))
-    return np.frombuffer(_PACK["FwdParams"].pack(*values), dtype=_OPAQUE["FwdParams"])
+    return HostArg(_PACK["FwdParams"].pack(*values))
 
 
 def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int, scale: float,
-               mask: tuple = MASK_OFF, dbias: tuple = DBIAS_OFF) -> np.ndarray:
+               mask: tuple = MASK_OFF, dbias: tuple = DBIAS_OFF) -> HostArg:
     """BwdParams for 4-D views (vectors lse, dsum 3-D). ``dq_acc`` may be None (deterministic path)."""
     b, hq, lq, d = q.shape
     values = []
@@ -132,7 +157,7 @@ def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int,
         values += view(x) if x is not None else _NO_VIEW
     values += (b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, *dbias, scale, scale * LOG2E,
                as_float32(scale * LOG2E))
-    return np.frombuffer(_PACK["BwdParams"].pack(*values), dtype=_OPAQUE["BwdParams"])
+    return HostArg(_PACK["BwdParams"].pack(*values))
 
 
 def layout_check_source() -> str:

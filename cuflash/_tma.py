@@ -16,7 +16,7 @@ import array
 import ctypes
 import functools
 
-import numpy as np
+from ._params import HostArg
 
 MAP_BYTES = 128              # sizeof(CUtensorMap)
 _UINT16 = 1                  # CU_TENSOR_MAP_DATA_TYPE_UINT16: the copy engine moves bits
@@ -80,15 +80,16 @@ def tma_ok(*arrays) -> bool:
 
 
 _WORDS = 12   # 64-bit words of one map's encoder arguments: dims 4, strides 3 + 1, box 2, element strides 2
+_NO_WORDS = (0,) * _WORDS
 _ONES = 1 | 1 << 32   # two uint32 ones: the box's H and B extents, and every element stride
 
 
-def tensor_maps(*specs) -> "np.ndarray | None":
+def tensor_maps(*specs) -> "HostArg | None":
     """The maps of ``(array, box_rows)`` pairs back to back (a kernel's ``...TensorMaps`` struct), as
-    one opaque kernel argument, encoded straight into one 64-byte aligned buffer; None where the
-    driver has no encoder or an array's layout is one the copy engine cannot address
-    (:func:`_strides_if_ok`: the caller then takes the portable kernels); a ``None`` array leaves its
-    map as zeros (one the kernel does not read). Each map describes its
+    one kernel argument (:class:`cuflash._params.HostArg`), encoded straight into its 64-byte
+    aligned bytes; None where the driver has no encoder or an array's layout is one the copy
+    engine cannot address (:func:`_strides_if_ok`: the caller then takes the portable kernels); a
+    ``None`` array leaves its map as zeros (one the kernel does not read). Each map describes its
     4-D array (B, H, L, D) of 16-bit elements (copied as bits) or float32 (added into by a
     reduction) as (D, L, H, B), with a box of one 128-byte slab (64 or 32 columns) x ``box_rows``.
     This is on every call's path: the encoder's arguments for all maps go into one ``array.array``
@@ -99,7 +100,7 @@ def tensor_maps(*specs) -> "np.ndarray | None":
     words = []
     for x, box_rows in specs:
         if x is None:   # a map the kernel does not read: left as zeros
-            words += (0,) * _WORDS
+            words += _NO_WORDS
             continue
         strides = _strides_if_ok(x)
         if strides is None:
@@ -108,38 +109,31 @@ def tensor_maps(*specs) -> "np.ndarray | None":
         # box (columns, rows, 1, 1) and element strides (1, 1, 1, 1) as uint32 pairs, little-endian
         words += (d, length, h, b, *strides, 0, _SLAB_BYTES // x.itemsize | box_rows << 32, _ONES, _ONES, _ONES)
     args = array.array("Q", words)
-    addr = args.buffer_info()[0]
-    nbytes = len(specs) * MAP_BYTES
-    buf = np.zeros(nbytes + 64, dtype=np.uint8)
-    base = buf.ctypes.data
-    skip = -base % 64                                   # CUtensorMap is 64-byte aligned
-    for i, (x, _) in enumerate(specs):
-        if x is None:
-            continue
-        a = addr + 8 * _WORDS * i
-        err = encode(base + skip + i * MAP_BYTES, _UINT16 if x.itemsize == 2 else _FLOAT32, 4, x.data.ptr, a,
-                     a + 32, a + 64, a + 80, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
-        if err:
-            raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} for an array of shape {x.shape}, "
-                               f"strides {x.strides}")
-    return buf[skip:skip + nbytes].view(_opaque(nbytes))
+    a = args.buffer_info()[0]
+    maps = HostArg.zeros(len(specs) * MAP_BYTES, 64)   # CUtensorMap is 64-byte aligned
+    at = maps.address
+    for x, _ in specs:
+        if x is not None:
+            err = encode(at, _UINT16 if x.itemsize == 2 else _FLOAT32, 4, x.data.ptr, a, a + 32, a + 64, a + 80,
+                         _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
+            if err:
+                raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} for an array of shape "
+                                   f"{x.shape}, strides {x.strides}")
+        a += 8 * _WORDS
+        at += MAP_BYTES
+    return maps
 
 
-@functools.lru_cache(maxsize=None)
-def _opaque(nbytes: int) -> np.dtype:
-    return np.dtype((np.void, nbytes))
-
-
-def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int, store_out: bool = True) -> "np.ndarray | None":
+def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int, store_out: bool = True) -> "HostArg | None":
     """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``, the
-    output with 64-row boxes, which the kernel writes) as one opaque kernel argument, or None
+    output with 64-row boxes, which the kernel writes) as one kernel argument, or None
     (:func:`tensor_maps`). ``store_out`` False: the output's map left as zeros, for a kernel that
     stores O element by element (each encoding is a few microseconds of every call's host time)."""
     return tensor_maps((q, block_m), (k, block_n), (v, block_n), (out if store_out else None, 64))
 
 
-def bwd_tensor_maps(q, dout, k, v, dq_acc, block_m: int, block_n: int) -> "np.ndarray | None":
+def bwd_tensor_maps(q, dout, k, v, dq_acc, block_m: int, block_n: int) -> "HostArg | None":
     """The Hopper backward's ``BwdTensorMaps`` (Q and dO with ``block_m``-row boxes, K and V with
     ``block_n``, the float32 dQ accumulator with 64-row boxes of 32 columns, which the kernel adds
-    into) as one opaque kernel argument, or None (:func:`tensor_maps`)."""
+    into) as one kernel argument, or None (:func:`tensor_maps`)."""
     return tensor_maps((q, block_m), (dout, block_m), (k, block_n), (v, block_n), (dq_acc, 64))

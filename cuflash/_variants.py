@@ -169,7 +169,11 @@ _SMALL_BYTES = "99 KB of shared memory (sm_86 / sm_89 / sm_120)"
 #   d=64:  64x64/4w 194/172   128x64/4w 223/195   64x64/2w 199/176     128x32/4w 206/160
 #   d=128: 64x64/4w 207/187   128x32/4w 230/189   64x32/2w 209/176
 #   (2026-11-22, one strip: d=256 64x32/4w 188/145 beat 32x32/2w 129/88; at d=256 two strips spill.)
-# 128x64 at d=128 spills (acc_o + S exceed 255 registers).
+# 128x64 at d=128 spills (acc_o + S exceed 255 registers). Sixteenth session, tune_fwd.py on the portable
+# path of an H100 (fp16 / bf16, L=4096): 128x32/4w 327/325 non-causal, 276/284 causal; 128x64/4w 343/353,
+# 289/283 (L=1024: +5-8% both): FA2's tile is faster, but it spills 8-56 bytes (NVRTC 12.9 and 13.0, plain and
+# band variants); recomputing the block after the loop (blockIdx read through asm volatile) only moved the
+# spills into the loop. Not adopted while a variant spills.
 _add("fwd_mma", HALF_TYPES, [32], Tile(128, 128, 4, 2, "two strips per warp: +19% over 64x64/4w (tune_fwd.py)"))
 # d=64, 128x128 (2026-11-23, fourth session, fp16 tune_fwd.py): 241 -> 269 TFLOP/s at L=4096 over 128x64,
 # 183 -> 203 at L=1024; causal 197 -> 220 while the band variant still spilled 132 bytes. It fits every

@@ -6,7 +6,7 @@ from typing import Any, Literal, Optional, Tuple, Union
 import numpy as np
 
 from . import _checks, _masking, reference
-from ._launch import launch_backward, launch_forward
+from ._launch import launch_backward, launch_forward, on_device
 from .block_sparse import BlockLayout
 
 Causal = Union[bool, Literal["top_left", "bottom_right"]]
@@ -143,9 +143,8 @@ def _forward_numpy(p: _checks.Problem, opts: _masking.Options, dtype) -> Tuple[n
 
 
 def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype, precision: str = "highest"):
-    import cupy
-
-    with cupy.cuda.Device(p.q.device.id):
+    cupy = p.xp
+    with on_device(p.q.data.device_id):
         out = cupy.empty((p.batch, p.heads_q, p.lq, p.dv), dtype=dtype)
         lse = cupy.empty((p.batch, p.heads_q, p.lq), dtype=_lse_dtype(p.dtype))
         if p.lk == 0:   # no keys: every row attends to nothing
@@ -215,10 +214,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
             return result
         return result + (_masking.DbiasPlan(grads[3], (), ()).result(p, opts),)
 
-    import cupy
-
+    cupy = p.xp
     shapes = (q.shape, k.shape, v.shape)
-    with cupy.cuda.Device(p.q.device.id):
+    with on_device(p.q.data.device_id):
         dbias = None
         if p.lq == 0 or p.lk == 0 or p.batch == 0 or p.heads_q == 0:
             grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (p.q, p.k, p.v))

@@ -55,8 +55,9 @@ def test_fwd_params_fields():
     mask[0:2] = [-11, 2]                      # band_lo, band_hi
     mask[19:22] = [123, 0xDEADBEEF, 7]        # drop_threshold, seed_lo, seed_hi
     packed = _params.fwd_params(q, k, v, out, lse, group=2, scale=0.125, mask=tuple(mask))
-    assert packed.size == 1 and packed.dtype.fields is None      # one opaque item: cheap for CuPy to pass
-    p = packed.view(_params.STRUCTS["FwdParams"])
+    assert packed.nbytes == _params.STRUCTS["FwdParams"].itemsize
+    p = np.frombuffer(packed.data, dtype=_params.STRUCTS["FwdParams"])
+    assert packed.address == np.frombuffer(packed.data, dtype=np.uint8).ctypes.data   # what the launch passes
     dims = p["dims"][0]
     assert tuple(int(dims[n]) for n in ("batch", "heads_q", "group", "lq", "lk", "d", "dv")) == (2, 4, 2, 10, 12, 64, 32)
     assert int(p["mask"]["band_lo"][0]) == -11 and int(p["mask"]["band_hi"][0]) == 2

@@ -46,7 +46,7 @@ def test_length_one_axes_take_the_contiguous_stride():
 def test_maps_are_encoded_back_to_back_with_their_boxes(monkeypatch):
     """What the encoder is asked for, per array (dims innermost first, byte strides of L, H, B, a box of
     one 128-byte slab by the rows asked, the element type), and where each map lands: 128 bytes apart
-    in one 64-byte aligned buffer, in argument order, the kernel argument one opaque element."""
+    in one 64-byte aligned buffer, in argument order, the kernel argument one HostArg."""
     import ctypes
 
     calls = []
@@ -65,8 +65,8 @@ def test_maps_are_encoded_back_to_back_with_their_boxes(monkeypatch):
     k = fake((2, 1, 300, 128), ptr=8192)
     dq = fake((2, 4, 100, 128), strides=(4 * 100 * 512, 100 * 512, 512, 4), ptr=65536, itemsize=4)
     arg = _tma.bwd_tensor_maps(q, q, k, k, dq, 64, 128)
-    assert arg.shape == (1,) and arg.dtype.itemsize == 5 * _tma.MAP_BYTES
-    raw = arg.tobytes()
+    assert arg.nbytes == 5 * _tma.MAP_BYTES and arg.address % 64 == 0
+    raw = bytes(arg.data)
     assert [raw[i * _tma.MAP_BYTES] for i in range(5)] == [1, 2, 3, 4, 5]
     assert calls[0] == (1, 4, 4096, [128, 100, 4, 2], [256, 25600, 102400], [64, 64, 1, 1], [1, 1, 1, 1])
     assert calls[2][3:6] == ([128, 300, 1, 2], [256, 76800, 76800], [64, 128, 1, 1])
@@ -87,7 +87,7 @@ def test_a_map_the_kernel_does_not_read_is_left_as_zeros(monkeypatch):
 
     monkeypatch.setattr(_tma, "_encode_fn", lambda: encoder)
     q, k, v, out = (fake((2, 4, 100, 64), ptr=4096 * (i + 1)) for i in range(4))
-    raw = _tma.fwd_tensor_maps(q, k, v, out, 128, 64, store_out=False).tobytes()
+    raw = bytes(_tma.fwd_tensor_maps(q, k, v, out, 128, 64, store_out=False).data)
     assert calls == [4096, 8192, 12288]
     assert raw[:3 * _tma.MAP_BYTES] == b"\xab" * (3 * _tma.MAP_BYTES) and raw[3 * _tma.MAP_BYTES:] == bytes(128)
     calls.clear()
