@@ -6,6 +6,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-extra
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-extra \
         --dtypes float32
+    compute-sanitizer --tool synccheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-persistent
 
 Odd lengths at the tile edges (Lq = 97, Lk = 130), grouped-query heads, both dQ
 strategies; the full set also covers both causal alignments, unaligned head dims
@@ -40,6 +41,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hopper-extra", action="store_true", help="the Hopper forward with masking options only")
     parser.add_argument("--hopper-dbias", action="store_true",
                         help="the Hopper backward forming dbias itself, every bias broadcast shape")
+    parser.add_argument("--hopper-persistent", action="store_true",
+                        help="the Hopper forward's persistent CTAs, three of them walking every query block")
     parser.add_argument("--portable", action="store_true",
                         help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
@@ -51,6 +54,9 @@ def main(argv=None) -> None:
         return
     if args.hopper_dbias:
         hopper_dbias()
+        return
+    if args.hopper_persistent:
+        hopper_persistent(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
         return
     dims = (64, 128, 256) if args.quick else (64, 111, 128, 256)
     if args.dims:
@@ -114,6 +120,31 @@ def hopper_extra(dtypes) -> None:
             print(f"{dtype:8} d={d:3} causal={causal!s:12} {precision:7} {name:18} {','.join(launched)} "
                   f"finite={finite}", flush=True)
 
+
+
+def hopper_persistent(dtypes) -> None:
+    """Forwards on the Hopper kernel's persistent variants (head dims 64 and 128) with three CTAs, so
+    that each walks many query blocks (its stage ring, Q barriers and O staging tile reused), causal
+    ones forced onto that grid too: bottom-right with Lq > Lk leaves whole blocks without a key."""
+    from cuflash import _launch, _variants
+
+    facts = _launch._device_facts
+    _launch._device_facts = lambda device_id: facts(device_id)[:3] + (3,)
+    _launch.persistent_grid = _variants.wgmma_persistent
+    launched = []
+    real = _launch._launch
+    _launch._launch = lambda variant, *a, **kw: (launched.append((variant.family, a[2] if len(a) > 2 else 0)),
+                                                 real(variant, *a, **kw))
+    rng = np.random.default_rng(2)
+    for dtype, d, causal, (lq, lk) in itertools.product(dtypes, (64, 128), (False, "bottom_right"),
+                                                        ((700, 4130), (4400, 4130))):
+        q = cp.asarray(rng.standard_normal((1, 2, lq, d)).astype(DTYPES[dtype]))
+        k, v = (cp.asarray(rng.standard_normal((1, 1, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+        launched.clear()
+        out, lse = cuflash.attention_forward(q, k, v, causal=causal)
+        cp.cuda.Device().synchronize()
+        finite = bool(cp.isfinite(out.astype(cp.float32)).all())
+        print(f"{dtype:8} d={d:3} causal={causal!s:12} lq={lq} lk={lk} {launched} finite={finite}", flush=True)
 
 
 def hopper_dbias() -> None:

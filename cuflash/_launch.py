@@ -11,7 +11,8 @@ import numpy as np
 
 from . import _params, _tma
 from ._build import get_kernel
-from ._variants import TF32_BWD_FAMILIES, Variant, backward_variants, forward_choice, head_bucket, row_class, vec_chunk
+from ._variants import (TF32_BWD_FAMILIES, Variant, backward_variants, forward_choice, head_bucket, persistent_grid,
+                        row_class, vec_chunk)
 
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -136,7 +137,12 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
             extra_args = (maps,)
         else:
             variant = portable
-    _launch(variant, params, (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2]), extra_args=extra_args)
+    dims = (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2])
+    ctas = 0
+    if persistent_grid(variant):
+        cupy, _ = _cupy()
+        ctas = min(variant.grid(*dims), _device_facts(cupy.cuda.runtime.getDevice())[3])
+    _launch(variant, params, dims, ctas, extra_args=extra_args)
 
 
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan: Optional[Callable] = None,

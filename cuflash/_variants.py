@@ -555,12 +555,39 @@ def _smem_fwd_dmma(v: "Variant") -> int:
 
 def _smem_fwd_wgmma(v: "Variant") -> int:
     # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), with EXTRA a swizzled
-    # block_m x block_n bias tile per stage, then the pipeline's mbarriers: Q full, and full / empty
-    # for K and V per stage (with EXTRA for the bias too), 8 bytes each.
+    # block_m x block_n bias tile per stage, an O tile of Q's size where O is stored through its
+    # tensor map (head dim >= 128), the CTAs are persistent and it fits in sm_90's 227 KB (else O is
+    # staged in Q's tile), then
+    # the pipeline's mbarriers: Q full and empty, and full / empty for K and V per stage (with EXTRA
+    # for the bias too), 8 bytes each (FwdWgmmaTraits).
     t = v.tile
     bias = t.stages * t.block_m * t.block_n if v.extra else 0
-    barriers = 1 + 4 * t.stages + (2 * t.stages if v.extra else 0)
-    return 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype] + 8 * barriers
+    barriers = 2 + 4 * t.stages + (2 * t.stages if v.extra else 0)
+    q_bytes = t.block_m * v.head * ITEMSIZE[v.dtype]
+    total = 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype] + 8 * barriers
+    own_o = v.head >= 128 and wgmma_persistent(v) and total + q_bytes <= SMEM_LIMITS["sm_90 (H100, H200)"]
+    return total + (q_bytes if own_o else 0)
+
+
+HOPPER_FWD_PERSISTENT = True
+"""Launch the Hopper forward's PERSISTENT variants without a causal band one CTA an SM, each walking
+query blocks in turn (:func:`persistent_grid`); False: a CTA a block (benchmarks compare the two)."""
+
+
+def persistent_grid(v: "Variant") -> bool:
+    """Whether ``v`` launches one CTA an SM rather than one a query block: a :func:`wgmma_persistent`
+    variant without a causal band. Its blocks are of equal work, so a stride over them balances the
+    SMs; causal blocks differ up to Lk / block_n-fold: counting visible key tiles, a stride of 132 (the
+    H100's SMs) leaves the busiest SM at 1.21x the mean at L = 2048 with 128-row blocks (1.38x at
+    1024, 1.13x at 4096), where the hardware's CTA scheduler hands the next block to whichever SM
+    frees first."""
+    return HOPPER_FWD_PERSISTENT and wgmma_persistent(v) and not v.band
+
+
+def wgmma_persistent(v: "Variant") -> bool:
+    """Whether a Hopper forward variant's CTAs can walk several query blocks (FwdWgmmaTraits::
+    PERSISTENT: one CTA an SM, no EXTRA code, head dim <= 128); the others need a CTA a block."""
+    return v.family == "fwd_wgmma" and v.tile.ctas == 1 and not v.extra and v.head <= 128
 
 
 def _smem_fwd_wgmma_tf32(v: "Variant") -> int:

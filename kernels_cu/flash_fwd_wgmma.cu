@@ -61,12 +61,34 @@ struct FwdWgmmaTraits {
     // instructions against the thousands of cycles the consumers spend on a tile.
     static constexpr int BIAS_BYTES = EXTRA ? BM * BN * int(sizeof(T)) : 0;
     static constexpr int BIAS_LOADERS = 64, FIRST_BIAS_LOADER = 32;
-    // Barriers after the tiles: Q full, then K full / K empty / V full / V empty per stage,
-    // then (EXTRA) bias full / bias empty per stage.
-    static constexpr int BARRIERS = 1 + 4 * STAGES + (EXTRA ? 2 * STAGES : 0);
+    // Barriers after the tiles: Q full, Q empty, then K full / K empty / V full / V empty per
+    // stage, then (EXTRA) bias full / bias empty per stage.
+    static constexpr int BARRIERS = 2 + 4 * STAGES + (EXTRA ? 2 * STAGES : 0);
     static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + STAGES * BIAS_BYTES;
+    // O through shared memory and a bulk tensor store (the epilogue): at head dim 128 1.03-1.13x
+    // over element-wise stores (whose STG were 13% of the issue samples at L = 1024, with 10% of
+    // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
+    // 0.86-0.93x at L = 4096 non-causal (not understood yet), so 64 keeps the element-wise stores.
+    // Head dim 256 (twice 128's bytes a row) stores as 128 does.
+    // (The host encodes the O tensor map only then: cuflash/_launch.py, TMA_STORE_O_HEAD.)
+    static constexpr bool TMA_STORE_O = HEAD >= 128;
+    // PERSISTENT: a CTA may own several query blocks in turn (the host launches fewer CTAs than
+    // blocks where that pays: cuflash/_launch.py). The next block's Q and first K/V tile then land
+    // while this one's last P V and epilogue run, where one CTA an SM (one block a CTA) left each
+    // block's start bare. Not at head dim 256 or with EXTRA: under NVRTC 12.9 the loop over blocks
+    // spills 32-328 bytes there (acc_o of 128 registers; the EXTRA code), so those CTAs own one block.
+    // The short tile runs two CTAs an SM, which hide each other's starts already.
+    static constexpr bool PERSISTENT = Cfg::MIN_CTAS == 1 && !EXTRA && HEAD <= 128;
+    // O is staged for its store in a tile of its own where that fits (head dim 128: 193 KB), so that
+    // the next Q need not wait for the store; elsewhere in the Q tile (one block a CTA).
+    static constexpr int SMEM_LIMIT = 232448;   // sm_90's opt-in shared memory a block (227 KB)
+    static constexpr int O_BYTES =
+        TMA_STORE_O && PERSISTENT && 1024 + TILE_BYTES + Q_BYTES + 8 * BARRIERS <= SMEM_LIMIT ? Q_BYTES : 0;
+    static constexpr bool O_OWN_TILE = O_BYTES > 0;
+    // Q is free for the next block once the last S = Q K^T has read it, unless O is staged there.
+    static constexpr bool Q_FREE_AFTER_S = !TMA_STORE_O || O_OWN_TILE;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
-    static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + 8 * BARRIERS;
+    static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + O_BYTES + 8 * BARRIERS;
     // Registers a thread after the split: two consumer warpgroups 128 x 40 + 256 x 232, three
     // 128 x 24 + 384 x 160; with EXTRA the producer's bias loaders walk the tiles too (classify)
     // and need 32 beside three consumer warpgroups, which fills the register file exactly.
@@ -93,13 +115,6 @@ struct FwdWgmmaTraits {
     // ptxas then serialises every wgmma), and four consumer warpgroups an SM keep the tensor cores
     // busy without it: each tile's P V is issued after its softmax and waited for before the next S.
     static constexpr bool OVERLAP_PV = Cfg::MIN_CTAS == 1;
-    // O through shared memory and a bulk tensor store (the epilogue): at head dim 128 1.03-1.13x
-    // over element-wise stores (whose STG were 13% of the issue samples at L = 1024, with 10% of
-    // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
-    // 0.86-0.93x at L = 4096 non-causal (not understood yet), so 64 keeps the element-wise stores.
-    // Head dim 256 (twice 128's bytes a row) stores as 128 does.
-    // (The host encodes the O tensor map only then: cuflash/_launch.py, TMA_STORE_O_HEAD.)
-    static constexpr bool TMA_STORE_O = HEAD >= 128;
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
     static_assert(FIRST_BIAS_LOADER >= 32 && FIRST_BIAS_LOADER + BIAS_LOADERS <= 128,
                   "the bias loaders are producer warps other than the copy engine's");
@@ -115,35 +130,41 @@ struct FwdWgmmaTraits {
 // Shared-memory addresses of the pipeline's tiles and barriers.
 template <typename Tr>
 struct WgmmaSmem {
-    unsigned q, k, v, bias, bars;
+    unsigned q, k, v, bias, o, bars;
     __device__ __forceinline__ unsigned k_tile(int stage) const { return k + stage * Tr::KV_BYTES; }
     __device__ __forceinline__ unsigned v_tile(int stage) const { return v + stage * Tr::KV_BYTES; }
     __device__ __forceinline__ unsigned bias_tile(int stage) const { return bias + stage * Tr::BIAS_BYTES; }
     __device__ __forceinline__ unsigned q_full() const { return bars; }
-    __device__ __forceinline__ unsigned k_full(int stage) const { return bars + 8 * (1 + 4 * stage); }
-    __device__ __forceinline__ unsigned k_empty(int stage) const { return bars + 8 * (2 + 4 * stage); }
-    __device__ __forceinline__ unsigned v_full(int stage) const { return bars + 8 * (3 + 4 * stage); }
-    __device__ __forceinline__ unsigned v_empty(int stage) const { return bars + 8 * (4 + 4 * stage); }
-    __device__ __forceinline__ unsigned bias_full(int stage) const { return bars + 8 * (1 + 4 * Tr::STAGES + 2 * stage); }
-    __device__ __forceinline__ unsigned bias_empty(int stage) const { return bars + 8 * (2 + 4 * Tr::STAGES + 2 * stage); }
+    __device__ __forceinline__ unsigned q_empty() const { return bars + 8; }
+    __device__ __forceinline__ unsigned k_full(int stage) const { return bars + 8 * (2 + 4 * stage); }
+    __device__ __forceinline__ unsigned k_empty(int stage) const { return bars + 8 * (3 + 4 * stage); }
+    __device__ __forceinline__ unsigned v_full(int stage) const { return bars + 8 * (4 + 4 * stage); }
+    __device__ __forceinline__ unsigned v_empty(int stage) const { return bars + 8 * (5 + 4 * stage); }
+    __device__ __forceinline__ unsigned bias_full(int stage) const { return bars + 8 * (2 + 4 * Tr::STAGES + 2 * stage); }
+    __device__ __forceinline__ unsigned bias_empty(int stage) const { return bars + 8 * (3 + 4 * Tr::STAGES + 2 * stage); }
 };
 
-// The producer's one thread: Q, then K_j and V_j of every visible tile into stage t % 2
-// (t counts visible tiles), each after the consumers have emptied that stage. `first`:
-// the first visible tile (< end; with none, Q is not loaded: the consumers do not wait for it).
+// The producer's one thread, for one query block: K_j and V_j of every visible tile into stage
+// t % 2 (t counts the visible tiles of the CTA's blocks so far), each after the consumers have
+// emptied that stage, and Q (`q_round`: the CTA's blocks with tiles before this one) after the
+// first K tile: a later block's Q waits until the consumers are done with the previous one's
+// (q_empty), while that K stage was freed a tile earlier. `first`: the first visible tile (< end;
+// a block with none loads nothing, and its consumers wait for nothing).
 template <typename Tr, typename Mod>
 __device__ __forceinline__ void produce_tiles(const WgmmaSmem<Tr>& sm, const FwdTensorMaps& maps, const Mod& mod,
-                                              const QueryBlock& blk, int first, int end) {
+                                              const QueryBlock& blk, int first, int end, int& t, int q_round) {
     constexpr int BN = Tr::BN;
-    mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
-    tma_load_tile<Tr::BM, Tr::SLABS>(sm.q, &maps.q, sm.q_full(), blk.m0, blk.head, blk.batch);
-    int t = 0;
     for (int j = first; j < end; j = mod.next_key_tile(j + 1, end, blk.m0, blk.rows, BN), ++t) {
         const int stage = t & 1;
         const unsigned empty_parity = ((t >> 1) & 1) ^ 1;   // the round before this one
         mbar_wait(sm.k_empty(stage), empty_parity);
         mbar_arrive_expect_tx(sm.k_full(stage), Tr::KV_BYTES);
         tma_load_tile<BN, Tr::SLABS>(sm.k_tile(stage), &maps.k, sm.k_full(stage), j * BN, blk.kv_head, blk.batch);
+        if (j == first) {
+            if (q_round > 0) mbar_wait(sm.q_empty(), (q_round - 1) & 1);
+            mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
+            tma_load_tile<Tr::BM, Tr::SLABS>(sm.q, &maps.q, sm.q_full(), blk.m0, blk.head, blk.batch);
+        }
         mbar_wait(sm.v_empty(stage), empty_parity);
         mbar_arrive_expect_tx(sm.v_full(stage), Tr::KV_BYTES);
         tma_load_tile<BN, Tr::SLABS>(sm.v_tile(stage), &maps.v, sm.v_full(stage), j * BN, blk.kv_head, blk.batch);
@@ -159,10 +180,10 @@ __device__ __forceinline__ void produce_tiles(const WgmmaSmem<Tr>& sm, const Fwd
 // times slower than the consumers.
 template <typename T, typename Tr, typename Mod>
 __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, const ScoreTensor& bias, const Mod& mod,
-                                                   const QueryBlock& blk, int first, int end, int lk, int loader) {
+                                                   const QueryBlock& blk, int first, int end, int lk, int loader,
+                                                   int& t) {
     constexpr int BN = Tr::BN;
     const ScoreChunkCopy<T, Tr::BM, BN, Tr::BIAS_LOADERS> copy(bias, blk.batch, blk.head, blk.m0, loader);
-    int t = 0;
 #pragma unroll 1
     for (int j = first; j < end; j = mod.next_key_tile(j + 1, end, blk.m0, blk.rows, BN), ++t) {
         const int stage = t & 1;
@@ -170,13 +191,12 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
         copy.copy(sm.bias_tile(stage), j * BN, blk.rows, lk - j * BN, bias.ptr);
         mbar_arrive_on_cp_async(sm.bias_full(stage));
     }
-    // No copy left in flight behind an exiting thread. wait_group counts committed groups only,
-    // and nothing above commits: without the commit the wait would return at once.
-    cp_async_commit();
-    cp_async_wait<0>();
 }
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first, or fewer
+// (persistent: the host launches one CTA an SM where that pays, cuflash/_launch.py), each walking
+// blocks blockIdx.x, blockIdx.x + gridDim.x, ... in that order. A CTA's producer and consumers walk
+// the same blocks and tiles, so the stage ring and its parities simply run on across blocks.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
 template <typename T, typename Cfg, typename Flags>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
@@ -187,18 +207,28 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     const unsigned base = smem_addr(smem_raw);
     const unsigned tiles = align_1024(base);
     const WgmmaSmem<Tr> sm{tiles, tiles + Tr::Q_BYTES, tiles + Tr::Q_BYTES + STAGES * Tr::KV_BYTES,
-                           tiles + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES, tiles + Tr::TILE_BYTES};
+                           tiles + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES, tiles + Tr::TILE_BYTES,
+                           tiles + Tr::TILE_BYTES + Tr::O_BYTES};
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    const int head_group = shared_scores_head_group<Flags::EXTRA>(p.mask);
+    const int blocks = QueryBlock::count<BM>(dims);
+    // Not PERSISTENT: one block a CTA, the loops below end after their first pass (and a grid too
+    // small for that is the host's bug, stopped here rather than leaving blocks unwritten).
+    if (!Tr::PERSISTENT && int(gridDim.x) < blocks) __trap();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
-    const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
-                                        blk.head);
-    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
-    auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
+    // Query block `idx`, its score modifier and visible key tiles.
+    auto block_at = [&](int idx) { return QueryBlock::from_index<BM>(dims, idx, head_group); };
+    auto score_mod = [&](const QueryBlock& blk) {
+        return ScoreMod<Flags, float, T>(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
+                                         blk.head);
+    };
 
     if (threadIdx.x == 0) {
         mbar_init(sm.q_full(), 1);
+        // Q is given back by every consumer thread after its last S, or by each warpgroup's
+        // storing thread once the store has read O out of it.
+        mbar_init(sm.q_empty(), Tr::Q_FREE_AFTER_S ? Tr::CONSUMER_THREADS : Tr::CONSUMERS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(sm.k_full(s), 1);
             mbar_init(sm.v_full(s), 1);
@@ -215,28 +245,46 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 
     if (warpgroup == 0) {
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        const int first = next_tile(keys.begin);
-        if (threadIdx.x == 0 && first < keys.end) produce_tiles(sm, maps, mod, blk, first, keys.end);
+        const int loader = int(threadIdx.x) - Tr::FIRST_BIAS_LOADER;
+        const bool bias_loader = Flags::EXTRA && loader >= 0 && loader < Tr::BIAS_LOADERS;
+        if (threadIdx.x != 0 && !bias_loader) return;
+        int t = 0, q_round = 0;
+#pragma unroll 1
+        for (int idx = blockIdx.x; idx < blocks; idx += gridDim.x) {
+            const QueryBlock blk = block_at(idx);
+            const auto mod = score_mod(blk);
+            const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+            const int first = mod.next_key_tile(keys.begin, keys.end, blk.m0, blk.rows, BN);
+            if (first >= keys.end) continue;
+            if (threadIdx.x == 0) {
+                produce_tiles(sm, maps, mod, blk, first, keys.end, t, q_round++);
+            } else if constexpr (Flags::EXTRA) {
+                if (!mod.has_bias()) return;
+                produce_bias_tiles<T>(sm, p.mask.bias, mod, blk, first, keys.end, dims.lk, loader, t);
+            }
+            if constexpr (!Tr::PERSISTENT) break;
+        }
         if constexpr (Flags::EXTRA) {
-            const int loader = int(threadIdx.x) - Tr::FIRST_BIAS_LOADER;
-            if (loader >= 0 && loader < Tr::BIAS_LOADERS && mod.has_bias())
-                produce_bias_tiles<T>(sm, p.mask.bias, mod, blk, first, keys.end, dims.lk, loader);
+            // No copy left in flight behind an exiting thread. wait_group counts committed groups
+            // only, and nothing above commits: without the commit the wait would return at once.
+            if (bias_loader) {
+                cp_async_commit();
+                cp_async_wait<0>();
+            }
         }
         return;
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     const int consumer = warpgroup - 1, cwarp = warp - 4;   // consumer warpgroup, warp among the consumers
-    const float x_per_s = mod.x_per_score();
 
     float acc_o[1][Tr::O_TILES][4];
     float row_max[1][2], row_sum[1][2];
-    start_rows(acc_o, row_max, row_sum);
-    unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
 
     const unsigned q_wg = sm.q + consumer * 64 * 128;       // this warpgroup's 64 rows of every Q slab
-    const int warp_row0 = blk.m0 + cwarp * 16;
+    // ...and of the tile O is staged in for its bulk store
+    const unsigned o_wg = Tr::O_OWN_TILE ? sm.o + consumer * 64 * 128 : q_wg;
     // O += P V of the previous tile, whose V is at V stage `stage` (wgmmas issued, not committed).
-    auto issue_pv = [&](int stage) {
+    auto issue_pv = [&](int stage, const unsigned (&p_frag)[BN / 16][4]) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_rs<T, HEAD>(flat(acc_o), p_frag[kk], mn_major_desc(sm.v_tile(stage), kk, BN));
@@ -247,146 +295,178 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     auto your_turn = [&]() { if (Tr::PINGPONG) named_bar_arrive(2 - consumer, 2 * 128); };
     // O += P V of a tile whose V is at `stage`, finished here: the product every tile gets
     // without OVERLAP_PV, and the last tile's with it.
-    auto pv_now = [&](int stage, unsigned full_parity) {
+    auto pv_now = [&](int stage, unsigned full_parity, const unsigned (&p_frag)[BN / 16][4]) {
         mbar_wait(sm.v_full(stage), full_parity);
         my_turn();
         wgmma_fence();
-        issue_pv(stage);
+        issue_pv(stage, p_frag);
         wgmma_commit();
         your_turn();
         wgmma_wait<0>();
         fence_regs(flat(acc_o));
     };
-    if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
 
-    int j = next_tile(keys.begin);
-    if (j < keys.end) mbar_wait(sm.q_full(), 0);
-    int t = 0;
-    for (; j < keys.end; ++t) {
-        const int stage = t & 1;
-        const unsigned full_parity = (t >> 1) & 1;
-        const int next = next_tile(j + 1);
-        mbar_wait(sm.k_full(stage), full_parity);
+    int t = 0, q_round = 0;   // as the producer's: visible tiles so far, blocks with tiles so far
+#pragma unroll 1
+    for (int idx = blockIdx.x; idx < blocks; idx += gridDim.x) {
+        const QueryBlock blk = block_at(idx);
+        const auto mod = score_mod(blk);
+        const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+        auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
+        const float x_per_s = mod.x_per_score();
+        const int warp_row0 = blk.m0 + cwarp * 16;
+        start_rows(acc_o, row_max, row_sum);
+        unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
+        if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
 
-        // S = Q K^T for this warp's 16 rows and (OVERLAP_PV), in flight meanwhile, O += P V of the
-        // previous tile.
-        float s[1][Tr::S_TILES][4];
-        const unsigned k_tile = sm.k_tile(stage);
-        my_turn();
-        wgmma_fence();
+        int j = next_tile(keys.begin);
+        const bool has_tiles = j < keys.end;
+        if (has_tiles) mbar_wait(sm.q_full(), q_round & 1);
+        const int t0 = t;
+        for (; j < keys.end; ++t) {
+            const int stage = t & 1;
+            const unsigned full_parity = (t >> 1) & 1;
+            const int next = next_tile(j + 1);
+            mbar_wait(sm.k_full(stage), full_parity);
+
+            // S = Q K^T for this warp's 16 rows and (OVERLAP_PV), in flight meanwhile, O += P V of
+            // the previous tile.
+            float s[1][Tr::S_TILES][4];
+            const unsigned k_tile = sm.k_tile(stage);
+            my_turn();
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < HEAD / 16; ++kk)
-            wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128), kk > 0);
-        wgmma_commit();
-        if (Tr::OVERLAP_PV && t > 0) {
-            mbar_wait(sm.v_full(stage ^ 1), ((t - 1) >> 1) & 1);
-            wgmma_fence();          // a new block for ptxas, which would insert it itself (C7519)
-            issue_pv(stage ^ 1);
+            for (int kk = 0; kk < HEAD / 16; ++kk)
+                wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128), kk > 0);
             wgmma_commit();
-            your_turn();
-            wgmma_wait<1>();        // S only: groups complete in order
-        } else {
-            your_turn();
-            wgmma_wait<0>();
-        }
-        fence_regs(flat(s));
-        mbar_arrive(sm.k_empty(stage));   // this thread's wgmmas are done with K_j
-
-        const int n0 = j * BN;
-        // Per warp (its 16 rows): where a block layout's blocks are not multiples of BM, a block's
-        // rows straddle layout rows, and a warp may see none of a tile the CTA loads.
-        const int kind = mod.classify(warp_row0, 16, n0, BN);
-        auto coord = [=](int n, int i, int& row, int& col) {
-            row = warp_row0 + frag_row(lane, i);
-            col = n0 + frag_col(lane, n, i);
-        };
-        if constexpr (Flags::EXTRA) {
-            if (mod.has_bias()) {   // x = s * scale + bias * log2(e), the warp's 16 bias rows by ldmatrix
-                mbar_wait(sm.bias_full(stage), full_parity);
-                scale_add_bias_frags_sw<T, BN>(s[0], sm.bias_tile(stage) + cwarp * 16 * BN * int(sizeof(T)), lane,
-                                               mod.scale_log2);
-                mbar_arrive(sm.bias_empty(stage));
+            if (Tr::OVERLAP_PV && t > t0) {
+                mbar_wait(sm.v_full(stage ^ 1), ((t - 1) >> 1) & 1);
+                wgmma_fence();          // a new block for ptxas, which would insert it itself (C7519)
+                issue_pv(stage ^ 1, p_frag);
+                wgmma_commit();
+                your_turn();
+                wgmma_wait<1>();        // S only: groups complete in order
+            } else {
+                your_turn();
+                wgmma_wait<0>();
             }
-            // the per-element tests in a loop (registers), none where the warp sees nothing
-            apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
-        } else {
-            apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
-        }
-        // acc_o is still being written: its correction waits for the P V product.
-        float correction[2];
-        const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
-                                                 [&](int, int r, float c) { correction[r] = c; });
-        // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
-        if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);
-        if constexpr (Tr::OVERLAP_PV) {
-            wgmma_wait<0>();
-            fence_regs(flat(acc_o));
-            fence_regs(p_frag);
-            if (t > 0) mbar_arrive(sm.v_empty(stage ^ 1));   // ...and with V of the previous tile
-        }
-        if (moved) {
-            rescale_acc_row(acc_o, 0, 0, correction[0]);
-            rescale_acc_row(acc_o, 0, 1, correction[1]);
-        }
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) pack_a_frag<T, BN>(p_frag[kk], s[0], 16 * kk);
-        if constexpr (!Tr::OVERLAP_PV) {   // this tile's O += P V now, done before the next S
-            pv_now(stage, full_parity);
-            fence_regs(p_frag);
-            mbar_arrive(sm.v_empty(stage));
-        }
-        j = next;
-    }
-    if (Tr::OVERLAP_PV && t > 0) pv_now((t - 1) & 1, ((t - 1) >> 1) & 1);   // the last tile's O += P V
-    // PINGPONG: every turn a warpgroup waits for is one the other gave. Both see the same
-    // tiles, so each took and gave t + (t > 0) turns; consumer 1 gave one more at the start,
-    // which consumer 0 takes here, leaving no arrival pending when the CTA exits.
-    if (Tr::PINGPONG && consumer == 0) my_turn();
+            fence_regs(flat(s));
+            mbar_arrive(sm.k_empty(stage));   // this thread's wgmmas are done with K_j
+            if (Tr::Q_FREE_AFTER_S && next >= keys.end) mbar_arrive(sm.q_empty());   // ...and with Q
 
-    // Epilogue: O = acc_o / l, lse per row; rows past lq and columns past dv are not written.
-    if constexpr (Tr::TMA_STORE_O) {
-        // The warpgroup's 64 rows of O go, 16-bit and swizzled, into its own 64 rows of the Q tile
-        // (read for the last time by its last S = Q K^T, which it has waited for), and one thread
-        // has the copy engine write them out, SLABS boxes of 64 x 64 (the tensor map's bounds
-        // clip rows and columns).
-        unsigned char* o_tile = smem_raw + (q_wg - base);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float inv_sum, row_lse;
-            softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
-            const int row = (cwarp % 4) * 16 + lane / 4 + 8 * r;   // within the warpgroup's 64
-#pragma unroll
-            for (int n = 0; n < Tr::O_TILES; ++n)
-                *reinterpret_cast<unsigned*>(o_tile + sw128_offset(row, frag_col(lane, n, 0), BM * 128)) =
-                    pack2<T>(acc_o[0][n][2 * r] * inv_sum, acc_o[0][n][2 * r + 1] * inv_sum);
-            if (lane % 4 == 0 && consumer * 64 + row < blk.rows)
-                *p.lse.at<float>(blk.batch, blk.head, blk.m0 + consumer * 64 + row) = row_lse;
-        }
-        fence_proxy_async_smem();
-        named_bar_sync(3 + consumer, 128);
-        if (threadIdx.x % 128 == 0) {
-#pragma unroll
-            for (int s = 0; s < Tr::SLABS; ++s)
-                tma_store_4d(&maps.o, q_wg + s * BM * 128, 64 * s, blk.m0 + consumer * 64, blk.head, blk.batch);
-            bulk_commit();
-            // Only until the engine has read the tile: the CTA may exit with the writes in flight
-            // (they land before the grid completes).
-            bulk_wait_read<0>();
-        }
-    } else {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float inv_sum, row_lse;
-            softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
-            const int row = cwarp * 16 + lane / 4 + 8 * r;
-            if (row >= blk.rows) continue;
-            T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
-#pragma unroll
-            for (int t = 0; t < Tr::O_TILES; ++t) {
-                const int col = t * 8 + 2 * (lane % 4);
-                store_out_pair<true>(out_row, col, dims.dv, acc_o[0][t][2 * r] * inv_sum, acc_o[0][t][2 * r + 1] * inv_sum);
+            const int n0 = j * BN;
+            // Per warp (its 16 rows): where a block layout's blocks are not multiples of BM, a block's
+            // rows straddle layout rows, and a warp may see none of a tile the CTA loads.
+            const int kind = mod.classify(warp_row0, 16, n0, BN);
+            auto coord = [=](int n, int i, int& row, int& col) {
+                row = warp_row0 + frag_row(lane, i);
+                col = n0 + frag_col(lane, n, i);
+            };
+            if constexpr (Flags::EXTRA) {
+                if (mod.has_bias()) {   // x = s * scale + bias * log2(e), the warp's 16 bias rows by ldmatrix
+                    mbar_wait(sm.bias_full(stage), full_parity);
+                    scale_add_bias_frags_sw<T, BN>(s[0], sm.bias_tile(stage) + cwarp * 16 * BN * int(sizeof(T)), lane,
+                                                   mod.scale_log2);
+                    mbar_arrive(sm.bias_empty(stage));
+                }
+                // the per-element tests in a loop (registers), none where the warp sees nothing
+                apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
+            } else {
+                apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
             }
-            if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
+            // acc_o is still being written: its correction waits for the P V product.
+            float correction[2];
+            const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
+                                                     [&](int, int r, float c) { correction[r] = c; });
+            // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
+            if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);
+            if constexpr (Tr::OVERLAP_PV) {
+                wgmma_wait<0>();
+                fence_regs(flat(acc_o));
+                fence_regs(p_frag);
+                if (t > t0) mbar_arrive(sm.v_empty(stage ^ 1));   // ...and with V of the previous tile
+            }
+            if (moved) {
+                rescale_acc_row(acc_o, 0, 0, correction[0]);
+                rescale_acc_row(acc_o, 0, 1, correction[1]);
+            }
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) pack_a_frag<T, BN>(p_frag[kk], s[0], 16 * kk);
+            if constexpr (!Tr::OVERLAP_PV) {   // this tile's O += P V now, done before the next S
+                pv_now(stage, full_parity, p_frag);
+                fence_regs(p_frag);
+                mbar_arrive(sm.v_empty(stage));
+            }
+            j = next;
         }
+        if (Tr::OVERLAP_PV && t > t0) {   // the last tile's O += P V
+            pv_now((t - 1) & 1, ((t - 1) >> 1) & 1, p_frag);
+            fence_regs(p_frag);
+            mbar_arrive(sm.v_empty((t - 1) & 1));
+        }
+        // PINGPONG: every turn a warpgroup waits for is one the other gave. Both see the same
+        // tiles, so each took and gave (t - t0) + (t > t0) turns; consumer 1 gave one more at the
+        // block's start, which consumer 0 takes here, leaving no arrival pending.
+        if (Tr::PINGPONG && consumer == 0) my_turn();
+
+        // Epilogue: O = acc_o / l, lse per row; rows past lq and columns past dv are not written.
+        // Through shared memory where O's tile is free: its own tile, or Q's once this block's
+        // S = Q K^T are done (with no tiles, Q's may be receiving the next block's Q).
+        if (Tr::TMA_STORE_O && (Tr::O_OWN_TILE || has_tiles)) {
+            // The warpgroup's 64 rows of O go, 16-bit and swizzled, into its 64 rows of the tile, and
+            // one thread has the copy engine write them out, SLABS boxes of 64 x 64 (the tensor
+            // map's bounds clip rows and columns).
+            const bool storer = threadIdx.x % 128 == 0;
+            if (Tr::O_OWN_TILE) {   // the previous block's store has read the tile
+                if (storer) bulk_wait_read<0>();
+                named_bar_sync(3 + consumer, 128);
+            }
+            unsigned char* o_tile = smem_raw + (o_wg - base);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float inv_sum, row_lse;
+                softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
+                const int row = (cwarp % 4) * 16 + lane / 4 + 8 * r;   // within the warpgroup's 64
+#pragma unroll
+                for (int n = 0; n < Tr::O_TILES; ++n)
+                    *reinterpret_cast<unsigned*>(o_tile + sw128_offset(row, frag_col(lane, n, 0), BM * 128)) =
+                        pack2<T>(acc_o[0][n][2 * r] * inv_sum, acc_o[0][n][2 * r + 1] * inv_sum);
+                if (lane % 4 == 0 && consumer * 64 + row < blk.rows)
+                    *p.lse.at<float>(blk.batch, blk.head, blk.m0 + consumer * 64 + row) = row_lse;
+            }
+            fence_proxy_async_smem();
+            named_bar_sync(3 + consumer, 128);
+            if (storer) {
+#pragma unroll
+                for (int s = 0; s < Tr::SLABS; ++s)
+                    tma_store_4d(&maps.o, o_wg + s * BM * 128, 64 * s, blk.m0 + consumer * 64, blk.head, blk.batch);
+                bulk_commit();
+                if (!Tr::O_OWN_TILE) {   // Q's tile: the next Q waits until the engine has read O
+                    bulk_wait_read<0>();
+                    mbar_arrive(sm.q_empty());
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float inv_sum, row_lse;
+                softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
+                const int row = cwarp * 16 + lane / 4 + 8 * r;
+                if (row >= blk.rows) continue;
+                T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
+#pragma unroll
+                for (int c = 0; c < Tr::O_TILES; ++c) {
+                    const int col = c * 8 + 2 * (lane % 4);
+                    store_out_pair<true>(out_row, col, dims.dv, acc_o[0][c][2 * r] * inv_sum,
+                                         acc_o[0][c][2 * r + 1] * inv_sum);
+                }
+                if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
+            }
+        }
+        q_round += has_tiles;
+        if constexpr (!Tr::PERSISTENT) break;
     }
+    // Only until the engine has read the last tile: the CTA may exit with the writes in flight
+    // (they land before the grid completes).
+    if (Tr::TMA_STORE_O && Tr::O_OWN_TILE && threadIdx.x % 128 == 0) bulk_wait_read<0>();
 }

@@ -135,10 +135,16 @@ struct BlockInfo {
     // tile, blockIdx still grows with (batch, head) in both orders.
     template <bool REVERSE>
     __device__ __forceinline__ static BlockInfo from_grid(int n_tiles, int heads, int head_group = 0) {
-        const int idx = blockIdx.x;
+        return from_index<REVERSE>(blockIdx.x, n_tiles, gridDim.x / n_tiles, heads, head_group);
+    }
+
+    // The block of index `idx` of n_tiles x `pairs` (a persistent CTA walks several).
+    template <bool REVERSE>
+    __device__ __forceinline__ static BlockInfo from_index(int idx, int n_tiles, int pairs, int heads,
+                                                           int head_group = 0) {
         int tile, pair;
         if (head_group > 0) {
-            const int pairs = gridDim.x / n_tiles, span = n_tiles * head_group;
+            const int span = n_tiles * head_group;
             const int group = idx / span, in_group = idx % span;
             const int size = imin(head_group, pairs - group * head_group);
             tile = in_group / size;
@@ -179,7 +185,7 @@ __device__ __forceinline__ int shared_scores_head_group(const MaskParams& m, boo
 
 // What a query-major CTA owns (forward, deterministic dQ, the row-wise kernels):
 // query rows [m0, m0 + rows) of query head `head`, which reads K/V head kv_head.
-// Grid: ceil(Lq / BM) x Hq x B.
+// Grid: ceil(Lq / BM) x Hq x B (or fewer CTAs, each walking several blocks: from_index).
 struct QueryBlock {
     int batch, head, kv_head;
     int m0, rows;   // rows <= BM: the block's rows inside the sequence
@@ -188,8 +194,26 @@ struct QueryBlock {
     template <int BM, bool REVERSE = true>
     __device__ __forceinline__ static QueryBlock from_grid(const AttnDims& dims, int head_group = 0) {
         const BlockInfo b = BlockInfo::from_grid<REVERSE>(ceil_div(dims.lq, BM), dims.heads_q, head_group);
-        const int m0 = b.tile * BM;
-        return {b.batch, b.head, b.head / dims.group, m0, imin(BM, dims.lq - m0)};
+        return at(dims, b, BM);
+    }
+
+    // Block `idx` of count<BM>(dims), in from_grid's order: a persistent grid (fewer CTAs than
+    // blocks) walks idx = blockIdx.x, blockIdx.x + gridDim.x, ...
+    template <int BM, bool REVERSE = true>
+    __device__ __forceinline__ static QueryBlock from_index(const AttnDims& dims, int idx, int head_group = 0) {
+        const BlockInfo b = BlockInfo::from_index<REVERSE>(idx, ceil_div(dims.lq, BM), dims.batch * dims.heads_q,
+                                                           dims.heads_q, head_group);
+        return at(dims, b, BM);
+    }
+
+    template <int BM>
+    __device__ __forceinline__ static int count(const AttnDims& dims) {
+        return ceil_div(dims.lq, BM) * dims.heads_q * dims.batch;
+    }
+
+    __device__ __forceinline__ static QueryBlock at(const AttnDims& dims, const BlockInfo& b, int bm) {
+        const int m0 = b.tile * bm;
+        return {b.batch, b.head, b.head / dims.group, m0, imin(bm, dims.lq - m0)};
     }
 };
 

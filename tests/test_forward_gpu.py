@@ -215,3 +215,30 @@ def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatc
         ok, msg = within_budget(cp.asnumpy(out).astype(np.float64), exact(*host, dtype=dtype, **opts),
                                 naive_same_dtype(*host, dtype=dtype, **opts), magnitude(*host, **opts), dtype)
         assert ok, f"{family}: {msg}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("lq,lk,ctas", [(1000, 4200, 3), (333, 4500, 5), (4500, 4150, 7)])
+def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, monkeypatch):
+    """The Hopper forward's PERSISTENT variants with far fewer CTAs than query blocks (an SM count of
+    3-7 given to the launch, and the causal ones forced onto the persistent grid too): each CTA walks
+    many blocks, its stage ring, Q barriers and O store running on from one block to the next, across
+    partial blocks, grouped-query heads and bottom-right rows that see no key (lq > lk: whole blocks
+    without a visible tile); keys enough for head dim 64's long-rows tile. Answers within the error
+    budget."""
+    from cuflash import _launch, _variants
+
+    if _launch._compute_capability() != 90:
+        pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
+    facts = _launch._device_facts
+    monkeypatch.setattr(_launch, "_device_facts", lambda device_id: facts(device_id)[:3] + (ctas,))
+    monkeypatch.setattr(_launch, "persistent_grid", _variants.wgmma_persistent)
+    launched = []
+    real = _launch._launch
+    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append((variant, a)), real(variant, *a, **kw)))
+    check_forward(dtype, 2, 4, 2, lq, lk, d, d, causal, seed=lq + lk + d + ctas)
+    ((variant, (params, dims, grid)),) = [(v, a[:3]) for v, a in launched]
+    assert variant.family == "fwd_wgmma" and _variants.wgmma_persistent(variant)
+    assert grid == ctas < variant.grid(*dims)

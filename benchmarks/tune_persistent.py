@@ -1,0 +1,110 @@
+"""The Hopper forward with persistent CTAs: one CTA an SM walking query blocks, or a CTA a block? (issue 9)
+
+With one CTA an SM (the 192 x 128 tile at head dim 64, 128 x 128 at 128), each CTA of a grid of
+one CTA a block starts its pipeline bare (Q and the first K/V tiles in flight, nothing to overlap
+them) and drains its epilogue alone. FwdWgmmaTraits::PERSISTENT variants can walk several blocks,
+the next block's Q and first tiles landing while this one finishes. This script times, on the
+same buffers and interleaved round by round,
+
+    per-block    a CTA a query block (HOPPER_FWD_PERSISTENT off)
+    persistent   one CTA an SM, a stride over the blocks (the default for calls without a causal band)
+    persist-all  the same stride forced onto causal calls too (their blocks differ in work)
+    cudnn        PyTorch SDPA's cuDNN backend (when torch imports)
+
+at B x L = 16384 tokens, H x D = 2048 (bench.py's shape), timed alone (cupyx benchmark: the host's
+work before the kernel included) and queued (the mean call of back-to-back calls), and prints each
+contender's max |difference| from the per-block output (the same arithmetic a block: 0 expected).
+
+    PYTHONPATH=. python benchmarks/tune_persistent.py [--heads 64,128] [--lengths 1024,2048,4096,16384] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import ml_dtypes
+import numpy as np
+
+import cupy as cp
+
+import cuflash
+from cuflash import _launch, _variants
+
+from tune_short import time_alone, time_queued
+
+try:
+    import torch
+except ImportError:   # pragma: no cover - the device has it
+    torch = None
+
+
+@contextlib.contextmanager
+def grid_rule(kind):
+    """Forwards launched by one grid rule ("per-block", "persistent" or "persist-all")."""
+    saved = _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid
+    _variants.HOPPER_FWD_PERSISTENT = kind != "per-block"
+    if kind == "persist-all":
+        _launch.persistent_grid = _variants.wgmma_persistent
+    try:
+        yield
+    finally:
+        _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid = saved
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="64,128")
+    ap.add_argument("--lengths", default="1024,2048,4096,16384")
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--causal", default="no,yes")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=30)
+    args = ap.parse_args()
+    print(f"{'dtype':8} {'D':>3} {'L':>5} {'causal':>6} {'contender':>11} {'ms':>7} {'TFLOP/s':>7} {'queued':>7} "
+          f"{'TFLOP/s':>7} {'vs cudnn':>8} {'q vs cudnn':>10} {'max|diff|':>9}")
+    for d in (int(x) for x in args.heads.split(",")):
+        for dname in args.dtypes.split(","):
+            dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dname]
+            for n in (int(x) for x in args.lengths.split(",")):
+                b, h = max(1, 16384 // n), 2048 // d
+                rng = cp.random.default_rng(0)
+                q, k, v = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(3))
+                for causal in (c == "yes" for c in args.causal.split(",")):
+                    kinds = ["per-block", "persistent"] + (["persist-all"] if causal else [])
+                    fns = {}
+                    for kind in kinds:
+                        def run(kind=kind):
+                            with grid_rule(kind):
+                                return cuflash.attention(q, k, v, causal=causal)
+                        fns[kind] = run
+                    if torch is not None:
+                        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+
+                        def cudnn():
+                            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                        fns["cudnn"] = cudnn
+                    ref = fns["per-block"]().astype(cp.float32)
+                    diffs = {kind: float(cp.abs(fns[kind]().astype(cp.float32) - ref).max()) for kind in kinds}
+                    alone = {kind: [] for kind in fns}
+                    queued = {kind: [] for kind in fns}
+                    for _ in range(args.rounds):
+                        for kind, fn in fns.items():
+                            alone[kind].append(time_alone(fn, args.repeat))
+                            queued[kind].append(time_queued(fn, args.repeat))
+                    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                    ms = {kind: float(np.median(x)) for kind, x in alone.items()}
+                    qms = {kind: float(np.median(x)) for kind, x in queued.items()}
+                    for kind in fns:
+                        vs = f"{ms['cudnn'] / ms[kind]:8.2f}" if "cudnn" in ms else f"{'':8}"
+                        qvs = f"{qms['cudnn'] / qms[kind]:10.2f}" if "cudnn" in qms else f"{'':10}"
+                        diff = f"{diffs[kind]:9.2e}" if kind in diffs else ""
+                        print(f"{dname:8} {d:3d} {n:5d} {str(causal):>6} {kind:>11} {ms[kind]:7.3f} "
+                              f"{flops / ms[kind] / 1e9:7.1f} {qms[kind]:7.3f} {flops / qms[kind] / 1e9:7.1f} {vs} "
+                              f"{qvs} {diff}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
