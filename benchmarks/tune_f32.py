@@ -78,16 +78,13 @@ def without_hopper_forward(d):
     portable fwd_tf32x3 (its "sm90" row included), as it would with no such row."""
     key = ("sm90a", HOPPER_FWD, "float32", d)
     saved = _variants._TABLE.pop(key, None)
-    caches = (_variants.forward_variant, _variants.forward_choice)
-    for cached in caches:
-        cached.cache_clear()
+    _variants.clear_selection_caches()
     try:
         yield
     finally:
         if saved is not None:
             _variants._TABLE[key] = saved
-        for cached in caches:
-            cached.cache_clear()
+        _variants.clear_selection_caches()
 
 
 def override(family, d, tile):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import array
 import contextlib
 import functools
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _params, _tma
+from . import _params, _tma, _variants
+from ._checks import _cupy as _checks_cupy
 from ._build import get_kernel
 from ._variants import (TF32_BWD_FAMILIES, Variant, backward_variants, forward_choice, head_bucket, persistent_grid,
                         row_class, vec_chunk)
@@ -111,10 +112,11 @@ def scale_folds(scale: float) -> bool:
 
 
 def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, group: int,
-                   precision: str = "highest") -> None:
+                   precision: str = "highest") -> "ForwardLaunch":
     """Run the forward kernel on 4-D views ``(B, H, L, D)`` (last axis unit-stride) into
     ``out`` and ``lse``; ``masking`` is the call's :class:`cuflash._masking.KernelMasking`;
-    ``precision`` (float32 only) picks 3xTF32 ("highest") or TF32 ("tf32") tensor cores."""
+    ``precision`` (float32 only) picks 3xTF32 ("highest") or TF32 ("tf32") tensor cores.
+    Returns what it launched (a :class:`ForwardPlan`'s makings)."""
     d, dv = q.shape[3], v.shape[3]
     extra = masking.extra or not scale_folds(scale)
     head = head_bucket(max(d, dv))
@@ -130,19 +132,126 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
         # strides) and read a bias by 16-byte chunks of its rows (16-bit: cp.async into shared memory;
         # float32: 8-byte pairs straight into the score fragments, bias_frags.cuh): any other call,
         # EXTRA or not, takes the portable kernel of the same GPU.
-        maps = (_tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n,
-                                     store_out=variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD)
-                if masking.bias_in_chunks else None)
+        map_boxes = (variant.tile.block_m, variant.tile.block_n,
+                     variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD)
+        maps = _tma.fwd_tensor_maps(q, k, v, out, *map_boxes) if masking.bias_in_chunks else None
         if maps is not None:
             extra_args = (maps,)
         else:
-            variant = portable
+            variant, map_boxes = portable, None
+    else:
+        map_boxes = None
     dims = (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2])
     ctas = 0
     if persistent_grid(variant):
         cupy, _ = _cupy()
         ctas = min(variant.grid(*dims), _device_facts(cupy.cuda.runtime.getDevice())[3])
     _launch(variant, params, dims, ctas, extra_args=extra_args)
+    return ForwardLaunch(variant, dims, ctas, params, map_boxes, extra_args[0] if extra_args else None)
+
+
+class ForwardLaunch(NamedTuple):
+    """What :func:`launch_forward` launched: the variant, the grid's dims, its CTAs (0: a CTA a query
+    block), its params, the boxes of its tensor maps ((block_m, block_n, store_out), or None for a
+    kernel without maps) and the maps."""
+
+    variant: Variant
+    dims: Tuple[int, int, int, int, int]
+    ctas: int
+    params: _params.HostArg
+    map_boxes: Optional[Tuple[int, int, bool]]
+    maps: Optional[_params.HostArg]
+
+
+# ------------------------------------------------------------------ forward plans
+#
+# A forward call without masking options repeats, in a training or sampling loop, with the same
+# shapes, strides, dtype and options: its checks, kernel choice and params differ only in the five
+# array addresses. Its first call runs the full path (api.attention_forward) and stores what it
+# decided as a ForwardPlan under the call's signature (forward_plan_key); a later call with that
+# signature allocates its outputs, writes its addresses into the params and launches, skipping
+# ~25 us of Python (benchmarks/NOTES.md, sixteenth session). The key holds everything the checks
+# and the choice read: the arrays' type, dtypes, shapes, strides, devices and 16-byte alignment,
+# causal and scale with their types (True == 1 as dict keys), the precision, and the hooks tests
+# and benchmarks replace (the functions themselves, so that a replaced one is a different key);
+# _variants.tile_override clears the plans with the selection caches. Like the kernel cache it is
+# a memo: a plan is a pure function of its key.
+
+MAX_FORWARD_PLANS = 256
+_FORWARD_PLANS: dict = {}
+
+
+class ForwardPlan(NamedTuple):
+    device: int
+    out_shape: Tuple[int, ...]
+    lse_shape: Tuple[int, ...]
+    out_dtype: object
+    lse_dtype: object
+    launch: ForwardLaunch
+    params: bytes              # FwdParams with the five array addresses zero
+    maps: Optional[bytes]      # the first call's tensor maps (their addresses are replaced), or None
+
+
+_FWD_POINTERS = tuple(_params.STRUCTS["FwdParams"].fields[name][1] for name in ("q", "k", "v", "out", "lse"))
+
+
+def forward_plan_key(q, k, v, causal, scale, precision) -> Optional[tuple]:
+    """The signature a plan is stored under, or None for a call that takes no plan (not three CuPy
+    arrays of exactly ``cupy.ndarray``, not 4-D, or a causal / scale of a type the checks would
+    have to judge: any value here is hashed before the checks run)."""
+    if not (type(causal) is bool or type(causal) is str) or not (scale is None or type(scale) is float):
+        return None
+    cupy = _checks_cupy()
+    ndarray = None if cupy is None else cupy.ndarray
+    if ndarray is None or type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
+        return None
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return None
+    qd, kd, vd = q.data, k.data, v.data
+    return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,
+            qd.device_id, kd.device_id, vd.device_id, (qd.ptr | kd.ptr | vd.ptr) & 15,
+            type(causal), causal, type(scale), scale, precision,
+            _compute_capability, _smem_limit, forward_choice, _tma._encode_fn, _device_facts, persistent_grid,
+            _variants.HOPPER_FWD_PERSISTENT)
+
+
+def store_forward_plan(key: tuple, plan: ForwardPlan) -> None:
+    if len(_FORWARD_PLANS) >= MAX_FORWARD_PLANS:
+        _FORWARD_PLANS.clear()
+    _FORWARD_PLANS[key] = plan
+
+
+def clear_forward_plans() -> None:
+    _FORWARD_PLANS.clear()
+
+
+def forward_plan(out, lse, launch: ForwardLaunch) -> ForwardPlan:
+    """The plan of a call that launched ``launch`` into ``out`` and ``lse``."""
+    template = bytearray(launch.params.data)
+    for offset in _FWD_POINTERS:
+        template[offset:offset + 8] = bytes(8)
+    return ForwardPlan(out.data.device_id, out.shape, lse.shape, out.dtype, lse.dtype, launch, bytes(template),
+                       None if launch.maps is None else bytes(launch.maps.data))
+
+
+def run_forward_plan(plan: ForwardPlan, q, k, v):
+    """(out, lse) of a call whose signature has ``plan``; None where its tensor maps cannot be
+    made after all (the caller then takes the full path)."""
+    cupy, _ = _cupy()
+    launch = plan.launch
+    with on_device(plan.device):
+        out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
+        lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
+        extra_args = ()
+        if launch.map_boxes is not None:
+            maps = _tma.readdressed(plan.maps, (q, k, v, out if launch.map_boxes[2] else None))
+            if maps is None:
+                return None
+            extra_args = (maps,)
+        params = _params.HostArg(plan.params)
+        params.put_addresses(_FWD_POINTERS, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
+        _launch(launch.variant, params, launch.dims, launch.ctas, extra_args=extra_args)
+    return out, lse
 
 
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan: Optional[Callable] = None,

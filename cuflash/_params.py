@@ -76,6 +76,7 @@ def _packer(dtype: np.dtype) -> struct.Struct:
 
 _PACK = {name: _packer(STRUCTS[name]) for name in ("FwdParams", "BwdParams")}
 _NO_VIEW = (0, 0, 0, 0)
+_ADDRESS = struct.Struct("=Q")
 
 
 class HostArg:
@@ -102,6 +103,11 @@ class HostArg:
         arg._skip, arg.nbytes = -arg.address % align, nbytes
         arg.address += arg._skip
         return arg
+
+    def put_addresses(self, offsets: tuple, addresses: tuple) -> None:
+        """Write 64-bit ``addresses`` at byte ``offsets`` of the argument (a plan's array pointers)."""
+        for offset, address in zip(offsets, addresses):
+            _ADDRESS.pack_into(self._buffer, self._skip + offset, address)
 
     @property
     def data(self) -> memoryview:

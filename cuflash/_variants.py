@@ -1192,11 +1192,19 @@ def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: "str 
     try:
         for table, entries in zip(tables, saved):
             table.update({key: (tile,) for key in entries})
-        for cached in (forward_variant, forward_choice, backward_variants):
-            cached.cache_clear()
+        clear_selection_caches()
         yield
     finally:
         for table, entries in zip(tables, saved):
             table.update(entries)
-        for cached in (forward_variant, forward_choice, backward_variants):
-            cached.cache_clear()
+        clear_selection_caches()
+
+
+def clear_selection_caches() -> None:
+    """The caches that hold what the tables chose: the selections and the forward plans
+    (cuflash._launch), which store a chosen variant under a call's signature."""
+    from . import _launch   # _launch imports this module
+
+    for cached in (forward_variant, forward_choice, backward_variants):
+        cached.cache_clear()
+    _launch.clear_forward_plans()

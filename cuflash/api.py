@@ -5,7 +5,7 @@ from typing import Any, Literal, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _checks, _masking, reference
+from . import _checks, _launch, _masking, _tma, reference
 from ._launch import launch_backward, launch_forward, on_device
 from .block_sparse import BlockLayout
 
@@ -110,12 +110,23 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
         (before dropout); ``-inf`` for a row that can see no key.
     """
     _checks.check_unsupported(precision=precision)
+    key = None
+    if (bias is None and mask is None and window is None and block_layout is None and seed is None
+            and type(dropout_p) is float and dropout_p == 0.0):
+        # A call seen before with this signature: its plan (cuflash._launch's forward plans).
+        key = _launch.forward_plan_key(q, k, v, causal, scale, precision)
+        plan = _launch._FORWARD_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            result = _launch.run_forward_plan(plan, q, k, v)
+            if result is not None:
+                return result
     p = _checks.check_qkv(q, k, v, causal=causal, scale=scale)
     opts = _masking.check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
                                   block_layout=block_layout)
     if p.xp is np:
         return _forward_numpy(p, opts, q.dtype)
-    return _forward_cupy(p, opts, q.dtype, precision)
+    as_given = p.q is q and p.k is k and p.v is v   # a plan passes the arrays themselves
+    return _forward_cupy(p, opts, q.dtype, precision, plan_key=key if as_given else None)
 
 
 def _lse_dtype(dtype_name: str):
@@ -142,7 +153,11 @@ def _forward_numpy(p: _checks.Problem, opts: _masking.Options, dtype) -> Tuple[n
             lse.astype(_lse_dtype(p.dtype)).reshape(p.lse_shape()))
 
 
-def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype, precision: str = "highest"):
+def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype, precision: str = "highest",
+                  plan_key: Optional[tuple] = None):
+    """``plan_key``: the call's forward-plan signature (None: it takes no plan, e.g. an input the
+    checks copied); the launch is stored under it where a plan can repeat the call (no EXTRA
+    option, keys and outputs not empty)."""
     cupy = p.xp
     with on_device(p.q.data.device_id):
         out = cupy.empty((p.batch, p.heads_q, p.lq, p.dv), dtype=dtype)
@@ -151,8 +166,11 @@ def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype, precision: 
             out.view(cupy.uint8).fill(0)    # zero bits are 0.0 in every float format
             lse.fill(-np.inf)
         elif out.size > 0:
-            launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype, masking=_masking.kernel_masking(p, opts),
-                           scale=p.scale, group=p.group, precision=precision)
+            launched = launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype,
+                                      masking=_masking.kernel_masking(p, opts), scale=p.scale, group=p.group,
+                                      precision=precision)
+            if plan_key is not None and not opts.extra and (launched.maps is None or _tma.can_readdress()):
+                _launch.store_forward_plan(plan_key, _launch.forward_plan(out, lse, launched))
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 
