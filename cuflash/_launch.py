@@ -163,22 +163,30 @@ class ForwardLaunch(NamedTuple):
     maps: Optional[_params.HostArg]
 
 
-# ------------------------------------------------------------------ forward plans
+# ------------------------------------------------------------------ plans
 #
-# A forward call without masking options repeats, in a training or sampling loop, with the same
-# shapes, strides, dtype and options: its checks, kernel choice and params differ only in the five
-# array addresses. Its first call runs the full path (api.attention_forward) and stores what it
-# decided as a ForwardPlan under the call's signature (forward_plan_key); a later call with that
-# signature allocates its outputs, writes its addresses into the params and launches, skipping
-# ~25 us of Python (benchmarks/NOTES.md, sixteenth session). The key holds everything the checks
-# and the choice read: the arrays' type, dtypes, shapes, strides, devices and 16-byte alignment,
-# causal and scale with their types (True == 1 as dict keys), the precision, and the hooks tests
-# and benchmarks replace (the functions themselves, so that a replaced one is a different key);
-# _variants.tile_override clears the plans with the selection caches. Like the kernel cache it is
-# a memo: a plan is a pure function of its key.
+# A call without masking options repeats, in a training or sampling loop, with the same shapes, strides,
+# dtype and options: its checks, kernel choice and params differ only in the array addresses (five in a
+# forward, eleven in a backward). Its first call runs the full path (api.attention_forward /
+# api.attention_backward) and stores what it decided as a ForwardPlan or a BackwardPlan under the call's
+# signature (forward_plan_key, backward_plan_key); a later call with that signature allocates what the
+# full path allocated, writes the addresses into a copy of the params, re-points the Hopper kernels'
+# tensor maps and launches the same kernels in the same order, skipping the Python of the checks and the
+# choice (~25 us of a forward's host time, ~55 us of a backward's, measured without a GPU by
+# .dev/host_local.py). The key holds everything the checks and the choice read: the arrays' type, dtypes,
+# shapes, strides, devices and 16-byte alignment, causal and scale with their types (True == 1 as dict
+# keys), the precision (and the backward's deterministic flag), and the hooks tests and benchmarks replace
+# (the functions themselves, so that a replaced one is a different key); _variants.tile_override clears
+# the plans with the selection caches. A plan is stored only where the kernels read the caller's arrays
+# themselves (the checks copied none of them: the plan writes the caller's addresses), and never for a
+# call with a masking option (bias, mask, window, block layout, dropout or a seed), whose params point at
+# arrays the call builds from the options. Like the kernel cache it is a memo: a plan is a pure function
+# of its key.
 
 MAX_FORWARD_PLANS = 256
+MAX_BACKWARD_PLANS = 256
 _FORWARD_PLANS: dict = {}
+_BACKWARD_PLANS: dict = {}
 
 
 class ForwardPlan(NamedTuple):
@@ -193,13 +201,21 @@ class ForwardPlan(NamedTuple):
 
 
 _FWD_POINTERS = tuple(_params.STRUCTS["FwdParams"].fields[name][1] for name in ("q", "k", "v", "out", "lse"))
+_BWD_POINTERS = tuple(_params.STRUCTS["BwdParams"].fields[name][1]
+                      for name in ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc", "dq", "dk", "dv"))
+
+
+def _plain_options(causal, scale) -> bool:
+    """Whether ``causal`` and ``scale`` are of types a signature may hold as they are: any value here
+    is hashed before the checks run (and True == 1, 1.0 == 1 as dict keys)."""
+    return (type(causal) is bool or type(causal) is str) and (scale is None or type(scale) is float)
 
 
 def forward_plan_key(q, k, v, causal, scale, precision) -> Optional[tuple]:
     """The signature a plan is stored under, or None for a call that takes no plan (not three CuPy
     arrays of exactly ``cupy.ndarray``, not 4-D, or a causal / scale of a type the checks would
     have to judge: any value here is hashed before the checks run)."""
-    if not (type(causal) is bool or type(causal) is str) or not (scale is None or type(scale) is float):
+    if not _plain_options(causal, scale):
         return None
     cupy = _checks_cupy()
     ndarray = None if cupy is None else cupy.ndarray
@@ -211,18 +227,47 @@ def forward_plan_key(q, k, v, causal, scale, precision) -> Optional[tuple]:
     return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,
             qd.device_id, kd.device_id, vd.device_id, (qd.ptr | kd.ptr | vd.ptr) & 15,
             type(causal), causal, type(scale), scale, precision,
-            _compute_capability, _smem_limit, forward_choice, _tma._encode_fn, _device_facts, persistent_grid,
+            _compute_capability, _smem_limit, _device_facts, forward_choice, _tma._encode_fn, persistent_grid,
             _variants.HOPPER_FWD_PERSISTENT)
 
 
+def backward_plan_key(dout, q, k, v, out, lse, causal, scale, precision, deterministic) -> Optional[tuple]:
+    """The signature a backward plan is stored under, or None for a call that takes no plan (not six
+    arrays of exactly ``cupy.ndarray``, a ``deterministic`` that is not a bool, a causal / scale of a
+    type the checks would have to judge, or a scale of zero: 0.0 == -0.0 as dict keys, but the
+    gradients, which are multiplied by it, carry its sign). Any number of dims: the full path stores
+    a plan only where its 4-D views are the arrays' own memory (api.attention_backward)."""
+    if type(deterministic) is not bool or not _plain_options(causal, scale) or scale == 0.0:
+        return None
+    cupy = _checks_cupy()
+    nd = None if cupy is None else cupy.ndarray
+    if (nd is None or type(dout) is not nd or type(q) is not nd or type(k) is not nd or type(v) is not nd
+            or type(out) is not nd or type(lse) is not nd):
+        return None
+    gd, qd, kd, vd, od, ld = dout.data, q.data, k.data, v.data, out.data, lse.data
+    return (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape,
+            dout.strides, q.strides, k.strides, v.strides, out.strides, lse.strides,
+            dout.dtype, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype,
+            gd.device_id, qd.device_id, kd.device_id, vd.device_id, od.device_id, ld.device_id,
+            (gd.ptr | qd.ptr | kd.ptr | vd.ptr | od.ptr | ld.ptr) & 15,
+            type(causal), causal, type(scale), scale, precision, deterministic,
+            _compute_capability, _smem_limit, _device_facts, backward_variants, _tma._encode_fn)
+
+
+def _store(plans: dict, limit: int, key: tuple, plan) -> None:
+    if len(plans) >= limit:
+        plans.clear()   # a loop over more signatures than this re-plans (no LRU bookkeeping a call)
+    plans[key] = plan
+
+
 def store_forward_plan(key: tuple, plan: ForwardPlan) -> None:
-    if len(_FORWARD_PLANS) >= MAX_FORWARD_PLANS:
-        _FORWARD_PLANS.clear()
-    _FORWARD_PLANS[key] = plan
+    _store(_FORWARD_PLANS, MAX_FORWARD_PLANS, key, plan)
 
 
-def clear_forward_plans() -> None:
+def clear_plans() -> None:
+    """Forget every forward and backward plan (a table or a hook they were chosen by changed)."""
     _FORWARD_PLANS.clear()
+    _BACKWARD_PLANS.clear()
 
 
 def forward_plan(out, lse, launch: ForwardLaunch) -> ForwardPlan:
@@ -254,9 +299,79 @@ def run_forward_plan(plan: ForwardPlan, q, k, v):
     return out, lse
 
 
+class BackwardLaunch(NamedTuple):
+    """What :func:`launch_backward` launched: its allocations (dsum; the dQ accumulator's padded
+    buffer, None on the deterministic path; dq, dk, dv), its kernels in launch order as
+    (variant, grid (0: from ``dims``), whether it takes the tensor maps), the grid's dims, its
+    params and the Hopper dK/dV kernel's maps (``BwdTensorMaps``: q, dout, k, v, dq_acc), or None."""
+
+    device: int
+    acc_dtype: object
+    dsum_shape: Tuple[int, ...]
+    dq_acc_shape: Optional[Tuple[int, ...]]
+    grad_dtype: object
+    grad_shapes: Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]
+    kernels: Tuple[Tuple[Variant, int, bool], ...]
+    dims: Tuple[int, int, int, int, int]
+    params: _params.HostArg
+    maps: Optional[_params.HostArg]
+
+
+class BackwardPlan(NamedTuple):
+    shapes: Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]   # q, k, v as given: the grads'
+    launch: BackwardLaunch
+    params: bytes              # BwdParams with the eleven array addresses zero
+    maps: Optional[bytes]      # the first call's tensor maps (their addresses are replaced), or None
+
+
+def store_backward_plan(key: tuple, plan: BackwardPlan) -> None:
+    _store(_BACKWARD_PLANS, MAX_BACKWARD_PLANS, key, plan)
+
+
+def backward_plan(shapes: tuple, launch: BackwardLaunch) -> BackwardPlan:
+    """The plan of a call with inputs q, k, v of ``shapes`` that launched ``launch`` (no dbias)."""
+    template = bytearray(launch.params.data)
+    for offset in _BWD_POINTERS:
+        template[offset:offset + 8] = bytes(8)
+    return BackwardPlan(tuple(shapes), launch, bytes(template),
+                        None if launch.maps is None else bytes(launch.maps.data))
+
+
+def run_backward_plan(plan: BackwardPlan, dout, q, k, v, out, lse) -> Optional[tuple]:
+    """(dq, dk, dv), shaped as q, k, v, of a call whose signature has ``plan``; None where its
+    tensor maps cannot be re-pointed after all (the caller then takes the full path). Allocates
+    what :func:`launch_backward` allocates, in its order (the dQ accumulator zeroed)."""
+    cupy, _ = _cupy()
+    launch = plan.launch
+    grad_dtype, (dq_shape, dk_shape, dv_shape) = launch.grad_dtype, launch.grad_shapes
+    with on_device(launch.device):
+        dsum = cupy.empty(launch.dsum_shape, dtype=launch.acc_dtype)
+        dq_acc = None if launch.dq_acc_shape is None else cupy.zeros(launch.dq_acc_shape, dtype=launch.acc_dtype)
+        dq = cupy.empty(dq_shape, dtype=grad_dtype)
+        dk = cupy.empty(dk_shape, dtype=grad_dtype)
+        dv = cupy.empty(dv_shape, dtype=grad_dtype)
+        maps = None
+        if plan.maps is not None:
+            # the accumulator's view [..., :d] starts where its padded buffer does
+            maps = _tma.readdressed(plan.maps, (q, dout, k, v, dq_acc))
+            if maps is None:
+                return None
+        params = _params.HostArg(plan.params)
+        params.put_addresses(_BWD_POINTERS, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr,
+                                             lse.data.ptr, dsum.data.ptr, 0 if dq_acc is None else dq_acc.data.ptr,
+                                             dq.data.ptr, dk.data.ptr, dv.data.ptr))
+        dims = launch.dims
+        for variant, grid, takes_maps in launch.kernels:
+            _launch(variant, params, dims, grid, extra_args=(maps,) if takes_maps else ())
+    qs, ks, vs = plan.shapes
+    return (dq if dq_shape == qs else dq.reshape(qs), dk if dk_shape == ks else dk.reshape(ks),
+            dv if dv_shape == vs else dv.reshape(vs))
+
+
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan: Optional[Callable] = None,
                     scale: float, group: int, deterministic: bool, precision: str = "highest"):
-    """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays) from 4-D views of
+    """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays), then what it launched
+    (a :class:`BackwardLaunch`, a :class:`BackwardPlan`'s makings), from 4-D views of
     the inputs and ``lse (B, Hq, Lq)`` in the accumulator dtype (any strides). ``dbias_plan``,
     called with ``kernel_tile=`` (the tensor-core path's dbias kernel tile and ``sm_count=``),
     ``key_major=True`` (the Hopper dK/dV kernel adds dS itself) or ``dkdv_tile=`` (the dK kernel's,
@@ -302,9 +417,15 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
         dbias_values = dbias.values
     params = _params.bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv_, group=group, scale=scale,
                                 mask=masking.values, dbias=dbias_values)
+    dims = (b, hq, group, lq, lk)
+    kernels = []
     for variant in plan:
         if variant is dbias_kernel and not dbias.grid:
             continue   # dbias is exactly zero (a bias constant along keys)
-        _launch(variant, params, (b, hq, group, lq, lk), dbias.grid if variant is dbias_kernel else 0,
-                extra_args=(hopper_maps,) if variant is hopper else ())
-    return dq, dk, dv_, dbias
+        grid = dbias.grid if variant is dbias_kernel else 0
+        _launch(variant, params, dims, grid, extra_args=(hopper_maps,) if variant is hopper else ())
+        kernels.append((variant, grid, variant is hopper))
+    launched = BackwardLaunch(dq.data.device_id, acc_dtype, dsum.shape,
+                              None if dq_acc is None else (b, hq, lq, d + d % 2), q.dtype,
+                              (dq.shape, dk.shape, dv_.shape), tuple(kernels), dims, params, hopper_maps)
+    return dq, dk, dv_, dbias, launched

@@ -69,7 +69,7 @@ def readdressed(encoded: bytes, arrays) -> "HostArg | None":
     boxes and dtypes) pointed at ``arrays`` instead, one per map (None: a map left as it is, e.g. the
     zeros of one the kernel does not read); None where the driver cannot replace an address. The
     driver's replacement costs ~0.4 us a map on an H100 host, its encoding ~1.8 us plus the Python
-    that gathers the encoder's arguments (a forward plan's maps, cuflash._launch)."""
+    that gathers the encoder's arguments (a forward or backward plan's maps, cuflash._launch)."""
     replace = _replace_fn()
     if replace is None:
         return None

@@ -1201,10 +1201,10 @@ def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: "str 
 
 
 def clear_selection_caches() -> None:
-    """The caches that hold what the tables chose: the selections and the forward plans
-    (cuflash._launch), which store a chosen variant under a call's signature."""
+    """The caches that hold what the tables chose: the selections and the forward and backward
+    plans (cuflash._launch), which store chosen variants under a call's signature."""
     from . import _launch   # _launch imports this module
 
     for cached in (forward_variant, forward_choice, backward_variants):
         cached.cache_clear()
-    _launch.clear_forward_plans()
+    _launch.clear_plans()

@@ -113,7 +113,7 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
     key = None
     if (bias is None and mask is None and window is None and block_layout is None and seed is None
             and type(dropout_p) is float and dropout_p == 0.0):
-        # A call seen before with this signature: its plan (cuflash._launch's forward plans).
+        # A call seen before with this signature: its plan (cuflash._launch's plans).
         key = _launch.forward_plan_key(q, k, v, causal, scale, precision)
         plan = _launch._FORWARD_PLANS.get(key) if key is not None else None
         if plan is not None:
@@ -220,6 +220,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         score of a row equally, which softmax ignores.
     """
     _checks.check_unsupported(precision=precision)
+    key = None
+    if (bias is None and mask is None and window is None and block_layout is None and seed is None
+            and type(dropout_p) is float and dropout_p == 0.0):
+        # A call seen before with this signature: its plan (cuflash._launch's plans).
+        key = _launch.backward_plan_key(dout, q, k, v, out, lse, causal, scale, precision, deterministic)
+        plan = _launch._BACKWARD_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            grads = _launch.run_backward_plan(plan, dout, q, k, v, out, lse)
+            if grads is not None:
+                return grads
     p = _checks.check_qkv(q, k, v, causal=causal, scale=scale)
     opts = _masking.check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
                                   block_layout=block_layout)
@@ -245,12 +255,20 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
             if bias is not None:
                 def plan_fn(**where):
                     return _masking.dbias_plan(p, opts, bool(deterministic), **where)
-            *grads, plan = launch_backward(dout4, p.q, p.k, p.v, out4, lse4, dtype=p.dtype,
-                                           masking=_masking.kernel_masking(p, opts), dbias_plan=plan_fn,
-                                           scale=p.scale, group=p.group, deterministic=bool(deterministic),
-                                           precision=precision)
+            *grads, plan, launched = launch_backward(dout4, p.q, p.k, p.v, out4, lse4, dtype=p.dtype,
+                                                     masking=_masking.kernel_masking(p, opts), dbias_plan=plan_fn,
+                                                     scale=p.scale, group=p.group,
+                                                     deterministic=bool(deterministic), precision=precision)
             if plan is not None:
                 dbias = plan.result(p, opts)
+            # A plan passes the arrays themselves: only where the 4-D views the kernels read start at
+            # their addresses (views; a copy the checks made, e.g. of a strided last axis or an lse of
+            # another dtype, is a new allocation). No EXTRA option (key is None for any masking).
+            if (key is not None and not opts.extra
+                    and (launched.maps is None or _tma.can_readdress())
+                    and all(a.data.ptr == b.data.ptr for a, b in ((p.q, q), (p.k, k), (p.v, v), (dout4, dout),
+                                                                 (out4, out), (lse4, lse)))):
+                _launch.store_backward_plan(key, _launch.backward_plan(shapes, launched))
         result = tuple(_shaped(g, s) for g, s in zip(grads, shapes))
     return result if bias is None else result + (dbias,)
 

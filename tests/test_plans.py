@@ -1,9 +1,10 @@
-"""Forward plans (cuflash/_launch.py) on the CPU: CuPy arrays on fake device memory, the driver's
-launch, allocation and tensor-map functions replaced by recorders. A repeated call takes its plan
-and launches exactly what the full path launched for it (the same variant, the same params and
-maps but for the array addresses); a call whose signature differs in anything the checks or the
-kernel choice read does not."""
+"""Forward and backward plans (cuflash/_launch.py) on the CPU: CuPy arrays on fake device memory,
+the driver's launch, allocation and tensor-map functions replaced by recorders. A repeated call
+takes its plan and launches exactly what the full path launched for it (the same variants, the
+same params and maps but for the array addresses); a call whose signature differs in anything the
+checks or the kernel choice read does not."""
 import ctypes
+import functools
 import struct
 
 import numpy as np
@@ -13,7 +14,7 @@ cp = pytest.importorskip("cupy")
 from cupy.cuda import memory  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _launch, _params, _tma, _variants  # noqa: E402
+from cuflash import _launch, _masking, _params, _tma, _variants  # noqa: E402
 
 
 class FakeDevice:
@@ -31,15 +32,17 @@ class FakeDevice:
 
 @pytest.fixture
 def fake(monkeypatch):
-    """(device, launches): every launch as (variant, params bytes, maps bytes or None, grid dims)."""
+    """(device, launches): every launch as (variant, params bytes, maps bytes or None, grid dims, grid)."""
     dev = FakeDevice()
     launches = []
     monkeypatch.setattr(cp, "empty", dev.empty)
+    monkeypatch.setattr(cp, "zeros", dev.empty)   # the backward's dQ accumulator (never read here)
     monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(_launch, "_device_facts", lambda device_id: (90, 232448, "H100 (fake)", 132))
 
     def record(variant, params, dims, grid=0, extra_args=()):
-        launches.append((variant, bytes(params.data), bytes(extra_args[0].data) if extra_args else None, dims))
+        launches.append((variant, bytes(params.data), bytes(extra_args[0].data) if extra_args else None, dims,
+                         grid))
 
     monkeypatch.setattr(_launch, "_launch", record)
 
@@ -56,9 +59,9 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
     monkeypatch.setattr(_tma, "_replace_fn", lambda: replace)
-    _launch.clear_forward_plans()
+    _launch.clear_plans()
     yield dev, launches
-    _launch.clear_forward_plans()
+    _launch.clear_plans()
 
 
 def _qkv(dev, shape=(2, 4, 1100, 64), dtype=np.float16):
@@ -80,7 +83,7 @@ def test_a_repeated_call_launches_what_the_full_path_did(fake, d, causal):
     assert len(_launch._FORWARD_PLANS) == 1
     q2, k2, v2 = _qkv(dev, (2, 4, 1100, d))     # the same signature, other addresses
     out2, lse2 = cuflash.attention_forward(q2, k2, v2, causal=causal)
-    (var1, params1, maps1, dims1), (var2, params2, maps2, dims2) = launches
+    (var1, params1, maps1, dims1, _), (var2, params2, maps2, dims2, _) = launches
     assert var2 is var1 and dims2 == dims1
     assert _without_addresses(params2) == _without_addresses(params1)
     fields = np.frombuffer(params2, dtype=_params.STRUCTS["FwdParams"])
@@ -92,7 +95,7 @@ def test_a_repeated_call_launches_what_the_full_path_did(fake, d, causal):
         return
     # The maps: the full path's encoding for these arrays, but for their addresses, which are the new
     # arrays' (the output's only where the kernel reads its map: else it stays zeros).
-    _launch.clear_forward_plans()
+    _launch.clear_plans()
     cuflash.attention_forward(q2, k2, v2, causal=causal)
     encoded = launches[2][2]
     addresses = [struct.unpack_from("=Q", maps2, 128 * i)[0] for i in range(4)]
@@ -172,3 +175,224 @@ def test_inputs_the_checks_copy_take_no_plan(fake, monkeypatch):
     monkeypatch.setattr(cp, "ascontiguousarray", lambda x: dev.empty(x.shape, x.dtype))
     cuflash.attention_forward(q, k, v)
     assert len(launches) == 1 and not _launch._FORWARD_PLANS
+
+
+# ------------------------------------------------------------------ backward plans
+
+_BWD_NAMES = ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc", "dq", "dk", "dv")
+
+
+def _bwd_inputs(dev, shape=(2, 4, 1100, 64), dtype=np.float16, dv=None):
+    """dout, q, k, v, out, lse of one backward call (``dv``: the value head dim, default q's)."""
+    vshape = shape[:-1] + (dv or shape[-1],)
+    q, k = dev.empty(shape, dtype), dev.empty(shape, dtype)
+    v, out, dout = (dev.empty(vshape, dtype) for _ in range(3))
+    lse = dev.empty(shape[:-1], np.float64 if dtype == np.float64 else np.float32)
+    return dout, q, k, v, out, lse
+
+
+def _bwd_pointers(params: bytes) -> dict:
+    fields = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"])
+    return {n: int(fields[n]["ptr"][0]) for n in _BWD_NAMES}
+
+
+def _bwd_without_addresses(params: bytes) -> bytes:
+    raw = bytearray(params)
+    for offset in _launch._BWD_POINTERS:
+        raw[offset:offset + 8] = bytes(8)
+    return bytes(raw)
+
+
+@pytest.fixture
+def plans_run(monkeypatch):
+    """How many backward calls took their plan (run_backward_plan returned grads)."""
+    taken = []
+    real = _launch.run_backward_plan
+
+    def spy(*args):
+        grads = real(*args)
+        taken.append(grads is not None)
+        return grads
+
+    monkeypatch.setattr(_launch, "run_backward_plan", spy)
+    return taken
+
+
+@pytest.mark.parametrize("cc", [90, 80])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d,dtype,causal", [(64, np.float16, False), (64, np.float16, True),
+                                            (128, np.float16, False), (128, np.float16, "bottom_right"),
+                                            (33, np.float16, True), (128, np.float32, False)])
+def test_a_repeated_backward_launches_what_the_full_path_did(fake, plans_run, monkeypatch, cc, deterministic, d,
+                                                            dtype, causal):
+    dev, launches = fake
+    if cc == 80:
+        monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    first = _bwd_inputs(dev, (2, 4, 1100, d), dtype)
+    grads1 = cuflash.attention_backward(*first, causal=causal, deterministic=deterministic)
+    assert len(_launch._BACKWARD_PLANS) == 1 and not plans_run
+    n = len(launches)
+    second = _bwd_inputs(dev, (2, 4, 1100, d), dtype)     # the same signature, other addresses
+    grads2 = cuflash.attention_backward(*second, causal=causal, deterministic=deterministic)
+    assert plans_run == [True]
+    full, planned = launches[:n], launches[n:]
+    assert [(x[0], x[3], x[4]) for x in planned] == [(x[0], x[3], x[4]) for x in full]   # variants, dims, grids
+    assert [x[0] for x in full].count(None) == 0
+    hopper = cc == 90 and not deterministic and dtype == np.float16 and d % 8 == 0
+    assert any(x[0].family == "bwd_dkdv_wgmma" for x in full) == hopper
+    for (_, params1, maps1, _, _), (_, params2, maps2, _, _) in zip(full, planned):
+        assert _bwd_without_addresses(params2) == _bwd_without_addresses(params1)
+        assert (maps1 is None) == (maps2 is None)
+    for grads, inputs, (_, params, maps, _, _) in ((grads1, first, full[-1]), (grads2, second, planned[-1])):
+        dout, q, k, v, out, lse = inputs
+        ptr = _bwd_pointers(params)
+        assert [ptr[n] for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")] == \
+            [x.data.ptr for x in (q, k, v, out, dout, lse, *grads)]
+        assert (ptr["dq_acc"] == 0) == deterministic
+        assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
+    # the same allocations, in the same order, as the full path's (the fake device's addresses advance
+    # by each allocation's size)
+    p1, p2 = _bwd_pointers(full[-1][1]), _bwd_pointers(planned[-1][1])
+    assert [p1[n] - p1["dsum"] for n in ("dq_acc", "dq", "dk", "dv") if p1[n]] == \
+        [p2[n] - p2["dsum"] for n in ("dq_acc", "dq", "dk", "dv") if p2[n]]
+    maps = [(x[2], x[1]) for x in full + planned if x[2] is not None]
+    assert len(maps) == (2 if hopper else 0)
+    for encoded, params in maps:
+        # BwdTensorMaps: q, dout, k, v, the dQ accumulator, each pointed at this call's array; the
+        # rest of each map (dims, strides, box) is the first call's encoding
+        ptr = _bwd_pointers(params)
+        assert [struct.unpack_from("=Q", encoded, 128 * i)[0] for i in range(5)] == \
+            [ptr[n] for n in ("q", "dout", "k", "v", "dq_acc")]
+    if hopper:
+        (m1, _), (m2, _) = maps
+        assert [m1[128 * i + 8:128 * (i + 1)] for i in range(5)] == [m2[128 * i + 8:128 * (i + 1)] for i in range(5)]
+
+
+@pytest.mark.parametrize("change", ["strides", "dout strides", "dtype", "lse dtype", "shape", "causal", "causal 1",
+                                    "deterministic", "deterministic 1", "scale", "scale int", "scale True",
+                                    "scale -0.0", "alignment", "hook cc", "hook variants", "hook facts",
+                                    "bias", "mask", "window", "dropout", "seed"])
+def test_a_different_backward_signature_takes_the_full_path(fake, plans_run, monkeypatch, change):
+    dev, launches = fake
+    args = list(_bwd_inputs(dev))
+    kw = dict(causal=True, scale=0.5, deterministic=False)
+    cuflash.attention_backward(*args, **kw)
+    assert len(_launch._BACKWARD_PLANS) == 1
+    stores = True
+    if change in ("causal 1", "scale True"):
+        with pytest.raises(ValueError, match=change.split()[0]):
+            cuflash.attention_backward(*args, **dict(kw, **{change.split()[0]: 1 if change == "causal 1" else True}))
+        assert not plans_run
+        return
+    if change == "strides":
+        big = dev.empty((2, 1100, 4, 64), np.float16)
+        args[1] = big.transpose(0, 2, 1, 3)
+    elif change == "dout strides":
+        big = dev.empty((2, 1100, 4, 64), np.float16)
+        args[0] = big.transpose(0, 2, 1, 3)
+    elif change == "dtype":
+        args = list(_bwd_inputs(dev, dtype=np.float32))
+    elif change == "lse dtype":   # the checks convert it: a copy, which a plan cannot pass
+        args[5] = dev.empty(args[5].shape, np.float16)
+        monkeypatch.setattr(cp.ndarray, "astype", lambda self, dtype, copy=True: dev.empty(self.shape, dtype),
+                            raising=False)
+        stores = False
+    elif change == "shape":
+        args = list(_bwd_inputs(dev, (2, 4, 1200, 64)))
+    elif change == "causal":
+        kw["causal"] = "bottom_right"
+    elif change == "deterministic":
+        kw["deterministic"] = True
+    elif change == "deterministic 1":   # 1 == True as a dict key: only a bool takes a plan
+        kw["deterministic"] = 1
+        stores = False
+    elif change == "scale":
+        kw["scale"] = 0.25
+    elif change == "scale int":
+        kw["scale"] = 1
+        stores = False
+    elif change == "scale -0.0":   # -0.0 == 0.0 as dict keys, but not in the gradients' signs
+        kw["scale"] = -0.0
+        stores = False
+    elif change == "alignment":
+        q = args[1]
+        args[1] = cp.ndarray(q.shape, q.dtype, memptr=q.data + 8, strides=q.strides)
+    elif change == "hook cc":
+        monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    elif change == "hook variants":
+        monkeypatch.setattr(_launch, "backward_variants", functools.partial(_variants.backward_variants))
+    elif change == "hook facts":
+        monkeypatch.setattr(_launch, "_device_facts", lambda device_id: (80, 166912, "A100 (fake)", 108))
+    else:
+        stores = False
+        if change == "bias":
+            kw["bias"] = dev.empty((1, 1, 1100, 1100), np.float16)
+            monkeypatch.setattr(_masking.DbiasPlan, "result", lambda plan, p, opts: kw["bias"])   # sums on the GPU
+        elif change == "mask":
+            kw["mask"] = dev.empty((2, 1, 1, 1100), np.bool_)
+            monkeypatch.setattr(_masking, "block_states", lambda p, opts: (None, None))   # reads the mask
+        elif change == "window":
+            kw["window"] = (64, 0)
+        elif change == "dropout":
+            kw.update(dropout_p=0.1, seed=7)
+        elif change == "seed":
+            kw["seed"] = 7
+    n = len(launches)
+    for _ in range(2):   # twice: a call that stores no plan takes none the second time either
+        grads = cuflash.attention_backward(*args, **kw)
+        assert len(launches) > n
+        assert [g.shape for g in grads[:3]] == [x.shape for x in args[1:4]]
+        if not stores:
+            assert len(_launch._BACKWARD_PLANS) == 1 and not plans_run
+    assert plans_run == ([True] if stores else [])
+    assert len(_launch._BACKWARD_PLANS) == (2 if stores else 1)
+    if change in ("hook cc", "hook facts"):
+        assert launches[-1][0].arch == "sm80" and launches[1][0].arch == "sm90a"
+
+
+def test_tile_override_clears_the_backward_plans(fake):
+    dev, launches = fake
+    cuflash.attention_backward(*_bwd_inputs(dev, (2, 4, 1100, 128)))
+    assert _launch._BACKWARD_PLANS
+    with _variants.tile_override("bwd_dkdv_mma", 128, _variants.Tile(64, 64, 4, 2, "test")):
+        assert not _launch._BACKWARD_PLANS
+    assert not _launch._BACKWARD_PLANS
+
+
+@pytest.mark.parametrize("shape", [(4, 1100, 64), (1100, 64), (2, 3, 4, 1100, 64)])
+def test_other_ranks_take_the_backward_plan(fake, plans_run, shape):
+    """Inputs of 2, 3 or 5 dims: the kernels read 4-D views of their memory, which a plan passes as
+    well; the grads have the inputs' shapes."""
+    dev, launches = fake
+    first = _bwd_inputs(dev, shape, dv=32)
+    grads1 = cuflash.attention_backward(*first)
+    n = len(launches)
+    second = _bwd_inputs(dev, shape, dv=32)
+    grads2 = cuflash.attention_backward(*second)
+    assert plans_run == [True]
+    assert [(x[0], x[3], _bwd_without_addresses(x[1])) for x in launches[n:]] == \
+        [(x[0], x[3], _bwd_without_addresses(x[1])) for x in launches[:n]]
+    for grads, inputs in ((grads1, first), (grads2, second)):
+        assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in inputs[1:4]]
+    ptr = _bwd_pointers(launches[-1][1])
+    assert [ptr[n] for n in ("q", "k", "v", "out", "dout", "lse")] == [x.data.ptr for x in second[1:5] + second[:1]
+                                                                        + second[5:]]
+
+
+def test_backward_inputs_the_checks_copy_take_no_plan(fake, plans_run, monkeypatch):
+    """A dout whose last axis is not unit-stride is copied by the checks: no plan."""
+    dev, launches = fake
+    dout, q, k, v, out, lse = _bwd_inputs(dev)
+    dout = dev.empty((2, 4, 1100, 128), np.float16)[..., ::2]
+    monkeypatch.setattr(cp, "ascontiguousarray", lambda x: dev.empty(x.shape, x.dtype))
+    for _ in range(2):
+        cuflash.attention_backward(dout, q, k, v, out, lse)
+    assert not _launch._BACKWARD_PLANS and not plans_run and len(launches) == 6
+
+
+def test_backward_plans_without_readdressing_are_not_stored(fake, monkeypatch):
+    """A driver without cuTensorMapReplaceAddress: the Hopper kernel's maps cannot be re-pointed."""
+    dev, launches = fake
+    monkeypatch.setattr(_tma, "_replace_fn", lambda: None)
+    cuflash.attention_backward(*_bwd_inputs(dev))
+    assert any(x[2] is not None for x in launches) and not _launch._BACKWARD_PLANS
