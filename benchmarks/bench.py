@@ -95,6 +95,12 @@ def _extra_mib(fn):
     return grown / 2**20
 
 
+def _sm80() -> int:
+    """The compute capability the "cuflash sm80" contender reports: one function for every call, since
+    cuflash's call plans are keyed by this hook (a new lambda a call would miss them every time)."""
+    return 80
+
+
 def contenders(q, k, v, do, causal, with_bwd):
     """name -> callable running the forward (and backward when with_bwd)."""
     out = {}
@@ -108,7 +114,7 @@ def contenders(q, k, v, do, causal, with_bwd):
     out["cuflash"] = cf
     if _launch._compute_capability() == _variants.HOPPER_CC and q.dtype.itemsize == 2:
         def portable():   # the same call on the portable mma.sync path, as on a GPU without sm_90a
-            with mock.patch.object(_launch, "_compute_capability", lambda: 80):
+            with mock.patch.object(_launch, "_compute_capability", _sm80):
                 return cf()
         out["cuflash sm80"] = portable
     if not with_bwd and q.dtype != np.dtype(_cp_dtype("bfloat16")):
