@@ -202,7 +202,7 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # at launch, consumers up to 232 after setmaxnreg, 0 spills. On the H100 (compare_trees.py, sixth
 # session) against the fifth session's cp.async kernel at d=128: 1.07-2.0x (bf16 L=16384 673
 # TFLOP/s); against the portable kernel at d=64: 1.20-1.42x at L >= 4096, 0.92-0.98x at L = 1024
-# (per-block start-up; a persistent grid is the lead). Ping-pong of the consumers measured
+# (per-block start-up; the short-rows tile below and persistent CTAs since). Ping-pong of the consumers measured
 # 0.90-1.01x and is off (FwdWgmmaTraits::PINGPONG). Head dim 64 takes three consumer warpgroups
 # (192 rows; 160 registers each after setmaxnreg, the consumer code up to R156): 1.12-1.25x the
 # two-warpgroup kernel non-causal, 1.02-1.06x causal at L 2048-16384 (compare_trees.py, eighth
@@ -210,10 +210,17 @@ _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 regist
 # keeps these tiles: a swizzled bias tile per K/V stage (Hopper d=128 and 256: 225 KB), copied
 # by two producer warps; offline 0 spills, consumers up to R157 / R229 of 160 / 232, the producer
 # up to R29 of 32 at head dim 64 (24 without EXTRA) and R37 of 40 (benchmarks/NOTES.md).
+# Persistent CTAs (seventeenth session; FwdWgmmaTraits::PERSISTENT, persistent_grid): the 192- and 128-row
+# tiles without EXTRA walk query blocks, one CTA an SM, where the call has no causal band; at head dim 128 O
+# is staged in a tile of its own (193 KB) so that the next block's Q lands during this one's epilogue.
+# benchmarks/tune_persistent.py on the H100 (queued, same buffers, bitwise-equal outputs): d=128 L=1024
+# 1.15x / 1.13x (bf16 / fp16), L=2048 1.08x / 1.04x, L=4096 1.03x / 1.00x; causal calls forced onto the
+# stride 0.94-1.02x (their blocks differ in work), so they keep a CTA a block; d=64's long-rows tile
+# (L = 4096 here) 1.00-1.02x.
 _add("fwd_wgmma", HALF_TYPES, [64], Tile(192, 128, 16, 2, "a TMA producer and three consumer warpgroups of 64 "
                                                          "rows, 128-key tiles: 89 KB"), arch="sm90a")
 _add("fwd_wgmma", HALF_TYPES, [128], Tile(128, 128, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
-                                                          "128-key tiles: 161 KB"), arch="sm90a")
+                                                          "128-key tiles, an O tile: 193 KB"), arch="sm90a")
 # Head dim 256: acc_o is 128 registers a consumer thread, so 64-key tiles (S 32, P 16 registers):
 # Q 64 KB + two stages of K and V 128 KB = 193 KB.
 _add("fwd_wgmma", HALF_TYPES, [256], Tile(128, 64, 12, 2, "a TMA producer and two consumer warpgroups of 64 rows, "
