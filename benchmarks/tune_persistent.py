@@ -30,13 +30,7 @@ import cupy as cp
 import cuflash
 from cuflash import _launch, _variants
 
-from tune_short import time_alone, time_queued
-
-try:
-    import torch
-except ImportError:   # pragma: no cover - the device has it
-    torch = None
-
+from tune_short import cudnn_contender, time_and_print
 
 @contextlib.contextmanager
 def grid_rule(kind):
@@ -77,34 +71,9 @@ def main():
                             with grid_rule(kind):
                                 return cuflash.attention(q, k, v, causal=causal)
                         fns[kind] = run
-                    if torch is not None:
-                        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-
-                        def cudnn():
-                            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-                        fns["cudnn"] = cudnn
-                    ref = fns["per-block"]().astype(cp.float32)
-                    diffs = {kind: float(cp.abs(fns[kind]().astype(cp.float32) - ref).max()) for kind in kinds}
-                    alone = {kind: [] for kind in fns}
-                    queued = {kind: [] for kind in fns}
-                    for _ in range(args.rounds):
-                        for kind, fn in fns.items():
-                            alone[kind].append(time_alone(fn, args.repeat))
-                            queued[kind].append(time_queued(fn, args.repeat))
-                    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-                    ms = {kind: float(np.median(x)) for kind, x in alone.items()}
-                    qms = {kind: float(np.median(x)) for kind, x in queued.items()}
-                    for kind in fns:
-                        vs = f"{ms['cudnn'] / ms[kind]:8.2f}" if "cudnn" in ms else f"{'':8}"
-                        qvs = f"{qms['cudnn'] / qms[kind]:10.2f}" if "cudnn" in qms else f"{'':10}"
-                        diff = f"{diffs[kind]:9.2e}" if kind in diffs else ""
-                        print(f"{dname:8} {d:3d} {n:5d} {str(causal):>6} {kind:>11} {ms[kind]:7.3f} "
-                              f"{flops / ms[kind] / 1e9:7.1f} {qms[kind]:7.3f} {flops / qms[kind] / 1e9:7.1f} {vs} "
-                              f"{qvs} {diff}", flush=True)
-
+                    fns.update(cudnn_contender(q, k, v, causal))
+                    time_and_print(fns, kinds, "per-block", 4 * b * h * n * n * d * (0.5 if causal else 1.0),
+                                   f"{dname:8} {d:3d} {n:5d} {str(causal):>6}", args.rounds, args.repeat, width=11)
 
 if __name__ == "__main__":
     main()
