@@ -190,6 +190,10 @@ _BACKWARD_PLANS: dict = {}
 
 
 class ForwardPlan(NamedTuple):
+    """What a forward call with a repeated signature needs: the device, the outputs' shapes and
+    dtypes, the first call's launch (variant, dims, CTAs, map boxes), its params and maps as bytes
+    with the addresses to be written in."""
+
     device: int
     out_shape: Tuple[int, ...]
     lse_shape: Tuple[int, ...]
@@ -205,6 +209,21 @@ _BWD_POINTERS = tuple(_params.STRUCTS["BwdParams"].fields[name][1]
                       for name in ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc", "dq", "dk", "dv"))
 
 
+def _without_addresses(params: _params.HostArg, pointers: tuple) -> bytes:
+    """A params struct's bytes with the array addresses at ``pointers`` zero: a plan's template."""
+    template = bytearray(params.data)
+    for offset in pointers:
+        template[offset:offset + 8] = bytes(8)
+    return bytes(template)
+
+
+def plans_apply(bias, mask, window, block_layout, seed, dropout_p) -> bool:
+    """Whether a call's masking options leave it one a plan can repeat: none given (a dropout_p of
+    exactly 0.0, as a float; anything else is for the checks to judge)."""
+    return (bias is None and mask is None and window is None and block_layout is None and seed is None
+            and type(dropout_p) is float and dropout_p == 0.0)
+
+
 def _plain_options(causal, scale) -> bool:
     """Whether ``causal`` and ``scale`` are of types a signature may hold as they are: any value here
     is hashed before the checks run (and True == 1, 1.0 == 1 as dict keys)."""
@@ -214,7 +233,8 @@ def _plain_options(causal, scale) -> bool:
 def forward_plan_key(q, k, v, causal, scale, precision) -> Optional[tuple]:
     """The signature a plan is stored under, or None for a call that takes no plan (not three CuPy
     arrays of exactly ``cupy.ndarray``, not 4-D, or a causal / scale of a type the checks would
-    have to judge: any value here is hashed before the checks run)."""
+    have to judge: any value here is hashed before the checks run). A scale of 0.0 and one of -0.0
+    share a key (equal as dict keys): both make every score 0, so out and lse are the same."""
     if not _plain_options(causal, scale):
         return None
     cupy = _checks_cupy()
@@ -225,7 +245,7 @@ def forward_plan_key(q, k, v, causal, scale, precision) -> Optional[tuple]:
         return None
     qd, kd, vd = q.data, k.data, v.data
     return (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, q.dtype, k.dtype, v.dtype,
-            qd.device_id, kd.device_id, vd.device_id, (qd.ptr | kd.ptr | vd.ptr) & 15,
+            qd.device_id, kd.device_id, vd.device_id, qd.ptr & 15, kd.ptr & 15, vd.ptr & 15,
             type(causal), causal, type(scale), scale, precision,
             _compute_capability, _smem_limit, _device_facts, forward_choice, _tma._encode_fn, persistent_grid,
             _variants.HOPPER_FWD_PERSISTENT)
@@ -249,15 +269,27 @@ def backward_plan_key(dout, q, k, v, out, lse, causal, scale, precision, determi
             dout.strides, q.strides, k.strides, v.strides, out.strides, lse.strides,
             dout.dtype, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype,
             gd.device_id, qd.device_id, kd.device_id, vd.device_id, od.device_id, ld.device_id,
-            (gd.ptr | qd.ptr | kd.ptr | vd.ptr | od.ptr | ld.ptr) & 15,
+            # each array's own: the choice reads some arrays' alignment and not others' (out, lse)
+            gd.ptr & 15, qd.ptr & 15, kd.ptr & 15, vd.ptr & 15, od.ptr & 15, ld.ptr & 15,
             type(causal), causal, type(scale), scale, precision, deterministic,
             _compute_capability, _smem_limit, _device_facts, backward_variants, _tma._encode_fn)
 
 
 def _store(plans: dict, limit: int, key: tuple, plan) -> None:
+    """Keep ``plan`` under ``key`` in ``plans``, which hold at most ``limit``."""
     if len(plans) >= limit:
         plans.clear()   # a loop over more signatures than this re-plans (no LRU bookkeeping a call)
     plans[key] = plan
+
+
+def forward_plan_for(key: Optional[tuple]) -> Optional["ForwardPlan"]:
+    """The forward plan stored under ``key`` (None: none, or no key)."""
+    return None if key is None else _FORWARD_PLANS.get(key)
+
+
+def backward_plan_for(key: Optional[tuple]) -> Optional["BackwardPlan"]:
+    """The backward plan stored under ``key`` (None: none, or no key)."""
+    return None if key is None else _BACKWARD_PLANS.get(key)
 
 
 def store_forward_plan(key: tuple, plan: ForwardPlan) -> None:
@@ -272,16 +304,15 @@ def clear_plans() -> None:
 
 def forward_plan(out, lse, launch: ForwardLaunch) -> ForwardPlan:
     """The plan of a call that launched ``launch`` into ``out`` and ``lse``."""
-    template = bytearray(launch.params.data)
-    for offset in _FWD_POINTERS:
-        template[offset:offset + 8] = bytes(8)
-    return ForwardPlan(out.data.device_id, out.shape, lse.shape, out.dtype, lse.dtype, launch, bytes(template),
+    return ForwardPlan(out.data.device_id, out.shape, lse.shape, out.dtype, lse.dtype, launch,
+                       _without_addresses(launch.params, _FWD_POINTERS),
                        None if launch.maps is None else bytes(launch.maps.data))
 
 
 def run_forward_plan(plan: ForwardPlan, q, k, v):
-    """(out, lse) of a call whose signature has ``plan``; None where its tensor maps cannot be
-    made after all (the caller then takes the full path)."""
+    """(out, lse) of a call whose signature has ``plan``; None where the driver has no
+    ``cuTensorMapReplaceAddress`` after all (the caller then takes the full path; an error of the
+    driver's raises, as the encoder's does on the full path)."""
     cupy, _ = _cupy()
     launch = plan.launch
     with on_device(plan.device):
@@ -318,6 +349,10 @@ class BackwardLaunch(NamedTuple):
 
 
 class BackwardPlan(NamedTuple):
+    """What a backward call with a repeated signature needs: the input shapes (the grads'), the first
+    call's launch (allocations, kernels, dims), its params and maps as bytes with the addresses to be
+    written in."""
+
     shapes: Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]   # q, k, v as given: the grads'
     launch: BackwardLaunch
     params: bytes              # BwdParams with the eleven array addresses zero
@@ -330,16 +365,14 @@ def store_backward_plan(key: tuple, plan: BackwardPlan) -> None:
 
 def backward_plan(shapes: tuple, launch: BackwardLaunch) -> BackwardPlan:
     """The plan of a call with inputs q, k, v of ``shapes`` that launched ``launch`` (no dbias)."""
-    template = bytearray(launch.params.data)
-    for offset in _BWD_POINTERS:
-        template[offset:offset + 8] = bytes(8)
-    return BackwardPlan(tuple(shapes), launch, bytes(template),
+    return BackwardPlan(tuple(shapes), launch, _without_addresses(launch.params, _BWD_POINTERS),
                         None if launch.maps is None else bytes(launch.maps.data))
 
 
 def run_backward_plan(plan: BackwardPlan, dout, q, k, v, out, lse) -> Optional[tuple]:
-    """(dq, dk, dv), shaped as q, k, v, of a call whose signature has ``plan``; None where its
-    tensor maps cannot be re-pointed after all (the caller then takes the full path). Allocates
+    """(dq, dk, dv), shaped as q, k, v, of a call whose signature has ``plan``; None where the
+    driver has no ``cuTensorMapReplaceAddress`` after all (the caller then takes the full path; an
+    error of the driver's raises). Allocates
     what :func:`launch_backward` allocates, in its order (the dQ accumulator zeroed)."""
     cupy, _ = _cupy()
     launch = plan.launch

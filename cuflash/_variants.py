@@ -561,12 +561,12 @@ def _smem_fwd_dmma(v: "Variant") -> int:
 
 
 def _smem_fwd_wgmma(v: "Variant") -> int:
-    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them), with EXTRA a swizzled
-    # block_m x block_n bias tile per stage, an O tile of Q's size where O is stored through its
-    # tensor map (head dim >= 128), the CTAs are persistent and it fits in sm_90's 227 KB (else O is
-    # staged in Q's tile), then
-    # the pipeline's mbarriers: Q full and empty, and full / empty for K and V per stage (with EXTRA
-    # for the bias too), 8 bytes each (FwdWgmmaTraits).
+    # Unpadded swizzled Q, K, V tiles (1024 bytes of slack to align them); with EXTRA a swizzled
+    # block_m x block_n bias tile per stage; an O tile of Q's size where O is stored through its
+    # tensor map (head dim >= 128) by CTAs that walk blocks and it fits in sm_90's 227 KB (else O is
+    # staged in Q's tile); then the pipeline's mbarriers: Q full and empty, and full / empty for K
+    # and V per stage (with EXTRA for the bias too), 8 bytes each (FwdWgmmaTraits, whose SMEM_LIMIT
+    # is SMEM_LIMITS' sm_90 entry).
     t = v.tile
     bias = t.stages * t.block_m * t.block_n if v.extra else 0
     barriers = 2 + 4 * t.stages + (2 * t.stages if v.extra else 0)

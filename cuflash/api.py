@@ -111,11 +111,10 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
     """
     _checks.check_unsupported(precision=precision)
     key = None
-    if (bias is None and mask is None and window is None and block_layout is None and seed is None
-            and type(dropout_p) is float and dropout_p == 0.0):
+    if _launch.plans_apply(bias, mask, window, block_layout, seed, dropout_p):
         # A call seen before with this signature: its plan (cuflash._launch's plans).
         key = _launch.forward_plan_key(q, k, v, causal, scale, precision)
-        plan = _launch._FORWARD_PLANS.get(key) if key is not None else None
+        plan = _launch.forward_plan_for(key)
         if plan is not None:
             result = _launch.run_forward_plan(plan, q, k, v)
             if result is not None:
@@ -221,11 +220,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
     """
     _checks.check_unsupported(precision=precision)
     key = None
-    if (bias is None and mask is None and window is None and block_layout is None and seed is None
-            and type(dropout_p) is float and dropout_p == 0.0):
+    if _launch.plans_apply(bias, mask, window, block_layout, seed, dropout_p):
         # A call seen before with this signature: its plan (cuflash._launch's plans).
         key = _launch.backward_plan_key(dout, q, k, v, out, lse, causal, scale, precision, deterministic)
-        plan = _launch._BACKWARD_PLANS.get(key) if key is not None else None
+        plan = _launch.backward_plan_for(key)
         if plan is not None:
             grads = _launch.run_backward_plan(plan, dout, q, k, v, out, lse)
             if grads is not None:

@@ -79,14 +79,20 @@ struct FwdWgmmaTraits {
     // spills 32-328 bytes there (acc_o of 128 registers; the EXTRA code), so those CTAs own one block.
     // The short tile runs two CTAs an SM, which hide each other's starts already.
     static constexpr bool PERSISTENT = Cfg::MIN_CTAS == 1 && !EXTRA && HEAD <= 128;
-    // O is staged for its store in a tile of its own where that fits (head dim 128: 193 KB), so that
-    // the next Q need not wait for the store; elsewhere in the Q tile (one block a CTA).
-    static constexpr int SMEM_LIMIT = 232448;   // sm_90's opt-in shared memory a block (227 KB)
+    // A walking CTA stages O for its store in a tile of its own (head dim 128: 193 KB), so that the
+    // next Q need not wait for the store; one that owns one block stages it in Q's tile.
+    // SMEM_LIMIT: sm_90's opt-in shared memory a block (227 KB; cuflash/_variants.py SMEM_LIMITS).
+    static constexpr int SMEM_LIMIT = 232448;
     static constexpr int O_BYTES =
         TMA_STORE_O && PERSISTENT && 1024 + TILE_BYTES + Q_BYTES + 8 * BARRIERS <= SMEM_LIMIT ? Q_BYTES : 0;
     static constexpr bool O_OWN_TILE = O_BYTES > 0;
     // Q is free for the next block once the last S = Q K^T has read it, unless O is staged there.
+    // A walking CTA always frees it so; the "staged in Q" arrivals below (after the store's read)
+    // come from CTAs that own one block, where no producer waits for them (left as run on the H100
+    // in the seventeenth session; dropping them changes those variants' SASS).
     static constexpr bool Q_FREE_AFTER_S = !TMA_STORE_O || O_OWN_TILE;
+    static_assert(!PERSISTENT || Q_FREE_AFTER_S,
+                  "a CTA that walks blocks frees Q after its last S = Q K^T: O is not staged in Q's tile");
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + O_BYTES + 8 * BARRIERS;
     // Registers a thread after the split: two consumer warpgroups 128 x 40 + 256 x 232, three
@@ -307,6 +313,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     };
 
     int t = 0, q_round = 0;   // as the producer's: visible tiles so far, blocks with tiles so far
+    if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
 #pragma unroll 1
     for (int idx = blockIdx.x; idx < blocks; idx += gridDim.x) {
         const QueryBlock blk = block_at(idx);
@@ -317,7 +324,6 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         const int warp_row0 = blk.m0 + cwarp * 16;
         start_rows(acc_o, row_max, row_sum);
         unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
-        if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
 
         int j = next_tile(keys.begin);
         const bool has_tiles = j < keys.end;
@@ -404,10 +410,6 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             fence_regs(p_frag);
             mbar_arrive(sm.v_empty((t - 1) & 1));
         }
-        // PINGPONG: every turn a warpgroup waits for is one the other gave. Both see the same
-        // tiles, so each took and gave (t - t0) + (t > t0) turns; consumer 1 gave one more at the
-        // block's start, which consumer 0 takes here, leaving no arrival pending.
-        if (Tr::PINGPONG && consumer == 0) my_turn();
 
         // Epilogue: O = acc_o / l, lse per row; rows past lq and columns past dv are not written.
         // Through shared memory where O's tile is free: its own tile, or Q's once this block's
@@ -466,6 +468,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         q_round += has_tiles;
         if constexpr (!Tr::PERSISTENT) break;
     }
+    // PINGPONG: every turn a warpgroup waits for is one the other gave, strictly alternating over all
+    // its blocks (both see the same tiles); consumer 1 gave one more at the start, which consumer 0
+    // takes here, leaving no arrival pending when the CTA exits.
+    if (Tr::PINGPONG && consumer == 0) my_turn();
     // Only until the engine has read the last tile: the CTA may exit with the writes in flight
     // (they land before the grid completes).
     if (Tr::TMA_STORE_O && Tr::O_OWN_TILE && threadIdx.x % 128 == 0) bulk_wait_read<0>();

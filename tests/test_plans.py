@@ -396,3 +396,30 @@ def test_backward_plans_without_readdressing_are_not_stored(fake, monkeypatch):
     monkeypatch.setattr(_tma, "_replace_fn", lambda: None)
     cuflash.attention_backward(*_bwd_inputs(dev))
     assert any(x[2] is not None for x in launches) and not _launch._BACKWARD_PLANS
+
+
+@pytest.mark.parametrize("cc", [90, 80])
+def test_backward_plans_tell_which_array_is_misaligned(fake, plans_run, monkeypatch, cc):
+    """out 8 bytes off a 16-byte boundary (which the kernel choice does not read) and then q so (which it
+    does: 16-byte loads, tensor maps): different signatures, so the second call is chosen afresh, and
+    launches what the full path launches for it."""
+    dev, launches = fake
+    monkeypatch.setattr(_launch, "_compute_capability", lambda: cc)
+
+    def shifted(x):
+        return cp.ndarray(x.shape, x.dtype, memptr=dev.empty((x.size + 8,), x.dtype).data + 8, strides=x.strides)
+
+    first = list(_bwd_inputs(dev))
+    first[4] = shifted(first[4])
+    cuflash.attention_backward(*first)
+    second = list(_bwd_inputs(dev))
+    second[1] = shifted(second[1])
+    n = len(launches)
+    cuflash.attention_backward(*second)
+    assert plans_run == [] and len(_launch._BACKWARD_PLANS) == 2
+    planned = [x[0] for x in launches[n:]]
+    _launch.clear_plans()
+    n = len(launches)
+    cuflash.attention_backward(*second)
+    assert [x[0] for x in launches[n:]] == planned
+    assert all(v.arch == "sm80" and not v.vec for v in planned)   # misaligned q: no maps, element loads
