@@ -77,11 +77,11 @@ def opts(p):
     return dict(causal=p["causal"], bias=p["bias"], mask=p["mask"])
 
 
-def assert_lse_equal(got, ref, rtol):
+def assert_lse_equal(got, ref, rtol, atol=1e-12):
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
     seen = np.isfinite(ref)
     assert np.isfinite(got[seen]).all()
-    np.testing.assert_allclose(got[seen], ref[seen], rtol=rtol, atol=1e-12)
+    np.testing.assert_allclose(got[seen], ref[seen], rtol=rtol, atol=atol)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -96,7 +96,15 @@ def test_blocked_equals_naive(p):
     assert bout.dtype == out.dtype == np.float64
     assert np.isfinite(out).all() and np.isfinite(bout).all()
     np.testing.assert_allclose(bout, out, rtol=1e-10, atol=_out_atol(lse, p["v"]))
-    assert_lse_equal(blse, lse, rtol=1e-12)
+    assert_lse_equal(blse, lse, rtol=1e-12, atol=_lse_atol(lse))
+
+
+def _lse_atol(lse):
+    """Absolute tolerance between two float64 computations of lse: 1e-12, plus a few float64 ulps of the
+    largest |s| ~ |lse|, which the tiles' and the whole matrix's products round differently. A row whose
+    lse cancels to ~0.13 among logits ~1e4 differed by 1.4e-12 (a CI run's hypothesis case)."""
+    seen = np.isfinite(lse)
+    return 1e-12 + 16 * np.finfo(np.float64).eps * (float(np.abs(lse[seen]).max()) if seen.any() else 0.0)
 
 
 def _out_atol(lse, v):
