@@ -22,15 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import ml_dtypes
-import numpy as np
-
-import cupy as cp
-
 import cuflash
 from cuflash import _launch, _variants
 
-from tune_short import cudnn_contender, time_and_print
+from tune_short import cudnn_contender, flops, print_header, problems, time_and_print
+
 
 @contextlib.contextmanager
 def grid_rule(kind):
@@ -54,26 +50,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=30)
     args = ap.parse_args()
-    print(f"{'dtype':8} {'D':>3} {'L':>5} {'causal':>6} {'contender':>11} {'ms':>7} {'TFLOP/s':>7} {'queued':>7} "
-          f"{'TFLOP/s':>7} {'vs cudnn':>8} {'q vs cudnn':>10} {'max|diff|':>9}")
-    for d in (int(x) for x in args.heads.split(",")):
-        for dname in args.dtypes.split(","):
-            dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dname]
-            for n in (int(x) for x in args.lengths.split(",")):
-                b, h = max(1, 16384 // n), 2048 // d
-                rng = cp.random.default_rng(0)
-                q, k, v = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(3))
-                for causal in (c == "yes" for c in args.causal.split(",")):
-                    kinds = ["per-block", "persistent"] + (["persist-all"] if causal else [])
-                    fns = {}
-                    for kind in kinds:
-                        def run(kind=kind):
-                            with grid_rule(kind):
-                                return cuflash.attention(q, k, v, causal=causal)
-                        fns[kind] = run
-                    fns.update(cudnn_contender(q, k, v, causal))
-                    time_and_print(fns, kinds, "per-block", 4 * b * h * n * n * d * (0.5 if causal else 1.0),
-                                   f"{dname:8} {d:3d} {n:5d} {str(causal):>6}", args.rounds, args.repeat, width=11)
+    print_header(width=11)
+    for dname, d, n, (q, k, v) in problems(args.heads, args.dtypes, args.lengths):
+        for causal in (c == "yes" for c in args.causal.split(",")):
+            kinds = ["per-block", "persistent"] + (["persist-all"] if causal else [])
+            fns = {}
+            for kind in kinds:
+                def run(kind=kind):
+                    with grid_rule(kind):
+                        return cuflash.attention(q, k, v, causal=causal)
+                fns[kind] = run
+            fns.update(cudnn_contender(q, k, v, causal))
+            time_and_print(fns, kinds, "per-block", flops(q, causal), f"{dname:8} {d:3d} {n:5d} {str(causal):>6}",
+                           args.rounds, args.repeat, width=11)
 
 if __name__ == "__main__":
     main()

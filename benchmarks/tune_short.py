@@ -83,26 +83,43 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=30)
     args = ap.parse_args()
-    print(f"{'dtype':8} {'D':>3} {'L':>5} {'causal':>6} {'contender':>9} {'ms':>7} {'TFLOP/s':>7} {'queued':>7} "
+    print_header(width=9)
+    for dname, d, n, (q, k, v) in problems(args.heads, args.dtypes, args.lengths):
+        for causal in (False, True):
+            kinds = ["portable", "hopper"] + (["short"] if has_short_tile(dname, d) else [])
+            fns = {}
+            for kind in kinds:
+                def run(kind=kind):
+                    with forced(kind):
+                        return cuflash.attention(q, k, v, causal=causal)
+                fns[kind] = run
+            fns.update(cudnn_contender(q, k, v, causal))
+            time_and_print(fns, kinds, "portable", flops(q, causal), f"{dname:8} {d:3d} {n:5d} {str(causal):>6}",
+                           args.rounds, args.repeat, width=9)
+
+
+def print_header(width: int) -> None:
+    print(f"{'dtype':8} {'D':>3} {'L':>5} {'causal':>6} {'contender':>{width}} {'ms':>7} {'TFLOP/s':>7} {'queued':>7} "
           f"{'TFLOP/s':>7} {'vs cudnn':>8} {'q vs cudnn':>10} {'max|diff|':>9}")
-    for d in (int(x) for x in args.heads.split(",")):
-        for dname in args.dtypes.split(","):
+
+
+def problems(heads: str, dtypes: str, lengths: str):
+    """(dtype name, head dim, L, (q, k, v)) for every comma-separated head dim, dtype and length: B x L =
+    16384 tokens, H x D = 2048 (bench.py's shape), standard normal values."""
+    for d in (int(x) for x in heads.split(",")):
+        for dname in dtypes.split(","):
             dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dname]
-            for n in (int(x) for x in args.lengths.split(",")):
+            for n in (int(x) for x in lengths.split(",")):
                 b, h = max(1, 16384 // n), 2048 // d
                 rng = cp.random.default_rng(0)
-                q, k, v = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(3))
-                for causal in (False, True):
-                    kinds = ["portable", "hopper"] + (["short"] if has_short_tile(dname, d) else [])
-                    fns = {}
-                    for kind in kinds:
-                        def run(kind=kind):
-                            with forced(kind):
-                                return cuflash.attention(q, k, v, causal=causal)
-                        fns[kind] = run
-                    fns.update(cudnn_contender(q, k, v, causal))
-                    time_and_print(fns, kinds, "portable", 4 * b * h * n * n * d * (0.5 if causal else 1.0),
-                                   f"{dname:8} {d:3d} {n:5d} {str(causal):>6}", args.rounds, args.repeat, width=9)
+                yield dname, d, n, tuple(rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype)
+                                         for _ in range(3))
+
+
+def flops(q, causal) -> float:
+    """Forward FLOPs of self-attention on q's shape (B, H, L, D): 4 B H L^2 D, halved when causal."""
+    b, h, n, d = q.shape
+    return 4 * b * h * n * n * d * (0.5 if causal else 1.0)
 
 
 def cudnn_contender(q, k, v, causal) -> dict:

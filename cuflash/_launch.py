@@ -217,6 +217,12 @@ def _without_addresses(params: _params.HostArg, pointers: tuple) -> bytes:
     return bytes(template)
 
 
+def replayable(launch) -> bool:
+    """Whether a launch (:class:`ForwardLaunch` or :class:`BackwardLaunch`) can be repeated by a plan:
+    without tensor maps, or where the driver can re-point them."""
+    return launch.maps is None or _tma.can_readdress()
+
+
 def plans_apply(bias, mask, window, block_layout, seed, dropout_p) -> bool:
     """Whether a call's masking options leave it one a plan can repeat: none given (a dropout_p of
     exactly 0.0, as a float; anything else is for the checks to judge)."""

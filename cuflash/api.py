@@ -5,7 +5,7 @@ from typing import Any, Literal, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _checks, _launch, _masking, _tma, reference
+from . import _checks, _launch, _masking, reference
 from ._launch import launch_backward, launch_forward, on_device
 from .block_sparse import BlockLayout
 
@@ -168,7 +168,7 @@ def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype, precision: 
             launched = launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype,
                                       masking=_masking.kernel_masking(p, opts), scale=p.scale, group=p.group,
                                       precision=precision)
-            if plan_key is not None and not opts.extra and (launched.maps is None or _tma.can_readdress()):
+            if plan_key is not None and not opts.extra and _launch.replayable(launched):
                 _launch.store_forward_plan(plan_key, _launch.forward_plan(out, lse, launched))
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
@@ -263,7 +263,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
             # their addresses (views; a copy the checks made, e.g. of a strided last axis or an lse of
             # another dtype, is a new allocation). No EXTRA option (key is None for any masking).
             if (key is not None and not opts.extra
-                    and (launched.maps is None or _tma.can_readdress())
+                    and _launch.replayable(launched)
                     and all(a.data.ptr == b.data.ptr for a, b in ((p.q, q), (p.k, k), (p.v, v), (dout4, dout),
                                                                  (out4, out), (lse4, lse)))):
                 _launch.store_backward_plan(key, _launch.backward_plan(shapes, launched))
