@@ -329,12 +329,15 @@ def main(argv=None):
               if (args.dtypes is None or c[0] in args.dtypes.split(","))
               and (args.head_dims is None or str(c[4]) in args.head_dims.split(","))]
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
-    results = [run_case(*c, repeat=args.repeat, skip=skip) for c in tqdm(chosen, file=sys.stderr)]
     out = Path(args.out or time.strftime("cuflash-bench-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "cupy": cp.__version__, "torch": getattr(torch, "__version__", None),
             "cuflash": cuflash.__version__}
-    (out / f"{slug}.json").write_text(json.dumps({"meta": meta, "cases": results}, indent=1))
+    results = []
+    for c in tqdm(chosen, file=sys.stderr):
+        results.append(run_case(*c, repeat=args.repeat, skip=skip))
+        # Written after every case, so a run stopped part way keeps what it measured.
+        (out / f"{slug}.json").write_text(json.dumps({"meta": meta, "cases": results}, indent=1))
     table = markdown(results, device)
     (out / f"{slug}.md").write_text(table)
     plot(results, out / f"{slug}.png", device)
