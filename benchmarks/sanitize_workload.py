@@ -125,7 +125,8 @@ def hopper_extra(dtypes) -> None:
 def hopper_persistent(dtypes) -> None:
     """Forwards on the Hopper kernel's persistent variants (head dims 64 and 128) with three CTAs, so
     that each walks many query blocks (its stage ring, Q barriers and O staging tile reused), causal
-    ones forced onto that grid too: bottom-right with Lq > Lk leaves whole blocks without a key."""
+    ones forced onto that grid too (head dim 128 taking its blocks from the block queue, 64 striding):
+    bottom-right with Lq > Lk leaves whole blocks without a key."""
     from cuflash import _launch, _variants
 
     facts = _launch._device_facts

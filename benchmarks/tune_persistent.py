@@ -7,8 +7,10 @@ the next block's Q and first tiles landing while this one finishes. This script 
 same buffers and interleaved round by round,
 
     per-block    a CTA a query block (HOPPER_FWD_PERSISTENT off)
-    persistent   one CTA an SM, a stride over the blocks (the default for calls without a causal band)
-    persist-all  the same stride forced onto causal calls too (their blocks differ in work)
+    persistent   the default: one CTA an SM, a stride over the blocks without a causal band; causal
+                 head dim 128 takes its blocks from a block queue (eighteenth session), causal head
+                 dim 64 a CTA a block
+    stride       one CTA an SM striding over causal blocks too (their blocks differ in work)
     cudnn        PyTorch SDPA's cuDNN backend (when torch imports)
 
 at B x L = 16384 tokens, H x D = 2048 (bench.py's shape), timed alone (cupyx benchmark: the host's
@@ -30,15 +32,16 @@ from tune_short import cudnn_contender, flops, print_header, problems, time_and_
 
 @contextlib.contextmanager
 def grid_rule(kind):
-    """Forwards launched by one grid rule ("per-block", "persistent" or "persist-all")."""
-    saved = _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid
+    """Forwards launched by one grid rule ("per-block", "persistent" or "stride")."""
+    saved = _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid, _launch.block_queue
     _variants.HOPPER_FWD_PERSISTENT = kind != "per-block"
-    if kind == "persist-all":
+    if kind == "stride":
         _launch.persistent_grid = _variants.wgmma_persistent
+        _launch.block_queue = lambda variant: False
     try:
         yield
     finally:
-        _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid = saved
+        _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid, _launch.block_queue = saved
 
 
 def main():
@@ -53,7 +56,7 @@ def main():
     print_header(width=11)
     for dname, d, n, (q, k, v) in problems(args.heads, args.dtypes, args.lengths):
         for causal in (c == "yes" for c in args.causal.split(",")):
-            kinds = ["per-block", "persistent"] + (["persist-all"] if causal else [])
+            kinds = ["per-block", "persistent"] + (["stride"] if causal else [])
             fns = {}
             for kind in kinds:
                 def run(kind=kind):

@@ -12,8 +12,8 @@ import numpy as np
 from . import _params, _tma, _variants
 from ._checks import _cupy as _checks_cupy
 from ._build import get_kernel
-from ._variants import (TF32_BWD_FAMILIES, Variant, backward_variants, forward_choice, head_bucket, persistent_grid,
-                        row_class, vec_chunk)
+from ._variants import (TF32_BWD_FAMILIES, Variant, backward_variants, block_queue, forward_choice, head_bucket,
+                        persistent_grid, row_class, vec_chunk)
 
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -124,7 +124,6 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     variant, portable = forward_choice(dtype, head, band, extra, vec_loads_ok(d, dv, q, k, v),
                                         row_class(head, k.shape[2], band), _compute_capability(), _smem_limit(),
                                         precision)
-    params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values)
     extra_args = ()
     if variant.arch == "sm90a":
         # The Hopper kernels (16-bit, and float32 on TF32 wgmma) load through tensor maps (the driver's
@@ -142,18 +141,31 @@ def launch_forward(q, k, v, out, lse, *, dtype: str, masking, scale: float, grou
     else:
         map_boxes = None
     dims = (q.shape[0], q.shape[1], group, q.shape[2], k.shape[2])
-    ctas = 0
+    ctas, queue = 0, None
     if persistent_grid(variant):
         cupy, _ = _cupy()
         ctas = min(variant.grid(*dims), _device_facts(cupy.cuda.runtime.getDevice())[3])
+        if block_queue(variant):
+            queue = new_block_queue()
+    params = _params.fwd_params(q, k, v, out, lse, group=group, scale=scale, mask=masking.values,
+                                block_queue=0 if queue is None else queue.data.ptr)
     _launch(variant, params, dims, ctas, extra_args=extra_args)
-    return ForwardLaunch(variant, dims, ctas, params, map_boxes, extra_args[0] if extra_args else None)
+    return ForwardLaunch(variant, dims, ctas, params, map_boxes, extra_args[0] if extra_args else None,
+                         queue is not None)
+
+
+def new_block_queue():
+    """A zeroed int32 on the current device: the counter a persistent grid takes its blocks from
+    (FwdParams::block_queue). One a launch: CTAs of two launches never share one (two streams)."""
+    cupy, _ = _cupy()
+    return cupy.zeros(1, dtype=cupy.int32)
 
 
 class ForwardLaunch(NamedTuple):
     """What :func:`launch_forward` launched: the variant, the grid's dims, its CTAs (0: a CTA a query
     block), its params, the boxes of its tensor maps ((block_m, block_n, store_out), or None for a
-    kernel without maps) and the maps."""
+    kernel without maps), the maps, and whether it took its blocks from a block queue
+    (:func:`new_block_queue`, a new one a launch)."""
 
     variant: Variant
     dims: Tuple[int, int, int, int, int]
@@ -161,6 +173,7 @@ class ForwardLaunch(NamedTuple):
     params: _params.HostArg
     map_boxes: Optional[Tuple[int, int, bool]]
     maps: Optional[_params.HostArg]
+    queue: bool = False
 
 
 # ------------------------------------------------------------------ plans
@@ -200,11 +213,12 @@ class ForwardPlan(NamedTuple):
     out_dtype: object
     lse_dtype: object
     launch: ForwardLaunch
-    params: bytes              # FwdParams with the five array addresses zero
+    params: bytes              # FwdParams with the five array addresses (and the block queue's) zero
     maps: Optional[bytes]      # the first call's tensor maps (their addresses are replaced), or None
 
 
 _FWD_POINTERS = tuple(_params.STRUCTS["FwdParams"].fields[name][1] for name in ("q", "k", "v", "out", "lse"))
+_FWD_QUEUE = (_params.STRUCTS["FwdParams"].fields["block_queue"][1],)
 _BWD_POINTERS = tuple(_params.STRUCTS["BwdParams"].fields[name][1]
                       for name in ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc", "dq", "dk", "dv"))
 
@@ -254,7 +268,7 @@ def forward_plan_key(q, k, v, causal, scale, precision) -> Optional[tuple]:
             qd.device_id, kd.device_id, vd.device_id, qd.ptr & 15, kd.ptr & 15, vd.ptr & 15,
             type(causal), causal, type(scale), scale, precision,
             _compute_capability, _smem_limit, _device_facts, forward_choice, _tma._encode_fn, persistent_grid,
-            _variants.HOPPER_FWD_PERSISTENT)
+            block_queue, _variants.HOPPER_FWD_PERSISTENT)
 
 
 def backward_plan_key(dout, q, k, v, out, lse, causal, scale, precision, deterministic) -> Optional[tuple]:
@@ -311,7 +325,7 @@ def clear_plans() -> None:
 def forward_plan(out, lse, launch: ForwardLaunch) -> ForwardPlan:
     """The plan of a call that launched ``launch`` into ``out`` and ``lse``."""
     return ForwardPlan(out.data.device_id, out.shape, lse.shape, out.dtype, lse.dtype, launch,
-                       _without_addresses(launch.params, _FWD_POINTERS),
+                       _without_addresses(launch.params, _FWD_POINTERS + _FWD_QUEUE),
                        None if launch.maps is None else bytes(launch.maps.data))
 
 
@@ -332,6 +346,9 @@ def run_forward_plan(plan: ForwardPlan, q, k, v):
             extra_args = (maps,)
         params = _params.HostArg(plan.params)
         params.put_addresses(_FWD_POINTERS, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
+        if launch.queue:
+            queue = new_block_queue()
+            params.put_addresses(_FWD_QUEUE, (queue.data.ptr,))
         _launch(launch.variant, params, launch.dims, launch.ctas, extra_args=extra_args)
     return out, lse
 

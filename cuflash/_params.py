@@ -34,7 +34,7 @@ STRUCTS: Dict[str, np.dtype] = {
     "DbiasParams": _DBIAS,
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64),
-                           ("scale_log2_f", np.float32)], align=True),
+                           ("scale_log2_f", np.float32), ("block_queue", np.uint64)], align=True),
     "BwdParams": np.dtype([(n, _VIEW) for n in ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc",
                                                   "dq", "dk", "dv")]
                           + [("dims", _DIMS), ("mask", _MASK), ("dbias", _DBIAS), ("scale", np.float64),
@@ -145,12 +145,16 @@ def as_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF) -> HostArg:
+def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF,
+               block_queue: int = 0) -> HostArg:
     """FwdParams for 4-D views ``q (B, Hq, Lq, D)``, ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``
-    and MaskParams' values ``mask`` (cuflash._masking), as ``sizeof(FwdParams)`` bytes."""
+    and MaskParams' values ``mask`` (cuflash._masking), as ``sizeof(FwdParams)`` bytes.
+    ``block_queue``: the address of a zeroed int32 a persistent Hopper grid takes its blocks from
+    (0: none)."""
     b, hq, lq, d = q.shape
     values = (*view(q), *view(k), *view(v), *view(out), *view(lse),
-              b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, scale * LOG2E, as_float32(scale * LOG2E))
+              b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, scale * LOG2E, as_float32(scale * LOG2E),
+              block_queue)
     return HostArg(_PACK["FwdParams"].pack(*values))
 
 

@@ -565,11 +565,13 @@ def _smem_fwd_wgmma(v: "Variant") -> int:
     # block_m x block_n bias tile per stage; an O tile of Q's size where O is stored through its
     # tensor map (head dim >= 128) by CTAs that walk blocks and it fits in sm_90's 227 KB (else O is
     # staged in Q's tile); then the pipeline's mbarriers: Q full and empty, and full / empty for K
-    # and V per stage (with EXTRA for the bias too), 8 bytes each (FwdWgmmaTraits, whose SMEM_LIMIT
-    # is SMEM_LIMITS' sm_90 entry).
+    # and V per stage (with EXTRA for the bias too), and a walking CTA's block-index ring, 8 bytes
+    # each (FwdWgmmaTraits, whose SMEM_LIMIT is SMEM_LIMITS' sm_90 entry).
     t = v.tile
     bias = t.stages * t.block_m * t.block_n if v.extra else 0
     barriers = 2 + 4 * t.stages + (2 * t.stages if v.extra else 0)
+    if walk_ring(v):
+        barriers += 2 + 2 * 2   # BlockWalk's two index slots and their full / empty barriers
     q_bytes = t.block_m * v.head * ITEMSIZE[v.dtype]
     total = 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype] + 8 * barriers
     own_o = v.head >= 128 and wgmma_persistent(v) and total + q_bytes <= SMEM_LIMITS["sm_90 (H100, H200)"]
@@ -577,18 +579,33 @@ def _smem_fwd_wgmma(v: "Variant") -> int:
 
 
 HOPPER_FWD_PERSISTENT = True
-"""Launch the Hopper forward's PERSISTENT variants without a causal band one CTA an SM, each walking
-query blocks in turn (:func:`persistent_grid`); False: a CTA a block (benchmarks compare the two)."""
+"""Launch the Hopper forward's PERSISTENT variants one CTA an SM, each walking query blocks in turn
+(:func:`persistent_grid`); False: a CTA a block (benchmarks compare the two)."""
 
 
 def persistent_grid(v: "Variant") -> bool:
     """Whether ``v`` launches one CTA an SM rather than one a query block: a :func:`wgmma_persistent`
-    variant without a causal band. Its blocks are of equal work, so a stride over them balances the
-    SMs; causal blocks differ up to Lk / block_n-fold: counting visible key tiles, a stride of 132 (the
+    variant. Without a causal band its blocks are of equal work, and a stride over them balances the
+    SMs. Causal blocks differ up to Lk / block_n-fold: counting visible key tiles, a stride of 132 (the
     H100's SMs) leaves the busiest SM at 1.21x the mean at L = 2048 with 128-row blocks (1.38x at
-    1024, 1.13x at 4096), where the hardware's CTA scheduler hands the next block to whichever SM
-    frees first."""
-    return HOPPER_FWD_PERSISTENT and wgmma_persistent(v) and not v.band
+    1024, 1.13x at 4096; measured 0.94-1.02x of a CTA a block), so a banded grid takes its blocks from
+    a queue (:func:`block_queue`), each going to whichever CTA frees first, as the hardware's CTA
+    scheduler hands out a grid of one CTA a block."""
+    return HOPPER_FWD_PERSISTENT and wgmma_persistent(v) and (not v.band or block_queue(v))
+
+
+def walk_ring(v: "Variant") -> bool:
+    """Whether a :func:`wgmma_persistent` variant's producer hands its blocks to the consumers through
+    a ring (FwdWgmmaTraits::WALK_RING: two consumer warpgroups, head dim 128's tile), so that it can take
+    them from a block queue."""
+    return wgmma_persistent(v) and v.tile.warps == 12
+
+
+def block_queue(v: "Variant") -> bool:
+    """Whether a persistent launch of ``v`` takes its blocks from a zeroed counter the host passes
+    (``FwdParams::block_queue``) rather than striding: a causal band, whose blocks differ in work, on
+    a :func:`walk_ring` variant. Causal variants without the ring launch a CTA a block."""
+    return walk_ring(v) and v.band
 
 
 def wgmma_persistent(v: "Variant") -> bool:

@@ -79,12 +79,20 @@ struct FwdWgmmaTraits {
     // spills 32-328 bytes there (acc_o of 128 registers; the EXTRA code), so those CTAs own one block.
     // The short tile runs two CTAs an SM, which hide each other's starts already.
     static constexpr bool PERSISTENT = Cfg::MIN_CTAS == 1 && !EXTRA && HEAD <= 128;
+    // WALK_RING: a walking CTA's producer hands each block index to the consumers through a two-slot
+    // ring (BlockWalk; 8 bytes a slot and full / empty mbarriers a slot, after the pipeline's
+    // barriers), so that a causal grid can take its blocks from the host's queue. Two consumer
+    // warpgroups only: the producer beside three runs on 24-32 registers, and the ring spilled 48-88
+    // bytes there (NVRTC 12.9); those CTAs stride (the host launches causal ones a CTA a block).
+    static constexpr bool WALK_RING = PERSISTENT && CONSUMERS == 2;
+    static constexpr int WALK_WORDS = WALK_RING ? 2 + 2 * 2 : 0;
+    static constexpr int BARRIER_BYTES = 8 * (BARRIERS + WALK_WORDS);
     // A walking CTA stages O for its store in a tile of its own (head dim 128: 193 KB), so that the
     // next Q need not wait for the store; one that owns one block stages it in Q's tile.
     // SMEM_LIMIT: sm_90's opt-in shared memory a block (227 KB; cuflash/_variants.py SMEM_LIMITS).
     static constexpr int SMEM_LIMIT = 232448;
     static constexpr int O_BYTES =
-        TMA_STORE_O && PERSISTENT && 1024 + TILE_BYTES + Q_BYTES + 8 * BARRIERS <= SMEM_LIMIT ? Q_BYTES : 0;
+        TMA_STORE_O && PERSISTENT && 1024 + TILE_BYTES + Q_BYTES + BARRIER_BYTES <= SMEM_LIMIT ? Q_BYTES : 0;
     static constexpr bool O_OWN_TILE = O_BYTES > 0;
     // Q is free for the next block once the last S = Q K^T has read it, unless O is staged there.
     // A walking CTA always frees it so; the "staged in Q" arrivals below (after the store's read)
@@ -94,7 +102,7 @@ struct FwdWgmmaTraits {
     static_assert(!PERSISTENT || Q_FREE_AFTER_S,
                   "a CTA that walks blocks frees Q after its last S = Q K^T: O is not staged in Q's tile");
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
-    static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + O_BYTES + 8 * BARRIERS;
+    static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + O_BYTES + BARRIER_BYTES;
     // Registers a thread after the split: two consumer warpgroups 128 x 40 + 256 x 232, three
     // 128 x 24 + 384 x 160; with EXTRA the producer's bias loaders walk the tiles too (classify)
     // and need 32 beside three consumer warpgroups, which fills the register file exactly.
@@ -107,9 +115,13 @@ struct FwdWgmmaTraits {
     // nothing to overlap them) and its epilogue, which one CTA an SM leaves bare: ~16 K cycles a
     // block against ~2.5 K a key tile at L = 1024 (ncu, thirteenth session).
     static constexpr int LAUNCH_REGS = 65536 / (THREADS * Cfg::MIN_CTAS) / 8 * 8;
-    static constexpr int PRODUCER_REGS = Cfg::MIN_CTAS > 1 ? 24 : CONSUMERS == 2 ? 40 : EXTRA ? 32 : 24;
+    // WALK_RING's producer keeps its ring's round and its blocks' bounds beside the tile loop: with 40
+    // registers it spilled 84-168 bytes; 56 leaves the consumers 224 (no spill).
+    static constexpr int PRODUCER_REGS =
+        Cfg::MIN_CTAS > 1 ? 24 : WALK_RING ? 56 : CONSUMERS == 2 ? 40 : EXTRA ? 32 : 24;
     static constexpr int CONSUMER_REGS = Cfg::MIN_CTAS > 1
-        ? (THREADS * LAUNCH_REGS - 128 * PRODUCER_REGS) / CONSUMER_THREADS / 8 * 8 : CONSUMERS == 2 ? 232 : 160;
+        ? (THREADS * LAUNCH_REGS - 128 * PRODUCER_REGS) / CONSUMER_THREADS / 8 * 8
+        : WALK_RING ? 224 : CONSUMERS == 2 ? 232 : 160;
     static_assert(Cfg::MIN_CTAS == 1 || (Cfg::MIN_CTAS == 2 && CONSUMERS == 2 && !EXTRA),
                   "two CTAs an SM: two consumer warpgroups, no EXTRA (more registers for its bias loaders)");
     static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
@@ -148,6 +160,51 @@ struct WgmmaSmem {
     __device__ __forceinline__ unsigned v_empty(int stage) const { return bars + 8 * (5 + 4 * stage); }
     __device__ __forceinline__ unsigned bias_full(int stage) const { return bars + 8 * (2 + 4 * Tr::STAGES + 2 * stage); }
     __device__ __forceinline__ unsigned bias_empty(int stage) const { return bars + 8 * (3 + 4 * Tr::STAGES + 2 * stage); }
+    // BlockWalk's ring (WALK_RING only): two index slots, then their full and empty barriers.
+    __device__ __forceinline__ unsigned walk_ring() const { return bars + 8 * Tr::BARRIERS; }
+};
+
+// The query blocks a CTA owns, in turn. One that owns one block (not PERSISTENT) has blockIdx.x. A
+// walking CTA takes blockIdx.x first, then strides by gridDim.x (blocks of equal work), or, with
+// WALK_RING and a block queue from the host (a causal band: blocks differ up to Lk / BN-fold in work),
+// its producer thread takes the next index from the queue's counter, so that each block goes to
+// whichever CTA frees first, in the grid's order (longest first within a head), as the hardware's CTA
+// scheduler hands out a grid of one CTA a block. With WALK_RING the producer hands every index (>=
+// blocks: no more) to the consumers through a two-slot ring, so that both walk the same blocks; the
+// consumers learn the next block as soon as the producer takes it, about two tiles before they finish
+// the current one.
+// (Held by value, addresses and all: a reference to the CTA's WgmmaSmem put that struct on the stack.)
+template <typename Tr>
+struct BlockWalk {
+    unsigned ring;   // WgmmaSmem::walk_ring()
+    int round = 0;   // indices handed over so far
+
+    __device__ __forceinline__ unsigned slot(int s) const { return ring + 8 * s; }
+    __device__ __forceinline__ unsigned full(int s) const { return ring + 8 * (2 + s); }
+    __device__ __forceinline__ unsigned empty(int s) const { return ring + 8 * (4 + s); }
+
+    // Producer: hand `idx` to the consumers once they have read the slot's previous index.
+    __device__ __forceinline__ void give(int idx) {
+        const int s = round & 1;
+        mbar_wait(empty(s), ((round >> 1) & 1) ^ 1);   // the round before this one
+        st_shared_s32(slot(s), idx);
+        mbar_arrive(full(s));                           // release: the index before it
+        ++round;
+    }
+    // Producer: the block after `idx`, striding or from the host's counter `queue` (FwdParams', read
+    // from the parameter bank where used).
+    __device__ __forceinline__ static int next(int idx, int* queue) {
+        return Tr::WALK_RING && queue != nullptr ? int(gridDim.x) + atomicAdd(queue, 1) : idx + int(gridDim.x);
+    }
+    // Consumer thread: the next index the producer gave.
+    __device__ __forceinline__ int take() {
+        const int s = round & 1;
+        mbar_wait(full(s), (round >> 1) & 1);
+        const int idx = ld_shared_s32(slot(s));
+        mbar_arrive(empty(s));
+        ++round;
+        return idx;
+    }
 };
 
 // The producer's one thread, for one query block: K_j and V_j of every visible tile into stage
@@ -201,8 +258,8 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first, or fewer
 // (persistent: the host launches one CTA an SM where that pays, cuflash/_launch.py), each walking
-// blocks blockIdx.x, blockIdx.x + gridDim.x, ... in that order. A CTA's producer and consumers walk
-// the same blocks and tiles, so the stage ring and its parities simply run on across blocks.
+// blocks in turn (BlockWalk). A CTA's producer and consumers walk the same blocks and tiles, so the
+// stage ring and its parities simply run on across blocks.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
 template <typename T, typename Cfg, typename Flags>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
@@ -245,6 +302,13 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 mbar_init(sm.bias_empty(s), Tr::CONSUMER_THREADS);
             }
         }
+        if constexpr (Tr::WALK_RING) {
+            const BlockWalk<Tr> walk{sm.walk_ring()};
+            for (int s = 0; s < 2; ++s) {
+                mbar_init(walk.full(s), 1);
+                mbar_init(walk.empty(s), Tr::CONSUMER_THREADS);
+            }
+        }
         mbar_init_fence();
     }
     __syncthreads();   // the last CTA-wide barrier: from here on, the mbarriers order everything
@@ -255,8 +319,11 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         const bool bias_loader = Flags::EXTRA && loader >= 0 && loader < Tr::BIAS_LOADERS;
         if (threadIdx.x != 0 && !bias_loader) return;
         int t = 0, q_round = 0;
+        BlockWalk<Tr> walk{sm.walk_ring()};
 #pragma unroll 1
-        for (int idx = blockIdx.x; idx < blocks; idx += gridDim.x) {
+        for (int idx = blockIdx.x;; idx = walk.next(idx, p.block_queue)) {
+            if constexpr (Tr::WALK_RING) walk.give(idx);   // (only thread 0 walks: no bias loaders)
+            if (idx >= blocks) break;
             const QueryBlock blk = block_at(idx);
             const auto mod = score_mod(blk);
             const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
@@ -313,9 +380,12 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     };
 
     int t = 0, q_round = 0;   // as the producer's: visible tiles so far, blocks with tiles so far
+    BlockWalk<Tr> walk{sm.walk_ring()};
     if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
 #pragma unroll 1
-    for (int idx = blockIdx.x; idx < blocks; idx += gridDim.x) {
+    for (int idx = blockIdx.x;; idx += gridDim.x) {
+        if constexpr (Tr::WALK_RING) idx = walk.take();
+        if (idx >= blocks) break;
         const QueryBlock blk = block_at(idx);
         const auto mod = score_mod(blk);
         const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);

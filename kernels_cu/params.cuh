@@ -84,6 +84,10 @@ struct FwdParams {
     MaskParams mask;
     double scale_log2;   // scale * log2(e), folded once on the host
     float scale_log2_f;  // scale_log2 in float (see acc_param)
+    // A persistent Hopper grid's block counter, zero at the launch (the host's), from which its CTAs
+    // take their next query block in turn; null: each CTA strides blockIdx.x, + gridDim.x, ...
+    // (flash_fwd_wgmma.cu, BlockWalk). Last, so that the other kernels' field offsets stay as they were.
+    int* block_queue;
 };
 
 struct BwdParams {

@@ -46,6 +46,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned byt
                  :: "r"(bar), "r"(bytes) : "memory");
 }
 
+// A 32-bit word at a shared-memory address (a value handed between threads under an mbarrier's
+// release / acquire; "memory": the compiler keeps it on its side of the barrier's asm).
+__device__ __forceinline__ void st_shared_s32(unsigned addr, int value) {
+    asm volatile("st.shared.s32 [%0], %1;" :: "r"(addr), "r"(value) : "memory");
+}
+__device__ __forceinline__ int ld_shared_s32(unsigned addr) {
+    int value;
+    asm volatile("ld.shared.s32 %0, [%1];" : "=r"(value) : "r"(addr) : "memory");
+    return value;
+}
+
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }

@@ -221,20 +221,26 @@ def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatc
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 @pytest.mark.parametrize("lq,lk,ctas", [(1000, 4200, 3), (333, 4500, 5), (4500, 4150, 7)])
-def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, monkeypatch):
+@pytest.mark.parametrize("walk", ["default", "stride"])
+def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, walk, monkeypatch):
     """The Hopper forward's PERSISTENT variants with far fewer CTAs than query blocks (an SM count of
     3-7 given to the launch, and the causal ones forced onto the persistent grid too): each CTA walks
     many blocks, its stage ring, Q barriers and O store running on from one block to the next, across
     partial blocks, grouped-query heads and bottom-right rows that see no key (lq > lk: whole blocks
-    without a visible tile); keys enough for head dim 64's long-rows tile. Answers within the error
+    without a visible tile); keys enough for head dim 64's long-rows tile. Causal head dim 128 takes
+    its blocks from the host's block queue ("default") or strides ("stride"). Answers within the error
     budget."""
-    from cuflash import _launch, _variants
+    from cuflash import _launch, _params, _variants
 
     if _launch._compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
+    if walk == "stride" and not (causal and d == 128):
+        pytest.skip("only causal head dim 128 takes a block queue by default")
     facts = _launch._device_facts
     monkeypatch.setattr(_launch, "_device_facts", lambda device_id: facts(device_id)[:3] + (ctas,))
     monkeypatch.setattr(_launch, "persistent_grid", _variants.wgmma_persistent)
+    if walk == "stride":
+        monkeypatch.setattr(_launch, "block_queue", lambda variant: False)
     launched = []
     real = _launch._launch
     monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append((variant, a)), real(variant, *a, **kw)))
@@ -242,3 +248,5 @@ def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, monkeypa
     ((variant, (params, dims, grid)),) = [(v, a[:3]) for v, a in launched]
     assert variant.family == "fwd_wgmma" and _variants.wgmma_persistent(variant)
     assert grid == ctas < variant.grid(*dims)
+    queue = int(np.frombuffer(params.data, dtype=_params.STRUCTS["FwdParams"])["block_queue"][0])
+    assert (queue != 0) == (walk == "default" and bool(causal) and d == 128)

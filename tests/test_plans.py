@@ -70,12 +70,12 @@ def _qkv(dev, shape=(2, 4, 1100, 64), dtype=np.float16):
 
 def _without_addresses(params: bytes) -> bytes:
     raw = bytearray(params)
-    for offset in _launch._FWD_POINTERS:
+    for offset in _launch._FWD_POINTERS + _launch._FWD_QUEUE:
         raw[offset:offset + 8] = bytes(8)
     return bytes(raw)
 
 
-@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (32, True)])
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True), (32, True)])
 def test_a_repeated_call_launches_what_the_full_path_did(fake, d, causal):
     dev, launches = fake
     q, k, v = _qkv(dev, (2, 4, 1100, d))
@@ -90,6 +90,12 @@ def test_a_repeated_call_launches_what_the_full_path_did(fake, d, causal):
     assert [int(fields[n]["ptr"][0]) for n in ("q", "k", "v", "out", "lse")] == \
         [x.data.ptr for x in (q2, k2, v2, out2, lse2)]
     assert (out2.shape, out2.dtype, lse2.shape, lse2.dtype) == (out1.shape, out1.dtype, lse1.shape, lse1.dtype)
+    # A causal persistent grid's block queue: a new zeroed counter a call (two launches never share one).
+    queues = [int(np.frombuffer(p, dtype=_params.STRUCTS["FwdParams"])["block_queue"][0]) for p in (params1, params2)]
+    takes_queue = _launch.persistent_grid(var1) and _variants.block_queue(var1)
+    assert takes_queue == (d == 128 and causal)
+    assert [q_ != 0 for q_ in queues] == [takes_queue] * 2
+    assert not takes_queue or queues[0] != queues[1]
     if maps1 is None:
         assert maps2 is None
         return
