@@ -533,10 +533,15 @@ _add("bwd_dq_tf32", ["float32"], [128], Tile(64, 32, 4, 2, "16 rows a warp, 32-k
      Tile(64, 16, 4, 2, "16-key steps: 101 KB, " + _SMALL_BYTES),
      Tile(32, 16, 2, 2, "two warps: EXTRA 74 KB, " + _SMALL_BYTES))
 
-# Row-wise helpers: one warp per query row, 8 rows per CTA (head dim does not matter: key 0).
-_add("bwd_dsum", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs, <= 32 registers)",
-                                   ctas=8))
-_add("bwd_convert_dq", DTYPES, [0], Tile(8, 0, 8, 1, "one warp per row; memory-bound: a full SM (8 CTAs)", ctas=8))
+# Row-wise helpers (flash_bwd_aux.cu): block_m / warps rows a warp, read 16 bytes a lane where rows
+# allow; memory-bound, so sized by the bytes in flight (head dim does not matter: key 0). One warp a row,
+# 8 rows a CTA, one element a lane reached 1.6 (dsum) and 2.0 (convert) of the H100's ~3.35 TB/s (ncu).
+# These tiles are chosen by bytes in flight and ptxas' registers; not yet timed on a GPU.
+_add("bwd_dsum", DTYPES, [0], Tile(16, 0, 8, 1, "2 rows a warp: dO and O of both in flight, 64 bytes a lane; "
+                                   "<= 48 registers, 5 CTAs an SM (80 KB in flight); 8 CTAs (<= 32) spill",
+                                   ctas=5))
+_add("bwd_convert_dq", DTYPES, [0], Tile(16, 0, 8, 1, "2 rows a warp: 32 bytes of dQ_acc a lane in flight; a full "
+                                         "SM, 8 CTAs at <= 32 registers (64 KB in flight); 4 rows need 56", ctas=8))
 
 
 # --------------------------------------------------------------------------- families

@@ -211,6 +211,32 @@ def test_strided_backward_matches_contiguous():
         np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b_))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_with_dout_and_out_rows_only_2_byte_aligned(dtype):
+    """dout and out as views whose rows start one element (2 bytes) past a 16-byte boundary, at d = 64
+    (rows of whole 16-byte chunks): the row-wise Dsum kernel checks each row's address and takes its
+    element loads (16-byte loads there would fault or read shifted columns), the main kernels their
+    element-load variants. The gradients match the aligned call's to rounding (the paths sum Dsum in
+    different orders)."""
+    rng = np.random.default_rng(17)
+    b, hq, hk, lq, lk, d = 2, 2, 1, 77, 91, 64     # lq = 77: the last row block is cut short
+    _, (q, k, v, do) = make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, d)
+    out, lse = cuflash.attention_forward(q, k, v, causal=True)
+
+    def shifted(x):   # x's values, each row one element past the aligned start of a (d + 8)-wide row
+        view = cp.zeros(x.shape[:-1] + (d + 8,), dtype=x.dtype)[..., 1:d + 1]
+        view[...] = x
+        assert view.data.ptr % 16 == 2 and view.strides[2] % 16 == 0
+        return view
+
+    aligned = cuflash.attention_backward(do, q, k, v, out, lse, causal=True)
+    unaligned = cuflash.attention_backward(shifted(do), q, k, v, shifted(out), lse, causal=True)
+    for name, a, u in zip("qkv", aligned, unaligned):
+        a, u = cp.asnumpy(a).astype(np.float64), cp.asnumpy(u).astype(np.float64)
+        assert np.isfinite(u).all(), f"d{name} has NaN/inf"
+        assert rel_error(u, a) < 2 * FLOOR[dtype], (name, rel_error(u, a))
+
+
 def test_backward_memory_is_linear():
     """L=16384, D=64, one head: extra pool memory stays O(L*D), far below an L x L matrix."""
     n, d = 16384, 64
