@@ -593,9 +593,11 @@ def persistent_grid(v: "Variant") -> bool:
     variant. Without a causal band its blocks are of equal work, and a stride over them balances the
     SMs. Causal blocks differ up to Lk / block_n-fold: counting visible key tiles, a stride of 132 (the
     H100's SMs) leaves the busiest SM at 1.21x the mean at L = 2048 with 128-row blocks (1.38x at
-    1024, 1.13x at 4096; measured 0.94-1.02x of a CTA a block), so a banded grid takes its blocks from
-    a queue (:func:`block_queue`), each going to whichever CTA frees first, as the hardware's CTA
-    scheduler hands out a grid of one CTA a block."""
+    1024, 1.13x at 4096; measured 0.77-0.92x of a CTA a block per call), so a banded grid takes its
+    blocks from a queue (:func:`block_queue`), each going to whichever CTA frees first, as the
+    hardware's CTA scheduler hands out a grid of one CTA a block: 1.06-1.21x over a CTA a block at
+    head dim 128 (benchmarks/results/hopper-block-queue-*.txt). Banded variants without the queue's
+    ring (head dim 64's three consumer warpgroups) launch a CTA a block."""
     return HOPPER_FWD_PERSISTENT and wgmma_persistent(v) and (not v.band or block_queue(v))
 
 
