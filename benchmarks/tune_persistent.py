@@ -24,10 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import cuflash
 from cuflash import _launch, _variants
 
-from tune_short import cudnn_contender, flops, print_header, problems, time_and_print
+from tune_short import print_header, problems, time_rules
 
 
 @contextlib.contextmanager
@@ -57,15 +56,8 @@ def main():
     for dname, d, n, (q, k, v) in problems(args.heads, args.dtypes, args.lengths):
         for causal in (c == "yes" for c in args.causal.split(",")):
             kinds = ["per-block", "persistent"] + (["stride"] if causal else [])
-            fns = {}
-            for kind in kinds:
-                def run(kind=kind):
-                    with grid_rule(kind):
-                        return cuflash.attention(q, k, v, causal=causal)
-                fns[kind] = run
-            fns.update(cudnn_contender(q, k, v, causal))
-            time_and_print(fns, kinds, "per-block", flops(q, causal), f"{dname:8} {d:3d} {n:5d} {str(causal):>6}",
-                           args.rounds, args.repeat, width=11)
+            time_rules(q, k, v, causal, kinds, grid_rule, f"{dname:8} {d:3d} {n:5d} {str(causal):>6}", args.rounds,
+                       args.repeat, width=11)
 
 if __name__ == "__main__":
     main()

@@ -87,15 +87,8 @@ def main():
     for dname, d, n, (q, k, v) in problems(args.heads, args.dtypes, args.lengths):
         for causal in (False, True):
             kinds = ["portable", "hopper"] + (["short"] if has_short_tile(dname, d) else [])
-            fns = {}
-            for kind in kinds:
-                def run(kind=kind):
-                    with forced(kind):
-                        return cuflash.attention(q, k, v, causal=causal)
-                fns[kind] = run
-            fns.update(cudnn_contender(q, k, v, causal))
-            time_and_print(fns, kinds, "portable", flops(q, causal), f"{dname:8} {d:3d} {n:5d} {str(causal):>6}",
-                           args.rounds, args.repeat, width=9)
+            time_rules(q, k, v, causal, kinds, forced, f"{dname:8} {d:3d} {n:5d} {str(causal):>6}", args.rounds,
+                       args.repeat, width=9)
 
 
 def print_header(width: int) -> None:
@@ -134,6 +127,19 @@ def cudnn_contender(q, k, v, causal) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
     return {"cudnn": cudnn}
+
+
+def time_rules(q, k, v, causal, kinds: list, rule, label: str, rounds: int, repeat: int, width: int) -> None:
+    """``cuflash.attention`` under each of ``kinds`` (entered as ``with rule(kind)``) beside cuDNN, timed and
+    printed by :func:`time_and_print`, differences against the first kind's output."""
+    fns = {}
+    for kind in kinds:
+        def run(kind=kind):
+            with rule(kind):
+                return cuflash.attention(q, k, v, causal=causal)
+        fns[kind] = run
+    fns.update(cudnn_contender(q, k, v, causal))
+    time_and_print(fns, kinds, kinds[0], flops(q, causal), label, rounds, repeat, width=width)
 
 
 def time_and_print(fns: dict, kinds: list, ref_kind: str, flops: float, label: str, rounds: int, repeat: int,
