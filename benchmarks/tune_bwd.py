@@ -1,12 +1,15 @@
 """Time tile configs of the tensor-core dK/dV kernel side by side (fills the variant
 table's comments) and check each config's gradients against the first one's.
-fp16, L = 4096, B x L = 16384, H x D = 2048, causal and not.
+fp16 (or bf16), L = 4096 (or --lengths), B x L = 16384, H x D = 2048, causal and not. On a
+Hopper GPU the calls take the portable path (as bench.py's "cuflash sm80"), whose kernels these are.
 
-    PYTHONPATH=. python benchmarks/tune_bwd.py [--heads 64,128]
+    PYTHONPATH=. python benchmarks/tune_bwd.py [--heads 64,128] [--lengths 1024,4096] [--dtype bfloat16]
 
-A config (block_m, block_n, warps, passes) gives each warp block_n / (16 warps) strips
-of 16 keys (flash_bwd_mma.cu, KEY_STRIPS) and steps over block_m queries; passes = 2
-forms dV and dK in separate launches. The first config of each head dim is the
+A config (block_m, block_n, warps, passes, stages, query_split) gives each group of query_split
+warps block_n / (16 warps / query_split) strips of 16 keys (flash_bwd_mma.cu, KEY_STRIPS) and
+steps over block_m queries; passes = 2 forms dV and dK in separate launches; query_split = 2
+makes two warps share each key strip (half the step's queries, half the head dim each; P^T and
+dS^T through shared memory). The first config of each head dim is the
 one-strip 64 x 64 layout the table shipped before branch bwd2, the reference: dK and
 dV of the others must match it to fp32-accumulation tolerance (the same MMAs in the
 same order give identical bits; the report says whether they are), and dQ too (its
@@ -25,6 +28,7 @@ of batch 0, head 0 with a long-double reference (relative Frobenius norm).
 """
 import argparse
 import contextlib
+from unittest import mock
 from dataclasses import replace
 
 import numpy as np
@@ -36,9 +40,10 @@ import cuflash
 from cuflash import _launch, reference
 from cuflash._variants import Tile, tile_override
 
-CANDIDATES = {
-    64: [(64, 64, 4, 1), (32, 128, 4, 1), (32, 64, 4, 1), (64, 128, 8, 1)],
-    128: [(64, 64, 4, 2), (32, 128, 8, 1), (32, 64, 4, 1)],
+CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split)
+    64: [(64, 64, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 1, 2)],
+    128: [(64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1), (64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 1, 2),
+          (32, 64, 4, 1, 2, 1)],
 }
 TOLERANCE = 4e-3   # max |new - reference| / max |reference|: a few fp16 ulps of the largest entry
 # float64 (branch f64-perf, benchmarks/NOTES.md): (dK/dV tile or None, deterministic, dK/dV wide_k, dQ
@@ -124,41 +129,56 @@ def main_float64(heads, rows):
         raise SystemExit("float64 gradients off:\n" + "\n".join(failed))
 
 
+def _sm80() -> int:
+    """The compute capability the portable path's calls report on a Hopper GPU (one function: the call
+    plans are keyed by it)."""
+    return 80
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", default="64,128")
-    parser.add_argument("--dtype", choices=("float16", "float64"), default="float16")
+    parser.add_argument("--lengths", default="4096", help="16-bit: sequence lengths (B x L = 16384)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float64"), default="float16")
     parser.add_argument("--check-rows", type=int, default=64, help="float64: query rows of dQ checked in long double")
     args = parser.parse_args()
     if args.dtype == "float64":
         return main_float64([int(x) for x in args.heads.split(",")], args.check_rows)
-    print(f"{'D':>4} {'config':>14} {'causal':>6} {'ms':>8} {'TFLOP/s':>8} {'dK diff':>8} {'dV diff':>8} "
+    print(f"{'D':>4} {'L':>6} {'config':>18} {'causal':>6} {'ms':>8} {'TFLOP/s':>8} {'dK diff':>8} {'dV diff':>8} "
           f"{'dQ diff':>8} {'dK,dV bits':>10}")
     failed = []
+    if args.dtype == "bfloat16":
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
+    else:
+        dtype = cp.float16
     for d in (int(x) for x in args.heads.split(",")):
-        n, b, h = 4096, 16384 // 4096, 2048 // d
-        rng = cp.random.default_rng(0)
-        q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))
-        for causal in (False, True):
-            out, lse = cuflash.attention_forward(q, k, v, causal=causal)
-            reference = None
-            for bm, bn, warps, passes in CANDIDATES[d]:
-                label = f"{bm}x{bn}/{warps}w/{passes}p"
-                with tile_override("bwd_dkdv_mma", d, Tile(bm, bn, warps, 2, "tuning", passes=passes),
-                                   dtypes=("float16",)):
-                    dq, dk, dv = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)
-                    t = benchmark(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal),
-                                  n_repeat=20, n_warmup=3)
-                ms = float(np.median(t.gpu_times[0]) * 1e3)
-                flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-                if reference is None:
-                    reference = (dq, dk, dv)
-                diffs = [rel_diff(x, r) for x, r in zip((dk, dv, dq), (reference[1], reference[2], reference[0]))]
-                same_bits = bool((dk == reference[1]).all()) and bool((dv == reference[2]).all())
-                print(f"{d:4d} {label:>14} {str(causal):>6} {ms:8.3f} {flops / ms / 1e9:8.1f} "
-                      f"{diffs[0]:8.1e} {diffs[1]:8.1e} {diffs[2]:8.1e} {str(same_bits):>10}", flush=True)
-                if max(diffs) > TOLERANCE or not all(bool(cp.isfinite(x).all()) for x in (dq, dk, dv)):
-                    failed.append(f"d={d} {label} causal={causal}: {diffs}")
+        for n in (int(x) for x in args.lengths.split(",")):
+            b, h = max(1, 16384 // n), 2048 // d
+            rng = cp.random.default_rng(0)
+            q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(4))
+            for causal in (False, True):
+                with mock.patch.object(_launch, "_compute_capability", _sm80):
+                    out, lse = cuflash.attention_forward(q, k, v, causal=causal)
+                reference = None
+                for bm, bn, warps, passes, stages, qsplit in CANDIDATES[d]:
+                    label = f"{bm}x{bn}/{warps}w/{passes}p/{stages}s" + (f"/q{qsplit}" if qsplit > 1 else "")
+                    tile = Tile(bm, bn, warps, stages, "tuning", passes=passes, query_split=qsplit)
+                    with tile_override("bwd_dkdv_mma", d, tile, dtypes=(args.dtype,)), \
+                            mock.patch.object(_launch, "_compute_capability", _sm80):
+                        call = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)
+                        dq, dk, dv = call()
+                        t = benchmark(call, n_repeat=20, n_warmup=3)
+                    ms = float(np.median(t.gpu_times[0]) * 1e3)
+                    flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                    if reference is None:
+                        reference = (dq, dk, dv)
+                    diffs = [rel_diff(x, r) for x, r in zip((dk, dv, dq), (reference[1], reference[2], reference[0]))]
+                    same_bits = bool((dk == reference[1]).all()) and bool((dv == reference[2]).all())
+                    print(f"{d:4d} {n:6d} {label:>18} {str(causal):>6} {ms:8.3f} {flops / ms / 1e9:8.1f} "
+                          f"{diffs[0]:8.1e} {diffs[1]:8.1e} {diffs[2]:8.1e} {str(same_bits):>10}", flush=True)
+                    if max(diffs) > TOLERANCE or not all(bool(cp.isfinite(x).all()) for x in (dq, dk, dv)):
+                        failed.append(f"d={d} L={n} {label} causal={causal}: {diffs}")
     if failed:
         raise SystemExit("gradients differ from the reference layout's:\n" + "\n".join(failed))
 

@@ -97,7 +97,11 @@ class Tile:
     sm_90+ only, so in "sm90" rows): 0 runs their GEMMs on ``mma.m8n8k4``, 4 / 8 / 16 on
     ``mma.m16n8k{4,8,16}`` over pairs of 8-row tiles (warp_gemm_f64.cuh), which run at full fp64
     tensor-core rate on the H100 where m8n8k4 runs at half (benchmarks/dmma_rate.py: 66 against 33
-    TFLOP/s). ``split`` 3 (TF32X3_PARTS, the Hopper wgmma forward's ``fwd_wgmma_tf32x3``): big as
+    TFLOP/s). ``query_split`` (the 16-bit dK/dV kernel ``bwd_dkdv_mma`` only, its QSPLIT): 1 gives each
+    warp its keys for the whole step and head dim; 2 makes two warps share each key strip, one forming
+    S^T for half the step's queries and accumulating half of dK / dV's columns, with P^T and dS^T
+    exchanged through shared memory (FlashAttention-2's backward layout, flash_bwd_mma.cu).
+    ``split`` 3 (TF32X3_PARTS, the Hopper wgmma forward's ``fwd_wgmma_tf32x3``): big as
     the fast split's, small = a - big with its low 13 bits cleared, so that the tensor core reads both
     exactly whether it rounds or truncates. ``vec_only``: only variants with 16-byte loads (``Variant.vec``) take this tile; the
     element-load ones go on to the next (a tile whose scalar loader's addresses push it past the
@@ -113,6 +117,7 @@ class Tile:
     split: int = 1
     wide_k: int = 0
     vec_only: bool = False
+    query_split: int = 1
 
 
 # --------------------------------------------------------------------------- the table
@@ -400,8 +405,10 @@ _add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "the bias stages: 207 KB
 _add("bwd_dkdv_mma", HALF_TYPES, [32], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
 _add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(32, 128, 4, 2, "two 16-key strips a warp: 1.24-1.29x the 64x64 "
                                                           "layout (tune_bwd.py); 66 KB"))
-_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(32, 128, 8, 2, "one pass, 8 warps of 16 keys: 1.20-1.25x the two-pass "
-                                                           "64x64 (tune_bwd.py); 115 KB"),
+_add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(64, 128, 8, 2, "two warps a 32-key group, 64-query steps, P^T and dS^T "
+                                                           "through shared memory (FlashAttention-2's layout): 173 KB",
+                                           query_split=2),
+     Tile(64, 128, 8, 1, "the same with one Q/dO stage: 138.5 KB (A100)", query_split=2),
      Tile(32, 64, 4, 2, "one pass, 32-query steps (within 3% of 32x128/8w on the H100): 75 KB, " + _SMALL))
 _add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(64, 64, 4, 2, "EXTRA (251-255 registers at one strip): 2 stages +2-3% "
                                                          "over 1 (tune_bwd.py)"), extra=True)
@@ -662,7 +669,8 @@ def _smem_fwd_tf32(v: "Variant") -> int:
 
 def _smem_dkdv_mma(v: "Variant") -> int:
     t = v.tile
-    ds = t.block_n * (t.block_m + 8) if v.atomic_dq else 0            # dS^T, [key][query]
+    shared_pt = t.query_split > 1                                     # P^T and dS^T through shared memory
+    ds = t.block_n * (t.block_m + 8) * ((v.atomic_dq or shared_pt) + shared_pt)   # dS^T (and P^T), [key][query]
     bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per Q/dO stage
     return (((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds + bias) * ITEMSIZE[v.dtype]
             + t.stages * 2 * t.block_m * 4)   # the rows' lse and Dsum per stage
@@ -820,6 +828,10 @@ class Variant:
             object.__setattr__(self, "tile", self.tiles()[0])
         if self.wide_k and (self.family not in WIDE_K_FAMILIES or self.wide_k not in (4, 8, 16)):
             raise ValueError(f"wide_k={self.wide_k}: 4, 8 or 16, and only for {', '.join(WIDE_K_FAMILIES)}")
+        if self.tile.query_split != 1 and (self.family != "bwd_dkdv_mma" or self.tile.query_split != 2
+                                           or self.extra or self.tile.passes != 1 or self.pass_ != 0):
+            raise ValueError(f"query_split={self.tile.query_split}: 2 only for bwd_dkdv_mma in one pass, "
+                             "without EXTRA")
 
     @property
     def wide_k(self) -> int:
@@ -901,6 +913,8 @@ class Variant:
                         else _cxx(getattr(self, flag)))
         if self.wide_k:   # the kernel's last template parameter, 0 (m8n8k4) by default
             args.append(str(self.wide_k))
+        if self.tile.query_split != 1:   # bwd_dkdv_mma's last template parameter, QSPLIT (1 by default)
+            args.append(str(self.tile.query_split))
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

@@ -5,13 +5,23 @@
 //
 // flash_bwd_dkdv_mma: one CTA (WARPS warps) per (key block of BN, K/V head, batch).
 // Warp w owns KEY_STRIPS strips of 16 keys (WARP_KEYS = 16 KEY_STRIPS keys from
-// key0 = w WARP_KEYS), so it computes the *transposed* score tiles
-//     S^T = K_j Q_i^T,  dP^T = V_j dO_i^T              (WARP_KEYS keys x BM queries)
-// and its rows of P^T and dS^T are exactly the A operands of
-//     dV_j += P^T dO_i,  dK_j += dS^T Q_i               (straight from registers).
-// In all four GEMMs a Q or dO fragment loaded from shared memory is the B operand
+// key0), so it computes the *transposed* score tiles
+//     S^T = K_j Q_i^T,  dP^T = V_j dO_i^T              (WARP_KEYS keys x WARP_QUERIES queries)
+// whose rows of P^T and dS^T are the A operands of
+//     dV_j += P^T dO_i,  dK_j += dS^T Q_i.
+// In all four GEMMs an operand fragment loaded from shared memory is the B operand
 // of KEY_STRIPS MMAs (warp_gemm_strips): with two strips a warp issues twice the
 // MMAs per ldmatrix of the one-strip layout, which was bound by shared-memory loads.
+// Two layouts (QSPLIT, the variant table's Tile.query_split):
+//   QSPLIT 1: each warp forms S^T for all BM queries of the step and accumulates all
+//     HEAD columns of dK / dV for its keys: P^T and dS^T go from registers straight
+//     into the dV / dK GEMMs (head dim 128: 16 keys a warp, 128 accumulators a thread).
+//   QSPLIT 2: two warps share each key strip (FlashAttention-2's backward layout,
+//     transposed): warp (key group g, half h) forms S^T for the step's queries
+//     [h BM/2, (h + 1) BM/2) and accumulates dK / dV columns [h HEAD/2, (h + 1) HEAD/2).
+//     P^T and dS^T go through shared memory ([key][query]), since each half needs
+//     its partner's queries: at head dim 128 a warp then owns 32 keys (two strips)
+//     in the same 128 accumulators, and each fragment it loads feeds twice the MMAs.
 // dQ_i += dS K_j needs dS with queries as rows: each warp stores its dS^T
 // fragments key-major (two queries of one key in one 32-bit store), the dQ GEMM
 // reads them back transposed by ldmatrix.trans, and the warps split the BM x HEAD
@@ -32,33 +42,45 @@
 #include "score_mod.cuh"
 #include "atomics.cuh"
 
-// dK/dV kernel: BN keys per CTA (KEY_STRIPS strips of 16 per warp), BM queries per
-// step, Q/dO tiles STAGES deep; dS^T (keys x queries) in shared memory only when dQ
-// is formed here. With EXTRA each Q/dO stage has the step's bias tile ([query][key],
-// pitch BN + 8) beside it, loaded with it.
-template <typename T, typename Cfg, bool ATOMIC_DQ, bool EXTRA>
+// dK/dV kernel: BN keys per CTA (KEY_STRIPS strips of 16 per warp, QSPLIT warps per
+// strip), BM queries per step, Q/dO tiles STAGES deep; dS^T (keys x queries) in shared
+// memory where dQ is formed here or QSPLIT > 1, P^T beside it where QSPLIT > 1. With
+// EXTRA each Q/dO stage has the step's bias tile ([query][key], pitch BN + 8) beside
+// it, loaded with it.
+template <typename T, typename Cfg, bool ATOMIC_DQ, bool EXTRA, int QSPLIT>
 struct DkdvMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
-    static constexpr int KEY_STRIPS = BN / (16 * WARPS);   // the variant table's block_n says how many
+    static constexpr int KEY_GROUPS = WARPS / QSPLIT;            // warps with distinct keys
+    static constexpr int KEY_STRIPS = BN / (16 * KEY_GROUPS);   // the variant table's block_n says how many
     static constexpr int WARP_KEYS = 16 * KEY_STRIPS;
+    static constexpr int WARP_QUERIES = BM / QSPLIT;            // S^T / dP^T columns a warp forms
+    static constexpr int WARP_COLS = HEAD / QSPLIT;             // dK / dV columns a warp accumulates
+    static constexpr bool PT_SHARED = QSPLIT > 1;               // P^T, dS^T through shared memory
     static constexpr int PITCH = HEAD + 8;         // padded rows: conflict-free ldmatrix
-    // dS^T as [key][query], pitch BM + 8 (16 bytes of padding): the 8 keys of one
-    // fragment store and the 8 rows of one ldmatrix.trans fall in distinct banks.
+    // dS^T (and P^T) as [key][query], pitch BM + 8 (16 bytes of padding): the 8 keys of one
+    // fragment store and the 8 rows of one ldmatrix (.trans) fall in distinct banks.
     static constexpr int DS_PITCH = BM + 8;
-    static constexpr int DS_ELEMS = ATOMIC_DQ ? BN * DS_PITCH : 0;
+    static constexpr int DS_ELEMS = (ATOMIC_DQ || PT_SHARED) ? BN * DS_PITCH : 0;
+    static constexpr int PT_ELEMS = PT_SHARED ? BN * DS_PITCH : 0;
     static constexpr int BIAS_PITCH = BN + 8;
     static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
-    // dQ = dS K: BM/16 row strips x Q_SPLIT column blocks, one per warp, formed
-    // DQ_CHUNK columns at a time (16 fp32 registers of partial product at most).
-    static constexpr int Q_SPLIT = WARPS / (BM / 16);
+    // dQ = dS K: row groups of DQ_STRIPS 16-row strips x Q_SPLIT column blocks, one per
+    // warp, formed DQ_CHUNK columns at a time (DQ_STRIPS x 16 fp32 registers of partial
+    // product at most). Two strips a warp where the step has the rows (QSPLIT 2's 64-query
+    // steps): each K fragment then feeds two MMAs.
+    static constexpr int DQ_STRIPS = QSPLIT;
+    static constexpr int Q_SPLIT = WARPS / (BM / (16 * DQ_STRIPS));
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
     static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
-    static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS + STAGES * BIAS_ELEMS)
+    static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS + PT_ELEMS + STAGES * BIAS_ELEMS)
                                       * int(sizeof(T)) + STAGES * 2 * BM * int(sizeof(float));
-    static_assert(HEAD % 16 == 0 && BM % 16 == 0 && WARPS % (BM / 16) == 0, "tile shape");
+    static_assert(HEAD % (16 * QSPLIT) == 0 && BM % (16 * QSPLIT) == 0, "tile shape");
+    static_assert(WARPS % (BM / (16 * DQ_STRIPS)) == 0, "dQ row groups");
     static_assert(DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0, "dQ column blocks of whole 16-column groups");
-    static_assert(BN == WARP_KEYS * WARPS && (KEY_STRIPS == 1 || KEY_STRIPS == 2), "one or two 16-key strips a warp");
+    static_assert(BN == WARP_KEYS * KEY_GROUPS && (KEY_STRIPS == 1 || KEY_STRIPS == 2), "one or two 16-key strips a warp");
+    static_assert(QSPLIT == 1 || QSPLIT == 2, "one or two warps a key strip");
+    static_assert(QSPLIT == 1 || !EXTRA, "the EXTRA code keeps the one-warp-a-strip layout");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
@@ -83,24 +105,28 @@ struct DqMmaTraits {
 };
 
 // PASS: 0 computes dK and dV together; where their accumulators and the score
-// tiles do not fit the registers together (head dim 128), the launch splits them:
-// PASS 1 = dV only, PASS 2 = dK (and dQ) only, each recomputing S^T (one extra
-// GEMM, no spills; cuflash/_variants.py, _dkdv_passes).
+// tiles do not fit the registers together (head dim 128 with one warp a strip and
+// 64-query steps), the launch splits them: PASS 1 = dV only, PASS 2 = dK (and dQ)
+// only, each recomputing S^T (one extra GEMM, no spills; cuflash/_variants.py,
+// _dkdv_passes). QSPLIT: the layout (header comment).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
-template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC>
+template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int QSPLIT = 1>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_mma(const BwdParams p) {
-    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA> Tr;
+    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA, QSPLIT> Tr;
     constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH, M = Tr::KEY_STRIPS;
+    constexpr int WQ = Tr::WARP_QUERIES, WC = Tr::WARP_COLS;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
+    static_assert(PASS == 0 || !Tr::PT_SHARED, "the shared-strip layout forms dK and dV in one pass");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
     T* v_s = k_s + BN * P;
     T* q_stages = v_s + BN * P;                               // STAGES x [BM][P]
     T* do_stages = q_stages + Tr::STAGES * BM * P;            // STAGES x [BM][P]
-    T* ds_s = do_stages + Tr::STAGES * BM * P;                // dS^T as [key][query] (ATOMIC_DQ)
-    T* bias_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [BM][BIAS_PITCH] (EXTRA)
+    T* ds_s = do_stages + Tr::STAGES * BM * P;                // dS^T as [key][query] (ATOMIC_DQ or PT_SHARED)
+    T* pt_s = ds_s + Tr::DS_ELEMS;                            // P^T as [key][query] (PT_SHARED)
+    T* bias_stages = pt_s + Tr::PT_ELEMS;                     // STAGES x [BM][BIAS_PITCH] (EXTRA)
     // STAGES x [lse | Dsum] of BM rows, raw (copy_row_stats_async: with the step's Q / dO)
     float* stat_stages = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
 
@@ -116,16 +142,20 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0, keys_valid);
     cp_async_commit();
 
-    float acc_dk[M][HEAD / 8][4], acc_dv[M][HEAD / 8][4];   // rows: this warp's keys, strip by strip
+    float acc_dk[M][WC / 8][4], acc_dv[M][WC / 8][4];   // rows: this warp's keys, strip by strip
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         zero_frags(acc_dk[m]);
         zero_frags(acc_dv[m]);
     }
-    const int key0 = warp * Tr::WARP_KEYS;                   // this warp's first key within the block
-    // dS^T's 32-bit store of (key row r of the fragment, queries 2t, 2t + 1), t = lane % 4,
-    // for strip m and n8 query tile n is at ds_lane + (16 m + 8 r) * DS_PITCH + 8 n.
-    T* ds_lane = ds_s + (key0 + lane / 4) * Tr::DS_PITCH + 2 * (lane % 4);
+    // This warp's keys, its step queries and its dK / dV columns within the block.
+    const int half = Tr::PT_SHARED ? warp / Tr::KEY_GROUPS : 0;
+    const int key0 = (Tr::PT_SHARED ? warp % Tr::KEY_GROUPS : warp) * Tr::WARP_KEYS;
+    const int q0 = half * WQ, c0 = half * WC;
+    // dS^T's (and P^T's) 32-bit store of (key row r of the fragment, queries q0 + 2t, q0 + 2t + 1),
+    // t = lane % 4, for strip m and n8 query tile n is at ds_lane + (16 m + 8 r) * DS_PITCH + 8 n.
+    T* ds_lane = ds_s + (key0 + lane / 4) * Tr::DS_PITCH + q0 + 2 * (lane % 4);
+    T* pt_lane = ds_lane + Tr::DS_ELEMS;   // (pt_s's)
     // Steps walk (query head of the group, query block) pairs over the query
     // blocks that can see this key block.
     const KeyBlockSteps<BM> steps(mod, blk);
@@ -157,16 +187,17 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         const float* stats = stat_stages + stage * 2 * BM;
         const T* q_s = q_stages + stage * BM * P;
         const T* do_s = do_stages + stage * BM * P;
-        float st[M][BM / 8][4], dpt[M][BM / 8][4];          // S^T, dP^T: WARP_KEYS keys x BM queries
+        float st[M][WQ / 8][4], dpt[M][WQ / 8][4];          // S^T, dP^T: WARP_KEYS keys x WQ queries
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             zero_frags(st[m]);
             zero_frags(dpt[m]);
         }
-        warp_gemm_strips_smem<T, M, BM, HEAD, P, P, false>(st, k_s + key0 * P, q_s, lane);              // S^T = K Q^T
-        if (DO_DK) warp_gemm_strips_smem<T, M, BM, HEAD, P, P, false>(dpt, v_s + key0 * P, do_s, lane);  // dP^T = V dO^T
+        warp_gemm_strips_smem<T, M, WQ, HEAD, P, P, false>(st, k_s + key0 * P, q_s + q0 * P, lane);    // S^T = K Q^T
+        if (DO_DK)
+            warp_gemm_strips_smem<T, M, WQ, HEAD, P, P, false>(dpt, v_s + key0 * P, do_s + q0 * P, lane);   // dP^T = V dO^T
         // Rows of these tiles are keys, columns queries; the mask is decided for this warp's keys.
-        const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, Tr::WARP_KEYS);
+        const bool partial = mod.tile_is_partial(m0 + q0, WQ, n0 + key0, Tr::WARP_KEYS);
         unsigned kept[M];   // EXTRA with dropout: each strip's keep bits (drop_factor)
 #pragma unroll
         for (int m = 0; m < M; ++m) {
@@ -186,19 +217,19 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                 apply_score_mod_bits(st[m], mod, partial, coord);
                 if (mod.has_dropout()) kept[m] = dropout_frag_bits_t<BM / 8>(mod, m0, n0 + key0 + 16 * m, lane);
             } else if (partial) {
-                mask_partial_strip_t<BM>(st[m], mod, n0 + key0 + 16 * m + lane / 4, m0 + 2 * (lane % 4));
+                mask_partial_strip_t<WQ>(st[m], mod, n0 + key0 + 16 * m + lane / 4, m0 + q0 + 2 * (lane % 4));
             }
         }
         // P^T and dS^T in 16 bits (pack_frags' layout), the A operands of dV += P^T dO and
         // dK += dS^T Q: rounded once, as formed, at half the registers of fp32.
-        unsigned pt16[M][BM / 8][2], dst16[M][BM / 8][2];
+        unsigned pt16[M][WQ / 8][2], dst16[M][WQ / 8][2];
 #pragma unroll
-        for (int n = 0; n < BM / 8; ++n) {
+        for (int n = 0; n < WQ / 8; ++n) {
             // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one
             // 8-byte load, for all strips. The EXTRA kernels (251-255 registers) load each
             // stat where it is used: the pairs' longer live ranges spilled there.
             float lse_log2[2], dsum[2];
-            if constexpr (!Flags::EXTRA) stat_pair_of<BM>(stats, frag_col(lane, n, 0), lse_log2, dsum);
+            if constexpr (!Flags::EXTRA) stat_pair_of<BM>(stats, q0 + frag_col(lane, n, 0), lse_log2, dsum);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -216,39 +247,70 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                 for (int r = 0; r < 2; ++r) {   // fragment row r: key 16 m + lane / 4 + 8 r
                     pt16[m][n][r] = pack2<T>(st[m][n][2 * r], st[m][n][2 * r + 1]);
                     dst16[m][n][r] = pack2<T>(dpt[m][n][2 * r], dpt[m][n][2 * r + 1]);
-                    if (ATOMIC_DQ)
-                        *reinterpret_cast<unsigned*>(ds_lane + (16 * m + 8 * r) * Tr::DS_PITCH + 8 * n) = dst16[m][n][r];
+                    const int at = (16 * m + 8 * r) * Tr::DS_PITCH + 8 * n;
+                    if (ATOMIC_DQ || Tr::PT_SHARED) *reinterpret_cast<unsigned*>(ds_lane + at) = dst16[m][n][r];
+                    if (Tr::PT_SHARED) *reinterpret_cast<unsigned*>(pt_lane + at) = pt16[m][n][r];
                 }
             }
         }
-        if (DO_DV) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dv, pt16, do_s, lane);    // dV += P^T dO
-        if (DO_DK) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dk, dst16, q_s, lane);    // dK += dS^T Q
-        if (ATOMIC_DQ) {                                         // dQ += scale * dS K
+        if constexpr (Tr::PT_SHARED) {
+            // Both halves' P^T and dS^T rows are in shared memory: A operands of BM queries. (A warp's
+            // own half from its registers saves a sixth of its ldmatrix but spilled 12-24 bytes.)
             __syncthreads();
-            const int strip = warp / Tr::Q_SPLIT;
-            const int row_a = strip * 16 + lane / 4, row_b = row_a + 8;   // this lane's C-fragment rows
-            float* dq_a = p.dq_acc.at<float>(batch, head, m0 + row_a);
-            float* dq_b = p.dq_acc.at<float>(batch, head, m0 + row_b);
+            warp_gemm_strips_smem<T, M, WC, BM, Tr::DS_PITCH, P, true>(acc_dv, pt_s + key0 * Tr::DS_PITCH,
+                                                                       do_s + c0, lane);   // dV += P^T dO
+            warp_gemm_strips_smem<T, M, WC, BM, Tr::DS_PITCH, P, true>(acc_dk, ds_s + key0 * Tr::DS_PITCH,
+                                                                       q_s + c0, lane);    // dK += dS^T Q
+        } else {
+            if (DO_DV) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dv, pt16, do_s, lane);    // dV += P^T dO
+            if (DO_DK) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dk, dst16, q_s, lane);    // dK += dS^T Q
+        }
+        if (ATOMIC_DQ) {                                         // dQ += scale * dS K
+            if (!Tr::PT_SHARED) __syncthreads();                 // (PT_SHARED: dS^T is complete above)
+            constexpr int S = Tr::DQ_STRIPS;
+            const int group = warp / Tr::Q_SPLIT;                // rows [16 S group, 16 S (group + 1))
+            // dq_row(m, r): this lane's accumulator row of C-fragment row r in strip m, and its index.
+            // Strip 0's two rows are formed once, before the column chunks; strip 1's where they are
+            // used (held across the product as well, the 255-register QSPLIT 2 kernel spilled).
+            auto dq_row = [&](int m, int r, int& row) {
+                row = (group * S + m) * 16 + lane / 4 + 8 * r;
+                return p.dq_acc.at<float>(batch, head, m0 + row);
+            };
+            int row_a0, row_b0;
+            float* dq_a0 = dq_row(0, 0, row_a0);
+            float* dq_b0 = dq_row(0, 1, row_b0);
 #pragma unroll
             for (int c = 0; c < Tr::DQ_COLS / Tr::DQ_CHUNK; ++c) {
                 const int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS + c * Tr::DQ_CHUNK;
-                float part[1][Tr::DQ_CHUNK / 8][4];
-                zero_frags(part[0]);
-                // A = dS, this strip's queries: columns [16 strip, 16 strip + 16) of dS^T.
-                warp_gemm_strips_smem_t<T, 1, Tr::DQ_CHUNK, BN, Tr::DS_PITCH, P, true>(part, ds_s + strip * 16,
-                                                                                      k_s + col0, lane);
-                // Columns col, col + 1 (col even) as one vector reduction: the host pads the
-                // accumulator's rows to an even width, so col < d leaves col + 1 in the row.
+                float part[S][Tr::DQ_CHUNK / 8][4];
 #pragma unroll
-                for (int n = 0; n < Tr::DQ_CHUNK / 8; ++n) {
-                    const int col = col0 + frag_col(lane, n, 0);
-                    if (col >= dims.d) continue;
-                    if (row_a < rows_valid) red_add2(dq_a + col, part[0][n][0] * scale, part[0][n][1] * scale);
-                    if (row_b < rows_valid) red_add2(dq_b + col, part[0][n][2] * scale, part[0][n][3] * scale);
+                for (int m = 0; m < S; ++m) zero_frags(part[m]);
+                // A = dS, this group's queries: columns [16 S group, 16 S (group + 1)) of dS^T.
+                warp_gemm_strips_smem_t<T, S, Tr::DQ_CHUNK, BN, Tr::DS_PITCH, P, true>(part, ds_s + group * 16 * S,
+                                                                                      k_s + col0, lane);
+#pragma unroll
+                for (int m = 0; m < S; ++m) {
+                    int row_a = row_a0, row_b = row_b0;
+                    float* dq_a = dq_a0;
+                    float* dq_b = dq_b0;
+                    if (m > 0) {
+                        dq_a = dq_row(m, 0, row_a);
+                        dq_b = dq_row(m, 1, row_b);
+                    }
+                    // Columns col, col + 1 (col even) as one vector reduction: the host pads the
+                    // accumulator's rows to an even width, so col < d leaves col + 1 in the row.
+#pragma unroll
+                    for (int n = 0; n < Tr::DQ_CHUNK / 8; ++n) {
+                        const int col = col0 + frag_col(lane, n, 0);
+                        if (col >= dims.d) continue;
+                        if (row_a < rows_valid) red_add2(dq_a + col, part[m][n][0] * scale, part[m][n][1] * scale);
+                        if (row_b < rows_valid) red_add2(dq_b + col, part[m][n][2] * scale, part[m][n][3] * scale);
+                    }
                 }
             }
         }
-        end_of_step_barrier<ATOMIC_DQ>();   // this stage and the row stats are read
+        // This stage and the row stats are read (and with PT_SHARED, P^T and dS^T).
+        end_of_step_barrier<ATOMIC_DQ && !Tr::PT_SHARED>();
         cur = next;
         if (Tr::STAGES == 2) stage ^= 1;
         else if (cur.t < steps.count) issue_query_block(cur, 0);
@@ -266,8 +328,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             T* dk_row = p.dk.at<T>(batch, kv_head, n0 + key);
             T* dv_row = p.dv.at<T>(batch, kv_head, n0 + key);
 #pragma unroll
-            for (int n = 0; n < HEAD / 8; ++n) {
-                const int col = frag_col(lane, n, 0);
+            for (int n = 0; n < WC / 8; ++n) {
+                const int col = c0 + frag_col(lane, n, 0);
                 if (DO_DK)
                     store_out_pair<VEC>(dk_row, col, dims.d, acc_dk[m][n][2 * r] * scale,
                                         acc_dk[m][n][2 * r + 1] * scale);

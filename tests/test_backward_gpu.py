@@ -124,6 +124,22 @@ def test_hopper_backward(dtype, d, causal, b, hq, hk, lq, lk, launched):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d,lq,lk", [(128, 777, 1111), (128, 1111, 777), (64, 1030, 1030), (111, 200, 390)])
+def test_portable_backward_several_blocks(dtype, causal, deterministic, d, lq, lk, launched, monkeypatch):
+    """The portable 16-bit dK/dV kernel (as any GPU without the Hopper path runs it) over several key
+    blocks and query steps, grouped-query heads, ragged last blocks and causal blocks that see part of
+    a step or none of it: at head dim 128 the table's layout where two warps share each key strip and
+    exchange P^T and dS^T through shared memory; every gradient against the float64 reference."""
+    from cuflash import _launch
+
+    monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    check_backward(dtype, 1, 4, 2, lq, lk, d, d, causal, seed=lq + 7 * lk + d, deterministic=deterministic)
+    assert "bwd_dkdv_mma" in [v.family for v in launched]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_hopper_backward_falls_back_where_tensor_maps_cannot_go(dtype, launched):
     """K and V broadcast over the batch (stride 0, which a tensor map cannot describe) take the portable
     dK/dV kernel; the contiguous copies take the wgmma one; both gradients agree within the fp32

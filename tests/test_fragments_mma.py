@@ -112,16 +112,18 @@ def warp_gemm_strips_rn16(acc, M, N, K, PB, p16, smem, b):
 
 class Smem:
     """flash_bwd_dkdv_mma's carve-up (one Q/dO stage): K, V, Q, dO rows of pitch HEAD + 8,
-    then dS^T as [key][query] with pitch BM + 8. Offsets in elements."""
+    then dS^T as [key][query] with pitch BM + 8, then (QSPLIT 2) P^T in the same layout.
+    Offsets in elements."""
 
-    def __init__(self, head, bm, bn):
+    def __init__(self, head, bm, bn, qsplit=1):
         self.P, self.DS_PITCH = head + 8, bm + 8
         self.k_s = 0
         self.v_s = self.k_s + bn * self.P
         self.q_s = self.v_s + bn * self.P
         self.do_s = self.q_s + bm * self.P
         self.ds_s = self.do_s + bm * self.P
-        self.mem = np.full(self.ds_s + bn * self.DS_PITCH, np.nan)
+        self.pt_s = self.ds_s + bn * self.DS_PITCH
+        self.mem = np.full(self.pt_s + (bn * self.DS_PITCH if qsplit > 1 else 0), np.nan)
 
     def put(self, at, tile, pitch):
         for r, row in enumerate(tile):
@@ -138,87 +140,115 @@ def _problem(head, bm, bn, seed):
     return q, k, v, do, scale, lse, dsum
 
 
-# (head, BM, BN, WARPS): the table's tiles (two 16-key strips a warp at d=64; one pass with
-# 8 warps at d=128), the one-strip layout before, and the 99 KB alternative at d=128.
-TILES = [(64, 32, 128, 4), (128, 32, 128, 8), (128, 32, 64, 4), (64, 64, 64, 4), (32, 64, 64, 4), (64, 16, 128, 4)]
+# (head, BM, BN, WARPS, QSPLIT): the table's tiles (two 16-key strips a warp at d=64; at d=128
+# two warps a 32-key group sharing P^T / dS^T through shared memory), the one-pass 8-warp d=128
+# tile before it, the one-strip layout before that, and the 99 KB alternative at d=128.
+TILES = [(64, 32, 128, 4, 1), (128, 64, 128, 8, 2), (128, 32, 128, 8, 1), (128, 32, 64, 4, 1), (64, 64, 64, 4, 1),
+         (32, 64, 64, 4, 1), (64, 16, 128, 4, 1), (64, 64, 128, 8, 2), (128, 32, 64, 4, 2)]
 
 
-@pytest.mark.parametrize("head,bm,bn,warps", TILES)
-def test_dkdv_step_emulated(head, bm, bn, warps):
+@pytest.mark.parametrize("head,bm,bn,warps,qsplit", TILES)
+def test_dkdv_step_emulated(head, bm, bn, warps, qsplit):
     """One unmasked step of flash_bwd_dkdv_mma for every warp of a CTA (the kernel's
-    formulas: KEY_STRIPS key strips a warp, P^T / dS^T packed in pack_frags' layout, dS^T
-    stored key-major, dQ's A operand read back transposed) against NumPy's gradients."""
+    formulas: KEY_STRIPS key strips a warp, QSPLIT warps a strip, P^T / dS^T packed in
+    pack_frags' layout, dS^T (and with QSPLIT 2, P^T) stored key-major, the dV / dK A operands
+    read back from there, dQ's A operand read back transposed) against NumPy's gradients."""
     q, k, v, do, scale, lse, dsum = _problem(head, bm, bn, head + bm + bn)
     p = np.exp(q @ k.T * scale - lse[:, None])
     ds = p * (do @ v.T - dsum[:, None])
 
-    M = bn // (16 * warps)                                        # DkdvMmaTraits::KEY_STRIPS
+    QS = qsplit                                                   # DkdvMmaTraits
+    KEY_GROUPS = warps // QS
+    M = bn // (16 * KEY_GROUPS)                                   # KEY_STRIPS
     WARP_KEYS = 16 * M
-    Q_SPLIT = warps // (bm // 16)
+    WQ, WC = bm // QS, head // QS                                 # WARP_QUERIES, WARP_COLS
+    DQ_STRIPS = QS
+    Q_SPLIT = warps // (bm // (16 * DQ_STRIPS))
     DQ_COLS = head // Q_SPLIT
     DQ_CHUNK = min(DQ_COLS, 32)
-    sm = Smem(head, bm, bn)
+    sm = Smem(head, bm, bn, QS)
     P, DS_PITCH = sm.P, sm.DS_PITCH
     for at, tile in ((sm.k_s, k), (sm.v_s, v), (sm.q_s, q), (sm.do_s, do)):
         sm.put(at, tile, P)
     lse_log2 = lse * np.log2(np.e)                                # load_row_stats
     x_per_s = scale * np.log2(np.e)                               # ScoreMod::x_per_score (plain kernel)
 
+    def place(warp):                                              # half, key0, q0, c0
+        half = warp // KEY_GROUPS if QS > 1 else 0
+        return half, (warp % KEY_GROUPS if QS > 1 else warp) * WARP_KEYS, half * WQ, half * WC
+
     dk, dv = np.full((bn, head), np.nan), np.full((bn, head), np.nan)
-    acc = {}
-    for warp in range(warps):
-        key0 = warp * WARP_KEYS
-        st, dpt = zero_frags(M, bm // 8), zero_frags(M, bm // 8)
-        warp_gemm_strips_smem(st, M, bm, head, P, P, False, sm.mem, sm.k_s + key0 * P, sm.q_s)     # S^T = K Q^T
-        warp_gemm_strips_smem(dpt, M, bm, head, P, P, False, sm.mem, sm.v_s + key0 * P, sm.do_s)   # dP^T = V dO^T
-        pt16 = [[[None, None] for _ in range(bm // 8)] for _ in range(M)]
-        dst16 = [[[None, None] for _ in range(bm // 8)] for _ in range(M)]
-        ds_lane = sm.ds_s + (key0 + G) * DS_PITCH + 2 * T
-        for n in range(bm // 8):
+    packed = {}
+    for warp in range(warps):                                     # up to the barrier (QSPLIT 2)
+        half, key0, q0, c0 = place(warp)
+        st, dpt = zero_frags(M, WQ // 8), zero_frags(M, WQ // 8)
+        warp_gemm_strips_smem(st, M, WQ, head, P, P, False, sm.mem, sm.k_s + key0 * P, sm.q_s + q0 * P)   # S^T
+        warp_gemm_strips_smem(dpt, M, WQ, head, P, P, False, sm.mem, sm.v_s + key0 * P, sm.do_s + q0 * P)  # dP^T
+        pt16 = [[[None, None] for _ in range(WQ // 8)] for _ in range(M)]
+        dst16 = [[[None, None] for _ in range(WQ // 8)] for _ in range(M)]
+        frag_at = (key0 + G) * DS_PITCH + q0 + 2 * T
+        for n in range(WQ // 8):
             for m in range(M):
                 for i in range(4):
-                    row = frag_col(n, i)                          # the lane's query
+                    row = q0 + frag_col(n, i)                     # the lane's query
                     pr = np.exp2(st[m][n][:, i] * x_per_s - lse_log2[row])
                     dpt[m][n][:, i] = pr * (dpt[m][n][:, i] - dsum[row])
                     st[m][n][:, i] = pr
                 for r in range(2):
                     pt16[m][n][r] = st[m][n][:, 2 * r:2 * r + 2].copy()
                     dst16[m][n][r] = dpt[m][n][:, 2 * r:2 * r + 2].copy()
-                    word = ds_lane + (16 * m + 8 * r) * DS_PITCH + 8 * n   # one 32-bit store: two queries
-                    sm.mem[word] = dst16[m][n][r][:, 0]
-                    sm.mem[word + 1] = dst16[m][n][r][:, 1]
-        acc_dv, acc_dk = zero_frags(M, head // 8), zero_frags(M, head // 8)
-        warp_gemm_strips_rn16(acc_dv, M, head, bm, P, pt16, sm.mem, sm.do_s)    # dV += P^T dO
-        warp_gemm_strips_rn16(acc_dk, M, head, bm, P, dst16, sm.mem, sm.q_s)    # dK += dS^T Q
+                    word = frag_at + (16 * m + 8 * r) * DS_PITCH + 8 * n   # one 32-bit store: two queries
+                    for base, frag in ((sm.ds_s, dst16), (sm.pt_s, pt16))[:1 + (QS > 1)]:
+                        sm.mem[base + word] = frag[m][n][r][:, 0]
+                        sm.mem[base + word + 1] = frag[m][n][r][:, 1]
+        packed[warp] = (pt16, dst16)
+    acc = {}
+    for warp in range(warps):                                     # after it
+        half, key0, q0, c0 = place(warp)
+        acc_dv, acc_dk = zero_frags(M, WC // 8), zero_frags(M, WC // 8)
+        if QS > 1:
+            warp_gemm_strips_smem(acc_dv, M, WC, bm, DS_PITCH, P, True, sm.mem, sm.pt_s + key0 * DS_PITCH,
+                                  sm.do_s + c0)                   # dV += P^T dO
+            warp_gemm_strips_smem(acc_dk, M, WC, bm, DS_PITCH, P, True, sm.mem, sm.ds_s + key0 * DS_PITCH,
+                                  sm.q_s + c0)                    # dK += dS^T Q
+        else:
+            pt16, dst16 = packed[warp]
+            warp_gemm_strips_rn16(acc_dv, M, head, bm, P, pt16, sm.mem, sm.do_s)    # dV += P^T dO
+            warp_gemm_strips_rn16(acc_dk, M, head, bm, P, dst16, sm.mem, sm.q_s)    # dK += dS^T Q
         acc[warp] = (acc_dk, acc_dv)
     for warp, (acc_dk, acc_dv) in acc.items():                   # the epilogue's (key, column)
-        key0 = warp * WARP_KEYS
+        half, key0, q0, c0 = place(warp)
         for m in range(M):
             for r in range(2):
                 key = key0 + 16 * m + G + 8 * r
-                for n in range(head // 8):
+                for n in range(WC // 8):
                     for e in range(2):
-                        dk[key, frag_col(n, e)] = acc_dk[m][n][:, 2 * r + e] * scale
-                        dv[key, frag_col(n, e)] = acc_dv[m][n][:, 2 * r + e]
+                        dk[key, c0 + frag_col(n, e)] = acc_dk[m][n][:, 2 * r + e] * scale
+                        dv[key, c0 + frag_col(n, e)] = acc_dv[m][n][:, 2 * r + e]
     np.testing.assert_allclose(dv, p.T @ do, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(dk, scale * ds.T @ q, rtol=1e-10, atol=1e-12)
-    ds_t = sm.mem[sm.ds_s:].reshape(bn, DS_PITCH)[:, :bm]
+    ds_t = sm.mem[sm.ds_s:sm.pt_s].reshape(bn, DS_PITCH)[:, :bm]
     np.testing.assert_allclose(ds_t, ds.T, rtol=1e-12, atol=1e-14)   # every dS^T entry, in place
+    if QS > 1:
+        pt_t = sm.mem[sm.pt_s:].reshape(bn, DS_PITCH)[:, :bm]
+        np.testing.assert_allclose(pt_t, p.T, rtol=1e-12, atol=1e-14)
 
     dq = np.zeros((bm, head))
+    S = DQ_STRIPS
     for warp in range(warps):                                     # dQ += scale * dS K
-        strip = warp // Q_SPLIT
-        row_a = strip * 16 + G
+        group = warp // Q_SPLIT
         for c in range(DQ_COLS // DQ_CHUNK):
             col0 = (warp % Q_SPLIT) * DQ_COLS + c * DQ_CHUNK
-            part = zero_frags(1, DQ_CHUNK // 8)
-            warp_gemm_strips_smem_t(part, 1, DQ_CHUNK, bn, DS_PITCH, P, True, sm.mem, sm.ds_s + strip * 16,
+            part = zero_frags(S, DQ_CHUNK // 8)
+            warp_gemm_strips_smem_t(part, S, DQ_CHUNK, bn, DS_PITCH, P, True, sm.mem, sm.ds_s + group * 16 * S,
                                     sm.k_s + col0)
-            for n in range(DQ_CHUNK // 8):
-                col = col0 + frag_col(n, 0)
-                for e in range(2):
-                    dq[row_a, col + e] += part[0][n][:, e] * scale
-                    dq[row_a + 8, col + e] += part[0][n][:, 2 + e] * scale
+            for m in range(S):
+                row_a = (group * S + m) * 16 + G
+                for n in range(DQ_CHUNK // 8):
+                    col = col0 + frag_col(n, 0)
+                    for e in range(2):
+                        dq[row_a, col + e] += part[m][n][:, e] * scale
+                        dq[row_a + 8, col + e] += part[m][n][:, 2 + e] * scale
     np.testing.assert_allclose(dq, scale * ds @ k, rtol=1e-10, atol=1e-12)
 
 
@@ -250,11 +280,14 @@ def test_ds_stores_and_dq_reads_are_conflict_free(bm):
     were 1.5 M bank conflicts on the H100 (ncu, d=64)."""
     DS_PITCH = bm + 8
     for key0 in (0, 16, 32, 48):
-        for n in range(bm // 8):
-            for r in range(2):
-                elems = (key0 + G + 8 * r) * DS_PITCH + 2 * T + 8 * n
-                assert (elems % 2 == 0).all()
-                assert _store_wavefronts(elems // 2) == 1
+        for q0 in {0, bm // 2}:                                 # QSPLIT 2: each half's queries
+            for n in range(bm // 8 if q0 == 0 else bm // 16):
+                for r in range(2):
+                    elems = (key0 + G + 8 * r) * DS_PITCH + q0 + 2 * T + 8 * n
+                    assert (elems % 2 == 0).all()
+                    assert _store_wavefronts(elems // 2) == 1
+        for k0 in range(0, bm, 16):                               # QSPLIT 2: dV / dK's A from P^T / dS^T
+            assert _ldmatrix_conflict_free(a_lane_addr(key0 * DS_PITCH, DS_PITCH) + k0)
     for strip in range(bm // 16):
         for k0 in range(0, 128, 16):
             assert _ldmatrix_conflict_free(at_lane_addr(strip * 16, DS_PITCH) + k0 * DS_PITCH)

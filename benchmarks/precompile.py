@@ -1,0 +1,61 @@
+"""Build kernel variants into CuPy's kernel cache in parallel processes, before a GPU test run.
+
+    PYTHONPATH=. python benchmarks/precompile.py [--jobs 16] [--family REGEX]
+
+The GPU tests compile each variant on first use, one at a time; on a fresh device that is most of a
+call's time. This builds every variant this GPU takes (``cuflash._variants.all_variants``, filtered by
+``compile_target``; with --family only the families whose name matches) in ``--jobs`` processes, each
+loading its share through ``cuflash._build.get_kernel``, so that the tests (and pytest-xdist workers)
+load them from the cache (CUPY_CACHE_DIR) without compiling. Processes, not threads: a build holds the
+interpreter for its Python part, and 16 threads measured no faster than a few.
+"""
+import argparse
+import multiprocessing
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _build(chunk):
+    from cuflash._build import CompileError, get_kernel
+    from cuflash._variants import all_variants
+
+    variants = all_variants()
+    failed = []
+    for i in chunk:
+        try:
+            get_kernel(variants[i])
+        except CompileError as exc:
+            failed.append(f"{variants[i].name}\n{exc.log}")
+    return failed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--family", default="", help="regex on the family name (default: every family)")
+    args = parser.parse_args()
+    from cuflash._launch import _compute_capability
+    from cuflash._variants import all_variants
+
+    cc = _compute_capability()
+    picked = [i for i, v in enumerate(all_variants())
+              if v.compile_target(f"sm_{cc}") and re.search(args.family, v.family)]
+    chunks = [picked[j::args.jobs] for j in range(args.jobs)]
+    start = time.perf_counter()
+    # spawn: this process has initialised CUDA (the compute capability), which a forked child cannot use
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = [f for part in pool.map(_build, chunks) for f in part]
+    for f in failed:
+        print("FAILED", f)
+    print(f"{len(picked) - len(failed)} of {len(picked)} variants built for sm_{cc} in "
+          f"{time.perf_counter() - start:.0f} s with {args.jobs} processes")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
