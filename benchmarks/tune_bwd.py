@@ -41,7 +41,7 @@ from cuflash import _launch, reference
 from cuflash._variants import Tile, tile_override
 
 CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split)
-    64: [(64, 64, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 1, 2)],
+    64: [(64, 64, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2)],
     128: [(64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1), (64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 1, 2),
           (32, 64, 4, 1, 2, 1)],
 }
