@@ -250,3 +250,19 @@ def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, walk, mo
     assert grid == ctas < variant.grid(*dims)
     queue = int(np.frombuffer(params.data, dtype=_params.STRUCTS["FwdParams"])["block_queue"][0])
     assert (queue != 0) == (walk == "default" and bool(causal) and d == 128)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d,lq,lk", [(128, 777, 1111), (128, 1111, 777), (128, 1030, 1030), (111, 200, 390),
+                                     (64, 1030, 1030)])
+def test_portable_forward_several_blocks(dtype, causal, d, lq, lk, launches, monkeypatch):
+    """The portable 16-bit forward (as any GPU without the Hopper path runs it) over several query
+    blocks and key stages, grouped-query heads, ragged last blocks and causal stages that see part of
+    a block: at head dim 128 the table's 64-key stages formed 32 keys at a time (FwdMmaTraits::SUB_N),
+    whose second half may lie wholly past the last key or the causal edge."""
+    from cuflash import _launch
+
+    monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    check_forward(dtype, 1, 4, 2, lq, lk, d, d, causal, seed=lq + 5 * lk + d)
+    assert "fwd_mma" in [v.family for v in launches]
