@@ -1,12 +1,13 @@
 """Build kernel variants into CuPy's kernel cache in parallel processes, before a GPU test run.
 
-    PYTHONPATH=. python benchmarks/precompile.py [--jobs 16] [--family REGEX]
+    PYTHONPATH=. python benchmarks/precompile.py [--jobs 16] [--family REGEX] [--tile 128x48x4x3 --heads 128]
 
 The GPU tests compile each variant on first use, one at a time; on a fresh device that is most of a
 call's time. This builds every variant this GPU takes (``cuflash._variants.all_variants``, filtered by
 ``compile_target``; with --family only the families whose name matches) in ``--jobs`` processes, each
 loading its share through ``cuflash._build.get_kernel``, so that the tests (and pytest-xdist workers)
-load them from the cache (CUPY_CACHE_DIR) without compiling. Processes, not threads: a build holds the
+load them from the cache (CUPY_CACHE_DIR) without compiling. ``--tile BMxBNxWARPSxSTAGES`` (repeatable) builds
+the picked variants of head dims ``--heads`` at those tiles instead (a tuning script's candidates). Processes, not threads: a build holds the
 interpreter for its Python part, and 16 threads measured no faster than a few.
 """
 import argparse
@@ -22,29 +23,41 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def _build(chunk):
     from cuflash._build import CompileError, get_kernel
-    from cuflash._variants import all_variants
 
-    variants = all_variants()
     failed = []
-    for i in chunk:
+    for v in chunk:
         try:
-            get_kernel(variants[i])
+            get_kernel(v)
         except CompileError as exc:
-            failed.append(f"{variants[i].name}\n{exc.log}")
+            failed.append(f"{v.name}\n{exc.log}")
     return failed
+
+
+def _tile(text):
+    from cuflash._variants import Tile
+
+    bm, bn, warps, stages = (int(x) for x in text.split("x"))
+    return Tile(bm, bn, warps, stages, "tuning")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--family", default="", help="regex on the family name (default: every family)")
+    parser.add_argument("--tile", action="append", default=[], help="BMxBNxWARPSxSTAGES: build at these tiles")
+    parser.add_argument("--heads", default="", help="with --tile: the head dims (comma-separated)")
     args = parser.parse_args()
+    from dataclasses import replace
+
     from cuflash._launch import _compute_capability
     from cuflash._variants import all_variants
 
     cc = _compute_capability()
-    picked = [i for i, v in enumerate(all_variants())
-              if v.compile_target(f"sm_{cc}") and re.search(args.family, v.family)]
+    picked = [v for v in all_variants() if v.compile_target(f"sm_{cc}") and re.search(args.family, v.family)]
+    if args.tile:
+        heads = {int(h) for h in args.heads.split(",") if h}
+        picked = list(dict.fromkeys(replace(v, tile=_tile(t)) for t in args.tile for v in picked
+                                    if (not heads or v.head in heads) and not v.extra))
     chunks = [picked[j::args.jobs] for j in range(args.jobs)]
     start = time.perf_counter()
     # spawn: this process has initialised CUDA (the compute capability), which a forked child cannot use

@@ -12,7 +12,7 @@ above TOLERANCE_F64 (or with a non-finite output) is marked FAILED, and the scri
 with status 1 after the last row.
 
     PYTHONPATH=. python benchmarks/tune_fwd.py [--heads 64,128] [--dtype float64] [--lengths 1024,4096]
-        [--wide-only]
+        [--wide-only] [--peer]
 """
 import argparse
 import contextlib
@@ -28,13 +28,16 @@ import cuflash
 from cuflash import _launch, reference
 from cuflash._variants import Tile, Variant, tile_override
 
-# (block_m, block_n, warps); the first is the reference the others are checked against.
+# (block_m, block_n, warps[, stages]); the first is the reference the others are checked against. Stages
+# default to 2; 3 runs the K/V ring with one barrier a key tile (flash_fwd_mma.cu).
 CANDIDATES = {
     32: [(64, 64, 4), (128, 64, 4), (128, 128, 4), (64, 64, 2)],
     64: [(64, 64, 4), (128, 64, 4), (64, 64, 2), (128, 32, 4), (128, 128, 4)],
-    # (128, 64, 4) at d=128: FA2's H100 tile, 5-8% above the table's 128x32 (sixteenth session) but it spills
-    # 8-56 bytes (NVRTC 12.9 / 13.0; cuflash/_variants.py)
-    128: [(64, 64, 4), (128, 32, 4), (64, 32, 2), (128, 64, 4)],
+    # (128, 64, 4): FA2's tile, the table's since the twentieth session (0 spills with the block and loop bounds
+    # parked in shared memory). Measured there and not taken: 48-key tiles (0.97-1.06x 128x32, spilling 32-48
+    # bytes in the sm_90 16-byte-load variants) and a third K/V stage with one barrier a tile (0.96-1.01x at
+    # 128x32; 0.80-0.93x at 128x64, one CTA an SM).
+    128: [(128, 64, 4), (128, 32, 4), (64, 64, 4)],
 }
 # float64: "fma" is the FMA baseline; every config compiles with 0 spills (plain kernel).
 # (BM, BN, warps, K): the m16n8kK candidates of branch f64-perf (benchmarks/NOTES.md), plain
@@ -81,13 +84,29 @@ def config(d, cand, float64):
     """(label, context manager) of one candidate."""
     if cand == "fma":
         return "FMA", fma_forward(d)
-    if len(cand) == 4:   # float64 on mma.m16n8kK
+    if float64 and len(cand) == 4:   # float64 on mma.m16n8kK
         bm, bn, warps, wide_k = cand
         return f"{bm}x{bn}/{warps}w/k{wide_k}", forced_forward("fwd_dmma", Tile(bm, bn, warps, 2, "tuning"), wide_k)
-    bm, bn, warps = cand
+    bm, bn, warps, stages = (*cand, 2) if len(cand) == 3 else cand
     family = "fwd_dmma" if float64 else "fwd_mma"
     dtypes = ["float64"] if float64 else ["float16", "bfloat16"]
-    return f"{bm}x{bn}/{warps}w", tile_override(family, d, Tile(bm, bn, warps, 2, "tuning"), dtypes=dtypes)
+    label = f"{bm}x{bn}/{warps}w" + (f"/s{stages}" if stages != 2 else "")
+    return label, tile_override(family, d, Tile(bm, bn, warps, stages, "tuning"), dtypes=dtypes)
+
+
+def flash_peer(q, k, v, causal):
+    """A callable running PyTorch SDPA's flash backend (FA2) on the same buffers, or None without torch."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    return run
 
 
 def long_double_exact(q, k, v, causal, rows):
@@ -116,6 +135,8 @@ def main():
     parser.add_argument("--dtype", choices=("half", "float64"), default="half",
                         help="half: float16 and bfloat16 (fwd_mma); float64: fwd_dmma against the FMA baseline")
     parser.add_argument("--lengths", default="1024,4096")
+    parser.add_argument("--peer", action="store_true",
+                        help="half: also time PyTorch SDPA's flash backend (FA2) on the same buffers")
     parser.add_argument("--check-rows", type=int, default=128, help="float64: query rows checked in long double")
     parser.add_argument("--wide-only", action="store_true",
                         help="float64: only the table's tile and the m16n8kK candidates (with the m8n8k4 tiles they "
@@ -139,6 +160,15 @@ def main():
                 rng = cp.random.default_rng(0)
                 q, k, v = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(3))
                 refs, exacts = {}, {}
+                for causal in ((False, True) if args.peer and not float64 else ()):
+                    run = flash_peer(q, k, v, causal)
+                    if run is None:
+                        break
+                    t = benchmark(run, n_repeat=30, n_warmup=5)
+                    ms = float(np.median(t.gpu_times[0]) * 1e3)
+                    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                    print(f"{np.dtype(dtype).name[:5]:5} {d:4d} {n:5d} {'FA2 (SDPA)':>14} {str(causal):>6} "
+                          f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
                 for cand in (CANDIDATES_F64 if float64 else CANDIDATES)[d]:
                     if float64 and cand != "fma" and len(cand) == 4 and not sm90:
                         continue

@@ -105,7 +105,9 @@ class Tile:
     the fast split's, small = a - big with its low 13 bits cleared, so that the tensor core reads both
     exactly whether it rounds or truncates. ``vec_only``: only variants with 16-byte loads (``Variant.vec``) take this tile; the
     element-load ones go on to the next (a tile whose scalar loader's addresses push it past the
-    registers)."""
+    registers). ``resident``: a GPU takes this tile only where that many of its CTAs fit one SM's
+    shared memory (:func:`fits_resident`), the next tile otherwise: a 4-warp tile tuned at two CTAs
+    an SM on the H100 is not taken where it would run alone (the A100's 164 KB)."""
 
     block_m: int
     block_n: int
@@ -118,6 +120,7 @@ class Tile:
     wide_k: int = 0
     vec_only: bool = False
     query_split: int = 1
+    resident: int = 1
 
 
 # --------------------------------------------------------------------------- the table
@@ -133,6 +136,17 @@ SMEM_LIMITS = {"sm_90 (H100, H200)": 232448, "sm_80 (A100)": 166912, "sm_86, sm_
 compute-capability table); what the tests and the README check against. At run time the
 device's own attribute decides."""
 SMEM_MAX = max(SMEM_LIMITS.values())
+
+
+CTA_RESERVED_SMEM = 1024
+"""Shared memory the hardware reserves per resident CTA (sm_80 and later): an SM holds the per-block
+opt-in limit plus one reservation, so ``n`` CTAs of ``b`` bytes fit where n * (b + 1 KB) <= limit + 1 KB."""
+
+
+def fits_resident(smem_bytes: int, resident: int, smem_limit: int) -> bool:
+    """Whether ``resident`` CTAs of ``smem_bytes`` each fit one SM of a GPU whose per-block opt-in limit
+    is ``smem_limit`` (the per-SM capacity is that limit plus one CTA reservation on sm_80 and later)."""
+    return resident * (smem_bytes + CTA_RESERVED_SMEM) <= smem_limit + CTA_RESERVED_SMEM
 
 
 def smem_limit_for_arch(arch: str) -> int:
@@ -188,8 +202,17 @@ _add("fwd_mma", HALF_TYPES, [32], Tile(128, 128, 4, 2, "two strips per warp: +19
 # on sm_80 and sm_90 (the band variant spilled 132 bytes, the sm_80 scalar-load one 108).
 _add("fwd_mma", HALF_TYPES, [64], Tile(128, 128, 4, 2, "two strips of 128 keys: +11% (causal +12%, spilling) over "
                                                       "128x64 (tune_fwd.py); 251-255 registers, 0 spills"))
-_add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles (252 registers): "
-                                                      "+11-15% non-causal, +1-3% causal (tune_fwd.py)"))
+# d=128 at FA2's 128x64 (twentieth session): it fits 255 registers with no spills (NVRTC 12.9, sm_80 / sm_90,
+# every plain and band variant) since the block's coordinates and the loop bounds wait in the Q rows' padding
+# (park4, common.cuh) instead of registers; tune_fwd.py --peer on the H100, L=1024-16384, fp16 / bf16:
+# 1.02-1.09x the 128x32 tile non-causal, 0.99-1.06x causal (results in benchmarks/NOTES.md). 102 KB: two
+# CTAs an SM on the H100 only (resident=2); the A100 keeps 128x32 at two CTAs (69.6 KB).
+_add("fwd_mma", HALF_TYPES, [128],
+     Tile(128, 64, 4, 2, "FA2's tile: two strips per warp, 64-key tiles, 255 registers (tune_fwd.py)", resident=2),
+     Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles: +11-15% non-causal, +1-3% causal over 64x64 "
+                         "(tune_fwd.py)"))
+# With EXTRA, 128x64 spills 16-204 bytes at d=128 (NVRTC 12.9): 32-key tiles.
+_add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "128x64 spills with the EXTRA code"), extra=True)
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
 # With EXTRA (bias, mask, block layout, dropout) and the bias staged in shared memory: two strips as in
 # the plain kernel; 128x128 spills (d=32: 44-252 bytes, d=64: 68-236). With the band too, the d=64
@@ -856,7 +879,7 @@ class Variant:
                              f"tiles for 16-byte loads only")
         for tile in tiles:
             v = replace(self, tile=tile)
-            if v.smem_bytes <= smem_limit:
+            if v.smem_bytes <= smem_limit and fits_resident(v.smem_bytes, tile.resident, smem_limit):
                 return v
         raise ValueError(
             f"{self.dtype} {FAMILY_WHAT[self.family]} at head dim {self.head} needs "

@@ -118,6 +118,38 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return addr;
 }
 
+// Four ints parked in 16 bytes of shared memory (16-byte aligned) across a loop that needs
+// every register, where ptxas would otherwise hold them (or values it derives from them)
+// through the loop or spill them to local memory. Lane 0 of each warp writes its warp's slot
+// (the warp's own lanes read it, after __syncwarp); the read is volatile, so the compiler
+// neither keeps the values in registers nor forwards the store, and each read costs one
+// 16-byte shared load.
+// BYTES: an immediate offset from slot_addr (no register holds the sum).
+struct Parked4 { int a, b, c, d; };
+template <int BYTES = 0>
+__device__ __forceinline__ void park4(unsigned slot_addr, Parked4 v) {
+    if (threadIdx.x % 32 == 0)
+        asm volatile("st.shared.v4.s32 [%0+%1], {%2, %3, %4, %5};"
+                     :: "r"(slot_addr), "n"(BYTES), "r"(v.a), "r"(v.b), "r"(v.c), "r"(v.d) : "memory");
+    __syncwarp();
+}
+template <int BYTES = 0>
+__device__ __forceinline__ Parked4 unpark4(unsigned slot_addr) {
+    Parked4 v;
+    asm volatile("ld.volatile.shared.v4.s32 {%0, %1, %2, %3}, [%4+%5];"
+                 : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "r"(slot_addr), "n"(BYTES) : "memory");
+    return v;
+}
+
+// The thread index read again (asm volatile: not the value ptxas already holds), for an
+// epilogue's row arithmetic after such a loop: otherwise ptxas keeps what it derived from
+// the index before the loop live across it.
+__device__ __forceinline__ int thread_index_reread() {
+    int tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return tid;
+}
+
 // Two neighbouring floats of shared memory (8-byte aligned) in one 8-byte load.
 struct alignas(8) FloatPair {
     float v[2];

@@ -68,20 +68,31 @@ flash_fwd_mma(const FwdParams p) {
     const float x_per_s = mod.x_per_score();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
+    // The block's coordinates wait in the row padding of the warp's first Q row (the 16 bytes
+    // past HEAD, which neither the Q copy nor any ldmatrix touches) for the K/V copies and the
+    // epilogue: at head dim 128 and 64-key tiles the loop holds every register.
+    auto parking_slot = [&](int in_warp) { return smem_addr(q_s + in_warp * Tr::WARP_ROWS * P + HEAD); };
+    park_query_block(parking_slot(warp), blk);
     auto load_kv = [&](int j, int stage) {
         load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
-            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN);
+            k_s, v_s, bias_s, stage, p, unpark_query_block<BM>(parking_slot(warp), dims), mod.has_bias(), j * BN);
         cp_async_commit();
     };
-    // The visible key tiles in order (block sparsity and mask summaries skip some).
-    auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
+    // The visible key tiles in order (block sparsity and mask summaries skip some) before end.
+    auto next_tile = [&](int j, int end) {
+        if constexpr (Flags::EXTRA) {
+            const QueryBlock b = unpark_query_block<BM>(parking_slot(warp), dims);
+            return mod.next_key_tile(j, end, b.m0, b.rows, BN);
+        }
+        return j;
+    };
 
     constexpr int M = Tr::STRIPS;
     float acc_o[M][Tr::O_TILES][4];
     float row_max[M][2], row_sum[M][2];
     start_rows(acc_o, row_max, row_sum);
 
-    int j = next_tile(keys.begin);
+    int j = next_tile(keys.begin, keys.end);
     if (j < keys.end) {
         load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
                                                     blk.rows, dims.d);
@@ -89,12 +100,18 @@ flash_fwd_mma(const FwdParams p) {
     }
     const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
     // Without EXTRA, the key tiles this warp's rows see whole, found once: inside
-    // them the loop carries no mask work and no per-tile classification.
+    // them the loop carries no mask work and no per-tile classification. They and the
+    // end of the key tiles wait in the next Q row's padding, as the block does above.
     TileRange full{0, 0};
     if constexpr (!Flags::EXTRA) full = mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
-    for (int stage = 0; j < keys.end; stage ^= 1) {
-        const int next = next_tile(j + 1);
-        prefetch_next_step<2>(next, keys.end, stage, load_kv);   // the next visible tile into the other stage
+    constexpr int BOUNDS_AT = P * int(sizeof(T));   // bytes past the block's slot
+    park4<BOUNDS_AT>(parking_slot(warp), {keys.end, full.begin, full.end, 0});
+    for (int stage = 0;; stage ^= 1) {
+        const Parked4 bounds = unpark4<BOUNDS_AT>(parking_slot(warp));
+        const int key_end = bounds.a;
+        if (j >= key_end) break;
+        const int next = next_tile(j + 1, key_end);
+        prefetch_next_step<2>(next, key_end, stage, load_kv);   // the next visible tile into the other stage
         __syncthreads();
 
         float s[M][Tr::S_TILES][4];   // S = Q K^T for this warp's rows
@@ -103,7 +120,8 @@ flash_fwd_mma(const FwdParams p) {
         warp_gemm_strips_smem<T, M, BN, HEAD, P, P, false>(s, q_s + warp * Tr::WARP_ROWS * P,
                                                           k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
-        const bool partial = Flags::EXTRA ? mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN) : !full.contains(j);
+        const bool partial = Flags::EXTRA ? mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN)
+                                          : !TileRange{bounds.b, bounds.c}.contains(j);
         const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + (warp * Tr::WARP_ROWS) * Tr::BIAS_PITCH;
         // The absolute (query, key) of element i of n8 tile n in strip m.
         auto strip_coord = [=](int m) {
@@ -149,20 +167,22 @@ flash_fwd_mma(const FwdParams p) {
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
+    const int tid = thread_index_reread(), out_warp = tid / 32, out_lane = tid % 32;
+    const QueryBlock out_blk = unpark_query_block<BM>(parking_slot(out_warp), dims);
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float inv_sum, row_lse;
             softmax_finalize_row<4>(row_max[m][r], row_sum[m][r], inv_sum, row_lse);
-            const int row = warp * Tr::WARP_ROWS + 16 * m + lane / 4 + 8 * r;
-            if (row >= blk.rows) continue;
-            T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
+            const int row = out_warp * Tr::WARP_ROWS + 16 * m + out_lane / 4 + 8 * r;
+            if (row >= out_blk.rows) continue;
+            T* out_row = p.out.at<T>(out_blk.batch, out_blk.head, out_blk.m0 + row);
 #pragma unroll
             for (int t = 0; t < Tr::O_TILES; ++t) {
-                const int col = t * 8 + 2 * (lane % 4);
+                const int col = t * 8 + 2 * (out_lane % 4);
                 store_out_pair<VEC>(out_row, col, dims.dv, acc_o[m][t][2 * r] * inv_sum, acc_o[m][t][2 * r + 1] * inv_sum);
             }
-            if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
+            if (out_lane % 4 == 0) *p.lse.at<float>(out_blk.batch, out_blk.head, out_blk.m0 + row) = row_lse;
         }
 }

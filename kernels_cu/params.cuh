@@ -221,6 +221,18 @@ struct QueryBlock {
     }
 };
 
+// A query block parked in shared memory (park4, common.cuh): the forward's K/V copies and
+// epilogue read it back instead of holding its fields, and the K/V row pointers ptxas derives
+// from them, through the loop. rows is not stored: min(BM, lq - m0) is recomputed.
+__device__ __forceinline__ void park_query_block(unsigned slot_addr, const QueryBlock& blk) {
+    park4(slot_addr, {blk.batch, blk.head, blk.kv_head, blk.m0});
+}
+template <int BM>
+__device__ __forceinline__ QueryBlock unpark_query_block(unsigned slot_addr, const AttnDims& dims) {
+    const Parked4 v = unpark4(slot_addr);
+    return {v.a, v.b, v.c, v.d, imin(BM, dims.lq - v.d)};
+}
+
 // What a key-major CTA owns (dK/dV): keys [n0, n0 + keys) of K/V head kv_head,
 // read by query heads [kv_head * group, (kv_head + 1) * group).
 // Grid: ceil(Lk / BN) x Hk x B, key block 0 (the most causal work) first.
