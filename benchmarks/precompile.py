@@ -6,7 +6,7 @@ The GPU tests compile each variant on first use, one at a time; on a fresh devic
 call's time. This builds every variant this GPU takes (``cuflash._variants.all_variants``, filtered by
 ``compile_target``; with --family only the families whose name matches) in ``--jobs`` processes, each
 loading its share through ``cuflash._build.get_kernel``, so that the tests (and pytest-xdist workers)
-load them from the cache (CUPY_CACHE_DIR) without compiling. ``--tile BMxBNxWARPSxSTAGES`` (repeatable) builds
+load them from the cache (CUPY_CACHE_DIR) without compiling. ``--tile BMxBNxWARPSxSTAGES[xpark]`` (repeatable) builds
 the picked variants of head dims ``--heads`` at those tiles instead (a tuning script's candidates). Processes, not threads: a build holds the
 interpreter for its Python part, and 16 threads measured no faster than a few.
 """
@@ -36,15 +36,16 @@ def _build(chunk):
 def _tile(text):
     from cuflash._variants import Tile
 
-    bm, bn, warps, stages = (int(x) for x in text.split("x"))
-    return Tile(bm, bn, warps, stages, "tuning")
+    parts = text.split("x")
+    bm, bn, warps, stages = (int(x) for x in parts[:4])
+    return Tile(bm, bn, warps, stages, "tuning", park="park" in parts[4:])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--family", default="", help="regex on the family name (default: every family)")
-    parser.add_argument("--tile", action="append", default=[], help="BMxBNxWARPSxSTAGES: build at these tiles")
+    parser.add_argument("--tile", action="append", default=[], help="BMxBNxWARPSxSTAGES[xpark]: build at these tiles")
     parser.add_argument("--heads", default="", help="with --tile: the head dims (comma-separated)")
     args = parser.parse_args()
     from dataclasses import replace

@@ -28,16 +28,16 @@ import cuflash
 from cuflash import _launch, reference
 from cuflash._variants import Tile, Variant, tile_override
 
-# (block_m, block_n, warps[, stages]); the first is the reference the others are checked against. Stages
-# default to 2; 3 runs the K/V ring with one barrier a key tile (flash_fwd_mma.cu).
+# (block_m, block_n, warps[, "park"]); the first is the reference the others are checked against. "park":
+# the kernel's PARK (Tile.park: block coordinates and loop bounds in shared memory, flash_fwd_mma.cu).
 CANDIDATES = {
     32: [(64, 64, 4), (128, 64, 4), (128, 128, 4), (64, 64, 2)],
     64: [(64, 64, 4), (128, 64, 4), (64, 64, 2), (128, 32, 4), (128, 128, 4)],
-    # (128, 64, 4): FA2's tile, the table's since the twentieth session (0 spills with the block and loop bounds
-    # parked in shared memory). Measured there and not taken: 48-key tiles (0.97-1.06x 128x32, spilling 32-48
-    # bytes in the sm_90 16-byte-load variants) and a third K/V stage with one barrier a tile (0.96-1.01x at
-    # 128x32; 0.80-0.93x at 128x64, one CTA an SM).
-    128: [(128, 64, 4), (128, 32, 4), (64, 64, 4)],
+    # (128, 64, 4, "park"): FA2's tile, the table's since the twentieth session (without PARK it spills 8-56
+    # bytes). Measured there and not taken: 48-key tiles (0.97-1.06x 128x32, spilling 32-48 bytes in the sm_90
+    # 16-byte-load variants) and a third K/V stage with one barrier a tile (0.96-1.01x at 128x32; 0.80-0.93x
+    # at 128x64, one CTA an SM).
+    128: [(128, 64, 4, "park"), (128, 32, 4), (128, 64, 4), (128, 32, 4, "park")],
 }
 # float64: "fma" is the FMA baseline; every config compiles with 0 spills (plain kernel).
 # (BM, BN, warps, K): the m16n8kK candidates of branch f64-perf (benchmarks/NOTES.md), plain
@@ -87,11 +87,12 @@ def config(d, cand, float64):
     if float64 and len(cand) == 4:   # float64 on mma.m16n8kK
         bm, bn, warps, wide_k = cand
         return f"{bm}x{bn}/{warps}w/k{wide_k}", forced_forward("fwd_dmma", Tile(bm, bn, warps, 2, "tuning"), wide_k)
-    bm, bn, warps, stages = (*cand, 2) if len(cand) == 3 else cand
+    bm, bn, warps = cand[:3]
+    park = "park" in cand[3:]
     family = "fwd_dmma" if float64 else "fwd_mma"
     dtypes = ["float64"] if float64 else ["float16", "bfloat16"]
-    label = f"{bm}x{bn}/{warps}w" + (f"/s{stages}" if stages != 2 else "")
-    return label, tile_override(family, d, Tile(bm, bn, warps, stages, "tuning"), dtypes=dtypes)
+    label = f"{bm}x{bn}/{warps}w" + ("/park" if park else "")
+    return label, tile_override(family, d, Tile(bm, bn, warps, 2, "tuning", park=park), dtypes=dtypes)
 
 
 def flash_peer(q, k, v, causal):

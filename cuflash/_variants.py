@@ -107,7 +107,10 @@ class Tile:
     element-load ones go on to the next (a tile whose scalar loader's addresses push it past the
     registers). ``resident``: a GPU takes this tile only where that many of its CTAs fit one SM's
     shared memory (:func:`fits_resident`), the next tile otherwise: a 4-warp tile tuned at two CTAs
-    an SM on the H100 is not taken where it would run alone (the A100's 164 KB)."""
+    an SM on the H100 is not taken where it would run alone (the A100's 164 KB). ``park`` (the 16-bit
+    forward ``fwd_mma`` only, its PARK): the block's coordinates and the key loop's bounds wait in
+    shared memory (the Q rows' padding) instead of registers, which a tile needs where the loop
+    holds every register (flash_fwd_mma.cu)."""
 
     block_m: int
     block_n: int
@@ -121,6 +124,7 @@ class Tile:
     vec_only: bool = False
     query_split: int = 1
     resident: int = 1
+    park: bool = False
 
 
 # --------------------------------------------------------------------------- the table
@@ -208,7 +212,8 @@ _add("fwd_mma", HALF_TYPES, [64], Tile(128, 128, 4, 2, "two strips of 128 keys: 
 # 1.02-1.09x the 128x32 tile non-causal, 0.99-1.06x causal (results in benchmarks/NOTES.md). 102 KB: two
 # CTAs an SM on the H100 only (resident=2); the A100 keeps 128x32 at two CTAs (69.6 KB).
 _add("fwd_mma", HALF_TYPES, [128],
-     Tile(128, 64, 4, 2, "FA2's tile: two strips per warp, 64-key tiles, 255 registers (tune_fwd.py)", resident=2),
+     Tile(128, 64, 4, 2, "FA2's tile: two strips per warp, 64-key tiles, 255 registers (tune_fwd.py)", resident=2,
+          park=True),
      Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles: +11-15% non-causal, +1-3% causal over 64x64 "
                          "(tune_fwd.py)"))
 # With EXTRA, 128x64 spills 16-204 bytes at d=128 (NVRTC 12.9): 32-key tiles.
@@ -855,6 +860,8 @@ class Variant:
                                            or self.extra or self.tile.passes != 1 or self.pass_ != 0):
             raise ValueError(f"query_split={self.tile.query_split}: 2 only for bwd_dkdv_mma in one pass, "
                              "without EXTRA")
+        if self.tile.park and self.family != "fwd_mma":
+            raise ValueError("park: only for fwd_mma")
 
     @property
     def wide_k(self) -> int:
@@ -938,6 +945,8 @@ class Variant:
             args.append(str(self.wide_k))
         if self.tile.query_split != 1:   # bwd_dkdv_mma's last template parameter, QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
+        if self.tile.park:   # fwd_mma's last template parameter, PARK (false by default)
+            args.append("true")
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

@@ -49,7 +49,13 @@ struct FwdMmaTraits {
 };
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC>
+// PARK (the variant table's Tile.park): the block's coordinates and the loop bounds wait in
+// the row padding of each warp's first two Q rows (the 16 bytes past HEAD, which neither the
+// Q copy nor any ldmatrix touches), read back where the K/V copies, the loop test and the
+// epilogue need them, instead of sitting in registers through the key loop: 64-key tiles at
+// head dim 128 fit 255 registers so. It costs a shared load and the K/V pointers' arithmetic
+// a step, so only the tiles that need it take it.
+template <typename T, typename Cfg, typename Flags, bool VEC, bool PARK = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_mma(const FwdParams p) {
     typedef FwdMmaTraits<T, Cfg, Flags::EXTRA> Tr;
@@ -68,23 +74,22 @@ flash_fwd_mma(const FwdParams p) {
     const float x_per_s = mod.x_per_score();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
-    // The block's coordinates wait in the row padding of the warp's first Q row (the 16 bytes
-    // past HEAD, which neither the Q copy nor any ldmatrix touches) for the K/V copies and the
-    // epilogue: at head dim 128 and 64-key tiles the loop holds every register.
     auto parking_slot = [&](int in_warp) { return smem_addr(q_s + in_warp * Tr::WARP_ROWS * P + HEAD); };
-    park_query_block(parking_slot(warp), blk);
+    if constexpr (PARK) park_query_block(parking_slot(warp), blk);
+    auto loop_block = [&]() -> QueryBlock {   // the block, as the loop reads it
+        if constexpr (PARK) return unpark_query_block<BM>(parking_slot(warp), dims);
+        return blk;
+    };
     auto load_kv = [&](int j, int stage) {
         load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
-            k_s, v_s, bias_s, stage, p, unpark_query_block<BM>(parking_slot(warp), dims), mod.has_bias(), j * BN);
+            k_s, v_s, bias_s, stage, p, loop_block(), mod.has_bias(), j * BN);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some) before end.
     auto next_tile = [&](int j, int end) {
-        if constexpr (Flags::EXTRA) {
-            const QueryBlock b = unpark_query_block<BM>(parking_slot(warp), dims);
-            return mod.next_key_tile(j, end, b.m0, b.rows, BN);
-        }
-        return j;
+        if constexpr (!Flags::EXTRA) return j;   // (no layouts; and no block read-back with PARK)
+        const QueryBlock b = loop_block();
+        return mod.next_key_tile(j, end, b.m0, b.rows, BN);
     };
 
     constexpr int M = Tr::STRIPS;
@@ -100,15 +105,20 @@ flash_fwd_mma(const FwdParams p) {
     }
     const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
     // Without EXTRA, the key tiles this warp's rows see whole, found once: inside
-    // them the loop carries no mask work and no per-tile classification. They and the
-    // end of the key tiles wait in the next Q row's padding, as the block does above.
+    // them the loop carries no mask work and no per-tile classification. With PARK
+    // they and the end of the key tiles wait in the next Q row's padding.
     TileRange full{0, 0};
     if constexpr (!Flags::EXTRA) full = mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
     constexpr int BOUNDS_AT = P * int(sizeof(T));   // bytes past the block's slot
-    park4<BOUNDS_AT>(parking_slot(warp), {keys.end, full.begin, full.end, 0});
+    if constexpr (PARK) park4<BOUNDS_AT>(parking_slot(warp), {keys.end, full.begin, full.end, 0});
     for (int stage = 0;; stage ^= 1) {
-        const Parked4 bounds = unpark4<BOUNDS_AT>(parking_slot(warp));
-        const int key_end = bounds.a;
+        int key_end = keys.end;
+        TileRange whole = full;
+        if constexpr (PARK) {
+            const Parked4 bounds = unpark4<BOUNDS_AT>(parking_slot(warp));
+            key_end = bounds.a;
+            whole = {bounds.b, bounds.c};
+        }
         if (j >= key_end) break;
         const int next = next_tile(j + 1, key_end);
         prefetch_next_step<2>(next, key_end, stage, load_kv);   // the next visible tile into the other stage
@@ -121,7 +131,7 @@ flash_fwd_mma(const FwdParams p) {
                                                           k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
         const bool partial = Flags::EXTRA ? mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN)
-                                          : !TileRange{bounds.b, bounds.c}.contains(j);
+                                          : !whole.contains(j);
         const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + (warp * Tr::WARP_ROWS) * Tr::BIAS_PITCH;
         // The absolute (query, key) of element i of n8 tile n in strip m.
         auto strip_coord = [=](int m) {
@@ -167,8 +177,14 @@ flash_fwd_mma(const FwdParams p) {
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
-    const int tid = thread_index_reread(), out_warp = tid / 32, out_lane = tid % 32;
-    const QueryBlock out_blk = unpark_query_block<BM>(parking_slot(out_warp), dims);
+    int out_warp = warp, out_lane = lane;
+    QueryBlock out_blk = blk;
+    if constexpr (PARK) {
+        const int tid = thread_index_reread();
+        out_warp = tid / 32;
+        out_lane = tid % 32;
+        out_blk = unpark_query_block<BM>(parking_slot(out_warp), dims);
+    }
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll

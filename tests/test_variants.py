@@ -58,6 +58,29 @@ def test_gpu_problem_runs_the_variant(variant):
     assert variant in problem_for(variant).variants()
 
 
+def test_resident_tiles_need_room_for_their_ctas():
+    """A tile with ``resident=2`` is taken only where two of its CTAs fit an SM (the per-block
+    limit plus one 1 KB reservation): the head-dim-128 forward's 128x64 tile (102 KB) on the
+    H100, its 128x32 tile (68 KB) on the A100 and the 99 KB GPUs."""
+    limits = V.SMEM_LIMITS
+    h100, a100, small = (limits[k] for k in limits)
+    for dtype in ("float16", "bfloat16"):
+        for limit, (block_n, park) in [(h100, (64, True)), (a100, (32, False)), (small, (32, False))]:
+            v = V.forward_variant(dtype, 128, band=False, vec=True, smem_limit=limit)
+            assert (v.tile.block_n, v.tile.park) == (block_n, park), (dtype, limit)
+            assert v.smem_bytes <= limit
+    # The bound: n * (bytes + 1 KB) <= limit + 1 KB.
+    assert V.fits_resident(h100 // 2 - 512, 2, h100) and not V.fits_resident(h100 // 2 - 511, 2, h100)
+    assert V.fits_resident(h100, 1, h100)
+
+
+def test_park_is_a_forward_tile_option():
+    tile = V.Tile(64, 64, 4, 2, "test", park=True)
+    assert V.Variant("fwd_mma", "float16", 64, tile=tile).name.endswith(", true>")
+    with pytest.raises(ValueError, match="park"):
+        V.Variant("bwd_dkdv_mma", "float16", 64, tile=tile)
+
+
 def test_selection_rules():
     assert V.forward_variant("float16", 64, band=True, vec=True).family == "fwd_mma"
     for head in V.HEAD_BUCKETS:   # float64 on the fp64 tensor cores, float32 on TF32 tensor cores
