@@ -76,19 +76,13 @@ flash_fwd_mma(const FwdParams p) {
 
     auto parking_slot = [&](int in_warp) { return smem_addr(q_s + in_warp * Tr::WARP_ROWS * P + HEAD); };
     if constexpr (PARK) park_query_block(parking_slot(warp), blk);
-    auto loop_block = [&]() -> QueryBlock {   // the block, as the loop reads it
-        if constexpr (PARK) return unpark_query_block<BM>(parking_slot(warp), dims);
-        return blk;
-    };
-    auto load_kv = [&](int j, int stage) {
+    auto load_kv = [&](int j, int stage, const QueryBlock& b) {
         load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
-            k_s, v_s, bias_s, stage, p, loop_block(), mod.has_bias(), j * BN);
+            k_s, v_s, bias_s, stage, p, b, mod.has_bias(), j * BN);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some) before end.
-    auto next_tile = [&](int j, int end) {
-        if constexpr (!Flags::EXTRA) return j;   // (no layouts; and no block read-back with PARK)
-        const QueryBlock b = loop_block();
+    auto next_tile = [&](int j, int end, const QueryBlock& b) {
         return mod.next_key_tile(j, end, b.m0, b.rows, BN);
     };
 
@@ -97,11 +91,11 @@ flash_fwd_mma(const FwdParams p) {
     float row_max[M][2], row_sum[M][2];
     start_rows(acc_o, row_max, row_sum);
 
-    int j = next_tile(keys.begin, keys.end);
+    int j = next_tile(keys.begin, keys.end, blk);
     if (j < keys.end) {
         load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
                                                     blk.rows, dims.d);
-        load_kv(j, 0);
+        load_kv(j, 0, blk);
     }
     const int warp_row0 = blk.m0 + warp * Tr::WARP_ROWS;
     // Without EXTRA, the key tiles this warp's rows see whole, found once: inside
@@ -111,17 +105,28 @@ flash_fwd_mma(const FwdParams p) {
     if constexpr (!Flags::EXTRA) full = mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
     constexpr int BOUNDS_AT = P * int(sizeof(T));   // bytes past the block's slot
     if constexpr (PARK) park4<BOUNDS_AT>(parking_slot(warp), {keys.end, full.begin, full.end, 0});
-    for (int stage = 0;; stage ^= 1) {
-        int key_end = keys.end;
-        TileRange whole = full;
+    // What the loop test, the prefetch and the mask read: with PARK, read back for step j + 1
+    // during step j's P V product (where acc_o and P hold 64 registers fewer than S does), so
+    // that the loads' latency stays off the path from the loop test through the prefetch to
+    // the barrier.
+    struct LoopState {
+        int key_end;
+        TileRange whole;
+        QueryBlock blk;
+    };
+    auto loop_state = [&]() -> LoopState {
         if constexpr (PARK) {
             const Parked4 bounds = unpark4<BOUNDS_AT>(parking_slot(warp));
-            key_end = bounds.a;
-            whole = {bounds.b, bounds.c};
+            return {bounds.a, {bounds.b, bounds.c}, unpark_query_block<BM>(parking_slot(warp), dims)};
         }
-        if (j >= key_end) break;
-        const int next = next_tile(j + 1, key_end);
-        prefetch_next_step<2>(next, key_end, stage, load_kv);   // the next visible tile into the other stage
+        return {keys.end, full, blk};
+    };
+    LoopState st = loop_state();
+    for (int stage = 0; j < st.key_end; stage ^= 1) {
+        const int next = next_tile(j + 1, st.key_end, st.blk);
+        // The next visible tile into the other stage.
+        prefetch_next_step<2>(next, st.key_end, stage, [&](int j_next, int s_next) { load_kv(j_next, s_next, st.blk); });
+        const bool whole_tile = st.whole.contains(j);
         __syncthreads();
 
         float s[M][Tr::S_TILES][4];   // S = Q K^T for this warp's rows
@@ -131,7 +136,7 @@ flash_fwd_mma(const FwdParams p) {
                                                           k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
         const bool partial = Flags::EXTRA ? mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN)
-                                          : !whole.contains(j);
+                                          : !whole_tile;
         const T* bias_tile = bias_s + stage * Tr::BIAS_ELEMS + (warp * Tr::WARP_ROWS) * Tr::BIAS_PITCH;
         // The absolute (query, key) of element i of n8 tile n in strip m.
         auto strip_coord = [=](int m) {
@@ -171,6 +176,7 @@ flash_fwd_mma(const FwdParams p) {
                 p16[m][n][r] = pack2<T>(p0, p1);
             });
         }
+        if constexpr (PARK) st = loop_state();
         warp_gemm_strips_rn16<T, M, HEAD, BN, P>(acc_o, p16, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;
