@@ -3,7 +3,7 @@ before spending device time on it.
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm      # the CUDA 13 wheels (nvidia/cu13/)
     python benchmarks/sass.py 'fwd_mma<half_t, TileCfg<64, 128, 64.*MaskFlags<false, false>, true>' [--arch sm_90]
-        [--full] [--tile 32,128,4,2[,ctas]]
+        [--full] [--tile 32,128,4,2[,ctas][,park]]
 
 The regex picks the first matching variant of ``cuflash._variants.all_variants()``. The
 source is compiled with NVRTC 13 (through ctypes: CuPy's own NVRTC may be 12.x, whose cubins
@@ -75,15 +75,18 @@ def main() -> None:
     ap.add_argument("regex", help="picks the variant (its C++ name expression)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--full", action="store_true", help="print the whole listing")
-    ap.add_argument("--tile", help="BM,BN,WARPS,STAGES[,CTAS]: a candidate tile in place of the table's")
+    ap.add_argument("--tile", help="BM,BN,WARPS,STAGES[,CTAS][,park]: a candidate tile in place of the table's")
     args = ap.parse_args()
     pat = re.compile(args.regex)
     variant = next((v for v in all_variants() if pat.search(v.name)), None)
     if variant is None:
         raise SystemExit(f"no variant matches {args.regex!r}")
     if args.tile:
-        bm, bn, warps, stages, *ctas = (int(x) for x in args.tile.split(","))
-        variant = replace(variant, tile=Tile(bm, bn, warps, stages, "candidate", ctas[0] if ctas else variant.tile.ctas))
+        fields = args.tile.split(",")
+        park = "park" in fields
+        bm, bn, warps, stages, *ctas = (int(x) for x in fields if x != "park")
+        variant = replace(variant, tile=Tile(bm, bn, warps, stages, "candidate", ctas[0] if ctas else variant.tile.ctas,
+                                             park=park))
     data, log = cubin(variant.entry, variant.name, args.arch)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(data)
