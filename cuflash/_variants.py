@@ -206,17 +206,19 @@ _add("fwd_mma", HALF_TYPES, [32], Tile(128, 128, 4, 2, "two strips per warp: +19
 # on sm_80 and sm_90 (the band variant spilled 132 bytes, the sm_80 scalar-load one 108).
 _add("fwd_mma", HALF_TYPES, [64], Tile(128, 128, 4, 2, "two strips of 128 keys: +11% (causal +12%, spilling) over "
                                                       "128x64 (tune_fwd.py); 251-255 registers, 0 spills"))
-# d=128 at FA2's 128x64 (twentieth session): it fits 255 registers with no spills (NVRTC 12.9, sm_80 / sm_90,
-# every plain and band variant) since the block's coordinates and the loop bounds wait in the Q rows' padding
-# (park4, common.cuh) instead of registers; tune_fwd.py --peer on the H100, L=1024-16384, fp16 / bf16:
-# 1.02-1.09x the 128x32 tile non-causal, 0.99-1.06x causal (results in benchmarks/NOTES.md). 102 KB: two
-# CTAs an SM on the H100 only (resident=2); the A100 keeps 128x32 at two CTAs (69.6 KB).
+# d=128 at FA2's 128x64 (twentieth session). Without PARK it spills 8-56 bytes (the block's coordinates, the K/V
+# pointers or the loop bounds, wherever ptxas puts the pressure); with PARK (Tile.park) they wait in the Q rows'
+# padding and every plain and band variant fits 255 registers, 0 spills (NVRTC 12.9, sm_80 / sm_90). PARK costs
+# 30-60 instructions a step (the parked values come back per thread, not in uniform registers): 2-4% against the
+# spilling kernel. tune_fwd.py --peer on the H100 (calls 3 and 4, fp16 / bf16, L=1024-16384), 128x64 PARK against
+# 128x32: 1.00-1.10x non-causal, 0.94-1.08x causal (median 1.03); against FA2 0.95-1.12x. 102 KB: two CTAs an SM
+# on the H100 only (resident=2); the A100 and the 99 KB GPUs keep 128x32 (68 KB, two CTAs an SM on the A100).
 _add("fwd_mma", HALF_TYPES, [128],
-     Tile(128, 64, 4, 2, "FA2's tile: two strips per warp, 64-key tiles, 255 registers (tune_fwd.py)", resident=2,
-          park=True),
+     Tile(128, 64, 4, 2, "FA2's tile with PARK: 1.00-1.10x 128x32 non-causal, 0.94-1.08x causal (tune_fwd.py)",
+          resident=2, park=True),
      Tile(128, 32, 4, 2, "two strips per warp, 32-key tiles: +11-15% non-causal, +1-3% causal over 64x64 "
                          "(tune_fwd.py)"))
-# With EXTRA, 128x64 spills 16-204 bytes at d=128 (NVRTC 12.9): 32-key tiles.
+# With EXTRA, 128x64 spills at d=128 with PARK (8-148 bytes) and without (0-144; NVRTC 12.9): 32-key tiles.
 _add("fwd_mma", HALF_TYPES, [128], Tile(128, 32, 4, 2, "128x64 spills with the EXTRA code"), extra=True)
 _add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"))
 # With EXTRA (bias, mask, block layout, dropout) and the bias staged in shared memory: two strips as in
