@@ -117,6 +117,22 @@ __device__ __forceinline__ void rows_convert(const A* const (&acc)[WarpRows<Cfg>
     }
 }
 
+// Each of the warp's rows' pointers into two (batch, head, row) views, x and y (the rows read_row
+// names), and whether every one is aligned to its view's width in bytes (the 16-byte paths' test).
+template <typename X, typename Y, typename Cfg>
+__device__ __forceinline__ bool warp_row_pointers(const View& vx, const View& vy, const WarpRows<Cfg>& w,
+                                                  X* (&x)[WarpRows<Cfg>::ROWS], Y* (&y)[WarpRows<Cfg>::ROWS],
+                                                  int x_align, int y_align) {
+    bool all_aligned = true;
+#pragma unroll
+    for (int r = 0; r < WarpRows<Cfg>::ROWS; ++r) {
+        x[r] = vx.at<X>(w.batch, w.head, w.read_row(r));
+        y[r] = vy.at<Y>(w.batch, w.head, w.read_row(r));
+        all_aligned = all_aligned && aligned(x[r], x_align) && aligned(y[r], y_align);
+    }
+    return all_aligned;
+}
+
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dsum(const BwdParams p) {
@@ -128,13 +144,8 @@ flash_bwd_dsum(const BwdParams p) {
     const int dv = p.dims.dv;
     const T* dout[Rows::ROWS];
     const T* out[Rows::ROWS];
-    bool vec = dv % VEC == 0;   // 16-byte loads: rows of whole chunks, each row's start 16-byte aligned
-#pragma unroll
-    for (int r = 0; r < Rows::ROWS; ++r) {
-        dout[r] = p.dout.at<const T>(w.batch, w.head, w.read_row(r));
-        out[r] = p.out.at<const T>(w.batch, w.head, w.read_row(r));
-        vec = vec && aligned(dout[r], 16) && aligned(out[r], 16);
-    }
+    // 16-byte loads: rows of whole chunks, each row's start 16-byte aligned.
+    const bool vec = warp_row_pointers(p.dout, p.out, w, dout, out, 16, 16) && dv % VEC == 0;
     A acc[Rows::ROWS] = {};
     if (vec) rows_dot<VEC>(dout, out, dv, w.lane, acc);
     else rows_dot<1>(dout, out, dv, w.lane, acc);   // any width, any alignment
@@ -160,13 +171,7 @@ flash_bwd_convert_dq(const BwdParams p) {
     // 16-byte loads of dQ_acc, VEC-element stores of dQ: rows of whole chunks, each row's start
     // aligned for both (dQ_acc's rows are padded to an even width: fp32 rows of d a multiple of 4
     // start 16-byte aligned).
-    bool vec = d % VEC == 0;
-#pragma unroll
-    for (int r = 0; r < Rows::ROWS; ++r) {
-        acc[r] = p.dq_acc.at<const A>(w.batch, w.head, w.read_row(r));
-        dq[r] = p.dq.at<T>(w.batch, w.head, w.read_row(r));
-        vec = vec && aligned(acc[r], 16) && aligned(dq[r], VEC * int(sizeof(T)));
-    }
+    const bool vec = warp_row_pointers(p.dq_acc, p.dq, w, acc, dq, 16, VEC * int(sizeof(T))) && d % VEC == 0;
     if (vec) rows_convert<VEC>(acc, dq, d, w);
     else rows_convert<1>(acc, dq, d, w);   // any width, any alignment
 }
