@@ -42,8 +42,9 @@ from cuflash._variants import Tile, tile_override
 
 CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split)
     64: [(64, 64, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2)],
-    128: [(64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1), (64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 1, 2),
-          (32, 64, 4, 1, 2, 1)],
+    # (..., "staged"): Tile.dq_staged (the atomic dQ through a shared-memory tile; twentieth session)
+    128: [(64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 2, 2, "staged"), (64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1),
+          (64, 128, 8, 1, 1, 2), (32, 64, 4, 1, 2, 1)],
 }
 TOLERANCE = 4e-3   # max |new - reference| / max |reference|: a few fp16 ulps of the largest entry
 # float64 (branch f64-perf, benchmarks/NOTES.md): (dK/dV tile or None, deterministic, dK/dV wide_k, dQ
@@ -141,6 +142,7 @@ def main():
     parser.add_argument("--lengths", default="4096", help="16-bit: sequence lengths (B x L = 16384)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float64"), default="float16")
     parser.add_argument("--check-rows", type=int, default=64, help="float64: query rows of dQ checked in long double")
+    parser.add_argument("--first", type=int, default=None, help="16-bit: only the first FIRST candidates of each head dim")
     args = parser.parse_args()
     if args.dtype == "float64":
         return main_float64([int(x) for x in args.heads.split(",")], args.check_rows)
@@ -161,9 +163,11 @@ def main():
                 with mock.patch.object(_launch, "_compute_capability", _sm80):
                     out, lse = cuflash.attention_forward(q, k, v, causal=causal)
                 reference = None
-                for bm, bn, warps, passes, stages, qsplit in CANDIDATES[d]:
-                    label = f"{bm}x{bn}/{warps}w/{passes}p/{stages}s" + (f"/q{qsplit}" if qsplit > 1 else "")
-                    tile = Tile(bm, bn, warps, stages, "tuning", passes=passes, query_split=qsplit)
+                for bm, bn, warps, passes, stages, qsplit, *flags in CANDIDATES[d][:args.first]:
+                    label = (f"{bm}x{bn}/{warps}w/{passes}p/{stages}s" + (f"/q{qsplit}" if qsplit > 1 else "")
+                             + ("/st" if "staged" in flags else ""))
+                    tile = Tile(bm, bn, warps, stages, "tuning", passes=passes, query_split=qsplit,
+                                dq_staged="staged" in flags)
                     with tile_override("bwd_dkdv_mma", d, tile, dtypes=(args.dtype,)), \
                             mock.patch.object(_launch, "_compute_capability", _sm80):
                         call = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)

@@ -110,7 +110,9 @@ class Tile:
     an SM on the H100 is not taken where it would run alone (the A100's 164 KB). ``park`` (the 16-bit
     forward ``fwd_mma`` only, its PARK): the block's coordinates and the key loop's bounds wait in
     shared memory (the Q rows' padding) instead of registers, which a tile needs where the loop
-    holds every register (flash_fwd_mma.cu)."""
+    holds every register (flash_fwd_mma.cu). ``dq_staged`` (``bwd_dkdv_mma`` with ``query_split`` 2 only, its
+    DQ_STAGED): the atomic dQ goes through a shared-memory tile, added to the accumulator by the whole CTA in
+    16-byte reductions along its rows, instead of each warp's fragments in 8-byte ones."""
 
     block_m: int
     block_n: int
@@ -125,6 +127,7 @@ class Tile:
     query_split: int = 1
     resident: int = 1
     park: bool = False
+    dq_staged: bool = False
 
 
 # --------------------------------------------------------------------------- the table
@@ -702,8 +705,9 @@ def _smem_dkdv_mma(v: "Variant") -> int:
     shared_pt = t.query_split > 1                                     # P^T and dS^T through shared memory
     ds = t.block_n * (t.block_m + 8) * ((v.atomic_dq or shared_pt) + shared_pt)   # dS^T (and P^T), [key][query]
     bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per Q/dO stage
+    dq_stage = t.block_m * (v.head + 8) * 4 if t.dq_staged and v.atomic_dq else 0   # fp32 [query][col]
     return (((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds + bias) * ITEMSIZE[v.dtype]
-            + t.stages * 2 * t.block_m * 4)   # the rows' lse and Dsum per stage
+            + t.stages * 2 * t.block_m * 4 + dq_stage)   # the rows' lse and Dsum per stage
 
 
 def _smem_dq_mma(v: "Variant") -> int:
@@ -864,6 +868,8 @@ class Variant:
                              "without EXTRA")
         if self.tile.park and self.family != "fwd_mma":
             raise ValueError("park: only for fwd_mma")
+        if self.tile.dq_staged and (self.family != "bwd_dkdv_mma" or self.tile.query_split != 2):
+            raise ValueError("dq_staged: only for bwd_dkdv_mma with query_split=2")
 
     @property
     def wide_k(self) -> int:
@@ -948,6 +954,8 @@ class Variant:
         if self.tile.query_split != 1:   # bwd_dkdv_mma's last template parameter, QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
         if self.tile.park:   # fwd_mma's last template parameter, PARK (false by default)
+            args.append("true")
+        if self.tile.dq_staged:   # bwd_dkdv_mma's, after QSPLIT: DQ_STAGED (false by default)
             args.append("true")
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
