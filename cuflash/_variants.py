@@ -438,9 +438,13 @@ _add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "the bias stages: 207 KB
 _add("bwd_dkdv_mma", HALF_TYPES, [32], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
 _add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(32, 128, 4, 2, "two 16-key strips a warp: 1.24-1.29x the 64x64 "
                                                           "layout (tune_bwd.py); 66 KB"))
+# d=128, dq_staged (twentieth session): the step's dQ tile through shared memory, added by the whole CTA in 16-byte
+# reductions along its rows, instead of each warp's fragments in 8-byte ones (whose source registers the next step
+# waited for: ncu's top stall, long scoreboard). tune_bwd.py on the H100, whole backward, bf16 / fp16, L=1024-4096:
+# 1.03-1.10x non-causal, 0.98-1.02x causal; 207 KB, so the A100 row below keeps the fragments' reductions.
 _add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(64, 128, 8, 2, "two warps a 32-key group, 64-query steps, P^T and dS^T "
-                                                           "through shared memory (FlashAttention-2's layout): 173 KB",
-                                           query_split=2),
+                                                           "through shared memory (FlashAttention-2's layout), dQ "
+                                                           "staged: 207 KB", query_split=2, dq_staged=True),
      Tile(64, 128, 8, 1, "the same with one Q/dO stage: 138.5 KB (A100)", query_split=2),
      Tile(32, 64, 4, 2, "one pass, 32-query steps (within 3% of 32x128/8w on the H100): 75 KB, " + _SMALL))
 _add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(64, 64, 4, 2, "EXTRA (251-255 registers at one strip): 2 stages +2-3% "
