@@ -74,6 +74,22 @@ def test_resident_tiles_need_room_for_their_ctas():
     assert V.fits_resident(h100, 1, h100)
 
 
+def test_dq_staged_is_the_shared_strip_dkdv_option():
+    """The staged dQ tile (fp32, [block_m][head + 8]) is counted in the shared memory of the variants that form dQ
+    with atomics, not of the deterministic ones; other families and layouts refuse the option."""
+    staged = V.Tile(64, 128, 8, 2, "test", query_split=2, dq_staged=True)
+    plain = V.Tile(64, 128, 8, 2, "test", query_split=2)
+    for atomic in (False, True):
+        a = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=atomic, tile=staged)
+        b = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=atomic, tile=plain)
+        assert a.smem_bytes - b.smem_bytes == (64 * 136 * 4 if atomic else 0)
+        assert a.name.endswith(", 2, true>") and b.name.endswith(", 2>")   # QSPLIT, then DQ_STAGED
+    with pytest.raises(ValueError, match="dq_staged"):
+        V.Variant("bwd_dkdv_mma", "bfloat16", 128, tile=V.Tile(32, 128, 8, 2, "test", dq_staged=True))
+    with pytest.raises(ValueError, match="dq_staged"):
+        V.Variant("fwd_mma", "bfloat16", 128, tile=staged)
+
+
 def test_park_is_a_forward_tile_option():
     tile = V.Tile(64, 64, 4, 2, "test", park=True)
     assert V.Variant("fwd_mma", "float16", 64, tile=tile).name.endswith(", true>")
