@@ -87,7 +87,7 @@ def test_dq_staged_is_the_shared_strip_dkdv_option():
     with pytest.raises(ValueError, match="dq_staged"):
         V.Variant("bwd_dkdv_mma", "bfloat16", 128, tile=V.Tile(32, 128, 8, 2, "test", dq_staged=True))
     with pytest.raises(ValueError, match="dq_staged"):
-        V.Variant("fwd_mma", "bfloat16", 128, tile=staged)
+        V.Variant("fwd_mma", "bfloat16", 128, tile=V.Tile(128, 64, 4, 2, "test", dq_staged=True))
 
 
 def test_park_is_a_forward_tile_option():
