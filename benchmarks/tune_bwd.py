@@ -41,7 +41,7 @@ from cuflash import _launch, reference
 from cuflash._variants import Tile, tile_override
 
 CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split)
-    64: [(64, 64, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2)],
+    64: [(32, 128, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1, "staged"), (64, 64, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2)],
     # (..., "staged"): Tile.dq_staged (the atomic dQ through a shared-memory tile; twentieth session)
     128: [(64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 2, 2, "staged"), (64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1),
           (64, 128, 8, 1, 1, 2), (32, 64, 4, 1, 2, 1)],

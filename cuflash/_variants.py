@@ -872,8 +872,8 @@ class Variant:
                              "without EXTRA")
         if self.tile.park and self.family != "fwd_mma":
             raise ValueError("park: only for fwd_mma")
-        if self.tile.dq_staged and (self.family != "bwd_dkdv_mma" or self.tile.query_split != 2):
-            raise ValueError("dq_staged: only for bwd_dkdv_mma with query_split=2")
+        if self.tile.dq_staged and (self.family != "bwd_dkdv_mma" or self.extra):
+            raise ValueError("dq_staged: only for bwd_dkdv_mma without EXTRA")
 
     @property
     def wide_k(self) -> int:
@@ -955,7 +955,7 @@ class Variant:
                         else _cxx(getattr(self, flag)))
         if self.wide_k:   # the kernel's last template parameter, 0 (m8n8k4) by default
             args.append(str(self.wide_k))
-        if self.tile.query_split != 1:   # bwd_dkdv_mma's last template parameter, QSPLIT (1 by default)
+        if self.tile.query_split != 1 or self.tile.dq_staged:   # bwd_dkdv_mma's QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
         if self.tile.park:   # fwd_mma's last template parameter, PARK (false by default)
             args.append("true")

@@ -87,7 +87,7 @@ struct DkdvMmaTraits {
     static_assert(BN == WARP_KEYS * KEY_GROUPS && (KEY_STRIPS == 1 || KEY_STRIPS == 2), "one or two 16-key strips a warp");
     static_assert(QSPLIT == 1 || QSPLIT == 2, "one or two warps a key strip");
     static_assert(QSPLIT == 1 || !EXTRA, "the EXTRA code keeps the one-warp-a-strip layout");
-    static_assert(!DQ_STAGED_ || QSPLIT == 2, "the staged dQ is the shared-strip layout's");
+    static_assert(!DQ_STAGED_ || !EXTRA, "the staged dQ is the plain kernels'");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
