@@ -41,6 +41,8 @@ from cuflash import _launch, reference
 from cuflash._variants import Tile, tile_override
 
 CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split)
+    # (..., "staged") at d=64 (twentieth session, call 13): 0.90-0.97x the table's tile (32-query steps: the
+    # extra barrier a step against a 32 x 64 dQ tile); its element-load and sm_80 band variants also spill.
     64: [(32, 128, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1, "staged"), (64, 64, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2)],
     # (..., "staged"): Tile.dq_staged (the atomic dQ through a shared-memory tile; twentieth session)
     128: [(64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 2, 2, "staged"), (64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1),

@@ -110,8 +110,8 @@ class Tile:
     an SM on the H100 is not taken where it would run alone (the A100's 164 KB). ``park`` (the 16-bit
     forward ``fwd_mma`` only, its PARK): the block's coordinates and the key loop's bounds wait in
     shared memory (the Q rows' padding) instead of registers, which a tile needs where the loop
-    holds every register (flash_fwd_mma.cu). ``dq_staged`` (``bwd_dkdv_mma`` with ``query_split`` 2 only, its
-    DQ_STAGED): the atomic dQ goes through a shared-memory tile, added to the accumulator by the whole CTA in
+    holds every register (flash_fwd_mma.cu). ``dq_staged`` (``bwd_dkdv_mma`` without EXTRA, its DQ_STAGED; taken at
+    head dim 128 only, benchmarks/NOTES.md): the atomic dQ goes through a shared-memory tile, added to the accumulator by the whole CTA in
     16-byte reductions along its rows, instead of each warp's fragments in 8-byte ones."""
 
     block_m: int

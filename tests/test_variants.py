@@ -74,9 +74,9 @@ def test_resident_tiles_need_room_for_their_ctas():
     assert V.fits_resident(h100, 1, h100)
 
 
-def test_dq_staged_is_the_shared_strip_dkdv_option():
+def test_dq_staged_is_a_dkdv_tile_option():
     """The staged dQ tile (fp32, [block_m][head + 8]) is counted in the shared memory of the variants that form dQ
-    with atomics, not of the deterministic ones; other families and layouts refuse the option."""
+    with atomics, not of the deterministic ones; the EXTRA kernels and other families refuse the option."""
     staged = V.Tile(64, 128, 8, 2, "test", query_split=2, dq_staged=True)
     plain = V.Tile(64, 128, 8, 2, "test", query_split=2)
     for atomic in (False, True):
@@ -84,8 +84,11 @@ def test_dq_staged_is_the_shared_strip_dkdv_option():
         b = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=atomic, tile=plain)
         assert a.smem_bytes - b.smem_bytes == (64 * 136 * 4 if atomic else 0)
         assert a.name.endswith(", 2, true>") and b.name.endswith(", 2>")   # QSPLIT, then DQ_STAGED
+    one_warp = V.Variant("bwd_dkdv_mma", "bfloat16", 64, vec=True, atomic_dq=True,
+                         tile=V.Tile(32, 128, 4, 2, "test", dq_staged=True))
+    assert one_warp.name.endswith(", 1, true>")   # QSPLIT written out before DQ_STAGED
     with pytest.raises(ValueError, match="dq_staged"):
-        V.Variant("bwd_dkdv_mma", "bfloat16", 128, tile=V.Tile(32, 128, 8, 2, "test", dq_staged=True))
+        V.Variant("bwd_dkdv_mma", "bfloat16", 64, extra=True, tile=V.Tile(32, 128, 4, 2, "test", dq_staged=True))
     with pytest.raises(ValueError, match="dq_staged"):
         V.Variant("fwd_mma", "bfloat16", 128, tile=V.Tile(128, 64, 4, 2, "test", dq_staged=True))
 
