@@ -26,7 +26,9 @@
 // fragments key-major (two queries of one key in one 32-bit store), the dQ GEMM
 // reads them back transposed by ldmatrix.trans, and the warps split the BM x HEAD
 // product; results are added to an fp32 accumulator with atomics (ATOMIC_DQ), two
-// columns per vector reduction on sm_90 (atomics.cuh).
+// columns per vector reduction on sm_90 (atomics.cuh). With DQ_STAGED (Tile.dq_staged)
+// the warps store their parts to an fp32 tile in shared memory instead, and after a
+// barrier the whole CTA adds it along its rows, 16 bytes per reduction (add_staged_dq).
 //
 // flash_bwd_dq_mma: the deterministic dQ. One CTA per (query block of 64, head,
 // batch); warp w owns query rows 16w..16w+15 and walks the key blocks in order:
