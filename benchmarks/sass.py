@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--full", action="store_true", help="print the whole listing")
     ap.add_argument("--tile", help="BM,BN,WARPS,STAGES[,CTAS][,park]: a candidate tile in place of the table's")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a Tile field of the (candidate) tile, e.g. --set query_split=2 --set late_copies=true")
     args = ap.parse_args()
     pat = re.compile(args.regex)
     variant = next((v for v in all_variants() if pat.search(v.name)), None)
@@ -87,6 +89,10 @@ def main() -> None:
         bm, bn, warps, stages, *ctas = (int(x) for x in fields if x != "park")
         variant = replace(variant, tile=Tile(bm, bn, warps, stages, "candidate", ctas[0] if ctas else variant.tile.ctas,
                                              park=park))
+    for item in args.set:
+        key, value = item.split("=", 1)
+        value = {"true": True, "false": False}.get(value.lower(), value)
+        variant = replace(variant, tile=replace(variant.tile, **{key: value if isinstance(value, bool) else int(value)}))
     data, log = cubin(variant.entry, variant.name, args.arch)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(data)

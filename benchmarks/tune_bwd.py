@@ -9,9 +9,9 @@ A config (block_m, block_n, warps, passes, stages, query_split) gives each group
 warps block_n / (16 warps / query_split) strips of 16 keys (flash_bwd_mma.cu, KEY_STRIPS) and
 steps over block_m queries; passes = 2 forms dV and dK in separate launches; query_split = 2
 makes two warps share each key strip (half the step's queries, half the head dim each; P^T and
-dS^T through shared memory). The first config of each head dim is the
-one-strip 64 x 64 layout the table shipped before branch bwd2, the reference: dK and
-dV of the others must match it to fp32-accumulation tolerance (the same MMAs in the
+dS^T through shared memory); "late" issues the next step's copies after the step's first GEMM
+(Tile.late_copies). The first config of each head dim is the table's tile, the reference (--only
+picks others; the first picked is then the reference): dK and dV of the others must match it to fp32-accumulation tolerance (the same MMAs in the
 same order give identical bits; the report says whether they are), and dQ too (its
 atomic additions come in any order, so it differs in the last bits). Each config
 compiles its variants on first use (a few seconds each); the whole run takes about
@@ -40,12 +40,13 @@ import cuflash
 from cuflash import _launch, reference
 from cuflash._variants import Tile, tile_override
 
-CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split)
-    # (..., "staged") at d=64 (twentieth session, call 13): 0.90-0.97x the table's tile (32-query steps: the
-    # extra barrier a step against a 32 x 64 dQ tile); its element-load and sm_80 band variants also spill.
-    64: [(32, 128, 4, 1, 2, 1), (32, 128, 4, 1, 2, 1, "staged"), (64, 64, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2)],
-    # (..., "staged"): Tile.dq_staged (the atomic dQ through a shared-memory tile; twentieth session)
-    128: [(64, 128, 8, 1, 2, 2), (64, 128, 8, 1, 2, 2, "staged"), (64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1),
+CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split[, "late"])
+    # "late": Tile.late_copies (the next step's Q / dO copies after the step's first GEMM; twenty-first session).
+    # Measured and not kept (benchmarks/NOTES.md): the dQ tile staged in shared memory (twentieth session; the
+    # fragment-tiled accumulator replaced it), late copies at d=64 (0.97-1.0x), 128x128/8w at d=64 (0.86-0.91x).
+    64: [(32, 128, 4, 1, 2, 1), (64, 64, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2), (32, 128, 4, 1, 2, 1, "late"),
+         (128, 128, 8, 1, 2, 2)],
+    128: [(64, 128, 8, 1, 2, 2, "late"), (64, 128, 8, 1, 2, 2), (64, 64, 4, 2, 2, 1), (32, 128, 8, 1, 2, 1),
           (64, 128, 8, 1, 1, 2), (32, 64, 4, 1, 2, 1)],
 }
 TOLERANCE = 4e-3   # max |new - reference| / max |reference|: a few fp16 ulps of the largest entry
@@ -138,6 +139,22 @@ def _sm80() -> int:
     return 80
 
 
+def _fa2_backward_ms(q, k, v, do, causal, repeat=20):
+    """Median ms of PyTorch SDPA's flash backward (FlashAttention-2's kernels) on the same buffers, the forward
+    done once outside the timing."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_(True) for x in (q, k, v))
+    tdo = torch.from_dlpack(do)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        o = F.scaled_dot_product_attention(tq, tk, tv, is_causal=bool(causal))
+    call = lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True)
+    t = benchmark(call, n_repeat=repeat, n_warmup=3)
+    return float(np.median(t.gpu_times[0]) * 1e3)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", default="64,128")
@@ -145,6 +162,9 @@ def main():
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float64"), default="float16")
     parser.add_argument("--check-rows", type=int, default=64, help="float64: query rows of dQ checked in long double")
     parser.add_argument("--first", type=int, default=None, help="16-bit: only the first FIRST candidates of each head dim")
+    parser.add_argument("--only", default=None, help="16-bit: comma-separated candidate indices of each head dim")
+    parser.add_argument("--peer", action="store_true", help="16-bit: also time PyTorch SDPA's flash backward "
+                        "(FlashAttention-2) on the same buffers")
     args = parser.parse_args()
     if args.dtype == "float64":
         return main_float64([int(x) for x in args.heads.split(",")], args.check_rows)
@@ -165,11 +185,17 @@ def main():
                 with mock.patch.object(_launch, "_compute_capability", _sm80):
                     out, lse = cuflash.attention_forward(q, k, v, causal=causal)
                 reference = None
-                for bm, bn, warps, passes, stages, qsplit, *flags in CANDIDATES[d][:args.first]:
+                if args.peer:
+                    print(f"{d:4d} {n:6d} {'FA2 (SDPA flash)':>18} {str(causal):>6} {_fa2_backward_ms(q, k, v, do, causal):8.3f}",
+                          flush=True)
+                chosen = CANDIDATES[d][:args.first]
+                if args.only:
+                    chosen = [CANDIDATES[d][int(i)] for i in args.only.split(",")]
+                for bm, bn, warps, passes, stages, qsplit, *flags in chosen:
                     label = (f"{bm}x{bn}/{warps}w/{passes}p/{stages}s" + (f"/q{qsplit}" if qsplit > 1 else "")
-                             + ("/st" if "staged" in flags else ""))
+                             + ("/late" if "late" in flags else ""))
                     tile = Tile(bm, bn, warps, stages, "tuning", passes=passes, query_split=qsplit,
-                                dq_staged="staged" in flags)
+                                late_copies="late" in flags)
                     with tile_override("bwd_dkdv_mma", d, tile, dtypes=(args.dtype,)), \
                             mock.patch.object(_launch, "_compute_capability", _sm80):
                         call = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)

@@ -424,6 +424,19 @@ def run_backward_plan(plan: BackwardPlan, dout, q, k, v, out, lse) -> Optional[t
             dv if dv_shape == vs else dv.reshape(vs))
 
 
+def dq_accumulator_shape(plan, b: int, hq: int, lq: int, d: int) -> Tuple[int, int, int, int]:
+    """The shape of the atomic backward's fp32 dQ accumulator for a plan's kernels. The 16-bit tensor-core
+    dK/dV kernel adds into 16 x 8 fragment tiles (atomics.cuh, dq_tile): rows up to whole steps of its tile,
+    columns its head bucket, so that no reduction needs a test; the convert kernel reads them as tiles. The
+    other kernels add row-major, rows padded to an even width (two columns at a time); they take the
+    view ``[..., :d]``."""
+    tiled = next((v_ for v_ in plan if v_.family == "bwd_dkdv_mma" and v_.atomic_dq), None)
+    if tiled is not None:
+        rows = -(-lq // tiled.tile.block_m) * tiled.tile.block_m
+        return (b, hq, rows, tiled.head)
+    return (b, hq, lq, d + d % 2)
+
+
 def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan: Optional[Callable] = None,
                     scale: float, group: int, deterministic: bool, precision: str = "highest"):
     """Gradients ``(dq, dk, dv, dbias)`` (dq, dk, dv new contiguous 4-D arrays), then what it launched
@@ -444,19 +457,22 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
                                smem_limit=_smem_limit(), dbias=dbias_plan is not None, precision=precision)
     dsum = cupy.empty((b, hq, lq), dtype=acc_dtype)
-    # Rows padded to an even width: the tensor-core dK/dV kernels add two columns at a time.
-    dq_acc = None if deterministic else cupy.zeros((b, hq, lq, d + d % 2), dtype=acc_dtype)[..., :d]
+    plan = choose(cc=_compute_capability())
+    hopper = next((v_ for v_ in plan if v_.family == "bwd_dkdv_wgmma"), None)
+    if hopper is not None and not masking.bias_in_chunks:   # the portable plan (see launch_forward)
+        plan, hopper = choose(cc=MIN_COMPUTE_CAPABILITY), None
+    dq_acc_shape = None if deterministic else dq_accumulator_shape(plan, b, hq, lq, d)
+    dq_acc = None if deterministic else cupy.zeros(dq_acc_shape, dtype=acc_dtype)   # (kernels read its strides)
     dq = cupy.empty((b, hq, lq, d), dtype=q.dtype)
     dk = cupy.empty((b, hk, lk, d), dtype=q.dtype)
     dv_ = cupy.empty((b, hk, lk, dv), dtype=q.dtype)
-    plan = choose(cc=_compute_capability())
-    hopper = next((v_ for v_ in plan if v_.family == "bwd_dkdv_wgmma"), None)
     hopper_maps = None
-    if hopper is not None:   # (atomic dQ: dq_acc exists) its tensor maps, or the portable plan (see launch_forward)
-        hopper_maps = (_tma.bwd_tensor_maps(q, dout, k, v, dq_acc, hopper.tile.block_m, hopper.tile.block_n)
-                       if masking.bias_in_chunks else None)
+    if hopper is not None:   # (atomic dQ: dq_acc exists, row-major) its tensor maps, or the portable plan
+        hopper_maps = _tma.bwd_tensor_maps(q, dout, k, v, dq_acc[..., :d], hopper.tile.block_m, hopper.tile.block_n)
         if hopper_maps is None:
             plan, hopper = choose(cc=MIN_COMPUTE_CAPABILITY), None
+            dq_acc_shape = dq_accumulator_shape(plan, b, hq, lq, d)   # (the portable kernels' tiles)
+            dq_acc = cupy.zeros(dq_acc_shape, dtype=acc_dtype)
     dbias = None
     dbias_values = _params.DBIAS_OFF
     dbias_kernel = next((v_ for v_ in plan if v_.family == "bwd_dbias_mma"), None)
@@ -481,7 +497,6 @@ def launch_backward(dout, q, k, v, out, lse, *, dtype: str, masking, dbias_plan:
         grid = dbias.grid if variant is dbias_kernel else 0
         _launch(variant, params, dims, grid, extra_args=(hopper_maps,) if variant is hopper else ())
         kernels.append((variant, grid, variant is hopper))
-    launched = BackwardLaunch(dq.data.device_id, acc_dtype, dsum.shape,
-                              None if dq_acc is None else (b, hq, lq, d + d % 2), q.dtype,
+    launched = BackwardLaunch(dq.data.device_id, acc_dtype, dsum.shape, dq_acc_shape, q.dtype,
                               (dq.shape, dk.shape, dv_.shape), tuple(kernels), dims, params, hopper_maps)
     return dq, dk, dv_, dbias, launched

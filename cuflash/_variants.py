@@ -110,9 +110,9 @@ class Tile:
     an SM on the H100 is not taken where it would run alone (the A100's 164 KB). ``park`` (the 16-bit
     forward ``fwd_mma`` only, its PARK): the block's coordinates and the key loop's bounds wait in
     shared memory (the Q rows' padding) instead of registers, which a tile needs where the loop
-    holds every register (flash_fwd_mma.cu). ``dq_staged`` (``bwd_dkdv_mma`` without EXTRA, its DQ_STAGED; taken at
-    head dim 128 only, benchmarks/NOTES.md): the atomic dQ goes through a shared-memory tile, added to the accumulator by the whole CTA in
-    16-byte reductions along its rows, instead of each warp's fragments in 8-byte ones."""
+    holds every register (flash_fwd_mma.cu). ``late_copies`` (``bwd_dkdv_mma`` with two stages, its LATE_COPIES;
+    taken at head dim 128, where one CTA of 8 warps fills an SM): the next step's Q / dO copies are issued after the
+    step's first GEMM instead of before its first barrier, where every warp's address arithmetic delayed the MMAs."""
 
     block_m: int
     block_n: int
@@ -127,7 +127,7 @@ class Tile:
     query_split: int = 1
     resident: int = 1
     park: bool = False
-    dq_staged: bool = False
+    late_copies: bool = False
 
 
 # --------------------------------------------------------------------------- the table
@@ -438,13 +438,13 @@ _add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "the bias stages: 207 KB
 _add("bwd_dkdv_mma", HALF_TYPES, [32], Tile(64, 64, 4, 2, "2 stages +2-3% over 1 (tune_bwd.py)"))
 _add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(32, 128, 4, 2, "two 16-key strips a warp: 1.24-1.29x the 64x64 "
                                                           "layout (tune_bwd.py); 66 KB"))
-# d=128, dq_staged (twentieth session): the step's dQ tile through shared memory, added by the whole CTA in 16-byte
-# reductions along its rows, instead of each warp's fragments in 8-byte ones (whose source registers the next step
-# waited for: ncu's top stall, long scoreboard). tune_bwd.py on the H100, whole backward, bf16 / fp16, L=1024-4096:
-# 1.03-1.10x non-causal, 0.98-1.02x causal; 207 KB, so the A100 row below keeps the fragments' reductions.
+# The atomic dQ of every bwd_dkdv_mma tile goes into fragment tiles (atomics.cuh, dq_tile; twenty-first session):
+# one 16-byte reduction a lane and fragment. tune_bwd.py on the H100 (whole backward, bf16, L=2048-16384), against
+# the tiles before it: d=64 1.05-1.18x, d=128 1.03-1.08x (which no longer stages its dQ tile in shared memory:
+# 207 -> 173 KB). d=128 late_copies: +1-3% (one CTA of 8 warps an SM; at d=64, two CTAs of 4, it measured 0.97-1.0x).
 _add("bwd_dkdv_mma", HALF_TYPES, [128], Tile(64, 128, 8, 2, "two warps a 32-key group, 64-query steps, P^T and dS^T "
-                                                           "through shared memory (FlashAttention-2's layout), dQ "
-                                                           "staged: 207 KB", query_split=2, dq_staged=True),
+                                                           "through shared memory (FlashAttention-2's layout): "
+                                                           "173 KB", query_split=2, late_copies=True),
      Tile(64, 128, 8, 1, "the same with one Q/dO stage: 138.5 KB (A100)", query_split=2),
      Tile(32, 64, 4, 2, "one pass, 32-query steps (within 3% of 32x128/8w on the H100): 75 KB, " + _SMALL))
 _add("bwd_dkdv_mma", HALF_TYPES, [64], Tile(64, 64, 4, 2, "EXTRA (251-255 registers at one strip): 2 stages +2-3% "
@@ -709,9 +709,8 @@ def _smem_dkdv_mma(v: "Variant") -> int:
     shared_pt = t.query_split > 1                                     # P^T and dS^T through shared memory
     ds = t.block_n * (t.block_m + 8) * ((v.atomic_dq or shared_pt) + shared_pt)   # dS^T (and P^T), [key][query]
     bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per Q/dO stage
-    dq_stage = t.block_m * (v.head + 8) * 4 if t.dq_staged and v.atomic_dq else 0   # fp32 [query][col]
     return (((2 * t.block_n + 2 * t.stages * t.block_m) * _pitch_mma(v.head) + ds + bias) * ITEMSIZE[v.dtype]
-            + t.stages * 2 * t.block_m * 4 + dq_stage)   # the rows' lse and Dsum per stage
+            + t.stages * 2 * t.block_m * 4)   # the rows' lse and Dsum per stage
 
 
 def _smem_dq_mma(v: "Variant") -> int:
@@ -820,7 +819,7 @@ FAMILIES: Dict[str, Family] = {
     "bwd_dq_tf32": Family("flash_bwd_dq_tf32", "flash_bwd_tf32.cu", ("mask", "vec", "split"), "q", _smem_dq_tf32),
     "bwd_dkdv_fma": Family("flash_bwd_dkdv_fma", "flash_bwd_fma.cu", ("mask", "atomic_dq"), "k", _smem_bwd_fma),
     "bwd_dq_fma": Family("flash_bwd_dq_fma", "flash_bwd_fma.cu", ("mask",), "q", _smem_bwd_fma),
-    "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", (), "q", lambda v: 0),
+    "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", ("dq_tiled",), "q", lambda v: 0),
 }
 
 
@@ -859,6 +858,7 @@ class Variant:
     dbias: bool = False
     arch: str = "sm80"
     short: bool = False
+    dq_tiled: bool = False
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
     def __post_init__(self):
@@ -872,8 +872,10 @@ class Variant:
                              "without EXTRA")
         if self.tile.park and self.family != "fwd_mma":
             raise ValueError("park: only for fwd_mma")
-        if self.tile.dq_staged and (self.family != "bwd_dkdv_mma" or self.extra):
-            raise ValueError("dq_staged: only for bwd_dkdv_mma without EXTRA")
+        if self.tile.late_copies and self.family != "bwd_dkdv_mma":
+            raise ValueError("late_copies: only for bwd_dkdv_mma")
+        if self.dq_tiled and self.family != "bwd_convert_dq":
+            raise ValueError("dq_tiled: only for bwd_convert_dq (the tiled accumulator of bwd_dkdv_mma)")
 
     @property
     def wide_k(self) -> int:
@@ -955,11 +957,11 @@ class Variant:
                         else _cxx(getattr(self, flag)))
         if self.wide_k:   # the kernel's last template parameter, 0 (m8n8k4) by default
             args.append(str(self.wide_k))
-        if self.tile.query_split != 1 or self.tile.dq_staged:   # bwd_dkdv_mma's QSPLIT (1 by default)
+        if self.tile.query_split != 1 or self.tile.late_copies:   # bwd_dkdv_mma's QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
         if self.tile.park:   # fwd_mma's last template parameter, PARK (false by default)
             args.append("true")
-        if self.tile.dq_staged:   # bwd_dkdv_mma's, after QSPLIT: DQ_STAGED (false by default)
+        if self.tile.late_copies:   # bwd_dkdv_mma's, after QSPLIT: LATE_COPIES (false by default)
             args.append("true")
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
@@ -1206,8 +1208,8 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
         plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
         if deterministic:
             plan.append(Variant("bwd_dq_fma", dtype, head, **flags))
-    if atomic:
-        plan.append(Variant("bwd_convert_dq", dtype, 0))
+    if atomic:   # the 16-bit tensor-core dK/dV kernel's accumulator is in fragment tiles (atomics.cuh)
+        plan.append(Variant("bwd_convert_dq", dtype, 0, dq_tiled=any(v.family == "bwd_dkdv_mma" for v in plan)))
     return plan
 
 

@@ -144,6 +144,11 @@ __device__ __forceinline__ Parked4 unpark4(unsigned slot_addr) {
 // The thread index read again (asm volatile: not the value ptxas already holds), for an
 // epilogue's row arithmetic after such a loop: otherwise ptxas keeps what it derived from
 // the index before the loop live across it.
+__device__ __forceinline__ int block_index_reread() {
+    int block;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+    return block;
+}
 __device__ __forceinline__ int thread_index_reread() {
     int tid;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));

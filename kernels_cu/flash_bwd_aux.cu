@@ -1,6 +1,7 @@
 // flash_bwd_aux.cu -- the backward's row-wise kernels:
 //   flash_bwd_dsum        before the main kernels: Dsum = rowsum(dO * O)
-//   flash_bwd_convert_dq  after the atomic path: dQ = dQ_acc in the input dtype
+//   flash_bwd_convert_dq  after the atomic path: dQ = dQ_acc in the input dtype (DQ_TILED: the 16-bit
+//                         tensor-core dK/dV kernel's accumulator, in fragment tiles)
 // Grid: ceil(Lq / BM) x Hq x B CTAs (QueryBlock) of WARPS warps; each warp owns BM / WARPS rows.
 //
 // Both only stream memory, so their speed is the bytes each SM keeps in flight. One warp a row,
@@ -17,6 +18,7 @@
 // boundary) take the same loop one element a lane.
 #include "common.cuh"
 #include "params.cuh"
+#include "atomics.cuh"
 
 // The query rows this warp owns: ROWS = BM / WARPS of its CTA's block, interleaved (row r is
 // m0 + warp + r * WARPS) so that the CTA's warps read neighbouring rows together. Rows at or past
@@ -157,9 +159,58 @@ flash_bwd_dsum(const BwdParams p) {
     }
 }
 
+// dQ from a fragment-tiled accumulator (atomics.cuh, dq_tile; DQ_TILED): the CTA's 16 rows are one row
+// of tiles, whose columns (dQ_acc's row_stride, the dK/dV kernel's head bucket) the warps take in turn.
+// Lane l of a tile holds rows l / 4 and l / 4 + 8, columns 2 (l % 4) and + 1: two pairs it stores. The tiles
+// hold dS K unscaled (the dK/dV kernel saves the multiplication a value): the scale is applied here.
 template <typename T, typename Cfg>
+__device__ __forceinline__ void convert_dq_tiles(const BwdParams& p) {
+    static_assert(Cfg::BM == 16 && Cfg::SMEM_BYTES == 0, "one row of 16 x 8 tiles a CTA, no shared memory");
+    constexpr int TILES_IN_FLIGHT = 2;   // a lane's 16-byte loads issued before their stores
+    const QueryBlock blk = QueryBlock::from_grid<Cfg::BM, false>(p.dims);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, d = p.dims.d;
+    const float scale = float(p.scale);
+    const int tiles = int(p.dq_acc.row_stride) / 8;
+    const float* src = p.dq_acc.at<const float>(blk.batch, blk.head, blk.m0) + 4 * lane;
+    const int top = blk.m0 + lane / 4;   // this lane's rows: top and top + 8
+    T* rows[2] = {top < p.dims.lq ? p.dq.at<T>(blk.batch, blk.head, top) : nullptr,
+                  top + 8 < p.dims.lq ? p.dq.at<T>(blk.batch, blk.head, top + 8) : nullptr};
+    auto store = [&](T* row, int col, float a, float b) {
+        if (row == nullptr || col >= d) return;
+        if constexpr (sizeof(T) == 2) {
+            if (col + 1 < d && d % 2 == 0) {   // a pair in one 32-bit store: with d even every row starts even
+                *reinterpret_cast<unsigned*>(row + col) = pack2<T>(a, b);
+                return;
+            }
+        }
+        row[col] = from_acc<T>(a);
+        if (col + 1 < d) row[col + 1] = from_acc<T>(b);
+    };
+#pragma unroll 1
+    for (int t0 = warp; t0 < tiles; t0 += TILES_IN_FLIGHT * Cfg::WARPS) {
+        float4 v[TILES_IN_FLIGHT];
+#pragma unroll
+        for (int i = 0; i < TILES_IN_FLIGHT; ++i) {
+            const int t = t0 + i * Cfg::WARPS;
+            if (t < tiles) v[i] = *reinterpret_cast<const float4*>(src + 128 * t);
+        }
+#pragma unroll
+        for (int i = 0; i < TILES_IN_FLIGHT; ++i) {
+            const int t = t0 + i * Cfg::WARPS, col = 8 * t + 2 * (lane % 4);
+            if (t >= tiles) break;
+            store(rows[0], col, v[i].x * scale, v[i].y * scale);
+            store(rows[1], col, v[i].z * scale, v[i].w * scale);
+        }
+    }
+}
+
+template <typename T, typename Cfg, bool DQ_TILED>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_convert_dq(const BwdParams p) {
+    if constexpr (DQ_TILED) {
+        convert_dq_tiles<T, Cfg>(p);
+        return;
+    }
     typedef typename AccumOf<T>::type A;
     typedef WarpRows<Cfg> Rows;
     constexpr int VEC = VEC16<A>;

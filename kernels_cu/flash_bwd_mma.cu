@@ -25,10 +25,13 @@
 // dQ_i += dS K_j needs dS with queries as rows: each warp stores its dS^T
 // fragments key-major (two queries of one key in one 32-bit store), the dQ GEMM
 // reads them back transposed by ldmatrix.trans, and the warps split the BM x HEAD
-// product; results are added to an fp32 accumulator with atomics (ATOMIC_DQ), two
-// columns per vector reduction on sm_90 (atomics.cuh). With DQ_STAGED (Tile.dq_staged)
-// the warps store their parts to an fp32 tile in shared memory instead, and after a
-// barrier the whole CTA adds it along its rows, 16 bytes per reduction (add_staged_dq).
+// product; results are added to an fp32 accumulator with atomics (ATOMIC_DQ). That
+// accumulator is laid out in 16 x 8 fragment tiles (atomics.cuh, dq_tile): a lane's four
+// values of a C fragment are adjacent, so each fragment is one 16-byte reduction a lane
+// and 512 contiguous bytes a warp, with no per-element test (the host pads the tiles to
+// whole steps of rows and HEAD columns); flash_bwd_convert_dq reads them back.
+// With LATE_COPIES (Tile.late_copies) the next step's Q / dO copies are issued after this
+// step's S^T GEMM instead of before its first barrier, off the path into the MMAs.
 //
 // flash_bwd_dq_mma: the deterministic dQ. One CTA per (query block of 64, head,
 // batch); warp w owns query rows 16w..16w+15 and walks the key blocks in order:
@@ -49,7 +52,7 @@
 // memory where dQ is formed here or QSPLIT > 1, P^T beside it where QSPLIT > 1. With
 // EXTRA each Q/dO stage has the step's bias tile ([query][key], pitch BN + 8) beside
 // it, loaded with it.
-template <typename T, typename Cfg, bool ATOMIC_DQ, bool EXTRA, int QSPLIT, bool DQ_STAGED_ = false>
+template <typename T, typename Cfg, bool ATOMIC_DQ, bool EXTRA, int QSPLIT>
 struct DkdvMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
@@ -75,21 +78,14 @@ struct DkdvMmaTraits {
     static constexpr int Q_SPLIT = WARPS / (BM / (16 * DQ_STRIPS));
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
     static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
-    // DQ_STAGED: the step's dQ tile in fp32 ([query][col], pitch HEAD + 8: a half-warp's 8-byte
-    // fragment stores and a quarter-warp's 16-byte row loads fall in distinct banks), added to
-    // dQ_acc by the whole CTA in 16-byte reductions along its rows.
-    static constexpr bool DQ_STAGED = DQ_STAGED_ && ATOMIC_DQ;
-    static constexpr int DQ_PITCH = HEAD + 8;
-    static constexpr int DQ_STAGE_FLOATS = DQ_STAGED ? BM * DQ_PITCH : 0;
     static constexpr int SMEM_BYTES = ((2 * BN + 2 * STAGES * BM) * PITCH + DS_ELEMS + PT_ELEMS + STAGES * BIAS_ELEMS)
-                                      * int(sizeof(T)) + (STAGES * 2 * BM + DQ_STAGE_FLOATS) * int(sizeof(float));
+                                      * int(sizeof(T)) + STAGES * 2 * BM * int(sizeof(float));
     static_assert(HEAD % (16 * QSPLIT) == 0 && BM % (16 * QSPLIT) == 0, "tile shape");
     static_assert(WARPS % (BM / (16 * DQ_STRIPS)) == 0, "dQ row groups");
     static_assert(DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0, "dQ column blocks of whole 16-column groups");
     static_assert(BN == WARP_KEYS * KEY_GROUPS && (KEY_STRIPS == 1 || KEY_STRIPS == 2), "one or two 16-key strips a warp");
     static_assert(QSPLIT == 1 || QSPLIT == 2, "one or two warps a key strip");
     static_assert(QSPLIT == 1 || !EXTRA, "the EXTRA code keeps the one-warp-a-strip layout");
-    static_assert(!DQ_STAGED_ || !EXTRA, "the staged dQ is the plain kernels'");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
@@ -113,32 +109,6 @@ struct DqMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// dQ_acc[r][c] += scale * tile[r][c] for the step's rows (rows_valid) and columns (d): thread i
-// adds 16-byte chunks i, i + THREADS, ... of the [BM][HEAD] tile (pitch PITCH), so that a warp's
-// reduction covers one row's 512 bytes. Where every row and column is in range and the rows are
-// 16-byte aligned, one 16-byte reduction a chunk; otherwise pairs (the host pads dQ_acc's rows to
-// an even width: a column c < d leaves c + 1 in the row).
-template <int BM, int HEAD, int PITCH, int THREADS>
-__device__ __forceinline__ void add_staged_dq(float* dq_rows, int64 row_stride, const float* tile, int rows_valid,
-                                              int d, float scale) {
-    constexpr int CHUNKS = HEAD / 4;   // 16-byte chunks a row
-    static_assert(HEAD % 4 == 0 && (BM * CHUNKS) % THREADS == 0, "whole chunks, the same count for every thread");
-    const bool whole = rows_valid == BM && d == HEAD && row_stride % 4 == 0
-                       && (reinterpret_cast<unsigned long long>(dq_rows) & 15ull) == 0;
-#pragma unroll 2
-    for (int i = threadIdx.x; i < BM * CHUNKS; i += THREADS) {
-        const int row = i / CHUNKS, col = (i % CHUNKS) * 4;
-        const float4 v = *reinterpret_cast<const float4*>(tile + row * PITCH + col);
-        float* at = dq_rows + row * row_stride + col;
-        if (whole) {
-            red_add4(at, v.x * scale, v.y * scale, v.z * scale, v.w * scale);
-        } else if (row < rows_valid) {
-            if (col < d) red_add2(at, v.x * scale, v.y * scale);
-            if (col + 2 < d) red_add2(at + 2, v.z * scale, v.w * scale);
-        }
-    }
-}
-
 // PASS: 0 computes dK and dV together; where their accumulators and the score
 // tiles do not fit the registers together (head dim 128 with one warp a strip and
 // 64-query steps), the launch splits them: PASS 1 = dV only, PASS 2 = dK (and dQ)
@@ -146,10 +116,10 @@ __device__ __forceinline__ void add_staged_dq(float* dq_rows, int64 row_stride, 
 // _dkdv_passes). QSPLIT: the layout (header comment).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int QSPLIT = 1,
-          bool DQ_STAGED = false>
+          bool LATE_COPIES = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_mma(const BwdParams p) {
-    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA, QSPLIT, DQ_STAGED> Tr;
+    typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA, QSPLIT> Tr;
     constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH, M = Tr::KEY_STRIPS;
     constexpr int WQ = Tr::WARP_QUERIES, WC = Tr::WARP_COLS;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
@@ -165,7 +135,6 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     T* bias_stages = pt_s + Tr::PT_ELEMS;                     // STAGES x [BM][BIAS_PITCH] (EXTRA)
     // STAGES x [lse | Dsum] of BM rows, raw (copy_row_stats_async: with the step's Q / dO)
     float* stat_stages = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
-    float* dq_stage = stat_stages + Tr::STAGES * 2 * BM;       // [BM][DQ_PITCH] fp32 (DQ_STAGED)
 
     const AttnDims& dims = p.dims;
     const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
@@ -196,6 +165,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     // Steps walk (query head of the group, query block) pairs over the query
     // blocks that can see this key block.
     const KeyBlockSteps<BM> steps(mod, blk);
+    constexpr bool LATE = LATE_COPIES && Tr::STAGES == 2;
     auto issue_query_block = [&](const StepCursor& at, int stage) {
         const int head = at.head, m0 = steps.m0(at.block);
         const int rows = imin(BM, dims.lq - m0);
@@ -216,10 +186,14 @@ flash_bwd_dkdv_mma(const BwdParams p) {
 #pragma unroll 1
     for (int stage = 0; cur.t < steps.count;) {
         const StepCursor next = cur.after(steps).next_visible(steps, mod, blk, true);
-        const int head = cur.head, m0 = steps.m0(cur.block), rows_valid = imin(BM, dims.lq - m0);
+        const int head = cur.head, m0 = steps.m0(cur.block);
         mod.head = head;
-        prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
-                                       [&](int, int into) { issue_query_block(next, into); });
+        if constexpr (LATE) {
+            cp_async_wait<0>();
+        } else {
+            prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
+                                           [&](int, int into) { issue_query_block(next, into); });
+        }
         __syncthreads();
         const float* stats = stat_stages + stage * 2 * BM;
         const T* q_s = q_stages + stage * BM * P;
@@ -231,6 +205,9 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             zero_frags(dpt[m]);
         }
         warp_gemm_strips_smem<T, M, WQ, HEAD, P, P, false>(st, k_s + key0 * P, q_s + q0 * P, lane);    // S^T = K Q^T
+        if constexpr (LATE) {   // stage ^ 1 is free: every warp is past the previous step (the barrier above)
+            if (next.t < steps.count) issue_query_block(next, stage ^ 1);
+        }
         if (DO_DK)
             warp_gemm_strips_smem<T, M, WQ, HEAD, P, P, false>(dpt, v_s + key0 * P, do_s + q0 * P, lane);   // dP^T = V dO^T
         // Rows of these tiles are keys, columns queries; the mask is decided for this warp's keys.
@@ -302,51 +279,13 @@ flash_bwd_dkdv_mma(const BwdParams p) {
             if (DO_DV) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dv, pt16, do_s, lane);    // dV += P^T dO
             if (DO_DK) warp_gemm_strips_rn16<T, M, HEAD, BM, P>(acc_dk, dst16, q_s, lane);    // dK += dS^T Q
         }
-        if (ATOMIC_DQ) {                                         // dQ += scale * dS K
+        if (ATOMIC_DQ) {                                         // dQ += dS K (scaled as it is converted)
             if (!Tr::PT_SHARED) __syncthreads();                 // (PT_SHARED: dS^T is complete above)
             constexpr int S = Tr::DQ_STRIPS;
             const int group = warp / Tr::Q_SPLIT;                // rows [16 S group, 16 S (group + 1))
-            if constexpr (Tr::DQ_STAGED) {
-                // This warp's part of dS K into the step's dQ tile; after a barrier every thread adds
-                // 16-byte chunks of it to dQ_acc, a warp one 512-byte row at a time.
-#pragma unroll
-                for (int c = 0; c < Tr::DQ_COLS / Tr::DQ_CHUNK; ++c) {
-                    const int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS + c * Tr::DQ_CHUNK;
-                    float part[S][Tr::DQ_CHUNK / 8][4];
-#pragma unroll
-                    for (int m = 0; m < S; ++m) zero_frags(part[m]);
-                    warp_gemm_strips_smem_t<T, S, Tr::DQ_CHUNK, BN, Tr::DS_PITCH, P, true>(part, ds_s + group * 16 * S,
-                                                                                          k_s + col0, lane);
-#pragma unroll
-                    for (int m = 0; m < S; ++m)
-#pragma unroll
-                        for (int n = 0; n < Tr::DQ_CHUNK / 8; ++n) {
-                            float* at = dq_stage + ((group * S + m) * 16 + lane / 4) * Tr::DQ_PITCH + col0 + 8 * n
-                                        + 2 * (lane % 4);
-                            *reinterpret_cast<float2*>(at) = make_float2(part[m][n][0], part[m][n][1]);
-                            *reinterpret_cast<float2*>(at + 8 * Tr::DQ_PITCH) = make_float2(part[m][n][2], part[m][n][3]);
-                        }
-                }
-                __syncthreads();
-                add_staged_dq<BM, HEAD, Tr::DQ_PITCH, Tr::THREADS>(p.dq_acc.at<float>(batch, head, m0),
-                                                                   p.dq_acc.row_stride, dq_stage, rows_valid, dims.d,
-                                                                   scale);
-            } else {
-                // dq_row(m, r): this lane's accumulator row of C-fragment row r in strip m, and its index.
-                // Strip 0's two rows are formed once, before the column chunks; strip 1's where they are
-                // used (held across the product as well, the 255-register QSPLIT 2 kernel spilled).
-                auto dq_row = [&](int m, int r, int& row) {
-                    row = (group * S + m) * 16 + lane / 4 + 8 * r;
-                    return p.dq_acc.at<float>(batch, head, m0 + row);
-                };
-                // Every row and column of the step's dQ tile in range (all steps but a ragged last one, at
-                // head dims that fill the bucket): the reductions go without per-element tests. (The
-                // tested form spent ~12 instructions a reduction on branches and addresses: ncu, H100.)
-                // Not in the element-load variants (odd shapes; with it one spilled 32 bytes).
-                const bool whole = VEC && rows_valid == BM && dims.d == HEAD;
-                int row_a0, row_b0;
-                float* dq_a0 = dq_row(0, 0, row_a0);
-                float* dq_b0 = dq_row(0, 1, row_b0);
+            // This lane's slot in the fragment tile of the group's first rows, column 0 (atomics.cuh).
+            float* tiles = p.dq_acc.at<float>(batch, head, m0) + dq_tile<HEAD>(16 * S * group, 0) + 4 * lane;
+            if (16 * S * group < dims.lq - m0)                   // (a ragged step's padding rows add nothing)
 #pragma unroll
                 for (int c = 0; c < Tr::DQ_COLS / Tr::DQ_CHUNK; ++c) {
                     const int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS + c * Tr::DQ_CHUNK;
@@ -357,36 +296,12 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                     warp_gemm_strips_smem_t<T, S, Tr::DQ_CHUNK, BN, Tr::DS_PITCH, P, true>(part, ds_s + group * 16 * S,
                                                                                           k_s + col0, lane);
 #pragma unroll
-                    for (int m = 0; m < S; ++m) {
-                        int row_a = row_a0, row_b = row_b0;
-                        float* dq_a = dq_a0;
-                        float* dq_b = dq_b0;
-                        if (m > 0) {
-                            dq_a = dq_row(m, 0, row_a);
-                            dq_b = dq_row(m, 1, row_b);
-                        }
-                        // Columns col, col + 1 (col even) as one vector reduction: the host pads the
-                        // accumulator's rows to an even width, so col < d leaves col + 1 in the row.
-                        if (whole) {   // no per-element test; the 8-column steps as immediate offsets
-                            float* at_a = dq_a + col0 + 2 * (lane % 4);
-                            float* at_b = dq_b + col0 + 2 * (lane % 4);
+                    for (int m = 0; m < S; ++m)
 #pragma unroll
-                            for (int n = 0; n < Tr::DQ_CHUNK / 8; ++n) {
-                                red_add2(at_a + 8 * n, part[m][n][0] * scale, part[m][n][1] * scale);
-                                red_add2(at_b + 8 * n, part[m][n][2] * scale, part[m][n][3] * scale);
-                            }
-                            continue;
-                        }
-#pragma unroll
-                        for (int n = 0; n < Tr::DQ_CHUNK / 8; ++n) {
-                            const int col = col0 + frag_col(lane, n, 0);
-                            if (col >= dims.d) continue;
-                            if (row_a < rows_valid) red_add2(dq_a + col, part[m][n][0] * scale, part[m][n][1] * scale);
-                            if (row_b < rows_valid) red_add2(dq_b + col, part[m][n][2] * scale, part[m][n][3] * scale);
-                        }
-                    }
+                        for (int n = 0; n < Tr::DQ_CHUNK / 8; ++n)   // one fragment, one 16-byte reduction a lane
+                            red_add4(tiles + dq_tile<HEAD>(16 * m, col0 + 8 * n), part[m][n][0], part[m][n][1],
+                                     part[m][n][2], part[m][n][3]);
                 }
-            }
         }
         // This stage and the row stats are read (and with PT_SHARED, P^T and dS^T).
         end_of_step_barrier<ATOMIC_DQ && !Tr::PT_SHARED>();
@@ -397,15 +312,18 @@ flash_bwd_dkdv_mma(const BwdParams p) {
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
     // One row pointer per fragment row (key lane / 4 + 8 r of strip m), not per element:
-    // at head dim 128 the per-element address arithmetic spilled on sm_80.
+    // at head dim 128 the per-element address arithmetic spilled on sm_80. The block is formed
+    // again here: the d=64 kernels spilled its K/V head and keys, held across the loop for this.
+    const KeyBlock out = KeyBlock::from_index<BN>(dims, block_index_reread(),
+                                                  shared_scores_head_group<Flags::EXTRA>(p.mask));
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + 16 * m + lane / 4 + 8 * r;
-            if (key >= keys_valid) continue;
-            T* dk_row = p.dk.at<T>(batch, kv_head, n0 + key);
-            T* dv_row = p.dv.at<T>(batch, kv_head, n0 + key);
+            if (key >= out.keys) continue;
+            T* dk_row = p.dk.at<T>(out.batch, out.kv_head, out.n0 + key);
+            T* dv_row = p.dv.at<T>(out.batch, out.kv_head, out.n0 + key);
 #pragma unroll
             for (int n = 0; n < WC / 8; ++n) {
                 const int col = c0 + frag_col(lane, n, 0);

@@ -244,7 +244,15 @@ struct KeyBlock {
     // head_group: BlockInfo's, over (batch, K/V head) pairs.
     template <int BN>
     __device__ __forceinline__ static KeyBlock from_grid(const AttnDims& dims, int head_group = 0) {
-        const BlockInfo b = BlockInfo::from_grid<false>(ceil_div(dims.lk, BN), dims.heads_q / dims.group, head_group);
+        return from_index<BN>(dims, blockIdx.x, head_group);
+    }
+    // Of CTA `idx` of the grid: from_grid's block, formed again where a kernel's loop would otherwise hold
+    // it (idx from block_index_reread: the compiler cannot reuse the first one's registers).
+    template <int BN>
+    __device__ __forceinline__ static KeyBlock from_index(const AttnDims& dims, int idx, int head_group = 0) {
+        const int n_tiles = ceil_div(dims.lk, BN);
+        const BlockInfo b = BlockInfo::from_index<false>(idx, n_tiles, gridDim.x / n_tiles, dims.heads_q / dims.group,
+                                                         head_group);
         const int n0 = b.tile * BN;
         return {b.batch, b.head, n0, imin(BN, dims.lk - n0), b.head * dims.group, (b.head + 1) * dims.group};
     }

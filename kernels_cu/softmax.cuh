@@ -119,14 +119,24 @@ template <int BM, int THREADS, typename A>
 __device__ __forceinline__ void copy_row_stats_async(A* stats, const View& lse, const View& dsum, int batch, int head,
                                                      int m0, int rows_valid, int thread = threadIdx.x) {
     static_assert(sizeof(A) == 4 || sizeof(A) == 8, "cp.async of 4 or 8 bytes");
-    for (int i = thread; i < 2 * BM; i += THREADS) {
+    // Both rows' starts first (the views' uniform arithmetic), then a pointer select per entry: selecting
+    // the View by entry indexed the kernel's parameters per thread (LDC with a register offset).
+    const A* lse_rows = lse.at<const A>(batch, head, m0);
+    const A* dsum_rows = dsum.at<const A>(batch, head, m0);
+    auto copy = [&](int i) {
         const int row = i % BM;
-        const A* src = (i < BM ? lse : dsum).at<const A>(batch, head, m0 + (row < rows_valid ? row : 0));
-        const unsigned bytes = row < rows_valid ? unsigned(sizeof(A)) : 0u;
+        const bool valid = row < rows_valid;
+        const A* src = i < BM ? lse_rows + (valid ? row : 0) * lse.row_stride : dsum_rows + (valid ? row : 0) * dsum.row_stride;
+        const unsigned bytes = valid ? unsigned(sizeof(A)) : 0u;
         if constexpr (sizeof(A) == 4)
             asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(smem_addr(stats + i)), "l"(src), "r"(bytes));
         else
             asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(smem_addr(stats + i)), "l"(src), "r"(bytes));
+    };
+    if constexpr (2 * BM <= THREADS) {   // one entry a thread at most: no loop (its trip-count arithmetic held
+        if (thread < 2 * BM) copy(thread);   // registers across the dK/dV kernels' steps)
+    } else {
+        for (int i = thread; i < 2 * BM; i += THREADS) copy(i);
     }
 }
 

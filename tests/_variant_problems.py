@@ -78,6 +78,8 @@ def problem_for(v: Variant) -> Problem:
     deterministic = v.family.startswith("bwd_dq") or (v.family.startswith("bwd_dkdv") and not v.atomic_dq)
     if v.family == "bwd_convert_dq":
         deterministic = False
+        if not v.dq_tiled and v.dtype in ("float16", "bfloat16"):   # the row-major accumulator: the Hopper kernel's
+            cc, d = 90, head
     # A dV-only pass (pass_ 1) never adds dQ itself, but runs in atomic-dQ plans too.
     # A Hopper forward with a key threshold gets just past it (an odd tile edge too; its short-rows
     # tile, Variant.short, stays below it); a Hopper

@@ -1,5 +1,7 @@
 """The variant table (CPU): complete, consistent, and fully covered by the GPU tests."""
 import itertools
+
+import numpy as np
 from dataclasses import replace
 
 import pytest
@@ -74,23 +76,70 @@ def test_resident_tiles_need_room_for_their_ctas():
     assert V.fits_resident(h100, 1, h100)
 
 
-def test_dq_staged_is_a_dkdv_tile_option():
-    """The staged dQ tile (fp32, [block_m][head + 8]) is counted in the shared memory of the variants that form dQ
-    with atomics, not of the deterministic ones; the EXTRA kernels and other families refuse the option."""
-    staged = V.Tile(64, 128, 8, 2, "test", query_split=2, dq_staged=True)
+def test_late_copies_is_a_dkdv_tile_option():
+    """LATE_COPIES moves the dK/dV kernel's copies within a step: same shared memory, written after QSPLIT;
+    other families refuse it."""
+    late = V.Tile(64, 128, 8, 2, "test", query_split=2, late_copies=True)
     plain = V.Tile(64, 128, 8, 2, "test", query_split=2)
-    for atomic in (False, True):
-        a = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=atomic, tile=staged)
-        b = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=atomic, tile=plain)
-        assert a.smem_bytes - b.smem_bytes == (64 * 136 * 4 if atomic else 0)
-        assert a.name.endswith(", 2, true>") and b.name.endswith(", 2>")   # QSPLIT, then DQ_STAGED
-    one_warp = V.Variant("bwd_dkdv_mma", "bfloat16", 64, vec=True, atomic_dq=True,
-                         tile=V.Tile(32, 128, 4, 2, "test", dq_staged=True))
-    assert one_warp.name.endswith(", 1, true>")   # QSPLIT written out before DQ_STAGED
-    with pytest.raises(ValueError, match="dq_staged"):
-        V.Variant("bwd_dkdv_mma", "bfloat16", 64, extra=True, tile=V.Tile(32, 128, 4, 2, "test", dq_staged=True))
-    with pytest.raises(ValueError, match="dq_staged"):
-        V.Variant("fwd_mma", "bfloat16", 128, tile=V.Tile(128, 64, 4, 2, "test", dq_staged=True))
+    a = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=True, tile=late)
+    b = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=True, tile=plain)
+    assert a.smem_bytes == b.smem_bytes
+    assert a.name.endswith(", 2, true>") and b.name.endswith(", 2>")   # QSPLIT, then LATE_COPIES
+    one_warp = V.Variant("bwd_dkdv_mma", "bfloat16", 64, tile=V.Tile(32, 128, 4, 2, "test", late_copies=True))
+    assert one_warp.name.endswith(", 1, true>")   # QSPLIT written out before LATE_COPIES
+    with pytest.raises(ValueError, match="late_copies"):
+        V.Variant("fwd_mma", "bfloat16", 128, tile=V.Tile(128, 64, 4, 2, "test", late_copies=True))
+
+
+def _dq_tile_offset(row, col, cols):
+    """Where the dK/dV kernel adds dQ_acc[row][col] (flash_bwd_mma.cu with atomics.cuh's dq_tile): lane
+    4 (row % 8) + (col % 8) / 2 of tile (row / 16, col / 8) holds c0, c1 (row % 16 < 8) or c2, c3."""
+    lane = 4 * (row % 8) + (col % 8) // 2
+    slot = 2 * ((row % 16) // 8) + col % 2
+    return (row // 16) * 16 * cols + (col // 8) * 16 * 8 + 4 * lane + slot
+
+
+def test_tiled_dq_accumulator_round_trip():
+    """The fragment-tiled dQ accumulator: the kernel's scatter (dq_tile plus a lane's C fragment) and the
+    convert kernel's gather (convert_dq_tiles: lane l stores rows l / 4, l / 4 + 8 at columns 2 (l % 4) + 0, 1
+    of each tile, from its float4) are inverse; every element has its own slot."""
+    rows, cols = 64, 128
+    values = np.arange(rows * cols, dtype=np.float64).reshape(rows, cols)
+    acc = np.full(rows * cols, np.nan)
+    for r in range(rows):
+        for c in range(cols):
+            acc[_dq_tile_offset(r, c, cols)] = values[r, c]
+    assert not np.isnan(acc).any()
+    back = np.full((rows, cols), np.nan)
+    for r0 in range(0, rows, 16):
+        for t in range(cols // 8):
+            for lane in range(32):
+                v = acc[r0 * cols + 128 * t + 4 * lane:][:4]
+                top, col = r0 + lane // 4, 8 * t + 2 * (lane % 4)
+                back[top, col:col + 2], back[top + 8, col:col + 2] = v[:2], v[2:]
+    np.testing.assert_array_equal(back, values)
+    # A warp's reduction of one fragment: lane l's 16 bytes at 4 l, 512 contiguous bytes.
+    frag = [_dq_tile_offset(16 + l // 4 + 8 * (i // 2), 8 + 2 * (l % 4) + i % 2, cols) for l in range(32) for i in range(4)]
+    assert frag == list(range(frag[0], frag[0] + 128))
+
+
+def test_tiled_dq_accumulator_plans():
+    """The convert kernel reads tiles exactly where the plan's dK/dV kernel is the 16-bit tensor-core one, and
+    the launcher pads that accumulator to whole steps of the kernel's rows and its head bucket's columns."""
+    from cuflash._launch import dq_accumulator_shape
+    for dtype, head, cc in [("bfloat16", 64, 80), ("float16", 128, 80), ("bfloat16", 128, 90), ("float32", 64, 80),
+                            ("float64", 64, 80)]:
+        plan = V.backward_variants(dtype, head, band=False, extra=False, vec=True, deterministic=False, cc=cc)
+        mma = [v for v in plan if v.family == "bwd_dkdv_mma" and v.atomic_dq]
+        assert plan[-1].family == "bwd_convert_dq" and plan[-1].dq_tiled == bool(mma), (dtype, head, cc)
+        shape = dq_accumulator_shape(plan, 2, 3, 97, head - 5)
+        if mma:
+            bm = mma[0].tile.block_m
+            assert shape == (2, 3, -(-97 // bm) * bm, head)
+        else:
+            assert shape == (2, 3, 97, head - 5 + (head - 5) % 2)
+    with pytest.raises(ValueError, match="dq_tiled"):
+        V.Variant("bwd_dsum", "bfloat16", 0, dq_tiled=True)
 
 
 def test_park_is_a_forward_tile_option():
