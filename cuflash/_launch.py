@@ -428,8 +428,9 @@ def dq_accumulator_shape(plan, b: int, hq: int, lq: int, d: int) -> Tuple[int, i
     """The shape of the atomic backward's fp32 dQ accumulator for a plan's kernels. The 16-bit tensor-core
     dK/dV kernel adds into 16 x 8 fragment tiles (atomics.cuh, dq_tile): rows up to whole steps of its tile,
     columns its head bucket, so that no reduction needs a test; the convert kernel reads them as tiles. The
-    other kernels add row-major, rows padded to an even width (two columns at a time); they take the
-    view ``[..., :d]``."""
+    other kernels add row-major, rows padded to an even width (two columns at a time). Kernels read the
+    accumulator's strides only, so they take the whole array (the Hopper kernel's tensor map the view
+    ``[..., :d]``)."""
     tiled = next((v_ for v_ in plan if v_.family == "bwd_dkdv_mma" and v_.atomic_dq), None)
     if tiled is not None:
         rows = -(-lq // tiled.tile.block_m) * tiled.tile.block_m

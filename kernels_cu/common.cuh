@@ -144,15 +144,17 @@ __device__ __forceinline__ Parked4 unpark4(unsigned slot_addr) {
 // The thread index read again (asm volatile: not the value ptxas already holds), for an
 // epilogue's row arithmetic after such a loop: otherwise ptxas keeps what it derived from
 // the index before the loop live across it.
-__device__ __forceinline__ int block_index_reread() {
-    int block;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
-    return block;
-}
 __device__ __forceinline__ int thread_index_reread() {
     int tid;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
     return tid;
+}
+// The block index read again, likewise: an epilogue forms its block's coordinates anew (the
+// 16-bit dK/dV kernel's) instead of holding them across the loop.
+__device__ __forceinline__ int block_index_reread() {
+    int block;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+    return block;
 }
 
 // Two neighbouring floats of shared memory (8-byte aligned) in one 8-byte load.
