@@ -1,5 +1,5 @@
 """cuflash: exact, IO-aware fused attention (FlashAttention) for CuPy arrays."""
-from ._build import CompileError
+from ._runtime.build import CompileError
 from .api import attention, attention_backward, attention_forward, vjp
 from .block_sparse import BlockLayout
 from .estimate import Estimate, estimate

@@ -54,7 +54,7 @@ def cmd_compile(args) -> int:
     try:
         import cupy_backends.cuda.libs.nvrtc  # noqa: F401
     except ImportError:
-        from ._device import INSTALL_HINT
+        from ._runtime.device import INSTALL_HINT
 
         raise SystemExit(f"error: compiling kernels needs CuPy and NVRTC, which are not installed: {INSTALL_HINT}")
     return _compile_offline(arches) if arches else _compile_for_this_gpu()
@@ -69,9 +69,9 @@ def _parallel(fn, items, desc: str):
 
 
 def _compile_for_this_gpu() -> int:
-    from ._build import CompileError, get_kernel
-    from ._device import gpu_available
-    from ._variants import all_variants
+    from ._runtime.build import CompileError, get_kernel
+    from ._runtime.device import gpu_available
+    from ._dispatch.select import all_variants
 
     ok, what = gpu_available()
     if not ok:
@@ -86,7 +86,7 @@ def _compile_for_this_gpu() -> int:
         except CompileError as exc:
             return var, exc
 
-    from ._launch import _compute_capability
+    from ._runtime.device import compute_capability as _compute_capability
 
     cc = _compute_capability()   # the Hopper variants only on Hopper
     variants = [var for var in all_variants() if var.compile_target(f"sm_{cc}")]
@@ -105,8 +105,9 @@ def _cache_dir() -> str:
 
 
 def _compile_offline(arches) -> int:
-    from ._build import CompileError, compile_offline
-    from ._variants import all_variants, smem_limit_for_arch
+    from ._runtime.build import CompileError, compile_offline
+    from ._dispatch.model import smem_limit_for_arch
+    from ._dispatch.select import all_variants
 
     # Each architecture builds the variants its GPUs can select (those fitting their shared memory).
     # The Hopper (sm90a) variants build for sm_90a under --arch sm_90, and not elsewhere.
@@ -136,9 +137,9 @@ def _compile_offline(arches) -> int:
 
 def cmd_info(args) -> int:
     from . import __version__
-    from ._build import kernel_dir, source_hash
-    from ._device import gpu_available
-    from ._variants import all_variants
+    from ._runtime.build import kernel_dir, source_hash
+    from ._runtime.device import gpu_available
+    from ._dispatch.select import all_variants
 
     print(f"cuflash      {__version__}  (kernels {kernel_dir()}, source hash {source_hash()})")
     print(f"python       {platform.python_version()}  numpy {np.__version__}")
@@ -152,7 +153,7 @@ def cmd_info(args) -> int:
         import cupy
         from cupy_backends.cuda.libs import nvrtc
 
-        from ._build import preload_nvrtc_wheel
+        from ._runtime.build import preload_nvrtc_wheel
 
         preload_nvrtc_wheel()
         print(f"cupy         {cupy.__version__}")
@@ -162,7 +163,7 @@ def cmd_info(args) -> int:
             print(f"nvrtc        not loadable ({exc})")
         print(f"kernel cache {_cache_dir()}")
     except ImportError:
-        from ._device import INSTALL_HINT
+        from ._runtime.device import INSTALL_HINT
 
         print(f"cupy         not installed: NumPy inputs only (for the GPU: {INSTALL_HINT})")
     ok, what = gpu_available()
@@ -195,7 +196,7 @@ def _rel(x, ref) -> float:
 
 def cmd_demo(args) -> int:
     from . import attention_backward, attention_forward, reference
-    from ._device import gpu_available
+    from ._runtime.device import gpu_available
 
     ok, what = gpu_available()
     if not ok:

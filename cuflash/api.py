@@ -5,9 +5,12 @@ from typing import Any, Literal, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _checks, _launch, _masking, reference
-from ._launch import launch_backward, launch_forward, on_device
+from . import options, reference
+from ._dispatch import masking as _masking
+from ._dispatch import plan as _plan
+from ._runtime.device import on_device
 from .block_sparse import BlockLayout
+from .semantics import acc_dtype
 
 Causal = Union[bool, Literal["top_left", "bottom_right"]]
 
@@ -86,7 +89,7 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
     unit-stride. Inputs are never modified.
     """
     if dropout_p and seed is None:
-        seed = _masking.draw_seed()   # no backward will need it
+        seed = options.draw_seed()   # no backward will need it
     return attention_forward(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, dropout_p=dropout_p,
                              seed=seed, window=window, block_layout=block_layout, precision=precision)[0]
 
@@ -109,68 +112,41 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
         Natural-log logsumexp over keys of the scaled, biased, masked scores
         (before dropout); ``-inf`` for a row that can see no key.
     """
-    _checks.check_unsupported(precision=precision)
-    key = None
-    if _launch.plans_apply(bias, mask, window, block_layout, seed, dropout_p):
-        # A call seen before with this signature: its plan (cuflash._launch's plans).
-        key = _launch.forward_plan_key(q, k, v, causal, scale, precision)
-        plan = _launch.forward_plan_for(key)
-        if plan is not None:
-            result = _launch.run_forward_plan(plan, q, k, v)
-            if result is not None:
-                return result
-    p = _checks.check_qkv(q, k, v, causal=causal, scale=scale)
-    opts = _masking.check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
-                                  block_layout=block_layout)
+    call = options.forward_call(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, window=window,
+                                dropout_p=dropout_p, seed=seed, block_layout=block_layout, precision=precision)
+    p = call.problem
     if p.xp is np:
-        return _forward_numpy(p, opts, q.dtype)
-    as_given = p.q is q and p.k is k and p.v is v   # a plan passes the arrays themselves
-    return _forward_cupy(p, opts, q.dtype, precision, plan_key=key if as_given else None)
+        return _forward_numpy(p, call.options, q.dtype)
+    cupy = p.xp
+    if p.lk == 0 or p.q.size == 0:
+        with on_device(p.q.data.device_id):
+            out = cupy.empty((p.batch, p.heads_q, p.lq, p.dv), dtype=q.dtype)
+            lse = cupy.empty((p.batch, p.heads_q, p.lq), dtype=acc_dtype(p.dtype))
+            out.view(cupy.uint8).fill(0)    # no keys: every row attends to nothing (zero bits are 0.0)
+            lse.fill(-np.inf)
+    else:
+        out, lse = _plan.forward(call, precision)
+    return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 
-def _lse_dtype(dtype_name: str):
-    return np.float64 if dtype_name == "float64" else np.float32
-
-
-def _reference_kwargs(p: _checks.Problem, opts: _masking.Options) -> dict:
+def _reference_kwargs(p: options.Problem, opts: options.Options) -> dict:
     """The options in the 4-D (B, H, L, D) frame of ``p.q``: leading dims merged into one."""
     kw = opts.reference_kwargs()
     for name in ("bias", "mask"):
         if kw[name] is not None:
-            kw[name] = _masking._own_4d(kw[name], p)
+            kw[name] = options.own_4d(kw[name], p)
     if opts.block_layout is not None:
         lay = opts.block_layout.layout
         lay = lay if isinstance(lay, np.ndarray) else lay.get()   # a CuPy layout for NumPy inputs
-        kw["block_layout"] = BlockLayout(_masking._own_4d(lay, p), opts.block_layout.block_size)
+        kw["block_layout"] = BlockLayout(options.own_4d(lay, p), opts.block_layout.block_size)
     return kw
 
 
-def _forward_numpy(p: _checks.Problem, opts: _masking.Options, dtype) -> Tuple[np.ndarray, np.ndarray]:
+def _forward_numpy(p: options.Problem, opts: options.Options, dtype) -> Tuple[np.ndarray, np.ndarray]:
     out, lse = reference.attention_blocked(p.q, p.k, p.v, causal=p.reference_causal, scale=p.scale,
                                            **_reference_kwargs(p, opts))
     return (out.astype(dtype).reshape(p.out_shape()),
-            lse.astype(_lse_dtype(p.dtype)).reshape(p.lse_shape()))
-
-
-def _forward_cupy(p: _checks.Problem, opts: _masking.Options, dtype, precision: str = "highest",
-                  plan_key: Optional[tuple] = None):
-    """``plan_key``: the call's forward-plan signature (None: it takes no plan, e.g. an input the
-    checks copied); the launch is stored under it where a plan can repeat the call (no EXTRA
-    option, keys and outputs not empty)."""
-    cupy = p.xp
-    with on_device(p.q.data.device_id):
-        out = cupy.empty((p.batch, p.heads_q, p.lq, p.dv), dtype=dtype)
-        lse = cupy.empty((p.batch, p.heads_q, p.lq), dtype=_lse_dtype(p.dtype))
-        if p.lk == 0:   # no keys: every row attends to nothing
-            out.view(cupy.uint8).fill(0)    # zero bits are 0.0 in every float format
-            lse.fill(-np.inf)
-        elif out.size > 0:
-            launched = launch_forward(p.q, p.k, p.v, out, lse, dtype=p.dtype,
-                                      masking=_masking.kernel_masking(p, opts), scale=p.scale, group=p.group,
-                                      precision=precision)
-            if plan_key is not None and not opts.extra and _launch.replayable(launched):
-                _launch.store_forward_plan(plan_key, _launch.forward_plan(out, lse, launched))
-    return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
+            lse.astype(acc_dtype(p.dtype)).reshape(p.lse_shape()))
 
 
 def _shaped(x, shape: tuple):
@@ -218,60 +194,36 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         A bias constant along keys (last dim 1) gets exactly 0: it shifts every
         score of a row equally, which softmax ignores.
     """
-    _checks.check_unsupported(precision=precision)
-    key = None
-    if _launch.plans_apply(bias, mask, window, block_layout, seed, dropout_p):
-        # A call seen before with this signature: its plan (cuflash._launch's plans).
-        key = _launch.backward_plan_key(dout, q, k, v, out, lse, causal, scale, precision, deterministic)
-        plan = _launch.backward_plan_for(key)
-        if plan is not None:
-            grads = _launch.run_backward_plan(plan, dout, q, k, v, out, lse)
-            if grads is not None:
-                return grads
-    p = _checks.check_qkv(q, k, v, causal=causal, scale=scale)
-    opts = _masking.check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
-                                  block_layout=block_layout)
-    dout4, out4, lse4 = _checks.check_backward_inputs(p, dout, out, lse)
+    call = options.backward_call(dout, q, k, v, out, lse, causal=causal, scale=scale, bias=bias, mask=mask,
+                                 window=window, dropout_p=dropout_p, seed=seed, block_layout=block_layout,
+                                 precision=precision)
+    p, opts = call.problem, call.options
+    dout4, out4, lse4 = call.backward_inputs
+    shapes = (q.shape, k.shape, v.shape)
     if p.xp is np:
         grads = reference.attention_backward_blocked(dout4, p.q, p.k, p.v, out4, lse4, causal=p.reference_causal,
                                                      scale=p.scale, **_reference_kwargs(p, opts))
         result = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads[:3], (q, k, v)))
         if bias is None:
             return result
-        return result + (_masking.DbiasPlan(grads[3], (), ()).result(p, opts),)
-
+        return result + (_masking.DbiasPlan(grads[3], {}, ()).result(p, opts),)
     cupy = p.xp
-    shapes = (q.shape, k.shape, v.shape)
-    with on_device(p.q.data.device_id):
-        dbias = None
-        if p.lq == 0 or p.lk == 0 or p.batch == 0 or p.heads_q == 0:
+    dbias = None
+    if p.lq == 0 or p.lk == 0 or p.batch == 0 or p.heads_q == 0:
+        with on_device(p.q.data.device_id):
             grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (p.q, p.k, p.v))
             if bias is not None:
                 dbias = cupy.zeros(bias.shape, dtype=bias.dtype)
-        else:
-            plan_fn = None
-            if bias is not None:
-                def plan_fn(**where):
-                    return _masking.dbias_plan(p, opts, bool(deterministic), **where)
-            *grads, plan, launched = launch_backward(dout4, p.q, p.k, p.v, out4, lse4, dtype=p.dtype,
-                                                     masking=_masking.kernel_masking(p, opts), dbias_plan=plan_fn,
-                                                     scale=p.scale, group=p.group,
-                                                     deterministic=bool(deterministic), precision=precision)
-            if plan is not None:
-                dbias = plan.result(p, opts)
-            # A plan passes the arrays themselves: only where the 4-D views the kernels read start at
-            # their addresses (views; a copy the checks made, e.g. of a strided last axis or an lse of
-            # another dtype, is a new allocation). No EXTRA option (key is None for any masking).
-            if (key is not None and not opts.extra
-                    and _launch.replayable(launched)
-                    and all(a.data.ptr == b.data.ptr for a, b in ((p.q, q), (p.k, k), (p.v, v), (dout4, dout),
-                                                                 (out4, out), (lse4, lse)))):
-                _launch.store_backward_plan(key, _launch.backward_plan(shapes, launched))
-        result = tuple(_shaped(g, s) for g, s in zip(grads, shapes))
+    else:
+        *grads, dbias_plan = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic))
+        if dbias_plan is not None:
+            with on_device(p.q.data.device_id):
+                dbias = dbias_plan.result(p, opts)
+    result = tuple(_shaped(g, s_) for g, s_ in zip(grads, shapes))
     return result if bias is None else result + (dbias,)
 
 
-def vjp(q, k, v, *, deterministic: bool = False, **options):
+def vjp(q, k, v, *, deterministic: bool = False, **kwargs):
     """Forward pass plus a function that maps ``dout`` to ``(dq, dk, dv)``.
 
     Parameters
@@ -279,7 +231,7 @@ def vjp(q, k, v, *, deterministic: bool = False, **options):
     q, k, v : arrays, as for :func:`attention`.
     deterministic : bool
         Passed to :func:`attention_backward`.
-    **options
+    **kwargs
         causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision.
         With ``dropout_p > 0`` and no ``seed``, one is drawn; it is kept for the
         backward and readable as ``vjp_fn.seed``.
@@ -293,12 +245,12 @@ def vjp(q, k, v, *, deterministic: bool = False, **options):
         bias, mask, out and lse (not copies): do not modify them in place
         between the forward and the backward.
     """
-    if options.get("dropout_p") and options.get("seed") is None:
-        options = dict(options, seed=_masking.draw_seed())
-    out, lse = attention_forward(q, k, v, **options)
+    if kwargs.get("dropout_p") and kwargs.get("seed") is None:
+        kwargs = dict(kwargs, seed=options.draw_seed())
+    out, lse = attention_forward(q, k, v, **kwargs)
 
     def vjp_fn(dout):
-        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kwargs)
 
-    vjp_fn.seed = options.get("seed")
+    vjp_fn.seed = kwargs.get("seed")
     return out, vjp_fn

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ._variants import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, forward_variant, head_bucket
+from ._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, head_bucket
+from ._dispatch.select import forward_variant
 
 __all__ = ["estimate", "Estimate"]
 

@@ -26,6 +26,8 @@ from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
+from .semantics import acc_dtype, band_limits, causal_offset, dropout_key, dropout_threshold
+
 __all__ = ["causal_mask", "attention_naive", "attention_materialised", "attention_blocked",
            "attention_backward_naive", "attention_magnitude", "attention_backward_blocked", "round_to_dtype"]
 
@@ -55,17 +57,6 @@ def _array_module(*arrays):
     return cp.get_array_module(*(a for a in arrays if a is not None))
 
 
-def _causal_offset(causal: Causal, lq: int, lk: int) -> Optional[int]:
-    """None without a causal mask; else key j is allowed for query i iff ``j <= i + offset``."""
-    if causal is None or (isinstance(causal, (bool, np.bool_)) and not causal):
-        return None
-    if isinstance(causal, (bool, np.bool_)) or (isinstance(causal, str) and causal == "top_left"):
-        return 0
-    if isinstance(causal, str) and causal == "bottom_right":
-        return lk - lq
-    raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
-
-
 def causal_mask(lq: int, lk: int, causal: Causal, xp=np) -> Optional[Array]:
     """The allowed (query, key) pairs of a causal mask.
 
@@ -82,36 +73,10 @@ def causal_mask(lq: int, lk: int, causal: Causal, xp=np) -> Optional[Array]:
     bool array ``(lq, lk)``, True where key ``j`` may be attended by query ``i``;
     None when ``causal`` is False/None.
     """
-    offset = _causal_offset(causal, lq, lk)
+    offset = causal_offset(causal, lq, lk)
     if offset is None:
         return None
     return xp.arange(lk)[None, :] <= xp.arange(lq)[:, None] + offset
-
-
-def band_limits(causal: Causal, window, lq: int, lk: int) -> Optional[Tuple[int, int]]:
-    """The diagonal band of a causal mask and/or a sliding window, or None for neither.
-
-    Key ``j`` is visible to query ``i`` iff ``i + lo <= j <= i + hi``. With the
-    alignment offset ``o`` (``Lk - Lq`` for ``causal="bottom_right"``, else 0):
-    ``causal`` gives ``hi = o``; ``window=(left, right)`` gives ``lo = o - left``
-    and ``hi = o + right`` (``None`` for an unbounded side); with both, ``hi`` is the
-    smaller. Unbounded sides are clamped to ``-(lq + 1)`` / ``lk + 1``, which no
-    pair reaches.
-    """
-    offset = _causal_offset(causal, lq, lk)
-    if offset is None and window is None:
-        return None
-    align = offset or 0
-    lo, hi = -(lq + 1), lk + 1
-    if offset is not None:
-        hi = offset
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = align - int(left)
-        if right is not None:
-            hi = min(hi, align + int(right))
-    return max(lo, -(lq + 1)), min(max(hi, -(lq + 1)), lk + 1)
 
 
 def _band_tile(rows: slice, cols: slice, band, xp):
@@ -143,11 +108,6 @@ def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int, xp=np):
     return tuple(x.astype(np.uint32) for x in c)
 
 
-def dropout_threshold(p: float) -> int:
-    """An element is dropped iff its 32-bit Philox word is below this: ``round(p * 2**32)``."""
-    return min(2**32 - 1, max(1, int(round(float(p) * 2**32))))
-
-
 def dropout_keep(seed: int, p: float, batch, head, rows, cols, xp=np):
     """Dropout's verdict per element: ``1 / (1 - p)`` where kept, 0 where dropped.
 
@@ -159,7 +119,7 @@ def dropout_keep(seed: int, p: float, batch, head, rows, cols, xp=np):
     """
     shape = np.broadcast_shapes(*(np.shape(x) for x in (batch, head, rows, cols)))
     b, h, r, c = (xp.broadcast_to(xp.asarray(x, dtype=np.int64), shape) for x in (batch, head, rows, cols))
-    words = philox4x32_10(c >> 2, r, h, b, int(seed) & 0xFFFFFFFF, int(seed) >> 32, xp=xp)
+    words = philox4x32_10(c >> 2, r, h, b, *dropout_key(seed), xp=xp)
     sel = c & 3
     word = xp.where(sel == 0, words[0], xp.where(sel == 1, words[1], xp.where(sel == 2, words[2], words[3])))
     keep = word >= np.uint32(dropout_threshold(p))
@@ -193,7 +153,7 @@ def _dropout_tile(dropout, shape: tuple, rows: slice, cols: slice, xp):
     quads = np.arange(cols.start >> 2, ((cols.stop - 1) >> 2) + 1).reshape(1, -1)
     qshape = np.broadcast_shapes(batch.shape, head.shape, r.shape, quads.shape)
     b_, h_, r_, c_ = (xp.broadcast_to(xp.asarray(x, dtype=np.int64), qshape) for x in (batch, head, r, quads))
-    words = philox4x32_10(c_, r_, h_, b_, int(seed) & 0xFFFFFFFF, int(seed) >> 32, xp=xp)
+    words = philox4x32_10(c_, r_, h_, b_, *dropout_key(seed), xp=xp)
     word = xp.stack(words, axis=-1).reshape(qshape[:-1] + (4 * qshape[-1],))   # key 4c + i: word i of quad c
     first = cols.start - 4 * (cols.start >> 2)
     word = word[..., first:first + (cols.stop - cols.start)]
@@ -529,7 +489,7 @@ def attention_materialised(q: Array, k: Array, v: Array, *, causal: Causal = Fal
     out : array ``(..., H, Lq, Dv)``, the inputs' dtype
     """
     xp = _array_module(q, k, v)
-    acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
+    acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     s = xp.matmul(q, xp.swapaxes(k, -1, -2)).astype(acc)
     s *= acc(scale)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import array
 import math
 import struct
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import numpy as np
+
+from ..semantics import LOG2E
 
 _VIEW = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride", np.int64),
                   ("row_stride", np.int64)], align=True)
@@ -42,40 +44,75 @@ STRUCTS: Dict[str, np.dtype] = {
                           align=True),
 }
 
-LOG2E = float(np.log2(np.e))
 
 _CODES = {("u", 8): "Q", ("i", 8): "q", ("i", 4): "i", ("u", 4): "I", ("f", 8): "d", ("f", 4): "f"}
 
 
-def _packer(dtype: np.dtype) -> struct.Struct:
-    """A struct.Struct writing ``dtype``'s leaf fields in order, with its padding.
+def _leaves(dtype: np.dtype, base: int = 0, path: tuple = ()):
+    """(path of field names, byte offset, leaf dtype) of every scalar field of ``dtype``, in memory order."""
+    for name in dtype.names:
+        sub, offset = dtype.fields[name][:2]
+        if sub.names:
+            yield from _leaves(sub, base + offset, path + (name,))
+        else:
+            yield path + (name,), base + offset, sub
 
-    Packing a flat tuple this way costs ~1 us; assigning NumPy structured fields
-    one by one cost ~20 us a launch, which CUDA-event timings of short calls see.
+
+class Packer:
+    """Writes one struct of :data:`STRUCTS` from its values given by field name.
+
+    ``pack(values)`` takes a dict with one entry per field; a field that is a struct takes a dict
+    of its own fields (``{"q": {"ptr": ..., "batch_stride": ...}, ...}``). A missing or unknown name
+    raises KeyError: nothing is placed by position, so two fields of one type cannot trade places.
+    The leaf order and padding come from the NumPy description, which ``layout_check_source``
+    checks against the CUDA header.
     """
-    fmt, pos = "=", 0
 
-    def walk(dt: np.dtype, base: int) -> None:
-        nonlocal fmt, pos
-        for name in dt.names:
-            sub, offset = dt.fields[name][:2]
-            if sub.names:
-                walk(sub, base + offset)
-                continue
-            if base + offset > pos:
-                fmt += f"{base + offset - pos}x"
-            fmt += _CODES[(sub.kind, sub.itemsize)]
-            pos = base + offset + sub.itemsize
+    def __init__(self, name: str):
+        self.name = name
+        dtype = STRUCTS[name]
+        self.leaves = tuple(_leaves(dtype))
+        fmt, pos = "=", 0
+        for _, offset, leaf in self.leaves:
+            if offset > pos:
+                fmt += f"{offset - pos}x"
+            fmt += _CODES[(leaf.kind, leaf.itemsize)]
+            pos = offset + leaf.itemsize
+        fmt += f"{dtype.itemsize - pos}x" if dtype.itemsize > pos else ""
+        self.struct = struct.Struct(fmt)
+        assert self.struct.size == dtype.itemsize, (fmt, dtype)
+        self.fields = {".".join(path): offset for path, offset, _ in self.leaves}
+        self._top = tuple(dtype.names)
 
-    walk(dtype, 0)
-    fmt += f"{dtype.itemsize - pos}x" if dtype.itemsize > pos else ""
-    packer = struct.Struct(fmt)
-    assert packer.size == dtype.itemsize, (fmt, dtype)
-    return packer
+    def flatten(self, values: dict) -> list:
+        """The leaf values of ``values`` in memory order (KeyError naming a missing or unknown field)."""
+        out = []
+
+        def walk(dtype: np.dtype, given: dict, prefix: str) -> None:
+            unknown = set(given) - set(dtype.names)
+            if unknown:
+                raise KeyError(f"{self.name}: no field {prefix}{sorted(unknown)[0]}")
+            for name in dtype.names:
+                if name not in given:
+                    raise KeyError(f"{self.name}: field {prefix}{name} not given")
+                sub = dtype.fields[name][0]
+                if sub.names:
+                    walk(sub, given[name], f"{prefix}{name}.")
+                else:
+                    out.append(given[name])
+
+        walk(STRUCTS[self.name], values, "")
+        return out
+
+    def pack(self, values: dict) -> "HostArg":
+        return HostArg(self.struct.pack(*self.flatten(values)))
+
+    def offset(self, path: str) -> int:
+        """Byte offset of the leaf ``path`` ("q.ptr", "mask.bias.ptr", "block_queue")."""
+        return self.fields[path]
 
 
-_PACK = {name: _packer(STRUCTS[name]) for name in ("FwdParams", "BwdParams")}
-_NO_VIEW = (0, 0, 0, 0)
+PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams")}
 _ADDRESS = struct.Struct("=Q")
 
 
@@ -114,23 +151,36 @@ class HostArg:
         return memoryview(self._buffer)[self._skip:self._skip + self.nbytes]
 
 
-def view(x: Any) -> tuple:
-    """``(ptr, batch_stride, head_stride, row_stride)`` of a CuPy array seen as (batch, head, row[, col]).
+VIEW_FIELDS = ("ptr", "batch_stride", "head_stride", "row_stride")
+SCORE_FIELDS = ("ptr", "batch_stride", "head_stride", "row_stride", "col_stride")
+NO_VIEW = dict.fromkeys(VIEW_FIELDS, 0)
+NO_SCORE = dict.fromkeys(SCORE_FIELDS, 0)
+
+
+def view(x: Any) -> dict:
+    """A ``View`` of a CuPy array seen as (batch, head, row[, col]): its address and strides.
 
     ``x`` is 4-D ``(B, H, L, D)`` with a unit-stride last axis, or 3-D ``(B, H, L)``
-    (a per-row vector such as lse). Strides are in elements; a broadcast axis has stride 0.
+    (a per-row vector such as lse); None gives the null view. Strides are in elements;
+    a broadcast axis has stride 0.
     """
+    if x is None:
+        return NO_VIEW
     ndim, strides, size = x.ndim, x.strides, x.itemsize
     if ndim not in (3, 4):
         raise ValueError(f"a kernel view needs a 3-D or 4-D array, got shape {x.shape}")
     if ndim == 4 and strides[3] != size and x.shape[3] > 1:
         raise ValueError("a kernel view needs a unit-stride last axis")
-    return x.data.ptr, strides[0] // size, strides[1] // size, strides[2] // size
+    return {"ptr": x.data.ptr, "batch_stride": strides[0] // size, "head_stride": strides[1] // size,
+            "row_stride": strides[2] // size}
 
 
-MASK_OFF = (0, 0, 1, 1) + (0,) * 15 + (0, 0, 0, 1.0)
-"""MaskParams' values with every piece off (kernels compiled without BAND / EXTRA ignore them)."""
-DBIAS_OFF = (0,) * 5 + (0, 0, 0, 1, 1, 1, 1, 0)
+MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_SCORE, "mask": NO_SCORE,
+            "layout": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "keep_scale": 1.0}
+"""MaskParams with every piece off (kernels compiled without BAND / EXTRA ignore it)."""
+DBIAS_OFF = {"acc": NO_SCORE, "order": 0, "mode": 0, "rows_broadcast": 0, "tiles_b": 1, "tiles_h": 1,
+             "tiles_i": 1, "splits": 1, "split_stride": 0}
+"""DbiasParams with no bias gradient."""
 
 
 _FLOAT32 = struct.Struct("f")
@@ -145,29 +195,31 @@ def as_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: tuple = MASK_OFF,
+def _dims(q, k, v, group: int) -> dict:
+    b, hq, lq, d = q.shape
+    return {"batch": b, "heads_q": hq, "group": group, "lq": lq, "lk": k.shape[2], "d": d, "dv": v.shape[3]}
+
+
+def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: dict = MASK_OFF,
                block_queue: int = 0) -> HostArg:
     """FwdParams for 4-D views ``q (B, Hq, Lq, D)``, ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``
-    and MaskParams' values ``mask`` (cuflash._masking), as ``sizeof(FwdParams)`` bytes.
+    and MaskParams ``mask`` (cuflash._dispatch.masking), as ``sizeof(FwdParams)`` bytes.
     ``block_queue``: the address of a zeroed int32 a persistent Hopper grid takes its blocks from
     (0: none)."""
-    b, hq, lq, d = q.shape
-    values = (*view(q), *view(k), *view(v), *view(out), *view(lse),
-              b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, scale * LOG2E, as_float32(scale * LOG2E),
-              block_queue)
-    return HostArg(_PACK["FwdParams"].pack(*values))
+    return PACKERS["FwdParams"].pack({
+        "q": view(q), "k": view(k), "v": view(v), "out": view(out), "lse": view(lse),
+        "dims": _dims(q, k, v, group), "mask": mask, "scale_log2": scale * LOG2E,
+        "scale_log2_f": as_float32(scale * LOG2E), "block_queue": block_queue})
 
 
 def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int, scale: float,
-               mask: tuple = MASK_OFF, dbias: tuple = DBIAS_OFF) -> HostArg:
+               mask: dict = MASK_OFF, dbias: dict = DBIAS_OFF) -> HostArg:
     """BwdParams for 4-D views (vectors lse, dsum 3-D). ``dq_acc`` may be None (deterministic path)."""
-    b, hq, lq, d = q.shape
-    values = []
-    for x in (q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv):
-        values += view(x) if x is not None else _NO_VIEW
-    values += (b, hq, group, lq, k.shape[2], d, v.shape[3], *mask, *dbias, scale, scale * LOG2E,
-               as_float32(scale * LOG2E))
-    return HostArg(_PACK["BwdParams"].pack(*values))
+    return PACKERS["BwdParams"].pack({
+        "q": view(q), "k": view(k), "v": view(v), "out": view(out), "dout": view(dout), "lse": view(lse),
+        "dsum": view(dsum), "dq_acc": view(dq_acc), "dq": view(dq), "dk": view(dk), "dv": view(dv),
+        "dims": _dims(q, k, v, group), "mask": mask, "dbias": dbias, "scale": scale,
+        "scale_log2": scale * LOG2E, "scale_log2_f": as_float32(scale * LOG2E)})
 
 
 def layout_check_source() -> str:

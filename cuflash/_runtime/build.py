@@ -43,8 +43,8 @@ def kernel_dir() -> Path:
     Installed wheels carry them as ``cuflash/kernels_cu``; a source checkout has
     them at the repository root, beside the package.
     """
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "kernels_cu", package.parent / "kernels_cu"):
         if (candidate / "common.cuh").is_file():
             return candidate
     raise FileNotFoundError("cuflash kernel sources (kernels_cu/) not found next to the package")
@@ -141,7 +141,7 @@ def _compiled(variant, device_id: int):
 
 
 def get_kernel(variant):
-    """The compiled ``cupy.RawKernel`` of a :class:`cuflash._variants.Variant` on the current device.
+    """The compiled ``cupy.RawKernel`` of a :class:`cuflash._dispatch.model.Variant` on the current device.
 
     Cached per (variant, device), so a launch does not rebuild the name expression.
     """

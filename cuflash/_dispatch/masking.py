@@ -1,7 +1,7 @@
-"""The masking options of a call, validated and turned into what the kernels read
-(``MaskParams`` / ``DbiasParams`` in ``kernels_cu/params.cuh``).
+"""A call's validated masking options turned into what the kernels read (``MaskParams`` /
+``DbiasParams`` in ``kernels_cu/params.cuh``, by field name).
 
-* ``causal`` and ``window`` become one diagonal band ``(lo, hi)`` (reference.band_limits).
+* ``causal`` and ``window`` become one diagonal band ``(lo, hi)`` (semantics.band_limits).
 * ``bias`` and ``mask`` become (batch, head, row, col) views with stride 0 along
   their broadcast axes: never expanded in memory.
 * A boolean mask is summarised per (query block, key block) as BlockState
@@ -16,16 +16,14 @@
 """
 from __future__ import annotations
 
-import numbers
-import secrets
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import reference
-from ._checks import SUPPORTED_DTYPES, Problem, array_module
-from .block_sparse import BlockLayout
+from ..options import Options, Problem, own_4d
+from .._runtime.params import DBIAS_OFF, NO_SCORE
+from ..semantics import acc_dtype, band_limits, dropout_key, dropout_threshold
 
 MASK_SUMMARY_BLOCK = (64, 64)
 """Block size of a mask's summary when no block layout sets one."""
@@ -36,133 +34,18 @@ MAX_DBIAS_SPLITS = 16
 tiles alone are too few to fill the GPU (DbiasParams::splits)."""
 
 
-@dataclass
-class Options:
-    """The masking options of one call, validated against its Problem."""
-
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None
-    bias: Any = None              # as given (for the NumPy path and dbias's shape)
-    mask: Any = None
-    dropout_p: float = 0.0
-    seed: Optional[int] = None
-    block_layout: Optional[BlockLayout] = None
-
-    @property
-    def dropout(self) -> bool:
-        return self.dropout_p > 0.0
-
-    @property
-    def extra(self) -> bool:
-        """Whether the kernels need their EXTRA pieces (score_mod.cuh)."""
-        return self.bias is not None or self.mask is not None or self.block_layout is not None or self.dropout
-
-    def reference_kwargs(self) -> dict:
-        return dict(bias=self.bias, mask=self.mask, window=self.window, dropout_p=self.dropout_p, seed=self.seed,
-                    block_layout=self.block_layout)
+def _broadcast_view(x4, full: tuple) -> dict:
+    """A ``ScoreTensor`` of a 4-D own-shape array seen as ``full``: its address and four strides
+    in elements, 0 on broadcast axes."""
+    b, h, r, c = (0 if n == 1 and f != 1 else s // x4.itemsize for n, f, s in zip(x4.shape, full, x4.strides))
+    return {"ptr": x4.data.ptr, "batch_stride": b, "head_stride": h, "row_stride": r, "col_stride": c}
 
 
-def _score_shape(p: Problem) -> tuple:
-    return p.lead + (p.heads_q, p.lq, p.lk)
-
-
-def _broadcastable(x, shape: tuple, name: str) -> None:
-    try:
-        ok = np.broadcast_shapes(tuple(x.shape), shape) == shape
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {shape} "
-                         "(..., Hq, Lq, Lk) or, for a block layout, (..., Hq, query blocks, key blocks)")
-
-
-def _same_place(x, p: Problem, name: str):
-    if array_module(x) is not p.xp:
-        raise TypeError(f"{name} is a {array_module(x).__name__} array but q is a {p.xp.__name__} array")
-    if p.xp is not np and x.device.id != p.q.device.id:
-        raise ValueError(f"{name} is on device {x.device.id}, q on device {p.q.device.id}")
-
-
-def check_window(window) -> Optional[Tuple[Optional[int], Optional[int]]]:
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}") from None
-    for side in (left, right):
-        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
-            raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
-    return (None if left is None else int(left), None if right is None else int(right))
-
-
-def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.0, seed=None,
-                  block_layout=None, need_seed: bool = True) -> Options:
-    """Validate the masking options of a call (clear TypeError / ValueError, nothing launched)."""
-    shape = _score_shape(p)
-    if bias is not None:
-        _same_place(bias, p, "bias")
-        if np.dtype(bias.dtype) == np.bool_:
-            raise TypeError("bias must be a float array, got bool (a bool array is a `mask`)")
-        if np.dtype(bias.dtype).kind != "f" and np.dtype(bias.dtype) not in SUPPORTED_DTYPES:
-            raise TypeError(f"bias must be a float array, got {bias.dtype}")
-        _broadcastable(bias, shape, "bias")
-    if mask is not None:
-        _same_place(mask, p, "mask")
-        if np.dtype(mask.dtype) != np.bool_:
-            raise TypeError(f"mask must be a bool array (True = attend), got {mask.dtype}; "
-                            "a float array is a `bias`")
-        _broadcastable(mask, shape, "mask")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    dropout_p = float(dropout_p)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
-                             or not 0 <= seed < 2**64):
-        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
-    if dropout_p > 0 and seed is None and need_seed:
-        raise ValueError("dropout_p > 0 needs a seed here so that attention_backward can regenerate the mask; "
-                         "attention() and vjp() draw one for you")
-    if block_layout is not None:
-        if not isinstance(block_layout, BlockLayout):
-            raise TypeError(f"block_layout must be a cuflash.BlockLayout, got {type(block_layout).__name__}")
-        bq, bk = block_layout.block_size
-        _broadcastable(block_layout.layout, p.lead + (p.heads_q, *block_layout.blocks(p.lq, p.lk)),
-                       f"block_layout (blocks of {bq} x {bk})")
-    return Options(check_window(window), bias, mask, dropout_p, None if seed is None else int(seed), block_layout)
-
-
-def draw_seed() -> int:
-    """A fresh 64-bit dropout seed."""
-    return secrets.randbits(64)
-
-
-# --------------------------------------------------------------------------- kernel inputs
-
-def _own_4d(x, p: Problem):
-    """``x`` (broadcastable to the scores) as a 4-D (B', H', Lq', Lk') array of its own sizes:
-    B' is 1 when every leading dim broadcasts, else B (then broadcast over the leading dims,
-    a copy only if they cannot be merged into one stride)."""
-    xp = p.xp
-    nd = len(p.lead) + 3
-    x = x.reshape((1,) * (nd - x.ndim) + tuple(x.shape))
-    own_lead = x.shape[:len(p.lead)]
-    if all(n == 1 for n in own_lead):
-        return x.reshape((1,) + x.shape[len(p.lead):])
-    x = xp.broadcast_to(x, p.lead + x.shape[len(p.lead):])
-    return x.reshape((p.batch,) + x.shape[len(p.lead):])
-
-
-def _broadcast_view(x4, full: tuple) -> tuple:
-    """(ptr, four strides in elements) of a 4-D own-shape array seen as ``full``: 0 on broadcast axes."""
-    strides = tuple(0 if n == 1 and f != 1 else s // x4.itemsize for n, f, s in zip(x4.shape, full, x4.strides))
-    return (x4.data.ptr,) + strides
-
-
-def score_view(x4, p: Problem) -> tuple:
+def score_view(x4, p: Problem) -> dict:
     """A bias, mask or dbias accumulator seen as the (B, Hq, Lq, Lk) scores."""
     return _broadcast_view(x4, (p.batch, p.heads_q, p.lq, p.lk))
 
 
-NO_SCORE_VIEW = (0, 0, 0, 0, 0)
 
 
 def block_states(p: Problem, opts: Options):
@@ -174,7 +57,7 @@ def block_states(p: Problem, opts: Options):
     nq, nk = -(-p.lq // bq), -(-p.lk // bk)
     states = None
     if opts.mask is not None:
-        m = _own_4d(opts.mask, p)
+        m = own_4d(opts.mask, p)
         b_, h_, lq_, lk_ = m.shape
         rq, rk = (nq, bq) if lq_ > 1 else (1, 1)
         ck, ckk = (nk, bk) if lk_ > 1 else (1, 1)
@@ -186,25 +69,25 @@ def block_states(p: Problem, opts: Options):
         allb = allp.reshape(b_, h_, rq, rk, ck, ckk).all(axis=(3, 5))
         states = xp.where(anyb, xp.where(allb, 2, 1), 0).astype(np.int8)
     if opts.block_layout is not None:
-        lay = _own_4d(xp.asarray(opts.block_layout.layout), p)
+        lay = own_4d(xp.asarray(opts.block_layout.layout), p)
         user = xp.where(lay, 2, 0).astype(np.int8)
         states = user if states is None else xp.minimum(states, user)
     return xp.ascontiguousarray(states), (bq, bk)
 
 
-def layout_view(states, p: Problem, block: Tuple[int, int]) -> tuple:
+def layout_view(states, p: Problem, block: Tuple[int, int]) -> dict:
     """The block states seen as (B, Hq, query blocks, key blocks)."""
     return _broadcast_view(states, (p.batch, p.heads_q, -(-p.lq // block[0]), -(-p.lk // block[1])))
 
 
-def rows_in_chunks(view: tuple, itemsize: int) -> bool:
-    """Whether a score view ``(ptr, batch, head, row, col strides)`` (elements) is rows of whole
+def rows_in_chunks(view: dict, itemsize: int) -> bool:
+    """Whether a score view (:func:`score_view`, strides in elements) is rows of whole
     16-byte chunks at every (batch, head, row): unit key stride, a 16-byte aligned start and
     batch, head and row strides (0 included). The Hopper forward copies its bias tiles by such
     chunks only (kernels_cu/tile_io.cuh, ScoreChunkCopy)."""
-    ptr, *strides, col = view
     chunk = 16 // itemsize
-    return col == 1 and ptr % 16 == 0 and all(s_ % chunk == 0 for s_ in strides)
+    return (view["col_stride"] == 1 and view["ptr"] % 16 == 0
+            and all(view[axis] % chunk == 0 for axis in ("batch_stride", "head_stride", "row_stride")))
 
 
 @dataclass
@@ -215,24 +98,24 @@ class KernelMasking:
 
     band: Optional[Tuple[int, int]]
     extra: bool
-    values: tuple      # MaskParams fields in order
+    values: dict       # MaskParams by field name
     keep_alive: tuple
     bias_in_chunks: bool = True
 
 
 def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
-    band = reference.band_limits(p.reference_causal, opts.window, p.lq, p.lk)
+    band = band_limits(p.reference_causal, opts.window, p.lq, p.lk)
     keep = []
-    bias_view = mask_view = lay_view = NO_SCORE_VIEW
+    bias_view = mask_view = lay_view = NO_SCORE
     block = (1, 1)
     chunks = True
     if opts.bias is not None:
-        b4 = _own_4d(opts.bias.astype(p.q.dtype, copy=False), p)
+        b4 = own_4d(opts.bias.astype(p.q.dtype, copy=False), p)
         keep.append(b4)
         bias_view = score_view(b4, p)
         chunks = rows_in_chunks(bias_view, b4.itemsize)
     if opts.mask is not None:
-        m4 = _own_4d(opts.mask, p)
+        m4 = own_4d(opts.mask, p)
         keep.append(m4)
         mask_view = score_view(m4, p)
     states, blk = block_states(p, opts)
@@ -240,12 +123,12 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
         keep.append(states)
         block = blk
         lay_view = layout_view(states, p, blk)
-    threshold = reference.dropout_threshold(opts.dropout_p) if opts.dropout else 0
-    seed = opts.seed or 0
-    keep_scale = 1.0 / (1.0 - opts.dropout_p)
+    seed_lo, seed_hi = dropout_key(opts.seed or 0)
     lo, hi = band if band is not None else (0, 0)
-    values = (lo, hi, block[0], block[1], *bias_view, *mask_view, *lay_view, threshold, seed & 0xFFFFFFFF,
-              seed >> 32, keep_scale)
+    values = {"band_lo": lo, "band_hi": hi, "block_q": block[0], "block_k": block[1], "bias": bias_view,
+              "mask": mask_view, "layout": lay_view,
+              "drop_threshold": dropout_threshold(opts.dropout_p) if opts.dropout else 0,
+              "seed_lo": seed_lo, "seed_hi": seed_hi, "keep_scale": 1.0 / (1.0 - opts.dropout_p)}
     return KernelMasking(band, opts.extra, values, tuple(keep), chunks)
 
 
@@ -255,7 +138,7 @@ class DbiasPlan:
 
     acc: Any                  # (B', H', Lq', Lk) accumulator (DBIAS_KEY_MAJOR: a transposed view of a
                               # (B', H', Lk, pitch) array), (splits, B', H', Lq', Lk) with splits, or None
-    values: tuple             # DbiasParams fields in order
+    values: dict              # DbiasParams by field name
     keep_alive: tuple
     splits: int = 0           # DBIAS_KERNEL: slices of acc along a leading axis, summed here in order
     grid: int = 0             # DBIAS_KERNEL: CTAs of the dbias kernel
@@ -303,19 +186,19 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
     tensor-core dK/dV kernels, whose fragments are the Hopper kernel's m16n8 layout): where
     CTAs would meet with atomics (DBIAS_ATOMIC) on a bias with query rows, DBIAS_KEY_MAJOR's
     vector reductions instead (a quarter of the L2 operations, whole sectors)."""
-    off = (*NO_SCORE_VIEW, 0, DBIAS_NONE, 0, 1, 1, 1, 1, 0)
+    off = DBIAS_OFF
     if opts.bias is None:
         return DbiasPlan(None, off, ())
     xp = p.xp
-    own = _own_4d(opts.bias, p).shape
+    own = own_4d(opts.bias, p).shape
     b_, h_, lq_, lk_ = own
     if lk_ == 1 and p.lk > 1:
         # A bias constant along keys shifts every score of a row equally: softmax and
         # the output ignore it, and its gradient sum_j dS_ij = 0 exactly.
         return DbiasPlan(None, off, ())
-    acc_dtype = np.float64 if p.dtype == "float64" else np.float32
+    acc = acc_dtype(p.dtype)
     if key_major:
-        return _key_major_plan(p, own, acc_dtype)
+        return _key_major_plan(p, own, acc)
     if kernel_tile is not None:
         if sm_count is None:
             raise ValueError("the dbias kernel's plan needs the GPU's SM count (it sizes the splits)")
@@ -327,24 +210,24 @@ def dbias_plan(p: Problem, opts: Options, deterministic: bool, dkdv_tile=None, k
         walk = (p.batch // b_) * (p.heads_q // h_) * (q_blocks if lq_ == 1 else 1)
         splits = max(1, min(walk, MAX_DBIAS_SPLITS, -(-2 * sm_count // tiles)))
         pitch = -(-p.lk // 4) * 4
-        slices = xp.zeros((splits, b_, h_, lq_, pitch), dtype=acc_dtype)[..., :p.lk]
+        slices = xp.zeros((splits, b_, h_, lq_, pitch), dtype=acc)[..., :p.lk]
         # tiles_b/h/i (DBIAS_ORDERED's turn grid) are unused here: the off values.
-        values = (*score_view(slices[0], p), 0, DBIAS_KERNEL, int(lq_ == 1), 1, 1, 1, splits,
-                  b_ * h_ * lq_ * pitch)
+        values = dict(DBIAS_OFF, acc=score_view(slices[0], p), mode=DBIAS_KERNEL, rows_broadcast=int(lq_ == 1),
+                      splits=splits, split_stride=b_ * h_ * lq_ * pitch)
         return DbiasPlan(slices, values, (slices,), splits=splits, grid=tiles * splits)
     mode = dbias_mode(p, own, deterministic)
     if key_major_for_atomics and mode == DBIAS_ATOMIC and lq_ > 1:
-        return _key_major_plan(p, own, acc_dtype)
-    acc = xp.zeros(own, dtype=acc_dtype)
+        return _key_major_plan(p, own, acc)
+    sums = xp.zeros(own, dtype=acc)
     block_m, block_n = dkdv_tile
     tiles_i = 1 if lq_ == 1 else -(-p.lq // block_m)
     order = xp.zeros(b_ * h_ * tiles_i * -(-p.lk // block_n), dtype=np.int32) if mode == DBIAS_ORDERED else None
-    values = (*score_view(acc, p), 0 if order is None else order.data.ptr, mode, int(lq_ == 1), b_, h_, tiles_i,
-              1, 0)
-    return DbiasPlan(acc, values, (acc,) if order is None else (acc, order))
+    values = dict(DBIAS_OFF, acc=score_view(sums, p), order=0 if order is None else order.data.ptr, mode=mode,
+                  rows_broadcast=int(lq_ == 1), tiles_b=b_, tiles_h=h_, tiles_i=tiles_i)
+    return DbiasPlan(sums, values, (sums,) if order is None else (sums, order))
 
 
-def _key_major_plan(p: Problem, own: tuple, acc_dtype) -> DbiasPlan:
+def _key_major_plan(p: Problem, own: tuple, acc) -> DbiasPlan:
     """DBIAS_KEY_MAJOR (kernels_cu/bias_grad_t.cuh): the accumulator is stored [key][query], rows of
     a pitch of whole 32-byte sectors (each lane adds four queries of one key with one 16-byte vector
     reduction, two lanes fill a sector; queries past Lq inside a group add zeros into the padding),
@@ -352,7 +235,7 @@ def _key_major_plan(p: Problem, own: tuple, acc_dtype) -> DbiasPlan:
     a transposed view. A one-row bias (Lq' = 1) is one row of keys, with unit key stride."""
     b_, h_, lq_, lk_ = own
     pitch = 1 if lq_ == 1 else -(-lq_ // 8) * 8
-    store = p.xp.zeros((b_, h_, lk_, pitch), dtype=acc_dtype)
-    acc = store[..., :lq_].swapaxes(-1, -2)
-    values = (*score_view(acc, p), 0, DBIAS_KEY_MAJOR, int(lq_ == 1), 1, 1, 1, 1, 0)
-    return DbiasPlan(acc, values, (store,))
+    store = p.xp.zeros((b_, h_, lk_, pitch), dtype=acc)
+    sums = store[..., :lq_].swapaxes(-1, -2)
+    values = dict(DBIAS_OFF, acc=score_view(sums, p), mode=DBIAS_KEY_MAJOR, rows_broadcast=int(lq_ == 1))
+    return DbiasPlan(sums, values, (store,))

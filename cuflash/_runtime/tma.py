@@ -16,7 +16,7 @@ import array
 import ctypes
 import functools
 
-from ._params import HostArg
+from .params import HostArg
 
 MAP_BYTES = 128              # sizeof(CUtensorMap)
 _UINT16 = 1                  # CU_TENSOR_MAP_DATA_TYPE_UINT16: the copy engine moves bits
@@ -59,6 +59,11 @@ def _replace_fn():
     return fn
 
 
+def can_encode() -> bool:
+    """Whether the driver can encode tensor maps (:func:`tensor_maps`)."""
+    return _encode_fn() is not None
+
+
 def can_readdress() -> bool:
     """Whether the driver can replace a map's address (:func:`readdressed`)."""
     return _replace_fn() is not None
@@ -69,7 +74,7 @@ def readdressed(encoded: bytes, arrays) -> "HostArg | None":
     boxes and dtypes) pointed at ``arrays`` instead, one per map (None: a map left as it is, e.g. the
     zeros of one the kernel does not read); None where the driver cannot replace an address. The
     driver's replacement costs ~0.4 us a map on an H100 host, its encoding ~1.8 us plus the Python
-    that gathers the encoder's arguments (a forward or backward plan's maps, cuflash._launch)."""
+    that gathers the encoder's arguments (a forward or backward plan's maps, cuflash._dispatch.plan)."""
     replace = _replace_fn()
     if replace is None:
         return None
@@ -125,7 +130,7 @@ _ONES = 1 | 1 << 32   # two uint32 ones: the box's H and B extents, and every el
 
 def tensor_maps(*specs) -> "HostArg | None":
     """The maps of ``(array, box_rows)`` pairs back to back (a kernel's ``...TensorMaps`` struct), as
-    one kernel argument (:class:`cuflash._params.HostArg`), encoded straight into its 64-byte
+    one kernel argument (:class:`cuflash._runtime.params.HostArg`), encoded straight into its 64-byte
     aligned bytes; None where the driver has no encoder or an array's layout is one the copy
     engine cannot address (:func:`_strides_if_ok`: the caller then takes the portable kernels); a
     ``None`` array leaves its map as zeros (one the kernel does not read). Each map describes its

@@ -1,0 +1,341 @@
+"""A call's plan: the list of kernels it launches (each with its grid), the buffers it allocates,
+its params struct with the array addresses left to fill, and its tensor maps. Forward and backward
+alike are lists, chosen once (:mod:`cuflash._dispatch.select`) and replayed by
+:mod:`cuflash._runtime.launch`.
+
+Plans are memoised. A call without masking options repeats, in a training or sampling loop, with
+the same shapes, strides, dtypes and options: its plan differs from the last one only in the array
+addresses (five in a forward, eleven in a backward). :func:`forward` and :func:`backward` keep the
+plan under the call's signature (``options.Call.signature``, which holds everything the choice reads)
+together with the device hooks that tests and benchmarks replace; a later call with that signature
+allocates what the first allocated, writes its addresses into a copy of the params, re-points the
+Hopper kernels' tensor maps and launches the same list. A call with a masking option (bias, mask,
+window, block layout, dropout, seed) has no signature: its params point at arrays built from the
+options, so it is planned afresh. The memo is a cache: a plan is a pure function of its key.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .._runtime import device, tma
+from .._runtime.launch import KernelLaunch, run
+from .._runtime.params import DBIAS_OFF, PACKERS, HostArg, as_float32, bwd_params, fwd_params
+from ..semantics import LOG2E, acc_dtype
+from . import masking as masking_
+from .model import head_bucket
+from .select import CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, forward_choice, row_class, vec_chunk
+
+MAX_PLANS = 256
+"""Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
+
+TMA_STORE_O_HEAD = 128
+"""The 16-bit Hopper forward stores O through its tensor map from this head dim on
+(``FwdWgmmaTraits::TMA_STORE_O``); below it, and in the float32 one, O is stored element by
+element and its map is not encoded."""
+
+_FWD_ARRAYS = ("q", "k", "v", "out", "lse")
+_BWD_ARRAYS = ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc", "dq", "dk", "dv")
+_FWD_ADDRESSES = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in _FWD_ARRAYS)
+_FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
+_BWD_ADDRESSES = tuple(PACKERS["BwdParams"].offset(f"{name}.ptr") for name in _BWD_ARRAYS)
+
+
+def scale_folds(scale: float) -> bool:
+    """Whether the plain kernels can take ``scale``: they fold ``scale * log2(e)`` (as float32)
+    into the exponential, which needs it positive and normal (``ScoreMod::scores_stay_raw`` in
+    kernels_cu/score_mod.cuh). Any other scale runs on the EXTRA variant, which scales first."""
+    return as_float32(scale * LOG2E) >= float(np.finfo(np.float32).tiny)
+
+
+def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
+    """16-byte cp.async loads: rows of whole 16-byte chunks (8 16-bit or 2 fp64 elements, ``vec_chunk``),
+    16-byte aligned base and row stride."""
+    chunk = vec_chunk(arrays[0].itemsize)
+    return (d % chunk == 0 and dv % chunk == 0
+            and all(x.data.ptr % 16 == 0 and (x.strides[2] // x.itemsize) % chunk == 0 for x in arrays))
+
+
+def _without_addresses(params: HostArg, offsets: tuple) -> bytes:
+    """A params struct's bytes with the array addresses at ``offsets`` zero: a plan's template."""
+    template = bytearray(params.data)
+    for offset in offsets:
+        template[offset:offset + 8] = bytes(8)
+    return bytes(template)
+
+
+class _Maps:
+    """A plan's tensor maps: (array name, box rows) for each map (None: a map the kernel does not
+    read), encoded on the first call and re-pointed on later ones where the driver can."""
+
+    __slots__ = ("specs", "encoded")
+
+    def __init__(self, specs: tuple):
+        self.specs = specs
+        self.encoded: Optional[bytes] = None
+
+    def for_arrays(self, arrays: dict) -> HostArg:
+        chosen = [None if name is None else arrays[name] for name, _ in self.specs]
+        if self.encoded is not None:
+            maps = tma.readdressed(self.encoded, chosen)
+            if maps is not None:
+                return maps
+        maps = tma.tensor_maps(*((x, rows) for x, (_, rows) in zip(chosen, self.specs)))
+        if maps is None:   # the planner checked the layouts; only a driver without an encoder gets here
+            raise RuntimeError("the driver has no tensor-map encoder (cuTensorMapEncodeTiled)")
+        self.encoded = bytes(maps.data)
+        return maps
+
+
+# ------------------------------------------------------------------ forward
+
+@dataclass
+class ForwardPlan:
+    """A forward call's kernels (one today; a split-KV forward adds a combine kernel), its outputs'
+    shapes and dtypes, its params with the five array addresses (and the block queue's) zero, its
+    tensor maps, whether it takes a block queue, and the arrays its params point into (masking)."""
+
+    device: int
+    kernels: Tuple[KernelLaunch, ...]
+    out_shape: Tuple[int, ...]
+    lse_shape: Tuple[int, ...]
+    out_dtype: object
+    lse_dtype: object
+    params: bytes
+    maps: Optional[_Maps]
+    queue: bool
+    keep_alive: tuple = field(default=(), repr=False)
+
+
+def plan_forward(p, opts, precision: str) -> ForwardPlan:
+    """The forward plan of a validated call (``p``: :class:`cuflash.options.Problem` on CuPy with
+    keys and outputs, ``opts``: its :class:`cuflash.options.Options`)."""
+    q, k, v = p.q, p.k, p.v
+    d, dv = p.d, p.dv
+    masking = masking_.kernel_masking(p, opts)
+    extra = masking.extra or not scale_folds(p.scale)
+    head = head_bucket(max(d, dv))
+    band = masking.band is not None
+    variant, portable = forward_choice(p.dtype, head, band, extra, vec_loads_ok(d, dv, q, k, v),
+                                       row_class(head, p.lk, band), device.compute_capability(), device.smem_limit(),
+                                       precision)
+    maps = None
+    if variant.arch == "sm90a":
+        # The Hopper kernels load through tensor maps and read a bias by 16-byte chunks of its rows;
+        # any other call, EXTRA or not, takes the portable kernel of the same GPU.
+        if masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode():
+            store_out = variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD
+            maps = _Maps((("q", variant.tile.block_m), ("k", variant.tile.block_n), ("v", variant.tile.block_n),
+                          ("out" if store_out else None, 64)))
+        else:
+            variant = portable
+    blocks = variant.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)
+    grid = blocks if variant.schedule == "block" else min(blocks, device.sm_count())
+    out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
+    lse_dtype = acc_dtype(p.dtype)
+    params = fwd_params(q, k, v, _Shape(out_shape, q.dtype), _Shape(lse_shape, lse_dtype), group=p.group,
+                        scale=p.scale, mask=masking.values)
+    return ForwardPlan(q.data.device_id, (KernelLaunch(variant, grid, maps is not None),), out_shape, lse_shape,
+                       q.dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
+                       variant.schedule == "queue", masking.keep_alive)
+
+
+class _Shape:
+    """A contiguous array not yet allocated, as :func:`cuflash._runtime.params.view` reads it (its
+    address is written at run time)."""
+
+    class _Data:
+        ptr = 0
+
+    data = _Data()
+
+    def __init__(self, shape: tuple, dtype):
+        self.shape, self.ndim = shape, len(shape)
+        self.itemsize = np.dtype(dtype).itemsize
+        strides, step = [], self.itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        self.strides = tuple(reversed(strides))
+
+
+def execute_forward(plan: ForwardPlan, q, k, v):
+    """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D)."""
+    cupy, _ = device.cupy_modules()
+    with device.on_device(plan.device):
+        out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
+        lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
+        params = HostArg(plan.params)
+        params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
+        if plan.queue:   # a zeroed counter a launch: CTAs of two launches never share one
+            queue = cupy.zeros(1, dtype=cupy.int32)
+            params.put_addresses(_FWD_QUEUE, (queue.data.ptr,))
+        maps = None if plan.maps is None else plan.maps.for_arrays({"q": q, "k": k, "v": v, "out": out})
+        run(plan.kernels, params, maps)
+    return out, lse
+
+
+# ------------------------------------------------------------------ backward
+
+@dataclass
+class BackwardPlan:
+    """A backward call's kernels in launch order, the buffers it allocates (dsum; the dQ
+    accumulator, None on the deterministic path; dq, dk, dv), its params with the eleven array
+    addresses zero, its tensor maps, and its dbias accumulator (masking calls only)."""
+
+    device: int
+    kernels: Tuple[KernelLaunch, ...]
+    acc_dtype: object
+    dsum_shape: Tuple[int, ...]
+    dq_acc_shape: Optional[Tuple[int, ...]]
+    grad_dtype: object
+    grad_shapes: Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]
+    params: bytes
+    maps: Optional[_Maps]
+    dbias: Optional[masking_.DbiasPlan] = None
+    keep_alive: tuple = field(default=(), repr=False)
+
+
+def dq_accumulator_shape(kernels, b: int, hq: int, lq: int, d: int) -> Tuple[int, int, int, int]:
+    """The shape of the atomic backward's fp32 dQ accumulator for a list of variants. The 16-bit
+    tensor-core dK/dV kernel adds into 16 x 8 fragment tiles (atomics.cuh, dq_tile): rows up to whole
+    steps of its tile, columns its head bucket, so that no reduction needs a test; the convert kernel
+    reads them as tiles. The other kernels add row-major, rows padded to an even width (two columns at
+    a time). Kernels read the accumulator's strides only, so they take the whole array (the Hopper
+    kernel's tensor map the view ``[..., :d]``)."""
+    tiled = next((v_ for v_ in kernels if v_.family == "bwd_dkdv_mma" and v_.atomic_dq), None)
+    if tiled is not None:
+        rows = -(-lq // tiled.tile.block_m) * tiled.tile.block_m
+        return (b, hq, rows, tiled.head)
+    return (b, hq, lq, d + d % 2)
+
+
+def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, want_dbias: bool) -> BackwardPlan:
+    """The backward plan of a validated call: ``p`` the problem (4-D q, k, v), ``dout`` and ``out`` 4-D
+    views and ``lse`` (B, Hq, Lq) in the accumulator dtype, as the kernels read them (their strides
+    are in the params), ``want_dbias`` whether the call has a bias."""
+    q, k, v = p.q, p.k, p.v
+    b, hq, lq, d = q.shape
+    hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    masking = masking_.kernel_masking(p, opts)
+    acc = acc_dtype(p.dtype)
+    extra = masking.extra or not scale_folds(p.scale)
+    choose = functools.partial(backward_variants, p.dtype, head_bucket(max(d, dv)), band=masking.band is not None,
+                               extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
+                               smem_limit=device.smem_limit(), dbias=want_dbias, precision=precision)
+    variants = choose(cc=device.compute_capability())
+    hopper = next((v_ for v_ in variants if v_.family == "bwd_dkdv_wgmma"), None)
+    if hopper is not None and not (masking.bias_in_chunks and tma.tma_ok(q, dout, k, v) and tma.can_encode()):
+        variants, hopper = choose(cc=device.MIN_COMPUTE_CAPABILITY), None   # the portable list
+    dq_acc_shape = None if deterministic else dq_accumulator_shape(variants, b, hq, lq, d)
+    maps = None
+    if hopper is not None:   # atomic dQ: the accumulator is row-major; its map covers [..., :d]
+        maps = _Maps((("q", hopper.tile.block_m), ("dout", hopper.tile.block_m), ("k", hopper.tile.block_n),
+                      ("v", hopper.tile.block_n), ("dq_acc_d", 64)))
+    dbias = None
+    dbias_kernel = next((v_ for v_ in variants if v_.family == "bwd_dbias_mma"), None)
+    if want_dbias:
+        if dbias_kernel is not None:
+            dbias = masking_.dbias_plan(p, opts, deterministic, sm_count=device.sm_count(),
+                                        kernel_tile=(dbias_kernel.tile.block_m, dbias_kernel.tile.block_n))
+        elif hopper is not None and hopper.dbias:
+            dbias = masking_.dbias_plan(p, opts, deterministic, key_major=True)
+        else:
+            dk_kernel = [v_ for v_ in variants if v_.family.startswith("bwd_dkdv") and v_.pass_ != 1][0]
+            dbias = masking_.dbias_plan(
+                p, opts, deterministic, dkdv_tile=(dk_kernel.tile.block_m, dk_kernel.tile.block_n),
+                key_major_for_atomics=any(dk_kernel.family == f[0] for f in TF32_BWD_FAMILIES.values()))
+    kernels = []
+    for variant in variants:
+        if variant is dbias_kernel:
+            if not dbias.grid:
+                continue   # dbias is exactly zero (a bias constant along keys)
+            grid = dbias.grid
+        else:
+            grid = variant.grid(b, hq, p.group, lq, lk)
+        kernels.append(KernelLaunch(variant, grid, variant is hopper))
+    grad_shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv))
+    dq_acc = None if dq_acc_shape is None else _Shape(dq_acc_shape, acc)
+    params = bwd_params(q, k, v, out, dout, lse, _Shape((b, hq, lq), acc), dq_acc,
+                        *(_Shape(s, q.dtype) for s in grad_shapes), group=p.group, scale=p.scale,
+                        mask=masking.values, dbias=DBIAS_OFF if dbias is None else dbias.values)
+    return BackwardPlan(q.data.device_id, tuple(kernels), acc, (b, hq, lq), dq_acc_shape, q.dtype, grad_shapes,
+                        _without_addresses(params, _BWD_ADDRESSES), maps, dbias, masking.keep_alive)
+
+
+def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse):
+    """(dq, dk, dv) (new contiguous 4-D arrays) of ``plan`` run on 4-D views of the inputs and
+    ``lse (B, Hq, Lq)`` in the accumulator dtype. Allocates dsum, the dQ accumulator (zeroed), dq,
+    dk, dv in that order."""
+    cupy, _ = device.cupy_modules()
+    with device.on_device(plan.device):
+        dsum = cupy.empty(plan.dsum_shape, dtype=plan.acc_dtype)
+        dq_acc = None if plan.dq_acc_shape is None else cupy.zeros(plan.dq_acc_shape, dtype=plan.acc_dtype)
+        dq, dk, dv = (cupy.empty(s, dtype=plan.grad_dtype) for s in plan.grad_shapes)
+        params = HostArg(plan.params)
+        params.put_addresses(_BWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr,
+                                              lse.data.ptr, dsum.data.ptr, 0 if dq_acc is None else dq_acc.data.ptr,
+                                              dq.data.ptr, dk.data.ptr, dv.data.ptr))
+        maps = None
+        if plan.maps is not None:
+            maps = plan.maps.for_arrays({"q": q, "dout": dout, "k": k, "v": v,
+                                         "dq_acc_d": dq_acc[..., :q.shape[3]]})
+        run(plan.kernels, params, maps)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------ the memo
+
+_FORWARD_PLANS: dict = {}
+_BACKWARD_PLANS: dict = {}
+
+
+def _hooks() -> tuple:
+    """The functions a plan's choice reads that tests and benchmarks replace: part of every key, so
+    that a replaced one is a different key."""
+    return (device.compute_capability, device.smem_limit, device.device_facts, forward_choice, backward_variants,
+            tma.tma_ok)
+
+
+def _remember(plans: dict, key: tuple, plan) -> None:
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def clear_plans() -> None:
+    """Forget every forward and backward plan (a table or a hook they were chosen by changed)."""
+    _FORWARD_PLANS.clear()
+    _BACKWARD_PLANS.clear()
+
+
+CACHES_OF_CHOICES.append(clear_plans)
+
+
+def forward(call, precision: str):
+    """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
+    keys and outputs."""
+    p = call.problem
+    key = None if call.signature is None else (call.signature, _hooks())
+    plan = None if key is None else _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = plan_forward(p, call.options, precision)
+        if key is not None:
+            _remember(_FORWARD_PLANS, key, plan)
+    return execute_forward(plan, p.q, p.k, p.v)
+
+
+def backward(call, dout, out, lse, precision: str, deterministic: bool):
+    """(dq, dk, dv, dbias plan or None) of a validated CuPy call with 4-D views ``dout``, ``out`` and
+    ``lse (B, Hq, Lq)`` in the accumulator dtype."""
+    p = call.problem
+    key = None if call.signature is None else (call.signature, deterministic, _hooks())
+    plan = None if key is None else _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = plan_backward(p, call.options, dout, out, lse, deterministic, precision, call.options.bias is not None)
+        if key is not None:
+            _remember(_BACKWARD_PLANS, key, plan)
+    return (*execute_backward(plan, dout, p.q, p.k, p.v, out, lse), plan.dbias)

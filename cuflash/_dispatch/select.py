@@ -1,0 +1,362 @@
+"""Which kernels a call launches: the forward's and the backward's variant lists for the facts of a
+call (dtype, head bucket, masking flags, load width, GPU), and every variant the library can launch
+(:func:`all_variants`, what ``python -m cuflash compile`` builds and the sweeps test)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from dataclasses import replace
+from typing import Dict, Iterator, List, Tuple
+
+from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
+                    head_bucket, walkable)
+
+
+def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
+                 vec: bool = True, family: str = "bwd_dkdv_mma") -> List[Tuple[int, bool]]:
+    """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel with ``tile``: dK and dV in one
+    pass, or in two where the tile says so (``Tile.passes``) and, in the 16-bit kernel, at head dim
+    64 with the EXTRA code, element-wise loads and atomic dQ (20-84 spilled bytes in one pass; with
+    16-byte loads it fits in 254 registers since dbias has a kernel of its own)."""
+    one = tile.passes == 1 and not (family == "bwd_dkdv_mma" and head == 64 and extra and atomic_dq and not vec)
+    return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
+
+
+def _dkdv_plan(dtype: str, head: int, vec: bool, atomic_dq: bool, smem_limit: int, **flags) -> List["Variant"]:
+    """The dK/dV launches: the passes follow the tile that fits ``smem_limit`` (each pass is then
+    fitted on its own; a pass may take another tile than the one-pass variant would, which changes
+    its speed, not its results)."""
+    whole = Variant("bwd_dkdv_mma", dtype, head, vec=vec, pass_=0, atomic_dq=atomic_dq, **flags)
+    try:
+        tile = whole.fitted(smem_limit).tile
+    except ValueError:   # no tile fits: fitting the plan says so
+        return [whole]
+    return [replace(whole, pass_=p, atomic_dq=a, tile=None)
+            for p, a in _dkdv_passes(tile, head, atomic_dq, flags.get("extra", False), vec)]
+
+
+HOPPER_CC = 90
+"""The compute capability whose GPUs (H100, H200) take the sm90a variants."""
+
+
+HOPPER_BWD_EXTRA_HEADS = (64, 128)
+"""Head dims at which the Hopper dK/dV kernel takes EXTRA options (bias, mask, dropout, block layout).
+At 256 its 226 KB of shared memory leave no room for the bias stages (2 x 8 KB): EXTRA calls stay on
+the portable kernels there."""
+
+
+HOPPER_FWD_MIN_KEYS = {64: 1025}
+"""Head dim -> the fewest keys for which the Hopper forward's table tile takes an EXTRA call (bias,
+mask, dropout, block layout). Each of its blocks starts and drains its pipeline alone (one CTA an
+SM), so short rows favour the portable kernel: at head dim 64 and L = 1024 the Hopper forward measured
+0.89-0.93x the portable one, at L = 2048 0.99-1.05x (benchmarks/bench.py, H100); at head dim 128 it
+is faster from L = 1024 (1.01-1.21x)."""
+
+HOPPER_FWD_SHORT_KEYS = {64: 2048}
+"""Head dim -> the most keys a query block visits on average (every key; half of them with a causal
+mask or a window) for which a call without EXTRA options takes the Hopper forward's short-rows tile
+(``Variant.short``: two CTAs an SM). benchmarks/tune_short.py (H100, bf16 / fp16, queued ratio to
+cuDNN, table tile -> short tile): L = 1024 0.81-0.84 -> 0.98-1.00, causal 0.57 ->
+0.90-0.91; L = 2048 1.01-1.05 -> 1.03-1.05, causal 0.76-0.78 -> 0.96-1.01; L = 4096 1.07 -> 1.04,
+causal 0.89-0.91 -> 1.01."""
+
+ROWS = ("long", "short", "few")
+"""How many keys a call's query blocks visit, for the Hopper forward's choice (:func:`row_class`)."""
+
+
+def row_class(head: int, lk: int, band: bool) -> str:
+    """"few": fewer than :data:`HOPPER_FWD_MIN_KEYS` keys (EXTRA calls run the portable forward);
+    "short": at most :data:`HOPPER_FWD_SHORT_KEYS` keys visited by a query block on average, ``lk``
+    or ``lk / 2`` with a ``band`` (causal mask or window); else "long"."""
+    if lk < HOPPER_FWD_MIN_KEYS.get(head, 0):
+        return "few"
+    return "short" if (lk / 2 if band else lk) <= HOPPER_FWD_SHORT_KEYS.get(head, 0) else "long"
+
+
+HOPPER_FWD_PERSISTENT = True
+"""Let the Hopper forward's walkable variants run a persistent grid (:func:`schedule_for`); False: a
+CTA a block everywhere (benchmarks/tune_persistent.py compares the two)."""
+
+
+def schedule_for(v: Variant) -> str:
+    """The schedule of a fitted forward variant (model.SCHEDULES). Without a causal band the query
+    blocks are of equal work, and a persistent grid striding over them balances the SMs ("stride":
+    1.03-1.15x a CTA a block at head dim 128, L 1024-4096, benchmarks/tune_persistent.py). Causal
+    blocks differ up to Lk / block_n-fold, so a banded grid takes its blocks from a queue ("queue",
+    each block to whichever CTA frees first: 1.06-1.21x a CTA a block at head dim 128,
+    benchmarks/tune_persistent.py), which needs the two-consumer ring; banded variants without it
+    (head dim 64) and every other variant run a CTA a block."""
+    if not HOPPER_FWD_PERSISTENT or not walkable(v):
+        return "block"
+    if not v.band:
+        return "stride"
+    return "queue" if v.tile.warps == 12 else "block"
+
+
+def _scheduled(v: Variant) -> Variant:
+    return replace(v, schedule=schedule_for(v)) if v.family == "fwd_wgmma" else v
+
+
+def has_short_tile(dtype: str, head: int) -> bool:
+    """Whether the Hopper forward has a short-rows tile (``Variant.short``) for ``dtype`` at ``head``."""
+    return ("sm90a", "fwd_wgmma", dtype, head) in TABLES["short"]
+
+
+
+SM90_MIN_CC = 90
+"""The compute capability from which a portable family takes its "sm90" row where the table has one."""
+
+
+def _portable_arch(family: str, dtype: str, head: int, extra: bool, cc: int) -> str:
+    """The row ("sm90" or "sm80") a portable variant's tiles come from on a GPU of compute
+    capability ``cc``: "sm90" from SM90_MIN_CC where the table that serves the call (the EXTRA
+    table with ``extra``, where it has the key) has such a row."""
+    if cc < SM90_MIN_CC:
+        return "sm80"
+    key = ("sm90", family, dtype, head)
+    if extra and ("sm80", family, dtype, head) in TABLES["extra"]:
+        return "sm90" if key in TABLES["extra"] else "sm80"
+    return "sm90" if key in TABLES["plain"] else "sm80"
+
+
+TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
+"""float32 precision -> the tensor-core forward family (flash_fwd_tf32.cu)."""
+
+TF32_WGMMA_FAMILY = {"highest": "fwd_wgmma_tf32x3"}
+"""float32 precision -> the Hopper forward family (flash_fwd_wgmma_tf32.cu, arch "sm90a"), chosen on
+compute capability 9.0 for calls whose rows are 16-byte loadable, EXTRA options included (a bias
+whose rows are not 16-byte chunks falls back to the portable kernel: _launch.launch_forward).
+"tf32" keeps the portable fwd_tf32, faster on the H100 (the fwd_wgmma_tf32 rows above)."""
+
+FLOAT32_PRECISIONS = ("highest", "tf32", "fma")
+"""What :func:`forward_variant` takes for float32: the public precisions, and "fma", the FMA forward
+(the float32 fallback, kept selectable as the accuracy and speed baseline of the tensor-core kernels
+for the benchmarks and the GPU tests; no public option names it)."""
+
+
+@functools.lru_cache(maxsize=None)
+def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool,
+                    smem_limit: int = SMEM_MAX, cc: int = 80, rows: str = "long",
+                    precision: str = "highest", wgmma: bool = True) -> Variant:
+    """The forward kernel for one call on a GPU of compute capability ``cc`` (10 * major + minor)
+    allowing ``smem_limit`` bytes of shared memory per block. On Hopper (``cc`` 90) 16-bit calls
+    with 16-byte loadable rows take the wgmma kernel where the table has one, EXTRA options
+    included; where ``rows`` (:func:`row_class`) says the query blocks visit few keys, calls without
+    EXTRA options take its short-rows tile (``Variant.short``) where the table has one, and EXTRA
+    calls with "few" keys the portable kernel. The launcher
+    still takes the portable kernel where tensor maps cannot describe the arrays or a bias's
+    rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
+    3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
+    shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision); on
+    Hopper, calls with 16-byte loadable rows take the wgmma kernel of :data:`TF32_WGMMA_FAMILY`
+    where the table has one, EXTRA options included (``rows`` does not apply: its thresholds are
+    the 16-bit kernel's measurements). ``wgmma`` False: the portable kernel the GPU would take were
+    there no Hopper kernel (the fallback where tensor maps cannot describe a call's arrays)."""
+    if dtype == "float32":
+        hopper = TF32_WGMMA_FAMILY.get(precision)
+        if cc == HOPPER_CC and wgmma and vec and ("sm90a", hopper, dtype, head) in TABLES["plain"]:
+            with contextlib.suppress(ValueError):   # no Hopper tile fits: the portable kernels below
+                return Variant(hopper, dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
+        family = TF32_FAMILY.get(precision)
+        if ("sm80", family, dtype, head) in TABLES["plain"]:
+            try:
+                return Variant(family, dtype, head, band=band, extra=extra, vec=vec,
+                               arch=_portable_arch(family, dtype, head, extra, cc)).fitted(smem_limit)
+            except ValueError:   # no TF32 tile fits this GPU
+                pass
+        return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
+    if cc == HOPPER_CC and wgmma and vec and ("sm90a", "fwd_wgmma", dtype, head) in TABLES["plain"]:
+        hopper = Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a")
+        if rows != "long" and not extra and has_short_tile(dtype, head):
+            return _scheduled(replace(hopper, short=True, tile=None).fitted(smem_limit))
+        if rows != "few" or not extra:
+            return _scheduled(hopper.fitted(smem_limit))
+    if dtype in HALF_TYPES:
+        return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
+    if ("sm80", "fwd_dmma", dtype, head) in TABLES["plain"]:
+        return Variant("fwd_dmma", dtype, head, band=band, extra=extra, vec=vec,
+                       arch=_portable_arch("fwd_dmma", dtype, head, extra, cc)).fitted(smem_limit)
+    return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
+
+
+@functools.lru_cache(maxsize=None)
+def forward_choice(dtype: str, head: int, band: bool, extra: bool, vec: bool, rows: str, cc: int,
+                   smem_limit: int, precision: str = "highest") -> Tuple[Variant, Variant]:
+    """(:func:`forward_variant` for these facts, the portable variant a call falls back to where the
+    Hopper kernel cannot take its arrays: the same GPU's, "sm90" rows included), with positional
+    arguments: one cache lookup a call."""
+    choose = functools.partial(forward_variant, dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit,
+                               rows=rows, precision=precision, cc=cc)
+    return choose(), choose(wgmma=False)
+
+
+TF32_BWD_FAMILIES = {"highest": ("bwd_dkdv_tf32x3", "bwd_dq_tf32x3"), "tf32": ("bwd_dkdv_tf32", "bwd_dq_tf32")}
+"""float32 precision -> the tensor-core backward's (dK/dV, deterministic dQ) families (flash_bwd_tf32.cu);
+"fma" (FLOAT32_PRECISIONS) keeps the FMA backward."""
+
+
+@functools.lru_cache(maxsize=None)
+def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False, vec: bool, deterministic: bool,
+                      smem_limit: int = SMEM_MAX, dbias: bool = False, cc: int = 80,
+                      precision: str = "highest") -> Tuple[Variant, ...]:
+    """The backward kernels for one call, in launch order (see :func:`forward_variant`);
+    ``dbias``: the call wants a bias's gradient (``extra`` then holds). float32 runs on the TF32
+    tensor cores at ``precision`` (:data:`TF32_BWD_FAMILIES`) where the GPU's shared memory fits a
+    tile, kernel by kernel, else on the FMA kernels; they add dbias in the dK/dV kernel. On Hopper (``cc`` 90)
+    16-bit calls with 16-byte loadable rows and atomic dQ take the wgmma dK/dV kernel where the
+    table has one, EXTRA options included at the head dims of :data:`HOPPER_BWD_EXTRA_HEADS`;
+    that kernel then adds dbias itself (``dbias=True`` variant, no dbias kernel). The launcher still
+    takes the portable plan where tensor maps cannot describe the arrays or a bias's rows are
+    not 16-byte chunks (_launch.launch_backward)."""
+    return tuple(v.fitted(smem_limit)
+                 for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit, cc,
+                                         precision))
+
+
+def _fits(v: Variant, smem_limit: int) -> bool:
+    try:
+        v.fitted(smem_limit)
+    except ValueError:
+        return False
+    return True
+
+
+def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, deterministic: bool,
+                   dbias: bool = False, smem_limit: int = SMEM_MAX, cc: int = 80,
+                   precision: str = "highest") -> List[Variant]:
+    """The backward's kernels in launch order, not yet fitted to ``smem_limit`` (which only
+    decides the dK/dV passes and the float32 tensor-core kernels' fallback here)."""
+    atomic = not deterministic
+    flags = dict(band=band, extra=extra)
+    plan = [Variant("bwd_dsum", dtype, 0)]
+    if (cc == HOPPER_CC and vec and atomic and (not extra or head in HOPPER_BWD_EXTRA_HEADS)
+            and ("sm90a", "bwd_dkdv_wgmma", dtype, head) in TABLES["plain"]):
+        # dbias: dS^T from the kernel's registers into a key-major accumulator (vector reductions at L2;
+        # kernels_cu/bias_grad_t.cuh) instead of the dbias kernel's second recomputation of S and dP.
+        plan.append(Variant("bwd_dkdv_wgmma", dtype, head, band=band, extra=extra, dbias=dbias, arch="sm90a"))
+        return plan + [Variant("bwd_convert_dq", dtype, 0)]
+    if dtype in HALF_TYPES and head <= MMA_BWD_MAX_HEAD:
+        plan += _dkdv_plan(dtype, head, vec, atomic, smem_limit, **flags)
+        if deterministic:
+            plan.append(Variant("bwd_dq_mma", dtype, head, vec=vec, **flags))
+        if dbias:
+            plan.append(Variant("bwd_dbias_mma", dtype, head, vec=vec, **flags))
+    elif ("sm80", "bwd_dkdv_dmma", dtype, head) in TABLES["plain"]:
+        # float64 on the fp64 tensor cores: one pass (every table tile keeps dK + dV within 128 registers).
+        plan.append(Variant("bwd_dkdv_dmma", dtype, head, vec=vec, atomic_dq=atomic, **flags))
+        if deterministic:
+            plan.append(Variant("bwd_dq_dmma", dtype, head, vec=vec, **flags))
+    elif dtype == "float32" and ("sm80", TF32_BWD_FAMILIES.get(precision, ("",))[0], dtype, head) in TABLES["plain"]:
+        # float32 on the TF32 tensor cores, each kernel falling back to its FMA twin where no tile fits
+        # (both add into the same fp32 dQ accumulator, and dbias in the dK/dV kernel).
+        dkdv_family, dq_family = TF32_BWD_FAMILIES[precision]
+        dkdv = Variant(dkdv_family, dtype, head, vec=vec, atomic_dq=atomic, **flags)
+        if _fits(dkdv, smem_limit):   # one pass or two, as the fitted tile says (Tile.passes)
+            plan += [replace(dkdv, pass_=p, atomic_dq=a)
+                     for p, a in _dkdv_passes(dkdv.fitted(smem_limit).tile, head, atomic, extra, vec, family=dkdv_family)]
+        else:
+            plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
+        if deterministic:
+            dq = Variant(dq_family, dtype, head, vec=vec, **flags)
+            plan.append(dq if _fits(dq, smem_limit) else Variant("bwd_dq_fma", dtype, head, **flags))
+    else:
+        plan.append(Variant("bwd_dkdv_fma", dtype, head, atomic_dq=atomic, **flags))
+        if deterministic:
+            plan.append(Variant("bwd_dq_fma", dtype, head, **flags))
+    if atomic:   # the 16-bit tensor-core dK/dV kernel's accumulator is in fragment tiles (atomics.cuh)
+        plan.append(Variant("bwd_convert_dq", dtype, 0, dq_tiled=any(v.family == "bwd_dkdv_mma" for v in plan)))
+    return plan
+
+
+def vec_chunk(itemsize: int) -> int:
+    """Elements in one 16-byte ``cp.async`` chunk (tile_io.cuh): rows of 16-byte loads hold a multiple of this."""
+    return 16 // itemsize
+
+
+def vec_choices(dtype: str) -> Tuple[bool, ...]:
+    """Both load widths for every dtype: the tensor-core kernels have a 16-byte ``cp.async`` path
+    (``vec``); the FMA kernels, which float32 keeps for the backward, have no such flag."""
+    return (False, True)
+
+
+def all_variants() -> List[Variant]:
+    """Every variant the library can launch: the union of every call's plan on every
+    GPU class of SMEM_LIMITS (what ``python -m cuflash compile`` builds and the tests
+    run), no duplicates."""
+    seen: Dict[Variant, None] = {}
+    for dtype, head, band, extra in itertools.product(DTYPES, HEAD_BUCKETS, (False, True), (False, True)):
+        for vec, limit in itertools.product(vec_choices(dtype), SMEM_LIMITS.values()):
+            for precision in (FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)):
+                seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
+                                     precision=precision)] = None
+            if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
+                for precision, rows in itertools.product(
+                        FLOAT32_PRECISIONS if dtype == "float32" else ("highest",), ROWS):
+                    seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
+                                         cc=HOPPER_CC, precision=precision, rows=rows)] = None
+            ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
+            precisions = FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)
+            for det, dbias, cc, precision in itertools.product((False, True), (False, True) if extra else (False,),
+                                                               ccs, precisions):
+                for v in _backward_plan(dtype, head, band, extra, vec, det, dbias, limit, cc, precision):
+                    try:
+                        seen[v.fitted(limit)] = None
+                    except ValueError:   # documented: no such kernel for this GPU class
+                        pass
+    return list(seen)
+
+
+def unsupported(smem_limit: int) -> List[Variant]:
+    """The (default-tile) variants that no tile lets run under ``smem_limit``."""
+    out = []
+    for v in {replace(v, tile=None) for v in all_variants()}:
+        try:
+            v.fitted(smem_limit)
+        except ValueError:
+            out.append(v)
+    return out
+
+
+def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
+    """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
+    return ((key, tile) for table in (TABLES["plain"], TABLES["extra"], TABLES["short"])
+            for key, tiles in table.items()
+            for tile in tiles)
+
+
+@contextlib.contextmanager
+def tile_override(family: str, head: int, tile: Tile, dtypes=DTYPES, arch: "str | None" = None):
+    """Temporarily replace table entries; for the tuning scripts in benchmarks/ only. ``arch`` None:
+    the portable rows, "sm80" and "sm90" where the table has one (so that a GPU of either class runs ``tile``).
+
+    A variant carries the tile it was built with (and its name expression says
+    so), so kernels compiled for one configuration are never served for another;
+    the selection caches are cleared on entry and exit so that calls pick up the
+    table as it is.
+    """
+    tables = (TABLES["plain"], TABLES["extra"])   # every table that has the key
+    keys = [(a, family, dtype, head) for dtype in dtypes for a in ((arch,) if arch else ("sm80", "sm90"))]
+    saved = [{key: table[key] for key in keys if key in table} for table in tables]
+    try:
+        for table, entries in zip(tables, saved):
+            table.update({key: (tile,) for key in entries})
+        clear_selection_caches()
+        yield
+    finally:
+        for table, entries in zip(tables, saved):
+            table.update(entries)
+        clear_selection_caches()
+
+
+CACHES_OF_CHOICES: List = []
+"""Functions that forget what was chosen from the tables (the plan memo registers its own)."""
+
+
+def clear_selection_caches() -> None:
+    """Forget what the tables chose: the selections, and every cache registered in
+    :data:`CACHES_OF_CHOICES` (the forward and backward plans, which hold chosen variants)."""
+    for cached in (forward_variant, forward_choice, backward_variants):
+        cached.cache_clear()
+    for clear in CACHES_OF_CHOICES:
+        clear()
