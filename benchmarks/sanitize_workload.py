@@ -47,8 +47,8 @@ def main(argv=None) -> None:
                         help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
     if args.portable:   # as bench.py's "cuflash sm80" contender
-        from cuflash import _launch
-        _launch._compute_capability = lambda: 80
+        from cuflash._runtime import device
+        device.compute_capability = lambda: 80
     if args.hopper_extra:
         hopper_extra(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
         return
@@ -58,22 +58,23 @@ def main(argv=None) -> None:
     if args.hopper_persistent:
         hopper_persistent(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
         return
-    dims = (64, 128, 256) if args.quick else (64, 111, 128, 256)
+    dims = (64, 128, 256) if args.quick else (40, 64, 111, 128, 256)
     if args.dims:
         dims = tuple(int(d) for d in args.dims.split(","))
     dtypes = args.dtypes.split(",") if args.dtypes else list(DTYPES)
     modes = ("bottom_right",) if args.quick else (False, "bottom_right")
     rng = np.random.default_rng(0)
-    mask = np.ones((2, 1, 1, 130), dtype=bool)
-    mask[0, ..., 90:] = False
     for dtype, d, causal, det, masked in itertools.product(dtypes, dims, modes, (False, True), (False, True)):
-        q, do = (cp.asarray(rng.standard_normal((2, 2, 97, d)).astype(DTYPES[dtype])) for _ in range(2))
-        k, v = (cp.asarray(rng.standard_normal((2, 1, 130, d)).astype(DTYPES[dtype])) for _ in range(2))
+        lq, lk = (77, 133) if d == 40 else (97, 130)   # head dim 40: rows of 80 bytes, odd lengths both
+        mask = np.ones((2, 1, 1, lk), dtype=bool)
+        mask[0, ..., 90:] = False
+        q, do = (cp.asarray(rng.standard_normal((2, 2, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
+        k, v = (cp.asarray(rng.standard_normal((2, 1, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
         opts = {}
         if masked:   # every EXTRA piece at once; the bias is shared by the batch (dbias atomics or turns)
-            opts = dict(bias=cp.asarray(rng.standard_normal((1, 2, 97, 130)).astype(DTYPES[dtype])),
+            opts = dict(bias=cp.asarray(rng.standard_normal((1, 2, lq, lk)).astype(DTYPES[dtype])),
                         mask=cp.asarray(mask), window=(60, 20), dropout_p=0.2, seed=11,
-                        block_layout=cuflash.BlockLayout.from_rule(97, 130, 32, local=1, global_blocks=1))
+                        block_layout=cuflash.BlockLayout.from_rule(lq, lk, 32, local=1, global_blocks=1))
         out, lse = cuflash.attention_forward(q, k, v, causal=causal, **opts)
         grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det, **opts)
         cp.cuda.Device().synchronize()
@@ -82,12 +83,17 @@ def main(argv=None) -> None:
               flush=True)
 
 
-def hopper_extra(dtypes) -> None:
-    from cuflash import _launch
+def _record(entry):
+    """Record what each launch ran (``entry(variant, grid)``) through cuflash's one launch function."""
+    from cuflash._runtime import launch
 
+    real = launch.launch_kernel
+    launch.launch_kernel = lambda variant, params, grid, *a: (entry(variant, grid), real(variant, params, grid, *a))
+
+
+def hopper_extra(dtypes) -> None:
     launched = []
-    real = _launch._launch
-    _launch._launch = lambda variant, *a, **kw: (launched.append(variant.family), real(variant, *a, **kw))
+    _record(lambda variant, grid: launched.append(variant.family))
     rng = np.random.default_rng(0)
     lq, lk = 197, 1032
     mask = np.ones((2, 1, 1, lk), dtype=bool)
@@ -127,15 +133,16 @@ def hopper_persistent(dtypes) -> None:
     that each walks many query blocks (its stage ring, Q barriers and O staging tile reused), causal
     ones forced onto that grid too (head dim 128 taking its blocks from the block queue, 64 striding):
     bottom-right with Lq > Lk leaves whole blocks without a key."""
-    from cuflash import _launch, _variants
+    from cuflash._dispatch import model, select
+    from cuflash._runtime import device
 
-    facts = _launch._device_facts
-    _launch._device_facts = lambda device_id: facts(device_id)[:3] + (3,)
-    _launch.persistent_grid = _variants.wgmma_persistent
+    facts = device.device_facts
+    device.device_facts = lambda device_id: facts(device_id)[:3] + (3,)
+    select.schedule_for = lambda v: ("block" if not model.walkable(v)
+                                     else "queue" if v.band and v.tile.warps == 12 else "stride")
+    select.clear_selection_caches()
     launched = []
-    real = _launch._launch
-    _launch._launch = lambda variant, *a, **kw: (launched.append((variant.family, a[2] if len(a) > 2 else 0)),
-                                                 real(variant, *a, **kw))
+    _record(lambda variant, grid: launched.append((variant.family, variant.schedule, grid)))
     rng = np.random.default_rng(2)
     for dtype, d, causal, (lq, lk) in itertools.product(dtypes, (64, 128), (False, "bottom_right"),
                                                         ((700, 4130), (4400, 4130))):
@@ -152,11 +159,8 @@ def hopper_dbias() -> None:
     """Backwards whose Hopper dK/dV kernel adds dbias itself (bias_grad_t.cuh): key-major vector reductions
     at the Lq / Lk edges (197 queries: a padded row pitch; 1032 keys: a cut key block), one-row sums with
     two query heads a K/V head, d = 64 and 128."""
-    from cuflash import _launch
-
     launched = []
-    real = _launch._launch
-    _launch._launch = lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw))
+    _record(lambda variant, grid: launched.append(variant))
     rng = np.random.default_rng(1)
     lq, lk = 197, 1032
     for dtype, d, causal in itertools.product(("float16", "bfloat16"), (64, 128), (False, "bottom_right")):

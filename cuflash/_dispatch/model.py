@@ -541,7 +541,7 @@ class Variant:
         """Number of CTAs (the grid is one-dimensional; kernels decode it with BlockInfo)."""
         t = self.tile
         if self.fam.axis == "bias":
-            raise ValueError("the dbias kernel's grid follows the bias (cuflash._masking.DbiasPlan.grid)")
+            raise ValueError("the dbias kernel's grid follows the bias (cuflash._dispatch.masking.DbiasPlan.grid)")
         if self.fam.axis == "q":
             n = -(-lq // t.block_m) * heads_q * batch
         else:

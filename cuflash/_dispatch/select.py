@@ -126,7 +126,7 @@ TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 TF32_WGMMA_FAMILY = {"highest": "fwd_wgmma_tf32x3"}
 """float32 precision -> the Hopper forward family (flash_fwd_wgmma_tf32.cu, arch "sm90a"), chosen on
 compute capability 9.0 for calls whose rows are 16-byte loadable, EXTRA options included (a bias
-whose rows are not 16-byte chunks falls back to the portable kernel: _launch.launch_forward).
+whose rows are not 16-byte chunks falls back to the portable kernel: plan.plan_forward).
 "tf32" keeps the portable fwd_tf32, faster on the H100 (the fwd_wgmma_tf32 rows above)."""
 
 FLOAT32_PRECISIONS = ("highest", "tf32", "fma")
@@ -146,7 +146,7 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     EXTRA options take its short-rows tile (``Variant.short``) where the table has one, and EXTRA
     calls with "few" keys the portable kernel. The launcher
     still takes the portable kernel where tensor maps cannot describe the arrays or a bias's
-    rows are not 16-byte chunks (_launch.launch_forward). float32 runs on the TF32 tensor cores,
+    rows are not 16-byte chunks (plan.plan_forward). float32 runs on the TF32 tensor cores,
     3xTF32 for ``precision`` "highest" and TF32 for "tf32" (:data:`TF32_FAMILY`), where the GPU's
     shared memory fits a tile, else on the FMA kernel (float32-accurate, so either precision); on
     Hopper, calls with 16-byte loadable rows take the wgmma kernel of :data:`TF32_WGMMA_FAMILY`
@@ -208,7 +208,7 @@ def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False,
     table has one, EXTRA options included at the head dims of :data:`HOPPER_BWD_EXTRA_HEADS`;
     that kernel then adds dbias itself (``dbias=True`` variant, no dbias kernel). The launcher still
     takes the portable plan where tensor maps cannot describe the arrays or a bias's rows are
-    not 16-byte chunks (_launch.launch_backward)."""
+    not 16-byte chunks (plan.plan_backward)."""
     return tuple(v.fitted(smem_limit)
                  for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit, cc,
                                          precision))
