@@ -1,4 +1,4 @@
-"""float32 and float64 attention: speed and error side by side (needs a GPU; issue 10, item 4).
+"""float32 and float64 attention: speed and error side by side (needs a GPU).
 
 float32: cuflash precision="highest" (3xTF32 forward), precision="tf32", and the internal
 FMA forward ("cuflash fma", the baseline the tensor-core kernels replace; no public option

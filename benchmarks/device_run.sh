@@ -15,7 +15,7 @@
 #   hot       ncu --set full per "$HOT_SPECS" entry case:kernel-regex:launch-skip:launch-count,
 #             then benchmarks/ncu_hot.py (stall reasons, hottest SASS lines)
 #   masking   benchmarks/bench_masking.py $MASK_ARGS (default --repeat 10) into $OUT/masking
-#   tune      the float64 / float32 tuning candidates (branch perf-combo): dmma_rate.py, tune_fwd.py and
+#   tune      the float64 / float32 tuning candidates: dmma_rate.py, tune_fwd.py and
 #             tune_bwd.py --dtype float64, tune_f32.py (or the ';'-separated $TUNE_CMDS); each under $TUNE_TIMEOUT (default 200 s), exit codes
 #             and table tails in the summary
 #   ncu       Nsight Compute on benchmarks/profile_case.py for $NCU_CASES (default "plain bias"):

@@ -8,7 +8,7 @@
 3. cupyx's ``cpu_times`` of cuflash and the PyTorch backends.
 
 bf16, L = 1024, head dims 64 and 128, B x L = 16384, H x D = 2048. The replay mirrors api.py /
-_launch.py as of the sixteenth session: keep it in step when they change.
+_launch.py: keep it in step when they change.
 
     PYTHONPATH=. python benchmarks/host_stages.py"""
 import ctypes

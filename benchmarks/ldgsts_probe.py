@@ -5,8 +5,8 @@
     ncu --metrics lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,\
         smsp__inst_executed_op_ldgsts.sum -k regex:pitch python benchmarks/ldgsts_probe.py
 
-Written in the twenty-first session (benchmarks/NOTES.md) to test why the portable forward's copies make 2.6x
-FA2's L2 read requests; NOT RUN yet (the session's device time ran out)."""
+It tests why the portable forward's copies make 2.6x FA2's L2 read requests (benchmarks/NOTES.md, open
+leads); not yet run on a GPU."""
 import cupy as cp
 src = r'''
 template <int PITCH, bool SRC_SIZE>

@@ -12,7 +12,7 @@ registers and spills, the instruction count by opcode, and the lines worth a loo
 float16 / float32 kernel (fp64 instructions and conversions: F2F.F32.F64 in a loop is a double
 parameter converted again on every iteration). ``--full`` prints the whole listing. ``NVRTC_LIB=/path/to/libnvrtc.so.13`` compiles with another NVRTC 13,
 e.g. the device's 13.0 (``pip download nvidia-cuda-nvrtc==13.0.88`` and unzip it; add its lib folder to
-LD_LIBRARY_PATH for the builtins): the versions schedule some loops differently (fourteenth session: 104 against 84
+LD_LIBRARY_PATH for the builtins): the versions schedule some loops differently (104 against 84
 instructions in one dK/dV loop). ``--tile
 BM,BN,WARPS,STAGES[,CTAS]`` swaps the variant's tile for a candidate that is not in the table yet.
 """

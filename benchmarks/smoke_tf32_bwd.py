@@ -1,4 +1,4 @@
-"""Smoke test of the float32 TF32 backward (branch tf32-bwd): one small backward call per precision
+"""Smoke test of the float32 TF32 backward: one small backward call per precision
 (B=1, H=2, L=300, D=64, causal), the kernel families launched and the relative errors of dq, dk, dv
 against the float64 reference, next to the FMA backward's. Seconds; safe under `timeout 60`:
     timeout 60 env PYTHONPATH=. python benchmarks/smoke_tf32_bwd.py

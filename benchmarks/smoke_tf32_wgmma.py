@@ -1,5 +1,5 @@
-"""Smoke test of the float32 Hopper forward on TF32 wgmma (branch tf32-wgmma, kernels_cu/
-flash_fwd_wgmma_tf32.cu; the EXTRA options of branch wgmma-tf32-extra: bias, boolean mask, dropout,
+"""Smoke test of the float32 Hopper forward on TF32 wgmma (kernels_cu/
+flash_fwd_wgmma_tf32.cu, with the EXTRA options: bias, boolean mask, dropout,
 block layout): a few small forward calls per precision on an H100 / H200, the kernel families
 launched, and out / lse errors against the float64 NumPy reference, next to the portable TF32
 kernel's (the same call with the compute capability patched to 8.0). Run it FIRST, under a timeout

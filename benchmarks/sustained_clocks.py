@@ -4,7 +4,7 @@ and the loaded samples' mean clock and power (needs a GPU, PyTorch and nvidia-sm
 
     PYTHONPATH=. python benchmarks/sustained_clocks.py HEAD_DIM L causal|plain
 
-benchmarks/NOTES.md, twenty-first session, quotes its output (call 11)."""
+benchmarks/NOTES.md quotes its output (2026-11-26)."""
 import subprocess, sys, time, statistics as st
 from unittest import mock
 import numpy as np

@@ -7,7 +7,7 @@ before the first launch hidden while the GPU is busy, so the time is the GPU's a
     PYTHONPATH=. python benchmarks/timing_modes.py 128,256 1024,2048 "cuflash,torch cudnn"
 
 bf16, B x L = 16384 tokens, H x D = 2048; forward and forward+backward (forward only at head dim 256).
-benchmarks/NOTES.md, eighth session, quotes its output."""
+benchmarks/NOTES.md quotes its output (2026-11-25)."""
 import sys
 from pathlib import Path
 

@@ -41,8 +41,8 @@ from cuflash import _launch, reference
 from cuflash._variants import Tile, tile_override
 
 CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split[, "late"])
-    # "late": Tile.late_copies (the next step's Q / dO copies after the step's first GEMM; twenty-first session).
-    # Measured and not kept (benchmarks/NOTES.md): the dQ tile staged in shared memory (twentieth session; the
+    # "late": Tile.late_copies (the next step's Q / dO copies after the step's first GEMM).
+    # Measured and not kept (benchmarks/NOTES.md): the dQ tile staged in shared memory (the
     # fragment-tiled accumulator replaced it), late copies at d=64 (0.97-1.0x), 128x128/8w at d=64 (0.86-0.91x).
     64: [(32, 128, 4, 1, 2, 1), (64, 64, 4, 1, 2, 1), (64, 128, 8, 1, 2, 2), (32, 128, 4, 1, 2, 1, "late"),
          (128, 128, 8, 1, 2, 2)],
@@ -50,7 +50,7 @@ CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split[, "late
           (64, 128, 8, 1, 1, 2), (32, 64, 4, 1, 2, 1)],
 }
 TOLERANCE = 4e-3   # max |new - reference| / max |reference|: a few fp16 ulps of the largest entry
-# float64 (branch f64-perf, benchmarks/NOTES.md): (dK/dV tile or None, deterministic, dK/dV wide_k, dQ
+# float64 (benchmarks/NOTES.md): (dK/dV tile or None, deterministic, dK/dV wide_k, dQ
 # kernel wide_k). Offline compile, sm_90, plain kernels: d=64 16x64/4w with atomic dQ spills 8-168 bytes
 # at every wide_k, so the m16n8k16 candidates take the deterministic dQ kernel (dK/dV 16x64 k16 252
 # registers, dQ 64x16 k16 200: 0 spills); d=128 takes the two-pass 16x64 tile (two 8-key tiles a warp,

@@ -17,9 +17,8 @@ that does not fit the GPU falls back silently otherwise). `planned()` is the sam
 (tests/test_tune_f32.py).
 Times: CUDA events (cupyx.profiler.benchmark), median of --repeat calls after warm-up; a
 candidate's kernels are compiled on its first call, before timing. With torch importable, SDPA
-efficient (PyTorch's float32 kernel) is timed on the same buffers: issue 10's target is 2x it.
-Expected run time on an H100 with a cold kernel cache: about 2-3 minutes (benchmarks/NOTES.md,
-branch f32-perf).
+efficient (PyTorch's float32 kernel) is timed on the same buffers.
+Expected run time on an H100 with a cold kernel cache: about 2-3 minutes.
 """
 import argparse
 import contextlib
@@ -32,8 +31,8 @@ from cuflash._variants import Tile, tile_override
 H100_SMEM = _variants.SMEM_LIMITS["sm_90 (H100, H200)"]
 
 # Candidates by head dim, the table's first (None). Registers / spills offline (NVRTC 12.9,
-# sm_90 / sm_80) and the SASS arithmetic are in benchmarks/NOTES.md, branch f32-perf.
-# The eleventh session adopted the fast split (the table's first: 64x64/4w s2 at d=64 on sm_90, 128x32/8w s2
+# sm_90 / sm_80) and the SASS arithmetic are in git history (benchmarks/NOTES.md summarises them).
+# The table takes the fast split (its first: 64x64/4w s2 at d=64 on sm_90, 128x32/8w s2
 # at d=128, 16-byte loads only; the backward's 16x64 tiles with s2); the rounded tiles of the table before it are the baselines.
 FWD_CANDIDATES = {
     64: [None,
@@ -45,10 +44,10 @@ FWD_CANDIDATES = {
           Tile(128, 16, 8, 2, "fast split", split=2),    # the element-load tile (210 / 238 regs)
           Tile(128, 32, 8, 2, "rounded", split=1)],      # 252 regs sm_90 (sm_80: 28 bytes spilled)
 }
-# The Hopper forward on TF32 wgmma (fwd_wgmma_tf32x3, arch "sm90a"; branch tf32-wgmma, offline only): timed
+# The Hopper forward on TF32 wgmma (fwd_wgmma_tf32x3, arch "sm90a"): timed
 # after the portable candidates, its errors held to the portable table kernel's (the rule below). The portable
 # candidates run with the sm90a row hidden (without_hopper_forward), as the launcher would without it.
-# Offline (NVRTC 12.9, sm_90a), 0 spills each; benchmarks/NOTES.md, branch tf32-wgmma.
+# Offline (NVRTC 12.9, sm_90a), 0 spills each.
 HOPPER_FWD = "fwd_wgmma_tf32x3"
 FWD_WGMMA_CANDIDATES = {
     64: [None,                                           # 128x64/12w, TF32X3_PARTS: two consumer warpgroups

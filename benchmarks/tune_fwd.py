@@ -33,14 +33,14 @@ from cuflash._variants import Tile, Variant, tile_override
 CANDIDATES = {
     32: [(64, 64, 4), (128, 64, 4), (128, 128, 4), (64, 64, 2)],
     64: [(64, 64, 4), (128, 64, 4), (64, 64, 2), (128, 32, 4), (128, 128, 4)],
-    # (128, 64, 4, "park"): FA2's tile, the table's since the twentieth session (without PARK it spills 8-56
-    # bytes). Measured there and not taken: 48-key tiles (0.97-1.06x 128x32, spilling 32-48 bytes in the sm_90
+    # (128, 64, 4, "park"): FA2's tile, the table's (without PARK it spills 8-56
+    # bytes). Measured and not taken: 48-key tiles (0.97-1.06x 128x32, spilling 32-48 bytes in the sm_90
     # 16-byte-load variants) and a third K/V stage with one barrier a tile (0.96-1.01x at 128x32; 0.80-0.93x
     # at 128x64, one CTA an SM).
     128: [(128, 64, 4, "park"), (128, 32, 4), (128, 64, 4), (128, 32, 4, "park")],
 }
 # float64: "fma" is the FMA baseline; every config compiles with 0 spills (plain kernel).
-# (BM, BN, warps, K): the m16n8kK candidates of branch f64-perf (benchmarks/NOTES.md), plain
+# (BM, BN, warps, K): the m16n8kK candidates (benchmarks/NOTES.md), plain
 # kernel registers on sm_90 from the offline compile: d=64 64x32/4w K=16 176, K=4 152 (m8n8k4
 # 168); d=128 64x32/4w K=16 240, K=4 254 (m8n8k4 236); 128x16/8w: two warps a scheduler at d=128.
 CANDIDATES_F64 = {

@@ -1,4 +1,4 @@
-"""The Hopper forward with persistent CTAs: one CTA an SM walking query blocks, or a CTA a block? (issue 9)
+"""The Hopper forward with persistent CTAs: one CTA an SM walking query blocks, or a CTA a block?
 
 With one CTA an SM (the 192 x 128 tile at head dim 64, 128 x 128 at 128), each CTA of a grid of
 one CTA a block starts its pipeline bare (Q and the first K/V tiles in flight, nothing to overlap
@@ -8,7 +8,7 @@ same buffers and interleaved round by round,
 
     per-block    a CTA a query block (HOPPER_FWD_PERSISTENT off)
     persistent   the default: one CTA an SM, a stride over the blocks without a causal band; causal
-                 head dim 128 takes its blocks from a block queue (eighteenth session), causal head
+                 head dim 128 takes its blocks from a block queue, causal head
                  dim 64 a CTA a block
     stride       one CTA an SM striding over causal blocks too (their blocks differ in work)
     cudnn        PyTorch SDPA's cuDNN backend (when torch imports)

@@ -1,4 +1,4 @@
-"""The Hopper forward at short rows: which kernel should a call with few keys take? (issue 9)
+"""The Hopper forward at short rows: which kernel should a call with few keys take?
 
 At head dim 64 the table's Hopper tile (192 x 128, one CTA an SM) starts and drains each
 block's pipeline alone, so below HOPPER_FWD_MIN_KEYS keys the portable kernel used to run

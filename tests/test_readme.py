@@ -43,3 +43,35 @@ def test_readme_block_runs(requires, code, line):
     if not _GPU_OK:
         code = code.replace("import cupy as cp", "import numpy as cp")
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "readme"})
+
+
+ROOT = README.parent
+_CI = ROOT / ".ci" / "run"
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """The README's test command installs the extras .ci/run installs and runs the pytest line it runs."""
+    text = README.read_text()
+    assert 'pip install ".[cuda12,test]" && python -m pytest -q -rs' in text
+    if not _CI.is_file():
+        pytest.skip(".ci/run is not beside the README (CI runs the tests from a copy)")
+    ci = _CI.read_text()
+    assert 'pip install --quiet ".[cuda12,test]"' in ci
+    assert re.search(r"^python -m pytest -q -rs$", ci, re.M)
+
+
+def test_readme_demo_command_is_a_cli_command():
+    text = README.read_text()
+    assert 'pip install ".[cuda12]" && python -m cuflash demo' in text
+    main = ROOT / "cuflash" / "__main__.py"
+    if main.is_file():
+        assert '"demo"' in main.read_text() or "'demo'" in main.read_text()
+
+
+def test_readme_benchmark_files_exist():
+    """Every benchmarks/ file the README names (scripts and committed results) is in the tree."""
+    if not (ROOT / "benchmarks").is_dir():
+        pytest.skip("benchmarks/ is not beside the README")
+    names = set(re.findall(r"benchmarks/[\w./-]*\w", README.read_text()))
+    missing = [n for n in sorted(names) if not (ROOT / n).exists()]
+    assert names and not missing, missing
