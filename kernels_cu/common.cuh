@@ -76,7 +76,7 @@ template <typename T> __device__ __forceinline__ float unpack_half(unsigned r, i
 
 // 2^x for the softmax: one MUFU.EX2. exp2f adds a compare, two multiplies and a select
 // around it (3-4 instructions per score) only to return subnormal results below 2^-126,
-// which no probability here can use (a row's sum is >= 1). -inf gives 0, as before.
+// which no probability here can use (a row's sum is >= 1). -inf gives 0.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -148,13 +148,6 @@ __device__ __forceinline__ int thread_index_reread() {
     int tid;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
     return tid;
-}
-// The block index read again, likewise: an epilogue forms its block's coordinates anew (the
-// 16-bit dK/dV kernel's) instead of holding them across the loop.
-__device__ __forceinline__ int block_index_reread() {
-    int block;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
-    return block;
 }
 
 // Two neighbouring floats of shared memory (8-byte aligned) in one 8-byte load.

@@ -18,6 +18,7 @@
 // boundary) take the same loop one element a lane.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "atomics.cuh"
 
 // The query rows this warp owns: ROWS = BM / WARPS of its CTA's block, interleaved (row r is

@@ -3,8 +3,8 @@
 //
 // dbias is dS summed over every axis the bias broadcasts along: batch, heads and,
 // for a one-row bias ((B, 1, 1, Lk), key padding), the query rows. Added from the
-// dK/dV kernel that sum cost one fp32 atomic per score element, all B x H heads
-// of a shared (1, 1, L, L) bias landing on the same addresses (measured on an
+// dK/dV kernel that sum costs one fp32 atomic per score element, all B x H heads
+// of a shared (1, 1, L, L) bias landing on the same addresses (on an
 // H100 at B=4, H=16, L=4096, D=64: 15-24 ms of a 31 ms forward+backward). Here
 // one CTA owns one BM x BN tile of the accumulator and walks every (batch, head,
 // query block) that adds to it, recomputing
@@ -19,6 +19,7 @@
 // layout). The step's tiles (Q, dO, K, V, bias) are double-buffered with cp.async.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "tile_io.cuh"

@@ -24,6 +24,7 @@
 // both as (row g, column t) and as (row 2t + s, column g) fragments.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm_f64.cuh"
 #include "swizzle_f64.cuh"
@@ -130,7 +131,7 @@ __device__ __forceinline__ void add_dbias_frags_t(const DbiasParams& g, const do
 
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each
 // recomputing S^T, where both accumulators would not fit the registers.
-// Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
+// Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 // WIDE_K (sm_90+): 0 runs every GEMM on m8n8k4, 4 / 8 / 16 on m16n8kWIDE_K over pairs of
 // 8-row tiles (warp_gemm_f64.cuh): this warp's key tiles, and with ATOMIC_DQ the query tiles.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int WIDE_K = 0>
@@ -287,7 +288,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
 
 // dQ without atomics: the CTA walks its key tiles in order, so the sum order is
 // fixed and the result bitwise reproducible.
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 // WIDE_K as in flash_bwd_dkdv_dmma (pairs of this warp's 8-row query tiles).
 template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)

@@ -24,6 +24,7 @@
 // columns tx + 16*c.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
@@ -212,7 +213,7 @@ __device__ __forceinline__ void zero_tile(A (&x)[R][C]) {
 }
 
 // dK, dV for one key block (and, with ATOMIC_DQ, dQ contributions).
-// Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
+// Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_fma(const BwdParams p) {
@@ -299,7 +300,7 @@ flash_bwd_dkdv_fma(const BwdParams p) {
 
 // dQ without atomics: one CTA per (query block, query head, batch) walks the key
 // blocks in order, so the sum order is fixed and the result bitwise reproducible.
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_fma(const BwdParams p) {

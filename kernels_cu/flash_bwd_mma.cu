@@ -11,7 +11,7 @@
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i.
 // In all four GEMMs an operand fragment loaded from shared memory is the B operand
 // of KEY_STRIPS MMAs (warp_gemm_strips): with two strips a warp issues twice the
-// MMAs per ldmatrix of the one-strip layout, which was bound by shared-memory loads.
+// MMAs per ldmatrix of the one-strip layout, which is bound by shared-memory loads.
 // Two layouts (QSPLIT, the variant table's Tile.query_split):
 //   QSPLIT 1: each warp forms S^T for all BM queries of the step and accumulates all
 //     HEAD columns of dK / dV for its keys: P^T and dS^T go from registers straight
@@ -40,6 +40,7 @@
 // dbias is not formed here: flash_bwd_dbias.cu has a kernel of its own for it.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "tile_io.cuh"
@@ -114,7 +115,7 @@ struct DqMmaTraits {
 // 64-query steps), the launch splits them: PASS 1 = dV only, PASS 2 = dK (and dQ)
 // only, each recomputing S^T (one extra GEMM, no spills; cuflash/_variants.py,
 // _dkdv_passes). QSPLIT: the layout (header comment).
-// Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
+// Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int QSPLIT = 1,
           bool LATE_COPIES = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
@@ -241,7 +242,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         for (int n = 0; n < WQ / 8; ++n) {
             // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one
             // 8-byte load, for all strips. The EXTRA kernels (251-255 registers) load each
-            // stat where it is used: the pairs' longer live ranges spilled there.
+            // stat where it is used: the pairs' longer live ranges spill there.
             float lse_log2[2], dsum[2];
             if constexpr (!Flags::EXTRA) stat_pair_of<BM>(stats, q0 + frag_col(lane, n, 0), lse_log2, dsum);
 #pragma unroll
@@ -269,7 +270,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         }
         if constexpr (Tr::PT_SHARED) {
             // Both halves' P^T and dS^T rows are in shared memory: A operands of BM queries. (A warp's
-            // own half from its registers saves a sixth of its ldmatrix but spilled 12-24 bytes.)
+            // own half from its registers saves a sixth of its ldmatrix but spills 12-24 bytes.)
             __syncthreads();
             warp_gemm_strips_smem<T, M, WC, BM, Tr::DS_PITCH, P, true>(acc_dv, pt_s + key0 * Tr::DS_PITCH,
                                                                        do_s + c0, lane);   // dV += P^T dO
@@ -312,8 +313,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
 
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys. Keys past lk are not written.
     // One row pointer per fragment row (key lane / 4 + 8 r of strip m), not per element:
-    // at head dim 128 the per-element address arithmetic spilled on sm_80. The block is formed
-    // again here: the d=64 kernels spilled its K/V head and keys, held across the loop for this.
+    // at head dim 128 the per-element address arithmetic spills on sm_80. The block is formed
+    // again here: the d=64 kernels spill its K/V head and keys, held across the loop for this.
     const KeyBlock out = KeyBlock::from_index<BN>(dims, block_index_reread(),
                                                   shared_scores_head_group<Flags::EXTRA>(p.mask));
 #pragma unroll
@@ -335,7 +336,7 @@ flash_bwd_dkdv_mma(const BwdParams p) {
         }
 }
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_mma(const BwdParams p) {

@@ -31,6 +31,7 @@
 // A and B^T operands and 4-byte loads of the [key][column] B operands with one pitch).
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "warp_gemm_tf32.cuh"
@@ -129,7 +130,7 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
 
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each recomputing S^T
 // (the variant table's tiles all take one pass today: cuflash/_variants.py).
-// Grid: ceil(Lk / BN) x Hk x B CTAs (BlockInfo), key block 0 (the most causal work) first.
+// Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_tf32(const BwdParams p) {
@@ -235,8 +236,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
                 scale_add_bias_frags_f32_t<BM, Tr::BIAS_PITCH>(st, bias_stages + stage * Tr::BIAS_ELEMS + key0, lane,
                                                                mod.scale_log2);
             // The per-element tests and the Philox draws in loops, once a step, outside the
-            // probability loop below: unrolled there per element, they made the EXTRA kernel's
-            // loop ~25% more instructions than the plain one's (ncu, fourteenth session).
+            // probability loop below: unrolled there per element, they make the EXTRA kernel's
+            // loop ~25% more instructions than the plain one's.
             apply_score_mod_bits(st, mod, partial, coord);
             if (mod.has_dropout()) kept = dropout_frag_bits_t<QT>(mod, m0, n0 + key0, lane);
         } else if (partial) {
@@ -320,7 +321,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     }
 }
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_tf32(const BwdParams p) {

@@ -28,8 +28,7 @@
 //                                              shared memory, and one of its threads has the copy
 //                                              engine add it to the fp32 accumulator (a bulk tensor
 //                                              reduction; forward+backward 1.10-1.18x over vector
-//                                              atomics from registers, where leaving dQ out entirely
-//                                              was 1.20-1.36x: benchmarks/NOTES.md)
+//                                              atomics from registers: benchmarks/tune_bwd.py)
 // dS^T is double-buffered: the named barrier of step t + 1 is passed only after both warpgroups
 // have waited for their step-t dQ products, so buffer t % 2 is free again at step t + 2.
 //
@@ -65,12 +64,13 @@
 // are given back unformed. Head dim 64 takes 64-query steps there (two bias stages beside 128-query
 // steps would not fit), with dQ split by keys.
 //
-// DBIAS (with EXTRA, branch hopper-dbias, NOT yet run on a GPU): the call wants dbias, so each warp adds
+// DBIAS (with EXTRA): the call wants dbias, so each warp adds
 // its fp32 dS^T, as formed and before it is packed to 16 bits, into a key-major fp32 accumulator with
 // vector reductions (bias_grad_t.cuh); a one-row bias is summed over the queries in registers and added
 // once per (CTA, head). The portable dbias kernel, which recomputes S and dP a second time, is not run.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "tile_io.cuh"
@@ -127,7 +127,7 @@ struct DkdvWgmmaTraits {
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + STAGES * STATS_BYTES + 8 * BARRIERS;
     // The producer warpgroup keeps 40 registers a thread, the consumers take 232: the CTA holds
     // 384 x 168 registers from its launch (__launch_bounds__), and setmaxnreg.inc waits until the
-    // others have given back what it takes, so more than that deadlocks (24 spilled the producer).
+    // others have given back what it takes, so more than that deadlocks (24 spill in the producer).
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168, "the launch's register file");
     static_assert(sizeof(T) == 2, "wgmma here takes 16-bit operands");
@@ -205,7 +205,7 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
 
 // EXTRA: producer warp 1 loads each step's row statistics into stage t % STAGES once the consumers
 // have emptied it, and its 32 lanes arrive on the stage's full barrier (a release), as warp 0's do in
-// the plain kernel (produce_steps): there, beside the bias loaders' code, warp 0's 40 registers spilled.
+// the plain kernel (produce_steps): there, beside the bias loaders' code, warp 0's 40 registers spill.
 template <typename Tr>
 __device__ __forceinline__ void produce_stats(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdParams& p,
                                               const KeyBlock& blk, const KeyBlockSteps<Tr::BM>& steps, int lane) {
@@ -287,7 +287,7 @@ __device__ __forceinline__ void store_frags_t(unsigned char* tile, const unsigne
 // rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
 // An 8-byte store is served a half-warp (rows g = 0-3 or 4-7) at a time; in the accumulator's
 // order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
-// counted as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
+// counts as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
 // the half-warp's four rows then cover the row's four chunk pairs (n % 4) ^ 2 (g & 1) ^ (g >> 1)
 // once each, one wavefront a half.
 __device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,

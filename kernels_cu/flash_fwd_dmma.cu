@@ -18,6 +18,7 @@
 // pitch = 8 mod 16) beside it, read two neighbouring scores at a time.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm_f64.cuh"
 #include "tile_io.cuh"
@@ -67,7 +68,7 @@ __device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES]
     }
 }
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 // WIDE_K (sm_90+; warp_gemm_f64.cuh): 0 runs both GEMMs on m8n8k4, 4 / 8 / 16 on
 // m16n8kWIDE_K over pairs of a warp's 8-row tiles (the H100's full fp64 tensor rate).
 template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0>

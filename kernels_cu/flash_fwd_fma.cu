@@ -12,6 +12,7 @@
 // K rows at one d hit 16 different banks.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
@@ -34,7 +35,7 @@ struct FwdFmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_fma(const FwdParams p) {

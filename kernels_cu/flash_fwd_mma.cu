@@ -21,6 +21,7 @@
 // layout with ldmatrix (warp_gemm.cuh, scale_add_bias_frags).
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "tile_io.cuh"
@@ -48,7 +49,7 @@ struct FwdMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 // PARK (the variant table's Tile.park): the block's coordinates and the loop bounds wait in
 // the row padding of each warp's first two Q rows (the 16 bytes past HEAD, which neither the
 // Q copy nor any ldmatrix touches), read back where the K/V copies, the loop test and the

@@ -20,6 +20,7 @@
 // pitch BN + 8) beside it, read two neighbouring scores at a time.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "warp_gemm_tf32.cuh"
@@ -49,7 +50,7 @@ struct FwdTf32Traits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_tf32(const FwdParams p) {

@@ -19,22 +19,21 @@
 // consumer thread arrives once its wgmmas have read the stage); no CTA-wide barrier after
 // the start, so the two consumer warpgroups drift freely against each other. With PINGPONG
 // they take turns on the tensor cores through two named barriers (one warpgroup's GEMMs
-// issued while the other runs its softmax); on the H100 that measured 0.90-1.01x of the
-// free-running order (sixth session), so it is off.
-// The fifth session's kernel (all threads loading with cp.async, one __syncthreads a
-// tile) spent ~35% of its issue slots on the loader's index arithmetic and 11% of its
-// stalls on the barrier (benchmarks/NOTES.md).
+// issued while the other runs its softmax); on the H100 that runs at 0.90-1.01x of the
+// free-running order (benchmarks/tune_fwd.py), so it is off.
+// SCHEDULE (scheduler.cuh): a CTA a block, or a persistent grid walking blocks in turn.
 // EXTRA (bias, boolean mask, dropout, block layout; score_mod.cuh): the producer and the
 // consumers walk the same visible tiles (next_key_tile skips what a layout turns off).
 // A bias, whose broadcast axes (stride 0) no tensor map can describe, is copied by two
 // more producer warps with cp.async into a bias stage beside each K/V stage (tile_io.cuh's
 // swizzled layout) and read by the consumers with ldmatrix straight into S's fragments,
-// as the portable kernel does (there 2.2x over element loads, benchmarks/NOTES.md); its
+// as the portable kernel does (there 2.2x over element loads, benchmarks/bench_masking.py); its
 // stages have full / empty mbarriers of their own. The mask (partial tiles only) and
 // dropout (Philox keyed by (seed, batch, head, row, col), so the same keep-mask as the
 // portable kernel's) are per-element work in the consumers, as there.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "tile_io.cuh"
@@ -43,7 +42,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 
-template <typename T, typename Cfg, bool EXTRA>
+template <typename T, typename Cfg, bool EXTRA, int SCHEDULE>
 struct FwdWgmmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS, STAGES = Cfg::STAGES;
     static constexpr int THREADS = 32 * WARPS;
@@ -66,26 +65,32 @@ struct FwdWgmmaTraits {
     static constexpr int BARRIERS = 2 + 4 * STAGES + (EXTRA ? 2 * STAGES : 0);
     static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + STAGES * BIAS_BYTES;
     // O through shared memory and a bulk tensor store (the epilogue): at head dim 128 1.03-1.13x
-    // over element-wise stores (whose STG were 13% of the issue samples at L = 1024, with 10% of
-    // stalls on the store queue; ncu, seventh session); at head dim 64 1.03-1.10x at L = 1024 but
-    // 0.86-0.93x at L = 4096 non-causal (not understood yet), so 64 keeps the element-wise stores.
-    // Head dim 256 (twice 128's bytes a row) stores as 128 does.
+    // over element-wise stores; at head dim 64 1.03-1.10x at L = 1024 but 0.86-0.93x at L = 4096
+    // non-causal, so 64 keeps the element-wise stores (benchmarks/tune_fwd.py). Head dim 256 (twice
+    // 128's bytes a row) stores as 128 does.
     // (The host encodes the O tensor map only then: cuflash/_launch.py, TMA_STORE_O_HEAD.)
     static constexpr bool TMA_STORE_O = HEAD >= 128;
-    // PERSISTENT: a CTA may own several query blocks in turn (the host launches fewer CTAs than
-    // blocks where that pays: cuflash/_launch.py). The next block's Q and first K/V tile then land
-    // while this one's last P V and epilogue run, where one CTA an SM (one block a CTA) left each
-    // block's start bare. Not at head dim 256 or with EXTRA: under NVRTC 12.9 the loop over blocks
-    // spills 32-328 bytes there (acc_o of 128 registers; the EXTRA code), so those CTAs own one block.
-    // The short tile runs two CTAs an SM, which hide each other's starts already.
-    static constexpr bool PERSISTENT = Cfg::MIN_CTAS == 1 && !EXTRA && HEAD <= 128;
-    // WALK_RING: a walking CTA's producer hands each block index to the consumers through a two-slot
-    // ring (BlockWalk; 8 bytes a slot and full / empty mbarriers a slot, after the pipeline's
-    // barriers), so that a causal grid can take its blocks from the host's queue. Two consumer
-    // warpgroups only: the producer beside three runs on 24-32 registers, and the ring spilled 48-88
-    // bytes there (NVRTC 12.9); those CTAs stride (the host launches causal ones a CTA a block).
+    // PERSISTENT (SCHEDULE_STRIDE or SCHEDULE_QUEUE): a CTA owns several query blocks in turn, the
+    // next block's Q and first K/V tile landing while this one's last P V and epilogue run. The
+    // schedule is the variant table's. A walk needs one CTA an SM (the short tile's two CTAs an SM
+    // hide each other's starts already), no EXTRA and head dim <= 128: at head dim 256 (acc_o of 128
+    // registers) and with the EXTRA code the loop over blocks spills 32-328 bytes (NVRTC 12.9).
+    static constexpr bool PERSISTENT = SCHEDULE != SCHEDULE_ONE_A_BLOCK;
+    static constexpr bool WALKABLE = Cfg::MIN_CTAS == 1 && !EXTRA && HEAD <= 128;
+    static_assert(SCHEDULE == SCHEDULE_ONE_A_BLOCK || SCHEDULE == SCHEDULE_STRIDE || SCHEDULE == SCHEDULE_QUEUE,
+                  "a Schedule");
+    static_assert(!PERSISTENT || WALKABLE, "a persistent schedule walks with one CTA an SM, no EXTRA, head dim <= 128");
+    // SCHEDULE_ONE_A_BLOCK: the block loops end after their first pass, by a break, or where the
+    // kernel could walk, by the block-index test, which a grid of one CTA a block fails at once: the
+    // loop-free head-dim-64 band kernel spills 8 bytes (NVRTC 12.9), the looped one none.
+    static constexpr bool ONE_PASS_BREAK = !PERSISTENT && !WALKABLE;
+    // WALK_RING: a walking CTA's producer hands each block index to the consumers through
+    // BlockWalk's ring (after the pipeline's barriers), so that the grid can take its blocks from
+    // the host's queue. Two consumer warpgroups only: the producer beside three runs on 24-32
+    // registers, and the ring spills 48-88 bytes there (NVRTC 12.9); those CTAs stride.
     static constexpr bool WALK_RING = PERSISTENT && CONSUMERS == 2;
-    static constexpr int WALK_WORDS = WALK_RING ? 2 + 2 * 2 : 0;
+    static_assert(SCHEDULE != SCHEDULE_QUEUE || WALK_RING, "SCHEDULE_QUEUE: the consumers learn each block from the ring");
+    static constexpr int WALK_WORDS = WALK_RING ? BlockWalk<SCHEDULE>::RING_WORDS : 0;
     static constexpr int BARRIER_BYTES = 8 * (BARRIERS + WALK_WORDS);
     // A walking CTA stages O for its store in a tile of its own (head dim 128: 193 KB), so that the
     // next Q need not wait for the store; one that owns one block stages it in Q's tile.
@@ -96,8 +101,7 @@ struct FwdWgmmaTraits {
     static constexpr bool O_OWN_TILE = O_BYTES > 0;
     // Q is free for the next block once the last S = Q K^T has read it, unless O is staged there.
     // A walking CTA always frees it so; the "staged in Q" arrivals below (after the store's read)
-    // come from CTAs that own one block, where no producer waits for them (left as run on the H100
-    // in the seventeenth session; dropping them changes those variants' SASS).
+    // come from CTAs that own one block, where no producer waits for them.
     static constexpr bool Q_FREE_AFTER_S = !TMA_STORE_O || O_OWN_TILE;
     static_assert(!PERSISTENT || Q_FREE_AFTER_S,
                   "a CTA that walks blocks frees Q after its last S = Q K^T: O is not staged in Q's tile");
@@ -113,10 +117,10 @@ struct FwdWgmmaTraits {
     // (128 x 24 + 256 x 104 <= 384 x 80), which 64-key tiles at head dim 64 fit (S 32, P 16,
     // acc_o 32). The second CTA hides each block's start (Q and the first tiles in flight with
     // nothing to overlap them) and its epilogue, which one CTA an SM leaves bare: ~16 K cycles a
-    // block against ~2.5 K a key tile at L = 1024 (ncu, thirteenth session).
+    // block against ~2.5 K a key tile at L = 1024 (benchmarks/tune_short.py).
     static constexpr int LAUNCH_REGS = 65536 / (THREADS * Cfg::MIN_CTAS) / 8 * 8;
     // WALK_RING's producer keeps its ring's round and its blocks' bounds beside the tile loop: with 40
-    // registers it spilled 84-168 bytes; 56 leaves the consumers 224 (no spill).
+    // registers it spills 84-168 bytes; 56 leaves the consumers 224 (no spill).
     static constexpr int PRODUCER_REGS =
         Cfg::MIN_CTAS > 1 ? 24 : WALK_RING ? 56 : CONSUMERS == 2 ? 40 : EXTRA ? 32 : 24;
     static constexpr int CONSUMER_REGS = Cfg::MIN_CTAS > 1
@@ -129,7 +133,7 @@ struct FwdWgmmaTraits {
     static constexpr bool PINGPONG = false;      // measured slower; see the file's head
     // O += P V of tile j in flight during S = Q K^T of tile j + 1 and its softmax (P of tile j, S of
     // tile j + 1 and acc_o live together: 80 registers of fragments at 64-key tiles, 128 at 128).
-    // Two CTAs an SM have too few registers for that (104 a consumer thread: 16 bytes spilled, and
+    // Two CTAs an SM have too few registers for that (104 a consumer thread: 16 bytes spill, and
     // ptxas then serialises every wgmma), and four consumer warpgroups an SM keep the tensor cores
     // busy without it: each tile's P V is issued after its softmax and waited for before the next S.
     static constexpr bool OVERLAP_PV = Cfg::MIN_CTAS == 1;
@@ -160,51 +164,8 @@ struct WgmmaSmem {
     __device__ __forceinline__ unsigned v_empty(int stage) const { return bars + 8 * (5 + 4 * stage); }
     __device__ __forceinline__ unsigned bias_full(int stage) const { return bars + 8 * (2 + 4 * Tr::STAGES + 2 * stage); }
     __device__ __forceinline__ unsigned bias_empty(int stage) const { return bars + 8 * (3 + 4 * Tr::STAGES + 2 * stage); }
-    // BlockWalk's ring (WALK_RING only): two index slots, then their full and empty barriers.
+    // BlockWalk's ring (WALK_RING only).
     __device__ __forceinline__ unsigned walk_ring() const { return bars + 8 * Tr::BARRIERS; }
-};
-
-// The query blocks a CTA owns, in turn. One that owns one block (not PERSISTENT) has blockIdx.x. A
-// walking CTA takes blockIdx.x first, then strides by gridDim.x (blocks of equal work), or, with
-// WALK_RING and a block queue from the host (a causal band: blocks differ up to Lk / BN-fold in work),
-// its producer thread takes the next index from the queue's counter, so that each block goes to
-// whichever CTA frees first, in the grid's order (longest first within a head), as the hardware's CTA
-// scheduler hands out a grid of one CTA a block. With WALK_RING the producer hands every index (>=
-// blocks: no more) to the consumers through a two-slot ring, so that both walk the same blocks; the
-// consumers learn the next block as soon as the producer takes it, about two tiles before they finish
-// the current one.
-// (Held by value, addresses and all: a reference to the CTA's WgmmaSmem put that struct on the stack.)
-template <typename Tr>
-struct BlockWalk {
-    unsigned ring;   // WgmmaSmem::walk_ring()
-    int round = 0;   // indices handed over so far
-
-    __device__ __forceinline__ unsigned slot(int s) const { return ring + 8 * s; }
-    __device__ __forceinline__ unsigned full(int s) const { return ring + 8 * (2 + s); }
-    __device__ __forceinline__ unsigned empty(int s) const { return ring + 8 * (4 + s); }
-
-    // Producer: hand `idx` to the consumers once they have read the slot's previous index.
-    __device__ __forceinline__ void give(int idx) {
-        const int s = round & 1;
-        mbar_wait(empty(s), ((round >> 1) & 1) ^ 1);   // the round before this one
-        st_shared_s32(slot(s), idx);
-        mbar_arrive(full(s));                           // release: the index before it
-        ++round;
-    }
-    // Producer: the block after `idx`, striding or from the host's counter `queue` (FwdParams', read
-    // from the parameter bank where used).
-    __device__ __forceinline__ static int next(int idx, int* queue) {
-        return Tr::WALK_RING && queue != nullptr ? int(gridDim.x) + atomicAdd(queue, 1) : idx + int(gridDim.x);
-    }
-    // Consumer thread: the next index the producer gave.
-    __device__ __forceinline__ int take() {
-        const int s = round & 1;
-        mbar_wait(full(s), (round >> 1) & 1);
-        const int idx = ld_shared_s32(slot(s));
-        mbar_arrive(empty(s));
-        ++round;
-        return idx;
-    }
 };
 
 // The producer's one thread, for one query block: K_j and V_j of every visible tile into stage
@@ -256,15 +217,15 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
     }
 }
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first, or fewer
-// (persistent: the host launches one CTA an SM where that pays, cuflash/_launch.py), each walking
-// blocks in turn (BlockWalk). A CTA's producer and consumers walk the same blocks and tiles, so the
-// stage ring and its parities simply run on across blocks.
+// Grid (SCHEDULE, scheduler.cuh): ceil(Lq / BM) x Hq x B CTAs, longest causal query blocks first
+// (SCHEDULE_ONE_A_BLOCK), or one CTA an SM, each walking blocks in turn (BlockWalk). A CTA's producer
+// and consumers walk the same blocks and tiles, so the stage ring and its parities simply run on
+// across blocks.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
-template <typename T, typename Cfg, typename Flags>
+template <typename T, typename Cfg, typename Flags, int SCHEDULE>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
-    typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA> Tr;
+    typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA, SCHEDULE> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = smem_addr(smem_raw);
@@ -276,8 +237,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     const AttnDims& dims = p.dims;
     const int head_group = shared_scores_head_group<Flags::EXTRA>(p.mask);
     const int blocks = QueryBlock::count<BM>(dims);
-    // Not PERSISTENT: one block a CTA, the loops below end after their first pass (and a grid too
-    // small for that is the host's bug, stopped here rather than leaving blocks unwritten).
+    // SCHEDULE_ONE_A_BLOCK: the loops below end after their first pass (and a grid too small for
+    // that is the host's bug, stopped here rather than leaving blocks unwritten).
     if (!Tr::PERSISTENT && int(gridDim.x) < blocks) __trap();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
     // Query block `idx`, its score modifier and visible key tiles.
@@ -303,7 +264,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             }
         }
         if constexpr (Tr::WALK_RING) {
-            const BlockWalk<Tr> walk{sm.walk_ring()};
+            const BlockWalk<SCHEDULE> walk{sm.walk_ring()};
             for (int s = 0; s < 2; ++s) {
                 mbar_init(walk.full(s), 1);
                 mbar_init(walk.empty(s), Tr::CONSUMER_THREADS);
@@ -319,7 +280,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         const bool bias_loader = Flags::EXTRA && loader >= 0 && loader < Tr::BIAS_LOADERS;
         if (threadIdx.x != 0 && !bias_loader) return;
         int t = 0, q_round = 0;
-        BlockWalk<Tr> walk{sm.walk_ring()};
+        BlockWalk<SCHEDULE> walk{sm.walk_ring()};
 #pragma unroll 1
         for (int idx = blockIdx.x;; idx = walk.next(idx, p.block_queue)) {
             if constexpr (Tr::WALK_RING) walk.give(idx);   // (only thread 0 walks: no bias loaders)
@@ -335,7 +296,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 if (!mod.has_bias()) return;
                 produce_bias_tiles<T>(sm, p.mask.bias, mod, blk, first, keys.end, dims.lk, loader, t);
             }
-            if constexpr (!Tr::PERSISTENT) break;
+            if constexpr (Tr::ONE_PASS_BREAK) break;
         }
         if constexpr (Flags::EXTRA) {
             // No copy left in flight behind an exiting thread. wait_group counts committed groups
@@ -380,7 +341,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     };
 
     int t = 0, q_round = 0;   // as the producer's: visible tiles so far, blocks with tiles so far
-    BlockWalk<Tr> walk{sm.walk_ring()};
+    BlockWalk<SCHEDULE> walk{sm.walk_ring()};
     if (Tr::PINGPONG && consumer == 1) your_turn();   // warpgroup 1 (consumer 0) goes first
 #pragma unroll 1
     for (int idx = blockIdx.x;; idx += gridDim.x) {
@@ -536,7 +497,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             }
         }
         q_round += has_tiles;
-        if constexpr (!Tr::PERSISTENT) break;
+        if constexpr (Tr::ONE_PASS_BREAK) break;
     }
     // PINGPONG: every turn a warpgroup waits for is one the other gave, strictly alternating over all
     // its blocks (both see the same tiles); consumer 1 gave one more at the start, which consumer 0

@@ -38,6 +38,7 @@
 // or batches share is read by CTAs of 16 heads side by side (shared_scores_head_group), from L2.
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "warp_gemm_tf32.cuh"
@@ -176,7 +177,7 @@ __device__ __forceinline__ void produce_tf32(const Tf32Smem<Tr>& sm, const FwdTe
     }
 }
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (BlockInfo), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
 template <typename T, typename Cfg, typename Flags, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)

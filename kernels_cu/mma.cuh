@@ -67,8 +67,7 @@ __device__ __forceinline__ void mma_884_f64(double (&c)[2], double a, double b) 
 // C += A B on one 16x8 fp64 tile, k = 4 K4 (sm_90+: DMMA.16x8x4, 16x8x8, 16x8x16), in
 // m8n8k4's fragments: c_top / c_bot are the C fragments of rows g / g + 8, a_top[j] / a_bot[j]
 // the A fragments of those 8-row tiles at k step j, b[j] the B fragment at k step j. Why: on the
-// H100 the m8n8k4 shape runs at half the fp64 tensor-core rate (33.2 TFLOP/s measured against
-// m16n8k16's 66.7, kernel notes), so a warp that holds 8-row tiles in pairs issues these instead.
+// H100 the m8n8k4 shape runs at half the fp64 tensor-core rate (benchmarks/dmma_rate.py), so a warp that holds 8-row tiles in pairs issues these instead.
 template <int K4>
 __device__ __forceinline__ void mma_16x8_f64(double (&c_top)[2], double (&c_bot)[2], const double (&a_top)[K4],
                                              const double (&a_bot)[K4], const double (&b)[K4]);
@@ -102,8 +101,8 @@ __device__ __forceinline__ void mma_16x8_f64<4>(double (&c_top)[2], double (&c_b
 
 // C += A B on one 16x8 fp32 tile, k = 8, the operands' 32-bit registers read as TF32 (sm_80+).
 // The tensor core reads the top 19 bits of each operand (sign, exponent, 10 mantissa bits: a
-// plain fp32 value is truncated), and it adds the products and C truncating too (measured on
-// an H100, benchmarks/NOTES.md; warp_gemm_tf32.cuh says what that means for an accumulator).
+// plain fp32 value is truncated), and it adds the products and C truncating too (on an H100;
+// warp_gemm_tf32.cuh says what that means for an accumulator).
 __device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"

@@ -1,5 +1,5 @@
-// params.cuh -- what a kernel is told: tensor views, sizes, scale, mask parameters;
-// and BlockInfo, which (batch, head, tile) a CTA owns.
+// params.cuh -- what a kernel is told: tensor views, sizes, scale, mask parameters, and the
+// variant table's tile configuration. Which block a CTA works on is scheduler.cuh's.
 //
 // Every kernel takes one of these structs by value. cuflash/_params.py builds the
 // same layout on the host; tests/test_params.py checks every offset against this
@@ -84,9 +84,9 @@ struct FwdParams {
     MaskParams mask;
     double scale_log2;   // scale * log2(e), folded once on the host
     float scale_log2_f;  // scale_log2 in float (see acc_param)
-    // A persistent Hopper grid's block counter, zero at the launch (the host's), from which its CTAs
-    // take their next query block in turn; null: each CTA strides blockIdx.x, + gridDim.x, ...
-    // (flash_fwd_wgmma.cu, BlockWalk). Last, so that the other kernels' field offsets stay as they were.
+    // SCHEDULE_QUEUE (scheduler.cuh): the host's block counter, zero at the launch, from which the
+    // persistent grid's CTAs take their next query block in turn; unread by every other schedule.
+    // Last: the other kernels' field offsets do not depend on it.
     int* block_queue;
 };
 
@@ -122,138 +122,4 @@ template <int HEAD_, int BM_, int BN_, int WARPS_, int STAGES_, int MIN_CTAS_, i
 struct TileCfg {
     static constexpr int HEAD = HEAD_, BM = BM_, BN = BN_, WARPS = WARPS_, STAGES = STAGES_;
     static constexpr int MIN_CTAS = MIN_CTAS_, THREADS = THREADS_, SMEM_BYTES = SMEM_BYTES_;
-};
-
-// Which (tile, head, batch) this CTA owns. The grid is one-dimensional
-// (gridDim.x up to 2^31 - 1), so batch x heads has no 65535 limit. Tiles vary
-// fastest: consecutive CTAs share one head's K/V (or Q/dO) in L2. With
-// REVERSE the tile order runs last to first, so that under a causal mask the
-// longest query blocks start first and the short ones fill in at the end.
-struct BlockInfo {
-    int tile, head, batch;
-
-    // head_group 0: tiles vary fastest, then heads, then batches. head_group G > 0: the (batch,
-    // head) pairs in groups of G, each group's CTAs tile by tile with its G pairs side by side
-    // (the last group may be smaller), so that the CTAs that add into one tile of an accumulator
-    // shared across heads run together (shared_scores_head_group below). For a fixed
-    // tile, blockIdx still grows with (batch, head) in both orders.
-    template <bool REVERSE>
-    __device__ __forceinline__ static BlockInfo from_grid(int n_tiles, int heads, int head_group = 0) {
-        return from_index<REVERSE>(blockIdx.x, n_tiles, gridDim.x / n_tiles, heads, head_group);
-    }
-
-    // The block of index `idx` of n_tiles x `pairs` (a persistent CTA walks several).
-    template <bool REVERSE>
-    __device__ __forceinline__ static BlockInfo from_index(int idx, int n_tiles, int pairs, int heads,
-                                                           int head_group = 0) {
-        int tile, pair;
-        if (head_group > 0) {
-            const int span = n_tiles * head_group;
-            const int group = idx / span, in_group = idx % span;
-            const int size = imin(head_group, pairs - group * head_group);
-            tile = in_group / size;
-            pair = group * head_group + in_group % size;
-        } else {
-            tile = idx % n_tiles;
-            pair = idx / n_tiles;
-        }
-        BlockInfo b;
-        b.tile = REVERSE ? n_tiles - 1 - tile : tile;
-        b.head = pair % heads;
-        b.batch = pair / heads;
-        return b;
-    }
-};
-
-// The (batch, head) groups (BlockInfo's head_group) of a grid whose CTAs share a tensor across
-// batches or heads: a bias or boolean mask that has rows ((1, 1, Lq, Lk), (B, 1, Lq, Lk), ...), whose
-// slice for one tile index (query rows, or keys) every (batch, head) reads, or a dbias accumulator
-// they all add into (`adds_shared_dbias`: the key-major one, bias_grad_t.cuh). With tiles fastest a
-// wave spans every tile of a few heads and walks the whole tensor once per head: a (1, 1, 4096,
-// 4096) fp32 bias or accumulator is 64 MB, above the H100's 50 MB L2, so each (batch, head) pass
-// went to DRAM (ncu, eleventh session: 7.8 GB in the Hopper dbias kernel; 1.9 GB with groups).
-// 16 heads side by side read or add each slice once per group.
-constexpr int SHARED_SCORES_HEAD_GROUP = 16;
-
-__device__ __forceinline__ bool shared_with_rows(const ScoreTensor& t) {
-    return t.ptr != nullptr && t.row_stride != 0 && (t.batch_stride == 0 || t.head_stride == 0);
-}
-
-template <bool EXTRA>
-__device__ __forceinline__ int shared_scores_head_group(const MaskParams& m, bool adds_shared_dbias = false) {
-    if constexpr (EXTRA) {
-        if (adds_shared_dbias || shared_with_rows(m.bias) || shared_with_rows(m.mask)) return SHARED_SCORES_HEAD_GROUP;
-    }
-    return 0;
-}
-
-// What a query-major CTA owns (forward, deterministic dQ, the row-wise kernels):
-// query rows [m0, m0 + rows) of query head `head`, which reads K/V head kv_head.
-// Grid: ceil(Lq / BM) x Hq x B (or fewer CTAs, each walking several blocks: from_index).
-struct QueryBlock {
-    int batch, head, kv_head;
-    int m0, rows;   // rows <= BM: the block's rows inside the sequence
-
-    // head_group: BlockInfo's, over (batch, query head) pairs.
-    template <int BM, bool REVERSE = true>
-    __device__ __forceinline__ static QueryBlock from_grid(const AttnDims& dims, int head_group = 0) {
-        const BlockInfo b = BlockInfo::from_grid<REVERSE>(ceil_div(dims.lq, BM), dims.heads_q, head_group);
-        return at(dims, b, BM);
-    }
-
-    // Block `idx` of count<BM>(dims), in from_grid's order: a persistent grid (fewer CTAs than
-    // blocks) walks idx = blockIdx.x, blockIdx.x + gridDim.x, ...
-    template <int BM, bool REVERSE = true>
-    __device__ __forceinline__ static QueryBlock from_index(const AttnDims& dims, int idx, int head_group = 0) {
-        const BlockInfo b = BlockInfo::from_index<REVERSE>(idx, ceil_div(dims.lq, BM), dims.batch * dims.heads_q,
-                                                           dims.heads_q, head_group);
-        return at(dims, b, BM);
-    }
-
-    template <int BM>
-    __device__ __forceinline__ static int count(const AttnDims& dims) {
-        return ceil_div(dims.lq, BM) * dims.heads_q * dims.batch;
-    }
-
-    __device__ __forceinline__ static QueryBlock at(const AttnDims& dims, const BlockInfo& b, int bm) {
-        const int m0 = b.tile * bm;
-        return {b.batch, b.head, b.head / dims.group, m0, imin(bm, dims.lq - m0)};
-    }
-};
-
-// A query block parked in shared memory (park4, common.cuh): the forward's K/V copies and
-// epilogue read it back instead of holding its fields, and the K/V row pointers ptxas derives
-// from them, through the loop. rows is not stored: min(BM, lq - m0) is recomputed.
-__device__ __forceinline__ void park_query_block(unsigned slot_addr, const QueryBlock& blk) {
-    park4(slot_addr, {blk.batch, blk.head, blk.kv_head, blk.m0});
-}
-template <int BM>
-__device__ __forceinline__ QueryBlock unpark_query_block(unsigned slot_addr, const AttnDims& dims) {
-    const Parked4 v = unpark4(slot_addr);
-    return {v.a, v.b, v.c, v.d, imin(BM, dims.lq - v.d)};
-}
-
-// What a key-major CTA owns (dK/dV): keys [n0, n0 + keys) of K/V head kv_head,
-// read by query heads [kv_head * group, (kv_head + 1) * group).
-// Grid: ceil(Lk / BN) x Hk x B, key block 0 (the most causal work) first.
-struct KeyBlock {
-    int batch, kv_head;
-    int n0, keys;   // keys <= BN: the block's keys inside the sequence
-    int first_head, end_head;
-
-    // head_group: BlockInfo's, over (batch, K/V head) pairs.
-    template <int BN>
-    __device__ __forceinline__ static KeyBlock from_grid(const AttnDims& dims, int head_group = 0) {
-        return from_index<BN>(dims, blockIdx.x, head_group);
-    }
-    // Of CTA `idx` of the grid: from_grid's block, formed again where a kernel's loop would otherwise hold
-    // it (idx from block_index_reread: the compiler cannot reuse the first one's registers).
-    template <int BN>
-    __device__ __forceinline__ static KeyBlock from_index(const AttnDims& dims, int idx, int head_group = 0) {
-        const int n_tiles = ceil_div(dims.lk, BN);
-        const BlockInfo b = BlockInfo::from_index<false>(idx, n_tiles, gridDim.x / n_tiles, dims.heads_q / dims.group,
-                                                         head_group);
-        const int n0 = b.tile * BN;
-        return {b.batch, b.head, n0, imin(BN, dims.lk - n0), b.head * dims.group, (b.head + 1) * dims.group};
-    }
 };

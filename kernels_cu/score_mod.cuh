@@ -33,6 +33,7 @@
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
+#include "scheduler.cuh"
 #include "dropout.cuh"
 
 template <bool BAND_, bool EXTRA_>
@@ -71,7 +72,7 @@ struct ScoreMod {
     // with the row max and keeps a masked -inf at -inf, where zero or a negative
     // scale would not; the host launches the EXTRA variant for any other scale
     // (cuflash/_launch.py, scale_folds). The EXTRA kernels form x themselves (a
-    // biased score is x already, and at 251-255 registers they spilled with both
+    // biased score is x already, and at 251-255 registers they spill with both
     // forms compiled in).
     __device__ __forceinline__ static constexpr bool scores_stay_raw() { return !Flags::EXTRA; }
     // The factor the softmax still applies to apply_score_mod's output (x_per_s).
@@ -357,8 +358,8 @@ __device__ __forceinline__ void apply_dropout(A (&p)[I][J], const Mod& mod, Coor
 // The fragment-bit forms of apply_score_mod and apply_dropout, for a warp's m16n8 C
 // fragments (the mma.sync and wgmma accumulator layout: lane 4 g + t holds rows g and
 // g + 8, keys 8 n + 2 t + {0, 1} of n8 tile n) where the unrolled per-element code does
-// not fit (the Hopper forward with EXTRA: its consumer loop grew to ~10000 instructions
-// and spilled). The per-element verdicts are drawn in a loop that is not unrolled and
+// not fit (the Hopper forward with EXTRA: its consumer loop grows to ~10000 instructions
+// and spills). The per-element verdicts are drawn in a loop that is not unrolled and
 // folded into one bit per element, e = 4 n + i (C-fragment element i of tile n, at most
 // 64 a thread); only applying the bits is unrolled. Same values as the unrolled forms.
 template <int N>

@@ -60,7 +60,7 @@ template <int SPLIT, int ROWS, int SLABS, int SLAB_BYTES, int THREADS>
 __device__ __forceinline__ void split_rows_in_place(unsigned tile, unsigned small_tile, int thread) {
     constexpr int CHUNKS = ROWS * 128 / 16;   // 16-byte chunks of one slab's rows
     static_assert(CHUNKS * SLABS % THREADS == 0, "whole rounds of 16-byte chunks");
-    // Two rounds at a time: fully unrolled, ptxas hoisted every round's loads and spilled 4 bytes of
+    // Two rounds at a time: fully unrolled, ptxas hoists every round's loads and spills 4 bytes of
     // the producer's 40 registers (plain TF32 with the band, offline).
 #pragma unroll 2
     for (int i = 0; i < CHUNKS * SLABS / THREADS; ++i) {
@@ -89,7 +89,7 @@ __device__ __forceinline__ void transpose_v_tile(unsigned raw, unsigned vt_big, 
                                                  int lane) {
     constexpr int GROUPS = BN / 8, ITEMS = (HEAD / 32) * GROUPS * 2;
     static_assert(BN % 32 == 0 && HEAD % 32 == 0 && ITEMS % WARPS == 0, "whole slabs, whole rounds of items");
-    // Rolled: unrolled, ptxas hoisted every item's loads and spilled the producer's 40 registers.
+    // Rolled: unrolled, ptxas hoists every item's loads and spills the producer's 40 registers.
 #pragma unroll 1
     for (int r = 0; r < ITEMS / WARPS; ++r) {
         const int item = warp + r * WARPS;

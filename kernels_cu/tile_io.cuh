@@ -77,7 +77,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stri
     if (VEC) {
         constexpr int CHUNK = 16 / sizeof(T);
         constexpr int CHUNKS_PER_ROW = COLS / CHUNK;
-        // Unrolled by 2, not 4: four chunks' addresses live at once spilled the
+        // Unrolled by 2, not 4: four chunks' addresses live at once spills the
         // head-dim-128 two-strip forward on sm_90 (255 registers).
 #pragma unroll 2
         for (int i = threadIdx.x; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
@@ -110,10 +110,10 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stri
 // constant and one source pointer walks down the rows, so a thread holds a
 // pointer, a row count and one shared address rather than an address per chunk:
 // with 128 x 128 tiles at head dim 64 the forward's K/V prefetch then leaves the
-// softmax's registers alone (load_tile's loop spilled it). 16-byte chunks are
+// softmax's registers alone (load_tile's loop spills it). 16-byte chunks are
 // unrolled fully (at most 8 a thread in the forward's tiles). Element copies are
 // unrolled by 16, so 16 loads are in flight before their stores (by 4 or 8 the
-// d=64 band forward spilled 32 bytes on sm_90; fully, 32-iteration loops spilled
+// d=64 band forward spills 32 bytes on sm_90; fully, 32-iteration loops spill
 // 140-316 bytes). Shapes whose rows do not split evenly over the threads (scalar
 // copies of 256 columns) take load_tile.
 template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>

@@ -9,7 +9,7 @@
 // Operands are plain 8-byte shared loads (ldmatrix moves 16-bit data). Each B
 // fragment feeds M MMAs and, in the nt form, each A fragment N: a warp-wide
 // 8-byte load is 256 bytes, 2 clocks of the SM's 128 bytes a clock, about what
-// one m8n8k4 costs the SM at the H100's measured 59 TFLOP/s (~2.3 clocks), so a
+// one m8n8k4 costs the SM on the H100 (~2.3 clocks; benchmarks/dmma_rate.py), so a
 // loop with fewer than ~1 MMA per load is bound by shared memory.
 //
 // Bank conflicts. Shared memory has 32 banks of 4 bytes: 16 "pairs" of 8 bytes.

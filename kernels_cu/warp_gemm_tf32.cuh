@@ -12,13 +12,13 @@
 //       the bit dropped leaves at most 2^-23 |a|, the rounded split's worst case too (its one
 //       dropped bit is then a tie); CUTLASS's fast-f32 GEMMs also truncate small. 3
 //       instructions an element instead of 7: the split of K, V and P per fragment is most
-//       of the forward's issue slots (benchmarks/NOTES.md, branch f32-perf: the 3xTF32
-//       kernels are issue-bound, not tensor-bound).
+//       of the forward's issue slots (the 3xTF32 kernels are issue-bound, not
+//       tensor-bound).
 //
 // Fresh fragments. The tensor core adds an MMA's products and its C input with truncation,
 // not rounding: an accumulator carried through every k-step loses up to an ulp per MMA, in
-// one direction (measured on an H100, the lost tf32 branch of benchmarks/NOTES.md: its
-// 3xTF32 error grew with the head dim). So in SPLIT each k-step's three MMAs go into a zeroed
+// one direction (on an H100 a 3xTF32 product accumulated so has an error that grows with the
+// head dim; tests/test_fragments_tf32.py). So in SPLIT each k-step's three MMAs go into a zeroed
 // fragment (small products first, then big_a big_b), which is then added to the accumulator
 // with ordinary round-to-nearest FADDs. Plain TF32 (an error of ~2^-11 an operand) chains.
 //
@@ -202,11 +202,11 @@ __device__ __forceinline__ void warp_gemm_qk_tf32(float (&s)[M][N / 8][4], const
     const unsigned big_addr = a_lane_addr_tf32<P>(q_big, lane);
     const unsigned small_addr = a_lane_addr_tf32<P>(q_small, lane);
     const unsigned k_addr = bt_lane_addr_tf32<P>(k, lane);
-    // SPLIT keeps the k-steps a loop: unrolled, ptxas hoisted later steps' K fragments and their
-    // splits and spilled 20-324 bytes in every SPLIT variant (offline compile, sm_90). Where a step
+    // SPLIT keeps the k-steps a loop: unrolled, ptxas hoists later steps' K fragments and their
+    // splits and spills 20-324 bytes in every SPLIT variant (offline compile, sm_90). Where a step
     // has only the two fresh-fragment chains of one strip and one n8 pair (N = 16, M = 1: the dK/dV
-    // kernel's 16-query steps), two steps unrolled put four in flight: ncu found that kernel's warps
-    // waiting on MMA latency (twelfth session), and one step's fresh fragments were the next step's.
+    // kernel's 16-query steps), two steps unrolled put four in flight: with one, that kernel's warps
+    // wait on MMA latency, one step's fresh fragments being the next step's.
     constexpr int UNROLL = !SPLIT ? K / 8 : (M * N == 16 ? 2 : 1);
 #pragma unroll UNROLL
     for (int k0 = 0; k0 < K; k0 += 8) {
