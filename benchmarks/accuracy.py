@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from cuflash import reference
-from cuflash._device import gpu_available
+from cuflash._runtime.device import gpu_available
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 

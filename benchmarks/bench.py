@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from cuflash._device import gpu_available
+from cuflash._runtime.device import gpu_available
 
 import cuflash
 import cuflash.reference
-from cuflash import _launch, _variants
+from cuflash._dispatch import select
+from cuflash._runtime import device as cf_device
 
 try:
     import cupy as cp
@@ -112,9 +113,9 @@ def contenders(q, k, v, do, causal, with_bwd):
         return cuflash.attention_forward(q, k, v, causal=causal)
 
     out["cuflash"] = cf
-    if _launch._compute_capability() == _variants.HOPPER_CC and q.dtype.itemsize == 2:
+    if cf_device.compute_capability() == select.HOPPER_CC and q.dtype.itemsize == 2:
         def portable():   # the same call on the portable mma.sync path, as on a GPU without sm_90a
-            with mock.patch.object(_launch, "_compute_capability", _sm80):
+            with mock.patch.object(cf_device, "compute_capability", _sm80):
                 return cf()
         out["cuflash sm80"] = portable
     if not with_bwd and q.dtype != np.dtype(_cp_dtype("bfloat16")):

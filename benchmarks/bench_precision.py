@@ -2,7 +2,7 @@
 
 float32: cuflash precision="highest" (3xTF32 forward), precision="tf32", and the internal
 FMA forward ("cuflash fma", the baseline the tensor-core kernels replace; no public option
-names it, selected by patching ``_launch.forward_choice`` as tests/test_tf32_gpu.py does)
+names it, selected by patching ``cuflash._dispatch.plan.forward_choice``)
 against SDPA "efficient" and SDPA "math" in float32 with TF32 matmuls off (and on: "torch
 math tf32"). float64: cuflash against SDPA "math" and naive CuPy (materialised scores;
 forward+backward through ``reference.attention_backward_naive`` on the GPU). Every
@@ -325,13 +325,14 @@ def _torch_tf32(torch, allow):
 
 
 def _fma_forward():
-    """The float32 FMA forward for the calls inside (tests/test_tf32_gpu.py's _fma_only)."""
+    """The float32 FMA forward for the calls inside: the planner's ``forward_choice`` with the
+    precision (its last argument) replaced by "fma"."""
     from unittest import mock
 
-    from cuflash import _launch
+    from cuflash._dispatch import plan
 
-    choose = _launch.forward_choice
-    return mock.patch.object(_launch, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
+    choose = plan.forward_choice
+    return mock.patch.object(plan, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
 
 
 @contextlib.contextmanager
@@ -339,15 +340,15 @@ def _recording():
     """The family of every cuflash kernel launched inside (proof of which forward ran)."""
     from unittest import mock
 
-    from cuflash import _launch
+    from cuflash._runtime import launch
 
-    seen, real = [], _launch._launch
+    seen, real = [], launch.launch_kernel
 
     def record(variant, *args, **kwargs):
         seen.append(variant.family)
         return real(variant, *args, **kwargs)
 
-    with mock.patch.object(_launch, "_launch", record):
+    with mock.patch.object(launch, "launch_kernel", record):
         yield seen
 
 
@@ -479,7 +480,7 @@ def _progress(items, desc):
 def main(argv=None):
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench.py's timing helpers
-    from cuflash._device import gpu_available
+    from cuflash._runtime.device import gpu_available
 
     ok, why = gpu_available()
     if not ok:

@@ -15,6 +15,7 @@ forward+backward, the dtypes and head dims of benchmarks/bench.py.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import re
@@ -35,6 +36,16 @@ def load_tree(root: Path, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def patch_compute_capability(m, value: int) -> None:
+    """Make the tree ``m`` (loaded by :func:`load_tree`) report compute capability ``value``: its
+    ``_runtime.device.compute_capability`` where the tree has ``_runtime``, else the older layout's
+    ``_launch._compute_capability``."""
+    if importlib.util.find_spec(f"{m.__name__}._runtime") is not None:
+        importlib.import_module(f"{m.__name__}._runtime.device").compute_capability = lambda: value
+    else:
+        importlib.import_module(f"{m.__name__}._launch")._compute_capability = lambda: value
 
 
 def cases(quick: bool, lengths=None):
@@ -168,7 +179,7 @@ def main(argv=None):
     mods = [load_tree(args.before.resolve(), "cuflash_before"), load_tree(args.after.resolve(), "cuflash_after")]
     if args.portable:   # as bench.py's "cuflash sm80" contender
         for m in mods:
-            m._launch._compute_capability = lambda: 80
+            patch_compute_capability(m, 80)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     rows = []

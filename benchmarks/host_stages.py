@@ -1,14 +1,19 @@
 """Where a forward call's host time goes (needs a GPU; PyTorch for the peers).
 
-1. The stages of ``cuflash.attention_forward`` replayed with timestamps, back to back ("hot") and
-   each after a synchronisation ("cold", as bench.py times a call alone).
+1. The stages of ``cuflash.attention_forward`` replayed with timestamps as a call without a
+   memoised plan runs them (``options.forward_call``, then ``plan.plan_forward`` and
+   ``plan.execute_forward`` taken apart), back to back ("hot") and each after a synchronisation
+   ("cold", as bench.py times a call alone): checks (``options.forward_call``), alloc (out, lse),
+   masking (``masking.kernel_masking``), select (``select.forward_choice``), params
+   (``params.fwd_params``), maps (the Hopper kernel's tensor maps), launch
+   (``launch.launch_kernel``).
 2. The building blocks on their own, hot: the driver's tensor-map encoder (one map, through the
    ctypes call cuflash makes), ``cuTensorMapReplaceAddress`` on an encoded map, ``cupy.empty``,
-   a driver launch of an empty kernel, a NumPy scratch buffer.
+   a driver launch of an empty kernel, a NumPy scratch buffer, the validation and masking steps.
 3. cupyx's ``cpu_times`` of cuflash and the PyTorch backends.
 
-bf16, L = 1024, head dims 64 and 128, B x L = 16384, H x D = 2048. The replay mirrors api.py /
-_launch.py: keep it in step when they change.
+bf16, L = 1024, head dims 64 and 128, B x L = 16384, H x D = 2048. The replay mirrors
+cuflash/options.py and cuflash/_dispatch/plan.py: keep it in step when they change.
 
     PYTHONPATH=. python benchmarks/host_stages.py"""
 import ctypes
@@ -22,8 +27,13 @@ from cupyx.profiler import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from cuflash import _checks, _launch, _masking, _params, _tma  # noqa: E402
-from cuflash._variants import forward_choice, head_bucket, row_class  # noqa: E402
+from cuflash import options  # noqa: E402
+from cuflash._dispatch import masking as masking_  # noqa: E402
+from cuflash._dispatch import plan  # noqa: E402
+from cuflash._dispatch.model import head_bucket  # noqa: E402
+from cuflash._dispatch.select import forward_choice, row_class  # noqa: E402
+from cuflash._runtime import device, launch, params as params_, tma  # noqa: E402
+from cuflash.semantics import acc_dtype  # noqa: E402
 
 L = 1024
 rng = cp.random.default_rng(0)
@@ -31,28 +41,34 @@ rng = cp.random.default_rng(0)
 
 def staged(q, k, v):
     t = [time.perf_counter()]
-    p = _checks.check_qkv(q, k, v, causal=False, scale=None)
-    opts = _masking.check_options(p)
+    call = options.forward_call(q, k, v, causal=False, scale=None)
+    p, opts = call.problem, call.options
     t.append(time.perf_counter())
-    with cp.cuda.Device(p.q.device.id):
-        out = cp.empty((p.batch, p.heads_q, p.lq, p.dv), dtype=q.dtype)
-        lse = cp.empty((p.batch, p.heads_q, p.lq), dtype=np.float32)
+    with device.on_device(p.q.data.device_id):
+        out = cp.empty((p.batch, p.heads_q, p.lq, p.dv), dtype=p.q.dtype)
+        lse = cp.empty((p.batch, p.heads_q, p.lq), dtype=acc_dtype(p.dtype))
         t.append(time.perf_counter())
-        masking = _masking.kernel_masking(p, opts)
+        masking = masking_.kernel_masking(p, opts)
         t.append(time.perf_counter())
-        dd, dv = q.shape[3], v.shape[3]
-        head = head_bucket(max(dd, dv))
-        variant, _ = forward_choice("bfloat16", head, False, False, _launch.vec_loads_ok(dd, dv, q, k, v),
-                                    row_class(head, k.shape[2], False), _launch._compute_capability(),
-                                    _launch._smem_limit())
+        head = head_bucket(max(p.d, p.dv))
+        band = masking.band is not None
+        extra = masking.extra or not plan.scale_folds(p.scale)
+        variant, _ = forward_choice(p.dtype, head, band, extra, plan.vec_loads_ok(p.d, p.dv, p.q, p.k, p.v),
+                                    row_class(head, p.lk, band), device.compute_capability(), device.smem_limit())
+        blocks = variant.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)
+        grid = blocks if variant.schedule == "block" else min(blocks, device.sm_count())
         t.append(time.perf_counter())
-        params = _params.fwd_params(q, k, v, out, lse, group=1, scale=p.scale, mask=masking.values)
+        queue = cp.zeros(1, dtype=cp.int32) if variant.schedule == "queue" else None
+        params = params_.fwd_params(p.q, p.k, p.v, out, lse, group=p.group, scale=p.scale, mask=masking.values,
+                                    block_queue=0 if queue is None else queue.data.ptr)
         t.append(time.perf_counter())
-        maps = _tma.fwd_tensor_maps(q, k, v, out, variant.tile.block_m, variant.tile.block_n,
-                                    store_out=head >= _launch.TMA_STORE_O_HEAD)
+        extra_args = ()
+        if variant.arch == "sm90a":
+            store_out = variant.family == "fwd_wgmma" and head >= plan.TMA_STORE_O_HEAD
+            extra_args = (tma.fwd_tensor_maps(p.q, p.k, p.v, out, variant.tile.block_m, variant.tile.block_n,
+                                              store_out=store_out),)
         t.append(time.perf_counter())
-        b, h = q.shape[:2]
-        _launch._launch(variant, params, (b, h, 1, L, L), extra_args=(maps,))
+        launch.launch_kernel(variant, params, grid, extra_args)
         t.append(time.perf_counter())
     return np.diff(t) * 1e6
 
@@ -71,8 +87,8 @@ def per_call_us(fn, n=2000):
 
 def building_blocks(q):
     """Hot per-call microseconds of the pieces a forward is made of."""
-    encode = _tma._encode_fn()
-    strides = _tma._strides_if_ok(q)
+    encode = tma._encode_fn()
+    strides = tma._strides_if_ok(q)
     bq, hq, lq, dq = q.shape
     words = np.array([dq, lq, hq, bq, *strides, 0, 64 | 128 << 32, 1 | 1 << 32, 1 | 1 << 32, 1 | 1 << 32],
                      dtype=np.uint64)
@@ -116,11 +132,12 @@ def building_blocks(q):
     rows["driver.launchKernel, empty kernel"] = per_call_us(drv)
     rows["RawKernel call, empty kernel"] = per_call_us(lambda: nop((1,), (32,), (arg,)))
     cp.cuda.Device().synchronize()
-    p = _checks.check_qkv(q, q, q)
-    opts = _masking.check_options(p)
-    rows["check_qkv"] = per_call_us(lambda: _checks.check_qkv(q, q, q))
-    rows["check_options"] = per_call_us(lambda: _masking.check_options(p))
-    rows["kernel_masking"] = per_call_us(lambda: _masking.kernel_masking(p, opts))
+    p = options.check_qkv(q, q, q)
+    opts = options.check_options(p)
+    rows["forward_call (a signature seen before)"] = per_call_us(lambda: options.forward_call(q, q, q))
+    rows["check_qkv"] = per_call_us(lambda: options.check_qkv(q, q, q))
+    rows["check_options"] = per_call_us(lambda: options.check_options(p))
+    rows["kernel_masking"] = per_call_us(lambda: masking_.kernel_masking(p, opts))
     for name, us in rows.items():
         print(f"  {name:45s} {us:6.2f} us")
 

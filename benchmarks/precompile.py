@@ -3,9 +3,9 @@
     PYTHONPATH=. python benchmarks/precompile.py [--jobs 16] [--family REGEX] [--tile 128x48x4x3 --heads 128]
 
 The GPU tests compile each variant on first use, one at a time; on a fresh device that is most of a
-call's time. This builds every variant this GPU takes (``cuflash._variants.all_variants``, filtered by
+call's time. This builds every variant this GPU takes (``cuflash._dispatch.select.all_variants``, filtered by
 ``compile_target``; with --family only the families whose name matches) in ``--jobs`` processes, each
-loading its share through ``cuflash._build.get_kernel``, so that the tests (and pytest-xdist workers)
+loading its share through ``cuflash._runtime.build.get_kernel``, so that the tests (and pytest-xdist workers)
 load them from the cache (CUPY_CACHE_DIR) without compiling. ``--tile BMxBNxWARPSxSTAGES[xpark]`` (repeatable) builds
 the picked variants of head dims ``--heads`` at those tiles instead (a tuning script's candidates). Processes, not threads: a build holds the
 interpreter for its Python part, and 16 threads measured no faster than a few.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def _build(chunk):
-    from cuflash._build import CompileError, get_kernel
+    from cuflash._runtime.build import CompileError, get_kernel
 
     failed = []
     for v in chunk:
@@ -34,7 +34,7 @@ def _build(chunk):
 
 
 def _tile(text):
-    from cuflash._variants import Tile
+    from cuflash._dispatch.model import Tile
 
     parts = text.split("x")
     bm, bn, warps, stages = (int(x) for x in parts[:4])
@@ -50,10 +50,10 @@ def main():
     args = parser.parse_args()
     from dataclasses import replace
 
-    from cuflash._launch import _compute_capability
-    from cuflash._variants import all_variants
+    from cuflash._dispatch.select import all_variants
+    from cuflash._runtime.device import compute_capability
 
-    cc = _compute_capability()
+    cc = compute_capability()
     picked = [v for v in all_variants() if v.compile_target(f"sm_{cc}") and re.search(args.family, v.family)]
     if args.tile:
         heads = {int(h) for h in args.heads.split(",") if h}

@@ -46,12 +46,12 @@ def main() -> None:
     elif args.case == "padding":
         opts["mask"] = cp.ones((b, 1, 1, n), dtype=bool)
     if args.no_short_rule:
-        from cuflash import _variants
-        _variants.HOPPER_FWD_MIN_KEYS.clear()
-        _variants.HOPPER_FWD_SHORT_KEYS.clear()
+        from cuflash._dispatch import select
+        select.HOPPER_FWD_MIN_KEYS.clear()
+        select.HOPPER_FWD_SHORT_KEYS.clear()
     if args.portable:   # as bench.py's "cuflash sm80" contender: the kernels a GPU without sm_90a runs
-        from cuflash import _launch
-        _launch._compute_capability = lambda: 80
+        from cuflash._runtime import device
+        device.compute_capability = lambda: 80
     for _ in range(args.calls):
         out, lse = cuflash.attention_forward(q, k, v, **opts)
         if not args.forward_only:

@@ -5,7 +5,7 @@ before spending device time on it.
     python benchmarks/sass.py 'fwd_mma<half_t, TileCfg<64, 128, 64.*MaskFlags<false, false>, true>' [--arch sm_90]
         [--full] [--tile 32,128,4,2[,ctas][,park]]
 
-The regex picks the first matching variant of ``cuflash._variants.all_variants()``. The
+The regex picks the first matching variant of ``cuflash._dispatch.select.all_variants()``. The
 source is compiled with NVRTC 13 (through ctypes: CuPy's own NVRTC may be 12.x, whose cubins
 nvdisasm 13 does not read) with cuflash's options, disassembled with nvdisasm, and summarised:
 registers and spills, the instruction count by opcode, and the lines worth a look in a
@@ -32,8 +32,9 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cuflash._build import NVRTC_OPTIONS, load_source  # noqa: E402
-from cuflash._variants import Tile, all_variants  # noqa: E402
+from cuflash._dispatch.model import Tile  # noqa: E402
+from cuflash._dispatch.select import all_variants  # noqa: E402
+from cuflash._runtime.build import NVRTC_OPTIONS, load_source  # noqa: E402
 
 WATCH = re.compile(r"\b(D(ADD|MUL|FMA|SETP|MNMX)|F2F\.[A-Z0-9.]*F64|F2F\.F64|I2F\.F64|F2I\.[A-Z0-9.]*F64)\b")
 

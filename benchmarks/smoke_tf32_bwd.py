@@ -7,10 +7,12 @@ import numpy as np
 import cupy as cp
 
 import cuflash
-from cuflash import _launch, reference
+from cuflash import reference
+from cuflash._dispatch import plan
+from cuflash._runtime import launch
 
 launched = []
-_real_launch = _launch._launch
+_real_launch = launch.launch_kernel
 
 
 def _record(variant, *args, **kwargs):
@@ -18,7 +20,7 @@ def _record(variant, *args, **kwargs):
     _real_launch(variant, *args, **kwargs)
 
 
-_launch._launch = _record
+launch.launch_kernel = _record
 rng = np.random.default_rng(0)
 b, h, n, d = 1, 2, 300, 64
 q, k, v, do = (rng.standard_normal((b, h, n, d)).astype(np.float32) for _ in range(4))
@@ -35,15 +37,15 @@ def run(precision, deterministic, backward_precision=None):
     launched.clear()
     out, lse = cuflash.attention_forward(*dev[:3], causal=True, precision=precision)
     if backward_precision == "fma":   # the FMA backward: the baseline no public option selects
-        plan = _launch.backward_variants
-        _launch.backward_variants = lambda *a, **kw: plan(*a, **{**kw, "precision": "fma"})
+        choose = plan.backward_variants
+        plan.backward_variants = lambda *a, **kw: choose(*a, **{**kw, "precision": "fma"})
     try:
         grads = cuflash.attention_backward(dev[3], *dev[:3], out, lse, causal=True, precision=precision,
                                            deterministic=deterministic)
         cp.cuda.Device().synchronize()
     finally:
         if backward_precision == "fma":
-            _launch.backward_variants = plan
+            plan.backward_variants = choose
     errs = " ".join(f"{name} {rel(g, r):.2e}" for name, g, r in zip(("dq", "dk", "dv"), grads, ref))
     finite = all(bool(cp.isfinite(g).all()) for g in grads)
     print(f"{precision:7s} det={deterministic!s:5s} bwd={backward_precision or precision:7s} finite={finite} "

@@ -24,11 +24,12 @@ import numpy as np
 import cupy as cp
 
 import cuflash
-from cuflash import _launch, reference
+from cuflash import reference
+from cuflash._runtime import device, launch
 
 launched = []        # the families of the current call's kernels
 launched_extra = []  # whether each was an EXTRA variant
-_real_launch = _launch._launch
+_real_launch = launch.launch_kernel
 
 
 def _record(variant, *args, **kwargs):
@@ -37,8 +38,8 @@ def _record(variant, *args, **kwargs):
     _real_launch(variant, *args, **kwargs)
 
 
-_launch._launch = _record
-cc = _launch._compute_capability()
+launch.launch_kernel = _record
+cc = device.compute_capability()
 print(f"device compute capability {cc // 10}.{cc % 10}", flush=True)
 if cc != 90:
     print("not a Hopper GPU: the wgmma kernel is never chosen here", flush=True)
@@ -129,9 +130,9 @@ def run(case, precision, portable=False):
                                                  window=window, **host)
     tag = "PORTABLE" if portable else "        "
     print(f"{precision:7s} {tag} {name:18s} running", flush=True)   # a timeout stops after this line
-    saved = _launch._compute_capability
+    saved = device.compute_capability
     if portable:
-        _launch._compute_capability = lambda: 80
+        device.compute_capability = lambda: 80
     launched.clear()
     launched_extra.clear()
     try:
@@ -139,7 +140,7 @@ def run(case, precision, portable=False):
                                              window=window, precision=precision, **on_device(opts))
         cp.cuda.Device().synchronize()
     finally:
-        _launch._compute_capability = saved
+        device.compute_capability = saved
     mx, fro, lse_err, finite = errors(out, lse, ref_out, ref_lse)
     print(f"{precision:7s} {tag} {name:18s} {str(launched):26s} max {mx:.2e} fro {fro:.2e} lse {lse_err:.2e}"
           f"{'' if finite else '  NOT FINITE (or lse not -inf where no key is seen)'}", flush=True)
@@ -151,7 +152,7 @@ if "--plain" in sys.argv[1:]:
 elif "--extra" in sys.argv[1:]:
     CASES = [c for c in CASES if len(c) > 9]
 
-# "tf32" keeps the portable kernel on Hopper (_variants.TF32_WGMMA_FAMILY): its lines check that routing.
+# "tf32" keeps the portable kernel on Hopper (cuflash._dispatch.select.TF32_WGMMA_FAMILY): its lines check that routing.
 WANT = {"highest": "fwd_wgmma_tf32x3", "tf32": "fwd_tf32"}
 PORTABLE = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 FLOOR = {"highest": 2.0**-24, "tf32": 2.0**-11}

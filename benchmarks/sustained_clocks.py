@@ -6,12 +6,9 @@ and the loaded samples' mean clock and power (needs a GPU, PyTorch and nvidia-sm
 
 benchmarks/NOTES.md quotes its output (2026-11-26)."""
 import subprocess, sys, time, statistics as st
-from unittest import mock
-import numpy as np
 import cupy as cp
 sys.path.insert(0, "benchmarks")
 import bench
-from cuflash import _launch
 
 d, n, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "causal"
 b, h = max(1, 16384 // n), 2048 // d

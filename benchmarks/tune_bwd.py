@@ -37,8 +37,11 @@ import cupy as cp
 from cupyx.profiler import benchmark
 
 import cuflash
-from cuflash import _launch, reference
-from cuflash._variants import Tile, tile_override
+from cuflash import reference
+from cuflash._dispatch import plan
+from cuflash._dispatch.model import Tile
+from cuflash._dispatch.select import tile_override
+from cuflash._runtime import device
 
 CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split[, "late"])
     # "late": Tile.late_copies (the next step's Q / dO copies after the step's first GEMM).
@@ -71,25 +74,25 @@ def rel_diff(a, b):
 @contextlib.contextmanager
 def wide_backward(dkdv_k, dq_k):
     """The float64 tensor-core backward's dK/dV and dQ kernels with these ``wide_k``."""
-    real = _launch.backward_variants
+    real = plan.backward_variants
     wide = {"bwd_dkdv_dmma": dkdv_k, "bwd_dq_dmma": dq_k}
 
     def pick(*args, **kwargs):
-        plan = []
+        kernels = []
         for v in real(*args, **kwargs):
             if v.family in wide:
                 v = replace(v, tile=replace(v.tile, wide_k=wide[v.family]))
             if v.family == "bwd_dkdv_dmma" and v.tile.passes == 2:   # the table's plan has one pass only
-                plan += [replace(v, pass_=1, atomic_dq=False), replace(v, pass_=2)]
+                kernels += [replace(v, pass_=1, atomic_dq=False), replace(v, pass_=2)]
             else:
-                plan.append(v)
-        return tuple(plan)
+                kernels.append(v)
+        return tuple(kernels)
 
-    _launch.backward_variants = pick
+    plan.backward_variants = pick
     try:
         yield
     finally:
-        _launch.backward_variants = real
+        plan.backward_variants = real
 
 
 def main_float64(heads, rows):
@@ -182,7 +185,7 @@ def main():
             rng = cp.random.default_rng(0)
             q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(dtype) for _ in range(4))
             for causal in (False, True):
-                with mock.patch.object(_launch, "_compute_capability", _sm80):
+                with mock.patch.object(device, "compute_capability", _sm80):
                     out, lse = cuflash.attention_forward(q, k, v, causal=causal)
                 reference = None
                 if args.peer:
@@ -197,7 +200,7 @@ def main():
                     tile = Tile(bm, bn, warps, stages, "tuning", passes=passes, query_split=qsplit,
                                 late_copies="late" in flags)
                     with tile_override("bwd_dkdv_mma", d, tile, dtypes=(args.dtype,)), \
-                            mock.patch.object(_launch, "_compute_capability", _sm80):
+                            mock.patch.object(device, "compute_capability", _sm80):
                         call = lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)
                         dq, dk, dv = call()
                         t = benchmark(call, n_repeat=20, n_warmup=3)

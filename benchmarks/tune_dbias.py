@@ -14,7 +14,8 @@ import cupy as cp
 from cupyx.profiler import benchmark
 
 import cuflash
-from cuflash._variants import Tile, tile_override
+from cuflash._dispatch.model import Tile
+from cuflash._dispatch.select import tile_override
 
 # (block_m, block_n, warps): warps own 16 query rows each, so block_m = 16 * warps.
 CANDIDATES = [(64, 64, 4), (128, 64, 8), (64, 128, 4)]

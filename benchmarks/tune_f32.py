@@ -11,7 +11,7 @@ The first candidate of each head dim is the variant table's tile (the reference 
 errors are compared with). Errors are relative Frobenius norms against a float64 computation on
 the GPU of batch 0, head 0 (out for the forward; dq, dk, dv for the backward, whose forward is
 the table's). A candidate whose error exceeds twice the table's (plus 2^-24), or is not finite, is flagged "ERR".
-Each candidate's first (error) call records its launches (cuflash._launch._launch): the script
+Each candidate's first (error) call records its launches (cuflash._runtime.launch.launch_kernel): the script
 stops at once if the candidate's family did not run with the candidate's tile and split (a tile
 that does not fit the GPU falls back silently otherwise). `planned()` is the same check offline
 (tests/test_tune_f32.py).
@@ -25,10 +25,11 @@ import contextlib
 
 import numpy as np
 
-from cuflash import _variants
-from cuflash._variants import Tile, tile_override
+from cuflash._dispatch import model, select
+from cuflash._dispatch.model import Tile
+from cuflash._dispatch.select import tile_override
 
-H100_SMEM = _variants.SMEM_LIMITS["sm_90 (H100, H200)"]
+H100_SMEM = model.SMEM_LIMITS["sm_90 (H100, H200)"]
 
 # Candidates by head dim, the table's first (None). Registers / spills offline (NVRTC 12.9,
 # sm_90 / sm_80) and the SASS arithmetic are in git history (benchmarks/NOTES.md summarises them).
@@ -76,14 +77,14 @@ def without_hopper_forward(d):
     """The variant table without its float32 Hopper forward row at head dim ``d``: an H100 then runs the
     portable fwd_tf32x3 (its "sm90" row included), as it would with no such row."""
     key = ("sm90a", HOPPER_FWD, "float32", d)
-    saved = _variants._TABLE.pop(key, None)
-    _variants.clear_selection_caches()
+    saved = model.TABLES["plain"].pop(key, None)
+    select.clear_selection_caches()
     try:
         yield
     finally:
         if saved is not None:
-            _variants._TABLE[key] = saved
-        _variants.clear_selection_caches()
+            model.TABLES["plain"][key] = saved
+        select.clear_selection_caches()
 
 
 def override(family, d, tile):
@@ -102,9 +103,9 @@ def expected(family, d, tile):
     if tile is not None:
         return tile
     if family == HOPPER_FWD:
-        return _variants.Variant(family, "float32", d, arch="sm90a").tiles()[0]
-    arch = _variants._portable_arch(family, "float32", d, False, 90)
-    return _variants.Variant(family, "float32", d, arch=arch).tiles()[0]
+        return model.Variant(family, "float32", d, arch="sm90a").tiles()[0]
+    arch = select._portable_arch(family, "float32", d, False, 90)
+    return model.Variant(family, "float32", d, arch=arch).tiles()[0]
 
 
 def planned(d, causal, family, tile, smem_limit=H100_SMEM):
@@ -112,10 +113,10 @@ def planned(d, causal, family, tile, smem_limit=H100_SMEM):
     place of the table's (offline: no GPU needed)."""
     with override(family, d, tile):
         if family.startswith("fwd"):
-            vs = [_variants.forward_variant("float32", d, band=bool(causal), vec=True, cc=90, smem_limit=smem_limit)]
+            vs = [select.forward_variant("float32", d, band=bool(causal), vec=True, cc=90, smem_limit=smem_limit)]
         else:
-            vs = _variants.backward_variants("float32", d, band=bool(causal), vec=True, deterministic=False, cc=90,
-                                             smem_limit=smem_limit)
+            vs = select.backward_variants("float32", d, band=bool(causal), vec=True, deterministic=False, cc=90,
+                                          smem_limit=smem_limit)
     return [v for v in vs if v.family == family]
 
 
@@ -124,15 +125,15 @@ def launches():
     """The variants launched inside, in order (proof that a candidate ran)."""
     from unittest import mock
 
-    from cuflash import _launch
+    from cuflash._runtime import launch
 
-    seen, real = [], _launch._launch
+    seen, real = [], launch.launch_kernel
 
     def record(variant, *args, **kwargs):
         seen.append(variant)
         return real(variant, *args, **kwargs)
 
-    with mock.patch.object(_launch, "_launch", record):
+    with mock.patch.object(launch, "launch_kernel", record):
         yield seen
 
 
@@ -202,9 +203,9 @@ def sdpa_efficient(q, k, v, do, causal, repeat):
 
 def _hopper():
     """Whether the current GPU takes the sm90a kernels (compute capability 9.0)."""
-    from cuflash import _launch
+    from cuflash._runtime import device
 
-    return _launch._compute_capability() == _variants.HOPPER_CC
+    return device.compute_capability() == select.HOPPER_CC
 
 
 def flagged_errors(errs, table_errs):

@@ -25,8 +25,11 @@ import cupy as cp
 from cupyx.profiler import benchmark
 
 import cuflash
-from cuflash import _launch, reference
-from cuflash._variants import Tile, Variant, tile_override
+from cuflash import reference
+from cuflash._dispatch import plan
+from cuflash._dispatch.model import Tile, Variant
+from cuflash._dispatch.select import tile_override
+from cuflash._runtime import device
 
 # (block_m, block_n, warps[, "park"]); the first is the reference the others are checked against. "park":
 # the kernel's PARK (Tile.park: block coordinates and loop bounds in shared memory, flash_fwd_mma.cu).
@@ -60,19 +63,19 @@ FMA_F64 = {32: Tile(64, 64, 8, 1, "baseline"), 64: Tile(64, 64, 8, 1, "baseline"
 @contextlib.contextmanager
 def forced_forward(family, tile, wide_k=0):
     """Every forward through ``family`` at ``tile`` (and ``wide_k``), whatever the table says
-    (launch_forward asks forward_choice for its variant and the portable fallback)."""
-    real = _launch.forward_choice
+    (plan.plan_forward asks forward_choice for its variant and the portable fallback)."""
+    real = plan.forward_choice
 
     def pick(dtype, head, band, extra, vec, rows, cc, smem_limit, precision="highest"):
         v = Variant(family, dtype, head, band=band, extra=extra, vec=vec and family != "fwd_fma",
                     tile=replace(tile, wide_k=wide_k))
         return v, v
 
-    _launch.forward_choice = pick
+    plan.forward_choice = pick
     try:
         yield
     finally:
-        _launch.forward_choice = real
+        plan.forward_choice = real
 
 
 def fma_forward(d):
@@ -148,7 +151,7 @@ def main():
     if sm90 and not float64:
         # The candidates are tiles of the portable fwd_mma kernel: without this a Hopper GPU would run
         # its wgmma forward for every row (bench.py's "cuflash sm80" contender does the same).
-        _launch._compute_capability = lambda: 80
+        device.compute_capability = lambda: 80
     heads = args.heads or ("32,64,128,256" if float64 else "32,64,128")
     dtypes = (np.float64,) if float64 else (np.float16, ml_dtypes.bfloat16)
     print(f"{'dtype':5} {'D':>4} {'L':>5} {'config':>14} {'causal':>6} {'ms':>8} {'TFLOP/s':>8} {'max|diff|':>9}"

@@ -6,7 +6,7 @@ them) and drains its epilogue alone. FwdWgmmaTraits::PERSISTENT variants can wal
 the next block's Q and first tiles landing while this one finishes. This script times, on the
 same buffers and interleaved round by round,
 
-    per-block    a CTA a query block (HOPPER_FWD_PERSISTENT off)
+    per-block    a CTA a query block (every schedule "block", as with select.HOPPER_FWD_PERSISTENT off)
     persistent   the default: one CTA an SM, a stride over the blocks without a causal band; causal
                  head dim 128 takes its blocks from a block queue, causal head
                  dim 64 a CTA a block
@@ -23,24 +23,45 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+from dataclasses import replace
 
-from cuflash import _launch, _variants
+from cuflash._dispatch import model, plan
 
 from tune_short import print_header, problems, time_rules
+
+
+def _rescheduled(rule):
+    """``plan.forward_choice`` with the Hopper forward's schedule replaced by ``rule(variant)`` (one
+    function a rule, so that the plan memo keeps its plans)."""
+    choose = plan.forward_choice
+
+    @functools.lru_cache(maxsize=None)
+    def pick(*args):
+        variant, portable = choose(*args)
+        if variant.family == "fwd_wgmma":
+            variant = replace(variant, schedule=rule(variant))
+        return variant, portable
+
+    return pick
+
+
+RULES = {
+    "per-block": _rescheduled(lambda v: "block"),
+    "persistent": plan.forward_choice,   # the library's own (select.schedule_for)
+    "stride": _rescheduled(lambda v: "stride" if model.walkable(v) else "block"),
+}
 
 
 @contextlib.contextmanager
 def grid_rule(kind):
     """Forwards launched by one grid rule ("per-block", "persistent" or "stride")."""
-    saved = _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid, _launch.block_queue
-    _variants.HOPPER_FWD_PERSISTENT = kind != "per-block"
-    if kind == "stride":
-        _launch.persistent_grid = _variants.wgmma_persistent
-        _launch.block_queue = lambda variant: False
+    real = plan.forward_choice
+    plan.forward_choice = RULES[kind]
     try:
         yield
     finally:
-        _variants.HOPPER_FWD_PERSISTENT, _launch.persistent_grid, _launch.block_queue = saved
+        plan.forward_choice = real
 
 
 def main():

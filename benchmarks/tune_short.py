@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from dataclasses import replace
 
 import ml_dtypes
@@ -29,8 +30,9 @@ import cupy as cp
 from cupyx.profiler import benchmark
 
 import cuflash
-from cuflash import _launch
-from cuflash._variants import Variant, forward_variant, has_short_tile
+from cuflash._dispatch import plan
+from cuflash._dispatch.model import Variant
+from cuflash._dispatch.select import forward_variant, has_short_tile, schedule_for
 
 try:
     import torch
@@ -38,11 +40,11 @@ except ImportError:   # pragma: no cover - the device has it
     torch = None
 
 
-@contextlib.contextmanager
-def forced(kind):
-    """Forwards through one kernel choice ("portable", "hopper" or "short") whatever the rules say."""
-    real = _launch.forward_choice
+def _choice(kind):
+    """A ``plan.forward_choice`` that returns one kernel choice ("portable", "hopper" or "short")
+    whatever the rules say (one function a kind, so that the plan memo keeps its plans)."""
 
+    @functools.lru_cache(maxsize=None)
     def pick(dtype, head, band, extra, vec, rows, cc, smem_limit, precision="highest"):
         portable = forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=smem_limit, cc=cc,
                                    wgmma=False)
@@ -51,13 +53,23 @@ def forced(kind):
         hopper = Variant("fwd_wgmma", dtype, head, band=band, extra=extra, arch="sm90a").fitted(smem_limit)
         if kind == "short":
             hopper = replace(hopper, short=True, tile=None).fitted(smem_limit)
-        return hopper, portable
+        return replace(hopper, schedule=schedule_for(hopper)), portable   # the schedule the library gives it
 
-    _launch.forward_choice = pick
+    return pick
+
+
+CHOICES = {kind: _choice(kind) for kind in ("portable", "hopper", "short")}
+
+
+@contextlib.contextmanager
+def forced(kind):
+    """Forwards through one kernel choice ("portable", "hopper" or "short") whatever the rules say."""
+    real = plan.forward_choice
+    plan.forward_choice = CHOICES[kind]
     try:
         yield
     finally:
-        _launch.forward_choice = real
+        plan.forward_choice = real
 
 
 def time_alone(fn, repeat):

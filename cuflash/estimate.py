@@ -26,6 +26,7 @@ from typing import Optional
 
 from ._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, head_bucket
 from ._dispatch.select import forward_variant
+from .semantics import acc_itemsize
 
 __all__ = ["estimate", "Estimate"]
 
@@ -150,7 +151,7 @@ def estimate(*, lq: int, lk: int, d: int, dv: Optional[int] = None, dtype: str =
     size = ITEMSIZE[dtype]
     inputs = (heads * lq * d + batch * heads_k * lk * (d + dv)) * size
     output = heads * lq * dv * size
-    lse = heads * lq * (8 if dtype == "float64" else 4)
+    lse = heads * lq * acc_itemsize(dtype)
     scores = heads * lq * lk
     naive = inputs + output + 4 * scores * size       # S written, read; P written, read
     flash = heads * (lq * d * size + processed * bn * (d + dv) * size) + output + lse

@@ -8,7 +8,7 @@ CPU reference path, same code).
     PYTHONPATH=. python examples/learn_query_projection.py
 """
 import cuflash
-from cuflash._device import gpu_available
+from cuflash._runtime.device import gpu_available
 
 ok, why = gpu_available()
 if ok:
