@@ -24,6 +24,7 @@
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "epilogue.cuh"
 
 template <typename Cfg, bool EXTRA>
 struct FwdDmmaTraits {
@@ -153,18 +154,5 @@ flash_fwd_dmma(const FwdParams p) {
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-        double inv_sum, row_lse;
-        softmax_finalize_row<4>(row_max[m], row_sum[m], inv_sum, row_lse);
-        const int row = warp * Tr::WARP_ROWS + 8 * m + frag_row_f64(lane);
-        if (row >= blk.rows) continue;
-        double* out_row = p.out.at<double>(blk.batch, blk.head, blk.m0 + row);
-#pragma unroll
-        for (int t = 0; t < Tr::O_TILES; ++t) {
-            const int col = frag_col_f64(lane, t, 0);
-            store_out_pair<VEC>(out_row, col, dims.dv, acc_o[m][t][0] * inv_sum, acc_o[m][t][1] * inv_sum);
-        }
-        if (lane % 4 == 0) *p.lse.at<double>(blk.batch, blk.head, blk.m0 + row) = row_lse;
-    }
+    store_o_lse_f64_frags<VEC, double>(p, blk, warp * Tr::WARP_ROWS, lane, acc_o, row_max, row_sum);
 }

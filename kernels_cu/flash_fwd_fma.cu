@@ -16,6 +16,7 @@
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "epilogue.cuh"
 
 template <typename T, typename Cfg>
 struct FwdFmaTraits {
@@ -136,18 +137,6 @@ flash_fwd_fma(const FwdParams p) {
         __syncthreads();   // the next tile's loads overwrite K, V and P
     }
 
-#pragma unroll
-    for (int i = 0; i < Tr::TM; ++i) {
-        A inv_sum, row_lse;
-        softmax_finalize_row<16>(row_max[i], row_sum[i], inv_sum, row_lse);
-        const int row = row0 + i;
-        if (row >= blk.rows) continue;
-        T* out_row = p.out.at<T>(blk.batch, blk.head, m0 + row);
-#pragma unroll
-        for (int c = 0; c < Tr::TD; ++c) {
-            const int col = tx + 16 * c;
-            if (col < dims.dv) out_row[col] = acc_o[i][c] * inv_sum;
-        }
-        if (tx == 0) *p.lse.at<A>(blk.batch, blk.head, m0 + row) = row_lse;
-    }
+    // Epilogue: O = acc_o / l, lse per row (16 threads a row). Rows past lq are not written.
+    store_o_lse_thread_rows<16, T>(p, blk, row0, tx, acc_o, row_max, row_sum);
 }

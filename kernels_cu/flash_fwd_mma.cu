@@ -27,6 +27,7 @@
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "epilogue.cuh"
 
 template <typename T, typename Cfg, bool EXTRA>
 struct FwdMmaTraits {
@@ -192,20 +193,5 @@ flash_fwd_mma(const FwdParams p) {
         out_lane = tid % 32;
         out_blk = unpark_query_block<BM>(parking_slot(out_warp), dims);
     }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float inv_sum, row_lse;
-            softmax_finalize_row<4>(row_max[m][r], row_sum[m][r], inv_sum, row_lse);
-            const int row = out_warp * Tr::WARP_ROWS + 16 * m + out_lane / 4 + 8 * r;
-            if (row >= out_blk.rows) continue;
-            T* out_row = p.out.at<T>(out_blk.batch, out_blk.head, out_blk.m0 + row);
-#pragma unroll
-            for (int t = 0; t < Tr::O_TILES; ++t) {
-                const int col = t * 8 + 2 * (out_lane % 4);
-                store_out_pair<VEC>(out_row, col, dims.dv, acc_o[m][t][2 * r] * inv_sum, acc_o[m][t][2 * r + 1] * inv_sum);
-            }
-            if (out_lane % 4 == 0) *p.lse.at<float>(out_blk.batch, out_blk.head, out_blk.m0 + row) = row_lse;
-        }
+    store_o_lse_c_frags<VEC, T>(p, out_blk, out_warp * Tr::WARP_ROWS, out_lane, acc_o, row_max, row_sum);
 }

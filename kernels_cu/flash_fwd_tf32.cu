@@ -27,6 +27,7 @@
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "epilogue.cuh"
 
 template <typename Cfg, bool EXTRA, int SPLIT>
 struct FwdTf32Traits {
@@ -149,20 +150,5 @@ flash_fwd_tf32(const FwdParams p) {
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float inv_sum, row_lse;
-            softmax_finalize_row<4>(row_max[m][r], row_sum[m][r], inv_sum, row_lse);
-            const int row = warp * Tr::WARP_ROWS + 16 * m + lane / 4 + 8 * r;
-            if (row >= blk.rows) continue;
-            float* out_row = p.out.at<float>(blk.batch, blk.head, blk.m0 + row);
-#pragma unroll
-            for (int t = 0; t < Tr::O_TILES; ++t) {
-                const int col = t * 8 + 2 * (lane % 4);
-                store_out_pair<VEC>(out_row, col, dims.dv, acc_o[m][t][2 * r] * inv_sum, acc_o[m][t][2 * r + 1] * inv_sum);
-            }
-            if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
-        }
+    store_o_lse_c_frags<VEC, float>(p, blk, warp * Tr::WARP_ROWS, lane, acc_o, row_max, row_sum);
 }

@@ -41,6 +41,7 @@
 #include "wgmma.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
+#include "epilogue.cuh"
 
 template <typename T, typename Cfg, bool EXTRA, int SCHEDULE>
 struct FwdWgmmaTraits {
@@ -455,18 +456,9 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 named_bar_sync(3 + consumer, 128);
             }
             unsigned char* o_tile = smem_raw + (o_wg - base);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float inv_sum, row_lse;
-                softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
-                const int row = (cwarp % 4) * 16 + lane / 4 + 8 * r;   // within the warpgroup's 64
-#pragma unroll
-                for (int n = 0; n < Tr::O_TILES; ++n)
-                    *reinterpret_cast<unsigned*>(o_tile + sw128_offset(row, frag_col(lane, n, 0), BM * 128)) =
-                        pack2<T>(acc_o[0][n][2 * r] * inv_sum, acc_o[0][n][2 * r + 1] * inv_sum);
-                if (lane % 4 == 0 && consumer * 64 + row < blk.rows)
-                    *p.lse.at<float>(blk.batch, blk.head, blk.m0 + consumer * 64 + row) = row_lse;
-            }
+            // the warp's rows within the warpgroup's 64, 128-byte swizzled slabs of BM rows
+            stage_o_lse_c_frags<T>(o_tile, [](int row, int col) { return sw128_offset(row, col, BM * 128); }, p.lse,
+                                   blk, (cwarp % 4) * 16, consumer * 64, lane, acc_o, row_max, row_sum);
             fence_proxy_async_smem();
             named_bar_sync(3 + consumer, 128);
             if (storer) {
@@ -480,21 +472,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 }
             }
         } else {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float inv_sum, row_lse;
-                softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
-                const int row = cwarp * 16 + lane / 4 + 8 * r;
-                if (row >= blk.rows) continue;
-                T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);
-#pragma unroll
-                for (int c = 0; c < Tr::O_TILES; ++c) {
-                    const int col = c * 8 + 2 * (lane % 4);
-                    store_out_pair<true>(out_row, col, dims.dv, acc_o[0][c][2 * r] * inv_sum,
-                                         acc_o[0][c][2 * r + 1] * inv_sum);
-                }
-                if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
-            }
+            store_o_lse_c_frags<true, T>(p, blk, cwarp * 16, lane, acc_o, row_max, row_sum);
         }
         q_round += has_tiles;
         if constexpr (Tr::ONE_PASS_BREAK) break;

@@ -49,6 +49,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 #include "bias_frags.cuh"
+#include "epilogue.cuh"
 
 template <typename Cfg, int SPLIT>
 struct FwdWgmmaTf32Traits {
@@ -349,19 +350,5 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
     }
 
     // Epilogue: O = acc_o / l, lse per row; rows past lq and columns past dv are not written.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float inv_sum, row_lse;
-        softmax_finalize_row<4>(row_max[0][r], row_sum[0][r], inv_sum, row_lse);
-        const int row = cwarp * 16 + lane / 4 + 8 * r;
-        if (row >= blk.rows) continue;
-        float* out_row = p.out.at<float>(blk.batch, blk.head, blk.m0 + row);
-#pragma unroll
-        for (int n = 0; n < Tr::O_TILES; ++n) {
-            const int col = n * 8 + 2 * (lane % 4);
-            store_out_pair<true>(out_row, col, dims.dv, acc_o[0][n][2 * r] * inv_sum,
-                                 acc_o[0][n][2 * r + 1] * inv_sum);
-        }
-        if (lane % 4 == 0) *p.lse.at<float>(blk.batch, blk.head, blk.m0 + row) = row_lse;
-    }
+    store_o_lse_c_frags<true, float>(p, blk, cwarp * 16, lane, acc_o, row_max, row_sum);
 }

@@ -13,7 +13,7 @@
 // stays far from overflow in fp32, fp16 and bf16.
 // The backward recomputes P = 2^(x - lse * log2 e) from the saved lse.
 // GROUP consecutive lanes hold pieces of the same row; row_max is kept equal
-// across them, row_sum is reduced only once, in finalize.
+// across them, row_sum is reduced only once, in the epilogue (epilogue.cuh).
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -46,14 +46,6 @@ __device__ __forceinline__ A softmax_update_row(A (&s)[N], A& row_max, A& row_su
     row_sum = row_sum * correction + tile_sum;
     row_max = new_max;
     return correction;
-}
-
-// The row's 1/sum (0 for a row that attended to nothing) and its natural-log lse.
-template <int GROUP, typename A>
-__device__ __forceinline__ void softmax_finalize_row(A row_max, A row_sum, A& inv_sum, A& lse) {
-    const A total = group_sum<GROUP>(row_sum);
-    inv_sum = total > A(0) ? A(1) / total : A(0);
-    lse = total > A(0) ? (row_max + log2_of(total)) * A(LN2) : neg_inf<A>();
 }
 
 // The saved natural-log lse in log2 units, as the backward's P = 2^(x - lse_log2)
