@@ -4,8 +4,9 @@
 # Steps (default "compile tests demo bench"):
 #   compile   build every kernel variant for this GPU into CuPy's cache, in parallel
 #   tests     python -m pytest -m gpu (extra arguments go to pytest)
-#   sanitize  compute-sanitizer: memcheck on the full sanitize workload, racecheck and
-#             synccheck on its quick set (benchmarks/sanitize_workload.py)
+#   sanitize  compute-sanitizer: memcheck and initcheck on the full sanitize workload, racecheck
+#             and synccheck on its quick set, synccheck on the persistent Hopper forward
+#             (benchmarks/sanitize_workload.py; $SAN_SPECS overrides the list)
 #   compare   benchmarks/compare_trees.py --before $BEFORE (default .before) --after .
 #   accuracy  benchmarks/accuracy.py (the README's accuracy table)
 #   demo      python -m cuflash demo
@@ -47,11 +48,13 @@ fi
 if has sanitize; then
   san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   echo "== compute-sanitizer ($san) ==" >> "$summary"
-  for spec in "memcheck:" "racecheck:--quick" "synccheck:--quick"; do
-    tool=${spec%%:*}; extra=${spec#*:}
+  n=0
+  for spec in ${SAN_SPECS:-memcheck: initcheck: racecheck:--quick synccheck:--quick synccheck:--hopper-persistent}; do
+    tool=${spec%%:*}; extra=${spec#*:}; n=$((n + 1))
+    log="$OUT/sanitize_${n}_$tool.log"
     timeout "${SAN_TIMEOUT:-300}" "$san" --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_workload.py $extra \
-      > "$OUT/sanitize_$tool.log" 2>&1
-    echo "$tool exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$OUT/sanitize_$tool.log" | tail -2 | tr '\n' ' ') ($(grep -c finite=True "$OUT/sanitize_$tool.log") calls)" >> "$summary"
+      > "$log" 2>&1
+    echo "$tool $extra exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$log" | tail -2 | tr '\n' ' ') ($(grep -c finite=True "$log") finite, $(grep -c finite=False "$log") not)" >> "$summary"
   done
 fi
 if has compare; then
