@@ -63,19 +63,28 @@ def _representatives():
 REPRESENTATIVES = _representatives()
 
 
-def _build_all(jobs):
-    """Each (arch, variant) of ``jobs`` compiled once, in parallel (NVRTC releases the GIL)."""
-    def build(job):
-        try:
-            return job, compile_offline(job[1].entry, job[1].name, job[1].compile_target(job[0]))
-        except CompileError as exc:
-            return job, exc
+def _build(job):
+    arch, variant = job
+    try:
+        return compile_offline(variant.entry, variant.name, variant.compile_target(arch))
+    except CompileError as exc:
+        return exc
 
+
+def _build_selected(request, test_name):
+    """The (arch, variant) builds of the selected ``test_name`` cases, compiled once each in parallel
+    threads (NVRTC releases the GIL). Under pytest-xdist (``-n``) a worker runs only some of the cases it
+    collected, so there each case compiles its own variant (None here) and the workers are the parallelism."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    jobs = list(dict.fromkeys((item.callspec.params["arch"], item.callspec.params["variant"])
+                              for item in request.session.items if getattr(item, "originalname", None) == test_name))
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-        return dict(pool.map(build, jobs))
+        return dict(zip(jobs, pool.map(_build, jobs)))
 
 
-def _check_build(build, arch, variant):
+def _check_build(builds, arch, variant):
+    build = builds[(arch, variant)] if builds is not None else _build((arch, variant))
     if isinstance(build, CompileError):
         pytest.fail(f"{variant.name} does not compile for {arch}:\n{build.log}")
     assert build.spills == 0, f"{variant.name} spills on {arch}:\n{build.log}"
@@ -84,14 +93,14 @@ def _check_build(build, arch, variant):
 
 
 @pytest.fixture(scope="module")
-def representative_builds():
-    return _build_all([(arch, v) for arch, _, v in REPRESENTATIVES])
+def representative_builds(request):
+    return _build_selected(request, "test_each_family_compiles_without_spills")
 
 
 @pytest.fixture(scope="module")
-def builds():
-    """Every (arch, variant) of the table compiled once (the sweep)."""
-    return _build_all(VARIANTS)
+def builds(request):
+    """Every selected (arch, variant) of the table compiled once (the sweep)."""
+    return _build_selected(request, "test_variant_compiles_without_spills")
 
 
 def test_every_family_and_arch_has_a_representative():
@@ -103,14 +112,14 @@ def test_every_family_and_arch_has_a_representative():
 @needs_nvrtc
 @pytest.mark.parametrize("arch,family,variant", REPRESENTATIVES, ids=[f"{a}-{f}" for a, f, _ in REPRESENTATIVES])
 def test_each_family_compiles_without_spills(representative_builds, arch, family, variant):
-    _check_build(representative_builds[(arch, variant)], arch, variant)
+    _check_build(representative_builds, arch, variant)
 
 
 @pytest.mark.sweep
 @needs_nvrtc
 @pytest.mark.parametrize("arch,variant", VARIANTS, ids=[f"{a}-{v.name}" for a, v in VARIANTS])
 def test_variant_compiles_without_spills(builds, arch, variant):
-    _check_build(builds[(arch, variant)], arch, variant)
+    _check_build(builds, arch, variant)
 
 
 @needs_nvrtc
