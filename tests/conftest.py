@@ -1,17 +1,83 @@
-"""Shared fixtures: the `gpu` marker skips with a clear reason where no device is usable."""
+"""Test tiers, the GPU skip, and shared fixtures.
+
+Tiers (markers registered in pyproject.toml, whose ``addopts`` leaves out both sweeps by default):
+
+* default, ``python -m pytest -q -rs`` (the README and CI): every behavioural test on the CPU and one
+  NVRTC compile per (kernel family, architecture); GPU tests are collected and skip with the reason.
+* ``sweep``, ``python -m pytest -m sweep -n auto``: the NVRTC compile of every kernel variant for every
+  architecture that takes it, with zero spills (CPU; CI runs it after the default run).
+* ``gpu``, ``python -m pytest -m gpu -n 8``: the GPU tests, representative cases of every kernel family,
+  dtype and masking option (one H200, well inside 10 minutes).
+* ``gpu_sweep``: every kernel variant (and the full grids the ``gpu`` tier samples) on the GPU. Run it in
+  parts, each inside a 10-minute call, e.g. four::
+
+      python benchmarks/precompile.py --jobs 16        # optional: fill CuPy's kernel cache first
+      python -m pytest -q -m gpu_sweep -n 8 --sweep-part 1/4
+      python -m pytest -q -m gpu_sweep -n 8 --sweep-part 2/4
+      python -m pytest -q -m gpu_sweep -n 8 --sweep-part 3/4
+      python -m pytest -q -m gpu_sweep -n 8 --sweep-part 4/4
+
+  ``--sweep-part i/n`` keeps every n-th ``sweep`` / ``gpu_sweep`` test (round robin over the collection
+  order, so each part spans every family); other tests are left alone. A ``gpu_sweep`` test runs only when
+  the ``-m`` expression names ``gpu_sweep``: ``-m gpu`` leaves out the sampled grids' other cases (which
+  carry both markers).
+
+Without a usable GPU, ``gpu`` and ``gpu_sweep`` tests skip with the reason.
+"""
+import re
+
 import pytest
 
 from cuflash._device import gpu_available
 
 _GPU_OK, _GPU_WHY = gpu_available()
+_GPU_MARKERS = ("gpu", "gpu_sweep")
+_SWEEP_MARKERS = ("sweep", "gpu_sweep")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--sweep-part", default=None, metavar="I/N",
+                     help="run part I of N of the sweep / gpu_sweep tests (round robin; e.g. 2/4)")
+
+
+def _sweep_part(config):
+    text = config.getoption("--sweep-part")
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not match or not 1 <= int(match.group(1)) <= int(match.group(2)):
+        raise pytest.UsageError(f"--sweep-part takes I/N with 1 <= I <= N, not {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _has(item, names):
+    return any(item.get_closest_marker(name) is not None for name in names)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    names_gpu_sweep = "gpu_sweep" in (config.option.markexpr or "")
+    part = _sweep_part(config)
+    index = 0
+    for item in items:
+        if item.get_closest_marker("gpu_sweep") is not None and not names_gpu_sweep:
+            drop.append(item)       # a sampled grid's other case: -m gpu leaves it out
+            continue
+        if part is not None and _has(item, _SWEEP_MARKERS):
+            index += 1
+            if (index - 1) % part[1] != part[0] - 1:
+                drop.append(item)
+                continue
+        keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     if _GPU_OK:
         return
     skip = pytest.mark.skip(reason=f"GPU test skipped: {_GPU_WHY}")
     for item in items:
-        if "gpu" in item.keywords:
+        if _has(item, _GPU_MARKERS):
             item.add_marker(skip)
 
 

@@ -1,10 +1,13 @@
-"""Kernel build (CPU): sources, hashing, and the NVRTC compile of every variant.
+"""Kernel build (CPU): sources, hashing, and the NVRTC compile of the kernel variants.
 
-Every variant of the variant table must compile for sm_80 and sm_90 with zero
-spill bytes and no local memory; this runs NVRTC directly and needs no GPU.
-The kernels static_assert the tile configuration, thread count and shared-memory
-size in each variant's name expression, so a table entry that disagrees with
-its kernel fails to compile here.
+Default tier: one variant of each (kernel family, architecture) compiles with zero spill
+bytes and no local memory (test_each_family_compiles_without_spills), NVRTC directly, no GPU.
+The kernels static_assert the tile configuration, thread count and shared-memory size in each
+variant's name expression, so a name expression that disagrees with its kernel fails to compile
+(test_table_and_kernel_cannot_drift).
+
+Marker ``sweep`` (``python -m pytest -m sweep``): every variant of the table for sm_80 and sm_90
+(test_variant_compiles_without_spills) and the float64 tuning candidates, each with zero spills.
 """
 import os
 from dataclasses import replace
@@ -39,32 +42,84 @@ def test_each_header_is_inlined_once():
 VARIANTS = [(arch, v) for arch in ARCHES for v in all_variants() if v.compile_target(arch)]
 
 
-@pytest.fixture(scope="module")
-def builds():
-    """Every (arch, variant) compiled once, in parallel (NVRTC releases the GIL)."""
-    jobs = VARIANTS
+def _representative(arch, variants):
+    """The variant of one (family, arch) group that is compiled in the default tier: on sm_90 a row only
+    sm_90 takes where the family has one (sm_80 builds the others), then the most code (EXTRA masking,
+    a band, a dbias, 16-byte loads), then the largest head bucket and tile."""
+    def key(v):
+        only_here = arch == "sm_90" and v.compile_target("sm_80") is None
+        return (only_here, v.extra, v.band, getattr(v, "dbias", False), v.vec, v.head or 0, v.smem_bytes, v.name)
+    return max(variants, key=key)
 
-    def build(job):
-        try:
-            return job, compile_offline(job[1].entry, job[1].name, job[1].compile_target(job[0]))
-        except CompileError as exc:
-            return job, exc
 
+def _representatives():
+    groups = {}
+    for arch, v in VARIANTS:
+        groups.setdefault((arch, v.family), []).append(v)
+    return [(arch, family, _representative(arch, vs)) for (arch, family), vs in sorted(groups.items())]
+
+
+# One variant per (arch, family): the default tier's NVRTC compiles (39 of the sweep's ~2,000).
+REPRESENTATIVES = _representatives()
+
+
+def _build(job):
+    arch, variant = job
+    try:
+        return compile_offline(variant.entry, variant.name, variant.compile_target(arch))
+    except CompileError as exc:
+        return exc
+
+
+def _build_selected(request, test_name):
+    """The (arch, variant) builds of the selected ``test_name`` cases, compiled once each in parallel
+    threads (NVRTC releases the GIL). Under pytest-xdist (``-n``) a worker runs only some of the cases it
+    collected, so there each case compiles its own variant (None here) and the workers are the parallelism."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    jobs = list(dict.fromkeys((item.callspec.params["arch"], item.callspec.params["variant"])
+                              for item in request.session.items if getattr(item, "originalname", None) == test_name))
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-        return dict(pool.map(build, jobs))
+        return dict(zip(jobs, pool.map(_build, jobs)))
 
 
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("arch,variant", VARIANTS, ids=[f"{a}-{v.name}" for a, v in VARIANTS])
-def test_variant_compiles_without_spills(builds, arch, variant):
-    build = builds[(arch, variant)]
+def _check_build(builds, arch, variant):
+    build = builds[(arch, variant)] if builds is not None else _build((arch, variant))
     if isinstance(build, CompileError):
         pytest.fail(f"{variant.name} does not compile for {arch}:\n{build.log}")
     assert build.spills == 0, f"{variant.name} spills on {arch}:\n{build.log}"
     assert build.stack_frame == 0, f"{variant.name} uses local memory on {arch}:\n{build.log}"
     # Shared memory per GPU class is checked where tiles are selected (test_variants.py).
+
+
+@pytest.fixture(scope="module")
+def representative_builds(request):
+    return _build_selected(request, "test_each_family_compiles_without_spills")
+
+
+@pytest.fixture(scope="module")
+def builds(request):
+    """Every selected (arch, variant) of the table compiled once (the sweep)."""
+    return _build_selected(request, "test_variant_compiles_without_spills")
+
+
+def test_every_family_and_arch_has_a_representative():
+    assert {(arch, v.family) for arch, v in VARIANTS} == {(arch, family) for arch, family, _ in REPRESENTATIVES}
+    for arch, family, v in REPRESENTATIVES:
+        assert v.family == family and v.compile_target(arch), (arch, v.name)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch,family,variant", REPRESENTATIVES, ids=[f"{a}-{f}" for a, f, _ in REPRESENTATIVES])
+def test_each_family_compiles_without_spills(representative_builds, arch, family, variant):
+    _check_build(representative_builds, arch, variant)
+
+
+@pytest.mark.sweep
+@needs_nvrtc
+@pytest.mark.parametrize("arch,variant", VARIANTS, ids=[f"{a}-{v.name}" for a, v in VARIANTS])
+def test_variant_compiles_without_spills(builds, arch, variant):
+    _check_build(builds, arch, variant)
 
 
 @needs_nvrtc
@@ -113,6 +168,7 @@ def _wide_k_candidates():
     return out
 
 
+@pytest.mark.sweep
 @needs_nvrtc
 @pytest.mark.parametrize("variant", _wide_k_candidates(), ids=lambda v: v.name)
 def test_wide_k_candidates_compile_without_spills_on_sm90(variant):

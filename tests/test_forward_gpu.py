@@ -9,6 +9,7 @@ from cuflash import reference
 
 from _errors import exact, magnitude, naive_same_dtype, rel_error, within_budget
 from _gpu_checks import DTYPES, check_forward, make_inputs
+from _tiers import sampled
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -28,8 +29,9 @@ def test_forward_matches_reference(dtype, b, hk, group, lq, lk, d, dv_same, dv, 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("lq,lk,d", [(97, 1025, 59), (1025, 97, 111), (256, 256, 64), (128, 512, 128),
-                                     (200, 130, 256)])
+@pytest.mark.parametrize("lq,lk,d", sampled([(97, 1025, 59), (1025, 97, 111), (256, 256, 64), (128, 512, 128),
+                                             (200, 130, 256)], [(97, 1025, 59), (1025, 97, 111), (200, 130, 256)],
+                                            multi=True))
 def test_forward_grid(dtype, causal, lq, lk, d):
     """Every dtype x head bucket x causal mode at odd sizes (the variant matrix)."""
     check_forward(dtype, 1, 2, 1, lq, lk, d, d, causal, seed=lq * lk + d)
@@ -76,7 +78,7 @@ def test_rows_with_nothing_to_attend(dtype):
     assert np.isfinite(lse[:, :, lq - lk:]).all()
 
 
-@pytest.mark.parametrize("d", [32, 59, 64, 111, 128, 200, 256])
+@pytest.mark.parametrize("d", sampled([32, 59, 64, 111, 128, 200, 256], [59, 128, 256]))
 @pytest.mark.parametrize("causal", [True, "bottom_right"])
 def test_float64_tensor_core_forward_masked(d, causal, monkeypatch):
     """The fp64 tensor-core forward (fwd_dmma) at every head bucket, through 16-byte loads (even d)
@@ -166,8 +168,8 @@ def test_over_2_31_elements():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
-@pytest.mark.parametrize("lq,lk", [(300, 2049), (1, 4100), (700, 4097)])
+@pytest.mark.parametrize("causal", sampled([False, True, "bottom_right"], [False, True]))
+@pytest.mark.parametrize("lq,lk", sampled([(300, 2049), (1, 4100), (700, 4097)], [(300, 2049), (700, 4097)], multi=True))
 def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypatch):
     """On compute capability 9.0 the 16-bit forward runs the TMA kernel: at head dim 64 its short-rows tile
     (two CTAs an SM, Variant.short) where a query block visits at most HOPPER_FWD_SHORT_KEYS keys on average
@@ -220,7 +222,7 @@ def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatc
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
-@pytest.mark.parametrize("lq,lk,ctas", [(1000, 4200, 3), (333, 4500, 5), (4500, 4150, 7)])
+@pytest.mark.parametrize("lq,lk,ctas", sampled([(1000, 4200, 3), (333, 4500, 5), (4500, 4150, 7)], [(333, 4500, 5)], multi=True))
 @pytest.mark.parametrize("walk", ["default", "stride"])
 def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, walk, monkeypatch):
     """The Hopper forward's PERSISTENT variants with far fewer CTAs than query blocks (an SM count of
@@ -254,8 +256,8 @@ def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, walk, mo
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d,lq,lk", [(128, 777, 1111), (128, 1111, 777), (128, 1030, 1030), (111, 200, 390),
-                                     (64, 1030, 1030)])
+@pytest.mark.parametrize("d,lq,lk", sampled([(128, 777, 1111), (128, 1111, 777), (128, 1030, 1030), (111, 200, 390),
+                                             (64, 1030, 1030)], [(128, 777, 1111), (111, 200, 390)], multi=True))
 def test_portable_forward_several_blocks(dtype, causal, d, lq, lk, launches, monkeypatch):
     """The portable 16-bit forward (as any GPU without the Hopper path runs it) over several query
     blocks and key stages, grouped-query heads, ragged last blocks and causal stages that see part of

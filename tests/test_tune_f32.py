@@ -38,7 +38,7 @@ def test_every_candidate_is_what_an_h100_launches(family, candidates, causal):
             ran = tf.planned(d, causal, family, tile)
             assert ran and all(v.tile == want and v.split == want.split for v in ran), (d, tile, ran)
             assert all(v.smem_bytes <= tf.H100_SMEM for v in ran)
-    # the override is gone afterwards: the table's kernels again (the fast split since the eleventh session; the
+    # the override is gone afterwards: the table's kernels again (the fast split; the
     # Hopper forward's TF32X3_PARTS)
     split = 3 if family == tf.HOPPER_FWD else 2
     assert all(v.split == split and v.tile == tf.expected(family, 64, None) for v in tf.planned(64, causal, family, None))

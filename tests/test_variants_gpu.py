@@ -1,9 +1,10 @@
-"""Every shipped kernel variant, run once on the GPU against the float64 reference (marker `gpu`).
+"""Every shipped kernel variant, run once on the GPU against the float64 reference (marker `gpu_sweep`:
+run it in parts, ``python -m pytest -m gpu_sweep -n 8 --sweep-part 1/4`` and so on; tests/conftest.py).
 
 For each variant of the table, problem_for() gives a small call (odd lengths at
 every tile edge, grouped-query heads, head dims inside the variant's bucket) that
 the launcher answers with that variant; the launches are recorded to prove it ran.
-Also: batch x heads beyond the old 65535 grid limit, forward and backward.
+Also (marker `gpu`): batch x heads beyond the old 65535 grid limit, forward and backward.
 """
 import numpy as np
 import pytest
@@ -18,9 +19,9 @@ from _gpu_checks import (DTYPES, check_backward, check_backward_tf32, check_forw
 from _variant_problems import BATCH, HEADS_K, HEADS_Q, LQ, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
-pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.gpu_sweep
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_every_variant_against_reference(variant, launches, monkeypatch):
     p = problem_for(variant)
@@ -54,6 +55,7 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
     assert variant in launches, f"{variant.name} was not launched; got {[v.name for v in launches]}"
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_batch_times_heads_over_65535(dtype, deterministic):
