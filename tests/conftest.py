@@ -28,7 +28,7 @@ import re
 
 import pytest
 
-from cuflash._device import gpu_available
+from cuflash._runtime.device import gpu_available
 
 _GPU_OK, _GPU_WHY = gpu_available()
 _GPU_MARKERS = ("gpu", "gpu_sweep")
@@ -87,16 +87,16 @@ def pytest_report_header(config):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The kernel variants launched during the test, in order (``_launch._launch`` recorded): proof of
-    which kernel ran."""
-    from cuflash import _launch
+    """The kernel variants launched during the test, in order (``launch.launch_kernel`` recorded): proof
+    of which kernel ran."""
+    from cuflash._runtime import launch
 
     seen = []
-    real = _launch._launch
+    real = launch.launch_kernel
 
     def record(variant, *args, **kwargs):
         seen.append(variant)
         real(variant, *args, **kwargs)
 
-    monkeypatch.setattr(_launch, "_launch", record)
+    monkeypatch.setattr(launch, "launch_kernel", record)
     return seen
