@@ -241,7 +241,9 @@ def check_backward_inputs(p: Problem, dout, out, lse):
         raise ValueError(f"lse must have shape {p.lse_shape()}, got {tuple(lse.shape)}")
     if np.dtype(lse.dtype).kind != "f":
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
-    lse4 = lse.astype(acc_dtype(p.dtype), copy=False).reshape(p.batch, p.heads_q, p.lq)
+    lse4 = lse.astype(acc_dtype(p.dtype), copy=False)
+    if lse4.shape != (p.batch, p.heads_q, p.lq):   # (the array itself where it has that shape already)
+        lse4 = lse4.reshape(p.batch, p.heads_q, p.lq)
     return _as_4d(dout, p.xp, p.batch), _as_4d(out, p.xp, p.batch), lse4
 
 
