@@ -4,7 +4,7 @@ import pytest
 try:
     from cupy_backends.cuda.libs import nvrtc
 
-    from cuflash._build import preload_nvrtc_wheel
+    from cuflash._runtime.build import preload_nvrtc_wheel
 
     preload_nvrtc_wheel()
     nvrtc.getVersion()

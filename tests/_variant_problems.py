@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cuflash._variants import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS, ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, backward_variants,
-                               forward_variant, head_bucket, row_class, vec_chunk)
+from cuflash._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, head_bucket
+from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS, backward_variants, forward_variant,
+                                      row_class, vec_chunk)
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
@@ -35,7 +36,7 @@ class Problem:
 
     @property
     def vec(self) -> bool:
-        """What the launcher decides for contiguous inputs of these head dims (_launch.vec_loads_ok)."""
+        """What the launcher decides for contiguous inputs of these head dims (plan.vec_loads_ok)."""
         chunk = vec_chunk(ITEMSIZE[self.dtype])
         return self.d % chunk == 0 and self.dv % chunk == 0
 
@@ -84,7 +85,7 @@ def problem_for(v: Variant) -> Problem:
     # A Hopper forward with a key threshold gets just past it (an odd tile edge too; its short-rows
     # tile, Variant.short, stays below it); a Hopper
     # variant with EXTRA gets keys a multiple of 8, so that the bias's rows are 16-byte chunks (the
-    # Hopper kernels copy no other bias: _masking.rows_in_chunks) and still end inside a tile.
+    # Hopper kernels copy no other bias: masking.rows_in_chunks) and still end inside a tile.
     lk = LK
     if v.family == "fwd_wgmma" and head in HOPPER_FWD_MIN_KEYS and not v.short:
         # past the short-rows threshold (EXTRA calls: past the minimum), twice it under a band

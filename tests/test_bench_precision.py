@@ -184,7 +184,7 @@ def test_short_table_and_json_safety():
 
 
 def test_main_without_gpu_says_so():
-    from cuflash._device import gpu_available
+    from cuflash._runtime.device import gpu_available
 
     if gpu_available()[0]:
         pytest.skip("on a GPU this would run the benchmark")

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cuflash import CompileError
-from cuflash._build import compile_offline, inline_includes, load_source, source_hash
-from cuflash._variants import all_variants
+from cuflash._runtime.build import compile_offline, inline_includes, load_source, source_hash
+from cuflash._dispatch.select import all_variants
 
 from _nvrtc import needs_nvrtc
 
@@ -148,7 +148,7 @@ def test_compile_error_carries_log():
 def _wide_k_candidates():
     """The fp64 m16n8kK candidates benchmarks/tune_fwd.py and tune_bwd.py time (--dtype float64; branch
     f64-perf): not in the table yet, so test_variant_compiles_without_spills does not build them."""
-    from cuflash._variants import Tile, Variant
+    from cuflash._dispatch.model import Tile, Variant
 
     def fwd(d, bm, bn, warps, k, band):
         return Variant("fwd_dmma", "float64", d, band=band, vec=True, tile=Tile(bm, bn, warps, 2, "tuning", wide_k=k))

@@ -5,7 +5,7 @@ import pytest
 
 import cuflash.__main__
 from cuflash.__main__ import main
-from cuflash._device import gpu_available
+from cuflash._runtime.device import gpu_available
 
 
 def test_info_runs(capsys):

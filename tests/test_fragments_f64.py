@@ -212,7 +212,7 @@ def test_m16n8k4_is_two_stacked_m8n8k4():
 def _mma_16x8_asm(k4):
     """mma.cuh's mma_16x8_f64<k4>: (PTX shape, the asm's register groups as lists of operand numbers, and
     the C++ expression bound to each operand number), read from the source the kernels build."""
-    from cuflash._build import kernel_dir
+    from cuflash._runtime.build import kernel_dir
 
     src = (kernel_dir() / "mma.cuh").read_text()
     body = re.search(r"void mma_16x8_f64<%d>\(.*?\n}" % k4, src, re.S).group(0)

@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 
-from cuflash._build import kernel_dir
+from cuflash._runtime.build import kernel_dir
 
 LANES = np.arange(32)
 G, T = LANES // 4, LANES % 4

@@ -535,22 +535,25 @@ def test_dbias_key_major_whole_backward(bm, shape, monkeypatch):
     keys). dS^T past lq is 0 (P = 0 there), past lk garbage (must be dropped). Every v4 address is 16-byte
     aligned and stays inside its key's row; DbiasPlan.result gives dS of the formed steps summed over the
     bias's broadcast axes."""
-    from cuflash import _masking
-    from cuflash._checks import check_qkv
+    from cuflash import options
+    from cuflash._dispatch import masking as _masking
+    from cuflash.options import check_qkv
 
     b, hq, hk, lq, lk, bn = 2, 4, 2, 203, 150, 128
     group = hq // hk
     full = (b, hq, lq, lk)
-    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(
-        0 if n == 1 and f != 1 else s_ // x4.itemsize for n, f, s_ in zip(x4.shape, full, x4.strides)))
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: dict(zip(
+        ("ptr", "batch_stride", "head_stride", "row_stride", "col_stride"),
+        (0,) + tuple(0 if n == 1 and f != 1 else s_ // x4.itemsize for n, f, s_ in zip(x4.shape, full, x4.strides)))))
     rng = np.random.default_rng(len(shape) * 7 + bm)
     q, k, v = rng.standard_normal((b, hq, lq, 8)), rng.standard_normal((b, hk, lk, 8)), rng.standard_normal((b, hk, lk, 8))
     p = check_qkv(q, k, v)
     bias = np.ones(shape)
-    plan = _masking.dbias_plan(p, _masking.Options(bias=bias), False, key_major=True)
-    _, bs, hs, rs, cs = plan.values[:5]
-    assert plan.values[6] == _masking.DBIAS_KEY_MAJOR
-    rows_bc = bool(plan.values[7])
+    plan = _masking.dbias_plan(p, options.Options(bias=bias), False, key_major=True)
+    acc = plan.values["acc"]
+    bs, hs, rs, cs = (acc[n] for n in ("batch_stride", "head_stride", "row_stride", "col_stride"))
+    assert plan.values["mode"] == _masking.DBIAS_KEY_MAJOR
+    rows_bc = bool(plan.values["rows_broadcast"])
     store = plan.keep_alive[0].reshape(-1)
     ds = rng.standard_normal(full)
     formed_mask = np.zeros(full, dtype=bool)
@@ -609,7 +612,7 @@ def test_dbias_key_major_whole_backward(bm, shape, monkeypatch):
                     block, head = 0, head + 1
             if rows_bc:
                 flush(sums, batch, rows_head, n0 + key_row)
-    got = plan.result(p, _masking.Options(bias=bias))
+    got = plan.result(p, options.Options(bias=bias))
     own = (1,) * (4 - len(shape)) + shape
     axes = tuple(a for a in range(4) if own[a] == 1 and full[a] != 1)
     want = (ds * formed_mask).sum(axis=axes, keepdims=True).reshape(shape)

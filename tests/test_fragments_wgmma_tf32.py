@@ -20,8 +20,9 @@ import re
 import numpy as np
 import pytest
 
-from cuflash._build import kernel_dir
-from cuflash import _variants as V
+from cuflash._runtime.build import kernel_dir
+from cuflash._dispatch import model as M
+from cuflash._dispatch import select as V
 
 f32 = np.float32
 LANES = np.arange(32)
@@ -214,14 +215,14 @@ HOPPER_F32 = [v for v in V.all_variants() if v.family in ("fwd_wgmma_tf32x3", "f
 
 def test_variants_exist():
     """3xTF32 at head dims 64 and 128; plain TF32 (fwd_wgmma_tf32) has no rows: the portable fwd_tf32 is
-    faster on the H100 (cuflash/_variants.py)."""
+    faster on the H100 (cuflash/_dispatch/tables.py)."""
     assert {(v.family, v.head) for v in HOPPER_F32} == {("fwd_wgmma_tf32x3", h) for h in (64, 128)}
 
 
 @pytest.mark.parametrize("v", HOPPER_F32, ids=lambda v: v.name)
 def test_shared_memory_map(v):
     lay = Layout(v)
-    assert lay.smem == v.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+    assert lay.smem == v.smem_bytes <= M.SMEM_LIMITS["sm_90 (H100, H200)"]
     spans = [(lay.q, lay.q_bytes)] + ([(lay.q_small, lay.q_bytes)] if lay.split else [])
     for s in range(v.tile.stages):
         spans += [(lay.k_big(s), lay.kv), (lay.v_raw(s), lay.kv), (lay.vt_big(s), lay.kv)]

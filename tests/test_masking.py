@@ -8,10 +8,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _masking, reference
-from cuflash._checks import check_qkv
+from cuflash import options, reference
+from cuflash._dispatch import masking as _masking
+from cuflash.options import check_qkv
 
 RNG = np.random.default_rng(0)
+
+
+def _score(ptr, batch_stride, head_stride, row_stride, col_stride):
+    """A ScoreTensor's values by field name (pointer and strides in elements)."""
+    return {"ptr": ptr, "batch_stride": batch_stride, "head_stride": head_stride, "row_stride": row_stride,
+            "col_stride": col_stride}
 
 
 def _qkv(b=2, hq=2, hk=1, lq=21, lk=27, d=8, dv=6, seed=0):
@@ -231,7 +238,7 @@ def test_mask_summary_states():
     p = check_qkv(q, k, v)
     mask = np.ones((2, 1, 1, 130), dtype=bool)
     mask[0, ..., 100:] = False           # key padding from 100 on
-    states, block = _masking.block_states(p, _masking.Options(mask=mask))
+    states, block = _masking.block_states(p, options.Options(mask=mask))
     assert block == _masking.MASK_SUMMARY_BLOCK and states.shape == (2, 1, 1, 3)
     np.testing.assert_array_equal(states[:, 0, 0], [[2, 1, 0], [2, 2, 2]])
 
@@ -275,7 +282,7 @@ def test_dbias_modes():
     p = check_qkv(q, k, v)
 
     def mode(shape, det=False):
-        return _masking.dbias_mode(p, _masking._own_4d(np.zeros(shape), p).shape, det)
+        return _masking.dbias_mode(p, options.own_4d(np.zeros(shape), p).shape, det)
 
     assert mode((2, 4, 100, 130)) == _masking.DBIAS_ADD
     assert mode((2, 4, 1, 130)) == _masking.DBIAS_ADD
@@ -297,18 +304,18 @@ def test_dbias_kernel_plan(shape, tiles, walk, sm_count, monkeypatch):
     accumulator tile and split; splits fill twice the SMs, at most the walk's length and
     MAX_DBIAS_SPLITS; the slices are summed back into exactly the bias's shape. (NumPy
     arrays stand in for CuPy's: the device pointer is not needed here.)"""
-    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(s // x4.itemsize for s in x4.strides))
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: _score(0, *(s // x4.itemsize for s in x4.strides)))
     q, k, v, _ = _qkv(b=2, hq=4, hk=2, lq=100, lk=130)
     p = check_qkv(q, k, v)
     bias = np.ones(shape)
-    plan = _masking.dbias_plan(p, _masking.Options(bias=bias), False, kernel_tile=(64, 64), sm_count=sm_count)
+    plan = _masking.dbias_plan(p, options.Options(bias=bias), False, kernel_tile=(64, 64), sm_count=sm_count)
     splits = max(1, min(walk, _masking.MAX_DBIAS_SPLITS, -(-2 * sm_count // tiles)))
     assert plan.splits == splits and plan.grid == tiles * splits
-    assert plan.values[6] == _masking.DBIAS_KERNEL and plan.values[-2] == splits
+    assert plan.values["mode"] == _masking.DBIAS_KERNEL and plan.values["splits"] == splits
     assert plan.acc.shape[0] == splits and plan.acc.shape[-1] == 130
-    assert plan.values[-1] == int(np.prod(plan.acc.shape[1:-1])) * 132   # slice stride: rows padded to 4
+    assert plan.values["split_stride"] == int(np.prod(plan.acc.shape[1:-1])) * 132   # slice stride: rows padded to 4
     plan.acc[...] = 1.0
-    got = plan.result(p, _masking.Options(bias=bias))
+    got = plan.result(p, options.Options(bias=bias))
     assert got.shape == bias.shape and (got == splits).all()
 
 
@@ -321,26 +328,27 @@ def test_dbias_key_major_plan(shape, monkeypatch):
     added where the kernel adds it sums back into exactly the bias's shape: dS summed over its broadcast
     axes. (NumPy arrays stand in for CuPy's, with the device pointer 0.)"""
     full = lambda p: (p.batch, p.heads_q, p.lq, p.lk)   # noqa: E731
-    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(
-        0 if n == 1 and f != 1 else s_ // x4.itemsize for n, f, s_ in zip(x4.shape, full(p), x4.strides)))
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: _score(0, *(
+        0 if n == 1 and f != 1 else s_ // x4.itemsize for n, f, s_ in zip(x4.shape, full(p), x4.strides))))
     q, k, v, _ = _qkv(b=2, hq=4, hk=2, lq=100, lk=130)
     p = check_qkv(q, k, v)
     bias = np.ones(shape)
-    plan = _masking.dbias_plan(p, _masking.Options(bias=bias), False, key_major=True)
-    _, bs, hs, rs, cs = plan.values[:5]
-    assert plan.values[6] == _masking.DBIAS_KEY_MAJOR and plan.values[7] == int(len(shape) > 1 and shape[-2] == 1
+    plan = _masking.dbias_plan(p, options.Options(bias=bias), False, key_major=True)
+    acc = plan.values["acc"]
+    bs, hs, rs, cs = (acc[n] for n in ("batch_stride", "head_stride", "row_stride", "col_stride"))
+    assert plan.values["mode"] == _masking.DBIAS_KEY_MAJOR and plan.values["rows_broadcast"] == int(len(shape) > 1 and shape[-2] == 1
                                                                                  or len(shape) == 1)
     store = plan.keep_alive[0]
     assert store.flags.c_contiguous and store.dtype == (np.float64 if p.dtype == "float64" else np.float32)
-    if plan.values[7]:   # one row: unit key stride (scalar adds), no row stride
+    if plan.values["rows_broadcast"]:   # one row: unit key stride (scalar adds), no row stride
         assert (rs, cs) == (0, 1)
     else:                # [key][query]: 16-byte quads of queries, rows of whole 32-byte sectors
         assert rs == 1 and cs % 8 == 0 and cs >= 100 and bs % 8 == 0 and hs % 8 == 0
     ds = np.random.default_rng(3).standard_normal(full(p))
     b, h, i, j = np.indices(full(p))
-    at = b * bs + h * hs + (0 if plan.values[7] else i) * rs + j * cs
+    at = b * bs + h * hs + (0 if plan.values["rows_broadcast"] else i) * rs + j * cs
     np.add.at(store.reshape(-1), at.reshape(-1), ds.reshape(-1))
-    got = plan.result(p, _masking.Options(bias=bias))
+    got = plan.result(p, options.Options(bias=bias))
     axes = tuple(a for a in range(4) if (1,) * (4 - len(shape)) + shape != full(p) and
                  ((1,) * (4 - len(shape)) + shape)[a] == 1)
     want = ds.sum(axis=axes, keepdims=True).reshape(shape)
@@ -353,26 +361,26 @@ def test_bias_rows_in_chunks(monkeypatch):
     unit key stride, 16-byte aligned start, batch, head and row strides); for any other the launcher
     takes the portable forward. Views are (ptr, batch, head, row, col strides) in elements, 16-bit."""
     ok = _masking.rows_in_chunks
-    assert ok((0, 0, 0, 4096, 1), 2)                  # (1, 1, L, L), L a multiple of 8
-    assert ok((32, 4096, 0, 0, 1), 2)                 # (B, 1, 1, L): one row a batch, broadcast over rows
-    assert ok((0, 16 * 100 * 136, 100 * 136, 136, 1), 2)
-    assert not ok((0, 0, 0, 130, 1), 2)               # rows 260 bytes apart
-    assert not ok((8, 0, 0, 4096, 1), 2)              # a start 8 bytes off
-    assert not ok((0, 0, 100 * 130 + 4, 136, 1), 2)   # a head stride off
-    assert not ok((0, 0, 0, 1, 4096), 2)              # a transposed view
-    assert not ok((0, 0, 0, 8, 0), 2)                 # constant along keys (stride 0)
+    assert ok(_score(0, 0, 0, 4096, 1), 2)                  # (1, 1, L, L), L a multiple of 8
+    assert ok(_score(32, 4096, 0, 0, 1), 2)                 # (B, 1, 1, L): one row a batch, broadcast over rows
+    assert ok(_score(0, 16 * 100 * 136, 100 * 136, 136, 1), 2)
+    assert not ok(_score(0, 0, 0, 130, 1), 2)               # rows 260 bytes apart
+    assert not ok(_score(8, 0, 0, 4096, 1), 2)              # a start 8 bytes off
+    assert not ok(_score(0, 0, 100 * 130 + 4, 136, 1), 2)   # a head stride off
+    assert not ok(_score(0, 0, 0, 1, 4096), 2)              # a transposed view
+    assert not ok(_score(0, 0, 0, 8, 0), 2)                 # constant along keys (stride 0)
     # Through kernel_masking, as the launcher sees it (NumPy arrays stand in for CuPy's: pointer 0).
-    monkeypatch.setattr(_masking, "_broadcast_view", lambda x4, full: (0,) + tuple(
-        0 if n == 1 and f != 1 else s // x4.itemsize for n, f, s in zip(x4.shape, full, x4.strides)))
+    monkeypatch.setattr(_masking, "_broadcast_view", lambda x4, full: _score(0, *(
+        0 if n == 1 and f != 1 else s // x4.itemsize for n, f, s in zip(x4.shape, full, x4.strides))))
     for lk, chunks in ((136, True), (130, False)):
         q, k, v, _ = (x.astype(np.float16) for x in _qkv(b=2, hq=4, hk=2, lq=100, lk=lk))
         p = check_qkv(q, k, v)
         for shape in ((1, 1, 100, lk), (2, 1, 1, lk), (4, 100, lk)):
-            opts = _masking.check_options(p, bias=np.ones(shape, dtype=np.float32))   # cast to q's dtype first
+            opts = options.check_options(p, bias=np.ones(shape, dtype=np.float32))   # cast to q's dtype first
             assert _masking.kernel_masking(p, opts).bias_in_chunks == chunks, (lk, shape)
-        opts = _masking.check_options(p, bias=np.ones((1, 1, lk, 100), dtype=np.float16).swapaxes(-1, -2))
+        opts = options.check_options(p, bias=np.ones((1, 1, lk, 100), dtype=np.float16).swapaxes(-1, -2))
         assert not _masking.kernel_masking(p, opts).bias_in_chunks
-        assert _masking.kernel_masking(p, _masking.check_options(p, mask=np.ones((1, 1, 1, lk), bool))).bias_in_chunks
+        assert _masking.kernel_masking(p, options.check_options(p, mask=np.ones((1, 1, 1, lk), bool))).bias_in_chunks
 
 
 @pytest.mark.parametrize("shape, deterministic, want", [
@@ -385,11 +393,11 @@ def test_dbias_key_major_for_atomics(shape, deterministic, want, monkeypatch):
     """The float32 tensor-core dK/dV kernels (key_major_for_atomics): DBIAS_KEY_MAJOR where CTAs would
     otherwise meet with scalar atomics on a bias with query rows, every other mode unchanged (deterministic
     turns: test_masking_gpu.py's test_float32_dbias_key_major; their counters need a device array)."""
-    monkeypatch.setattr(_masking, "score_view", lambda x4, p: (0,) + tuple(s // x4.itemsize for s in x4.strides))
+    monkeypatch.setattr(_masking, "score_view", lambda x4, p: _score(0, *(s // x4.itemsize for s in x4.strides)))
     q, k, v, _ = _qkv(b=2, hq=4, hk=2, lq=100, lk=130)
     p = check_qkv(q, k, v)
-    plan = _masking.dbias_plan(p, _masking.Options(bias=np.ones(shape)), deterministic, dkdv_tile=(16, 64),
+    plan = _masking.dbias_plan(p, options.Options(bias=np.ones(shape)), deterministic, dkdv_tile=(16, 64),
                                key_major_for_atomics=True)
-    assert plan.values[6] == getattr(_masking, f"DBIAS_{want}")
-    plain = _masking.dbias_plan(p, _masking.Options(bias=np.ones(shape)), deterministic, dkdv_tile=(16, 64))
-    assert plain.values[6] == getattr(_masking, f"DBIAS_{'ATOMIC' if want == 'KEY_MAJOR' else want}")
+    assert plan.values["mode"] == getattr(_masking, f"DBIAS_{want}")
+    plain = _masking.dbias_plan(p, options.Options(bias=np.ones(shape)), deterministic, dkdv_tile=(16, 64))
+    assert plain.values["mode"] == getattr(_masking, f"DBIAS_{'ATOMIC' if want == 'KEY_MAJOR' else want}")

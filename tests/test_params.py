@@ -1,20 +1,26 @@
-"""The host-side params structs (cuflash/_params.py) against kernels_cu/params.cuh (CPU).
+"""The host-side params structs (cuflash/_runtime/params.py) against kernels_cu/params.cuh (CPU).
 
 NVRTC compiles a translation unit that static_asserts every size and field offset
-as NumPy lays them out; a mismatch fails to compile. No GPU is needed.
+as NumPy lays them out; a mismatch fails to compile. No GPU is needed. Packing is
+by field name: every leaf written is read back by its name.
 """
 import numpy as np
 import pytest
 
-from cuflash import CompileError, _params
-from cuflash._build import compile_source_offline, inline_includes
+from cuflash import CompileError
+from cuflash._runtime import params as _params
+from cuflash._runtime.build import compile_source_offline, inline_includes
 
 from _nvrtc import needs_nvrtc
 
 
+def _compile_layout_check():
+    compile_source_offline(inline_includes(_params.layout_check_source()), "layout.cu", "layout_check", "sm_80")
+
+
 @needs_nvrtc
 def test_struct_layouts_match_cuda():
-    compile_source_offline(inline_includes(_params.layout_check_source()), "layout.cu", "layout_check", "sm_80")
+    _compile_layout_check()
 
 
 @needs_nvrtc
@@ -28,6 +34,119 @@ def test_layout_check_can_fail():
         compile_source_offline(inline_includes(bad), "layout.cu", "layout_check", "sm_80")
 
 
+def _swapped(dtype: np.dtype, a: str, b: str) -> np.dtype:
+    """``dtype`` with fields ``a`` and ``b`` trading places (same types, so the same size)."""
+    names = list(dtype.names)
+    i, j = names.index(a), names.index(b)
+    names[i], names[j] = names[j], names[i]
+    return np.dtype([(n, dtype.fields[n][0]) for n in names], align=True)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("struct,a,b", [("FwdParams", "out", "lse"), ("BwdParams", "dq", "dk"),
+                                        ("MaskParams", "band_lo", "band_hi")])
+def test_swapping_two_fields_fails_the_layout_check(monkeypatch, struct, a, b):
+    """Two fields of one type trading places in the host description keep every size, so nothing but
+    their offsets tells them apart: the static_asserts against params.cuh must refuse it."""
+    desc = _params.STRUCTS[struct]
+    swapped = _swapped(desc, a, b)
+    assert swapped.itemsize == desc.itemsize and swapped.fields[a][1] == desc.fields[b][1]
+    monkeypatch.setitem(_params.STRUCTS, struct, swapped)
+    with pytest.raises(CompileError, match=f"offset of {struct}::({a}|{b})"):
+        _compile_layout_check()
+
+
+def _distinct_values(dtype: np.dtype, counter: list) -> dict:
+    """A value for every leaf of ``dtype``, by field name, no two alike (each fits its leaf's type)."""
+    values = {}
+    for name in dtype.names:
+        sub = dtype.fields[name][0]
+        if sub.names:
+            values[name] = _distinct_values(sub, counter)
+            continue
+        counter[0] += 1
+        n = counter[0]
+        if sub.kind == "f":
+            values[name] = n + 0.5                                   # exact in float32 and float64
+        elif sub.kind == "u" and sub.itemsize == 8:
+            values[name] = (n << 40) | 0xBEEF                        # beyond 32 bits
+        elif sub.kind == "i" and sub.itemsize == 8:
+            values[name] = -((n << 36) + 7)                          # negative, beyond 32 bits
+        elif sub.kind == "u":
+            values[name] = 0x80000000 + n                            # the top bit set
+        else:
+            values[name] = -n
+    return values
+
+
+def _read_back(record, dtype: np.dtype) -> dict:
+    """Every leaf of a structured record, by field name, as Python numbers."""
+    out = {}
+    for name in dtype.names:
+        sub = dtype.fields[name][0]
+        out[name] = _read_back(record[name], sub) if sub.names else record[name].item()
+    return out
+
+
+@pytest.mark.parametrize("name", ["FwdParams", "BwdParams"])
+def test_pack_round_trip_by_field_name(name):
+    """Every leaf packed by name is read back by name from the bytes the kernel gets, at the offset
+    NumPy's description (which test_struct_layouts_match_cuda checks against params.cuh) gives it."""
+    desc = _params.STRUCTS[name]
+    values = _distinct_values(desc, [0])
+    arg = _params.PACKERS[name].pack(values)
+    assert arg.nbytes == desc.itemsize
+    record = np.frombuffer(arg.data, desc)[0]
+    assert _read_back(record, desc) == values
+    packer = _params.PACKERS[name]
+    assert len(packer.fields) == len(packer.leaves) == sum(1 for _ in _leaves_of(desc))
+    raw = bytes(arg.data)
+    for path, offset in packer.fields.items():   # .offset() of each leaf is where its bytes are
+        leaf = _leaf_dtype(desc, path)
+        want = values
+        for part in path.split("."):
+            want = want[part]
+        assert np.frombuffer(raw, leaf, count=1, offset=offset)[0].item() == want
+        assert packer.offset(path) == offset
+
+
+def _leaves_of(dtype, path=()):
+    for name in dtype.names:
+        sub = dtype.fields[name][0]
+        if sub.names:
+            yield from _leaves_of(sub, path + (name,))
+        else:
+            yield path + (name,)
+
+
+def _leaf_dtype(dtype, path: str):
+    for part in path.split("."):
+        dtype = dtype.fields[part][0]
+    return dtype
+
+
+@pytest.mark.parametrize("name", ["FwdParams", "BwdParams"])
+def test_missing_or_unknown_fields(name):
+    """A missing field raises KeyError naming it. Nothing is placed by position: a dict with an extra
+    name packs exactly what the named fields say (the extra is never read), and a misspelt name leaves
+    its field missing, which raises."""
+    packer = _params.PACKERS[name]
+    values = _distinct_values(_params.STRUCTS[name], [0])
+    for field in ("dims", "scale_log2_f"):
+        partial = {k: v for k, v in values.items() if k != field}
+        with pytest.raises(KeyError, match=f"{name}: field '{field}' not given"):
+            packer.pack(partial)
+    nested = dict(values, mask={k: v for k, v in values["mask"].items() if k != "band_hi"})
+    with pytest.raises(KeyError, match="field 'band_hi' not given"):
+        packer.pack(nested)
+    misspelt = {("lse_" if k == "lse" else k): v for k, v in values.items()}
+    with pytest.raises(KeyError, match="field 'lse' not given"):
+        packer.pack(misspelt)
+    assert bytes(packer.pack(dict(values, unknown=123)).data) == bytes(packer.pack(values).data)
+    with pytest.raises(KeyError):
+        packer.offset("no_such_field.ptr")
+
+
 class _FakeArray:
     """What view() reads from a CuPy array: shape, strides, itemsize, data.ptr."""
 
@@ -38,9 +157,10 @@ class _FakeArray:
 
 def test_view_strides_in_elements_and_broadcast():
     x = _FakeArray((2, 3, 5, 8), (240, 0, 16, 2), itemsize=2, ptr=1 << 40)
-    assert _params.view(x) == (1 << 40, 120, 0, 8)
+    assert _params.view(x) == {"ptr": 1 << 40, "batch_stride": 120, "head_stride": 0, "row_stride": 8}
     lse = _FakeArray((2, 3, 5), (60, 20, 4), itemsize=4)
-    assert _params.view(lse)[1:] == (15, 5, 1)
+    v = _params.view(lse)
+    assert (v["batch_stride"], v["head_stride"], v["row_stride"]) == (15, 5, 1)
     with pytest.raises(ValueError, match="unit-stride"):
         _params.view(_FakeArray((2, 3, 5, 8), (480, 160, 32, 4)))
 
@@ -51,10 +171,8 @@ def test_fwd_params_fields():
     v = _FakeArray((2, 2, 12, 32), (1536, 768, 64, 2))
     out = _FakeArray((2, 4, 10, 32), (2560, 640, 64, 2))
     lse = _FakeArray((2, 4, 10), (160, 40, 4), itemsize=4)
-    mask = list(_params.MASK_OFF)
-    mask[0:2] = [-11, 2]                      # band_lo, band_hi
-    mask[19:22] = [123, 0xDEADBEEF, 7]        # drop_threshold, seed_lo, seed_hi
-    packed = _params.fwd_params(q, k, v, out, lse, group=2, scale=0.125, mask=tuple(mask))
+    mask = dict(_params.MASK_OFF, band_lo=-11, band_hi=2, drop_threshold=123, seed_lo=0xDEADBEEF, seed_hi=7)
+    packed = _params.fwd_params(q, k, v, out, lse, group=2, scale=0.125, mask=mask)
     assert packed.nbytes == _params.STRUCTS["FwdParams"].itemsize
     p = np.frombuffer(packed.data, dtype=_params.STRUCTS["FwdParams"])
     assert packed.address == np.frombuffer(packed.data, dtype=np.uint8).ctypes.data   # what the launch passes
@@ -72,8 +190,8 @@ def test_fwd_params_fields():
                                          (-0.3, False), (1e300, True)])
 def test_scale_folds(scale, folds):
     """The plain kernels fold scale * log2(e) as float32 into the exponential: positive and
-    normal only; any other scale is sent to the EXTRA variants (_launch.scale_folds)."""
-    from cuflash._launch import scale_folds
+    normal only; any other scale is sent to the EXTRA variants (plan.scale_folds)."""
+    from cuflash._dispatch.plan import scale_folds
 
     assert scale_folds(scale) == folds
     assert _params.as_float32(1e300) == np.inf   # out of float32's range: inf, as the kernel's own conversion gave

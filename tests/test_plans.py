@@ -1,4 +1,4 @@
-"""Forward and backward plans (cuflash/_launch.py) on the CPU: CuPy arrays on fake device memory,
+"""Forward and backward plans (cuflash/_dispatch/plan.py) on the CPU: CuPy arrays on fake device memory,
 the driver's launch, allocation and tensor-map functions replaced by recorders. A repeated call
 takes its plan and launches exactly what the full path launched for it (the same variants, the
 same params and maps but for the array addresses); a call whose signature differs in anything the
@@ -14,7 +14,12 @@ cp = pytest.importorskip("cupy")
 from cupy.cuda import memory  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _launch, _masking, _params, _tma, _variants  # noqa: E402
+from cuflash import options  # noqa: E402
+from cuflash._dispatch import masking as _masking  # noqa: E402
+from cuflash._dispatch import model, plan, select  # noqa: E402
+from cuflash._runtime import device, launch  # noqa: E402
+from cuflash._runtime import params as _params  # noqa: E402
+from cuflash._runtime import tma as _tma  # noqa: E402
 
 
 class FakeDevice:
@@ -32,19 +37,18 @@ class FakeDevice:
 
 @pytest.fixture
 def fake(monkeypatch):
-    """(device, launches): every launch as (variant, params bytes, maps bytes or None, grid dims, grid)."""
+    """(device, launches): every launch as (variant, params bytes, maps bytes or None, grid)."""
     dev = FakeDevice()
     launches = []
     monkeypatch.setattr(cp, "empty", dev.empty)
     monkeypatch.setattr(cp, "zeros", dev.empty)   # the backward's dQ accumulator (never read here)
     monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
-    monkeypatch.setattr(_launch, "_device_facts", lambda device_id: (90, 232448, "H100 (fake)", 132))
+    monkeypatch.setattr(device, "device_facts", lambda device_id: (90, 232448, "H100 (fake)", 132))
 
-    def record(variant, params, dims, grid=0, extra_args=()):
-        launches.append((variant, bytes(params.data), bytes(extra_args[0].data) if extra_args else None, dims,
-                         grid))
+    def record(variant, params, grid, extra_args=()):
+        launches.append((variant, bytes(params.data), bytes(extra_args[0].data) if extra_args else None, grid))
 
-    monkeypatch.setattr(_launch, "_launch", record)
+    monkeypatch.setattr(launch, "launch_kernel", record)
 
     def encode(addr, dtype, rank, ptr, dims, strides, box, steps, *modes):
         # a map's bytes: its address, then what it was asked for
@@ -59,9 +63,11 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(_tma, "_encode_fn", lambda: encode)
     monkeypatch.setattr(_tma, "_replace_fn", lambda: replace)
-    _launch.clear_plans()
+    plan.clear_plans()
+    options._PROBLEMS.clear()
     yield dev, launches
-    _launch.clear_plans()
+    plan.clear_plans()
+    options._PROBLEMS.clear()
 
 
 def _qkv(dev, shape=(2, 4, 1100, 64), dtype=np.float16):
@@ -70,7 +76,7 @@ def _qkv(dev, shape=(2, 4, 1100, 64), dtype=np.float16):
 
 def _without_addresses(params: bytes) -> bytes:
     raw = bytearray(params)
-    for offset in _launch._FWD_POINTERS + _launch._FWD_QUEUE:
+    for offset in plan._FWD_ADDRESSES + plan._FWD_QUEUE:
         raw[offset:offset + 8] = bytes(8)
     return bytes(raw)
 
@@ -80,11 +86,11 @@ def test_a_repeated_call_launches_what_the_full_path_did(fake, d, causal):
     dev, launches = fake
     q, k, v = _qkv(dev, (2, 4, 1100, d))
     out1, lse1 = cuflash.attention_forward(q, k, v, causal=causal)
-    assert len(_launch._FORWARD_PLANS) == 1
+    assert len(plan._FORWARD_PLANS) == 1
     q2, k2, v2 = _qkv(dev, (2, 4, 1100, d))     # the same signature, other addresses
     out2, lse2 = cuflash.attention_forward(q2, k2, v2, causal=causal)
-    (var1, params1, maps1, dims1, _), (var2, params2, maps2, dims2, _) = launches
-    assert var2 is var1 and dims2 == dims1
+    (var1, params1, maps1, grid1), (var2, params2, maps2, grid2) = launches
+    assert var2 is var1 and grid2 == grid1
     assert _without_addresses(params2) == _without_addresses(params1)
     fields = np.frombuffer(params2, dtype=_params.STRUCTS["FwdParams"])
     assert [int(fields[n]["ptr"][0]) for n in ("q", "k", "v", "out", "lse")] == \
@@ -92,7 +98,7 @@ def test_a_repeated_call_launches_what_the_full_path_did(fake, d, causal):
     assert (out2.shape, out2.dtype, lse2.shape, lse2.dtype) == (out1.shape, out1.dtype, lse1.shape, lse1.dtype)
     # A causal persistent grid's block queue: a new zeroed counter a call (two launches never share one).
     queues = [int(np.frombuffer(p, dtype=_params.STRUCTS["FwdParams"])["block_queue"][0]) for p in (params1, params2)]
-    takes_queue = _launch.persistent_grid(var1) and _variants.block_queue(var1)
+    takes_queue = var1.schedule == "queue"
     assert takes_queue == (d == 128 and causal)
     assert [q_ != 0 for q_ in queues] == [takes_queue] * 2
     assert not takes_queue or queues[0] != queues[1]
@@ -101,7 +107,7 @@ def test_a_repeated_call_launches_what_the_full_path_did(fake, d, causal):
         return
     # The maps: the full path's encoding for these arrays, but for their addresses, which are the new
     # arrays' (the output's only where the kernel reads its map: else it stays zeros).
-    _launch.clear_plans()
+    plan.clear_plans()
     cuflash.attention_forward(q2, k2, v2, causal=causal)
     encoded = launches[2][2]
     addresses = [struct.unpack_from("=Q", maps2, 128 * i)[0] for i in range(4)]
@@ -136,16 +142,16 @@ def test_a_different_signature_takes_the_full_path(fake, monkeypatch, change):
     elif change == "shape":
         q, k, v = _qkv(dev, (2, 4, 1200, 64))
     elif change == "hook":
-        monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)   # bench.py's "cuflash sm80"
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)   # bench.py's "cuflash sm80"
     elif change == "alignment":
         q = cp.ndarray(q.shape, q.dtype, memptr=q.data + 8, strides=q.strides)
     elif change == "bias":
         kw["bias"] = dev.empty((1, 1, 1100, 1100), np.float16)
     elif change == "window":
         kw["window"] = (64, 0)
-    before = len(_launch._FORWARD_PLANS)
+    before = len(plan._FORWARD_PLANS)
     cuflash.attention_forward(q, k, v, **kw)
-    stored = len(_launch._FORWARD_PLANS) - before
+    stored = len(plan._FORWARD_PLANS) - before
     assert stored == (0 if change in ("bias", "window") else 1)
     if change == "hook":
         assert launches[-1][0].arch == "sm80" and launches[0][0].arch == "sm90a"
@@ -166,10 +172,10 @@ def test_tile_override_clears_the_plans(fake):
     dev, launches = fake
     q, k, v = _qkv(dev, (2, 4, 1100, 128))
     cuflash.attention_forward(q, k, v)
-    assert _launch._FORWARD_PLANS
-    with _variants.tile_override("fwd_mma", 128, _variants.Tile(64, 64, 4, 2, "test")):
-        assert not _launch._FORWARD_PLANS
-    assert not _launch._FORWARD_PLANS
+    assert plan._FORWARD_PLANS
+    with select.tile_override("fwd_mma", 128, model.Tile(64, 64, 4, 2, "test")):
+        assert not plan._FORWARD_PLANS
+    assert not plan._FORWARD_PLANS
 
 
 def test_inputs_the_checks_copy_take_no_plan(fake, monkeypatch):
@@ -180,7 +186,7 @@ def test_inputs_the_checks_copy_take_no_plan(fake, monkeypatch):
     k, v = (dev.empty((2, 4, 1100, 64), np.float16) for _ in range(2))
     monkeypatch.setattr(cp, "ascontiguousarray", lambda x: dev.empty(x.shape, x.dtype))
     cuflash.attention_forward(q, k, v)
-    assert len(launches) == 1 and not _launch._FORWARD_PLANS
+    assert len(launches) == 1 and not plan._FORWARD_PLANS
 
 
 # ------------------------------------------------------------------ backward plans
@@ -204,23 +210,30 @@ def _bwd_pointers(params: bytes) -> dict:
 
 def _bwd_without_addresses(params: bytes) -> bytes:
     raw = bytearray(params)
-    for offset in _launch._BWD_POINTERS:
+    for offset in plan._BWD_ADDRESSES:
         raw[offset:offset + 8] = bytes(8)
     return bytes(raw)
 
 
 @pytest.fixture
 def plans_run(monkeypatch):
-    """How many backward calls took their plan (run_backward_plan returned grads)."""
-    taken = []
-    real = _launch.run_backward_plan
+    """One True for each backward call that took a stored plan (plan.backward ran without plan_backward)."""
+    taken, planned = [], []
+    real_backward, real_plan = plan.backward, plan.plan_backward
 
-    def spy(*args):
-        grads = real(*args)
-        taken.append(grads is not None)
-        return grads
+    def spy_plan(*args, **kwargs):
+        planned.append(True)
+        return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(_launch, "run_backward_plan", spy)
+    def spy_backward(*args, **kwargs):
+        n = len(planned)
+        result = real_backward(*args, **kwargs)
+        if len(planned) == n:
+            taken.append(True)
+        return result
+
+    monkeypatch.setattr(plan, "plan_backward", spy_plan)
+    monkeypatch.setattr(plan, "backward", spy_backward)
     return taken
 
 
@@ -233,23 +246,23 @@ def test_a_repeated_backward_launches_what_the_full_path_did(fake, plans_run, mo
                                                             dtype, causal):
     dev, launches = fake
     if cc == 80:
-        monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
     first = _bwd_inputs(dev, (2, 4, 1100, d), dtype)
     grads1 = cuflash.attention_backward(*first, causal=causal, deterministic=deterministic)
-    assert len(_launch._BACKWARD_PLANS) == 1 and not plans_run
+    assert len(plan._BACKWARD_PLANS) == 1 and not plans_run
     n = len(launches)
     second = _bwd_inputs(dev, (2, 4, 1100, d), dtype)     # the same signature, other addresses
     grads2 = cuflash.attention_backward(*second, causal=causal, deterministic=deterministic)
     assert plans_run == [True]
     full, planned = launches[:n], launches[n:]
-    assert [(x[0], x[3], x[4]) for x in planned] == [(x[0], x[3], x[4]) for x in full]   # variants, dims, grids
+    assert [(x[0], x[3]) for x in planned] == [(x[0], x[3]) for x in full]   # variants, grids
     assert [x[0] for x in full].count(None) == 0
     hopper = cc == 90 and not deterministic and dtype == np.float16 and d % 8 == 0
     assert any(x[0].family == "bwd_dkdv_wgmma" for x in full) == hopper
-    for (_, params1, maps1, _, _), (_, params2, maps2, _, _) in zip(full, planned):
+    for (_, params1, maps1, _), (_, params2, maps2, _) in zip(full, planned):
         assert _bwd_without_addresses(params2) == _bwd_without_addresses(params1)
         assert (maps1 is None) == (maps2 is None)
-    for grads, inputs, (_, params, maps, _, _) in ((grads1, first, full[-1]), (grads2, second, planned[-1])):
+    for grads, inputs, (_, params, maps, _) in ((grads1, first, full[-1]), (grads2, second, planned[-1])):
         dout, q, k, v, out, lse = inputs
         ptr = _bwd_pointers(params)
         assert [ptr[n] for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")] == \
@@ -283,7 +296,7 @@ def test_a_different_backward_signature_takes_the_full_path(fake, plans_run, mon
     args = list(_bwd_inputs(dev))
     kw = dict(causal=True, scale=0.5, deterministic=False)
     cuflash.attention_backward(*args, **kw)
-    assert len(_launch._BACKWARD_PLANS) == 1
+    assert len(plan._BACKWARD_PLANS) == 1
     stores = True
     if change in ("causal 1", "scale True"):
         with pytest.raises(ValueError, match=change.split()[0]):
@@ -309,9 +322,8 @@ def test_a_different_backward_signature_takes_the_full_path(fake, plans_run, mon
         kw["causal"] = "bottom_right"
     elif change == "deterministic":
         kw["deterministic"] = True
-    elif change == "deterministic 1":   # 1 == True as a dict key: only a bool takes a plan
+    elif change == "deterministic 1":   # the API reads it as bool(deterministic): True's plan
         kw["deterministic"] = 1
-        stores = False
     elif change == "scale":
         kw["scale"] = 0.25
     elif change == "scale int":
@@ -324,11 +336,11 @@ def test_a_different_backward_signature_takes_the_full_path(fake, plans_run, mon
         q = args[1]
         args[1] = cp.ndarray(q.shape, q.dtype, memptr=q.data + 8, strides=q.strides)
     elif change == "hook cc":
-        monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
     elif change == "hook variants":
-        monkeypatch.setattr(_launch, "backward_variants", functools.partial(_variants.backward_variants))
+        monkeypatch.setattr(plan, "backward_variants", functools.partial(select.backward_variants))
     elif change == "hook facts":
-        monkeypatch.setattr(_launch, "_device_facts", lambda device_id: (80, 166912, "A100 (fake)", 108))
+        monkeypatch.setattr(device, "device_facts", lambda device_id: (80, 166912, "A100 (fake)", 108))
     else:
         stores = False
         if change == "bias":
@@ -349,9 +361,9 @@ def test_a_different_backward_signature_takes_the_full_path(fake, plans_run, mon
         assert len(launches) > n
         assert [g.shape for g in grads[:3]] == [x.shape for x in args[1:4]]
         if not stores:
-            assert len(_launch._BACKWARD_PLANS) == 1 and not plans_run
+            assert len(plan._BACKWARD_PLANS) == 1 and not plans_run
     assert plans_run == ([True] if stores else [])
-    assert len(_launch._BACKWARD_PLANS) == (2 if stores else 1)
+    assert len(plan._BACKWARD_PLANS) == (2 if stores else 1)
     if change in ("hook cc", "hook facts"):
         assert launches[-1][0].arch == "sm80" and launches[1][0].arch == "sm90a"
 
@@ -359,23 +371,24 @@ def test_a_different_backward_signature_takes_the_full_path(fake, plans_run, mon
 def test_tile_override_clears_the_backward_plans(fake):
     dev, launches = fake
     cuflash.attention_backward(*_bwd_inputs(dev, (2, 4, 1100, 128)))
-    assert _launch._BACKWARD_PLANS
-    with _variants.tile_override("bwd_dkdv_mma", 128, _variants.Tile(64, 64, 4, 2, "test")):
-        assert not _launch._BACKWARD_PLANS
-    assert not _launch._BACKWARD_PLANS
+    assert plan._BACKWARD_PLANS
+    with select.tile_override("bwd_dkdv_mma", 128, model.Tile(64, 64, 4, 2, "test")):
+        assert not plan._BACKWARD_PLANS
+    assert not plan._BACKWARD_PLANS
 
 
 @pytest.mark.parametrize("shape", [(4, 1100, 64), (1100, 64), (2, 3, 4, 1100, 64)])
-def test_other_ranks_take_the_backward_plan(fake, plans_run, shape):
-    """Inputs of 2, 3 or 5 dims: the kernels read 4-D views of their memory, which a plan passes as
-    well; the grads have the inputs' shapes."""
+def test_other_ranks_are_planned_afresh(fake, plans_run, shape):
+    """Inputs of 2, 3 or 5 dims have no signature (only 4-D CuPy arrays, the kernels' own views, take
+    one): each call is planned afresh, and launches what the first did but for the addresses; the grads
+    have the inputs' shapes."""
     dev, launches = fake
     first = _bwd_inputs(dev, shape, dv=32)
     grads1 = cuflash.attention_backward(*first)
     n = len(launches)
     second = _bwd_inputs(dev, shape, dv=32)
     grads2 = cuflash.attention_backward(*second)
-    assert plans_run == [True]
+    assert plans_run == [] and not plan._BACKWARD_PLANS
     assert [(x[0], x[3], _bwd_without_addresses(x[1])) for x in launches[n:]] == \
         [(x[0], x[3], _bwd_without_addresses(x[1])) for x in launches[:n]]
     for grads, inputs in ((grads1, first), (grads2, second)):
@@ -393,15 +406,29 @@ def test_backward_inputs_the_checks_copy_take_no_plan(fake, plans_run, monkeypat
     monkeypatch.setattr(cp, "ascontiguousarray", lambda x: dev.empty(x.shape, x.dtype))
     for _ in range(2):
         cuflash.attention_backward(dout, q, k, v, out, lse)
-    assert not _launch._BACKWARD_PLANS and not plans_run and len(launches) == 6
+    assert not plan._BACKWARD_PLANS and not plans_run and len(launches) == 6
 
 
-def test_backward_plans_without_readdressing_are_not_stored(fake, monkeypatch):
-    """A driver without cuTensorMapReplaceAddress: the Hopper kernel's maps cannot be re-pointed."""
+def test_backward_plans_without_readdressing_encode_their_maps_again(fake, plans_run, monkeypatch):
+    """A driver without cuTensorMapReplaceAddress: the Hopper kernel's maps cannot be re-pointed, so a
+    stored plan encodes them again for the new arrays (what the full path encodes for them)."""
     dev, launches = fake
     monkeypatch.setattr(_tma, "_replace_fn", lambda: None)
     cuflash.attention_backward(*_bwd_inputs(dev))
-    assert any(x[2] is not None for x in launches) and not _launch._BACKWARD_PLANS
+    assert any(x[2] is not None for x in launches) and plan._BACKWARD_PLANS
+    second = _bwd_inputs(dev)
+    n = len(launches)
+    cuflash.attention_backward(*second)
+    assert plans_run == [True]
+    (replayed, params), = [(x[2], x[1]) for x in launches[n:] if x[2] is not None]
+    plan.clear_plans()
+    n = len(launches)
+    cuflash.attention_backward(*second)
+    (encoded, _), = [(x[2], x[1]) for x in launches[n:] if x[2] is not None]
+    ptr = _bwd_pointers(params)   # each map points at this call's array; the rest is the full path's encoding
+    assert [struct.unpack_from("=Q", replayed, 128 * i)[0] for i in range(5)] == \
+        [ptr[n] for n in ("q", "dout", "k", "v", "dq_acc")]
+    assert [replayed[128 * i + 8:128 * (i + 1)] for i in range(5)] == [encoded[128 * i + 8:128 * (i + 1)] for i in range(5)]
 
 
 @pytest.mark.parametrize("cc", [90, 80])
@@ -410,7 +437,7 @@ def test_backward_plans_tell_which_array_is_misaligned(fake, plans_run, monkeypa
     does: 16-byte loads, tensor maps): different signatures, so the second call is chosen afresh, and
     launches what the full path launches for it."""
     dev, launches = fake
-    monkeypatch.setattr(_launch, "_compute_capability", lambda: cc)
+    monkeypatch.setattr(device, "compute_capability", lambda: cc)
 
     def shifted(x):
         return cp.ndarray(x.shape, x.dtype, memptr=dev.empty((x.size + 8,), x.dtype).data + 8, strides=x.strides)
@@ -422,10 +449,136 @@ def test_backward_plans_tell_which_array_is_misaligned(fake, plans_run, monkeypa
     second[1] = shifted(second[1])
     n = len(launches)
     cuflash.attention_backward(*second)
-    assert plans_run == [] and len(_launch._BACKWARD_PLANS) == 2
+    assert plans_run == [] and len(plan._BACKWARD_PLANS) == 2
     planned = [x[0] for x in launches[n:]]
-    _launch.clear_plans()
+    plan.clear_plans()
     n = len(launches)
     cuflash.attention_backward(*second)
     assert [x[0] for x in launches[n:]] == planned
     assert all(v.arch == "sm80" and not v.vec for v in planned)   # misaligned q: no maps, element loads
+
+
+# ------------------------------------------------------------------ signatures and the validation memo
+
+def test_which_calls_get_a_signature(fake):
+    """Plain 4-D CuPy calls only: no masking option, causal a bool or str, scale None or a float; the
+    backward also refuses a scale of 0.0 (-0.0 == 0.0 as a key, not in the gradients' signs)."""
+    dev, _ = fake
+    q, k, v = _qkv(dev)
+    assert options.forward_call(q, k, v).signature is not None
+    assert options.forward_call(q, k, v, causal="bottom_right", scale=0.5).signature is not None
+    for kw in (dict(scale=1), dict(window=(8, 0)), dict(dropout_p=0.1, seed=3), dict(seed=3),
+               dict(bias=dev.empty((1, 1, 1100, 1100), np.float16))):
+        assert options.forward_call(q, k, v, **kw).signature is None, kw
+    assert options.forward_call(q[0], k[0], v[0]).signature is None   # 3-D: not the kernels' own views
+    dout, q, k, v, out, lse = _bwd_inputs(dev)
+    assert options.backward_call(dout, q, k, v, out, lse, scale=0.5).signature is not None
+    for scale in (0.0, -0.0, 1):
+        assert options.backward_call(dout, q, k, v, out, lse, scale=scale).signature is None, scale
+    signatures = {options.forward_call(q, k, v, causal=c, scale=s).signature
+                  for c in (False, True, "top_left") for s in (None, 0.5)}
+    assert len(signatures) == 6   # True and "top_left" validate alike but are different keys
+
+
+def test_a_seen_signature_is_not_validated_again(fake, monkeypatch):
+    dev, _ = fake
+    q, k, v = _qkv(dev)
+    first = options.forward_call(q, k, v, causal=True)
+    assert options._PROBLEMS[first.signature] is not None
+    monkeypatch.setattr(options, "check_qkv", lambda *a, **kw: pytest.fail("validated again"))
+    q2, k2, v2 = _qkv(dev)
+    again = options.forward_call(q2, k2, v2, causal=True)
+    assert again.signature == first.signature and again.problem.q is q2 and again.problem.v is v2
+    strip = lambda p: (p.xp, p.dtype, p.lead, p.causal, p.scale, p.q_shape, p.d, p.dv, p.lq, p.lk, p.group)  # noqa
+    assert strip(again.problem) == strip(first.problem)
+
+
+def test_clear_selection_caches_clears_the_plans(fake):
+    dev, _ = fake
+    cuflash.attention_forward(*_qkv(dev))
+    cuflash.attention_backward(*_bwd_inputs(dev))
+    assert plan._FORWARD_PLANS and plan._BACKWARD_PLANS
+    select.clear_selection_caches()
+    assert not plan._FORWARD_PLANS and not plan._BACKWARD_PLANS
+
+
+# ------------------------------------------------------------------ on the GPU
+
+def _gpu_qkv(shape=(2, 4, 600, 64), dtype=np.float16, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(cp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(3))
+
+
+@pytest.fixture
+def clean_plans():
+    plan.clear_plans()
+    yield
+    plan.clear_plans()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_replayed_call_gives_bitwise_the_first_result(clean_plans, dtype, causal):
+    q, k, v = _gpu_qkv(dtype=dtype)
+    out1, lse1 = cuflash.attention_forward(q, k, v, causal=causal)
+    assert len(plan._FORWARD_PLANS) == 1
+    dout = cp.asarray(np.random.default_rng(1).standard_normal(out1.shape).astype(dtype))
+    grads1 = cuflash.attention_backward(dout, q, k, v, out1, lse1, causal=causal, deterministic=True)
+    assert len(plan._BACKWARD_PLANS) == 1
+    out2, lse2 = cuflash.attention_forward(q, k, v, causal=causal)
+    grads2 = cuflash.attention_backward(dout, q, k, v, out2, lse2, causal=causal, deterministic=True)
+    assert len(plan._FORWARD_PLANS) == 1 and len(plan._BACKWARD_PLANS) == 1
+    for a, b in zip((out1, lse1, *grads1), (out2, lse2, *grads2)):
+        assert bytes(a.get().data) == bytes(b.get().data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", ["strides", "dtype", "alignment", "causal", "scale type", "precision",
+                                    "deterministic", "hook"])
+def test_a_changed_signature_plans_again_on_the_gpu(clean_plans, monkeypatch, change):
+    q, k, v = _gpu_qkv(dtype=np.float32 if change == "precision" else np.float16)
+    kw = dict(causal=True)
+    out, lse = cuflash.attention_forward(q, k, v, **kw)
+    cuflash.attention_backward(out, q, k, v, out, lse, **kw)
+    fwd, bwd = len(plan._FORWARD_PLANS), len(plan._BACKWARD_PLANS)
+    dkw = {}
+    if change == "strides":
+        q = cp.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    elif change == "dtype":
+        q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    elif change == "alignment":
+        raw = cp.empty(q.size + 4, q.dtype)
+        raw[4:] = q.ravel()
+        q = raw[4:].reshape(q.shape)   # 8 bytes off a 16-byte boundary
+    elif change == "causal":
+        kw["causal"] = "bottom_right"
+    elif change == "scale type":
+        kw["scale"] = 0.125   # a float where the first call took None (the same value)
+    elif change == "precision":
+        kw["precision"] = "tf32"
+    elif change == "deterministic":
+        dkw["deterministic"] = True
+    elif change == "hook":
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
+    if change != "deterministic":
+        out, lse = cuflash.attention_forward(q, k, v, **kw)
+        assert len(plan._FORWARD_PLANS) == fwd + 1
+    cuflash.attention_backward(out.astype(q.dtype), q, k, v, out.astype(q.dtype), lse, **kw, **dkw)
+    assert len(plan._BACKWARD_PLANS) == bwd + 1
+
+
+@pytest.mark.gpu
+def test_tile_override_and_clear_selection_caches_clear_the_plans_on_the_gpu(clean_plans):
+    q, k, v = _gpu_qkv(shape=(1, 2, 300, 128))
+    out, lse = cuflash.attention_forward(q, k, v)
+    cuflash.attention_backward(out, q, k, v, out, lse)
+    assert plan._FORWARD_PLANS and plan._BACKWARD_PLANS
+    with select.tile_override("fwd_mma", 128, model.Tile(64, 64, 4, 2, "test")):
+        assert not plan._FORWARD_PLANS and not plan._BACKWARD_PLANS
+        cuflash.attention_forward(q, k, v)
+    assert not plan._FORWARD_PLANS
+    cuflash.attention_forward(q, k, v)
+    assert plan._FORWARD_PLANS
+    select.clear_selection_caches()
+    assert not plan._FORWARD_PLANS and not plan._BACKWARD_PLANS

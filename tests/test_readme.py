@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash._device import gpu_available
+from cuflash._runtime.device import gpu_available
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 _BLOCK = re.compile(r"(?:<!-- requires: ([^>]*) -->\s*\n)?```python\n(.*?)```", re.S)

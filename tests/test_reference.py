@@ -475,7 +475,7 @@ def test_bad_arguments():
 def test_imports_and_runs_without_cupy(monkeypatch):
     """Load reference.py on its own with `import cupy` failing: NumPy inputs still work."""
     monkeypatch.setitem(sys.modules, "cupy", None)      # makes `import cupy` raise ImportError
-    spec = importlib.util.spec_from_file_location("_reference_no_cupy", R.__file__)
+    spec = importlib.util.spec_from_file_location("cuflash._reference_no_cupy", R.__file__)   # in the package: its relative imports
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod._cupy() is None and mod._array_module(np.zeros(2)) is np

@@ -1,10 +1,10 @@
-"""Which arrays the Hopper forward's tensor maps can describe (cuflash/_tma.py), on the CPU:
+"""Which arrays the Hopper forward's tensor maps can describe (cuflash/_runtime/tma.py), on the CPU:
 the rules are the driver's (16-byte aligned base, strides positive multiples of 16 bytes)."""
 from types import SimpleNamespace
 
 import numpy as np
 
-from cuflash import _tma
+from cuflash._runtime import tma as _tma
 
 
 def fake(shape, strides=None, ptr=4096, itemsize=2):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _variants as V
+from cuflash._dispatch import model as M
+from cuflash._dispatch import select as V
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_f32.py"
 
@@ -42,21 +43,21 @@ def test_every_candidate_is_what_an_h100_launches(family, candidates, causal):
     # Hopper forward's TF32X3_PARTS)
     split = 3 if family == tf.HOPPER_FWD else 2
     assert all(v.split == split and v.tile == tf.expected(family, 64, None) for v in tf.planned(64, causal, family, None))
-    assert ("sm90a", tf.HOPPER_FWD, "float32", 64) in V._TABLE   # without_hopper_forward put the row back
+    assert ("sm90a", tf.HOPPER_FWD, "float32", 64) in M.TABLES["plain"]   # without_hopper_forward put the row back
 
 
 def test_check_ran_stops_on_a_fallback():
-    fast = V.Tile(64, 32, 4, 2, "fast split", split=2)
+    fast = M.Tile(64, 32, 4, 2, "fast split", split=2)
     with tf.override("fwd_tf32x3", 64, fast):
         good = V.forward_variant("float32", 64, band=False, vec=True, cc=90, smem_limit=tf.H100_SMEM)
-    tf.check_ran([V.Variant("bwd_dsum", "float32", 0), good], "fwd_tf32x3", 64, fast, "ok")
+    tf.check_ran([M.Variant("bwd_dsum", "float32", 0), good], "fwd_tf32x3", 64, fast, "ok")
     table = V.forward_variant("float32", 64, band=False, vec=True, cc=90, smem_limit=tf.H100_SMEM)
     with pytest.raises(SystemExit):   # the table's kernel ran instead of the candidate
         tf.check_ran([table], "fwd_tf32x3", 64, fast, "x")
     with pytest.raises(SystemExit):   # the FMA fallback ran
-        tf.check_ran([V.Variant("fwd_fma", "float32", 64)], "fwd_tf32x3", 64, fast, "x")
+        tf.check_ran([M.Variant("fwd_fma", "float32", 64)], "fwd_tf32x3", 64, fast, "x")
     with pytest.raises(SystemExit):   # the same tile, the other split
-        tf.check_ran([good], "fwd_tf32x3", 64, V.Tile(64, 32, 4, 2, "fast split", split=1), "x")
+        tf.check_ran([good], "fwd_tf32x3", 64, M.Tile(64, 32, 4, 2, "fast split", split=1), "x")
 
 
 def test_error_rule_flags_nan_and_inf():

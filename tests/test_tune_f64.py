@@ -14,8 +14,9 @@ from _nvrtc import needs_nvrtc
 pytest.importorskip("cupy")
 pytest.importorskip("ml_dtypes")
 
-from cuflash import _launch  # noqa: E402
-from cuflash._variants import SMEM_LIMITS, backward_variants, forward_variant, tile_override  # noqa: E402
+from cuflash._dispatch import plan  # noqa: E402
+from cuflash._dispatch.model import SMEM_LIMITS  # noqa: E402
+from cuflash._dispatch.select import backward_variants, forward_variant, tile_override  # noqa: E402
 
 _BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 H100 = SMEM_LIMITS["sm_90 (H100, H200)"]
@@ -50,7 +51,7 @@ def test_f64_rows_fail_on_error_nan_or_non_finite(tune_fwd):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_tune_fwd_launches_the_candidate_it_names(tune_fwd, d):
-    """Each float64 config reaches launch_forward's choice as the variant its label says (wide_k, tile)."""
+    """Each float64 config reaches plan_forward's choice as the variant its label says (wide_k, tile)."""
     for cand in tune_fwd.CANDIDATES_F64[d]:
         if cand == "fma" or len(cand) != 4:
             continue
@@ -58,11 +59,11 @@ def test_tune_fwd_launches_the_candidate_it_names(tune_fwd, d):
         label, ctx = tune_fwd.config(d, cand, True)
         with ctx:
             for band in (False, True):
-                v, portable = _launch.forward_choice("float64", d, band, False, True, False, 90, H100)
+                v, portable = plan.forward_choice("float64", d, band, False, True, "long", 90, H100)
                 assert v is portable and v.family == "fwd_dmma" and v.wide_k == wide_k and v.band == band
                 assert (v.tile.block_m, v.tile.block_n, v.tile.warps) == (bm, bn, warps), label
                 assert v.name.endswith(f", {wide_k}>")
-    v, _ = _launch.forward_choice("float64", d, False, False, True, False, 90, H100)
+    v, _ = plan.forward_choice("float64", d, False, False, True, "long", 90, H100)
     assert v == forward_variant("float64", d, band=False, vec=True, cc=90, smem_limit=H100)   # restored
 
 
@@ -75,10 +76,10 @@ def test_tune_bwd_plans_carry_their_wide_k(tune_bwd, d):
             ctx = (tile_override("bwd_dkdv_dmma", d, tile, dtypes=("float64",)) if tile is not None
                    else contextlib.nullcontext())
             with ctx, tune_bwd.wide_backward(dkdv_k, dq_k):
-                plan = _launch.backward_variants("float64", d, band=band, extra=False, vec=True, deterministic=det,
+                chosen = plan.backward_variants("float64", d, band=band, extra=False, vec=True, deterministic=det,
                                                  smem_limit=H100, cc=90)
-            dkdv = [v for v in plan if v.family == "bwd_dkdv_dmma"]
-            dq = [v for v in plan if v.family == "bwd_dq_dmma"]
+            dkdv = [v for v in chosen if v.family == "bwd_dkdv_dmma"]
+            dq = [v for v in chosen if v.family == "bwd_dq_dmma"]
             assert dkdv and all(v.wide_k == dkdv_k for v in dkdv)
             assert all(v.wide_k == dq_k for v in dq) and len(dq) == int(det)
             assert all(v.atomic_dq == (not det) for v in dkdv if v.pass_ != 1)
@@ -86,7 +87,7 @@ def test_tune_bwd_plans_carry_their_wide_k(tune_bwd, d):
                 assert [v.pass_ for v in dkdv] == [1, 2] and not any(v.atomic_dq for v in dkdv)
             else:
                 assert [v.pass_ for v in dkdv] == [0]
-    assert _launch.backward_variants is backward_variants   # restored
+    assert plan.backward_variants is backward_variants   # restored
 
 
 @needs_nvrtc
@@ -94,7 +95,7 @@ def test_dmma_rate_kernels_compile_for_sm90():
     """dmma_rate.py's four kernels: every shape builds for sm_90 without spills; m16n8kK is refused on sm_80
     (the script skips them there)."""
     from cuflash import CompileError
-    from cuflash._build import compile_source_offline
+    from cuflash._runtime.build import compile_source_offline
 
     rate = _load("dmma_rate")
     for shape in rate.SHAPES:

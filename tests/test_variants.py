@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from cuflash import _variants as V
+from cuflash._dispatch import model as M
+from cuflash._dispatch import select as V
 
 from _variant_problems import problem_for
 
@@ -16,18 +17,18 @@ def test_every_variant_has_a_table_entry_and_fits():
         t = v.tile
         assert t in v.tiles(), v.name                 # a table entry, not an ad-hoc tile
         assert v.threads == 32 * t.warps
-        assert 0 <= v.smem_bytes <= V.SMEM_MAX, v.name
+        assert 0 <= v.smem_bytes <= M.SMEM_MAX, v.name
         assert t.why, v.name
 
 
-@pytest.mark.parametrize("gpu", list(V.SMEM_LIMITS))
+@pytest.mark.parametrize("gpu", list(M.SMEM_LIMITS))
 def test_every_call_has_kernels_on_every_gpu_class(gpu):
     """Every (dtype, head bucket, causal, dQ strategy) call selects kernels that fit the
     GPU class's shared memory, except the one documented gap: the float64 backward at
     head dim 256 on 99 KB GPUs (sm_86 / sm_89 / sm_120)."""
-    limit = V.SMEM_LIMITS[gpu]
+    limit = M.SMEM_LIMITS[gpu]
     gaps = []
-    for dtype, head, band, extra, det in itertools.product(V.DTYPES, V.HEAD_BUCKETS, (False, True), (False, True),
+    for dtype, head, band, extra, det in itertools.product(M.DTYPES, M.HEAD_BUCKETS, (False, True), (False, True),
                                                            (False, True)):
         for vec in V.vec_choices(dtype):
             flags = dict(band=band, extra=extra, vec=vec)
@@ -70,7 +71,7 @@ def test_resident_tiles_need_room_for_their_ctas():
     """A tile with ``resident=2`` is taken only where two of its CTAs fit an SM (the per-block
     limit plus one 1 KB reservation): the head-dim-128 forward's 128x64 tile (102 KB) on the
     H100, its 128x32 tile (68 KB) on the A100 and the 99 KB GPUs."""
-    limits = V.SMEM_LIMITS
+    limits = M.SMEM_LIMITS
     h100, a100, small = (limits[k] for k in limits)
     for dtype in ("float16", "bfloat16"):
         for limit, (block_n, park) in [(h100, (64, True)), (a100, (32, False)), (small, (32, False))]:
@@ -78,23 +79,23 @@ def test_resident_tiles_need_room_for_their_ctas():
             assert (v.tile.block_n, v.tile.park) == (block_n, park), (dtype, limit)
             assert v.smem_bytes <= limit
     # The bound: n * (bytes + 1 KB) <= limit + 1 KB.
-    assert V.fits_resident(h100 // 2 - 512, 2, h100) and not V.fits_resident(h100 // 2 - 511, 2, h100)
-    assert V.fits_resident(h100, 1, h100)
+    assert M.fits_resident(h100 // 2 - 512, 2, h100) and not M.fits_resident(h100 // 2 - 511, 2, h100)
+    assert M.fits_resident(h100, 1, h100)
 
 
 def test_late_copies_is_a_dkdv_tile_option():
     """LATE_COPIES moves the dK/dV kernel's copies within a step: same shared memory, written after QSPLIT;
     other families refuse it."""
-    late = V.Tile(64, 128, 8, 2, "test", query_split=2, late_copies=True)
-    plain = V.Tile(64, 128, 8, 2, "test", query_split=2)
-    a = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=True, tile=late)
-    b = V.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=True, tile=plain)
+    late = M.Tile(64, 128, 8, 2, "test", query_split=2, late_copies=True)
+    plain = M.Tile(64, 128, 8, 2, "test", query_split=2)
+    a = M.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=True, tile=late)
+    b = M.Variant("bwd_dkdv_mma", "bfloat16", 128, vec=True, atomic_dq=True, tile=plain)
     assert a.smem_bytes == b.smem_bytes
     assert a.name.endswith(", 2, true>") and b.name.endswith(", 2>")   # QSPLIT, then LATE_COPIES
-    one_warp = V.Variant("bwd_dkdv_mma", "bfloat16", 64, tile=V.Tile(32, 128, 4, 2, "test", late_copies=True))
+    one_warp = M.Variant("bwd_dkdv_mma", "bfloat16", 64, tile=M.Tile(32, 128, 4, 2, "test", late_copies=True))
     assert one_warp.name.endswith(", 1, true>")   # QSPLIT written out before LATE_COPIES
     with pytest.raises(ValueError, match="late_copies"):
-        V.Variant("fwd_mma", "bfloat16", 128, tile=V.Tile(128, 64, 4, 2, "test", late_copies=True))
+        M.Variant("fwd_mma", "bfloat16", 128, tile=M.Tile(128, 64, 4, 2, "test", late_copies=True))
 
 
 def _dq_tile_offset(row, col, cols):
@@ -132,7 +133,7 @@ def test_tiled_dq_accumulator_round_trip():
 def test_tiled_dq_accumulator_plans():
     """The convert kernel reads tiles exactly where the plan's dK/dV kernel is the 16-bit tensor-core one, and
     the launcher pads that accumulator to whole steps of the kernel's rows and its head bucket's columns."""
-    from cuflash._launch import dq_accumulator_shape
+    from cuflash._dispatch.plan import dq_accumulator_shape
     for dtype, head, cc in [("bfloat16", 64, 80), ("float16", 128, 80), ("bfloat16", 128, 90), ("float32", 64, 80),
                             ("float64", 64, 80)]:
         plan = V.backward_variants(dtype, head, band=False, extra=False, vec=True, deterministic=False, cc=cc)
@@ -145,28 +146,28 @@ def test_tiled_dq_accumulator_plans():
         else:
             assert shape == (2, 3, 97, head - 5 + (head - 5) % 2)
     with pytest.raises(ValueError, match="dq_tiled"):
-        V.Variant("bwd_dsum", "bfloat16", 0, dq_tiled=True)
+        M.Variant("bwd_dsum", "bfloat16", 0, dq_tiled=True)
 
 
 def test_park_is_a_forward_tile_option():
-    tile = V.Tile(64, 64, 4, 2, "test", park=True)
-    assert V.Variant("fwd_mma", "float16", 64, tile=tile).name.endswith(", true>")
+    tile = M.Tile(64, 64, 4, 2, "test", park=True)
+    assert M.Variant("fwd_mma", "float16", 64, tile=tile).name.endswith(", true>")
     with pytest.raises(ValueError, match="park"):
-        V.Variant("bwd_dkdv_mma", "float16", 64, tile=tile)
+        M.Variant("bwd_dkdv_mma", "float16", 64, tile=tile)
 
 
 def test_selection_rules():
     assert V.forward_variant("float16", 64, band=True, vec=True).family == "fwd_mma"
-    for head in V.HEAD_BUCKETS:   # float64 on the fp64 tensor cores, float32 on TF32 tensor cores
-        assert V.forward_variant("float64", head, band=True, vec=True) == V.Variant("fwd_dmma", "float64", head,
+    for head in M.HEAD_BUCKETS:   # float64 on the fp64 tensor cores, float32 on TF32 tensor cores
+        assert V.forward_variant("float64", head, band=True, vec=True) == M.Variant("fwd_dmma", "float64", head,
                                                                                     band=True, vec=True)
-        assert V.forward_variant("float32", head, band=True, vec=True, precision="tf32") == V.Variant(
+        assert V.forward_variant("float32", head, band=True, vec=True, precision="tf32") == M.Variant(
             "fwd_tf32", "float32", head, band=True, vec=True)
     # precision="highest" on 3xTF32 where a tile fits, else on FMA (head dim 256).
     highest = V.forward_variant("float32", 128, band=False, vec=True)
-    assert highest == V.Variant("fwd_tf32x3", "float32", 128, vec=True) and highest.split
-    assert V.forward_variant("float32", 256, band=False, vec=True) == V.Variant("fwd_fma", "float32", 256)
-    small = V.SMEM_LIMITS["sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"]
+    assert highest == M.Variant("fwd_tf32x3", "float32", 128, vec=True) and highest.split
+    assert V.forward_variant("float32", 256, band=False, vec=True) == M.Variant("fwd_fma", "float32", 256)
+    small = M.SMEM_LIMITS["sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"]
     assert V.forward_variant("float32", 128, band=False, vec=True, smem_limit=small).family == "fwd_tf32x3"
     assert V.forward_variant("float32", 128, band=False, vec=True, precision="fma").family == "fwd_fma"
     # The float32 backward follows the precision: 3xTF32, TF32, or the FMA kernels ("fma", the baseline);
@@ -199,7 +200,7 @@ def test_selection_rules():
     plan = V.backward_variants("bfloat16", 128, band=False, extra=True, vec=True, deterministic=False)
     assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
         ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, True), ("bwd_convert_dq", 0, False)]
-    with V.tile_override("bwd_dkdv_mma", 128, V.Tile(64, 64, 4, 2, "two passes", passes=2)):
+    with V.tile_override("bwd_dkdv_mma", 128, M.Tile(64, 64, 4, 2, "two passes", passes=2)):
         plan = V.backward_variants("float16", 128, band=True, vec=True, deterministic=True)
         assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
             ("bwd_dsum", 0, False), ("bwd_dkdv_mma", 1, False), ("bwd_dkdv_mma", 2, False), ("bwd_dq_mma", 0, False)]
@@ -213,9 +214,9 @@ def test_selection_rules():
         assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_dmma", "bwd_dq_dmma"]
     plan = V.backward_variants("float64", 256, band=True, vec=True, deterministic=True)
     assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
-    assert V.head_bucket(1) == 32 and V.head_bucket(33) == 64 and V.head_bucket(256) == 256
+    assert M.head_bucket(1) == 32 and M.head_bucket(33) == 64 and M.head_bucket(256) == 256
     with pytest.raises(ValueError, match="larger than"):
-        V.head_bucket(257)
+        M.head_bucket(257)
 
 
 def test_hopper_selection():
@@ -229,7 +230,7 @@ def test_hopper_selection():
         x = V.forward_variant("float16", head, band=True, extra=True, vec=True, cc=90)
         assert (x.family, x.extra, x.band) == ("fwd_wgmma", True, True)
         assert x.tile == V.forward_variant("float16", head, band=True, vec=True, cc=90).tile   # the plain tile
-        assert x.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+        assert x.smem_bytes <= M.SMEM_LIMITS["sm_90 (H100, H200)"]
         # ... not where the keys are too few (head dim 64: its short-rows tile takes no EXTRA option), nor on
         # another GPU or without 16-byte rows
         assert V.forward_variant("float16", head, band=False, extra=True, vec=True, cc=90,
@@ -247,7 +248,7 @@ def test_hopper_selection():
         for rows in ("few", "short"):
             short = V.forward_variant("float16", 64, band=band, vec=True, cc=90, rows=rows)
             assert (short.family, short.short, short.tile.ctas) == ("fwd_wgmma", True, 2)
-            assert short.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"] // 2   # two CTAs an SM
+            assert short.smem_bytes <= M.SMEM_LIMITS["sm_90 (H100, H200)"] // 2   # two CTAs an SM
             assert short in V.all_variants()
             # EXTRA calls: the table tile for "short" rows, the portable kernel for "few"
             x = V.forward_variant("float16", 64, band=band, extra=True, vec=True, cc=90, rows=rows)
@@ -261,7 +262,7 @@ def test_hopper_selection():
     assert V.forward_variant("bfloat16", 128, band=True, vec=False, cc=90).family == "fwd_mma"
     assert V.forward_variant("float16", 256, band=False, vec=True, cc=90).family == "fwd_wgmma"
     assert V.forward_variant("float32", 64, band=False, vec=False, cc=90).family == "fwd_tf32x3"   # portable
-    assert V.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
+    assert M.Variant("fwd_mma", "float16", 64).compile_target("sm_80") == "sm_80"
 
 
 def test_hopper_float32_selection():
@@ -274,14 +275,14 @@ def test_hopper_float32_selection():
     variant: the same GPU's portable row, "sm90" included, EXTRA where the call has it)."""
     for head in (64, 128):
         for band, extra in itertools.product((False, True), (False, True)):
-            v, portable = V.forward_choice("float32", head, band, extra, True, True, 90, V.SMEM_MAX, "tf32")
+            v, portable = V.forward_choice("float32", head, band, extra, True, True, 90, M.SMEM_MAX, "tf32")
             assert v == portable and v.family == "fwd_tf32" and v.extra == extra
             for precision, family in (("highest", "fwd_wgmma_tf32x3"),):
-                v, portable = V.forward_choice("float32", head, band, extra, True, True, 90, V.SMEM_MAX, precision)
+                v, portable = V.forward_choice("float32", head, band, extra, True, True, 90, M.SMEM_MAX, precision)
                 assert (v.family, v.arch, v.band, v.extra, v.nvrtc_arch) == (family, "sm90a", band, extra, "sm_90a")
                 assert v.split == (3 if precision == "highest" else 0)
                 assert v.compile_target("sm_90") == "sm_90a" and v.compile_target("sm_80") is None
-                assert v.tile == V.Variant(family, "float32", head, arch="sm90a").fitted(V.SMEM_MAX).tile
+                assert v.tile == M.Variant(family, "float32", head, arch="sm90a").fitted(M.SMEM_MAX).tile
                 assert portable == V.forward_variant("float32", head, band=band, extra=extra, vec=True, cc=90,
                                                      precision=precision, wgmma=False)
                 assert portable.family == V.TF32_FAMILY[precision] and portable.arch != "sm90a"
@@ -290,7 +291,7 @@ def test_hopper_float32_selection():
                                          precision=precision).family == V.TF32_FAMILY[precision]
                 assert V.forward_variant("float32", head, band=band, vec=True, cc=80,
                                          precision=precision).family == V.TF32_FAMILY[precision]
-            assert v.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+            assert v.smem_bytes <= M.SMEM_LIMITS["sm_90 (H100, H200)"]
     for head in (32, 256):
         assert V.forward_variant("float32", head, band=False, vec=True, cc=90).arch != "sm90a"
     assert V.forward_variant("float32", 64, band=False, vec=True, cc=90, precision="fma").family == "fwd_fma"
@@ -322,7 +323,7 @@ def test_hopper_backward_selection():
         assert [v.family for v in plan] == ["bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq"]
         assert plan[1].extra and plan[1].band == band and plan[1].tile.block_m == 64 and plan[1].dbias == dbias
         assert plan[1].name.endswith(f", {str(dbias).lower()}>")
-        assert plan[1].smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+        assert plan[1].smem_bytes <= M.SMEM_LIMITS["sm_90 (H100, H200)"]
     portable = dict(band=False, vec=True, deterministic=False)
     for head in (128, 256):
         for kwargs in (dict(cc=80), dict(cc=100), dict(cc=90, deterministic=True),
@@ -348,7 +349,7 @@ def test_hopper_backward_head_256_layout():
     t = v.tile
     assert (t.block_m, t.block_n, t.warps, t.stages) == (64, 64, 12, 2)
     assert v.smem_bytes == 1024 + (2 * 64 * 256 + 2 * 2 * 64 * 256 + 2 * 2 * 64 * 64) * 2 + 2 * 2 * 64 * 4 + 8 * 5
-    assert v.smem_bytes <= V.SMEM_LIMITS["sm_90 (H100, H200)"]
+    assert v.smem_bytes <= M.SMEM_LIMITS["sm_90 (H100, H200)"]
     assert v.grid(2, 8, 2, 1000, 1000) == -(-1000 // 64) * 4 * 2
 
 
@@ -368,16 +369,16 @@ def _with_wide_k(v, k):
 def test_wide_k_variants_name_their_mma_shape():
     """Tile.wide_k (branch f64-perf): the kernels' last template parameter, only where it is non-zero (the
     m8n8k4 variants keep their names and code), sm_90 only, and only for the fp64 tensor-core families."""
-    plain = V.Variant("fwd_dmma", "float64", 128, vec=True)
+    plain = M.Variant("fwd_dmma", "float64", 128, vec=True)
     wide = _with_wide_k(plain, 16)
     assert not plain.name.endswith(", 16>") and wide.name == plain.name[:-1] + ", 16>"
     assert wide.compile_target("sm_80") is None and wide.compile_target("sm_90") == "sm_90"
     assert plain.compile_target("sm_80") == "sm_80"
-    dkdv = _with_wide_k(V.Variant("bwd_dkdv_dmma", "float64", 64, vec=True), 8)
+    dkdv = _with_wide_k(M.Variant("bwd_dkdv_dmma", "float64", 64, vec=True), 8)
     assert dkdv.name.endswith(", 0, false, true, 8>")
     for family, wide_k in (("fwd_dmma", 12), ("fwd_fma", 16)):
         with pytest.raises(ValueError, match="wide_k"):
-            V.Variant(family, "float64", 64, tile=V.Tile(64, 32, 4, 2, "test", wide_k=wide_k))
+            M.Variant(family, "float64", 64, tile=M.Tile(64, 32, 4, 2, "test", wide_k=wide_k))
 
 
 def test_sm90_rows_are_chosen_from_compute_capability_9():
@@ -392,9 +393,9 @@ def test_sm90_rows_are_chosen_from_compute_capability_9():
         new = V.forward_variant(dtype, head, band=False, vec=True, cc=90, wgmma=False)
         old = V.forward_variant(dtype, head, band=False, vec=True, cc=80)
         assert (new.family, new.arch, old.family, old.arch) == (family, "sm90", family, "sm80")
-        assert new.tile == V._TABLE[("sm90", family, dtype, head)][0] != old.tile
+        assert new.tile == M.TABLES["plain"][("sm90", family, dtype, head)][0] != old.tile
         extra = V.forward_variant(dtype, head, band=False, extra=True, vec=True, cc=90, wgmma=False)
-        assert extra.arch == "sm80" and extra.tile == V._EXTRA_TABLE[("sm80", family, dtype, head)][0]
+        assert extra.arch == "sm80" and extra.tile == M.TABLES["extra"][("sm80", family, dtype, head)][0]
     assert V.forward_variant("float64", 128, band=False, vec=True, cc=90).wide_k == 16
 
 
@@ -405,8 +406,8 @@ def test_vec_only_tiles_serve_16_byte_loads_only():
     scalar = V.forward_variant("float32", 128, band=False, vec=False, cc=90)
     assert fast.tile.vec_only and (fast.tile.block_n, scalar.tile.block_n) == (32, 16) and not scalar.tile.vec_only
     assert not any(v.tile.vec_only and not v.vec for v in V.all_variants())
-    only = V.Tile(64, 32, 4, 2, "test", vec_only=True)
+    only = M.Tile(64, 32, 4, 2, "test", vec_only=True)
     with V.tile_override("fwd_tf32x3", 64, only, dtypes=("float32",)):
-        assert V.Variant("fwd_tf32x3", "float32", 64, vec=True).fitted(V.SMEM_MAX).tile == only
+        assert M.Variant("fwd_tf32x3", "float32", 64, vec=True).fitted(M.SMEM_MAX).tile == only
         with pytest.raises(ValueError, match="16-byte loads only"):
-            V.Variant("fwd_tf32x3", "float32", 64, vec=False, tile=only).fitted(V.SMEM_MAX)
+            M.Variant("fwd_tf32x3", "float32", 64, vec=False, tile=only).fitted(M.SMEM_MAX)
