@@ -31,6 +31,8 @@ import pytest
 from cuflash._runtime.device import gpu_available
 
 _GPU_OK, _GPU_WHY = gpu_available()
+SELECTED = pytest.StashKey[list]()
+"""``config.stash[SELECTED]``: the tests this run selected (after the tiers and ``--sweep-part``)."""
 _GPU_MARKERS = ("gpu", "gpu_sweep")
 _SWEEP_MARKERS = ("sweep", "gpu_sweep")
 
@@ -73,6 +75,7 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    config.stash[SELECTED] = list(items)
     if _GPU_OK:
         return
     skip = pytest.mark.skip(reason=f"GPU test skipped: {_GPU_WHY}")

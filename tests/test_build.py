@@ -14,6 +14,7 @@ from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import SELECTED
 
 from cuflash import CompileError
 from cuflash._runtime.build import compile_offline, inline_includes, load_source, source_hash
@@ -77,8 +78,9 @@ def _build_selected(request, test_name):
     collected, so there each case compiles its own variant (None here) and the workers are the parallelism."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return None
+    selected = request.config.stash[SELECTED]   # every test the run selected
     jobs = list(dict.fromkeys((item.callspec.params["arch"], item.callspec.params["variant"])
-                              for item in request.session.items if getattr(item, "originalname", None) == test_name))
+                              for item in selected if getattr(item, "originalname", None) == test_name))
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
         return dict(zip(jobs, pool.map(_build, jobs)))
 
