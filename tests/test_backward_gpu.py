@@ -118,9 +118,9 @@ def test_hopper_backward(dtype, d, causal, b, hq, hk, lq, lk, launched):
     across tile edges (77, 129, 300 against 64- and 128-row steps and 64- and 128-key blocks) and
     several blocks, key blocks that see no query (causal, lq < lk), grouped-query heads; every
     gradient against the float64 reference under the error rule."""
-    from cuflash import _launch
+    from cuflash._runtime import device
 
-    if _launch._compute_capability() != 90:
+    if device.compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
     check_backward(dtype, b, hq, hk, lq, lk, d, d, causal, seed=lq * d + lk)
     assert "bwd_dkdv_wgmma" in [v.family for v in launched]
@@ -136,9 +136,9 @@ def test_portable_backward_several_blocks(dtype, causal, deterministic, d, lq, l
     blocks and query steps, grouped-query heads, ragged last blocks and causal blocks that see part of
     a step or none of it: at head dim 128 the table's layout where two warps share each key strip and
     exchange P^T and dS^T through shared memory; every gradient against the float64 reference."""
-    from cuflash import _launch
+    from cuflash._runtime import device
 
-    monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    monkeypatch.setattr(device, "compute_capability", lambda: 80)
     check_backward(dtype, 1, 4, 2, lq, lk, d, d, causal, seed=lq + 7 * lk + d, deterministic=deterministic)
     assert "bwd_dkdv_mma" in [v.family for v in launched]
 
@@ -148,9 +148,9 @@ def test_hopper_backward_falls_back_where_tensor_maps_cannot_go(dtype, launched)
     """K and V broadcast over the batch (stride 0, which a tensor map cannot describe) take the portable
     dK/dV kernel; the contiguous copies take the wgmma one; both gradients agree within the fp32
     accumulators' rounding (the atomic dQ sums in another order)."""
-    from cuflash import _launch
+    from cuflash._runtime import device
 
-    if _launch._compute_capability() != 90:
+    if device.compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
     rng = np.random.default_rng(11)
     b, h, lq, lk, d = 2, 2, 200, 333, 128

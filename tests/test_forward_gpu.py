@@ -80,16 +80,11 @@ def test_rows_with_nothing_to_attend(dtype):
 
 @pytest.mark.parametrize("d", sampled([32, 59, 64, 111, 128, 200, 256], [59, 128, 256]))
 @pytest.mark.parametrize("causal", [True, "bottom_right"])
-def test_float64_tensor_core_forward_masked(d, causal, monkeypatch):
+def test_float64_tensor_core_forward_masked(d, causal, launches):
     """The fp64 tensor-core forward (fwd_dmma) at every head bucket, through 16-byte loads (even d)
     and element loads (odd d), with a causal mask, a bias (with -inf entries), a boolean mask, and
     rows that see no key: against the long-double reference under the error rule, output exactly 0
     and lse exactly -inf on the empty rows, lse within 1e-12 elsewhere."""
-    from cuflash import _launch
-
-    launched = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw)))
     b, hq, hk, lq, lk = 2, 2, 1, 97, 130
     rng = np.random.default_rng(d)
     ref_in, dev, _ = make_inputs(rng, "float64", b, hq, hk, lq, lk, d, d)
@@ -98,7 +93,7 @@ def test_float64_tensor_core_forward_masked(d, causal, monkeypatch):
     mask = rng.random((b, 1, lq, lk)) < 0.7
     mask[:, :, ::11] = False                                       # rows 0, 11, 22, ... see nothing
     out, lse = cuflash.attention_forward(*dev, causal=causal, bias=cp.asarray(bias), mask=cp.asarray(mask))
-    assert [v.family for v in launched] == ["fwd_dmma"]
+    assert [v.family for v in launches] == ["fwd_dmma"]
     opts = dict(causal=causal, scale=1 / np.sqrt(d), bias=bias, mask=mask)
     got = cp.asnumpy(out)
     ok, msg = within_budget(got, exact(*ref_in, dtype="float64", **opts),
@@ -170,38 +165,32 @@ def test_over_2_31_elements():
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", sampled([False, True, "bottom_right"], [False, True]))
 @pytest.mark.parametrize("lq,lk", sampled([(300, 2049), (1, 4100), (700, 4097)], [(300, 2049), (700, 4097)], multi=True))
-def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, monkeypatch):
+def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, launches):
     """On compute capability 9.0 the 16-bit forward runs the TMA kernel: at head dim 64 its short-rows tile
     (two CTAs an SM, Variant.short) where a query block visits at most HOPPER_FWD_SHORT_KEYS keys on average
     (half the keys under a causal mask), the table tile past that (at 128 and 256 always); answers within the
     error budget, grouped-query heads, across tile edges."""
-    from cuflash import _launch
-    from cuflash._variants import row_class
+    from cuflash._dispatch.select import row_class
+    from cuflash._runtime import device
 
-    if _launch._compute_capability() != 90:
+    if device.compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
-    launched = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw)))
     for keys in (lk, 1024):
-        launched.clear()
+        launches.clear()
         check_forward(dtype, 1, 4, 2, lq, keys, d, d, causal, seed=lq + keys + d)
-        assert [x.family for x in launched] == ["fwd_wgmma"], (d, keys)
-        assert launched[0].short == (row_class(d, keys, causal is not False) != "long"), (d, keys)
+        assert [x.family for x in launches] == ["fwd_wgmma"], (d, keys)
+        assert launches[0].short == (row_class(d, keys, causal is not False) != "long"), (d, keys)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatch):
+def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, launches):
     """On compute capability 9.0 the 16-bit forward at head dim 128 runs the TMA kernel; K and V
     broadcast over the batch (stride 0, which a tensor map cannot describe) take the portable
     kernel instead, and both answers are within the error budget of the same reference."""
-    from cuflash import _launch
+    from cuflash._runtime import device
 
-    if _launch._compute_capability() != 90:
+    if device.compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
-    launched = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append(variant), real(variant, *a, **kw)))
     rng = np.random.default_rng(7)
     b, h, lq, lk, d = 3, 2, 200, 333, 128
     q = cp.asarray(rng.standard_normal((b, h, lq, d)).astype(DTYPES[dtype]))
@@ -211,9 +200,9 @@ def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatc
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k_full, v_full)]
     opts = dict(causal=True, scale=1 / np.sqrt(d))
     for k, v, family in ((k_full, v_full, "fwd_wgmma"), (k_bc, v_bc, "fwd_mma")):
-        launched.clear()
+        launches.clear()
         out = cuflash.attention(q, k, v, causal=True)
-        assert [x.family for x in launched] == [family]
+        assert [x.family for x in launches] == [family]
         ok, msg = within_budget(cp.asnumpy(out).astype(np.float64), exact(*host, dtype=dtype, **opts),
                                 naive_same_dtype(*host, dtype=dtype, **opts), magnitude(*host, **opts), dtype)
         assert ok, f"{family}: {msg}"
@@ -224,34 +213,50 @@ def test_hopper_forward_falls_back_where_tensor_maps_cannot_go(dtype, monkeypatc
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 @pytest.mark.parametrize("lq,lk,ctas", sampled([(1000, 4200, 3), (333, 4500, 5), (4500, 4150, 7)], [(333, 4500, 5)], multi=True))
 @pytest.mark.parametrize("walk", ["default", "stride"])
-def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, walk, monkeypatch):
-    """The Hopper forward's PERSISTENT variants with far fewer CTAs than query blocks (an SM count of
-    3-7 given to the launch, and the causal ones forced onto the persistent grid too): each CTA walks
-    many blocks, its stage ring, Q barriers and O store running on from one block to the next, across
-    partial blocks, grouped-query heads and bottom-right rows that see no key (lq > lk: whole blocks
-    without a visible tile); keys enough for head dim 64's long-rows tile. Causal head dim 128 takes
-    its blocks from the host's block queue ("default") or strides ("stride"). Answers within the error
-    budget."""
-    from cuflash import _launch, _params, _variants
+def test_hopper_forward_persistent_ctas(dtype, d, causal, lq, lk, ctas, walk, monkeypatch, request):
+    """The Hopper forward's walkable variants on a persistent grid with far fewer CTAs than query
+    blocks (an SM count of 3-7 given to the planner, and the causal ones forced onto a persistent
+    schedule too): each CTA walks many blocks, its stage ring, Q barriers and O store running on from
+    one block to the next, across partial blocks, grouped-query heads and bottom-right rows that see no
+    key (lq > lk: whole blocks without a visible tile); keys enough for head dim 64's long-rows tile.
+    Causal head dim 128 takes its blocks from the host's block queue ("default") or strides
+    ("stride"). Answers within the error budget."""
+    from cuflash._dispatch import model, select
+    from cuflash._runtime import device, launch
+    from cuflash._runtime.params import STRUCTS
 
-    if _launch._compute_capability() != 90:
+    if device.compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
     if walk == "stride" and not (causal and d == 128):
         pytest.skip("only causal head dim 128 takes a block queue by default")
-    facts = _launch._device_facts
-    monkeypatch.setattr(_launch, "_device_facts", lambda device_id: facts(device_id)[:3] + (ctas,))
-    monkeypatch.setattr(_launch, "persistent_grid", _variants.wgmma_persistent)
+    facts = device.device_facts
+    monkeypatch.setattr(device, "device_facts", lambda device_id: facts(device_id)[:3] + (ctas,))
     if walk == "stride":
-        monkeypatch.setattr(_launch, "block_queue", lambda variant: False)
+        schedule = lambda v: "stride" if model.walkable(v) else "block"   # noqa: E731
+    else:   # select.schedule_for, with the causal variants without the block ring striding too
+        schedule = lambda v: ("block" if not model.walkable(v)   # noqa: E731
+                              else "queue" if v.band and v.tile.warps == 12 else "stride")
+    monkeypatch.setattr(select, "schedule_for", schedule)
+    # forward_variant is cached and the plan memo's key does not hold schedule_for: forget both now
+    # and again after the test (the finalizer runs before monkeypatch restores schedule_for; either
+    # order leaves the caches empty).
+    select.clear_selection_caches()
+    request.addfinalizer(select.clear_selection_caches)
     launched = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda variant, *a, **kw: (launched.append((variant, a)), real(variant, *a, **kw)))
-    check_forward(dtype, 2, 4, 2, lq, lk, d, d, causal, seed=lq + lk + d + ctas)
-    ((variant, (params, dims, grid)),) = [(v, a[:3]) for v, a in launched]
-    assert variant.family == "fwd_wgmma" and _variants.wgmma_persistent(variant)
-    assert grid == ctas < variant.grid(*dims)
-    queue = int(np.frombuffer(params.data, dtype=_params.STRUCTS["FwdParams"])["block_queue"][0])
-    assert (queue != 0) == (walk == "default" and bool(causal) and d == 128)
+    real = launch.launch_kernel
+
+    def record(variant, params, grid, extra_args=()):
+        launched.append((variant, params, grid))
+        real(variant, params, grid, extra_args)
+
+    monkeypatch.setattr(launch, "launch_kernel", record)
+    b, hq, hk = 2, 4, 2
+    check_forward(dtype, b, hq, hk, lq, lk, d, d, causal, seed=lq + lk + d + ctas)
+    ((variant, params, grid),) = launched
+    assert variant.family == "fwd_wgmma" and model.walkable(variant) and variant.schedule != "block"
+    assert grid == ctas < variant.grid(b, hq, hq // hk, lq, lk)
+    queue = int(np.frombuffer(params.data, dtype=STRUCTS["FwdParams"])["block_queue"][0])
+    assert (queue != 0) == (variant.schedule == "queue") == (walk == "default" and bool(causal) and d == 128)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -263,8 +268,8 @@ def test_portable_forward_several_blocks(dtype, causal, d, lq, lk, launches, mon
     blocks and key stages, grouped-query heads, ragged last blocks and causal stages that see part of
     a block: at head dim 128 the table's 64-key stages formed 32 keys at a time (FwdMmaTraits::SUB_N),
     whose second half may lie wholly past the last key or the causal edge."""
-    from cuflash import _launch
+    from cuflash._runtime import device
 
-    monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    monkeypatch.setattr(device, "compute_capability", lambda: 80)
     check_forward(dtype, 1, 4, 2, lq, lk, d, d, causal, seed=lq + 5 * lk + d)
     assert "fwd_mma" in [v.family for v in launches]

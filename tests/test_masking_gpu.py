@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _launch, reference
+from cuflash import reference
+from cuflash._runtime import device
 
 from _gpu_checks import DTYPES, check_forward_tf32, check_masked, device_options, make_grad_inputs
 from _tiers import sampled
@@ -89,7 +90,7 @@ def test_bias_tile_paths(dtype, lk, monkeypatch):
     dense = device_options(dict(bias=bias), dtype)["bias"]
     view = cp.ascontiguousarray(dense.swapaxes(-1, -2)).swapaxes(-1, -2)
     assert view.strides[-1] != view.itemsize
-    monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    monkeypatch.setattr(device, "compute_capability", lambda: 80)
     results = []
     for b in (dense, view):
         out, lse = cuflash.attention_forward(qd, kd, vd, bias=b)
@@ -111,7 +112,7 @@ def test_dbias_kernel_walks(dtype, shape, monkeypatch):
     The portable path is selected (as on a GPU without sm_90a): on compute capability 9.0 the
     Hopper dK/dV kernel adds dbias itself with fp32 atomics, so there a broadcast bias's dbias
     is bitwise stable only with deterministic=True (test_deterministic_dbias_is_bitwise_stable)."""
-    monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+    monkeypatch.setattr(device, "compute_capability", lambda: 80)
     n = 720
     shape = tuple(x or n for x in shape)
     rng = np.random.default_rng(sum(shape))
@@ -184,7 +185,6 @@ def test_float64_dbias_finite_differences():
 def test_matches_torch_sdpa_attn_mask(dtype, kind):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)
-    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     q = cp.asarray(rng.standard_normal((2, 4, 96, 64)).astype(DTYPES[dtype]))
     k, v = (cp.asarray(rng.standard_normal((2, 2, 128, 64)).astype(DTYPES[dtype])) for _ in range(2))
     if kind == "bool":
@@ -209,13 +209,13 @@ def test_matches_torch_sdpa_attn_mask(dtype, kind):
 def launched(launches):
     """The variants launched during the test, in order (conftest's recorder); skips off compute
     capability 9.0."""
-    if _launch._compute_capability() != 90:
+    if device.compute_capability() != 90:
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
     return launches
 
 
 # More keys than head dim 64's threshold (HOPPER_FWD_MIN_KEYS), a multiple of 8 (the bias's rows are
-# then 16-byte chunks: _masking.rows_in_chunks), and tile edges inside the last query and key blocks.
+# then 16-byte chunks: masking.rows_in_chunks), and tile edges inside the last query and key blocks.
 HOPPER_LQ, HOPPER_LK = 333, 1096
 
 
@@ -267,8 +267,6 @@ def test_hopper_dropout_drops_what_the_portable_forward_drops(dtype, d, launched
     (and the reference's Philox): the backward, which is portable, regenerates that mask. V is one-hot on a
     window of d keys a head (the other keys masked), so out[b, h, i, c] != 0 exactly where key c0_h + c is
     kept; the windows sit at keys 0 and 776, two places in Philox's key counter."""
-    from cuflash import _launch
-
     b, hq, hk, lq, lk, p_drop, seed = 2, 2, 1, 300, HOPPER_LK, 0.3, 12345
     c0 = (0, 776)
     rng = np.random.default_rng(d)
@@ -282,7 +280,7 @@ def test_hopper_dropout_drops_what_the_portable_forward_drops(dtype, d, launched
     dev = [cp.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v)]
     kept = {}
     for cc in (90, 80):
-        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(device, "compute_capability", lambda cc=cc: cc)
         launched.clear()
         out = cp.asnumpy(cuflash.attention(*dev, mask=cp.asarray(mask), dropout_p=p_drop, seed=seed)).astype(np.float32)
         assert [x.family for x in launched] == ["fwd_wgmma" if cc == 90 else "fwd_mma"]
@@ -325,8 +323,6 @@ def _huge_logits_and_empty_rows(dtype, d, families, out_tol, launched, monkeypat
     (``families``: the Hopper family, the portable one): the output is finite, empty rows give 0 and
     lse = -inf, and it agrees with the portable forward (the same call with the capability patched to 8.0)
     within ``out_tol`` of the largest output."""
-    from cuflash import _launch
-
     rng = np.random.default_rng(d)
     lq, lk = 150, HOPPER_LK
     q = cp.asarray((rng.standard_normal((B, HQ, lq, d)) * 60).astype(dtype))
@@ -335,7 +331,7 @@ def _huge_logits_and_empty_rows(dtype, d, families, out_tol, launched, monkeypat
     mask = cp.asarray(np.where(np.arange(lq)[:, None] % 5 == 0, False, rng.random((lq, lk)) < 0.7))
     results = {}
     for cc in (90, 80):
-        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(device, "compute_capability", lambda cc=cc: cc)
         launched.clear()
         out, lse = cuflash.attention_forward(q, k, v, bias=bias, mask=mask)
         assert [x.family for x in launched] == [families[0 if cc == 90 else 1]]
@@ -362,7 +358,7 @@ def test_hopper_forward_huge_logits_and_empty_rows(dtype, d, launched, monkeypat
 
 HOPPER_F32_FWD = {"highest": ("fwd_wgmma_tf32x3", "fwd_tf32x3"), "tf32": ("fwd_tf32", "fwd_tf32")}
 """float32 precision -> (the family a Hopper GPU takes, the portable one): "tf32" keeps the portable kernel
-(faster there; _variants.TF32_WGMMA_FAMILY)."""
+(faster there; select.TF32_WGMMA_FAMILY)."""
 
 
 @pytest.mark.parametrize("kind", HOPPER_KINDS)
@@ -398,7 +394,7 @@ def test_hopper_float32_dropout_drops_what_the_portable_forward_drops(d, launche
     dev = [cp.asarray(x.astype(np.float32)) for x in (q, k, v)]
     kept = {}
     for cc in (90, 80):
-        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(device, "compute_capability", lambda cc=cc: cc)
         launched.clear()
         out = cp.asnumpy(cuflash.attention(*dev, mask=cp.asarray(mask), dropout_p=p_drop, seed=seed))
         assert [x.family for x in launched] == [HOPPER_F32_FWD["highest"][0 if cc == 90 else 1]]
@@ -467,8 +463,6 @@ def test_hopper_backward_with_masking_options(kind, dtype, d, causal, launched):
 def test_hopper_backward_agrees_with_the_portable_backward(kind, dtype, d, causal, launched, monkeypatch):
     """The same gradients (within 16-bit rounding of different summation orders) from the Hopper and the
     portable backward on the same forward output, dropout included (same keep-mask)."""
-    from cuflash import _launch
-
     seed = hash((dtype, kind, str(causal), d, "ab")) % 2**31
     rng = np.random.default_rng(seed)
     (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d)
@@ -476,7 +470,7 @@ def test_hopper_backward_agrees_with_the_portable_backward(kind, dtype, d, causa
     out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, **dev)
     grads = {}
     for cc in (90, 80):
-        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(device, "compute_capability", lambda cc=cc: cc)
         launched.clear()
         grads[cc] = [cp.asnumpy(g).astype(np.float64)
                      for g in cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, **dev)]
@@ -492,8 +486,6 @@ def test_hopper_backward_dropout_pattern_is_the_forwards(dtype, d, launched, mon
     """The Hopper backward regenerates exactly the forward's keep-mask: with dO = identity over d query rows,
     dV[key, i] = P[i, key] keep(i, key), so dV != 0 exactly where (i, key) is kept; the same pattern as the
     portable backward's and the reference's Philox, at keys on both sides of a 128-key block edge."""
-    from cuflash import _launch
-
     b, h, lk, p_drop, seed = 2, 1, HOPPER_LK, 0.3, 2024
     rng = np.random.default_rng(d)
     q = rng.standard_normal((b, h, d, d)) * 0.05       # flat scores: P ~ 1 / lk, far from underflow
@@ -503,7 +495,7 @@ def test_hopper_backward_dropout_pattern_is_the_forwards(dtype, d, launched, mon
     qd, kd, vd, dod = (cp.asarray(np.ascontiguousarray(x).astype(DTYPES[dtype])) for x in (q, k, v, do))
     kept = {}
     for cc in (90, 80):
-        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(device, "compute_capability", lambda cc=cc: cc)
         launched.clear()
         out, lse = cuflash.attention_forward(qd, kd, vd, dropout_p=p_drop, seed=seed)
         _, _, dv = cuflash.attention_backward(dod, qd, kd, vd, out, lse, dropout_p=p_drop, seed=seed)
@@ -563,8 +555,6 @@ def test_hopper_dbias_every_broadcast_shape(shape, dtype, d, causal, launched, m
     or for all (summed over the queries in registers first). Lq = 333 (a row pitch with padding), Lk = 1096
     (a key block cut at 72 keys), two query heads per K/V head (the row sums change head inside a CTA).
     Within the float64 reference's error budget, and close to the portable dbias kernel's result."""
-    from cuflash import _launch
-
     seed = hash((dtype, shape, str(causal), d, "hdb")) % 2**31
     rng = np.random.default_rng(seed)
     opts = dict(bias=rng.standard_normal(shape))
@@ -577,7 +567,7 @@ def test_hopper_dbias_every_broadcast_shape(shape, dtype, d, causal, launched, m
     out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, **dev)
     dbias = {}
     for cc in (90, 80):
-        monkeypatch.setattr(_launch, "_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(device, "compute_capability", lambda cc=cc: cc)
         launched.clear()
         dbias[cc] = cp.asnumpy(cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, **dev)[3])
         assert ("bwd_dbias_mma" in [v.family for v in launched]) == (cc == 80)
@@ -611,25 +601,25 @@ def test_float32_dbias_key_major(shape, d, causal, monkeypatch):
     bias_grad_t.cuh) instead of scalar atomics; a full bias keeps plain adds, a one-row bias its atomics of
     row sums, deterministic=True its turns. Every shape within the float64 reference's budget ("highest"),
     and "tf32"'s dbias close to it. Lq = 333 (a quad of queries crossing Lq), Lk = 1096."""
-    from cuflash import _masking
+    from cuflash._dispatch import masking
 
     plans = []
-    real = _masking.dbias_plan
+    real = masking.dbias_plan
 
     def record(*args, **kwargs):
         plan = real(*args, **kwargs)
-        plans.append(plan.values[6])
+        plans.append(plan.values["mode"])
         return plan
 
-    monkeypatch.setattr(_masking, "dbias_plan", record)
+    monkeypatch.setattr(masking, "dbias_plan", record)
     seed = hash((shape, str(causal), d, "f32km")) % 2**31
     rng = np.random.default_rng(seed)
     opts = dict(bias=rng.standard_normal(shape))
     check_masked("float32", B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d, causal, seed, opts)
     full = (1,) * (4 - len(shape)) + tuple(shape)
     shared = (full[0] == 1 and B > 1) or (full[1] == 1 and HK > 1)
-    want = _masking.DBIAS_KEY_MAJOR if shared and full[2] > 1 else (
-        _masking.DBIAS_ATOMIC if shared else _masking.DBIAS_ADD)
+    want = masking.DBIAS_KEY_MAJOR if shared and full[2] > 1 else (
+        masking.DBIAS_ATOMIC if shared else masking.DBIAS_ADD)
     assert plans == [want]
     (_, _, _, _), (qd, kd, vd, dod) = make_grad_inputs(rng, "float32", B, HQ, HK, HOPPER_LQ, HOPPER_LK, d, d)
     dev = device_options(opts, "float32")
@@ -643,4 +633,4 @@ def test_float32_dbias_key_major(shape, d, causal, monkeypatch):
     assert np.abs(got["tf32"] - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max())
     plans.clear()
     cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=True, **dev)
-    assert plans == [_masking.DBIAS_ORDERED if shared else _masking.DBIAS_ADD]
+    assert plans == [masking.DBIAS_ORDERED if shared else masking.DBIAS_ADD]

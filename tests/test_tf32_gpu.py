@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _launch, reference
-from cuflash._variants import HOPPER_CC, head_bucket
+from cuflash import reference
+from cuflash._dispatch import plan as plan_
+from cuflash._dispatch.model import head_bucket
+from cuflash._dispatch.select import HOPPER_CC
+from cuflash._runtime import device
 
-from _errors import FLOOR, magnitude, norm, rel_error, within_budget
+from _errors import FLOOR, magnitude, norm, rel_error
 from _gpu_checks import (check_backward, check_backward_tf32, check_forward, check_forward_tf32, check_masked,
                          make_inputs)
 from _tiers import sampled
@@ -36,26 +39,26 @@ def path(request, monkeypatch):
     """"default": the kernels this GPU takes; "portable": the call as on a GPU without sm_90a
     (compute capability patched to 8.0, as bench.py's "cuflash sm80" contender)."""
     if request.param == "portable":
-        monkeypatch.setattr(_launch, "_compute_capability", lambda: 80)
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
     return request.param
 
 
 def _forward_family(base: str, d: int, bias_lk: int = 0) -> str:
     """The float32 forward family a call of head dim d takes on this GPU (base: "fwd_tf32x3" or
-    "fwd_tf32"; "tf32" keeps the portable kernel on Hopper too, _variants.TF32_WGMMA_FAMILY): for
+    "fwd_tf32"; "tf32" keeps the portable kernel on Hopper too, select.TF32_WGMMA_FAMILY): for
     "highest" the wgmma one on compute capability 9.0 for head buckets 64 and 128 with 16-byte
     rows (d a multiple of 4), masking options included, unless the call has a (contiguous) bias of
     ``bias_lk`` keys whose rows are not 16-byte chunks (bias_lk not a multiple of 4: the launcher's
-    fallback, _masking.rows_in_chunks), else base."""
-    hopper = (base == "fwd_tf32x3" and _launch._compute_capability() == HOPPER_CC and d % 4 == 0 and bias_lk % 4 == 0
+    fallback, masking.rows_in_chunks), else base."""
+    hopper = (base == "fwd_tf32x3" and device.compute_capability() == HOPPER_CC and d % 4 == 0 and bias_lk % 4 == 0
               and head_bucket(d) in WGMMA_TF32_HEADS)
     return base.replace("fwd_", "fwd_wgmma_") if hopper else base
 
 
 def _fma_only(monkeypatch):
     """Make the launcher take the float32 FMA forward (the accuracy baseline: FLOAT32_PRECISIONS)."""
-    choose = _launch.forward_choice
-    monkeypatch.setattr(_launch, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
+    choose = plan_.forward_choice
+    monkeypatch.setattr(plan_, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
@@ -127,8 +130,8 @@ def test_masking_options_both_precisions(causal, d, lk, launches):
 
 def _fma_backward_only(monkeypatch):
     """Make the launcher take the float32 FMA backward (the backward's accuracy baseline)."""
-    plan = _launch.backward_variants
-    monkeypatch.setattr(_launch, "backward_variants", lambda *args, **kw: plan(*args, **{**kw, "precision": "fma"}))
+    plan = plan_.backward_variants
+    monkeypatch.setattr(plan_, "backward_variants", lambda *args, **kw: plan(*args, **{**kw, "precision": "fma"}))
 
 
 def _families(launches):

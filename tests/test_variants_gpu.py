@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _launch, reference
-from cuflash._variants import all_variants
+from cuflash import reference
+from cuflash._dispatch import plan as plan_
+from cuflash._dispatch.select import all_variants
+from cuflash._runtime import device
 
 from _errors import rel_error
 from _gpu_checks import (DTYPES, check_backward, check_backward_tf32, check_forward, check_forward_tf32,
@@ -25,17 +27,17 @@ cp = pytest.importorskip("cupy")
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_every_variant_against_reference(variant, launches, monkeypatch):
     p = problem_for(variant)
-    if p.cc == 90 and _launch._compute_capability() != 90:
+    if p.cc == 90 and device.compute_capability() != 90:
         pytest.skip("a Hopper (sm_90a) variant: this GPU is not compute capability 9.0")
     # Select as a GPU with p.smem_limit bytes of shared memory per block would (this one has at least as much),
     # and of compute capability p.cc (the portable variants run on a Hopper GPU too).
-    assert _launch._smem_limit() >= p.smem_limit
-    monkeypatch.setattr(_launch, "_smem_limit", lambda: p.smem_limit)
-    monkeypatch.setattr(_launch, "_compute_capability", lambda: p.cc)
+    assert device.smem_limit() >= p.smem_limit
+    monkeypatch.setattr(device, "smem_limit", lambda: p.smem_limit)
+    monkeypatch.setattr(device, "compute_capability", lambda: p.cc)
     if p.precision == "fma":   # the float32 FMA kernels, which no public option selects (FLOAT32_PRECISIONS)
-        choose, plan = _launch.forward_choice, _launch.backward_variants
-        monkeypatch.setattr(_launch, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
-        monkeypatch.setattr(_launch, "backward_variants", lambda *args, **kw: plan(*args, **{**kw, "precision": "fma"}))
+        choose, plan = plan_.forward_choice, plan_.backward_variants
+        monkeypatch.setattr(plan_, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
+        monkeypatch.setattr(plan_, "backward_variants", lambda *args, **kw: plan(*args, **{**kw, "precision": "fma"}))
     seed = abs(hash(variant.name)) % 2**31
     if p.precision == "tf32" and p.backward:   # the plain TF32 kernels: their own error bound (TF32_BWD_TOL)
         check_backward_tf32(BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
