@@ -281,8 +281,11 @@ def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse):
                                               dq.data.ptr, dk.data.ptr, dv.data.ptr))
         maps = None
         if plan.maps is not None:
-            maps = plan.maps.for_arrays({"q": q, "dout": dout, "k": k, "v": v,
-                                         "dq_acc_d": dq_acc[..., :q.shape[3]]})
+            # The accumulator's map covers [..., :d], which starts where the buffer does: re-pointing an
+            # encoded map needs the address alone (a slice costs microseconds of every call).
+            readdress = plan.maps.encoded is not None and tma.can_readdress()
+            acc_d = dq_acc if readdress else dq_acc[..., :q.shape[3]]
+            maps = plan.maps.for_arrays({"q": q, "dout": dout, "k": k, "v": v, "dq_acc_d": acc_d})
         run(plan.kernels, params, maps)
     return dq, dk, dv
 
