@@ -209,7 +209,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         return result + (_masking.DbiasPlan(grads[3], {}, ()).result(p, opts),)
     cupy = p.xp
     dbias = None
-    if p.lq == 0 or p.lk == 0 or p.batch == 0 or p.heads_q == 0:
+    if p.q.size == 0 or p.lk == 0:   # no queries, batches or heads (q is empty), or no keys
         with on_device(p.q.data.device_id):
             grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (p.q, p.k, p.v))
             if bias is not None:
