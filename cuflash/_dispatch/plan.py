@@ -83,7 +83,7 @@ class _Maps:
             maps = tma.readdressed(self.encoded, chosen)
             if maps is not None:
                 return maps
-        maps = tma.tensor_maps(*((x, rows) for x, (_, rows) in zip(chosen, self.specs)))
+        maps = tma.maps_of(self.specs, arrays)
         if maps is None:   # the planner checked the layouts; only a driver without an encoder gets here
             raise RuntimeError("the driver has no tensor-map encoder (cuTensorMapEncodeTiled)")
         self.encoded = bytes(maps.data)
@@ -128,8 +128,7 @@ def plan_forward(p, opts, precision: str) -> ForwardPlan:
         # any other call, EXTRA or not, takes the portable kernel of the same GPU.
         if masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode():
             store_out = variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD
-            maps = _Maps((("q", variant.tile.block_m), ("k", variant.tile.block_n), ("v", variant.tile.block_n),
-                          ("out" if store_out else None, 64)))
+            maps = _Maps(tma.fwd_map_specs(variant.tile.block_m, variant.tile.block_n, store_out))
         else:
             variant = portable
     blocks = variant.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)
@@ -233,8 +232,7 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
     dq_acc_shape = None if deterministic else dq_accumulator_shape(variants, b, hq, lq, d)
     maps = None
     if hopper is not None:   # atomic dQ: the accumulator is row-major; its map covers [..., :d]
-        maps = _Maps((("q", hopper.tile.block_m), ("dout", hopper.tile.block_m), ("k", hopper.tile.block_n),
-                      ("v", hopper.tile.block_n), ("dq_acc_d", 64)))
+        maps = _Maps(tma.bwd_map_specs(hopper.tile.block_m, hopper.tile.block_n))
     dbias = None
     dbias_kernel = next((v_ for v_ in variants if v_.family == "bwd_dbias_mma"), None)
     if want_dbias:
@@ -285,7 +283,7 @@ def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse):
             # encoded map needs the address alone (a slice costs microseconds of every call).
             readdress = plan.maps.encoded is not None and tma.can_readdress()
             acc_d = dq_acc if readdress else dq_acc[..., :q.shape[3]]
-            maps = plan.maps.for_arrays({"q": q, "dout": dout, "k": k, "v": v, "dq_acc_d": acc_d})
+            maps = plan.maps.for_arrays({"q": q, "dout": dout, "k": k, "v": v, "dq_acc": acc_d})
         run(plan.kernels, params, maps)
     return dq, dk, dv
 

@@ -168,16 +168,32 @@ def tensor_maps(*specs) -> "HostArg | None":
     return maps
 
 
+def fwd_map_specs(block_m: int, block_n: int, store_out: bool = True) -> tuple:
+    """The forward's ``FwdTensorMaps`` in order, as (array name, box rows): Q with ``block_m``-row boxes,
+    K and V with ``block_n``, the output with 64-row boxes, which the kernel writes (name None where
+    ``store_out`` is False: its map left as zeros, for a kernel that stores O element by element)."""
+    return ("q", block_m), ("k", block_n), ("v", block_n), ("out" if store_out else None, 64)
+
+
+def bwd_map_specs(block_m: int, block_n: int) -> tuple:
+    """The Hopper backward's ``BwdTensorMaps`` in order, as (array name, box rows): Q and dO with
+    ``block_m``-row boxes, K and V with ``block_n``, the float32 dQ accumulator (its ``[..., :d]`` view)
+    with 64-row boxes of 32 columns, which the kernel adds into."""
+    return ("q", block_m), ("dout", block_m), ("k", block_n), ("v", block_n), ("dq_acc", 64)
+
+
+def maps_of(specs: tuple, arrays: dict) -> "HostArg | None":
+    """:func:`tensor_maps` of ``specs`` (:func:`fwd_map_specs`, :func:`bwd_map_specs`) for the named arrays."""
+    return tensor_maps(*((None if name is None else arrays[name], rows) for name, rows in specs))
+
+
 def fwd_tensor_maps(q, k, v, out, block_m: int, block_n: int, store_out: bool = True) -> "HostArg | None":
-    """The forward's ``FwdTensorMaps`` (Q with ``block_m``-row boxes, K and V with ``block_n``, the
-    output with 64-row boxes, which the kernel writes) as one kernel argument, or None
-    (:func:`tensor_maps`). ``store_out`` False: the output's map left as zeros, for a kernel that
-    stores O element by element (each encoding is a few microseconds of every call's host time)."""
-    return tensor_maps((q, block_m), (k, block_n), (v, block_n), (out if store_out else None, 64))
+    """The forward's ``FwdTensorMaps`` (:func:`fwd_map_specs`) as one kernel argument, or None
+    (:func:`tensor_maps`)."""
+    return maps_of(fwd_map_specs(block_m, block_n, store_out), {"q": q, "k": k, "v": v, "out": out})
 
 
 def bwd_tensor_maps(q, dout, k, v, dq_acc, block_m: int, block_n: int) -> "HostArg | None":
-    """The Hopper backward's ``BwdTensorMaps`` (Q and dO with ``block_m``-row boxes, K and V with
-    ``block_n``, the float32 dQ accumulator with 64-row boxes of 32 columns, which the kernel adds
-    into) as one kernel argument, or None (:func:`tensor_maps`)."""
-    return tensor_maps((q, block_m), (dout, block_m), (k, block_n), (v, block_n), (dq_acc, 64))
+    """The Hopper backward's ``BwdTensorMaps`` (:func:`bwd_map_specs`) as one kernel argument, or None
+    (:func:`tensor_maps`)."""
+    return maps_of(bwd_map_specs(block_m, block_n), {"q": q, "dout": dout, "k": k, "v": v, "dq_acc": dq_acc})
