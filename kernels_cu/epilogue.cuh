@@ -27,10 +27,11 @@ __device__ __forceinline__ FinishedRow<A> finish_row(A row_max, A row_sum) {
     return f;
 }
 
-// lse of the block's row `row` (0-based within the block).
+// lse of the block's row first_row + row (0-based within the block). Kept as m0 + first_row + row:
+// the other association changes the Hopper forward's register allocation.
 template <typename A>
-__device__ __forceinline__ void store_lse(const View& lse, const QueryBlock& blk, int row, A value) {
-    *lse.at<A>(blk.batch, blk.head, blk.m0 + row) = value;
+__device__ __forceinline__ void store_lse(const View& lse, const QueryBlock& blk, int row, A value, int first_row = 0) {
+    *lse.at<A>(blk.batch, blk.head, blk.m0 + first_row + row) = value;
 }
 
 // O and lse of a warp's M strips of 16 rows held in m16n8 C fragments (mma.sync's layout, and a
@@ -118,6 +119,6 @@ __device__ __forceinline__ void stage_o_lse_c_frags(unsigned char* tile, Offset&
         for (int n = 0; n < O_TILES; ++n)
             *reinterpret_cast<unsigned*>(tile + offset(row, n * 8 + 2 * (lane % 4))) =
                 pack2<T>(acc_o[0][n][2 * r] * f.inv_sum, acc_o[0][n][2 * r + 1] * f.inv_sum);
-        if (lane % 4 == 0 && block_row + row < blk.rows) store_lse(lse, blk, block_row + row, f.lse);
+        if (lane % 4 == 0 && block_row + row < blk.rows) store_lse(lse, blk, row, f.lse, block_row);
     }
 }

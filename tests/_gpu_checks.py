@@ -1,5 +1,7 @@
 """The GPU checks every GPU test shares: run cuflash on random inputs, compare with the
 exact reference under DESIGN.md's error rule (_errors.py)."""
+import zlib
+
 import ml_dtypes
 import numpy as np
 
@@ -50,6 +52,12 @@ def check_forward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0
     lse_tol = 1e-12 if dtype == "float64" else 2e-5
     np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=lse_tol, atol=lse_tol)
     return out
+
+
+def seed_of(*parts) -> int:
+    """A seed from a test's parameters, the same in every process (``hash`` of a str is salted per
+    process, so a failure would not reproduce)."""
+    return zlib.crc32(repr(parts).encode())
 
 
 def make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):

@@ -24,6 +24,7 @@ Tiers (markers registered in pyproject.toml, whose ``addopts`` leaves out both s
 
 Without a usable GPU, ``gpu`` and ``gpu_sweep`` tests skip with the reason.
 """
+import os
 import re
 
 import pytest
@@ -35,6 +36,15 @@ SELECTED = pytest.StashKey[list]()
 """``config.stash[SELECTED]``: the tests this run selected (after the tiers and ``--sweep-part``)."""
 _GPU_MARKERS = ("gpu", "gpu_sweep")
 _SWEEP_MARKERS = ("sweep", "gpu_sweep")
+
+
+def pytest_configure(config):
+    """With pytest-xdist, one BLAS thread a worker: the workers, fresh interpreters started after this,
+    inherit it (N workers of N spinning OpenBLAS threads each ran the references ~10x slower on 16
+    cores)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
 
 
 def pytest_addoption(parser):
