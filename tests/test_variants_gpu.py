@@ -1,5 +1,5 @@
 """Every shipped kernel variant, run once on the GPU against the float64 reference (marker `gpu_sweep`:
-run it in parts, ``python -m pytest -m gpu_sweep -n 8 --sweep-part 1/4`` and so on; tests/conftest.py).
+run it in parts, ``python -m pytest -m gpu_sweep -n auto --sweep-part 1/4`` and so on; tests/conftest.py).
 
 For each variant of the table, problem_for() gives a small call (odd lengths at
 every tile edge, grouped-query heads, head dims inside the variant's bucket) that
