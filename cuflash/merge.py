@@ -1,0 +1,118 @@
+"""Merging attention results computed over disjoint sets of keys.
+
+Attention over keys K = K_1 u K_2 u ... is a weighted mean of the attention over each part: with
+``lse_s`` the log-sum-exp of part s's scores and ``out_s`` its output,
+
+    lse = log(sum_s exp(lse_s)),        out = sum_s exp(lse_s - lse) * out_s.
+
+This is exact (no approximation beyond rounding), associative and commutative. A part that saw no
+key (``lse_s = -inf``) contributes nothing, whatever its ``out_s`` holds; if no part saw a key, the
+row is 0 with ``lse = -inf``, as a fully masked row of :func:`cuflash.attention_forward`. A NaN in
+a part that saw keys propagates, as in PyTorch.
+
+The split-KV forward merges its partial results the same way on the GPU (kernels_cu/combine.cu).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .options import SUPPORTED_DTYPES, _BF16, array_module, dtype_name
+from .semantics import acc_dtype
+
+__all__ = ["merge_attention"]
+
+
+def _to_acc(xp, x, acc):
+    """``x`` in the accumulator dtype ``acc``; a CuPy bfloat16 array widened by its bits."""
+    if xp is not np and x.dtype == _BF16:
+        x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return x.astype(acc, copy=False)
+
+
+def _from_acc(xp, x, dtype):
+    """``x`` (float32 / float64) as ``dtype``; to a CuPy bfloat16 array by round-to-nearest-even on its
+    bits (NaN stays NaN)."""
+    if xp is not np and dtype == _BF16:
+        bits = x.astype(xp.float32, copy=False).view(xp.uint32)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        rounded = xp.where(xp.isnan(x), xp.uint32(0x7FC0), rounded)
+        return rounded.astype(xp.uint16).view(_BF16)
+    return x.astype(dtype, copy=False)
+
+
+def merge_attention(outs: Sequence[Any], lses: Sequence[Any], *,
+                    dtype: Optional[Any] = None) -> Tuple[Any, Any]:
+    """Combine attention results over disjoint key sets into the result over their union, exactly.
+
+    Parameters
+    ----------
+    outs : sequence of S >= 1 arrays, each of shape (..., H, Lq, Dv)
+        Each part's attention output (what :func:`cuflash.attention_forward` returned for the same
+        queries against one part of the keys), all of one shape; any float dtype. A stacked array of
+        shape (S, ..., H, Lq, Dv) is taken as S parts.
+    lses : sequence of S arrays, each of shape (..., H, Lq)
+        Each part's natural-log log-sum-exp (``-inf`` for a row that saw no key of that part); any
+        float dtype.
+    dtype : dtype, optional
+        The merged output's dtype; default the first part's.
+
+    Returns
+    -------
+    out : array, shape (..., H, Lq, Dv), ``dtype``
+    lse : array, shape (..., H, Lq), float32 (float64 when ``dtype`` is float64)
+
+    Notes
+    -----
+    The weights and the sum are formed in float32 (float64 for float64). For the gradient of a
+    merged result, call :func:`cuflash.attention_backward` once per part with that part's keys and
+    values and the *merged* ``out`` and ``lse``: each call's dk, dv are exact for its keys and the
+    parts' dq sum to the exact dq (the backward recomputes the probabilities from the lse it is
+    given, and its row term rowsum(dout * out) needs the merged out).
+    """
+    outs, lses = list(outs), list(lses)
+    if not outs:
+        raise ValueError("merge_attention needs at least one part")
+    if len(outs) != len(lses):
+        raise ValueError(f"{len(outs)} outputs but {len(lses)} lse arrays")
+    first = outs[0]
+    xp = array_module(first)
+    for name, parts in (("outs", outs), ("lses", lses)):
+        for i, x in enumerate(parts):
+            if array_module(x) is not xp:
+                raise TypeError(f"{name}[{i}] is a {array_module(x).__name__} array but outs[0] is a "
+                                f"{xp.__name__} array")
+            if xp is not np and x.device.id != first.device.id:
+                raise ValueError(f"{name}[{i}] is on device {x.device.id}, outs[0] on device {first.device.id}")
+            dtype_name(x, f"{name}[{i}]")
+    if first.ndim < 3:
+        raise ValueError(f"outputs must have shape (..., H, Lq, Dv), got {tuple(first.shape)}")
+    for i, (o, l_) in enumerate(zip(outs, lses)):
+        if tuple(o.shape) != tuple(first.shape):
+            raise ValueError(f"outs[{i}] has shape {tuple(o.shape)}, outs[0] {tuple(first.shape)}")
+        if tuple(l_.shape) != tuple(first.shape[:-1]):
+            raise ValueError(f"lses[{i}] must have shape {tuple(first.shape[:-1])} (its output's without the "
+                             f"last dim), got {tuple(l_.shape)}")
+    out_dtype = np.dtype(first.dtype) if dtype is None else np.dtype(dtype)
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {out_dtype}")
+    acc = np.dtype(acc_dtype(SUPPORTED_DTYPES[out_dtype]))
+
+    lse_parts = [_to_acc(xp, l_, acc) for l_ in lses]
+    peak = lse_parts[0]
+    for l_ in lse_parts[1:]:
+        peak = xp.maximum(peak, l_)          # NaN propagates
+    finite_peak = xp.where(peak == -np.inf, acc.type(0), peak)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        weights = [xp.exp(l_ - finite_peak) for l_ in lse_parts]
+        total = weights[0]
+        for w in weights[1:]:
+            total = total + w
+        lse = finite_peak + xp.log(total)    # -inf where no part saw a key, NaN where a part is NaN
+        out = xp.zeros(first.shape, dtype=acc)
+        for w, o in zip(weights, outs):
+            # A part without keys (weight exactly 0) adds nothing, whatever its out holds.
+            share = (w / total)[..., None]
+            out += xp.where((w == 0)[..., None], acc.type(0), share * _to_acc(xp, o, acc))
+    return _from_acc(xp, out, out_dtype), lse
