@@ -6,9 +6,9 @@ Attention over keys K = K_1 u K_2 u ... is a weighted mean of the attention over
     lse = log(sum_s exp(lse_s)),        out = sum_s exp(lse_s - lse) * out_s.
 
 This is exact (no approximation beyond rounding), associative and commutative. A part that saw no
-key (``lse_s = -inf``) contributes nothing, whatever its ``out_s`` holds; if no part saw a key, the
-row is 0 with ``lse = -inf``, as a fully masked row of :func:`cuflash.attention_forward`. A NaN in
-a part that saw keys propagates, as in PyTorch.
+key (``lse_s = -inf``, ``out_s = 0`` as the forward writes it) has weight 0; if no part saw a key,
+the row is 0 with ``lse = -inf``, as a fully masked row of :func:`cuflash.attention_forward`. A NaN
+in any part's out or lse propagates to the merged row, as NaN inputs do in PyTorch.
 
 The split-KV forward merges its partial results the same way on the GPU (kernels_cu/combine.cu).
 """
@@ -110,9 +110,8 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any], *,
         for w in weights[1:]:
             total = total + w
         lse = finite_peak + xp.log(total)    # -inf where no part saw a key, NaN where a part is NaN
+        inv_total = xp.where(total > 0, 1 / total, acc.type(0))   # 0 where no part saw a key
         out = xp.zeros(first.shape, dtype=acc)
         for w, o in zip(weights, outs):
-            # A part without keys (weight exactly 0) adds nothing, whatever its out holds.
-            share = (w / total)[..., None]
-            out += xp.where((w == 0)[..., None], acc.type(0), share * _to_acc(xp, o, acc))
+            out += (w * inv_total)[..., None] * _to_acc(xp, o, acc)
     return _from_acc(xp, out, out_dtype), lse

