@@ -19,7 +19,8 @@ __all__ = ["attention", "attention_forward", "attention_backward", "vjp"]
 
 def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None, bias: Any = None,
               mask: Any = None, dropout_p: float = 0.0, seed: Optional[int] = None, window: Any = None,
-              block_layout: Optional[BlockLayout] = None, precision: str = "highest"):
+              block_layout: Optional[BlockLayout] = None, precision: str = "highest",
+              num_splits: Optional[int] = None):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, computed tile by tile.
 
     Parameters
@@ -74,6 +75,12 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         more (and inf) of q, k, v and, in the backward, dout ("highest"; "tf32":
         q, and k and v in the backward) make the rows they
         reach NaN: the tensor-core split's a * (2^13 + 1) overflows there.
+    num_splits : int, optional
+        Split-KV forward: the keys are cut into this many ranges, each attended by its own thread
+        blocks, and the partial results merged by their log-sum-exp (as :func:`merge_attention`),
+        so that few long rows (decoding over a KV cache) still fill the GPU. None (default): split
+        where the query blocks alone would leave most of the GPU idle; 1: never. The result is
+        the same up to rounding. Ignored by NumPy inputs.
 
     Returns
     -------
@@ -91,14 +98,15 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
     if dropout_p and seed is None:
         seed = options.draw_seed()   # no backward will need it
     return attention_forward(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, dropout_p=dropout_p,
-                             seed=seed, window=window, block_layout=block_layout, precision=precision)[0]
+                             seed=seed, window=window, block_layout=block_layout, precision=precision,
+                             num_splits=num_splits)[0]
 
 
 def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
                       bias: Any = None, mask: Any = None, dropout_p: float = 0.0,
                       seed: Optional[int] = None, window: Any = None,
                       block_layout: Optional[BlockLayout] = None,
-                      precision: str = "highest") -> Tuple[Any, Any]:
+                      precision: str = "highest", num_splits: Optional[int] = None) -> Tuple[Any, Any]:
     """Attention output and the row logsumexp saved for the backward pass.
 
     Parameters are those of :func:`attention`, except that dropout needs an
@@ -113,7 +121,8 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
         (before dropout); ``-inf`` for a row that can see no key.
     """
     call = options.forward_call(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, window=window,
-                                dropout_p=dropout_p, seed=seed, block_layout=block_layout, precision=precision)
+                                dropout_p=dropout_p, seed=seed, block_layout=block_layout, precision=precision,
+                                num_splits=num_splits)
     p = call.problem
     if p.xp is np:
         return _forward_numpy(p, call.options, q.dtype)
@@ -125,7 +134,7 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
             out.view(cupy.uint8).fill(0)    # no keys: every row attends to nothing (zero bits are 0.0)
             lse.fill(-np.inf)
     else:
-        out, lse = _plan.forward(call, precision)
+        out, lse = _plan.forward(call, precision, num_splits)
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 
@@ -232,9 +241,9 @@ def vjp(q, k, v, *, deterministic: bool = False, **kwargs):
     deterministic : bool
         Passed to :func:`attention_backward`.
     **kwargs
-        causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision.
-        With ``dropout_p > 0`` and no ``seed``, one is drawn; it is kept for the
-        backward and readable as ``vjp_fn.seed``.
+        causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision, and
+        num_splits (the forward's only). With ``dropout_p > 0`` and no ``seed``, one is drawn;
+        it is kept for the backward and readable as ``vjp_fn.seed``.
 
     Returns
     -------
@@ -248,6 +257,7 @@ def vjp(q, k, v, *, deterministic: bool = False, **kwargs):
     if kwargs.get("dropout_p") and kwargs.get("seed") is None:
         kwargs = dict(kwargs, seed=options.draw_seed())
     out, lse = attention_forward(q, k, v, **kwargs)
+    kwargs.pop("num_splits", None)
 
     def vjp_fn(dout):
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kwargs)

@@ -409,18 +409,34 @@ def _memo(key: tuple, p: Problem) -> None:
     _PROBLEMS[key] = _template(p)
 
 
+MAX_SPLITS = 256
+"""The most key splits a forward takes (``num_splits``)."""
+
+
+def check_num_splits(num_splits) -> None:
+    """``num_splits``: None (chosen per call) or an int in [1, MAX_SPLITS]."""
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be None or an int, got {type(num_splits).__name__}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+
+
 def forward_call(q, k, v, *, causal=False, scale=None, bias=None, mask=None, window=None, dropout_p=0.0,
-                 seed=None, block_layout=None, precision="highest") -> Call:
+                 seed=None, block_layout=None, precision="highest", num_splits=None) -> Call:
     """Validate a forward call (TypeError / ValueError before anything is launched)."""
     signature = None
-    if _plain(causal, scale, bias, mask, window, dropout_p, seed, block_layout):
+    if _plain(causal, scale, bias, mask, window, dropout_p, seed, block_layout) and (
+            num_splits is None or type(num_splits) is int):
         arrays = _arrays_signature((q, k, v))
         if arrays is not None:
-            signature = ("fwd", arrays, type(causal), causal, type(scale), scale, precision)
+            signature = ("fwd", arrays, type(causal), causal, type(scale), scale, precision, num_splits)
             known = _PROBLEMS.get(signature)
             if known is not None:
                 return Call(_with_arrays(known, q, k, v), NO_OPTIONS, signature)
     check_precision(precision)
+    check_num_splits(num_splits)
     p = check_qkv(q, k, v, causal=causal, scale=scale)
     opts = check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
                          block_layout=block_layout)

@@ -69,10 +69,11 @@ __device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES]
     }
 }
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first;
+// KV_SPLIT: that many times FwdParams::num_splits, each copy over its split's key tiles (KeySplit).
 // WIDE_K (sm_90+; warp_gemm_f64.cuh): 0 runs both GEMMs on m8n8k4, 4 / 8 / 16 on
 // m16n8kWIDE_K over pairs of a warp's 8-row tiles (the H100's full fp64 tensor rate).
-template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0>
+template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0, bool KV_SPLIT = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_dmma(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
@@ -85,10 +86,11 @@ flash_fwd_dmma(const FwdParams p) {
     double* bias_s = v_s + Cfg::STAGES * Tr::V_ELEMS;      // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    typedef KeySplit<BM, KV_SPLIT> Split;
+    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const ScoreMod<Flags, double, double> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
-    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+    const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 
     auto load_kv = [&](int j, int stage) {
         const int n0 = j * BN;
@@ -154,5 +156,6 @@ flash_fwd_dmma(const FwdParams p) {
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
-    store_o_lse_f64_frags<VEC, double>(p, blk, warp * Tr::WARP_ROWS, lane, acc_o, row_max, row_sum);
+    store_o_lse_f64_frags<VEC || KV_SPLIT, double, KV_SPLIT>(p, Split::partial_block(blk, dims), warp * Tr::WARP_ROWS,
+                                                            lane, acc_o, row_max, row_sum);
 }

@@ -36,8 +36,9 @@ struct FwdFmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags>
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first;
+// KV_SPLIT: that many times FwdParams::num_splits, each copy over its split's key tiles (KeySplit).
+template <typename T, typename Cfg, typename Flags, bool KV_SPLIT = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_fma(const FwdParams p) {
     typedef FwdFmaTraits<T, Cfg> Tr;
@@ -50,12 +51,13 @@ flash_fwd_fma(const FwdParams p) {
     A* p_s = v_s + BN * Tr::V_PITCH;
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    typedef KeySplit<BM, KV_SPLIT> Split;
+    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int m0 = blk.m0;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int row0 = ty * Tr::TM;   // first row of this thread within the tile
     const ScoreMod<Flags, A, T> mod(p.mask, dims, acc_param<A>(p.scale_log2, p.scale_log2_f), blk.batch, blk.head);
-    const TileRange keys = mod.key_tiles(m0, blk.rows, BN);
+    const TileRange keys = Split::keys(mod.key_tiles(m0, blk.rows, BN), p);
 
     A acc_o[Tr::TM][Tr::TD];
     A row_max[Tr::TM], row_sum[Tr::TM];
@@ -138,5 +140,5 @@ flash_fwd_fma(const FwdParams p) {
     }
 
     // Epilogue: O = acc_o / l, lse per row (16 threads a row). Rows past lq are not written.
-    store_o_lse_thread_rows<16, T>(p, blk, row0, tx, acc_o, row_max, row_sum);
+    store_o_lse_thread_rows<16, T, KV_SPLIT>(p, Split::partial_block(blk, dims), row0, tx, acc_o, row_max, row_sum);
 }

@@ -50,14 +50,15 @@ struct FwdMmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first;
+// KV_SPLIT: that many times FwdParams::num_splits, each copy over its split's key tiles (KeySplit).
 // PARK (the variant table's Tile.park): the block's coordinates and the loop bounds wait in
 // the row padding of each warp's first two Q rows (the 16 bytes past HEAD, which neither the
 // Q copy nor any ldmatrix touches), read back where the K/V copies, the loop test and the
 // epilogue need them, instead of sitting in registers through the key loop: 64-key tiles at
 // head dim 128 fit 255 registers so. It costs a shared load and the K/V pointers' arithmetic
 // a step, so only the tiles that need it take it.
-template <typename T, typename Cfg, typename Flags, bool VEC, bool PARK = false>
+template <typename T, typename Cfg, typename Flags, bool VEC, bool PARK = false, bool KV_SPLIT = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_mma(const FwdParams p) {
     typedef FwdMmaTraits<T, Cfg, Flags::EXTRA> Tr;
@@ -69,12 +70,13 @@ flash_fwd_mma(const FwdParams p) {
     T* bias_s = v_s + 2 * Tr::KV_ELEMS;          // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    typedef KeySplit<BM, KV_SPLIT> Split;
+    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
                                         blk.head);
     const float x_per_s = mod.x_per_score();
-    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+    const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 
     auto parking_slot = [&](int in_warp) { return smem_addr(q_s + in_warp * Tr::WARP_ROWS * P + HEAD); };
     if constexpr (PARK) park_query_block(parking_slot(warp), blk);
@@ -193,5 +195,9 @@ flash_fwd_mma(const FwdParams p) {
         out_lane = tid % 32;
         out_blk = unpark_query_block<BM>(parking_slot(out_warp), dims);
     }
-    store_o_lse_c_frags<VEC, T>(p, out_blk, out_warp * Tr::WARP_ROWS, out_lane, acc_o, row_max, row_sum);
+    if constexpr (KV_SPLIT)
+        store_o_lse_c_frags<true, float, true>(p, Split::partial_block(out_blk, dims), out_warp * Tr::WARP_ROWS,
+                                               out_lane, acc_o, row_max, row_sum);
+    else
+        store_o_lse_c_frags<VEC, T>(p, out_blk, out_warp * Tr::WARP_ROWS, out_lane, acc_o, row_max, row_sum);
 }

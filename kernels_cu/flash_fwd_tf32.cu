@@ -51,8 +51,9 @@ struct FwdTf32Traits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT>
+// Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first;
+// KV_SPLIT: that many times FwdParams::num_splits, each copy over its split's key tiles (KeySplit).
+template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT, bool KV_SPLIT = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_tf32(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
@@ -66,11 +67,12 @@ flash_fwd_tf32(const FwdParams p) {
     float* bias_s = v_s + 2 * Tr::KV_ELEMS;               // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    typedef KeySplit<BM, KV_SPLIT> Split;
+    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
     const float x_per_s = mod.x_per_score();
-    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+    const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 
     auto load_kv = [&](int j, int stage) {
         load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
@@ -150,5 +152,6 @@ flash_fwd_tf32(const FwdParams p) {
     }
 
     // Epilogue: O = acc_o / l, lse per row. Rows past lq are not written.
-    store_o_lse_c_frags<VEC, float>(p, blk, warp * Tr::WARP_ROWS, lane, acc_o, row_max, row_sum);
+    store_o_lse_c_frags<VEC || KV_SPLIT, float, KV_SPLIT>(p, Split::partial_block(blk, dims), warp * Tr::WARP_ROWS,
+                                                         lane, acc_o, row_max, row_sum);
 }

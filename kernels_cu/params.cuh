@@ -84,6 +84,12 @@ struct FwdParams {
     MaskParams mask;
     double scale_log2;   // scale * log2(e), folded once on the host
     float scale_log2_f;  // scale_log2 in float (see acc_param)
+    // Split-KV (scheduler.cuh, KeySplit): num_splits partial results, split s over key tiles
+    // [s * split_tiles, (s + 1) * split_tiles) of the variant's block_n, written in the accumulator
+    // type as batch s * B + b of out_partial (S * B, Hq, Lq, >= Dv rounded up to even) and
+    // lse_partial (S * B, Hq, Lq); the combine kernel (combine.cu) merges them into out and lse.
+    int num_splits, split_tiles;
+    View out_partial, lse_partial;
     // SCHEDULE_QUEUE (scheduler.cuh): the host's block counter, zero at the launch, from which the
     // persistent grid's CTAs take their next query block in turn; unread by every other schedule.
     // Last: the other kernels' field offsets do not depend on it.
@@ -113,7 +119,7 @@ __device__ __forceinline__ A acc_param(double as_double, float as_float) {
 }
 
 // A kernel's compile-time tile configuration, exactly as the variant table
-// (cuflash/_variants.py) chose it: head-dim bucket, BM query rows x BN keys per
+// (cuflash/_dispatch/tables.py) chose it: head-dim bucket, BM query rows x BN keys per
 // tile, warps, pipeline stages, and MIN_CTAS, the CTAs per SM the register
 // budget must allow (__launch_bounds__). THREADS and SMEM_BYTES are what the
 // launch will use (computed on the host); each kernel static_asserts that they

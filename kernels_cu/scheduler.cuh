@@ -1,7 +1,7 @@
 // scheduler.cuh -- which block a CTA works on: the grid's order over (batch, head, block), the
 // query and key blocks it names, and the schedule by which a CTA comes to own them.
 //
-// The schedule is a compile-time choice (the variant table decides it once, cuflash/_variants.py,
+// The schedule is a compile-time choice (the variant selection decides it once, cuflash/_dispatch/select.py,
 // and passes it as a template parameter):
 //   SCHEDULE_ONE_A_BLOCK  one CTA a block: CTA blockIdx.x owns block blockIdx.x and nothing else.
 //   SCHEDULE_STRIDE       a persistent grid (fewer CTAs than blocks, one an SM) whose CTA owns blocks
@@ -9,8 +9,8 @@
 //   SCHEDULE_QUEUE        a persistent grid whose CTA owns blockIdx.x first, then each index it takes
 //                         from the host's zeroed counter FwdParams::block_queue with atomicAdd: blocks
 //                         of unequal work (a causal band), each going to whichever CTA frees first.
-// Split-KV (a block is a query block and a range of key tiles) and varlen (blocks of packed
-// sequences, found by a prefix sum of per-sequence block counts) are further modes of this header.
+// Split-KV (KeySplit: a block is a query block and a range of key tiles) is a further mode; varlen
+// (blocks of packed sequences, found by a prefix sum of per-sequence block counts) belongs here too.
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -120,6 +120,41 @@ struct QueryBlock {
     __device__ __forceinline__ static QueryBlock at(const AttnDims& dims, const BlockInfo& b, int bm) {
         const int m0 = b.tile * bm;
         return {b.batch, b.head, b.head / dims.group, m0, imin(bm, dims.lq - m0)};
+    }
+};
+
+// Split-KV (a forward's KV_SPLIT; FwdParams::num_splits, split_tiles): the grid is num_splits copies
+// of the query blocks' grid, copy s (the slowest index) taking the key tiles [s * split_tiles,
+// (s + 1) * split_tiles) of each block's visible range, and writing its partial O and lse in the
+// accumulator type as batch s * B + b of out_partial / lse_partial (combine.cu merges them).
+// Without KV_SPLIT each function is the plain grid's.
+template <int BM, bool KV_SPLIT>
+struct KeySplit {
+    // This CTA's split, from the block index (0 without KV_SPLIT).
+    __device__ __forceinline__ static int index(const AttnDims& dims) {
+        if constexpr (KV_SPLIT) return int(blockIdx.x) / QueryBlock::count<BM>(dims);
+        else return 0;
+    }
+    // The CTA's query block: QueryBlock::from_grid's within its split's copy of the grid.
+    __device__ __forceinline__ static QueryBlock query_block(const AttnDims& dims, int head_group) {
+        if constexpr (KV_SPLIT)
+            return QueryBlock::from_index<BM>(dims, int(blockIdx.x) % QueryBlock::count<BM>(dims), head_group);
+        else return QueryBlock::from_grid<BM>(dims, head_group);
+    }
+    // A block's visible key tiles (any {begin, end} range of tiles) cut to this CTA's split.
+    template <typename Range>
+    __device__ __forceinline__ static Range keys(Range r, const FwdParams& p) {
+        if constexpr (KV_SPLIT) {
+            const int s = index(p.dims);
+            r.begin = imax(r.begin, s * p.split_tiles);
+            r.end = imin(r.end, (s + 1) * p.split_tiles);
+        }
+        return r;
+    }
+    // The block as the epilogue addresses it: its split's slice of the partial buffers.
+    __device__ __forceinline__ static QueryBlock partial_block(QueryBlock blk, const AttnDims& dims) {
+        if constexpr (KV_SPLIT) blk.batch += index(dims) * dims.batch;
+        return blk;
     }
 };
 

@@ -5,17 +5,18 @@ test that checks, through the same selection functions the launcher uses, that
 these problems cover the whole variant table (test_variants.py).
 """
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from cuflash._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, head_bucket
 from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS, backward_variants, forward_variant,
-                                      row_class, vec_chunk)
+                                      row_class, split_variants, vec_chunk)
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
 BATCH, HEADS_Q, HEADS_K, LQ, LK = 2, 2, 1, 97, 130
+SPLITS = 3   # a split-KV variant's problem: three key ranges, the last one shorter
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Problem:
     bias: bool = True             # with extra: variant_options() has a bias (the backward forms dbias); False:
                                   # mask and dropout only (the Hopper dK/dV kernel's variant without dbias)
     precision: str = "highest"    # float32: "tf32" the plain TF32 kernels, "fma" the FMA ones (FLOAT32_PRECISIONS)
+    num_splits: int = 1           # > 1: the split-KV forward (the portable kernel's partial twin, then the combine)
 
     @property
     def vec(self) -> bool:
@@ -45,7 +47,10 @@ class Problem:
         head = head_bucket(max(self.d, self.dv))
         band = self.causal is not False
         fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
-                              cc=self.cc, rows=row_class(head, self.lk, band), precision=self.precision)
+                              cc=self.cc, rows=row_class(head, self.lk, band), precision=self.precision,
+                              wgmma=self.num_splits == 1)
+        if self.num_splits > 1:
+            return list(split_variants(fwd, self.dv, self.smem_limit))
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -69,7 +74,13 @@ def variant_options(seed: int, lk: int = LK, bias: bool = True) -> dict:
 def problem_for(v: Variant) -> Problem:
     """A problem whose call runs ``v``: head dims inside v's bucket (a multiple of 8
     for 16-byte loads, odd otherwise), causal alignment alternating by bucket, and
-    the largest GPU class of SMEM_LIMITS under which the launcher picks v's tile."""
+    the largest GPU class of SMEM_LIMITS under which the launcher picks v's tile. A split-KV
+    variant: its unsplit twin's problem with three splits; the combine kernel: a plain forward's."""
+    if v.kv_split:
+        return replace(problem_for(replace(v, kv_split=False)), num_splits=SPLITS)
+    if v.family == "fwd_combine":
+        d = v.head - 5
+        return Problem(v.dtype, d, d, False, False, False, False, num_splits=SPLITS)
     head = v.head or 64
     hopper = v.arch == "sm90a"    # selected on compute capability 9.0, 16-byte loads only
     cc = 90 if v.arch in ("sm90a", "sm90") else 80   # "sm90": the portable kernels' sm_90 rows

@@ -582,3 +582,70 @@ def test_tile_override_and_clear_selection_caches_clear_the_plans_on_the_gpu(cle
     assert plan._FORWARD_PLANS
     select.clear_selection_caches()
     assert not plan._FORWARD_PLANS and not plan._BACKWARD_PLANS
+
+
+def _fwd_fields(params: bytes):
+    return np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
+
+
+def test_a_decoding_call_splits_its_keys_and_packs_its_query_heads(fake):
+    """One query row a sequence, 32 query heads over 8 K/V heads, a long cache: the portable kernel's
+    partial twin over the key splits, then the combine kernel; its rows are each K/V head's 4 query
+    heads (packed GQA: dims see 8 heads of 4 rows, the K/V head read once for them)."""
+    dev, launches = fake
+    q = dev.empty((1, 32, 1, 128), np.float16)
+    k, v = (dev.empty((1, 8, 16384, 128), np.float16) for _ in range(2))
+    out, lse = cuflash.attention_forward(q, k, v, causal="bottom_right")
+    (partial, params, maps, grid), (combine, params2, _, grid2) = launches
+    assert partial.kv_split and partial.family == "fwd_mma" and not partial.band and maps is None
+    assert combine.family == "fwd_combine" and combine.head == 128 and params2 == params
+    f = _fwd_fields(params)
+    splits, split_tiles = int(f["num_splits"]), int(f["split_tiles"])
+    tiles = -(-16384 // partial.tile.block_n)
+    assert splits > 1 and split_tiles == -(-tiles // splits)
+    assert grid == splits * 8 and grid2 == 8          # one query block of 4 rows a K/V head
+    dims = f["dims"]
+    assert (int(dims["heads_q"]), int(dims["group"]), int(dims["lq"])) == (8, 1, 4)
+    assert int(f["q"]["head_stride"]) == 4 * 128 and int(f["q"]["row_stride"]) == 128
+    assert int(f["out"]["head_stride"]) == 4 * 128 and int(f["lse"]["head_stride"]) == 4
+    assert int(f["out_partial"]["batch_stride"]) == 8 * 4 * 128 and int(f["out_partial"]["ptr"]) != 0
+    assert int(f["lse_partial"]["batch_stride"]) == 8 * 4 and int(f["lse_partial"]["ptr"]) != 0
+    assert out.shape == (1, 32, 1, 128) and lse.shape == (1, 32, 1) and lse.dtype == np.float32
+    # replayed: the same kernels, fresh partial buffers
+    cuflash.attention_forward(q, k, v, causal="bottom_right")
+    assert [x[0] for x in launches[2:]] == [partial, combine]
+    g = _fwd_fields(launches[2][1])
+    assert int(g["out_partial"]["ptr"]) not in (0, int(f["out_partial"]["ptr"]))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 256])
+def test_num_splits_is_taken_as_given(fake, num_splits):
+    dev, launches = fake
+    q, k, v = _qkv(dev, (2, 4, 100, 64))
+    cuflash.attention_forward(q, k, v, causal=True, num_splits=num_splits)
+    if num_splits == 1:
+        assert len(launches) == 1 and not launches[0][0].kv_split
+        return
+    (partial, params, _, grid), (combine, _, _, _) = launches
+    f = _fwd_fields(params)
+    assert int(f["num_splits"]) == num_splits and partial.band     # causal, 100 x 100: the band stays
+    assert int(f["dims"]["heads_q"]) == 4 and int(f["dims"]["lq"]) == 100     # a band: no packing
+    assert grid == num_splits * partial.grid(2, 4, 1, 100, 100)
+    assert int(f["split_tiles"]) == -(-(-(-100 // partial.tile.block_n)) // num_splits)
+
+
+def test_a_long_query_block_stays_unsplit(fake):
+    """Prefill: the query blocks fill the GPU or take the Hopper kernel; no split unless asked."""
+    dev, launches = fake
+    q, k, v = _qkv(dev, (1, 2, 1100, 64))
+    cuflash.attention_forward(q, k, v)
+    assert [x[0].family for x in launches] == ["fwd_wgmma"]
+
+
+@pytest.mark.parametrize("bad, err", [(0, ValueError), (257, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_bad_num_splits_is_refused(fake, bad, err):
+    dev, launches = fake
+    q, k, v = _qkv(dev, (1, 2, 10, 64))
+    with pytest.raises(err, match="num_splits"):
+        cuflash.attention_forward(q, k, v, num_splits=bad)
+    assert not launches

@@ -6,6 +6,8 @@ every tile edge, grouped-query heads, head dims inside the variant's bucket) tha
 the launcher answers with that variant; the launches are recorded to prove it ran.
 Also (marker `gpu`): batch x heads beyond the old 65535 grid limit, forward and backward.
 """
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,7 +19,7 @@ from cuflash._runtime import device
 
 from _errors import rel_error
 from _gpu_checks import (DTYPES, check_backward, check_backward_tf32, check_forward, check_forward_tf32,
-                         check_masked)
+                         check_masked, seed_of)
 from _variant_problems import BATCH, HEADS_K, HEADS_Q, LQ, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
@@ -38,7 +40,10 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
         choose, plan = plan_.forward_choice, plan_.backward_variants
         monkeypatch.setattr(plan_, "forward_choice", lambda *args: choose(*args[:-1], "fma"))
         monkeypatch.setattr(plan_, "backward_variants", lambda *args, **kw: plan(*args, **{**kw, "precision": "fma"}))
-    seed = abs(hash(variant.name)) % 2**31
+    if p.num_splits > 1:   # the split-KV forward, forced
+        monkeypatch.setattr(cuflash, "attention_forward",
+                            functools.partial(cuflash.attention_forward, num_splits=p.num_splits))
+    seed = seed_of(variant.name)
     if p.precision == "tf32" and p.backward:   # the plain TF32 kernels: their own error bound (TF32_BWD_TOL)
         check_backward_tf32(BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
                             variant_options(seed, p.lk, p.bias) if p.extra else None, deterministic=p.deterministic)

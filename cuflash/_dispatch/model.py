@@ -21,6 +21,7 @@ fwd_tf32            flash_fwd_tf32.cu       forward, float32 precision="tf32", T
 fwd_wgmma_tf32x3    flash_fwd_wgmma_tf32.cu forward, float32 precision="highest", 3xTF32 on Hopper wgmma (arch "sm90a")
 fwd_wgmma_tf32      flash_fwd_wgmma_tf32.cu plain TF32 on Hopper wgmma: no table rows (slower than fwd_tf32 on the H100)
 fwd_fma             flash_fwd_fma.cu        forward, float32 where no TF32 tile fits, CUDA-core FMA
+fwd_combine         flash_fwd_combine.cu    split-KV forward: merge the partial results into out and lse
 bwd_dsum            flash_bwd_aux.cu        Dsum = rowsum(dO * O)
 bwd_dkdv_mma        flash_bwd_mma.cu        dK, dV (+ atomic dQ), 16-bit, head dim <= 128
 bwd_dq_mma          flash_bwd_mma.cu        deterministic dQ, 16-bit, head dim <= 128
@@ -343,7 +344,7 @@ class Family:
 
 FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward",
                "fwd_tf32x3": "forward", "fwd_tf32": "forward", "fwd_wgmma_tf32x3": "forward",
-               "fwd_wgmma_tf32": "forward",
+               "fwd_wgmma_tf32": "forward", "fwd_combine": "split-KV combine",
                "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
                "bwd_dq_fma": "deterministic backward", "bwd_dkdv_tf32x3": "backward", "bwd_dkdv_tf32": "backward",
@@ -361,6 +362,7 @@ FAMILIES: Dict[str, Family] = {
                                _smem_fwd_wgmma_tf32),
     "fwd_wgmma_tf32": Family("flash_fwd_wgmma_tf32", "flash_fwd_wgmma_tf32.cu", ("mask", "split"), "q",
                              _smem_fwd_wgmma_tf32),
+    "fwd_combine": Family("flash_fwd_combine", "flash_fwd_combine.cu", (), "q", lambda v: 0),
     "bwd_dsum": Family("flash_bwd_dsum", "flash_bwd_aux.cu", (), "q", lambda v: 0),
     "bwd_dkdv_mma": Family("flash_bwd_dkdv_mma", "flash_bwd_mma.cu", ("mask", "pass_", "atomic_dq", "vec"), "k",
                            _smem_dkdv_mma),
@@ -382,6 +384,10 @@ FAMILIES: Dict[str, Family] = {
     "bwd_convert_dq": Family("flash_bwd_convert_dq", "flash_bwd_aux.cu", ("dq_tiled",), "q", lambda v: 0),
 }
 
+
+KV_SPLIT_FAMILIES = ("fwd_mma", "fwd_tf32x3", "fwd_tf32", "fwd_dmma", "fwd_fma")
+"""The forwards that take KV_SPLIT (their last template parameter): the split-KV forward's partial
+kernels (kernels_cu/scheduler.cuh, KeySplit), merged by ``fwd_combine``."""
 
 WIDE_K_FAMILIES = ("fwd_dmma", "bwd_dkdv_dmma", "bwd_dq_dmma")
 """Families whose kernels take ``WIDE_K`` (Variant.wide_k) as their last template parameter."""
@@ -406,7 +412,9 @@ class Variant:
     module's docstring). ``short``: the tile comes from the short-rows table (calls whose query
     blocks visit few keys, ``select.row_class``). ``dq_tiled`` (the convert kernel): its dQ
     accumulator is in the fragment tiles of ``bwd_dkdv_mma``. ``schedule``: which blocks a CTA works
-    on (:data:`SCHEDULES`).
+    on (:data:`SCHEDULES`). ``kv_split``: a split-KV forward's partial kernel (a forward of
+    :data:`KV_SPLIT_FAMILIES`), its grid ``FwdParams::num_splits`` copies of the plain one, each over
+    one range of key tiles, writing partial O and lse in the accumulator type.
     """
 
     family: str
@@ -422,6 +430,7 @@ class Variant:
     short: bool = False
     dq_tiled: bool = False
     schedule: str = "block"
+    kv_split: bool = False
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
     def __post_init__(self):
@@ -444,6 +453,8 @@ class Variant:
                              "EXTRA, at head dims up to 128 walks blocks")
         if self.schedule == "queue" and not walk_ring(self):
             raise ValueError("schedule='queue': only with two consumer warpgroups (the block ring)")
+        if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
+            raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
         if self.dq_tiled and self.family != "bwd_convert_dq":
             raise ValueError("dq_tiled: only for bwd_convert_dq (the tiled accumulator of bwd_dkdv_mma)")
 
@@ -525,16 +536,18 @@ class Variant:
         for flag in self.fam.flags:
             args.append(f"MaskFlags<{_cxx(self.band)}, {_cxx(self.extra)}>" if flag == "mask"
                         else _cxx(getattr(self, flag)))
-        if self.wide_k:   # the kernel's last template parameter, 0 (m8n8k4) by default
+        if self.wide_k or (self.kv_split and self.family in WIDE_K_FAMILIES):   # 0 (m8n8k4) by default
             args.append(str(self.wide_k))
         if self.tile.query_split != 1 or self.tile.late_copies:   # bwd_dkdv_mma's QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
-        if self.tile.park:   # fwd_mma's last template parameter, PARK (false by default)
-            args.append("true")
+        if self.tile.park or (self.kv_split and self.family == "fwd_mma"):   # fwd_mma's PARK (false by default)
+            args.append(_cxx(self.tile.park))
         if self.tile.late_copies:   # bwd_dkdv_mma's, after QSPLIT: LATE_COPIES (false by default)
             args.append("true")
         if self.family == "fwd_wgmma":   # its last template parameter: SCHEDULE
             args.append(str(SCHEDULES[self.schedule]))
+        if self.kv_split:   # the split-KV forwards' last template parameter, KV_SPLIT (false by default)
+            args.append("true")
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

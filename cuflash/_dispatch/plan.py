@@ -27,7 +27,8 @@ from .._runtime.params import DBIAS_OFF, PACKERS, HostArg, as_float32, bwd_param
 from ..semantics import LOG2E, acc_dtype
 from . import masking as masking_
 from .model import head_bucket
-from .select import CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, forward_choice, row_class, vec_chunk
+from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice, row_class,
+                     split_count, split_variants, vec_chunk)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -41,6 +42,7 @@ _FWD_ARRAYS = ("q", "k", "v", "out", "lse")
 _BWD_ARRAYS = ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc", "dq", "dk", "dv")
 _FWD_ADDRESSES = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in _FWD_ARRAYS)
 _FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
+_FWD_PARTIALS = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in ("out_partial", "lse_partial"))
 _BWD_ADDRESSES = tuple(PACKERS["BwdParams"].offset(f"{name}.ptr") for name in _BWD_ARRAYS)
 
 
@@ -94,9 +96,10 @@ class _Maps:
 
 @dataclass
 class ForwardPlan:
-    """A forward call's kernels (one today; a split-KV forward adds a combine kernel), its outputs'
-    shapes and dtypes, its params with the five array addresses (and the block queue's) zero, its
-    tensor maps, whether it takes a block queue, and the arrays its params point into (masking)."""
+    """A forward call's kernels (one, or a split-KV forward's partial kernel and combine kernel), its
+    outputs' shapes and dtypes, its params with the array addresses (and the block queue's) zero, its
+    tensor maps, whether it takes a block queue, the split-KV partial buffers' shapes (None unsplit)
+    and the arrays its params point into (masking)."""
 
     device: int
     kernels: Tuple[KernelLaunch, ...]
@@ -107,21 +110,30 @@ class ForwardPlan:
     params: bytes
     maps: Optional[_Maps]
     queue: bool
+    partial_shapes: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
     keep_alive: tuple = field(default=(), repr=False)
 
 
-def plan_forward(p, opts, precision: str) -> ForwardPlan:
+def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None) -> ForwardPlan:
     """The forward plan of a validated call (``p``: :class:`cuflash.options.Problem` on CuPy with
-    keys and outputs, ``opts``: its :class:`cuflash.options.Options`)."""
+    keys and outputs, ``opts``: its :class:`cuflash.options.Options`). ``num_splits``: the split-KV
+    forward's key splits (None: :func:`select.split_count` decides; 1: unsplit)."""
     q, k, v = p.q, p.k, p.v
     d, dv = p.d, p.dv
     masking = masking_.kernel_masking(p, opts)
     extra = masking.extra or not scale_folds(p.scale)
     head = head_bucket(max(d, dv))
-    band = masking.band is not None
+    band = masking.band is not None and not _band_is_full(masking.band, p.lq, p.lk)
+    smem_limit = device.smem_limit()
     variant, portable = forward_choice(p.dtype, head, band, extra, vec_loads_ok(d, dv, q, k, v),
-                                       row_class(head, p.lk, band), device.compute_capability(), device.smem_limit(),
+                                       row_class(head, p.lk, band), device.compute_capability(), smem_limit,
                                        precision)
+    out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
+    lse_dtype = acc_dtype(p.dtype)
+    splits = _auto_splits(p, portable, _gqa_packing(p, extra, band, q), smem_limit) if num_splits is None else num_splits
+    if splits > 1:
+        return _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
+                                   smem_limit)
     maps = None
     if variant.arch == "sm90a":
         # The Hopper kernels load through tensor maps and read a bias by 16-byte chunks of its rows;
@@ -133,32 +145,91 @@ def plan_forward(p, opts, precision: str) -> ForwardPlan:
             variant = portable
     blocks = variant.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)
     grid = blocks if variant.schedule == "block" else min(blocks, device.sm_count())
-    out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
-    lse_dtype = acc_dtype(p.dtype)
-    params = fwd_params(q, k, v, _Shape(out_shape, q.dtype), _Shape(lse_shape, lse_dtype), group=p.group,
+    params = fwd_params(q, k, v, _Strided.contiguous(out_shape, q.dtype), _Strided.contiguous(lse_shape, lse_dtype),
+                        group=p.group,
                         scale=p.scale, mask=masking.values)
     return ForwardPlan(q.data.device_id, (KernelLaunch(variant, grid, maps is not None),), out_shape, lse_shape,
                        q.dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
-                       variant.schedule == "queue", masking.keep_alive)
+                       variant.schedule == "queue", None, masking.keep_alive)
 
 
-class _Shape:
-    """A contiguous array not yet allocated, as :func:`cuflash._runtime.params.view` reads it (its
-    address is written at run time)."""
+def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
+    """The key splits a call takes unasked: decoding-like calls only, whose (packed) query rows fit one
+    block of the portable kernel, split where their blocks leave the GPU idle (select.split_count);
+    longer query rows keep the unsplit kernels (the Hopper forward where it applies)."""
+    rows, heads = p.lq * pack, p.heads_q // pack
+    if rows > portable.tile.block_m:
+        return 1
+    slots = device.sm_count() * ctas_per_sm(portable, smem_limit)
+    key_tiles = -(-p.lk // portable.tile.block_n)
+    return split_count(portable.grid(p.batch, heads, 1, rows, p.lk), key_tiles, slots)
+
+
+def _band_is_full(band: Tuple[int, int], lq: int, lk: int) -> bool:
+    """Whether a causal / window band lets every query see every key (e.g. one query aligned to the
+    bottom right): then no kernel needs it."""
+    lo, hi = band
+    return lo <= -(lq - 1) and hi >= lk - 1
+
+
+def _gqa_packing(p, masked: bool, band: bool, q) -> int:
+    """How many query heads of a K/V head a split-KV forward packs into one tile's rows (the heads as
+    consecutive rows of one (batch, K/V head): each K/V byte read once for all of them): the group
+    where no option depends on a row's position (no band, bias, mask, block layout or dropout) and
+    q's heads lie row after row in memory (head stride = Lq row strides); else 1."""
+    if p.group == 1 or masked or band or q.strides[1] != p.lq * q.strides[2]:
+        return 1
+    return p.group
+
+
+def _plan_split_forward(p, masking, masked: bool, portable, splits: int, out_shape, lse_shape, lse_dtype,
+                        smem_limit: int) -> ForwardPlan:
+    """A split-KV forward: the portable kernel's partial twin over ``splits`` ranges of key tiles, then
+    the combine kernel (kernels_cu/flash_fwd_combine.cu). With packed GQA (:func:`_gqa_packing`) the
+    kernels see (B, Hk, group x Lq) query rows; out and lse are laid out alike either way."""
+    q, k, v = p.q, p.k, p.v
+    pack = _gqa_packing(p, masked, False, q)
+    partial, combine = split_variants(portable, p.dv, smem_limit)
+    b, heads, rows = p.batch, p.heads_q // pack, p.lq * pack
+    qv = _Strided((b, heads, rows, p.d), (q.strides[0], q.strides[1] * pack, q.strides[2], q.strides[3]), q.itemsize)
+    out_view = _Strided.contiguous((b, heads, rows, p.dv), q.dtype)
+    lse_view = _Strided.contiguous((b, heads, rows), lse_dtype)
+    key_tiles = -(-p.lk // partial.tile.block_n)
+    split_tiles = -(-key_tiles // splits)
+    dv_pad = p.dv + p.dv % 2        # the partial kernels write column pairs
+    partial_shapes = ((splits * b, heads, rows, dv_pad), (splits * b, heads, rows))
+    params = fwd_params(qv, k, v, out_view, lse_view, group=p.group // pack, scale=p.scale, mask=masking.values,
+                        num_splits=splits, split_tiles=split_tiles,
+                        out_partial=_Strided.contiguous(partial_shapes[0], lse_dtype),
+                        lse_partial=_Strided.contiguous(partial_shapes[1], lse_dtype))
+    kernels = (KernelLaunch(partial, splits * partial.grid(b, heads, 1, rows, p.lk)),
+               KernelLaunch(combine, combine.grid(b, heads, 1, rows, p.lk)))
+    return ForwardPlan(q.data.device_id, kernels, out_shape, lse_shape, q.dtype, lse_dtype,
+                       _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE + _FWD_PARTIALS), None, False,
+                       partial_shapes, masking.keep_alive)
+
+
+class _Strided:
+    """An array's layout without its memory, as :func:`cuflash._runtime.params.view` reads it (the
+    address is written at run time): a view the kernels take of an array (packed GQA's query rows) or
+    a buffer not yet allocated."""
 
     class _Data:
         ptr = 0
 
     data = _Data()
 
-    def __init__(self, shape: tuple, dtype):
-        self.shape, self.ndim = shape, len(shape)
-        self.itemsize = np.dtype(dtype).itemsize
-        strides, step = [], self.itemsize
+    def __init__(self, shape: tuple, strides: tuple, itemsize: int):
+        self.shape, self.strides, self.itemsize, self.ndim = tuple(shape), tuple(strides), itemsize, len(shape)
+
+    @classmethod
+    def contiguous(cls, shape: tuple, dtype) -> "_Strided":
+        itemsize = np.dtype(dtype).itemsize
+        strides, step = [], itemsize
         for n in reversed(shape):
             strides.append(step)
             step *= n
-        self.strides = tuple(reversed(strides))
+        return cls(shape, tuple(reversed(strides)), itemsize)
 
 
 def execute_forward(plan: ForwardPlan, q, k, v):
@@ -172,6 +243,9 @@ def execute_forward(plan: ForwardPlan, q, k, v):
         if plan.queue:   # a zeroed counter a launch: CTAs of two launches never share one
             queue = cupy.zeros(1, dtype=cupy.int32)
             params.put_addresses(_FWD_QUEUE, (queue.data.ptr,))
+        if plan.partial_shapes is not None:   # split-KV: every split writes its whole slice, no zeroing
+            out_partial, lse_partial = (cupy.empty(s, dtype=plan.lse_dtype) for s in plan.partial_shapes)
+            params.put_addresses(_FWD_PARTIALS, (out_partial.data.ptr, lse_partial.data.ptr))
         maps = None if plan.maps is None else plan.maps.for_arrays({"q": q, "k": k, "v": v, "out": out})
         run(plan.kernels, params, maps)
     return out, lse
@@ -256,9 +330,9 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
             grid = variant.grid(b, hq, p.group, lq, lk)
         kernels.append(KernelLaunch(variant, grid, variant is hopper))
     grad_shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv))
-    dq_acc = None if dq_acc_shape is None else _Shape(dq_acc_shape, acc)
-    params = bwd_params(q, k, v, out, dout, lse, _Shape((b, hq, lq), acc), dq_acc,
-                        *(_Shape(s, q.dtype) for s in grad_shapes), group=p.group, scale=p.scale,
+    dq_acc = None if dq_acc_shape is None else _Strided.contiguous(dq_acc_shape, acc)
+    params = bwd_params(q, k, v, out, dout, lse, _Strided.contiguous((b, hq, lq), acc), dq_acc,
+                        *(_Strided.contiguous(s, q.dtype) for s in grad_shapes), group=p.group, scale=p.scale,
                         mask=masking.values, dbias=DBIAS_OFF if dbias is None else dbias.values)
     return BackwardPlan(q.data.device_id, tuple(kernels), acc, (b, hq, lq), dq_acc_shape, q.dtype, grad_shapes,
                         _without_addresses(params, _BWD_ADDRESSES), maps, dbias, masking.keep_alive)
@@ -316,14 +390,14 @@ def clear_plans() -> None:
 CACHES_OF_CHOICES.append(clear_plans)
 
 
-def forward(call, precision: str):
+def forward(call, precision: str, num_splits: Optional[int] = None):
     """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
-    keys and outputs."""
+    keys and outputs; ``num_splits`` as :func:`plan_forward` takes it (part of the call's signature)."""
     p = call.problem
     key = None if call.signature is None else (call.signature, _hooks())
     plan = None if key is None else _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = plan_forward(p, call.options, precision)
+        plan = plan_forward(p, call.options, precision, num_splits)
         if key is not None:
             _remember(_FORWARD_PLANS, key, plan)
     return execute_forward(plan, p.q, p.k, p.v)

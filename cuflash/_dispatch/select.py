@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 from dataclasses import replace
 from typing import Dict, Iterator, List, Tuple
 
-from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
-                    head_bucket, walkable)
+from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
+                    fits_resident, head_bucket, walkable)
 
 
 def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
@@ -269,6 +270,51 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
     return plan
 
 
+MAX_SPLITS = 256
+"""The most key splits a split-KV forward takes (``num_splits``)."""
+
+SPLIT_FILL = 0.8
+"""A forward whose query blocks fill this fraction of the GPU's CTA slots runs unsplit (FlashAttention's
+rule); below it the keys are split."""
+
+SPLIT_EFFICIENCY = 0.85
+"""The split count taken: the smallest whose last wave is at least this fraction as full as the best
+count's (FlashAttention's 85%-of-best-wave rule)."""
+
+
+def ctas_per_sm(v: Variant, smem_limit: int, max_threads: int = 2048) -> int:
+    """CTAs of ``v`` one SM holds by shared memory and threads (at least the tile's ``ctas``)."""
+    by_smem = max_threads // v.threads
+    while by_smem > 1 and not fits_resident(v.smem_bytes, by_smem, smem_limit):
+        by_smem -= 1
+    return max(v.tile.ctas, by_smem)
+
+
+def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
+    """The number of key splits for a forward of ``blocks`` CTAs over ``key_tiles`` key tiles on a GPU
+    of ``slots`` CTA slots (SMs x CTAs an SM): 1 where the blocks fill most slots, else the smallest
+    count whose waves are nearly as full as the best count's. Counts that leave some split's tile
+    count unchanged from the count before are skipped (no less work a split)."""
+    if blocks >= SPLIT_FILL * slots or key_tiles < 2:
+        return 1
+    limit = max(1, min(max_splits, key_tiles, slots))
+
+    def fill(n: int) -> float:
+        waves = blocks * n / slots
+        return waves / math.ceil(waves)
+
+    counts = [n for n in range(1, limit + 1) if n == 1 or -(-key_tiles // n) != -(-key_tiles // (n - 1))]
+    best = max(fill(n) for n in counts)
+    return next(n for n in counts if fill(n) >= SPLIT_EFFICIENCY * best)
+
+
+def split_variants(portable: Variant, dv: int, smem_limit: int) -> Tuple[Variant, Variant]:
+    """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted): its
+    partial twin (``kv_split``) and the combine kernel at the bucket of ``dv``."""
+    return (replace(portable, kv_split=True),
+            Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit))
+
+
 def vec_chunk(itemsize: int) -> int:
     """Elements in one 16-byte ``cp.async`` chunk (tile_io.cuh): rows of 16-byte loads hold a multiple of this."""
     return 16 // itemsize
@@ -304,6 +350,11 @@ def all_variants() -> List[Variant]:
                         seen[v.fitted(limit)] = None
                     except ValueError:   # documented: no such kernel for this GPU class
                         pass
+    for v in list(seen):   # the split-KV forward: each portable forward's partial twin, and the combine kernels
+        if v.family in KV_SPLIT_FAMILIES:
+            seen[replace(v, kv_split=True)] = None
+    for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
+        seen[Variant("fwd_combine", dtype, head)] = None
     return list(seen)
 
 

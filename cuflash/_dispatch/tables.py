@@ -341,3 +341,7 @@ add("bwd_dsum", DTYPES, [0], Tile(16, 0, 8, 1, "2 rows a warp: dO and O of both 
                                    ctas=5))
 add("bwd_convert_dq", DTYPES, [0], Tile(16, 0, 8, 1, "2 rows a warp: 32 bytes of dQ_acc a lane in flight; a full "
                                          "SM, 8 CTAs at <= 32 registers (64 KB in flight); 4 rows need 56", ctas=8))
+
+# Split-KV combine (fwd_combine, flash_fwd_combine.cu): one warp a query row, the row's partial O read once per
+# split, head dim the bucket of Dv; the partial results are a few rows against the split keys' K and V.
+add("fwd_combine", DTYPES, [32, 64, 128, 256], Tile(4, 1, 4, 1, "one warp a row, 4 rows a CTA"))

@@ -36,7 +36,8 @@ STRUCTS: Dict[str, np.dtype] = {
     "DbiasParams": _DBIAS,
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64),
-                           ("scale_log2_f", np.float32), ("block_queue", np.uint64)], align=True),
+                           ("scale_log2_f", np.float32), ("num_splits", np.int32), ("split_tiles", np.int32),
+                           ("out_partial", _VIEW), ("lse_partial", _VIEW), ("block_queue", np.uint64)], align=True),
     "BwdParams": np.dtype([(n, _VIEW) for n in ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc",
                                                   "dq", "dk", "dv")]
                           + [("dims", _DIMS), ("mask", _MASK), ("dbias", _DBIAS), ("scale", np.float64),
@@ -191,15 +192,18 @@ def _dims(q, k, v, group: int) -> dict:
 
 
 def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: dict = MASK_OFF,
-               block_queue: int = 0) -> HostArg:
+               block_queue: int = 0, num_splits: int = 1, split_tiles: int = 0, out_partial=None,
+               lse_partial=None) -> HostArg:
     """FwdParams for 4-D views ``q (B, Hq, Lq, D)``, ``k``, ``v``, ``out`` and ``lse (B, Hq, Lq)``
     and MaskParams ``mask`` (cuflash._dispatch.masking), as ``sizeof(FwdParams)`` bytes.
     ``block_queue``: the address of a zeroed int32 a persistent Hopper grid takes its blocks from
-    (0: none)."""
+    (0: none). Split-KV: ``num_splits`` partial results of ``split_tiles`` key tiles each, into
+    ``out_partial (S * B, Hq, Lq, Dv')`` and ``lse_partial (S * B, Hq, Lq)``."""
     return PACKERS["FwdParams"].pack({
         "q": view(q), "k": view(k), "v": view(v), "out": view(out), "lse": view(lse),
         "dims": _dims(q, k, v, group), "mask": mask, "scale_log2": scale * LOG2E,
-        "scale_log2_f": as_float32(scale * LOG2E), "block_queue": block_queue})
+        "scale_log2_f": as_float32(scale * LOG2E), "num_splits": num_splits, "split_tiles": split_tiles,
+        "out_partial": view(out_partial), "lse_partial": view(lse_partial), "block_queue": block_queue})
 
 
 def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int, scale: float,

@@ -1,0 +1,122 @@
+"""The split-KV forward on the GPU (marker `gpu`): forced splits from 1 to 64 and the automatic choice,
+every dtype, decoding shapes (few query rows, grouped-query heads packed into one tile), causal and
+windowed, masking options, empty splits, NaN, and the backward of a split forward's result; each
+against the exact reference under DESIGN.md's error rule (_gpu_checks)."""
+import functools
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash._dispatch import plan as plan_
+
+from _gpu_checks import DTYPES, check_backward, check_forward, check_masked, seed_of
+from _tiers import sampled
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def split_forward(monkeypatch):
+    """Make every cuflash forward of the test take ``num_splits`` (a function of the test)."""
+    def force(num_splits):
+        monkeypatch.setattr(cuflash, "attention_forward",
+                            functools.partial(cuflash.attention_forward, num_splits=num_splits))
+    return force
+
+
+def _families(launches):
+    return [(v.family, v.kv_split) for v in launches]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("splits", sampled([1, 2, 3, 7, 64], [1, 3, 64]))
+@pytest.mark.parametrize("lq, causal", [(1, "bottom_right"), (3, "bottom_right"), (16, False), (3, True)])
+def test_forced_splits_match_the_reference(dtype, splits, lq, causal, split_forward, launches):
+    split_forward(splits)
+    check_forward(dtype, 2, 8, 2, lq, 1000, 64, 64, causal, seed_of(dtype, splits, lq, str(causal)))
+    families = _families(launches)
+    if splits > 1:
+        assert families[-1] == ("fwd_combine", False) and families[0][1], families
+    else:
+        assert all(family != "fwd_combine" for family, _ in families), families
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d, dv", [(128, 128), (59, 40), (256, 256)])
+def test_head_dims_and_value_dims(dtype, d, dv, split_forward, launches):
+    split_forward(5)
+    check_forward(dtype, 1, 4, 4, 2, 777, d, dv, "bottom_right", seed_of(dtype, d, dv))
+    assert ("fwd_combine", False) in _families(launches)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("b, hq, hk, lk", [(1, 32, 8, 16384), (8, 32, 8, 4096), (1, 8, 8, 8192)])
+def test_decoding_shapes_split_on_their_own(dtype, b, hq, hk, lk, launches):
+    """One query row a sequence over a long cache: the query blocks alone would leave the GPU idle, so
+    the forward splits the keys unasked (and packs each K/V head's query heads into one tile)."""
+    check_forward(dtype, b, hq, hk, 1, lk, 128, 128, "bottom_right", seed_of(dtype, b, hq, lk))
+    families = _families(launches)
+    assert families[-1] == ("fwd_combine", False) and families[0][1], families
+
+
+def test_prefill_shapes_stay_unsplit(launches):
+    check_forward("bfloat16", 2, 16, 16, 1024, 1024, 64, 64, True, 1)
+    assert all(v.family != "fwd_combine" for v in launches)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", ["bias", "mask", "dropout", "window", "block sparse"])
+def test_masking_options_with_splits(dtype, kind, split_forward, launches):
+    b, hq, hk, lq, lk = 2, 4, 2, 5, 700
+    rng = np.random.default_rng(seed_of(dtype, kind))
+    pad = np.ones((b, 1, 1, lk), dtype=bool)
+    pad[0, ..., 300:] = False                    # some splits of batch 0 see nothing
+    options = {"bias": dict(bias=rng.standard_normal((1, hq, lq, lk))),
+               "mask": dict(mask=pad),
+               "dropout": dict(dropout_p=0.25, seed=11),
+               "window": dict(window=(200, 0)),
+               "block sparse": dict(block_layout=cuflash.BlockLayout(rng.random((hq, 1, 11)) < 0.5, 64))}[kind]
+    split_forward(6)
+    check_masked(dtype, b, hq, hk, lq, lk, 64, 64, "bottom_right", seed_of(dtype, kind, 2), options)
+    assert ("fwd_combine", False) in _families(launches)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_more_splits_than_key_tiles(dtype, split_forward, launches):
+    """Splits past the last key tile see nothing (lse -inf, O 0) and weigh nothing in the merge."""
+    split_forward(64)
+    check_forward(dtype, 1, 2, 1, 4, 70, 32, 32, False, 5)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_backward_of_a_split_forward(dtype, split_forward):
+    split_forward(4)
+    check_backward(dtype, 2, 4, 2, 7, 600, 64, 64, "bottom_right", seed_of(dtype, "bwd"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_nan_in_one_split_reaches_the_row(dtype):
+    rng = np.random.default_rng(3)
+    q, k, v = (cp.asarray(rng.standard_normal((1, 2, 1, 64)).astype(dtype)),
+               cp.asarray(rng.standard_normal((1, 2, 900, 64)).astype(dtype)),
+               cp.asarray(rng.standard_normal((1, 2, 900, 64)).astype(dtype)))
+    v[0, 1, 700, 5] = cp.nan
+    want = cp.asnumpy(cuflash.attention(q, k, v, num_splits=1))
+    got = cp.asnumpy(cuflash.attention(q, k, v, num_splits=8))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[0, 1, 0, 5]) and not np.isnan(got[0, 0]).any()
+
+
+def test_splits_and_plans_replay(launches):
+    """A repeated split call replays its plan: the same two kernels, fresh partial buffers."""
+    rng = np.random.default_rng(4)
+    q, k, v = (cp.asarray(rng.standard_normal(s).astype(np.float16)) for s in ((2, 8, 1, 64), (2, 2, 5000, 64),
+                                                                                (2, 2, 5000, 64)))
+    first = cp.asnumpy(cuflash.attention(q, k, v, causal="bottom_right", num_splits=9))
+    n = len(launches)
+    again = cp.asnumpy(cuflash.attention(q, k, v, causal="bottom_right", num_splits=9))
+    np.testing.assert_array_equal(first, again)
+    assert [x.name for x in launches[n:]] == [x.name for x in launches[:n]]
+    assert any(plan.partial_shapes is not None for plan in plan_._FORWARD_PLANS.values())
