@@ -388,10 +388,13 @@ def _arrays_signature(arrays) -> Optional[tuple]:
     nd = cupy.ndarray
     out = []
     for x in arrays:
-        if type(x) is not nd or x.ndim != 4 or (x.strides[3] != x.itemsize and x.shape[3] > 1):
+        if type(x) is not nd:
+            return None
+        shape, strides = x.shape, x.strides   # (CuPy builds these tuples anew at each access)
+        if len(shape) != 4 or (strides[3] != x.itemsize and shape[3] > 1):
             return None
         data = x.data
-        out += (x.shape, x.strides, x.dtype, data.device_id, data.ptr & 15)
+        out.append((shape, strides, x.dtype, data.device_id, data.ptr & 15))
     return tuple(out)
 
 
