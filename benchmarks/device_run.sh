@@ -5,7 +5,8 @@
 #   compile   build every kernel variant for this GPU into CuPy's cache, in parallel
 #   tests     python -m pytest -m gpu (extra arguments go to pytest)
 #   sanitize  compute-sanitizer: memcheck and initcheck on the full sanitize workload, racecheck
-#             and synccheck on its quick set, synccheck on the persistent Hopper forward
+#             and synccheck on its quick set, synccheck on the persistent Hopper forward, all four on
+#             the split-KV forward (--split)
 #             (benchmarks/sanitize_workload.py; $SAN_SPECS overrides the list)
 #   compare   benchmarks/compare_trees.py --before $BEFORE (default .before) --after .
 #   accuracy  benchmarks/accuracy.py (the README's accuracy table)
@@ -49,7 +50,7 @@ if has sanitize; then
   san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   echo "== compute-sanitizer ($san) ==" >> "$summary"
   n=0
-  for spec in ${SAN_SPECS:-memcheck: initcheck: racecheck:--quick synccheck:--quick synccheck:--hopper-persistent}; do
+  for spec in ${SAN_SPECS:-memcheck: initcheck: racecheck:--quick synccheck:--quick synccheck:--hopper-persistent memcheck:--split initcheck:--split racecheck:--split synccheck:--split}; do
     tool=${spec%%:*}; extra=${spec#*:}; n=$((n + 1))
     log="$OUT/sanitize_${n}_$tool.log"
     timeout "${SAN_TIMEOUT:-300}" "$san" --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_workload.py $extra \

@@ -7,6 +7,7 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-extra \
         --dtypes float32
     compute-sanitizer --tool synccheck --error-exitcode 1 python benchmarks/sanitize_workload.py --hopper-persistent
+    compute-sanitizer --tool initcheck --error-exitcode 1 python benchmarks/sanitize_workload.py --split
 
 Odd lengths at the tile edges (Lq = 97, Lk = 130), grouped-query heads, both dQ
 strategies; the full set also covers both causal alignments, unaligned head dims
@@ -17,6 +18,8 @@ block layout whose first query rows see nothing; a bias broadcast over rows with
 key count, whose last float pair the sequence end cuts). ``--portable``: the portable kernels
 (mma.sync / DMMA / TF32) even on an H100, e.g. the 16-bit dK/dV kernel of flash_bwd_mma.cu. ``--dtypes float32`` with it: the
 float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both precisions).
+``--split``: the split-KV forward (decoding shapes: one to 16 query rows over odd key counts, packed
+grouped-query heads, more splits than key tiles, masking options) and a backward from its result.
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -43,6 +46,7 @@ def main(argv=None) -> None:
                         help="the Hopper backward forming dbias itself, every bias broadcast shape")
     parser.add_argument("--hopper-persistent", action="store_true",
                         help="the Hopper forward's persistent CTAs, three of them walking every query block")
+    parser.add_argument("--split", action="store_true", help="the split-KV forward and its combine kernel")
     parser.add_argument("--portable", action="store_true",
                         help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
@@ -57,6 +61,9 @@ def main(argv=None) -> None:
         return
     if args.hopper_persistent:
         hopper_persistent(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
+        return
+    if args.split:
+        split_kv(args.dtypes.split(",") if args.dtypes else list(DTYPES))
         return
     dims = (64, 128, 256) if args.quick else (40, 64, 111, 128, 256)
     if args.dims:
@@ -126,6 +133,31 @@ def hopper_extra(dtypes) -> None:
             print(f"{dtype:8} d={d:3} causal={causal!s:12} {precision:7} {name:18} {','.join(launched)} "
                   f"finite={finite}", flush=True)
 
+
+
+def split_kv(dtypes) -> None:
+    launched = []
+    _record(lambda variant, grid: launched.append(variant.family + ("/split" if variant.kv_split else "")))
+    rng = np.random.default_rng(0)
+    for dtype, d, (lq, hq, splits, masked) in itertools.product(
+            dtypes, (40, 64, 128), ((1, 8, None, False), (3, 4, 5, False), (16, 4, 64, False), (2, 4, 7, True))):
+        lk = 1333
+        q = cp.asarray(rng.standard_normal((2, hq, lq, d)).astype(DTYPES[dtype]))
+        k, v = (cp.asarray(rng.standard_normal((2, 2, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+        opts = {}
+        if masked:
+            mask = np.ones((2, 1, 1, lk), dtype=bool)
+            mask[0, ..., 500:] = False
+            opts = dict(bias=cp.asarray(rng.standard_normal((1, hq, lq, lk)).astype(DTYPES[dtype])),
+                        mask=cp.asarray(mask), dropout_p=0.2, seed=7)
+        launched.clear()
+        out, lse = cuflash.attention_forward(q, k, v, causal="bottom_right", num_splits=splits, **opts)
+        do = cp.asarray(rng.standard_normal(out.shape).astype(DTYPES[dtype]))
+        grads = cuflash.attention_backward(do, q, k, v, out, lse, causal="bottom_right", **opts)
+        cp.cuda.Device().synchronize()
+        finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out,) + grads)
+        print(f"{dtype:8} d={d:3} lq={lq:2} hq={hq} splits={splits!s:4} masked={masked!s:5} "
+              f"{','.join(launched[:2])} finite={finite}", flush=True)
 
 
 def hopper_persistent(dtypes) -> None:
