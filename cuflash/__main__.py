@@ -5,7 +5,8 @@
   compile   build every kernel variant for this GPU, or check builds for --arch without one
   estimate  tiles, score entries and HBM bytes of naive attention vs the tiled kernel
   bench     benchmark against PyTorch SDPA and naive CuPy (GPU, source checkout);
-            bench --precision: float32/float64 speed next to each contender's error
+            bench --precision: float32/float64 speed next to each contender's error;
+            bench --decode: few query rows over a long KV cache (split-KV)
 """
 from __future__ import annotations
 
@@ -264,6 +265,9 @@ def cmd_bench(args, rest) -> int:
     if "--precision" in rest:   # float32 / float64 speed next to error: benchmarks/bench_precision.py
         name = "bench_precision.py"
         rest = [a for a in rest if a != "--precision"]
+    elif "--decode" in rest:   # few query rows over a long KV cache: benchmarks/bench_decode.py
+        name = "bench_decode.py"
+        rest = [a for a in rest if a != "--decode"]
     script = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not script.is_file():
         raise SystemExit("error: the benchmark ships with the source repository, not the installed package: "
@@ -336,7 +340,8 @@ def main(argv=None) -> int:
                        description="Run benchmarks/bench.py (needs a GPU and a source checkout); every option "
                                    "after `bench` goes to it, e.g. --quick, --out DIR, --replot JSON. With "
                                    "--precision: benchmarks/bench_precision.py instead (float32 and float64, "
-                                   "each contender's error next to its speed).",
+                                   "each contender's error next to its speed); with --decode: "
+                                   "benchmarks/bench_decode.py (few query rows over a long KV cache).",
                        add_help=False)
     p.set_defaults(fn=cmd_bench)
     args, rest = parser.parse_known_args(argv)

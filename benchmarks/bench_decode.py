@@ -1,0 +1,188 @@
+"""Decoding over a KV cache: few query rows against a long cache (needs a GPU).
+
+    PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--out DIR] [--repeat 50]
+    python -m cuflash bench --decode [--quick]
+
+Each row: B sequences, Hq query heads over Hk K/V heads (grouped-query attention), Lq new query rows
+against Lk cached keys, head dim D, no mask (one query row: bottom-right causal is no mask; longer
+rows get the same no-mask call from every contender). Contenders on the same buffers (PyTorch reads
+CuPy's arrays through DLPack): cuflash (the split-KV forward where it decides), cuflash with
+``num_splits=1`` (one thread block a query block: what the split buys), and PyTorch SDPA's flash
+(FlashAttention-2), cuDNN, efficient and math backends with ``enable_gqa`` (a backend that refuses
+GQA gets K/V repeated to Hq heads beforehand, outside the time, and reads Hq / Hk times the bytes;
+the row says so). Time: the median of ``--repeat`` queued calls' mean, 5 runs (CUDA events). GB/s
+counts the K and V bytes of the cache once (B x Hk x Lk x D x 2 x itemsize) over the time; % peak
+against the device's HBM bandwidth where known (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
+Writes JSON and Markdown named by the device into --out (default ./cuflash-decode-<time>/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import cuflash
+from cuflash._runtime.device import gpu_available
+
+try:
+    import cupy as cp
+except ImportError:   # main() says what is missing
+    cp = None
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except Exception:  # torch is optional
+    torch = None
+
+HBM_PEAK = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12}
+
+# (dtype, B, Hq, Hk, Lq, Lk, D): the issue's four rows first, then the sweep.
+QUICK = [("bfloat16", 8, 32, 8, 1, 32768, 128), ("bfloat16", 1, 32, 8, 1, 131072, 128),
+         ("bfloat16", 1, 8, 8, 16, 65536, 64), ("bfloat16", 4, 32, 32, 1, 8192, 128)]
+
+
+def sweep() -> list:
+    rows = list(QUICK)
+    for d in (64, 128):
+        for lq in (1, 4, 16):
+            for lk in (4096, 16384, 65536, 262144):
+                for b in (1, 8, 64):
+                    if b * lk <= 2 ** 21:   # caches up to 2M tokens a call
+                        rows.append(("bfloat16", b, 32, 8, lq, lk, d))
+    for dtype in ("float16", "float32", "float64"):
+        rows += [(dtype, 1, 32, 8, 1, 65536, 128), (dtype, 8, 32, 8, 1, 32768, 128)]
+    return rows
+
+
+def _dtype(name):
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32,
+            "float64": np.float64}[name]
+
+
+def _time_queued(fn, repeat, runs=5) -> float:
+    fn()
+    cp.cuda.Device().synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    per_call = []
+    for _ in range(runs):
+        start.record()
+        for _ in range(repeat):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(cp.cuda.get_elapsed_time(start, end) / repeat)
+    return float(np.median(per_call))
+
+
+def contenders(q, k, v) -> dict:
+    """name -> (callable, note)."""
+    out = {"cuflash": (lambda: cuflash.attention_forward(q, k, v), ""),
+           "cuflash unsplit": (lambda: cuflash.attention_forward(q, k, v, num_splits=1), "")}
+    if torch is None:
+        return out
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    backends = {"torch flash": SDPBackend.FLASH_ATTENTION, "torch cudnn": SDPBackend.CUDNN_ATTENTION,
+                "torch efficient": SDPBackend.EFFICIENT_ATTENTION, "torch math": SDPBackend.MATH}
+    for name, backend in backends.items():
+        def gqa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+        try:
+            gqa()
+            out[name] = (gqa, "")
+            continue
+        except Exception:   # this backend takes no GQA: K/V repeated to Hq heads (more bytes read)
+            pass
+        rk, rv = (x.repeat_interleave(group, dim=1) for x in (tk, tv))
+
+        def repeated(backend=backend, rk=rk, rv=rv):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(tq, rk, rv)
+        try:
+            repeated()
+            out[name] = (repeated, f"K/V repeated {group}x")
+        except Exception as exc:
+            out[name] = (None, f"n/a ({type(exc).__name__})")
+    return out
+
+
+def run_row(row, repeat, peak, skip) -> list:
+    dtype, b, hq, hk, lq, lk, d = row
+    rng = np.random.default_rng(0)
+    dt = _dtype(dtype)
+    q = cp.asarray(rng.standard_normal((b, hq, lq, d), dtype=np.float32).astype(dt))
+    k, v = (cp.asarray(rng.standard_normal((b, hk, lk, d), dtype=np.float32).astype(dt)) for _ in range(2))
+    kv_bytes = 2 * b * hk * lk * d * np.dtype(dt).itemsize
+    results = []
+    for name, (fn, note) in contenders(q, k, v).items():
+        if name in skip:
+            continue
+        entry = {"contender": name, "dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d,
+                 "note": note, "ms": None, "GB/s": None, "peak %": None}
+        if fn is not None and not (name == "torch math" and b * hq * lq * lk > 2 ** 31):
+            try:
+                ms = _time_queued(fn, repeat)
+                entry.update({"ms": ms, "GB/s": kv_bytes / ms / 1e6,
+                              "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak})
+            except Exception as exc:   # out of memory, a backend that refuses the shape
+                entry["note"] = f"n/a ({type(exc).__name__})"
+        results.append(entry)
+    del q, k, v
+    cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def markdown(results, device) -> str:
+    lines = [f"# Decoding over a KV cache on {device}", "",
+             "| dtype | B | Hq/Hk | Lq | Lk | D | contender | ms | GB/s | % peak | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        def f(x, fmt):
+            return "" if x is None else format(x, fmt)
+        lines.append(f"| {r['dtype']} | {r['B']} | {r['Hq']}/{r['Hk']} | {r['Lq']} | {r['Lk']} | {r['D']} | "
+                     f"{r['contender']} | {f(r['ms'], '.4f')} | {f(r['GB/s'], '.0f')} | {f(r['peak %'], '.1f')} | "
+                     f"{r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the four reference rows only")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--skip", default="", help="contenders to leave out, e.g. 'torch math'")
+    parser.add_argument("--out", default=None, help="folder for the JSON and Markdown")
+    args = parser.parse_args(argv)
+    ok, what = gpu_available()
+    if not ok or cp is None:
+        print(f"The decode benchmark needs a GPU: {what}")
+        return 2
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    peak = next((bw for key, bw in HBM_PEAK.items() if key in device), None)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    results = []
+    for row in (QUICK if args.quick else sweep()):
+        rows = run_row(row, args.repeat, peak, skip)
+        results += rows
+        print("\n".join(markdown(rows, device).splitlines()[4:]), flush=True)
+    out = Path(args.out or f"cuflash-decode-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "decode-" + device.replace(" ", "_")
+    (out / f"{stem}.json").write_text(json.dumps({"device": device, "peak_bytes_per_s": peak, "rows": results},
+                                                 indent=1))
+    (out / f"{stem}.md").write_text(markdown(results, device))
+    print(markdown(results, device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
