@@ -135,6 +135,8 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
             lse.fill(-np.inf)
     else:
         out, lse = _plan.forward(call, precision, num_splits)
+        if call.signature is not None:   # 4-D inputs: out and lse have their shapes already
+            return out, lse
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 
@@ -208,7 +210,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                                  precision=precision)
     p, opts = call.problem, call.options
     dout4, out4, lse4 = call.backward_inputs
-    shapes = (q.shape, k.shape, v.shape)
     if p.xp is np:
         grads = reference.attention_backward_blocked(dout4, p.q, p.k, p.v, out4, lse4, causal=p.reference_causal,
                                                      scale=p.scale, **_reference_kwargs(p, opts))
@@ -224,11 +225,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
             if bias is not None:
                 dbias = cupy.zeros(bias.shape, dtype=bias.dtype)
     else:
-        *grads, dbias_plan = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic))
+        dq, dk, dv, dbias_plan = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic))
+        if call.signature is not None:   # 4-D inputs, no bias: the gradients have their shapes already
+            return dq, dk, dv
+        grads = (dq, dk, dv)
         if dbias_plan is not None:
             with on_device(p.q.data.device_id):
                 dbias = dbias_plan.result(p, opts)
-    result = tuple(_shaped(g, s_) for g, s_ in zip(grads, shapes))
+    result = (_shaped(grads[0], q.shape), _shaped(grads[1], k.shape), _shaped(grads[2], v.shape))
     return result if bias is None else result + (dbias,)
 
 

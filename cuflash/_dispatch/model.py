@@ -48,7 +48,7 @@ compute capability 9.0 (``select.forward_variant``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, Tuple
 
 from ..semantics import acc_itemsize
@@ -457,6 +457,11 @@ class Variant:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
         if self.dq_tiled and self.family != "bwd_convert_dq":
             raise ValueError("dq_tiled: only for bwd_convert_dq (the tiled accumulator of bwd_dkdv_mma)")
+        # Hashed once: every launch looks its compiled kernel up by variant (launch._launch_config).
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def wide_k(self) -> int:
