@@ -110,7 +110,7 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any], *,
         for w in weights[1:]:
             total = total + w
         lse = finite_peak + xp.log(total)    # -inf where no part saw a key, NaN where a part is NaN
-        inv_total = xp.where(total > 0, 1 / total, acc.type(0))   # 0 where no part saw a key
+        inv_total = xp.where(total == 0, acc.type(0), 1 / total)   # 0 where no part saw a key
         out = xp.zeros(first.shape, dtype=acc)
         for w, o in zip(weights, outs):
             out += (w * inv_total)[..., None] * _to_acc(xp, o, acc)

@@ -324,14 +324,14 @@ def _softmax_rows(s, xp):
 
     Computed in ``s``'s dtype, the row max subtracted before ``exp``.
     """
-    m = s.max(axis=-1, keepdims=True)
+    m = s.max(axis=-1, keepdims=True)                       # NaN where a score is NaN
     m = xp.where(xp.isfinite(m), m, s.dtype.type(0))        # no (-inf) - (-inf)
     e = xp.exp(s - m)
     total = e.sum(axis=-1, keepdims=True)
-    seen = total > 0
-    safe = xp.where(seen, total, s.dtype.type(1))
-    p = xp.where(seen, e / safe, s.dtype.type(0))
-    lse = xp.where(seen[..., 0], m[..., 0] + xp.log(safe[..., 0]), s.dtype.type(-np.inf))
+    empty = total == 0                                      # nothing allowed; a NaN row stays NaN
+    safe = xp.where(empty, s.dtype.type(1), total)
+    p = xp.where(empty, s.dtype.type(0), e / safe)
+    lse = xp.where(empty[..., 0], s.dtype.type(-np.inf), m[..., 0] + xp.log(safe[..., 0]))
     return p, lse
 
 
@@ -506,6 +506,17 @@ def attention_materialised(q: Array, k: Array, v: Array, *, causal: Causal = Fal
     return xp.matmul(s.astype(q.dtype), v)
 
 
+def _quiet(fn):
+    """NumPy's floating-point warnings off inside ``fn``: an inf or NaN input gives inf / NaN results
+    (as in PyTorch), not warnings."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            return fn(*args, **kwargs)
+    return run
+
+
+@_quiet
 def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                       bias: Optional[Array] = None, mask: Optional[Array] = None, block_m: int = 64,
                       block_n: int = 64, return_stats: bool = False, window=None, dropout_p: float = 0.0,
@@ -576,10 +587,10 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
                 p = p * _dropout_tile(dropout, s.shape, rows, cols, xp)
             o = o * corr[..., None] + xp.matmul(p, v[..., cols, :])
             m = m_new
-        seen = l_ > 0
-        safe = xp.where(seen, l_, 1.0)
-        out[..., rows, :] = xp.where(seen[..., None], o / safe[..., None], 0.0)
-        lse[..., rows] = xp.where(seen, m + xp.log(safe), -np.inf)
+        empty = l_ == 0                 # no key allowed: 0 and -inf; a row that read a NaN stays NaN
+        safe = xp.where(empty, 1.0, l_)
+        out[..., rows, :] = xp.where(empty[..., None], 0.0, o / safe[..., None])
+        lse[..., rows] = xp.where(empty, -np.inf, m + xp.log(safe))
     out, lse = _squeeze(squeeze, out, lse)
     if return_stats:
         return out, lse, {"tiles_total": total, "tiles_computed": computed}
@@ -668,6 +679,7 @@ def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = No
     return out, _grads(*grads[:3], dbias, group, squeeze)
 
 
+@_quiet
 def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
                                causal: Causal = False, scale: Optional[float] = None,
                                bias: Optional[Array] = None, mask: Optional[Array] = None,
@@ -707,7 +719,7 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
     band = band_limits(causal, window, lq, lk)
     dropout = _dropout_arg(dropout_p, seed)
     dsum = (do * o).sum(axis=-1)
-    live = xp.isfinite(lse)
+    live = lse != -np.inf             # rows that saw a key (a NaN lse too: its gradients are NaN)
     lse_safe = xp.where(live, lse, 0.0)
     dq, dk, dv = xp.zeros(q.shape), xp.zeros(k.shape), xp.zeros(v.shape)
     if bias is not None:

@@ -1,6 +1,7 @@
 // epilogue.cuh -- the forward's last step, once per query row (softmax.cuh's invariant):
-//     O = acc_o / l          0 for a row that saw no key (l = 0); NaN in acc_o stays NaN, as in PyTorch
-//     lse = (m + log2 l) ln 2   the natural-log logsumexp of the row's scaled scores; -inf with l = 0
+//     O = acc_o / l          0 for a row that saw no key (l = 0); NaN in acc_o or l stays NaN, as in PyTorch
+//     lse = (m + log2 l) ln 2   the natural-log logsumexp of the row's scaled scores; -inf with l = 0, NaN
+//                               with l NaN
 // and the writes of O and lse from each accumulator layout. Rows past lq and columns past dv are
 // not written (with PAIRS, a pair that starts before dv is written whole). KV_SPLIT: the writes go
 // to the split-KV partial buffers, T then the accumulator type.
@@ -18,13 +19,15 @@ struct FinishedRow {
 
 // The row's statistics finished: row_sum is reduced over the GROUP consecutive lanes that hold
 // pieces of the row (they all call this), row_max is equal across them. A row that attended to
-// nothing (l = 0) gets 1 / l = 0 and lse = -inf.
+// nothing (l = 0) gets 1 / l = 0 and lse = -inf; a row that read a NaN score (l NaN) gets NaN for
+// both, as PyTorch's softmax does.
 template <int GROUP, typename A>
 __device__ __forceinline__ FinishedRow<A> finish_row(A row_max, A row_sum) {
     const A total = group_sum<GROUP>(row_sum);
+    const bool empty = total == A(0);
     FinishedRow<A> f;
-    f.inv_sum = total > A(0) ? A(1) / total : A(0);
-    f.lse = total > A(0) ? (row_max + log2_of(total)) * A(LN2) : neg_inf<A>();
+    f.inv_sum = empty ? A(0) : A(1) / total;
+    f.lse = empty ? neg_inf<A>() : (row_max + log2_of(total)) * A(LN2);
     return f;
 }
 

@@ -67,7 +67,7 @@ flash_fwd_combine(const FwdParams p) {
     A total = A(0);
     for (int s = lane; s < splits; s += 32) total += exp_of(split_lse(s) - shift);
     total = warp_sum(total);
-    const A inv_total = total > A(0) ? A(1) / total : A(0);
+    const A inv_total = total == A(0) ? A(0) : A(1) / total;   // NaN stays NaN
 
     A acc[COLS];
 #pragma unroll
