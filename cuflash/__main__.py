@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import time
 
@@ -21,27 +20,36 @@ import numpy as np
 
 
 def _progress(items, desc: str, total=None):
+    """``items`` with a progress bar on stderr (tqdm's, or one line every 10% with the count and an ETA)."""
     try:
         from tqdm import tqdm
 
         return tqdm(items, desc=desc, total=total, file=sys.stderr, leave=False)
     except ImportError:
-        return items
+        return _counted(items, desc, total)
 
 
-_ARCH = re.compile(r"^sm_(\d+)a?$")
+def _counted(items, desc: str, total):
+    start, step, shown = time.perf_counter(), max(1, (total or 0) // 10), 0
+    for done, item in enumerate(items, 1):
+        yield item
+        if total and (done - shown >= step or done == total):
+            shown = done
+            elapsed = time.perf_counter() - start
+            eta = elapsed / done * (total - done)
+            print(f"{desc}: {done} of {total}, {elapsed:.0f} s, about {eta:.0f} s left", file=sys.stderr,
+                  flush=True)
 
 
 def _check_arches(text: str) -> list:
     """The --arch list, or SystemExit with one line saying what is wrong."""
+    from ._dispatch.model import SUPPORTED_ARCHES
+
     arches = [a.strip() for a in text.split(",") if a.strip()]
     for arch in arches:
-        m = _ARCH.match(arch)
-        if m is None:
-            raise SystemExit(f"error: --arch {arch!r} is not an architecture name like sm_80, sm_86, sm_90 or sm_120")
-        if int(m.group(1)) < 80:
-            raise SystemExit(f"error: {arch} is not supported: cuflash needs compute capability 8.0 or newer "
-                             "(sm_80: A100; sm_86/sm_89: RTX 30/40, L40; sm_90: H100; sm_120: RTX 50)")
+        if arch not in SUPPORTED_ARCHES:
+            raise SystemExit(f"error: --arch {arch!r}: cuflash builds for {', '.join(SUPPORTED_ARCHES)} "
+                             "(A100; RTX 30, A40; RTX 40, L4, L40; H100, H200; RTX 50)")
     if not arches:
         raise SystemExit("error: --arch needs at least one architecture, e.g. --arch sm_80,sm_90")
     return arches
@@ -299,8 +307,9 @@ def _prog() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ._dispatch.model import SUPPORTED_ARCHES
+
+    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", metavar="command")
     p = sub.add_parser("demo", help="run attention forward and backward on a representative problem",
                        description="Run causal float16 attention forward and backward on the GPU, check one head "
@@ -333,10 +342,11 @@ def main(argv=None) -> int:
                    choices=["none", "top_left", "bottom_right"], help="causal mask (bare --causal: top-left)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=1)
-    p.add_argument("--gpu", default="sm90", choices=["sm90", "sm80", "sm86"],
-                   help="GPU class choosing the tile: sm90 (H100), sm80 (A100), sm86 (sm_86/89/120)")
+    p.add_argument("--gpu", default="sm_90", choices=list(SUPPORTED_ARCHES),
+                   help="the GPU whose shared memory chooses the tile (default sm_90: H100, H200)")
     p.set_defaults(fn=cmd_estimate)
-    p = sub.add_parser("bench", help="benchmark against PyTorch SDPA and naive CuPy (GPU; benchmarks/bench.py)",
+    p = sub.add_parser("bench", help="benchmark against PyTorch SDPA (GPU, source checkout; --precision: "
+                                     "float32 / float64 with errors; --decode: decoding over a KV cache)",
                        description="Run benchmarks/bench.py (needs a GPU and a source checkout); every option "
                                    "after `bench` goes to it, e.g. --quick, --out DIR, --replot JSON. With "
                                    "--precision: benchmarks/bench_precision.py instead (float32 and float64, "

@@ -24,14 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, head_bucket
-from ._dispatch.select import forward_variant
+from ._dispatch.model import ITEMSIZE, SUPPORTED_ARCHES, head_bucket, smem_limit_for_arch
+from ._dispatch.select import forward_variant, row_class
 from .semantics import acc_itemsize
 
 __all__ = ["estimate", "Estimate"]
 
-_GPU_CLASSES = {"sm90": SMEM_MAX, "sm80": SMEM_LIMITS["sm_80 (A100)"],
-                "sm86": SMEM_LIMITS["sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"]}
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,7 @@ def _causal_offset(causal, lq: int, lk: int) -> Optional[int]:
 
 
 def estimate(*, lq: int, lk: int, d: int, dv: Optional[int] = None, dtype: str = "float16", causal=False,
-             batch: int = 1, heads_q: int = 1, heads_k: Optional[int] = None, gpu: str = "sm90") -> Estimate:
+             batch: int = 1, heads_q: int = 1, heads_k: Optional[int] = None, gpu: str = "sm_90") -> Estimate:
     """Tiles, score entries, HBM bytes and FLOPs of one forward call (see the module docstring).
 
     Parameters
@@ -108,8 +106,9 @@ def estimate(*, lq: int, lk: int, d: int, dv: Optional[int] = None, dtype: str =
     causal : False, True / "top_left", or "bottom_right"
     batch, heads_q, heads_k : int
         ``heads_k`` defaults to ``heads_q`` (no grouped-query attention).
-    gpu : {"sm90", "sm80", "sm86"}
-        The GPU class whose shared memory picks the tile (H100; A100; sm_86/89/120).
+    gpu : {"sm_80", "sm_86", "sm_89", "sm_90", "sm_120"}
+        The GPU whose kernel and shared memory pick the tile (default sm_90: H100, H200, whose
+        16-bit forward is the Hopper kernel).
 
     Returns
     -------
@@ -119,8 +118,8 @@ def estimate(*, lq: int, lk: int, d: int, dv: Optional[int] = None, dtype: str =
     heads_k = heads_q if heads_k is None else heads_k
     if dtype not in ITEMSIZE:
         raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {dtype!r}")
-    if gpu not in _GPU_CLASSES:
-        raise ValueError(f"gpu must be one of {sorted(_GPU_CLASSES)}, got {gpu!r}")
+    if gpu not in SUPPORTED_ARCHES:
+        raise ValueError(f"gpu must be one of {', '.join(SUPPORTED_ARCHES)}, got {gpu!r}")
     for name, value in (("lq", lq), ("lk", lk), ("d", d), ("dv", dv), ("batch", batch), ("heads_q", heads_q),
                         ("heads_k", heads_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -129,8 +128,9 @@ def estimate(*, lq: int, lk: int, d: int, dv: Optional[int] = None, dtype: str =
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_k ({heads_k})")
     offset = _causal_offset(causal, lq, lk)
     mode = None if offset is None else ("top_left" if causal in (True, "top_left") else "bottom_right")
-    tile = forward_variant(dtype, head_bucket(max(d, dv)), band=offset is not None, vec=True,
-                           smem_limit=_GPU_CLASSES[gpu]).tile
+    head, band = head_bucket(max(d, dv)), offset is not None
+    tile = forward_variant(dtype, head, band=band, vec=True, smem_limit=smem_limit_for_arch(gpu), cc=int(gpu[3:]),
+                           rows=row_class(head, lk, band)).tile
     bm, bn = tile.block_m, tile.block_n
     m_tiles, n_tiles = -(-lq // bm), -(-lk // bn)
 

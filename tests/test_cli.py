@@ -27,8 +27,9 @@ def test_help_is_plain_text(capsys):
     assert "``" not in out and "demo" in out
 
 
-@pytest.mark.parametrize("arch,message", [("sm_75", "compute capability 8.0"), ("foo", "not an architecture"),
-                                          ("sm_80,sm_61", "sm_61 is not supported"), (",", "at least one")])
+@pytest.mark.parametrize("arch,message", [("sm_75", "'sm_75': cuflash builds for sm_80, sm_86, sm_89, sm_90, sm_120"),
+                                          ("foo", "'foo': cuflash builds for"), ("sm_80,sm_61", "'sm_61'"),
+                                          ("sm_100", "'sm_100'"), ("sm80", "'sm80'"), (",", "at least one")])
 def test_compile_rejects_bad_arches_in_one_line(arch, message):
     with pytest.raises(SystemExit) as info:
         main(["compile", "--arch", arch])

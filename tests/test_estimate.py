@@ -27,8 +27,8 @@ def test_tiles_match_the_blocked_reference(lq, lk, causal, d, dtype):
 
 
 def test_bytes_and_flops_by_hand():
-    est = cuflash.estimate(lq=128, lk=128, d=64, dtype="float16")
-    assert (est.block_m, est.block_n) == (128, 128)         # the table's tile for contiguous fp16 D=64
+    est = cuflash.estimate(lq=128, lk=128, d=64, dtype="float16", gpu="sm_80")
+    assert (est.block_m, est.block_n) == (128, 128)         # the A100's tile for contiguous fp16 D=64
     assert est.naive_hbm_bytes == 3 * 128 * 64 * 2 + 128 * 64 * 2 + 4 * 128 * 128 * 2
     # Q once; K and V (one 128-key tile) for the one query tile; O; lse in fp32
     assert est.flash_hbm_bytes == 128 * 64 * 2 + 2 * 64 * 128 * 2 + 128 * 64 * 2 + 128 * 4
@@ -48,12 +48,18 @@ def test_causal_visits_about_half_and_gqa_reads_fewer_kv_bytes():
     assert gqa.naive_hbm_bytes < full.naive_hbm_bytes
 
 
+def test_an_h100_takes_the_hopper_kernels_tile():
+    est = cuflash.estimate(lq=4096, lk=4096, d=128, dtype="bfloat16")
+    assert (est.block_m, est.block_n) == (128, 128)         # flash_fwd_wgmma's head-dim-128 tile
+    assert cuflash.estimate(lq=4096, lk=4096, d=64, dtype="bfloat16").block_m == 192
+
+
 def test_smaller_gpus_get_their_own_tiles():
-    tiles = {gpu: cuflash.estimate(lq=64, lk=64, d=256, dtype="float64", gpu=gpu) for gpu in ("sm90", "sm80", "sm86")}
+    tiles = {gpu: cuflash.estimate(lq=64, lk=64, d=256, dtype="float64", gpu=gpu) for gpu in ("sm_90", "sm_80", "sm_86")}
     assert [(t.block_m, t.block_n) for t in tiles.values()] == [(32, 16), (32, 8), (8, 8)]
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(dtype="int8"), "dtype"), (dict(gpu="sm70"), "gpu"),
+@pytest.mark.parametrize("kwargs,match", [(dict(dtype="int8"), "dtype"), (dict(gpu="sm70"), "gpu"), (dict(gpu="sm_100"), "gpu"),
                                           (dict(lq=0), "lq"), (dict(heads_q=3, heads_k=2), "multiple")])
 def test_bad_arguments(kwargs, match):
     args = dict(lq=64, lk=64, d=64) | kwargs

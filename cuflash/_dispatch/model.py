@@ -142,6 +142,11 @@ def fits_resident(smem_bytes: int, resident: int, smem_limit: int) -> bool:
     return resident * (smem_bytes + CTA_RESERVED_SMEM) <= smem_limit + CTA_RESERVED_SMEM
 
 
+SUPPORTED_ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
+"""The GPU architectures cuflash builds for and checks (compute capability 8.0, 8.6, 8.9, 9.0, 12.0: A100;
+RTX 30 / A40; RTX 40 / L4 / L40; H100 / H200; RTX 50), in the one spelling the command line takes."""
+
+
 def smem_limit_for_arch(arch: str) -> int:
     """Opt-in shared memory per block of an ``sm_XY`` architecture (SMEM_LIMITS' classes;
     unknown newer ones are assumed to have the largest)."""

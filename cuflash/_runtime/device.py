@@ -15,13 +15,31 @@ def explain_cuda_error(exc: BaseException) -> str:
     """One sentence for the CUDA errors a new user meets, with the next step."""
     text = f"{exc.__class__.__name__}: {exc}"
     if "InsufficientDriver" in text or "insufficient" in text.lower():
-        return ("the NVIDIA driver is missing or older than the CUDA runtime CuPy was built for "
-                "(install or update the driver, or use the cuda12 extra with an older driver)")
+        version = driver_cuda_version()
+        if version is None:
+            return "no NVIDIA GPU driver on this machine (NumPy arrays run on the CPU path)"
+        return (f"the NVIDIA driver supports CUDA {version[0]}.{version[1]}, older than the CUDA runtime CuPy was "
+                "built for: update the driver, or install the matching extra (.[cuda12] for a CUDA 12 driver)")
     if "NoDevice" in text or "no CUDA-capable device" in text:
         return "no NVIDIA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
     if "cupy_backends" in text or "No module named 'cupy" in text:
         return f"CuPy is not installed: {INSTALL_HINT}"
     return f"CUDA is not usable here ({text.splitlines()[0][:200]})"
+
+
+def driver_cuda_version():
+    """(major, minor) of the CUDA version the installed NVIDIA driver supports, or None where there is
+    no driver (libcuda does not load)."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int()
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value // 1000, version.value % 1000 // 10
 
 
 def gpu_available() -> tuple[bool, str]:
