@@ -10,7 +10,7 @@ PACKAGE = Path(cuflash.__file__).resolve().parent
 
 # Layers, upstream first: a module may import its own layer or any layer after it.
 LAYERS = [
-    {"cuflash.__main__"},
+    {"cuflash.__main__", "cuflash.torch"},
     {"cuflash.api", "cuflash.estimate", "cuflash.merge"},
     {"cuflash._dispatch.plan", "cuflash._dispatch.masking", "cuflash._dispatch.select",
      "cuflash._dispatch.tables", "cuflash._dispatch.model", "cuflash._dispatch"},

@@ -1,0 +1,229 @@
+"""PyTorch adapter: cuflash attention as autograd-aware PyTorch operators.
+
+    import cuflash.torch as ct
+    out = ct.scaled_dot_product_attention(q, k, v, is_causal=True)            # SDPA's signature
+    out = ct.flash_attn_func(q, k, v, causal=True, window_size=(256, 0))      # FlashAttention-2's
+
+Tensors stay where they are: CUDA tensors run cuflash's kernels on PyTorch's current stream (the
+arrays pass through DLPack, nothing is copied), CPU tensors run cuflash's NumPy path (float64
+arithmetic). Both operators are ``torch.library`` custom ops (``cuflash::forward``,
+``cuflash::backward``) with fake implementations and a registered autograd formula, so
+``torch.compile`` keeps them in one graph as opaque calls.
+
+Imported only on request (``import cuflash.torch``); it needs PyTorch >= 2.4.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import List, Optional, Tuple
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised where PyTorch is absent
+    raise ImportError("cuflash.torch needs PyTorch (pip install torch); the rest of cuflash does not") from exc
+
+import ml_dtypes
+import numpy as np
+
+from . import api
+
+__all__ = ["scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+_CAUSAL = {"none": False, "top_left": "top_left", "bottom_right": "bottom_right"}
+
+
+# ----------------------------------------------------------------------------- arrays and streams
+
+def _array(t: Optional[torch.Tensor]):
+    """The tensor's memory as a CuPy array (CUDA) or a NumPy array (CPU), without a copy."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.is_cuda:
+        import cupy
+
+        return cupy.from_dlpack(t)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _tensor(x) -> torch.Tensor:
+    """A CuPy or NumPy result as a tensor on its device, without a copy."""
+    if isinstance(x, np.ndarray):
+        if x.dtype == np.dtype(ml_dtypes.bfloat16):
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+    return torch.from_dlpack(x)
+
+
+@contextlib.contextmanager
+def _on_stream_of(t: torch.Tensor):
+    """CuPy's current device and stream made PyTorch's current ones for ``t``'s device."""
+    if not t.is_cuda:
+        yield
+        return
+    import cupy
+
+    stream = torch.cuda.current_stream(t.device)
+    with cupy.cuda.Device(t.device.index), cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index):
+        yield
+
+
+def _options(bias, mask, causal: str, scale: float, window_left: int, window_right: int, dropout_p: float,
+             seed: int) -> dict:
+    window = None
+    if window_left >= 0 or window_right >= 0:
+        window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+    opts = dict(causal=_CAUSAL[causal], scale=scale, bias=_array(bias), mask=_array(mask), window=window)
+    if dropout_p > 0:
+        opts.update(dropout_p=float(dropout_p), seed=int(seed))
+    return opts
+
+
+# ----------------------------------------------------------------------------- the custom ops
+
+@torch.library.custom_op("cuflash::forward", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+             mask: Optional[torch.Tensor], causal: str, scale: float, window_left: int, window_right: int,
+             dropout_p: float, seed: int, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of cuflash.attention_forward; ``deterministic`` is the backward's."""
+    with _on_stream_of(q):
+        out, lse = api.attention_forward(_array(q), _array(k), _array(v),
+                                         **_options(bias, mask, causal, scale, window_left, window_right,
+                                                    dropout_p, seed))
+        return _tensor(out), _tensor(lse)
+
+
+@_forward.register_fake
+def _(q, k, v, bias, mask, causal, scale, window_left, window_right, dropout_p, seed, deterministic):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=lse_dtype)
+
+
+@torch.library.custom_op("cuflash::backward", mutates_args=())
+def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], causal: str,
+              scale: float, window_left: int, window_right: int, dropout_p: float, seed: int,
+              deterministic: bool, want_dbias: bool) -> List[torch.Tensor]:
+    """[dq, dk, dv] (and dbias where ``want_dbias``) of cuflash.attention_backward."""
+    with _on_stream_of(q):
+        grads = api.attention_backward(_array(dout), _array(q), _array(k), _array(v), _array(out), _array(lse),
+                                       deterministic=deterministic,
+                                       **_options(bias, mask, causal, scale, window_left, window_right, dropout_p,
+                                                  seed))
+        return [_tensor(g) for g in grads[:4 if want_dbias else 3]]
+
+
+@_backward.register_fake
+def _(dout, q, k, v, out, lse, bias, mask, causal, scale, window_left, window_right, dropout_p, seed,
+      deterministic, want_dbias):
+    grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    return grads + ([torch.empty_like(bias)] if want_dbias else [])
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, causal, scale, window_left, window_right, dropout_p, seed, deterministic = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, bias, mask)
+    ctx.options = (causal, scale, window_left, window_right, dropout_p, seed, deterministic)
+
+
+def _grad(ctx, dout, dlse):
+    q, k, v, out, lse, bias, mask = ctx.saved_tensors
+    want_dbias = bias is not None and ctx.needs_input_grad[3]
+    grads = torch.ops.cuflash.backward(dout, q, k, v, out, lse, bias, mask, *ctx.options, want_dbias)
+    dbias = grads[3] if want_dbias else None
+    return grads[0], grads[1], grads[2], dbias, None, None, None, None, None, None, None, None
+
+
+_forward.register_autograd(_grad, setup_context=_setup_context)
+
+
+def _seed(dropout_p: float) -> int:
+    """A dropout seed from PyTorch's default generator (reproducible under torch.manual_seed), or 0."""
+    return int(torch.randint(0, 2**62, (1,)).item()) if dropout_p else 0
+
+
+# ----------------------------------------------------------------------------- public operators
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` on cuflash, with its autograd.
+
+    Parameters
+    ----------
+    query : Tensor (..., Hq, Lq, D); key : (..., Hk, Lk, D); value : (..., Hk, Lk, Dv)
+        float16, bfloat16, float32 or float64, on one CUDA device (the fused kernels) or on the
+        CPU (cuflash's NumPy path).
+    attn_mask : Tensor, optional
+        Broadcastable to (..., Hq, Lq, Lk): bool (True = attend) or float, added to the scaled
+        scores; a float mask that requires grad gets its gradient.
+    dropout_p : float
+        Dropout on the attention weights; the mask is drawn from PyTorch's generator's seed and
+        regenerated in the backward.
+    is_causal : bool
+        ``torch.tril`` alignment (query i sees keys j <= i), as SDPA's.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    enable_gqa : bool
+        Allow Hk < Hq (Hq a multiple of Hk); without it the head counts must match, as in SDPA.
+
+    Returns
+    -------
+    Tensor (..., Hq, Lq, Dv) in the inputs' dtype.
+    """
+    hq, hk = query.shape[-3] if query.dim() >= 3 else 1, key.shape[-3] if key.dim() >= 3 else 1
+    if hq != hk and not enable_gqa:
+        raise ValueError(f"query has {hq} heads and key {hk}: pass enable_gqa=True for grouped-query attention")
+    bias = mask = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask
+        else:
+            bias = attn_mask
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    return _forward(query, key, value, bias, mask, "top_left" if is_causal else "none", scale, -1, -1,
+                    float(dropout_p), _seed(dropout_p), False)[0]
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                    deterministic: bool = False, return_attn_probs: bool = False) -> torch.Tensor:
+    """FlashAttention-2's ``flash_attn_func`` on cuflash, with its autograd.
+
+    ``q (B, Lq, Hq, D)``, ``k (B, Lk, Hk, D)``, ``v (B, Lk, Hk, Dv)``; returns ``(B, Lq, Hq, Dv)``
+    (contiguous, as FlashAttention's). ``causal`` aligns the diagonal to the bottom right (query
+    i sees keys j <= i + Lk - Lq); ``window_size=(left, right)``, -1 for an unbounded side;
+    ``deterministic`` for the backward. ``softcap``, ``alibi_slopes`` and ``return_attn_probs``
+    raise NotImplementedError: cuflash has no score modifications yet, and stores no probabilities.
+    """
+    if softcap:
+        raise NotImplementedError("softcap: cuflash has no score modifications yet")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: cuflash has no score modifications yet (ALiBi as a 16-bit bias "
+                                  "would lose its precision)")
+    if return_attn_probs:
+        raise NotImplementedError("return_attn_probs: cuflash never stores the attention probabilities")
+    left, right = (int(w) for w in window_size)
+    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None,
+                   "bottom_right" if causal else "none", scale, left, right, float(dropout_p), _seed(dropout_p),
+                   bool(deterministic))[0]
+    return out.transpose(1, 2).contiguous()
+
+
+def flash_attn_varlen_func(*args, **kwargs):
+    """FlashAttention-2's variable-length entry point: not available yet."""
+    raise NotImplementedError("flash_attn_varlen_func: cuflash has no variable-length (packed) batches yet")
+
+
+def flash_attn_with_kvcache(*args, **kwargs):
+    """FlashAttention-2's KV-cache entry point: not available yet (cuflash.attention with
+    causal="bottom_right" covers a cache without paging or in-place appends)."""
+    raise NotImplementedError("flash_attn_with_kvcache: cuflash has no paged KV cache or in-place append yet")

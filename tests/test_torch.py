@@ -1,0 +1,149 @@
+"""cuflash.torch on CPU tensors (cuflash's NumPy path) and, with marker `gpu`, on CUDA tensors: the
+SDPA and FlashAttention-2 signatures against PyTorch's own SDPA, gradients (float64 gradcheck on the
+CPU), masks and biases with their gradient, GQA, dropout reproducible under torch.manual_seed, the
+features not there yet refused by name, and torch.compile keeping the op in one graph."""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (cuflash.torch is optional)")
+F = torch.nn.functional
+
+import cuflash.torch as ct  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _device(name):
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    return torch.device(name)
+
+
+def _qkv(device, dtype=torch.float64, b=2, hq=4, hk=4, lq=33, lk=47, d=16, grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+               for h, n in ((hq, lq), (hk, lk), (hk, lk)))
+    return tuple(x.requires_grad_(grad) for x in (q, k, v))
+
+
+def _close(a, b, dtype):
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_matches_pytorch_forward_and_backward(device, is_causal):
+    dev = _device(device)
+    dtype = torch.float64 if dev.type == "cpu" else torch.float32
+    q, k, v = _qkv(dev, dtype)
+    out = ct.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    _close(out, want, dtype)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref = torch.autograd.grad(want, (q, k, v), dout)
+    for a, b in zip(got, ref):
+        _close(a, b, dtype)
+
+
+def test_gradcheck_in_float64():
+    q, k, v = _qkv("cpu", b=1, hq=2, hk=1, lq=5, lk=7, d=4)
+    bias = torch.randn(1, 2, 5, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, bias: ct.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True),
+        (q, k, v, bias))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_and_float_masks(device):
+    dev = _device(device)
+    dtype = torch.float64 if dev.type == "cpu" else torch.float32
+    q, k, v = _qkv(dev, dtype)
+    keep = torch.rand(2, 1, 33, 47, generator=torch.Generator().manual_seed(1)).to(dev) < 0.7
+    _close(ct.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+           F.scaled_dot_product_attention(q, k, v, attn_mask=keep), dtype)
+    bias = torch.randn(1, 4, 33, 47, dtype=dtype, device=dev, requires_grad=True)
+    out = ct.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    _close(out, want, dtype)
+    (g,) = torch.autograd.grad(out.sum(), bias)
+    (h,) = torch.autograd.grad(want.sum(), bias)
+    _close(g, h, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_query_attention_needs_enable_gqa(device):
+    dev = _device(device)
+    dtype = torch.float64 if dev.type == "cpu" else torch.float32
+    q, k, v = _qkv(dev, dtype, hq=8, hk=2)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        ct.scaled_dot_product_attention(q, k, v)
+    _close(ct.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+           F.scaled_dot_product_attention(q, k, v, enable_gqa=True), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attn_func_layout_and_bottom_right_causal(device):
+    dev = _device(device)
+    dtype = torch.float64 if dev.type == "cpu" else torch.float16
+    q, k, v = _qkv(dev, dtype, lq=20, lk=50)
+    qb, kb, vb = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))   # (B, L, H, D)
+    out = ct.flash_attn_func(qb, kb, vb, causal=True, window_size=(10, -1))
+    assert out.shape == (2, 20, 4, 16) and out.is_contiguous()
+    i, j = torch.arange(20)[:, None], torch.arange(50)[None, :]
+    allowed = (j <= i + 30) & (j >= i + 30 - 10)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.to(dev)).transpose(1, 2)
+    _close(out, want, dtype)
+    dq, = torch.autograd.grad(out.sum(), qb)
+    assert dq.shape == qb.shape
+
+
+def test_dropout_is_reproducible_under_manual_seed():
+    q, k, v = _qkv("cpu", grad=False)
+    torch.manual_seed(3)
+    a = ct.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(3)
+    b = ct.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    c = ct.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(a, c)
+
+
+def test_missing_features_are_refused_by_name():
+    q, k, v = (x.transpose(1, 2) for x in _qkv("cpu", grad=False))
+    for kwargs, name in ((dict(softcap=30.0), "softcap"), (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+                         (dict(return_attn_probs=True), "return_attn_probs")):
+        with pytest.raises(NotImplementedError, match=name):
+            ct.flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(NotImplementedError, match="variable-length"):
+        ct.flash_attn_varlen_func(q, k, v)
+    with pytest.raises(NotImplementedError, match="paged KV cache"):
+        ct.flash_attn_with_kvcache(q, k, v)
+
+
+def test_bfloat16_on_the_cpu_path():
+    q, k, v = _qkv("cpu", torch.bfloat16, grad=False)
+    out = ct.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == torch.bfloat16
+    _close(out, F.scaled_dot_product_attention(q.double(), k.double(), v.double()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_keeps_one_graph(device):
+    dev = _device(device)
+    q, k, v = _qkv(dev, torch.float64 if dev.type == "cpu" else torch.float16)
+
+    def layer(q, k, v):
+        return ct.scaled_dot_product_attention(q * 2, k, v, is_causal=True).sum()
+
+    explained = torch._dynamo.explain(layer)(q, k, v)
+    assert explained.graph_break_count == 0
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    got = compiled(q, k, v)
+    torch.testing.assert_close(got, layer(q, k, v))
+    grads = torch.autograd.grad(got, (q, k, v))
+    assert all(g is not None and math.isfinite(float(g.abs().sum())) for g in grads)
+    assert np.isfinite(float(got.detach()))
