@@ -3,9 +3,10 @@ from ._runtime.build import CompileError
 from .api import attention, attention_backward, attention_forward, vjp
 from .block_sparse import BlockLayout
 from .estimate import Estimate, estimate
+from .kvcache import attention_with_kvcache
 from .merge import merge_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "merge_attention", "BlockLayout", "estimate", "Estimate", "CompileError",
+__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "merge_attention", "attention_with_kvcache", "BlockLayout", "estimate", "Estimate", "CompileError",
            "__version__"]

@@ -121,7 +121,9 @@ def test_missing_features_are_refused_by_name():
     with pytest.raises(NotImplementedError, match="variable-length"):
         ct.flash_attn_varlen_func(q, k, v)
     with pytest.raises(NotImplementedError, match="paged KV cache"):
-        ct.flash_attn_with_kvcache(q, k, v)
+        ct.flash_attn_with_kvcache(q, k, v, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="rotary_cos"):
+        ct.flash_attn_with_kvcache(q, k, v, rotary_cos=torch.ones(1))
 
 
 def test_bfloat16_on_the_cpu_path():
@@ -147,3 +149,25 @@ def test_compile_keeps_one_graph(device):
     grads = torch.autograd.grad(got, (q, k, v))
     assert all(g is not None and math.isfinite(float(g.abs().sum())) for g in grads)
     assert np.isfinite(float(got.detach()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attn_with_kvcache_appends_and_attends(device):
+    dev = _device(device)
+    dtype = torch.float64 if dev.type == "cpu" else torch.float16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, 16, generator=g, dtype=torch.float64).to(dev, dtype)        # (B, Lq, Hq, D)
+    k_cache, v_cache = (torch.randn(2, 30, 2, 16, generator=g, dtype=torch.float64).to(dev, dtype) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 16, generator=g, dtype=torch.float64).to(dev, dtype) for _ in range(2))
+    lengths = torch.tensor([4, 20], dtype=torch.int32, device=dev)
+    before = k_cache.clone()
+    out = ct.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True)
+    assert out.shape == (2, 1, 8, 16)
+    for b, n in enumerate((4, 20)):
+        torch.testing.assert_close(k_cache[b, n], k_new[b, 0], rtol=0, atol=0)
+        keys, values = k_cache[b, :n + 1].transpose(0, 1), v_cache[b, :n + 1].transpose(0, 1)   # (Hk, L, D)
+        want = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys, values, enable_gqa=True)
+        _close(out[b].transpose(0, 1), want, dtype)
+    keep = torch.ones(30, dtype=torch.bool)
+    keep[[4, 20]] = False
+    torch.testing.assert_close(k_cache[0, keep], before[0, keep], rtol=0, atol=0)

@@ -1,0 +1,123 @@
+"""attention_with_kvcache: ragged cache lengths, the append in place (nothing else in the cache
+changes), causal per sequence, windows, GQA, empty sequences, bad input refused before anything is
+written; on NumPy arrays, and with marker `gpu` on CuPy arrays of every dtype."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+
+DEVICES = ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)]
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+
+
+def _xp(name):
+    if name == "numpy":
+        return np
+    return pytest.importorskip("cupy")
+
+
+def _host(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def _setup(xp, dtype=np.float64, b=3, hq=4, hk=2, lq=2, cap=40, n_new=3, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(s).astype(dtype) for s in
+              ((b, hq, lq, d), (b, hk, cap, d), (b, hk, cap, d), (b, hk, n_new, d), (b, hk, n_new, d))]
+    return [xp.asarray(a) for a in arrays]
+
+
+def _expected(q, kc, vc, kn, vn, lengths, causal, window=None):
+    """Per sequence: its valid cache keys, then the new ones, attended by the NumPy reference."""
+    outs = []
+    for bi, n in enumerate(lengths):
+        k = np.concatenate([kc[bi, :, :n], kn[bi]], axis=1).astype(np.float64)
+        v = np.concatenate([vc[bi, :, :n], vn[bi]], axis=1).astype(np.float64)
+        if k.shape[1] == 0:
+            outs.append(np.zeros(q.shape[1:3] + (v.shape[-1],)))
+            continue
+        lq, lk = q.shape[2], k.shape[1]
+        diagonal = np.arange(lq)[:, None] + lk - lq               # the sequence's own bottom right
+        j = np.arange(lk)[None, :]
+        allowed = np.ones((lq, lk), dtype=bool)
+        if causal:
+            allowed &= j <= diagonal
+        if window is not None:
+            allowed &= (j >= diagonal - window[0]) & (j <= diagonal + window[1])
+        outs.append(cuflash.attention(q[bi].astype(np.float64), k, v, mask=allowed))
+    return np.stack(outs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_matches_attention_over_each_sequence(device, causal, window):
+    xp = _xp(device)
+    q, kc, vc, kn, vn = _setup(xp)
+    lengths = np.array([0, 17, 37])
+    before_k, before_v = _host(kc).copy(), _host(vc).copy()
+    out = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=xp.asarray(lengths), causal=causal,
+                                         window=window)
+    want = _expected(_host(q), before_k, before_v, _host(kn), _host(vn), lengths, causal, window)
+    np.testing.assert_allclose(_host(out), want, rtol=1e-10, atol=1e-12)
+    after_k, after_v = _host(kc), _host(vc)
+    for bi, n in enumerate(lengths):   # the new keys at n .. n + 2, every other slot as it was
+        np.testing.assert_array_equal(after_k[bi, :, n:n + 3], _host(kn)[bi])
+        np.testing.assert_array_equal(after_v[bi, :, n:n + 3], _host(vn)[bi])
+        keep = np.ones(40, dtype=bool)
+        keep[n:n + 3] = False
+        np.testing.assert_array_equal(after_k[bi][:, keep], before_k[bi][:, keep])
+        np.testing.assert_array_equal(after_v[bi][:, keep], before_v[bi][:, keep])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_dtype_and_a_strided_cache(device, dtype):
+    xp = _xp(device)
+    q, kc, vc, kn, vn = _setup(xp, DTYPES[dtype], lq=1, n_new=1)
+    # the caches as (B, Lcap, Hk, D) memory seen as (B, Hk, Lcap, D)
+    kc, vc = (xp.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (kc, vc))
+    lengths = np.array([3, 30, 38])
+    before_k, before_v = _host(kc).copy(), _host(vc).copy()
+    out, lse = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=xp.asarray(lengths), causal=True,
+                                              return_lse=True)
+    assert out.dtype == np.dtype(DTYPES[dtype]) and lse.shape == (3, 4, 1)
+    want = _expected(_host(q), before_k, before_v, _host(kn), _host(vn), lengths, True)
+    tol = {"float64": 1e-10, "float32": 1e-5}.get(dtype, 2e-2)
+    np.testing.assert_allclose(_host(out).astype(np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_new_keys_and_an_int_length(device):
+    xp = _xp(device)
+    q, kc, vc, _, _ = _setup(xp)
+    out = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=25, causal=True)
+    want = cuflash.attention(_host(q), _host(kc)[:, :, :25], _host(vc)[:, :, :25], causal="bottom_right")
+    np.testing.assert_allclose(_host(out), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(cache_seqlens=np.array([0, 5, 38])), ValueError, "past the cache's 40"),
+    (dict(cache_seqlens=np.array([0, -1, 3])), ValueError, ">= 0"),
+    (dict(cache_seqlens=np.array([1.0, 2.0, 3.0])), TypeError, "integers"),
+    (dict(cache_seqlens=np.array([1, 2])), ValueError, r"shape \(3,\)"),
+    (dict(cache_seqlens="3"), TypeError, "int or an integer array"),
+    (dict(cache_seqlens=3, window=5), ValueError, "window"),
+])
+def test_bad_input_is_refused_and_the_cache_untouched(kwargs, err, match):
+    q, kc, vc, kn, vn = _setup(np)
+    before = kc.copy()
+    with pytest.raises(err, match=match):
+        cuflash.attention_with_kvcache(q, kc, vc, kn, vn, **kwargs)
+    np.testing.assert_array_equal(kc, before)
+
+
+def test_mismatched_arrays_are_refused():
+    q, kc, vc, kn, vn = _setup(np)
+    with pytest.raises(ValueError, match="go together"):
+        cuflash.attention_with_kvcache(q, kc, vc, kn, None, cache_seqlens=1)
+    with pytest.raises(TypeError, match="dtype"):
+        cuflash.attention_with_kvcache(q, kc.astype(np.float32), vc, cache_seqlens=1)
+    with pytest.raises(ValueError, match="k_new"):
+        cuflash.attention_with_kvcache(q, kc, vc, kn[:, :1], vn[:, :1], cache_seqlens=1)
