@@ -25,8 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-import cuflash
-from cuflash._runtime.device import gpu_available
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+import cuflash  # noqa: E402
+from cuflash._runtime.device import gpu_available  # noqa: E402
 
 try:
     import cupy as cp
@@ -60,26 +62,11 @@ def sweep() -> list:
     return rows
 
 
-def _dtype(name):
-    import ml_dtypes
-
-    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32,
-            "float64": np.float64}[name]
-
-
-def _time_queued(fn, repeat, runs=5) -> float:
+def _time(fn, repeat) -> float:
+    """bench.py's queued timing after one warm-up call."""
     fn()
     cp.cuda.Device().synchronize()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    per_call = []
-    for _ in range(runs):
-        start.record()
-        for _ in range(repeat):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(cp.cuda.get_elapsed_time(start, end) / repeat)
-    return float(np.median(per_call))
+    return bench._time_queued(fn, repeat)
 
 
 def contenders(q, k, v) -> dict:
@@ -118,7 +105,7 @@ def contenders(q, k, v) -> dict:
 def run_row(row, repeat, peak, skip) -> list:
     dtype, b, hq, hk, lq, lk, d = row
     rng = np.random.default_rng(0)
-    dt = _dtype(dtype)
+    dt = bench._cp_dtype(dtype)
     q = cp.asarray(rng.standard_normal((b, hq, lq, d), dtype=np.float32).astype(dt))
     k, v = (cp.asarray(rng.standard_normal((b, hk, lk, d), dtype=np.float32).astype(dt)) for _ in range(2))
     kv_bytes = 2 * b * hk * lk * d * np.dtype(dt).itemsize
@@ -130,7 +117,7 @@ def run_row(row, repeat, peak, skip) -> list:
                  "note": note, "ms": None, "GB/s": None, "peak %": None}
         if fn is not None and not (name == "torch math" and b * hq * lq * lk > 2 ** 31):
             try:
-                ms = _time_queued(fn, repeat)
+                ms = _time(fn, repeat)
                 entry.update({"ms": ms, "GB/s": kv_bytes / ms / 1e6,
                               "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak})
             except Exception as exc:   # out of memory, a backend that refuses the shape

@@ -5,13 +5,14 @@ same params and maps but for the array addresses); a call whose signature differ
 checks or the kernel choice read does not."""
 import ctypes
 import functools
+import importlib.util
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
-from cupy.cuda import memory  # noqa: E402
 
 import cuflash  # noqa: E402
 from cuflash import options  # noqa: E402
@@ -22,17 +23,11 @@ from cuflash._runtime import params as _params  # noqa: E402
 from cuflash._runtime import tma as _tma  # noqa: E402
 
 
-class FakeDevice:
-    """Fake memory, 1 KB aligned, never read."""
-
-    def __init__(self):
-        self.next = 0x7F0000000000
-
-    def empty(self, shape, dtype=np.float32, order="C"):
-        n = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
-        mem = memory.UnownedMemory(self.next, n, None, device_id=0)
-        self.next += (n + 1023) // 1024 * 1024
-        return cp.ndarray(shape, dtype=dtype, memptr=memory.MemoryPointer(mem, 0))
+_HOST_CPU = Path(__file__).resolve().parent.parent / "benchmarks" / "host_cpu.py"
+_spec = importlib.util.spec_from_file_location("host_cpu", _HOST_CPU)
+host_cpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host_cpu)
+FakeDevice = host_cpu.FakeDevice   # fake memory, 1 KB aligned, never read (benchmarks/host_cpu.py)
 
 
 @pytest.fixture
