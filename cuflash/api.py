@@ -140,6 +140,27 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 
+def forward_in_accumulator(q, k, v, *, causal: Causal = False, scale: Optional[float] = None, bias: Any = None,
+                           mask: Any = None, window: Any = None, precision: str = "highest") -> Tuple[Any, Any]:
+    """:func:`attention_forward` with ``out`` in the accumulator dtype (float32, float64 for float64;
+    the NumPy path's float64): a partial result to be merged with others before any rounding to 16
+    bits (cuflash.distributed). The GPU runs the portable forward's split-KV kernel over one split."""
+    call = options.forward_call(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, window=window,
+                                precision=precision)
+    p = call.problem
+    if p.xp is np:
+        out, lse = reference.attention_blocked(p.q, p.k, p.v, causal=p.reference_causal, scale=p.scale,
+                                               **_reference_kwargs(p, call.options))
+        return out.reshape(p.out_shape()), lse.reshape(p.lse_shape())
+    acc = acc_dtype(p.dtype)
+    if p.lk == 0 or p.q.size == 0:
+        with on_device(p.q.data.device_id):
+            out = p.xp.zeros(p.out_shape(), dtype=acc)
+            return out, p.xp.full(p.lse_shape(), -np.inf, dtype=acc)
+    out, lse = _plan.forward(call, precision, None, accumulator_out=True)
+    return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
+
+
 def _reference_kwargs(p: options.Problem, opts: options.Options) -> dict:
     """The options in the 4-D (B, H, L, D) frame of ``p.q``: leading dims merged into one."""
     kw = opts.reference_kwargs()

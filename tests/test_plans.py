@@ -644,3 +644,14 @@ def test_bad_num_splits_is_refused(fake, bad, err):
     with pytest.raises(err, match="num_splits"):
         cuflash.attention_forward(q, k, v, num_splits=bad)
     assert not launches
+
+
+def test_a_forward_in_the_accumulator_type_is_one_split_without_combine(fake):
+    dev, launches = fake
+    q = dev.empty((2, 8, 50, 64), np.float16)
+    k, v = (dev.empty((2, 2, 300, 64), np.float16) for _ in range(2))
+    out, lse = cuflash.api.forward_in_accumulator(q, k, v, causal=True)
+    (partial, params, maps, grid), = launches
+    assert partial.kv_split and maps is None and int(_fwd_fields(params)["num_splits"]) == 1
+    assert out.shape == (2, 8, 50, 64) and out.dtype == np.float32 and lse.dtype == np.float32
+    assert out.data.ptr == int(_fwd_fields(params)["out_partial"]["ptr"])

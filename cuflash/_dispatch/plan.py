@@ -112,12 +112,15 @@ class ForwardPlan:
     queue: bool
     partial_shapes: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
     keep_alive: tuple = field(default=(), repr=False)
+    partial_only: bool = False   # the result is the partial buffers' one split (accumulator precision)
 
 
-def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None) -> ForwardPlan:
+def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False) -> ForwardPlan:
     """The forward plan of a validated call (``p``: :class:`cuflash.options.Problem` on CuPy with
     keys and outputs, ``opts``: its :class:`cuflash.options.Options`). ``num_splits``: the split-KV
-    forward's key splits (None: :func:`select.split_count` decides; 1: unsplit)."""
+    forward's key splits (None: :func:`select.split_count` decides; 1: unsplit). ``accumulator_out``:
+    out in the accumulator type (float32; float64 for float64), from the split-KV partial kernel over
+    one split (for results merged again later: cuflash.distributed)."""
     q, k, v = p.q, p.k, p.v
     d, dv = p.d, p.dv
     masking = masking_.kernel_masking(p, opts)
@@ -130,6 +133,9 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None) -> F
                                        precision)
     out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
     lse_dtype = acc_dtype(p.dtype)
+    if accumulator_out:
+        return _plan_split_forward(p, masking, extra or band, portable, 1, out_shape, lse_shape, lse_dtype,
+                                   smem_limit, partial_only=True)
     splits = _auto_splits(p, portable, _gqa_packing(p, extra, band, q), smem_limit) if num_splits is None else num_splits
     if splits > 1:
         return _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
@@ -183,10 +189,11 @@ def _gqa_packing(p, masked: bool, band: bool, q) -> int:
 
 
 def _plan_split_forward(p, masking, masked: bool, portable, splits: int, out_shape, lse_shape, lse_dtype,
-                        smem_limit: int) -> ForwardPlan:
+                        smem_limit: int, partial_only: bool = False) -> ForwardPlan:
     """A split-KV forward: the portable kernel's partial twin over ``splits`` ranges of key tiles, then
     the combine kernel (kernels_cu/flash_fwd_combine.cu). With packed GQA (:func:`_gqa_packing`) the
-    kernels see (B, Hk, group x Lq) query rows; out and lse are laid out alike either way."""
+    kernels see (B, Hk, group x Lq) query rows; out and lse are laid out alike either way.
+    ``partial_only`` (one split): the partial kernel alone, its buffers the result."""
     q, k, v = p.q, p.k, p.v
     pack = _gqa_packing(p, masked, False, q)
     partial, combine = split_variants(portable, p.dv, smem_limit)
@@ -204,9 +211,9 @@ def _plan_split_forward(p, masking, masked: bool, portable, splits: int, out_sha
                         lse_partial=_Strided.contiguous(partial_shapes[1], lse_dtype))
     kernels = (KernelLaunch(partial, splits * partial.grid(b, heads, 1, rows, p.lk)),
                KernelLaunch(combine, combine.grid(b, heads, 1, rows, p.lk)))
-    return ForwardPlan(q.data.device_id, kernels, out_shape, lse_shape, q.dtype, lse_dtype,
-                       _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE + _FWD_PARTIALS), None, False,
-                       partial_shapes, masking.keep_alive)
+    return ForwardPlan(q.data.device_id, kernels[:1] if partial_only else kernels, out_shape, lse_shape, q.dtype,
+                       lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE + _FWD_PARTIALS), None,
+                       False, partial_shapes, masking.keep_alive, partial_only)
 
 
 class _Strided:
@@ -233,11 +240,15 @@ class _Strided:
 
 
 def execute_forward(plan: ForwardPlan, q, k, v):
-    """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D)."""
+    """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D); with ``plan.partial_only`` out in the
+    accumulator type (a view of the partial buffer without its padding column)."""
     cupy, _ = device.cupy_modules()
     with device.on_device(plan.device):
-        out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
-        lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
+        if plan.partial_only:
+            out = lse = _NO_ARRAY
+        else:
+            out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
+            lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
         params = HostArg(plan.params)
         params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
         if plan.queue:   # a zeroed counter a launch: CTAs of two launches never share one
@@ -248,7 +259,20 @@ def execute_forward(plan: ForwardPlan, q, k, v):
             params.put_addresses(_FWD_PARTIALS, (out_partial.data.ptr, lse_partial.data.ptr))
         maps = None if plan.maps is None else plan.maps.for_arrays({"q": q, "k": k, "v": v, "out": out})
         run(plan.kernels, params, maps)
+    if plan.partial_only:   # (B, Hk, group x Lq) packed rows are (B, Hq, Lq) rows in memory
+        return out_partial.reshape(plan.out_shape[:3] + (-1,))[..., :plan.out_shape[3]], \
+            lse_partial.reshape(plan.lse_shape)
     return out, lse
+
+
+class _NoArray:
+    """The unused out / lse of a partial-only plan: address 0."""
+
+    class data:
+        ptr = 0
+
+
+_NO_ARRAY = _NoArray()
 
 
 # ------------------------------------------------------------------ backward
@@ -390,14 +414,15 @@ def clear_plans() -> None:
 CACHES_OF_CHOICES.append(clear_plans)
 
 
-def forward(call, precision: str, num_splits: Optional[int] = None):
+def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False):
     """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
-    keys and outputs; ``num_splits`` as :func:`plan_forward` takes it (part of the call's signature)."""
+    keys and outputs; ``num_splits`` (part of the call's signature) and ``accumulator_out`` as
+    :func:`plan_forward` takes them."""
     p = call.problem
-    key = None if call.signature is None else (call.signature, _hooks())
+    key = None if call.signature is None else (call.signature, accumulator_out, _hooks())
     plan = None if key is None else _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = plan_forward(p, call.options, precision, num_splits)
+        plan = plan_forward(p, call.options, precision, num_splits, accumulator_out)
         if key is not None:
             _remember(_FORWARD_PLANS, key, plan)
     return execute_forward(plan, p.q, p.k, p.v)
