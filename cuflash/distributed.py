@@ -1,0 +1,439 @@
+"""Ring attention (context parallelism): one sequence sharded over the ranks of a ring, exact.
+
+Each rank holds a slice of the sequence's queries, keys and values (its *segments*: one contiguous
+piece, or with ``layout="zigzag"`` two pieces, chunk ``r`` and chunk ``2 n - 1 - r`` of ``2 n``, which
+balances a causal mask's work over the ``n`` ranks). Keys and values travel around the ring; at each
+step a rank attends its queries to the block it holds, in the accumulator precision, and merges the
+partial result by its log-sum-exp (:func:`cuflash.merge_attention`'s rule), while the next block is
+already in flight. The backward sends the keys and values around again with their dK / dV
+accumulators, each rank adding its queries' share, and hands each accumulator back to its owner.
+
+The transport is a communicator with ``rank``, ``size``, ``exchange_async(arrays)`` (send to the next
+rank, receive from the previous one; ``.wait()`` returns what arrived) and ``all_reduce(array, op)``:
+:class:`NcclRing` (CuPy's NCCL, one process per GPU, set up from torchrun / mpirun / SLURM
+environments) or :class:`ThreadRing` (ranks as threads of one process, for tests and the NumPy path).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import api
+from .merge import merge_attention
+from .options import SUPPORTED_DTYPES, array_module
+from .semantics import acc_dtype
+
+__all__ = ["segments", "shard", "unshard", "ring_attention", "ring_attention_forward", "ring_attention_backward",
+           "ring_vjp", "ThreadRing", "NcclRing"]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def segments(length: int, size: int, layout: str = "zigzag") -> List[List[Tuple[int, int]]]:
+    """Each rank's pieces ``[(start, stop), ...]`` of a sequence of ``length`` positions over ``size``
+    ranks, in the order its local slice holds them. "contiguous": rank r the r-th of ``size`` near-equal
+    pieces; "zigzag": pieces r and ``2 size - 1 - r`` of ``2 size`` (equal causal work a rank)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if size < 1 or length < 0:
+        raise ValueError(f"need size >= 1 and length >= 0, got {size} and {length}")
+    pieces = size if layout == "contiguous" else 2 * size
+    bounds = [i * length // pieces for i in range(pieces + 1)]
+    spans = list(zip(bounds, bounds[1:]))
+    if layout == "contiguous":
+        return [[spans[r]] for r in range(size)]
+    return [[spans[r], spans[pieces - 1 - r]] for r in range(size)]
+
+
+def shard(x, rank: int, size: int, layout: str = "zigzag", axis: int = -2):
+    """Rank ``rank``'s slice of ``x`` along ``axis`` (the sequence axis of (..., L, D) arrays)."""
+    xp = array_module(x)
+    parts = [x.take(xp.arange(a, b), axis=axis) for a, b in segments(x.shape[axis], size, layout)[rank]]
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=axis)
+
+
+def unshard(parts: Sequence[Any], layout: str = "zigzag", axis: int = -2):
+    """The whole sequence from every rank's slice (``parts[r]`` from rank r), inverse of :func:`shard`."""
+    xp = array_module(parts[0])
+    size = len(parts)
+    length = sum(p.shape[axis] for p in parts)
+    pieces = []
+    for rank, spans in enumerate(segments(length, size, layout)):
+        offset = 0
+        for a, b in spans:
+            pieces.append((a, parts[rank].take(xp.arange(offset, offset + b - a), axis=axis)))
+            offset += b - a
+    return xp.concatenate([p for _, p in sorted(pieces, key=lambda item: item[0])], axis=axis)
+
+
+# ----------------------------------------------------------------------------- communicators
+
+class _Arrived:
+    def __init__(self, fetch):
+        self._fetch = fetch
+
+    def wait(self) -> list:
+        return self._fetch()
+
+
+class ThreadRing:
+    """A ring of ``size`` ranks as threads of one process (NumPy or CuPy arrays on one device): for
+    tests and for running the ring on the CPU. ``ThreadRing.create(size)`` gives one communicator a
+    rank; :func:`run` runs a function on every rank in its own thread."""
+
+    def __init__(self, rank: int, size: int, boxes: list, barrier: threading.Barrier, board: list):
+        self.rank, self.size = rank, size
+        self._boxes, self._barrier, self._board = boxes, barrier, board
+        self._sent = 0
+
+    @classmethod
+    def create(cls, size: int) -> List["ThreadRing"]:
+        boxes = [(threading.Condition(), {}) for _ in range(size)]
+        barrier, board = threading.Barrier(size), [None] * size
+        return [cls(r, size, boxes, barrier, board) for r in range(size)]
+
+    def exchange_async(self, arrays: Sequence[Any]) -> _Arrived:
+        """Send copies of ``arrays`` to the next rank; ``.wait()`` gives the previous rank's. Exchanges
+        pair up by their order on each rank (as NCCL's sends and receives do), whatever order they are
+        waited for in."""
+        number, self._sent = self._sent, self._sent + 1
+        cond, box = self._boxes[(self.rank + 1) % self.size]
+        with cond:
+            box[number] = [a.copy() for a in arrays]
+            cond.notify_all()
+        own_cond, own_box = self._boxes[self.rank]
+
+        def fetch():
+            with own_cond:
+                own_cond.wait_for(lambda: number in own_box)
+                return own_box.pop(number)
+
+        return _Arrived(fetch)
+
+    def all_reduce(self, array, op: str = "max"):
+        """``array`` reduced elementwise over the ranks (``op`` "max" or "min"); every rank gets it."""
+        xp = array_module(array)
+        self._board[self.rank] = array
+        self._barrier.wait()
+        stacked = xp.stack(list(self._board))
+        self._barrier.wait()
+        return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+
+    @staticmethod
+    def run(fn, comms: Sequence["ThreadRing"]) -> list:
+        """``[fn(comm) for comm in comms]``, each rank in its own thread; the first error re-raised."""
+        results, errors = [None] * len(comms), []
+
+        def work(comm):
+            try:
+                results[comm.rank] = fn(comm)
+            except BaseException as exc:   # re-raised in the caller
+                errors.append(exc)
+                comm._barrier.abort()
+
+        threads = [threading.Thread(target=work, args=(c,)) for c in comms]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+_NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
+                "float64": "NCCL_FLOAT64", "int64": "NCCL_INT64"}
+
+
+class NcclRing:
+    """A ring over NCCL (CuPy's ``cupy.cuda.nccl``), one process per GPU: the exchanges run on a
+    stream of their own, ordered after the compute stream's work on the arrays they send, and the
+    compute stream waits for what arrives only where it reads it.
+
+    ``NcclRing(rank, size, unique_id)``, or :meth:`from_env` under torchrun, mpirun or SLURM."""
+
+    def __init__(self, rank: int, size: int, unique_id: bytes, device: Optional[int] = None):
+        import cupy
+        from cupy.cuda import nccl
+
+        self.rank, self.size = rank, size
+        self._cupy, self._nccl = cupy, nccl
+        if device is not None:
+            cupy.cuda.Device(device).use()
+        self._comm = nccl.NcclCommunicator(size, unique_id, rank)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+
+    @staticmethod
+    def unique_id() -> bytes:
+        from cupy.cuda import nccl
+
+        return nccl.get_unique_id()
+
+    @classmethod
+    def from_env(cls, id_file: Optional[str] = None) -> "NcclRing":
+        """The ring of a launcher's processes: rank, size and local GPU from torchrun (RANK,
+        WORLD_SIZE, LOCAL_RANK), Open MPI (OMPI_COMM_WORLD_*) or SLURM (SLURM_PROCID, SLURM_NTASKS,
+        SLURM_LOCALID); rank 0's NCCL id passed through torch.distributed's TCP store (MASTER_ADDR,
+        MASTER_PORT) when PyTorch is installed, else mpi4py when installed, else the file ``id_file``
+        (or $CUFLASH_NCCL_ID_FILE) on a path every process sees."""
+        import os
+
+        env = os.environ
+        for rank_key, size_key, local_key in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                                              ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                               "OMPI_COMM_WORLD_LOCAL_RANK"),
+                                              ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
+            if rank_key in env and size_key in env:
+                rank, size, local = int(env[rank_key]), int(env[size_key]), int(env.get(local_key, 0))
+                break
+        else:
+            raise RuntimeError("no launcher environment: run under torchrun, mpirun or srun (RANK / WORLD_SIZE, "
+                               "OMPI_COMM_WORLD_RANK / _SIZE or SLURM_PROCID / SLURM_NTASKS)")
+        uid = _shared_unique_id(rank, size, id_file or env.get("CUFLASH_NCCL_ID_FILE"))
+        return cls(rank, size, uid, device=local)
+
+    def _dtype(self, x):
+        name = SUPPORTED_DTYPES.get(np.dtype(x.dtype), np.dtype(x.dtype).name)
+        return getattr(self._nccl, _NCCL_DTYPES[name])
+
+    def exchange_async(self, arrays: Sequence[Any]) -> _Arrived:
+        cupy, nccl = self._cupy, self._nccl
+        sent = [cupy.ascontiguousarray(a) for a in arrays]
+        received = [cupy.empty_like(a) for a in sent]
+        ready = cupy.cuda.get_current_stream().record()
+        self._stream.wait_event(ready)
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        nccl.groupStart()
+        for s, r in zip(sent, received):
+            self._comm.send(s.data.ptr, s.size, self._dtype(s), nxt, self._stream.ptr)
+            self._comm.recv(r.data.ptr, r.size, self._dtype(r), prv, self._stream.ptr)
+        nccl.groupEnd()
+        done = self._stream.record()
+
+        def fetch():
+            cupy.cuda.get_current_stream().wait_event(done)
+            del sent[:]   # kept alive until the sends are ordered before the next use of their memory
+            return received
+
+        return _Arrived(fetch)
+
+    def all_reduce(self, array, op: str = "max"):
+        cupy, nccl = self._cupy, self._nccl
+        out = cupy.empty_like(array)
+        reduce_op = nccl.NCCL_MAX if op == "max" else nccl.NCCL_MIN
+        self._comm.allReduce(array.data.ptr, out.data.ptr, array.size, self._dtype(array), reduce_op,
+                             cupy.cuda.get_current_stream().ptr)
+        return out
+
+
+def _shared_unique_id(rank: int, size: int, id_file: Optional[str]) -> bytes:
+    """Rank 0's NCCL unique id on every rank, through an existing store."""
+    uid = NcclRing.unique_id() if rank == 0 else None
+    try:
+        import torch.distributed as dist
+        import os
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0)
+        if rank == 0:
+            store.set("cuflash_nccl_id", bytes(uid))
+        return bytes(store.get("cuflash_nccl_id"))
+    except (ImportError, KeyError):
+        pass
+    try:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.bcast(uid, root=0)
+    except ImportError:
+        pass
+    if not id_file:
+        raise RuntimeError("no store for the NCCL id: install PyTorch (torchrun's MASTER_ADDR / MASTER_PORT) or "
+                           "mpi4py, or set CUFLASH_NCCL_ID_FILE to a path every process sees")
+    import os
+    import time
+
+    if rank == 0:
+        with open(id_file + ".tmp", "wb") as f:
+            f.write(bytes(uid))
+        os.replace(id_file + ".tmp", id_file)
+        return bytes(uid)
+    for _ in range(6000):
+        if os.path.exists(id_file):
+            with open(id_file, "rb") as f:
+                return f.read()
+        time.sleep(0.01)
+    raise RuntimeError(f"the NCCL id file {id_file} did not appear within a minute")
+
+
+# ----------------------------------------------------------------------------- the ring
+
+def _pair(q_span: Tuple[int, int], k_span: Tuple[int, int], causal: bool) -> Optional[Any]:
+    """How queries of ``q_span`` see keys of ``k_span`` (global positions): None (not at all), False
+    (every key) or "top_left" (the diagonal block: the same span)."""
+    if not causal:
+        return False
+    (qs, qe), (ks, ke) = q_span, k_span
+    if ks >= qe or ke <= ks:
+        return None
+    if ke - 1 <= qs:
+        return False
+    if (qs, qe) != (ks, ke):
+        raise AssertionError("query and key spans of one partition overlap only on the diagonal")
+    return "top_left"
+
+
+def _slices(spans) -> List[slice]:
+    out, offset = [], 0
+    for a, b in spans:
+        out.append(slice(offset, offset + b - a))
+        offset += b - a
+    return out
+
+
+def _check(comm, q, k, v, causal, layout, length):
+    """The same call on every rank (shapes but the sequence axis, dtype, options), or ValueError on
+    every rank: one all-reduce of a signature, max against min."""
+    xp = array_module(q)
+    name = SUPPORTED_DTYPES.get(np.dtype(q.dtype))
+    if name is None:
+        raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32, float64")
+    words = [q.ndim, *q.shape[:-2], q.shape[-1], *k.shape[:-2], k.shape[-1], *v.shape[:-2], v.shape[-1],
+             list(SUPPORTED_DTYPES.values()).index(name), int(bool(causal)), LAYOUTS.index(layout), length]
+    words += [0] * (32 - len(words))
+    signature = xp.asarray(np.asarray(words[:32], dtype=np.int64))
+    same = comm.all_reduce(signature, "max") == comm.all_reduce(signature, "min")
+    if not bool(same.all()):
+        raise ValueError("the ranks' calls differ (shapes, dtype, causal, layout or sequence length): every rank "
+                         "must pass its slice of the same sequence with the same options")
+    for name_, x in (("k", k), ("v", v)):
+        if np.dtype(x.dtype) != np.dtype(q.dtype):
+            raise TypeError(f"{name_} must have q's dtype {q.dtype}, got {x.dtype}")
+
+
+def _layout_of(causal, layout):
+    layout = layout or ("zigzag" if causal else "contiguous")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
+def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Optional[float] = None,
+                           layout: Optional[str] = None, length: Optional[int] = None) -> Tuple[Any, Any]:
+    """(out, lse) of attention over the whole sequence, for this rank's slice of it.
+
+    Parameters
+    ----------
+    q, k, v : arrays (B, Hq, L_local, D), (B, Hk, L_local, D), (B, Hk, L_local, Dv)
+        This rank's slice of the sequence (:func:`shard`), CuPy (one GPU a rank) or NumPy.
+    comm : communicator
+        :class:`NcclRing` or :class:`ThreadRing`.
+    causal : bool
+        Causal over the whole sequence (query i sees keys j <= i, global positions).
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    layout : {"zigzag", "contiguous"}, optional
+        How the sequence is sharded (default "zigzag" when causal, else "contiguous").
+    length : int, optional
+        The whole sequence's length (default: the sum of the slices; needed only to check it).
+
+    Returns
+    -------
+    out : array (B, Hq, L_local, Dv) in q's dtype; lse : (B, Hq, L_local) in the accumulator dtype.
+    Partial results are merged in float32 (float64 for float64), rounded to q's dtype once.
+    """
+    layout = _layout_of(causal, layout)
+    xp = array_module(q)
+    local = q.shape[-2]
+    total = _total_length(comm, local, xp) if length is None else int(length)
+    _check(comm, q, k, v, causal, layout, total)
+    spans = segments(total, comm.size, layout)
+    mine = spans[comm.rank]
+    if sum(b - a for a, b in mine) != local:
+        raise ValueError(f"rank {comm.rank} holds {local} positions, but its {layout} share of {total} is "
+                         f"{sum(b - a for a, b in mine)}: shard the sequence with cuflash.distributed.shard")
+    q_parts = _slices(mine)
+    acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
+    out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
+    lse = xp.full(q.shape[:-1], -np.inf, dtype=acc)
+    kv = [k, v]
+    for step in range(comm.size):
+        source = (comm.rank - step) % comm.size
+        arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
+        for q_span, q_sl in zip(mine, q_parts):
+            for k_span, k_sl in zip(spans[source], _slices(spans[source])):
+                how = _pair(q_span, k_span, causal)
+                if how is None or q_span[0] == q_span[1] or k_span[0] == k_span[1]:
+                    continue
+                o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
+                                                   causal=how, scale=scale)
+                merged = merge_attention([out[..., q_sl, :], o], [lse[..., q_sl], l_], dtype=acc)
+                out[..., q_sl, :], lse[..., q_sl] = merged
+        if arriving is not None:
+            kv = arriving.wait()
+    return out.astype(q.dtype), lse
+
+
+def _total_length(comm, local: int, xp) -> int:
+    """The whole sequence's length: the sum of the ranks' slice lengths (two all-reduces of a one-hot)."""
+    counts = np.zeros(comm.size, dtype=np.int64)
+    counts[comm.rank] = local
+    return int(comm.all_reduce(xp.asarray(counts), "max").sum())
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = False, scale: Optional[float] = None,
+                            layout: Optional[str] = None, deterministic: bool = False) -> Tuple[Any, Any, Any]:
+    """(dq, dk, dv) of this rank's slice, from the ring forward's ``out`` and ``lse`` (same options).
+
+    The keys and values go around the ring again with float32 (float64) dK / dV accumulators; each
+    rank adds its queries' share (cuflash.attention_backward with the merged out and lse, exact per
+    key block) and the accumulators end with their owner.
+    """
+    layout = _layout_of(causal, layout)
+    xp = array_module(q)
+    total = _total_length(comm, q.shape[-2], xp)
+    _check(comm, q, k, v, causal, layout, total)
+    spans = segments(total, comm.size, layout)
+    mine = spans[comm.rank]
+    q_parts = _slices(mine)
+    acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
+    dq = xp.zeros(q.shape, dtype=acc)
+    kv = [k, v]
+    grads = [xp.zeros(k.shape, dtype=acc), xp.zeros(v.shape, dtype=acc)]
+    for step in range(comm.size):
+        source = (comm.rank - step) % comm.size
+        arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
+        for q_span, q_sl in zip(mine, q_parts):
+            for k_span, k_sl in zip(spans[source], _slices(spans[source])):
+                how = _pair(q_span, k_span, causal)
+                if how is None or q_span[0] == q_span[1] or k_span[0] == k_span[1]:
+                    continue
+                g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
+                                           kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], causal=how,
+                                           scale=scale, deterministic=deterministic)
+                dq[..., q_sl, :] += g[0]
+                grads[0][..., k_sl, :] += g[1]
+                grads[1][..., k_sl, :] += g[2]
+        grads = comm.exchange_async(grads).wait()   # the accumulators follow their block
+        if arriving is not None:
+            kv = arriving.wait()
+    return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype)
+
+
+def ring_attention(q, k, v, comm, **kwargs):
+    """The ring forward's output alone (:func:`ring_attention_forward`)."""
+    return ring_attention_forward(q, k, v, comm, **kwargs)[0]
+
+
+def ring_vjp(q, k, v, comm, *, deterministic: bool = False, **kwargs):
+    """(out, vjp_fn) on this rank's slice: ``vjp_fn(dout) -> (dq, dk, dv)`` runs the ring backward
+    (every rank must call it, as the forward)."""
+    out, lse = ring_attention_forward(q, k, v, comm, **kwargs)
+    kwargs.pop("length", None)
+
+    def vjp_fn(dout):
+        return ring_attention_backward(dout, q, k, v, out, lse, comm, deterministic=deterministic, **kwargs)
+
+    return out, vjp_fn

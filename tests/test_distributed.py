@@ -1,0 +1,95 @@
+"""Ring attention on ranks simulated as threads (ThreadRing, NumPy arrays): every layout, causal and
+not, GQA, odd lengths, 1 to 4 ranks, forward and backward equal to one-shot attention of the whole
+sequence; the shard / unshard helpers; a call that differs across ranks refused on every rank."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import distributed as dist
+
+
+def _full(seed=0, b=2, hq=4, hk=2, length=37, d=8, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(dtype) for s in ((b, hq, length, d), (b, hk, length, d), (b, hk, length, d),
+                                                           (b, hq, length, d))]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_shard_then_unshard_is_the_identity(layout, size):
+    x = np.arange(2 * 3 * 29 * 5).reshape(2, 3, 29, 5)
+    parts = [dist.shard(x, r, size, layout) for r in range(size)]
+    assert sum(p.shape[2] for p in parts) == 29
+    np.testing.assert_array_equal(dist.unshard(parts, layout), x)
+
+
+def test_zigzag_balances_causal_work():
+    spans = dist.segments(64, 4, "zigzag")
+    assert spans[0] == [(0, 8), (56, 64)] and spans[3] == [(24, 32), (32, 40)]
+    work = [sum((a + b) * (b - a) // 2 for a, b in s) for s in spans]   # keys seen by the rank's queries
+    assert max(work) - min(work) <= 64
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag"), (True, "contiguous"),
+                                            (False, "zigzag")])
+def test_ring_equals_one_shot_attention(size, causal, layout):
+    q, k, v, dout = _full(length=37 if size != 4 else 41)
+    want_out, want_lse = cuflash.attention_forward(q, k, v, causal=causal)
+    want_grads = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, causal=causal)
+
+    def rank_work(comm):
+        mine = [dist.shard(x, comm.rank, comm.size, layout) for x in (q, k, v, dout)]
+        out, vjp_fn = dist.ring_vjp(*mine[:3], comm, causal=causal, layout=layout)
+        return out, vjp_fn(mine[3])
+
+    results = dist.ThreadRing.run(rank_work, dist.ThreadRing.create(size))
+    out = dist.unshard([r[0] for r in results], layout)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    for i, want in enumerate(want_grads):
+        got = dist.unshard([r[1][i] for r in results], layout)
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_low_precision_slices_merge_in_float32(dtype):
+    q, k, v, _ = _full(length=64, dtype=dtype)
+    want = cuflash.attention(q, k, v, causal=True).astype(np.float64)
+
+    def rank_work(comm):
+        return dist.ring_attention(*(dist.shard(x, comm.rank, comm.size) for x in (q, k, v)), comm, causal=True)
+
+    out = dist.unshard(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
+    assert out.dtype == np.dtype(dtype)
+    tol = 1e-6 if dtype is np.float32 else 1e-2
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=tol, atol=tol)
+
+
+def test_a_call_that_differs_across_ranks_is_refused_everywhere():
+    q, k, v, _ = _full(length=32)
+
+    def rank_work(comm):
+        causal = comm.rank == 0            # rank 0 asks for causal, rank 1 not
+        mine = [dist.shard(x, comm.rank, comm.size, "contiguous") for x in (q, k, v)]
+        with pytest.raises(ValueError, match="differ"):
+            dist.ring_attention(*mine, comm, causal=causal, layout="contiguous")
+        return True
+
+    assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
+
+
+def test_a_slice_of_the_wrong_length_is_refused():
+    q, k, v, _ = _full(length=32)
+
+    def rank_work(comm):
+        with pytest.raises(ValueError, match="shard the sequence"):
+            dist.ring_attention(q[:, :, :16], k[:, :, :16], v[:, :, :16], comm, causal=True, length=40)
+        return True
+
+    assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
+
+
+def test_bad_layout():
+    with pytest.raises(ValueError, match="layout"):
+        dist.segments(10, 2, "striped")
