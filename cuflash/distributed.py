@@ -156,7 +156,7 @@ class NcclRing:
 
     ``NcclRing(rank, size, unique_id)``, or :meth:`from_env` under torchrun, mpirun or SLURM."""
 
-    def __init__(self, rank: int, size: int, unique_id: bytes, device: Optional[int] = None):
+    def __init__(self, rank: int, size: int, unique_id, device: Optional[int] = None):
         import cupy
         from cupy.cuda import nccl
 
@@ -168,7 +168,8 @@ class NcclRing:
         self._stream = cupy.cuda.Stream(non_blocking=True)
 
     @staticmethod
-    def unique_id() -> bytes:
+    def unique_id():
+        """A new NCCL unique id (rank 0 makes it; every rank passes it to the constructor)."""
         from cupy.cuda import nccl
 
         return nccl.get_unique_id()
@@ -230,17 +231,20 @@ class NcclRing:
         return out
 
 
-def _shared_unique_id(rank: int, size: int, id_file: Optional[str]) -> bytes:
-    """Rank 0's NCCL unique id on every rank, through an existing store."""
+def _shared_unique_id(rank: int, size: int, id_file: Optional[str]):
+    """Rank 0's NCCL unique id (CuPy's ``nccl.get_unique_id()``) on every rank, through an existing
+    store: torch.distributed's TCP store, mpi4py, or a file; pickled on the way."""
+    import os
+    import pickle
+
     uid = NcclRing.unique_id() if rank == 0 else None
     try:
-        import torch.distributed as dist
-        import os
+        import torch.distributed as torch_dist
 
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0)
+        store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0)
         if rank == 0:
-            store.set("cuflash_nccl_id", bytes(uid))
-        return bytes(store.get("cuflash_nccl_id"))
+            store.set("cuflash_nccl_id", pickle.dumps(uid))
+        return pickle.loads(store.get("cuflash_nccl_id"))
     except (ImportError, KeyError):
         pass
     try:
@@ -252,18 +256,17 @@ def _shared_unique_id(rank: int, size: int, id_file: Optional[str]) -> bytes:
     if not id_file:
         raise RuntimeError("no store for the NCCL id: install PyTorch (torchrun's MASTER_ADDR / MASTER_PORT) or "
                            "mpi4py, or set CUFLASH_NCCL_ID_FILE to a path every process sees")
-    import os
     import time
 
     if rank == 0:
         with open(id_file + ".tmp", "wb") as f:
-            f.write(bytes(uid))
+            pickle.dump(uid, f)
         os.replace(id_file + ".tmp", id_file)
-        return bytes(uid)
+        return uid
     for _ in range(6000):
         if os.path.exists(id_file):
             with open(id_file, "rb") as f:
-                return f.read()
+                return pickle.load(f)
         time.sleep(0.01)
     raise RuntimeError(f"the NCCL id file {id_file} did not appear within a minute")
 
