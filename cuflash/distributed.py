@@ -288,6 +288,16 @@ def _pair(q_span: Tuple[int, int], k_span: Tuple[int, int], causal: bool) -> Opt
     return "top_left"
 
 
+def _block_pairs(q_spans, k_spans, causal: bool):
+    """(query slice, key slice, how) for each pair of this rank's query pieces and a key block's
+    pieces that attend (how: :func:`_pair`'s False or "top_left"), empty pieces left out."""
+    for q_span, q_sl in zip(q_spans, _slices(q_spans)):
+        for k_span, k_sl in zip(k_spans, _slices(k_spans)):
+            how = _pair(q_span, k_span, causal)
+            if how is not None and q_span[0] < q_span[1] and k_span[0] < k_span[1]:
+                yield q_sl, k_sl, how
+
+
 def _slices(spans) -> List[slice]:
     out, offset = [], 0
     for a, b in spans:
@@ -357,7 +367,6 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     if sum(b - a for a, b in mine) != local:
         raise ValueError(f"rank {comm.rank} holds {local} positions, but its {layout} share of {total} is "
                          f"{sum(b - a for a, b in mine)}: shard the sequence with cuflash.distributed.shard")
-    q_parts = _slices(mine)
     acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
     out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
     lse = xp.full(q.shape[:-1], -np.inf, dtype=acc)
@@ -365,15 +374,11 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
-        for q_span, q_sl in zip(mine, q_parts):
-            for k_span, k_sl in zip(spans[source], _slices(spans[source])):
-                how = _pair(q_span, k_span, causal)
-                if how is None or q_span[0] == q_span[1] or k_span[0] == k_span[1]:
-                    continue
-                o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
-                                                   causal=how, scale=scale)
-                merged = merge_attention([out[..., q_sl, :], o], [lse[..., q_sl], l_], dtype=acc)
-                out[..., q_sl, :], lse[..., q_sl] = merged
+        for q_sl, k_sl, how in _block_pairs(mine, spans[source], causal):
+            o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
+                                               causal=how, scale=scale)
+            merged = merge_attention([out[..., q_sl, :], o], [lse[..., q_sl], l_], dtype=acc)
+            out[..., q_sl, :], lse[..., q_sl] = merged
         if arriving is not None:
             kv = arriving.wait()
     return out.astype(q.dtype), lse
@@ -400,7 +405,6 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     _check(comm, q, k, v, causal, layout, total)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
-    q_parts = _slices(mine)
     acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
     dq = xp.zeros(q.shape, dtype=acc)
     kv = [k, v]
@@ -408,17 +412,13 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
-        for q_span, q_sl in zip(mine, q_parts):
-            for k_span, k_sl in zip(spans[source], _slices(spans[source])):
-                how = _pair(q_span, k_span, causal)
-                if how is None or q_span[0] == q_span[1] or k_span[0] == k_span[1]:
-                    continue
-                g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
-                                           kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], causal=how,
-                                           scale=scale, deterministic=deterministic)
-                dq[..., q_sl, :] += g[0]
-                grads[0][..., k_sl, :] += g[1]
-                grads[1][..., k_sl, :] += g[2]
+        for q_sl, k_sl, how in _block_pairs(mine, spans[source], causal):
+            g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
+                                       kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], causal=how,
+                                       scale=scale, deterministic=deterministic)
+            dq[..., q_sl, :] += g[0]
+            grads[0][..., k_sl, :] += g[1]
+            grads[1][..., k_sl, :] += g[2]
         grads = comm.exchange_async(grads).wait()   # the accumulators follow their block
         if arriving is not None:
             kv = arriving.wait()
