@@ -396,8 +396,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     """(dq, dk, dv) of this rank's slice, from the ring forward's ``out`` and ``lse`` (same options).
 
     The keys and values go around the ring again with float32 (float64) dK / dV accumulators; each
-    rank adds its queries' share (cuflash.attention_backward with the merged out and lse, exact per
-    key block) and the accumulators end with their owner.
+    rank forms its queries' share (cuflash.attention_backward with the merged out and lse, exact per
+    key block) while the block's accumulators travel from the previous rank, adds them, and sends
+    them on; after the last step they reach their owner.
     """
     layout = _layout_of(causal, layout)
     xp = array_module(q)
@@ -408,20 +409,24 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
     dq = xp.zeros(q.shape, dtype=acc)
     kv = [k, v]
-    grads = [xp.zeros(k.shape, dtype=acc), xp.zeros(v.shape, dtype=acc)]
+    travelling = None   # the accumulators of the block this rank holds, on their way from the previous rank
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
+        share = [xp.zeros(kv[0].shape, dtype=acc), xp.zeros(kv[1].shape, dtype=acc)]   # this rank's dK, dV part
         for q_sl, k_sl, how in _block_pairs(mine, spans[source], causal):
             g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
                                        kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], causal=how,
                                        scale=scale, deterministic=deterministic)
             dq[..., q_sl, :] += g[0]
-            grads[0][..., k_sl, :] += g[1]
-            grads[1][..., k_sl, :] += g[2]
-        grads = comm.exchange_async(grads).wait()   # the accumulators follow their block
+            share[0][..., k_sl, :] += g[1]
+            share[1][..., k_sl, :] += g[2]
+        if travelling is not None:   # added only now: their transfer ran during this step's work
+            share = [a_ + b_ for a_, b_ in zip(travelling.wait(), share)]
+        travelling = comm.exchange_async(share)   # on to the next rank (after the last step: the owner)
         if arriving is not None:
             kv = arriving.wait()
+    grads = travelling.wait()
     return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype)
 
 
