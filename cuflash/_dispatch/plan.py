@@ -28,7 +28,7 @@ from ..semantics import LOG2E, acc_dtype
 from . import masking as masking_
 from .model import head_bucket
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice, row_class,
-                     split_count, split_variants, vec_chunk)
+                     SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -161,10 +161,11 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
 
 def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     """The key splits a call takes unasked: decoding-like calls only, whose (packed) query rows fit one
-    block of the portable kernel, split where their blocks leave the GPU idle (select.split_count);
-    longer query rows keep the unsplit kernels (the Hopper forward where it applies)."""
+    block of the portable kernel over at least SPLIT_MIN_KEYS keys, split where their blocks leave the
+    GPU idle (select.split_count); other calls keep the unsplit kernels (the Hopper forward where it
+    applies)."""
     rows, heads = p.lq * pack, p.heads_q // pack
-    if rows > portable.tile.block_m:
+    if rows > portable.tile.block_m or p.lk < SPLIT_MIN_KEYS:
         return 1
     slots = device.sm_count() * ctas_per_sm(portable, smem_limit)
     key_tiles = -(-p.lk // portable.tile.block_n)

@@ -277,6 +277,10 @@ SPLIT_FILL = 0.8
 """A forward whose query blocks fill this fraction of the GPU's CTA slots runs unsplit (FlashAttention's
 rule); below it the keys are split."""
 
+SPLIT_MIN_KEYS = 2048
+"""Calls split unasked only from this many keys: below it a split saves little and the Hopper kernel,
+which split calls give up, is the faster one. Not yet measured (benchmarks/bench_decode.py sweeps it)."""
+
 SPLIT_EFFICIENCY = 0.85
 """The split count taken: the smallest whose last wave is at least this fraction as full as the best
 count's (FlashAttention's 85%-of-best-wave rule)."""
