@@ -13,6 +13,8 @@
 #   demo      python -m cuflash demo
 #   bench     benchmarks/bench.py $BENCH_ARGS (default --quick) into $OUT/bench
 #   masking   benchmarks/bench_masking.py $MASK_ARGS into $OUT/masking
+#   decode    benchmarks/bench_decode.py $DECODE_ARGS (default --quick) into $OUT/decode
+#   ring      benchmarks/bench_ring.py $RING_ARGS (2 GPUs by default) into $OUT/ring
 #   ncu       ncu's summary sections for benchmarks/profile_case.py $NCU_CASES
 #   hot       ncu --set full per "$HOT_SPECS" entry case:kernel-regex:launch-skip:launch-count,
 #             then benchmarks/ncu_hot.py (stall reasons, hottest SASS lines)
@@ -78,6 +80,14 @@ fi
 if has masking; then
   python3 benchmarks/bench_masking.py ${MASK_ARGS:---repeat 10} --out "$OUT/masking" > "$OUT/masking.log" 2>&1
   { echo "== masking (exit $?) =="; cat "$OUT"/masking/*.md 2>/dev/null || tail -20 "$OUT/masking.log"; } >> "$summary"
+fi
+if has decode; then
+  python3 benchmarks/bench_decode.py ${DECODE_ARGS:---quick} --out "$OUT/decode" > "$OUT/decode.log" 2>&1
+  { echo "== decode (exit $?) =="; cat "$OUT"/decode/*.md 2>/dev/null || tail -20 "$OUT/decode.log"; } >> "$summary"
+fi
+if has ring; then
+  python3 benchmarks/bench_ring.py ${RING_ARGS:-} --out "$OUT/ring" > "$OUT/ring.log" 2>&1
+  { echo "== ring (exit $?) =="; cat "$OUT"/ring/*.md 2>/dev/null || tail -20 "$OUT/ring.log"; } >> "$summary"
 fi
 if has tune; then
   echo "== tune ==" >> "$summary"
