@@ -145,10 +145,6 @@ class ThreadRing:
         return results
 
 
-_NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
-                "float64": "NCCL_FLOAT64", "int64": "NCCL_INT64"}
-
-
 class NcclRing:
     """A ring over NCCL (CuPy's ``cupy.cuda.nccl``), one process per GPU: the exchanges run on a
     stream of their own, ordered after the compute stream's work on the arrays they send, and the
@@ -197,10 +193,6 @@ class NcclRing:
         uid = _shared_unique_id(rank, size, id_file or env.get("CUFLASH_NCCL_ID_FILE"))
         return cls(rank, size, uid, device=local)
 
-    def _dtype(self, x):
-        name = SUPPORTED_DTYPES.get(np.dtype(x.dtype), np.dtype(x.dtype).name)
-        return getattr(self._nccl, _NCCL_DTYPES[name])
-
     def exchange_async(self, arrays: Sequence[Any]) -> _Arrived:
         cupy, nccl = self._cupy, self._nccl
         sent = [cupy.ascontiguousarray(a) for a in arrays]
@@ -209,9 +201,9 @@ class NcclRing:
         self._stream.wait_event(ready)
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         nccl.groupStart()
-        for s, r in zip(sent, received):
-            self._comm.send(s.data.ptr, s.size, self._dtype(s), nxt, self._stream.ptr)
-            self._comm.recv(r.data.ptr, r.size, self._dtype(r), prv, self._stream.ptr)
+        for s, r in zip(sent, received):   # as bytes: any dtype, bfloat16 and float64 included
+            self._comm.send(s.data.ptr, s.nbytes, nccl.NCCL_UINT8, nxt, self._stream.ptr)
+            self._comm.recv(r.data.ptr, r.nbytes, nccl.NCCL_UINT8, prv, self._stream.ptr)
         nccl.groupEnd()
         done = self._stream.record()
 
@@ -226,7 +218,9 @@ class NcclRing:
         cupy, nccl = self._cupy, self._nccl
         out = cupy.empty_like(array)
         reduce_op = nccl.NCCL_MAX if op == "max" else nccl.NCCL_MIN
-        self._comm.allReduce(array.data.ptr, out.data.ptr, array.size, self._dtype(array), reduce_op,
+        if np.dtype(array.dtype) != np.int64:
+            raise TypeError(f"all_reduce takes int64 arrays (signatures and counts), got {array.dtype}")
+        self._comm.allReduce(array.data.ptr, out.data.ptr, array.size, nccl.NCCL_INT64, reduce_op,
                              cupy.cuda.get_current_stream().ptr)
         return out
 
