@@ -38,8 +38,19 @@ SHIM = {
     "flash_attn/flash_attn_interface.py": '''
         from flash_attn import *  # noqa: F401,F403
 
+        USE_TRITON_ROCM = False
+
         def _get_block_size_n(device, head_dim, is_dropout, is_causal):
             return 128
+
+        def _flash_attn_varlen_forward(*args, **kwargs):
+            raise NotImplementedError("FlashAttention's internal varlen forward: not in cuflash")
+
+        class _Extension:
+            def __getattr__(self, name):
+                raise NotImplementedError(f"FlashAttention's CUDA extension ({name}): not in cuflash")
+
+        flash_attn_gpu = _Extension()
         ''',
     "flash_attn/bert_padding.py": '''
         import torch
