@@ -158,18 +158,20 @@ def smem_limit_for_arch(arch: str) -> int:
     return SMEM_MAX
 
 
-TABLES: Dict[str, Dict[Tuple[str, str, str, int], Tuple[Tile, ...]]] = {"plain": {}, "extra": {}, "short": {}}
+TABLES: Dict[str, Dict[Tuple[str, str, str, int], Tuple[Tile, ...]]] = {"plain": {}, "extra": {}, "short": {},
+                                                                       "split": {}}
 """The tile tables (filled by :mod:`cuflash._dispatch.tables`), keyed by (arch row, family, dtype, head
 bucket), tiles in order of preference; a call takes the first whose shared memory fits the device.
 "plain": every variant's; "extra": tiles for the EXTRA variants (bias / mask / block sparsity / dropout
 compiled in) where the plain tile would spill with that code on top; "short": the Hopper forward's
-short-rows tiles (calls whose query blocks visit few keys, ``select.row_class``)."""
+short-rows tiles (calls whose query blocks visit few keys, ``select.row_class``); "split": the split-KV
+partial kernels' tiles without EXTRA (``Variant.kv_split``: few query rows over many keys)."""
 
 
 def add(family: str, dtypes, heads, *tiles: Tile, arch: str = "sm80", extra: bool = False,
-        short: bool = False) -> None:
+        short: bool = False, split: bool = False) -> None:
     """Enter ``tiles`` (preferred first) for ``family`` at every dtype and head bucket given."""
-    table = TABLES["short" if short else "extra" if extra else "plain"]
+    table = TABLES["short" if short else "extra" if extra else "split" if split else "plain"]
     for dtype in dtypes:
         for head in heads:
             table[(arch, family, dtype, head)] = tuple(tiles)
@@ -478,6 +480,8 @@ class Variant:
         key = (self.arch, self.family, self.dtype, self.head)
         if self.short:
             return TABLES["short"][key]
+        if self.kv_split and not self.extra and key in TABLES["split"]:
+            return TABLES["split"][key]
         if self.extra and key in TABLES["extra"]:
             return TABLES["extra"][key]
         return TABLES["plain"][key]

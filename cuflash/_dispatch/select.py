@@ -315,8 +315,11 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
 def split_variants(portable: Variant, dv: int, smem_limit: int) -> Tuple[Variant, Variant]:
     """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted): its
     partial twin (``kv_split``) and the combine kernel at the bucket of ``dv``."""
-    return (replace(portable, kv_split=True),
-            Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit))
+    partial = replace(portable, kv_split=True)
+    if not portable.extra and (portable.arch, portable.family, portable.dtype, portable.head) in TABLES["split"]:
+        with contextlib.suppress(ValueError):   # no split tile fits: the portable variant's own
+            partial = replace(portable, kv_split=True, tile=None).fitted(smem_limit)
+    return partial, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
 
 
 def vec_chunk(itemsize: int) -> int:
@@ -354,9 +357,19 @@ def all_variants() -> List[Variant]:
                         seen[v.fitted(limit)] = None
                     except ValueError:   # documented: no such kernel for this GPU class
                         pass
-    for v in list(seen):   # the split-KV forward: each portable forward's partial twin, and the combine kernels
-        if v.family in KV_SPLIT_FAMILIES:
-            seen[replace(v, kv_split=True)] = None
+    # The split-KV forward: the partial twin of each portable forward a GPU class falls back to, and the combines.
+    for dtype, head, band, extra, limit in itertools.product(DTYPES, HEAD_BUCKETS, (False, True), (False, True),
+                                                             SMEM_LIMITS.values()):
+        ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
+        for vec, cc, precision in itertools.product(vec_choices(dtype), ccs,
+                                                     FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)):
+            try:
+                portable = forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit, cc=cc,
+                                           precision=precision, wgmma=False)
+            except ValueError:
+                continue
+            if portable.family in KV_SPLIT_FAMILIES:
+                seen[split_variants(portable, head, limit)[0]] = None
     for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
         seen[Variant("fwd_combine", dtype, head)] = None
     return list(seen)
@@ -375,7 +388,7 @@ def unsupported(smem_limit: int) -> List[Variant]:
 
 def table_rows() -> Iterator[Tuple[Tuple[str, str, str, int], Tile]]:
     """The raw table: ((arch, family, dtype, head), Tile) pairs, every alternative."""
-    return ((key, tile) for table in (TABLES["plain"], TABLES["extra"], TABLES["short"])
+    return ((key, tile) for table in (TABLES["plain"], TABLES["extra"], TABLES["short"], TABLES["split"])
             for key, tiles in table.items()
             for tile in tiles)
 

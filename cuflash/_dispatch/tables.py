@@ -45,6 +45,15 @@ add("fwd_mma", HALF_TYPES, [32, 64], Tile(128, 64, 4, 2, "two strips per warp of
 add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registers: one strip, 32-key tiles"),
      Tile(64, 16, 4, 2, "16-key tiles: K/V and the bias stages fit " + _SMALL_BYTES), extra=True)
 
+# Split-KV partial kernel (fwd_mma with KV_SPLIT, no EXTRA): a decoding call's rows are few (packed GQA: Lq x the
+# query heads of a K/V head), so a CTA's padded rows cost tensor-core time per key byte: one 16-row strip a warp
+# (64 rows) halves it against the prefill tiles' 128 and leaves K/V streaming the bound on paper (H200: ~2.3 of
+# ~4.5 TFLOP/s a SM at full HBM bandwidth, d=128). Not yet measured: benchmarks/bench_decode.py.
+add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 128, 4, 2, "one strip a warp: half the padded rows of 128x128"),
+    split=True)
+add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: two CTAs an SM stream K/V", ctas=2),
+    split=True)
+
 # Hopper forward (fwd_wgmma, flash_fwd_wgmma.cu, arch "sm90a"): a TMA producer warpgroup and block_m / 64 consumer
 # warpgroups of 64 query rows; S = Q K^T and O += P V on wgmma, Q/K/V in 128-byte swizzled shared memory on
 # mbarrier stages. The limits are 227 KB of shared memory and the consumers' registers after setmaxnreg (232 with
