@@ -9,7 +9,7 @@ whole blocks past a sequence's end without loading them); long caches split thei
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 
@@ -36,9 +36,39 @@ def _lengths(cache_seqlens, batch: int, xp):
     return cache_seqlens.astype(np.int64)
 
 
+def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
+    """block_table as an int64 array (B, max_pages) of valid page indices, or TypeError / ValueError."""
+    try:
+        mod = array_module(block_table)
+    except TypeError:
+        raise TypeError("block_table must be an integer array of shape (B, max_pages)") from None
+    if mod is not xp:
+        raise TypeError(f"block_table is a {mod.__name__} array but q is a {xp.__name__} array")
+    if np.dtype(block_table.dtype).kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be an integer array of shape ({batch}, max_pages), got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != d:
+        raise ValueError(f"paged caches must be (num_pages, Hk, page_size, D) and (num_pages, Hk, page_size, Dv), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    page_size = k_cache.shape[2]
+    if not 1 <= page_size <= 256:
+        raise ValueError(f"pages hold 1 to 256 positions, got {page_size}")
+    pages = block_table.astype(np.int64)
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= k_cache.shape[0]):
+        raise ValueError(f"block_table holds page indices outside [0, {k_cache.shape[0]})")
+    return pages
+
+
+def _gathered(cache, pages):
+    """(B, Hk, max_pages * page_size, D): each sequence's pages in their order (a copy)."""
+    blocks = cache[pages]                                  # (B, max_pages, Hk, page_size, D)
+    b, n, h, size, d = blocks.shape
+    return blocks.transpose(0, 2, 1, 3, 4).reshape(b, h, n * size, d)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache_seqlens,
                            causal: bool = False, window: Any = None, scale: Optional[float] = None,
-                           num_splits: Optional[int] = None, return_lse: bool = False) -> Any:
+                           num_splits: Optional[int] = None, return_lse: bool = False, block_table=None) -> Any:
     """Attention of new queries over a KV cache, appending the new keys and values in place.
 
     Parameters
@@ -64,6 +94,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         As :func:`cuflash.attention`'s.
     return_lse : bool
         Also return the natural-log log-sum-exp (B, Hq, Lq).
+    block_table : integer array (B, max_pages), optional
+        A paged cache: ``k_cache`` / ``v_cache`` are pages (num_pages, Hk, page_size, D / Dv) (a
+        (num_pages, page_size, Hk, D) store passes as ``.swapaxes(1, 2)``), and position p of
+        sequence b lives in page ``block_table[b, p // page_size]``, slot ``p % page_size``; pages in
+        any order, 16 to 256 positions. The append writes into those slots; the attention reads the
+        sequence's pages gathered into one contiguous buffer first (a copy of the cache a call: the
+        kernels do not read pages themselves yet).
 
     Returns
     -------
@@ -86,10 +123,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     if q.ndim != 4:
         raise ValueError(f"q must be 4-D (B, Hq, Lq, D), got shape {tuple(q.shape)}")
     b, hq, lq, d = q.shape
-    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be (B, Hk, Lcap, D) "
-                         f"and (B, Hk, Lcap, Dv) for q {tuple(q.shape)}")
-    hk, cap = k_cache.shape[1], k_cache.shape[2]
+    pages = None
+    if block_table is not None:
+        pages = _pages(block_table, b, k_cache, v_cache, d, xp)
+        hk, cap = k_cache.shape[1], pages.shape[1] * k_cache.shape[2]
+    else:
+        if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] != b or k_cache.shape[3] != d:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be (B, Hk, Lcap, "
+                             f"D) and (B, Hk, Lcap, Dv) for q {tuple(q.shape)}")
+        hk, cap = k_cache.shape[1], k_cache.shape[2]
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together")
     n_new = 0
@@ -108,10 +150,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         raise ValueError(f"window must be (left, right), got {window!r}")
 
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
-        rows = xp.arange(b)[:, None]
-        slots = lengths[:, None] + xp.arange(n_new)[None, :]
-        k_cache[rows, :, slots] = k_new.transpose(0, 2, 1, 3)
-        v_cache[rows, :, slots] = v_new.transpose(0, 2, 1, 3)
+        positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)
+        if pages is None:
+            where = (xp.arange(b)[:, None], slice(None), positions)
+        else:
+            page_size = k_cache.shape[2]
+            owner = xp.take_along_axis(pages, positions // page_size, axis=1)    # (B, Lnew) page indices
+            where = (owner, slice(None), positions % page_size)
+        k_cache[where] = k_new.transpose(0, 2, 1, 3)
+        v_cache[where] = v_new.transpose(0, 2, 1, 3)
+    if pages is not None:   # each sequence's pages in order, as one (B, Hk, Lcap, D) buffer
+        k_cache, v_cache = (_gathered(c, pages) for c in (k_cache, v_cache))
     total = lengths + n_new                                     # keys of each sequence after the append
     keys = xp.arange(cap)[None, None, None, :]
     allowed = keys < total[:, None, None, None]                 # (B, 1, 1, Lcap)

@@ -226,8 +226,9 @@ def flash_attn_varlen_func(*args, **kwargs):
 
 @torch.library.custom_op("cuflash::with_kvcache", mutates_args=("k_cache", "v_cache"))
 def _with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
-                  v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, scale: float, causal: bool,
-                  window_left: int, window_right: int, num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                  v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                  scale: float, causal: bool, window_left: int, window_right: int,
+                  num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of cuflash.attention_with_kvcache on (B, H, L, D) views; appends into the caches."""
     window = None
     if window_left >= 0 or window_right >= 0:
@@ -235,12 +236,13 @@ def _with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     with _on_stream_of(q):
         out, lse = api_kvcache.attention_with_kvcache(
             _array(q), _array(k_cache), _array(v_cache), _array(k), _array(v), cache_seqlens=_array(cache_seqlens),
-            causal=causal, window=window, scale=scale, num_splits=num_splits or None, return_lse=True)
+            causal=causal, window=window, scale=scale, num_splits=num_splits or None, return_lse=True,
+            block_table=_array(block_table))
         return _tensor(out), _tensor(lse)
 
 
 @_with_kvcache.register_fake
-def _(q, k_cache, v_cache, k, v, cache_seqlens, scale, causal, window_left, window_right, num_splits):
+def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window_left, window_right, num_splits):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape[:-1] + v_cache.shape[-1:]), q.new_empty(q.shape[:-1], dtype=lse_dtype)
 
@@ -256,17 +258,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     ``q (B, Lq, Hq, D)``, caches ``(B, Lcap, Hk, D)`` written in place at ``cache_seqlens[b] ...``
     with ``k`` / ``v (B, Lnew, Hk, D)``; ``cache_seqlens`` an int or an int tensor (B,); ``causal`` and
-    ``window_size`` aligned to each sequence's own end. Returns ``(B, Lq, Hq, Dv)`` (and the lse
-    ``(B, Hq, Lq)`` with ``return_softmax_lse``). Rotary embeddings, ``cache_batch_idx``,
-    ``cache_leftpad``, paged caches (``block_table``), ``softcap`` and ``alibi_slopes`` raise
+    ``window_size`` aligned to each sequence's own end; a paged cache ``(num_pages, page_size, Hk, D)``
+    with ``block_table (B, max_pages)`` (gathered into one buffer a call: cuflash.attention_with_kvcache).
+    Returns ``(B, Lq, Hq, Dv)`` (and the lse ``(B, Hq, Lq)`` with ``return_softmax_lse``). Rotary
+    embeddings, ``cache_batch_idx``, ``cache_leftpad``, ``softcap`` and ``alibi_slopes`` raise
     NotImplementedError naming what is missing.
     """
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
                         ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
         if value is not None:
             raise NotImplementedError(f"{name}: not in cuflash yet")
-    if block_table is not None:
-        raise NotImplementedError("block_table: cuflash has no paged KV cache yet")
     if softcap:
         raise NotImplementedError("softcap: cuflash has no score modifications yet")
     if cache_seqlens is None:
@@ -277,6 +278,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     left, right = (int(w) for w in window_size)
     out, lse = _with_kvcache(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                              None if k is None else k.transpose(1, 2), None if v is None else v.transpose(1, 2),
-                             cache_seqlens, scale, bool(causal), left, right, int(num_splits))
+                             cache_seqlens, block_table, scale, bool(causal), left, right, int(num_splits))
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out

@@ -121,3 +121,54 @@ def test_mismatched_arrays_are_refused():
         cuflash.attention_with_kvcache(q, kc.astype(np.float32), vc, cache_seqlens=1)
     with pytest.raises(ValueError, match="k_new"):
         cuflash.attention_with_kvcache(q, kc, vc, kn[:, :1], vn[:, :1], cache_seqlens=1)
+
+
+def _paged(xp, kc, vc, page_size, seed=3):
+    """The same caches as shuffled pages (num_pages, Hk, page_size, D) and their block table."""
+    b, hk, cap, d = kc.shape
+    per_seq = cap // page_size
+    order = np.random.default_rng(seed).permutation(b * per_seq + 5)[:b * per_seq]     # 5 spare pages
+    table = order.reshape(b, per_seq)
+    k_pages = np.zeros((b * per_seq + 5, hk, page_size, d), dtype=kc.dtype)
+    v_pages = np.zeros_like(k_pages)
+    for bi in range(b):
+        for j in range(per_seq):
+            k_pages[table[bi, j]] = kc[bi, :, j * page_size:(j + 1) * page_size]
+            v_pages[table[bi, j]] = vc[bi, :, j * page_size:(j + 1) * page_size]
+    return xp.asarray(k_pages), xp.asarray(v_pages), xp.asarray(table)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [8, 20])
+def test_a_paged_cache_equals_the_contiguous_one(device, page_size):
+    xp = _xp(device)
+    q, kc, vc, kn, vn = _setup(xp)
+    lengths = np.array([5, 17, 33])
+    k_pages, v_pages, table = _paged(xp, _host(kc), _host(vc), page_size)
+    spare_before = _host(k_pages)[np.setdiff1d(np.arange(k_pages.shape[0]), _host(table))].copy()
+    out = cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, cache_seqlens=xp.asarray(lengths), causal=True,
+                                         block_table=table)
+    want = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=xp.asarray(lengths), causal=True)
+    np.testing.assert_allclose(_host(out), _host(want), rtol=1e-12, atol=1e-13)
+    pages, tab = _host(k_pages), _host(table)
+    for bi, n in enumerate(lengths):   # the new keys landed in the sequence's own pages
+        for t in range(3):
+            p = n + t
+            np.testing.assert_array_equal(pages[tab[bi, p // page_size], :, p % page_size], _host(kn)[bi, :, t])
+    spare_after = pages[np.setdiff1d(np.arange(pages.shape[0]), tab)]
+    np.testing.assert_array_equal(spare_after, spare_before)   # pages no sequence owns: untouched
+
+
+def test_bad_page_tables_are_refused():
+    q, kc, vc, kn, vn = _setup(np)
+    k_pages, v_pages, table = _paged(np, kc, vc, 8)
+    bad = table.copy()
+    bad[1, 2] = k_pages.shape[0]
+    for kwargs, err, match in ((dict(block_table=bad), ValueError, "outside"),
+                               (dict(block_table=table[:2]), ValueError, "shape"),
+                               (dict(block_table=table.astype(np.float32)), ValueError, "integer"),
+                               (dict(block_table=table, cache_seqlens=np.array([0, 0, 39])), ValueError, "past")):
+        before = k_pages.copy()
+        with pytest.raises(err, match=match):
+            cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, **{"cache_seqlens": 1, **kwargs})
+        np.testing.assert_array_equal(k_pages, before)

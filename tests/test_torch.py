@@ -120,8 +120,6 @@ def test_missing_features_are_refused_by_name():
             ct.flash_attn_func(q, k, v, **kwargs)
     with pytest.raises(NotImplementedError, match="variable-length"):
         ct.flash_attn_varlen_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="paged KV cache"):
-        ct.flash_attn_with_kvcache(q, k, v, block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="rotary_cos"):
         ct.flash_attn_with_kvcache(q, k, v, rotary_cos=torch.ones(1))
 
@@ -171,3 +169,18 @@ def test_flash_attn_with_kvcache_appends_and_attends(device):
     keep = torch.ones(30, dtype=torch.bool)
     keep[[4, 20]] = False
     torch.testing.assert_close(k_cache[0, keep], before[0, keep], rtol=0, atol=0)
+
+
+def test_flash_attn_with_kvcache_paged():
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 1, 4, 16, generator=g, dtype=torch.float64)
+    k_pages, v_pages = (torch.randn(7, 8, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))  # (pages, 8, Hk, D)
+    table = torch.tensor([[5, 0, 3], [6, 2, 1]], dtype=torch.int32)
+    lengths = torch.tensor([10, 19], dtype=torch.int32)
+    out = ct.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table, causal=True)
+    for b in range(2):
+        keys = torch.cat([k_pages[p] for p in table[b].tolist()])[:int(lengths[b])]       # (L, Hk, D)
+        values = torch.cat([v_pages[p] for p in table[b].tolist()])[:int(lengths[b])]
+        want = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                              enable_gqa=True)
+        _close(out[b].transpose(0, 1), want, torch.float64)
