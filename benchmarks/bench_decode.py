@@ -7,7 +7,8 @@ Each row: B sequences, Hq query heads over Hk K/V heads (grouped-query attention
 against Lk cached keys, head dim D, no mask (one query row: bottom-right causal is no mask; longer
 rows get the same no-mask call from every contender). Contenders on the same buffers (PyTorch reads
 CuPy's arrays through DLPack): cuflash (the split-KV forward where it decides), cuflash with
-``num_splits=1`` (one thread block a query block: what the split buys), and PyTorch SDPA's flash
+``num_splits=1`` (one thread block a query block: what the split buys), cuflash.attention_with_kvcache
+on the same cache contiguous and as shuffled pages of 16 and 256 positions, and PyTorch SDPA's flash
 (FlashAttention-2), cuDNN, efficient and math backends with ``enable_gqa`` (a backend that refuses
 GQA gets K/V repeated to Hq heads beforehand, outside the time, and reads Hq / Hk times the bytes;
 the row says so). Time: the median of ``--repeat`` queued calls' mean, 5 runs (CUDA events). GB/s
@@ -69,10 +70,35 @@ def _time(fn, repeat) -> float:
     return bench._time_queued(fn, repeat)
 
 
+def _paged_cache(k, v, page_size: int):
+    """k, v (B, Hk, Lk, D) as shuffled pages (num_pages, Hk, page_size, D) and their block table."""
+    b, hk, lk, d = k.shape
+    per_seq = -(-lk // page_size)
+    order = cp.random.default_rng(1).permutation(b * per_seq).reshape(b, per_seq)
+    pages = []
+    for c in (k, v):
+        padded = cp.zeros((b, hk, per_seq * page_size, d), dtype=c.dtype)
+        padded[:, :, :lk] = c
+        blocks = padded.reshape(b, hk, per_seq, page_size, d).transpose(0, 2, 1, 3, 4).reshape(-1, hk, page_size, d)
+        store = cp.empty_like(blocks)
+        store[order.reshape(-1)] = blocks
+        pages.append(store)
+    return pages[0], pages[1], order.astype(cp.int32)
+
+
 def contenders(q, k, v) -> dict:
-    """name -> (callable, note)."""
+    """name -> (callable, note). The KV-cache rows attend every sequence's whole cache (lengths Lk)."""
+    lengths = cp.full((q.shape[0],), k.shape[2], dtype=cp.int32)
     out = {"cuflash": (lambda: cuflash.attention_forward(q, k, v), ""),
-           "cuflash unsplit": (lambda: cuflash.attention_forward(q, k, v, num_splits=1), "")}
+           "cuflash unsplit": (lambda: cuflash.attention_forward(q, k, v, num_splits=1), ""),
+           "cuflash kvcache": (lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True),
+                               "lengths as a key mask")}
+    for page_size in (16, 256):
+        k_pages, v_pages, table = _paged_cache(k, v, page_size)
+        out[f"cuflash paged {page_size}"] = (
+            lambda k_pages=k_pages, v_pages=v_pages, table=table: cuflash.attention_with_kvcache(
+                q, k_pages, v_pages, cache_seqlens=lengths, causal=True, block_table=table),
+            "pages gathered first")
     if torch is None:
         return out
     tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
