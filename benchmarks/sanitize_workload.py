@@ -19,7 +19,8 @@ key count, whose last float pair the sequence end cuts). ``--portable``: the por
 (mma.sync / DMMA / TF32) even on an H100, e.g. the 16-bit dK/dV kernel of flash_bwd_mma.cu. ``--dtypes float32`` with it: the
 float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both precisions).
 ``--split``: the split-KV forward (decoding shapes: one to 16 query rows over odd key counts, packed
-grouped-query heads, more splits than key tiles, masking options) and a backward from its result.
+grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
+a KV cache of ragged lengths (0 included) with an append.
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -158,6 +159,17 @@ def split_kv(dtypes) -> None:
         finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out,) + grads)
         print(f"{dtype:8} d={d:3} lq={lq:2} hq={hq} splits={splits!s:4} masked={masked!s:5} "
               f"{','.join(launched[:2])} finite={finite}", flush=True)
+    # A KV cache of ragged lengths (0 included), one new key appended: the kernels read the lengths.
+    for dtype, d in itertools.product(dtypes, (64, 128)):
+        q = cp.asarray(rng.standard_normal((3, 8, 1, d)).astype(DTYPES[dtype]))
+        k, v = (cp.asarray(rng.standard_normal((3, 2, 3000, d)).astype(DTYPES[dtype])) for _ in range(2))
+        new_k, new_v = (cp.asarray(rng.standard_normal((3, 2, 1, d)).astype(DTYPES[dtype])) for _ in range(2))
+        launched.clear()
+        out = cuflash.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=cp.asarray([0, 777, 2999]),
+                                             causal=True)
+        cp.cuda.Device().synchronize()
+        finite = bool(cp.isfinite(out.astype(cp.float64)).all())
+        print(f"{dtype:8} d={d:3} kv cache {','.join(launched[:2])} finite={finite}", flush=True)
 
 
 def hopper_persistent(dtypes) -> None:

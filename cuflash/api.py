@@ -161,6 +161,23 @@ def forward_in_accumulator(q, k, v, *, causal: Causal = False, scale: Optional[f
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 
+def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, scale: Optional[float] = None,
+                             window: Any = None, num_splits: Optional[int] = None) -> Tuple[Any, Any]:
+    """:func:`attention_forward` of CuPy arrays where batch entry b attends only its first
+    ``key_lengths[b]`` keys (an int32 CuPy array (B,), each at most Lk, checked by the caller), with
+    ``causal="bottom_right"`` and ``window`` aligned to each entry's own last key (a KV cache of
+    ragged lengths: cuflash.kvcache). Runs the split-KV kernels, which read the lengths."""
+    call = options.forward_call(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits)
+    p = call.problem
+    if p.xp is np or type(key_lengths) is not p.xp.ndarray or np.dtype(key_lengths.dtype) != np.int32 \
+            or key_lengths.shape != (p.batch,):
+        raise TypeError("key lengths run on CuPy inputs, as an int32 CuPy array of shape (B,)")
+    if p.lk == 0 or p.q.size == 0:
+        return attention_forward(q, k, v, causal=causal, scale=scale, window=window)
+    out, lse = _plan.forward(call, "highest", num_splits, key_lengths=key_lengths)
+    return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
+
+
 def _reference_kwargs(p: options.Problem, opts: options.Options) -> dict:
     """The options in the 4-D (B, H, L, D) frame of ``p.q``: leading dims merged into one."""
     kw = opts.reference_kwargs()

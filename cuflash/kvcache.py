@@ -4,8 +4,9 @@ The cache holds ``cache_seqlens[b]`` valid keys of sequence b (the rest is free 
 ``k_new`` / ``v_new`` at positions ``cache_seqlens[b] ...`` of each sequence and attends the queries to
 the sequence's ``cache_seqlens[b] + Lnew`` keys, causal aligned to each sequence's own end (query i of
 Lq sees keys ``j <= cache_seqlens[b] + Lnew - Lq + i``), as FlashAttention's ``flash_attn_with_kvcache``.
-The per-sequence lengths reach the kernels as a boolean mask over the cache (the masked kernels skip
-whole blocks past a sequence's end without loading them); long caches split their keys (``num_splits``).
+On the GPU the split-KV kernels read each sequence's key count and align the causal band to its own
+end (no mask; the query heads of a K/V head share one tile); a window without causal, a scale that is
+not positive, and the NumPy path take a boolean mask over the cache instead.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import api
+from ._dispatch import plan as _plan
 from .options import array_module, dtype_name
 
 __all__ = ["attention_with_kvcache"]
@@ -162,6 +164,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     if pages is not None:   # each sequence's pages in order, as one (B, Hk, Lcap, D) buffer
         k_cache, v_cache = (_gathered(c, pages) for c in (k_cache, v_cache))
     total = lengths + n_new                                     # keys of each sequence after the append
+    if xp is not np and (causal or window is None) and (scale is None or _plan.scale_folds(scale)):
+        # The split-KV kernels read each sequence's key count and align the causal band (and a window
+        # under it) to its own end: no mask, and the query heads of a K/V head share one tile.
+        out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total.astype(np.int32),
+                                                causal="bottom_right" if causal else False, window=window,
+                                                scale=scale, num_splits=num_splits)
+        return (out, lse) if return_lse else out
     keys = xp.arange(cap)[None, None, None, :]
     allowed = keys < total[:, None, None, None]                 # (B, 1, 1, Lcap)
     if causal or window is not None:

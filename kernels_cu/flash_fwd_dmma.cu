@@ -89,7 +89,9 @@ flash_fwd_dmma(const FwdParams p) {
     typedef KeySplit<BM, KV_SPLIT> Split;
     const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const ScoreMod<Flags, double, double> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    // a KV cache's per-sequence key counts (MaskParams::key_lengths): the split kernels without EXTRA
+    constexpr bool PER_SEQ = KV_SPLIT && !Flags::EXTRA;
+    const ScoreMod<Flags, double, double, PER_SEQ> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
     const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 
     auto load_kv = [&](int j, int stage) {

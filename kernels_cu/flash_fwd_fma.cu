@@ -56,7 +56,10 @@ flash_fwd_fma(const FwdParams p) {
     const int m0 = blk.m0;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int row0 = ty * Tr::TM;   // first row of this thread within the tile
-    const ScoreMod<Flags, A, T> mod(p.mask, dims, acc_param<A>(p.scale_log2, p.scale_log2_f), blk.batch, blk.head);
+    // a KV cache's per-sequence key counts (MaskParams::key_lengths): the split kernels without EXTRA
+    constexpr bool PER_SEQ = KV_SPLIT && !Flags::EXTRA;
+    const ScoreMod<Flags, A, T, PER_SEQ> mod(p.mask, dims, acc_param<A>(p.scale_log2, p.scale_log2_f), blk.batch,
+                                             blk.head);
     const TileRange keys = Split::keys(mod.key_tiles(m0, blk.rows, BN), p);
 
     A acc_o[Tr::TM][Tr::TD];

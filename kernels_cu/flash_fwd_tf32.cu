@@ -70,7 +70,9 @@ flash_fwd_tf32(const FwdParams p) {
     typedef KeySplit<BM, KV_SPLIT> Split;
     const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
+    // a KV cache's per-sequence key counts (MaskParams::key_lengths): the split kernels without EXTRA
+    constexpr bool PER_SEQ = KV_SPLIT && !Flags::EXTRA;
+    const ScoreMod<Flags, float, float, PER_SEQ> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
     const float x_per_s = mod.x_per_score();
     const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 

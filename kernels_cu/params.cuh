@@ -56,6 +56,7 @@ struct MaskParams {
     unsigned drop_threshold;   // EXTRA: dropout drops an element iff its Philox word < drop_threshold; 0 = off
     unsigned seed_lo, seed_hi;
     double keep_scale;         // 1 / (1 - dropout_p)
+    const int* key_lengths;    // split-KV forwards (ScoreMod's PER_SEQ): each batch entry's key count; null = Lk
 };
 
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own

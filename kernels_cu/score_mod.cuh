@@ -52,17 +52,38 @@ enum TileKind { TILE_SKIP = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
-template <typename Flags, typename A, typename T = A>
+// PER_SEQ (the split-KV forwards, KV_SPLIT): MaskParams::key_lengths, where not null, gives each batch
+// entry its own key count (a KV cache's valid keys, at most dims.lk), and the band, computed on the host
+// for dims.lk keys aligned to the end, moves with it: every sequence's diagonal ends at its own last key.
+template <typename Flags, typename A, typename T = A, bool PER_SEQ = false>
 struct ScoreMod {
     int lq, lk;
     A scale_log2;
     int batch, head;   // whose scores these are (bias, mask, layout and dropout read them)
     const MaskParams& m;
+    int shift = 0;     // PER_SEQ: this sequence's key count minus dims.lk (<= 0)
 
     // scale_log2_: the params' scale_log2 in the accumulator's precision (acc_param).
     __device__ __forceinline__ ScoreMod(const MaskParams& m_, const AttnDims& dims, A scale_log2_, int batch_,
                                         int head_)
-        : lq(dims.lq), lk(dims.lk), scale_log2(scale_log2_), batch(batch_), head(head_), m(m_) {}
+        : lq(dims.lq), lk(dims.lk), scale_log2(scale_log2_), batch(batch_), head(head_), m(m_) {
+        if constexpr (PER_SEQ) {
+            if (m.key_lengths != nullptr) {
+                lk = m.key_lengths[batch];
+                shift = lk - dims.lk;
+            }
+        }
+    }
+
+    // The band's offsets (MaskParams::band_lo / band_hi, moved with a sequence's own end under PER_SEQ).
+    __device__ __forceinline__ int band_lo() const {
+        if constexpr (PER_SEQ) return m.band_lo + shift;
+        else return m.band_lo;
+    }
+    __device__ __forceinline__ int band_hi() const {
+        if constexpr (PER_SEQ) return m.band_hi + shift;
+        else return m.band_hi;
+    }
 
     __device__ __forceinline__ bool has_bias() const { return Flags::EXTRA && m.bias.ptr != nullptr; }
 
@@ -81,7 +102,7 @@ struct ScoreMod {
     __device__ __forceinline__ bool has_dropout() const { return Flags::EXTRA && m.drop_threshold != 0u; }
 
     __device__ __forceinline__ bool in_band(int row, int col) const {
-        return !Flags::BAND || (col >= row + m.band_lo && col <= row + m.band_hi);
+        return !Flags::BAND || (col >= row + band_lo() && col <= row + band_hi());
     }
 
     // The per-element test of a partial tile.
@@ -101,16 +122,16 @@ struct ScoreMod {
     // calling allowed().
     __device__ __forceinline__ void visible_keys(int row, int col0, int& lo, int& hi) const {
         static_assert(!Flags::EXTRA, "the EXTRA pieces need the per-element test (allowed)");
-        lo = (Flags::BAND ? row + m.band_lo : 0) - col0;
-        hi = (Flags::BAND ? imin(row + m.band_hi, lk - 1) : lk - 1) - col0;
+        lo = (Flags::BAND ? row + band_lo() : 0) - col0;
+        hi = (Flags::BAND ? imin(row + band_hi(), lk - 1) : lk - 1) - col0;
     }
 
     // The same seen from a key (the dK/dV kernels' S^T, whose rows are keys): key `col`
     // is seen by the queries row0 + [lo, hi] (none past the sequence end).
     __device__ __forceinline__ void visible_queries(int col, int row0, int& lo, int& hi) const {
         static_assert(!Flags::EXTRA, "the EXTRA pieces need the per-element test (allowed)");
-        lo = Flags::BAND ? col - m.band_hi - row0 : 0;
-        hi = col >= lk ? -1 : Flags::BAND ? col - m.band_lo - row0 : lq;
+        lo = Flags::BAND ? col - band_hi() - row0 : 0;
+        hi = col >= lk ? -1 : Flags::BAND ? col - band_lo() - row0 : lq;
     }
 
     // Key tiles of width block_n that each of the rows [row0, row0 + rows) sees whole,
@@ -119,8 +140,8 @@ struct ScoreMod {
     // once instead of evaluated per tile).
     __device__ __forceinline__ TileRange full_key_tiles(int row0, int rows, int block_n) const {
         static_assert(!Flags::EXTRA, "a block layout makes tiles partial too (classify)");
-        const int key_end = Flags::BAND ? imin(lk, row0 + m.band_hi + 1) : lk;   // last key + 1 of row0
-        const int key_begin = Flags::BAND ? imax(0, row0 + rows - 1 + m.band_lo) : 0;   // first key of the last row
+        const int key_end = Flags::BAND ? imin(lk, row0 + band_hi() + 1) : lk;   // last key + 1 of row0
+        const int key_begin = Flags::BAND ? imax(0, row0 + rows - 1 + band_lo()) : 0;   // first key of the last row
         return {ceil_div(key_begin, block_n), key_end < 0 ? 0 : key_end / block_n};
     }
 
@@ -128,7 +149,7 @@ struct ScoreMod {
     __device__ __forceinline__ TileRange key_tiles(int row0, int rows, int block_n) const {
         int begin = 0, end = ceil_div(lk, block_n);
         if (Flags::BAND) {
-            const int last_key = row0 + rows - 1 + m.band_hi, first_key = row0 + m.band_lo;
+            const int last_key = row0 + rows - 1 + band_hi(), first_key = row0 + band_lo();
             end = last_key < 0 ? 0 : imin(end, last_key / block_n + 1);
             begin = imax(0, first_key) / block_n;
         }
@@ -139,7 +160,7 @@ struct ScoreMod {
     __device__ __forceinline__ TileRange query_tiles(int col0, int cols, int block_m) const {
         int begin = 0, end = ceil_div(lq, block_m);
         if (Flags::BAND) {
-            const int first_row = col0 - m.band_hi, last_row = col0 + cols - 1 - m.band_lo;
+            const int first_row = col0 - band_hi(), last_row = col0 + cols - 1 - band_lo();
             begin = imax(0, first_row) / block_m;
             end = last_row < 0 ? 0 : imin(end, last_row / block_m + 1);
         }
@@ -149,8 +170,8 @@ struct ScoreMod {
     // What the tile (rows [row0, row0 + rows), keys [col0, col0 + cols)) needs.
     __device__ __forceinline__ int classify(int row0, int rows, int col0, int cols) const {
         const int row1 = row0 + rows - 1, col1 = col0 + cols - 1;
-        if (Flags::BAND && (col0 > row1 + m.band_hi || col1 < row0 + m.band_lo)) return TILE_SKIP;
-        int kind = col1 >= lk || (Flags::BAND && (col1 > row0 + m.band_hi || col0 < row1 + m.band_lo))
+        if (Flags::BAND && (col0 > row1 + band_hi() || col1 < row0 + band_lo())) return TILE_SKIP;
+        int kind = col1 >= lk || (Flags::BAND && (col1 > row0 + band_hi() || col0 < row1 + band_lo()))
                        ? TILE_PARTIAL : TILE_FULL;
         if (Flags::EXTRA && m.layout.ptr) {
             const int last_row = imin(row1, lq - 1), last_col = imin(col1, lk - 1);

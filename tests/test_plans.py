@@ -655,3 +655,21 @@ def test_a_forward_in_the_accumulator_type_is_one_split_without_combine(fake):
     assert partial.kv_split and maps is None and int(_fwd_fields(params)["num_splits"]) == 1
     assert out.shape == (2, 8, 50, 64) and out.dtype == np.float32 and lse.dtype == np.float32
     assert out.data.ptr == int(_fwd_fields(params)["out_partial"]["ptr"])
+
+
+def test_key_lengths_go_to_the_split_kernels_by_address(fake):
+    """A KV cache of ragged lengths: the split-KV kernels (one split too) read each sequence's key count
+    from the array the call passes (MaskParams::key_lengths), written a call like the arrays'."""
+    dev, launches = fake
+    q = dev.empty((2, 8, 1, 128), np.float16)
+    k, v = (dev.empty((2, 2, 4096, 128), np.float16) for _ in range(2))
+    for _ in range(2):
+        lengths = dev.empty((2,), np.int32)
+        cuflash.api.forward_with_key_lengths(q, k, v, lengths, causal="bottom_right", num_splits=1)
+        (partial, params, _, _), (combine, _, _, _) = launches[-2:]
+        f = _fwd_fields(params)
+        assert partial.kv_split and combine.family == "fwd_combine" and not partial.band
+        assert int(f["mask"]["key_lengths"]) == lengths.data.ptr
+        assert int(f["dims"]["lq"]) == 4 and int(f["dims"]["heads_q"]) == 2     # packed: 4 query heads a K/V head
+    with pytest.raises(TypeError, match="int32"):
+        cuflash.api.forward_with_key_lengths(q, k, v, dev.empty((2,), np.int64))

@@ -16,7 +16,7 @@ options, so it is planned afresh. The memo is a cache: a plan is a pure function
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 import numpy as np
@@ -43,6 +43,7 @@ _BWD_ARRAYS = ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc", "dq", "dk"
 _FWD_ADDRESSES = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in _FWD_ARRAYS)
 _FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
 _FWD_PARTIALS = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in ("out_partial", "lse_partial"))
+_FWD_KEY_LENGTHS = (PACKERS["FwdParams"].offset("mask.key_lengths"),)
 _BWD_ADDRESSES = tuple(PACKERS["BwdParams"].offset(f"{name}.ptr") for name in _BWD_ARRAYS)
 
 
@@ -113,14 +114,18 @@ class ForwardPlan:
     partial_shapes: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
     keep_alive: tuple = field(default=(), repr=False)
     partial_only: bool = False   # the result is the partial buffers' one split (accumulator precision)
+    key_lengths: bool = False    # each batch entry's key count comes with the call (MaskParams::key_lengths)
 
 
-def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False) -> ForwardPlan:
+def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
+                 key_lengths: bool = False) -> ForwardPlan:
     """The forward plan of a validated call (``p``: :class:`cuflash.options.Problem` on CuPy with
     keys and outputs, ``opts``: its :class:`cuflash.options.Options`). ``num_splits``: the split-KV
     forward's key splits (None: :func:`select.split_count` decides; 1: unsplit). ``accumulator_out``:
     out in the accumulator type (float32; float64 for float64), from the split-KV partial kernel over
-    one split (for results merged again later: cuflash.distributed)."""
+    one split (for results merged again later: cuflash.distributed). ``key_lengths``: each batch entry
+    attends its own number of keys (an int32 array the call passes), the band aligned to its own end:
+    the split-KV kernels, which read them (ScoreMod's PER_SEQ), with as many splits as chosen (1 included)."""
     q, k, v = p.q, p.k, p.v
     d, dv = p.d, p.dv
     masking = masking_.kernel_masking(p, opts)
@@ -137,6 +142,13 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
         return _plan_split_forward(p, masking, extra or band, portable, 1, out_shape, lse_shape, lse_dtype,
                                    smem_limit, partial_only=True)
     splits = _auto_splits(p, portable, _gqa_packing(p, extra, band, q), smem_limit) if num_splits is None else num_splits
+    if key_lengths:
+        if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
+            raise ValueError("per-sequence key lengths take no masking option and a positive scale")
+        plan = _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
+                                   smem_limit)
+        return replace(plan, key_lengths=True,
+                       params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS))
     if splits > 1:
         return _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
                                    smem_limit)
@@ -240,9 +252,10 @@ class _Strided:
         return cls(shape, tuple(reversed(strides)), itemsize)
 
 
-def execute_forward(plan: ForwardPlan, q, k, v):
+def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None):
     """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D); with ``plan.partial_only`` out in the
-    accumulator type (a view of the partial buffer without its padding column)."""
+    accumulator type (a view of the partial buffer without its padding column); ``key_lengths`` (int32
+    (B,)) for a plan that takes them."""
     cupy, _ = device.cupy_modules()
     with device.on_device(plan.device):
         if plan.partial_only:
@@ -258,6 +271,8 @@ def execute_forward(plan: ForwardPlan, q, k, v):
         if plan.partial_shapes is not None:   # split-KV: every split writes its whole slice, no zeroing
             out_partial, lse_partial = (cupy.empty(s, dtype=plan.lse_dtype) for s in plan.partial_shapes)
             params.put_addresses(_FWD_PARTIALS, (out_partial.data.ptr, lse_partial.data.ptr))
+        if plan.key_lengths:
+            params.put_addresses(_FWD_KEY_LENGTHS, (key_lengths.data.ptr,))
         maps = None if plan.maps is None else plan.maps.for_arrays({"q": q, "k": k, "v": v, "out": out})
         run(plan.kernels, params, maps)
     if plan.partial_only:   # (B, Hk, group x Lq) packed rows are (B, Hq, Lq) rows in memory
@@ -415,18 +430,20 @@ def clear_plans() -> None:
 CACHES_OF_CHOICES.append(clear_plans)
 
 
-def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False):
+def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
+            key_lengths=None):
     """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
-    keys and outputs; ``num_splits`` (part of the call's signature) and ``accumulator_out`` as
-    :func:`plan_forward` takes them."""
+    keys and outputs; ``num_splits`` (part of the call's signature), ``accumulator_out`` and
+    ``key_lengths`` (an int32 array (B,) or None) as :func:`plan_forward` takes them."""
     p = call.problem
-    key = None if call.signature is None else (call.signature, accumulator_out, _hooks())
+    with_lengths = key_lengths is not None
+    key = None if call.signature is None else (call.signature, accumulator_out, with_lengths, _hooks())
     plan = None if key is None else _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = plan_forward(p, call.options, precision, num_splits, accumulator_out)
+        plan = plan_forward(p, call.options, precision, num_splits, accumulator_out, with_lengths)
         if key is not None:
             _remember(_FORWARD_PLANS, key, plan)
-    return execute_forward(plan, p.q, p.k, p.v)
+    return execute_forward(plan, p.q, p.k, p.v, key_lengths)
 
 
 def backward(call, dout, out, lse, precision: str, deterministic: bool):
