@@ -7,7 +7,7 @@
 // bytes (one 32-byte sector a row where the rows are 32-byte aligned, e.g. a key count that is a
 // multiple of 8; two half-used ones otherwise), nothing fetched twice. The host passes only biases
 // whose rows are 16-byte chunks (unit key stride, 16-byte aligned start and strides, 0 included:
-// cuflash/_masking.py, rows_in_chunks), so every pair is 8-byte aligned. A caller issues the loads
+// cuflash/_dispatch/masking.py, rows_in_chunks), so every pair is 8-byte aligned. A caller issues the loads
 // before a GEMM whose latency hides theirs and adds them (scale_add_bias_regs) once the GEMM is done.
 #pragma once
 #include "common.cuh"

@@ -3,7 +3,7 @@
 //
 // A warp holds dS^T of 16 keys x BM queries in fp32, the m16n8 accumulator layout: n8 tile n,
 // element i is key g + 8 (i / 2), query 8n + 2t + (i % 2) (g = lane / 4, t = lane % 4). The
-// accumulator is laid out key-major, [key][query] (DBIAS_KEY_MAJOR, cuflash/_masking.py: rows
+// accumulator is laid out key-major, [key][query] (DBIAS_KEY_MAJOR, cuflash/_dispatch/masking.py: rows
 // of a pitch that is a multiple of 8 floats, whole 32-byte sectors), where a thread's pairs of
 // queries are adjacent: lanes t and t ^ 1 swap one pair each, and every lane adds four
 // consecutive queries of one key with one vector reduction (red.global.add.v4.f32, 16-byte

@@ -88,7 +88,7 @@ struct DbiasWork {
 };
 
 // Grid: ceil(Lk / BN) x (query blocks, heads, batches the bias does not broadcast
-// along) x splits CTAs (cuflash/_launch.py, dbias_grid).
+// along) x splits CTAs (cuflash/_dispatch/masking.py, DbiasPlan.grid).
 template <typename T, typename Cfg, typename Flags, bool VEC>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dbias_mma(const BwdParams p) {

@@ -113,7 +113,7 @@ struct DqMmaTraits {
 // PASS: 0 computes dK and dV together; where their accumulators and the score
 // tiles do not fit the registers together (head dim 128 with one warp a strip and
 // 64-query steps), the launch splits them: PASS 1 = dV only, PASS 2 = dK (and dQ)
-// only, each recomputing S^T (one extra GEMM, no spills; cuflash/_variants.py,
+// only, each recomputing S^T (one extra GEMM, no spills; cuflash/_dispatch/tables.py,
 // _dkdv_passes). QSPLIT: the layout (header comment).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int QSPLIT = 1,

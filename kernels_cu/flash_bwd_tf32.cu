@@ -91,7 +91,7 @@ struct DqTf32Traits {
 // queries m0 + 8n + 2t + e; C element i: r = i / 2, e = i % 2). A one-row bias: each key's
 // queries are summed first, in a fixed order (this lane's, then the 4 lanes of the key), and
 // one lane adds (flash_bwd_dmma.cu's add_dbias_frags_t on the m16n8 layout).
-// DBIAS_KEY_MAJOR (a bias with query rows shared by CTAs, deterministic=False; cuflash/_launch.py):
+// DBIAS_KEY_MAJOR (a bias with query rows shared by CTAs, deterministic=False; cuflash/_dispatch/masking.py):
 // the m16n8 accumulator layout is the Hopper kernel's, so each lane adds four queries of one key
 // with one vector reduction into the [key][query] accumulator (bias_grad_t.cuh), a quarter of the
 // scalar atomics of DBIAS_ATOMIC, whole sectors. All 32 lanes take this branch together.
@@ -129,7 +129,7 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
 }
 
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each recomputing S^T
-// (the variant table's tiles all take one pass today: cuflash/_variants.py).
+// (the variant table's tiles all take one pass today: cuflash/_dispatch/tables.py).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)

@@ -80,7 +80,7 @@
 #include "score_mod.cuh"
 #include "bias_grad_t.cuh"
 
-// The kernel's tensor maps (cuflash/_tma.py): Q and dO with boxes of BM rows, K and V of BN.
+// The kernel's tensor maps (cuflash/_runtime/tma.py): Q and dO with boxes of BM rows, K and V of BN.
 // dq: the fp32 dQ accumulator, boxes of 32 columns (one 128-byte slab) x 64 rows, added into.
 struct BwdTensorMaps {
     TensorMap q, dout, k, v, dq;
@@ -225,7 +225,7 @@ __device__ __forceinline__ void produce_stats(const BwdWgmmaSmem<Tr>& sm, float*
 // t % STAGES once the consumers have emptied the stage (the ring of Q and dO: its empty barrier), and
 // arrive on the stage's full barrier when their copies have landed (cp.async.mbarrier.arrive.noinc,
 // counted among full's arrivals): the consumers' one wait covers Q, dO, the statistics and the bias.
-// The host takes this kernel only for a bias whose rows are 16-byte chunks (cuflash/_masking.py,
+// The host takes this kernel only for a bias whose rows are 16-byte chunks (cuflash/_dispatch/masking.py,
 // bias_in_chunks), as for the Hopper forward (flash_fwd_wgmma.cu, produce_bias_tiles).
 template <typename T, typename Tr>
 __device__ __forceinline__ void produce_bias_steps(const BwdWgmmaSmem<Tr>& sm, const ScoreTensor& bias,

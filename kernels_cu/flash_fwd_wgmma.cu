@@ -69,7 +69,7 @@ struct FwdWgmmaTraits {
     // over element-wise stores; at head dim 64 1.03-1.10x at L = 1024 but 0.86-0.93x at L = 4096
     // non-causal, so 64 keeps the element-wise stores (benchmarks/tune_fwd.py). Head dim 256 (twice
     // 128's bytes a row) stores as 128 does.
-    // (The host encodes the O tensor map only then: cuflash/_launch.py, TMA_STORE_O_HEAD.)
+    // (The host encodes the O tensor map only then: cuflash/_dispatch/plan.py, TMA_STORE_O_HEAD.)
     static constexpr bool TMA_STORE_O = HEAD >= 128;
     // PERSISTENT (SCHEDULE_STRIDE or SCHEDULE_QUEUE): a CTA owns several query blocks in turn, the
     // next block's Q and first K/V tile landing while this one's last P V and epilogue run. The
@@ -95,7 +95,7 @@ struct FwdWgmmaTraits {
     static constexpr int BARRIER_BYTES = 8 * (BARRIERS + WALK_WORDS);
     // A walking CTA stages O for its store in a tile of its own (head dim 128: 193 KB), so that the
     // next Q need not wait for the store; one that owns one block stages it in Q's tile.
-    // SMEM_LIMIT: sm_90's opt-in shared memory a block (227 KB; cuflash/_variants.py SMEM_LIMITS).
+    // SMEM_LIMIT: sm_90's opt-in shared memory a block (227 KB; cuflash/_dispatch/model.py SMEM_LIMITS).
     static constexpr int SMEM_LIMIT = 232448;
     static constexpr int O_BYTES =
         TMA_STORE_O && PERSISTENT && 1024 + TILE_BYTES + Q_BYTES + BARRIER_BYTES <= SMEM_LIMIT ? Q_BYTES : 0;
@@ -200,7 +200,7 @@ __device__ __forceinline__ void produce_tiles(const WgmmaSmem<Tr>& sm, const Fwd
 // same visible tiles, rows [m0, m0 + BM) x keys [j BN, j BN + BN), into bias stage t % 2
 // once the consumers have read that stage's previous tile; each loader's arrival on the
 // stage's full barrier comes when its copies have landed. The host launches this kernel
-// only for a bias whose rows are 16-byte chunks (cuflash/_masking.py, bias_in_chunks):
+// only for a bias whose rows are 16-byte chunks (cuflash/_dispatch/masking.py, bias_in_chunks):
 // element-by-element copies by a few producer threads would be latency-bound, tens of
 // times slower than the consumers.
 template <typename T, typename Tr, typename Mod>

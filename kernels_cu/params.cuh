@@ -1,7 +1,7 @@
 // params.cuh -- what a kernel is told: tensor views, sizes, scale, mask parameters, and the
 // variant table's tile configuration. Which block a CTA works on is scheduler.cuh's.
 //
-// Every kernel takes one of these structs by value. cuflash/_params.py builds the
+// Every kernel takes one of these structs by value. cuflash/_runtime/params.py builds the
 // same layout on the host; tests/test_params.py checks every offset against this
 // file with offsetof, compiled by NVRTC.
 #pragma once

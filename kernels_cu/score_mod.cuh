@@ -92,7 +92,7 @@ struct ScoreMod {
     // a score fewer). That needs a positive, normal float scale_log2: it commutes
     // with the row max and keeps a masked -inf at -inf, where zero or a negative
     // scale would not; the host launches the EXTRA variant for any other scale
-    // (cuflash/_launch.py, scale_folds). The EXTRA kernels form x themselves (a
+    // (cuflash/_dispatch/plan.py, scale_folds). The EXTRA kernels form x themselves (a
     // biased score is x already, and at 251-255 registers they spill with both
     // forms compiled in).
     __device__ __forceinline__ static constexpr bool scores_stay_raw() { return !Flags::EXTRA; }

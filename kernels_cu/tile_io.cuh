@@ -242,7 +242,7 @@ __device__ __forceinline__ void cp_async_16_head(unsigned smem_dst_addr, const v
 // in a loop not unrolled: what it holds across tiles is a pointer, a stride and two
 // indices (a producer thread has 24-56 registers). The caller guarantees rows of 16-byte
 // chunks: unit key stride, a 16-byte aligned start and batch, head and row strides (0
-// included) (cuflash/_masking.py, bias_in_chunks).
+// included) (cuflash/_dispatch/masking.py, bias_in_chunks).
 template <typename T, int ROWS, int COLS, int THREADS>
 struct ScoreChunkCopy {
     static constexpr int CHUNKS = COLS / 8, ROW_STEP = THREADS / CHUNKS;

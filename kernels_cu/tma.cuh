@@ -3,7 +3,7 @@
 // register reallocation between warpgroups (setmaxnreg) and named barriers.
 //
 // A tensor map (CUtensorMap, 128 bytes) describes a global tensor to the copy
-// engine; the host encodes it (cuflash/_tma.py) and passes it as a __grid_constant__
+// engine; the host encodes it (cuflash/_runtime/tma.py) and passes it as a __grid_constant__
 // kernel parameter, whose address the copy instruction takes. One thread issues a
 // whole tile; the engine writes it to shared memory in the 128-byte swizzled layout
 // wgmma reads (wgmma.cuh), fills what lies outside the tensor with zeros, and counts
@@ -22,7 +22,7 @@ struct alignas(64) TensorMap {
     unsigned long long opaque[16];
 };
 
-// The Hopper forwards' tensor maps (cuflash/_tma.py, fwd_tensor_maps): Q, K, V as 4-D (D, L, H, B)
+// The Hopper forwards' tensor maps (cuflash/_runtime/tma.py, fwd_map_specs): Q, K, V as 4-D (D, L, H, B)
 // tensors, a box of one 128-byte swizzle slab (64 16-bit or 32 fp32 columns) by BM (Q) or BN (K, V)
 // rows. O: the output, boxes of one slab x 64 rows (one consumer warpgroup's rows), written by the
 // 16-bit kernel at head dim >= 128 (flash_fwd_wgmma.cu); the float32 kernel stores O itself.

@@ -20,7 +20,7 @@
 // atoms of 8 rows x 128 bytes (1024 bytes, 1024-byte aligned); in row r of an atom
 // the 16-byte chunk c sits at chunk position c ^ (r % 8), so the 8 rows of any
 // 16-byte column land in 8 different bank groups (the bulk tensor copy engine writes it:
-// CU_TENSOR_MAP_SWIZZLE_128B, cuflash/_tma.py).
+// CU_TENSOR_MAP_SWIZZLE_128B, cuflash/_runtime/tma.py).
 // A row of HEAD 16-bit elements spans HEAD / 64 atoms side by side; the tile keeps
 // each 64-column slab contiguous: slab a at a * ROWS * 128 bytes.
 //   K-major operand (Q as A, K as B of S = Q K^T; k = head dim, contiguous):
