@@ -29,15 +29,18 @@ def _qkv(device, dtype=torch.float64, b=2, hq=4, hk=4, lq=33, lk=47, d=16, grad=
 
 
 def _close(a, b, dtype):
-    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float64),
+                                           pytest.param("cuda", torch.float64, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", torch.float32, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_sdpa_matches_pytorch_forward_and_backward(device, is_causal):
+def test_sdpa_matches_pytorch_forward_and_backward(device, dtype, is_causal):
+    """Against PyTorch's own SDPA on the same tensors (float64 on CUDA: its math backend)."""
     dev = _device(device)
-    dtype = torch.float64 if dev.type == "cpu" else torch.float32
     q, k, v = _qkv(dev, dtype)
     out = ct.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
