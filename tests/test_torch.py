@@ -39,17 +39,29 @@ def _close(a, b, dtype):
                                            pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_sdpa_matches_pytorch_forward_and_backward(device, dtype, is_causal):
-    """Against PyTorch's own SDPA on the same tensors (float64 on CUDA: its math backend)."""
+    """Against PyTorch's own SDPA on the same tensors: float64 to 1e-10 (on CUDA its math backend);
+    lower precisions within twice SDPA's own error against the float64 result, plus a floor."""
     dev = _device(device)
     q, k, v = _qkv(dev, dtype)
-    out = ct.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-    _close(out, want, dtype)
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    ref = torch.autograd.grad(want, (q, k, v), dout)
-    for a, b in zip(got, ref):
-        _close(a, b, dtype)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(dev, dtype)
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+
+    def run(fn, q, k, v, d):
+        out = fn(q, k, v, is_causal=is_causal)
+        return [out, *torch.autograd.grad(out, (q, k, v), d)]
+
+    exact = run(F.scaled_dot_product_attention, q64, k64, v64, dout.double())
+    ours = run(ct.scaled_dot_product_attention, q, k, v, dout)
+    if dtype == torch.float64:
+        for a, b in zip(ours, exact):
+            _close(a, b, dtype)
+        return
+    theirs = run(F.scaled_dot_product_attention, q, k, v, dout)
+    floor = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    for name, a, b, e in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        err = float((a.double() - e).norm() / e.norm())
+        peer = float((b.double() - e).norm() / e.norm())
+        assert err <= 2 * peer + floor, f"{name}: {err:.2e} against SDPA's {peer:.2e}"
 
 
 def test_gradcheck_in_float64():
