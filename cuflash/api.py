@@ -162,19 +162,38 @@ def forward_in_accumulator(q, k, v, *, causal: Causal = False, scale: Optional[f
 
 
 def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, scale: Optional[float] = None,
-                             window: Any = None, num_splits: Optional[int] = None) -> Tuple[Any, Any]:
+                             window: Any = None, num_splits: Optional[int] = None,
+                             page_table: Any = None) -> Tuple[Any, Any]:
     """:func:`attention_forward` of CuPy arrays where batch entry b attends only its first
     ``key_lengths[b]`` keys (an int32 CuPy array (B,), each at most Lk, checked by the caller), with
     ``causal="bottom_right"`` and ``window`` aligned to each entry's own last key (a KV cache of
-    ragged lengths: cuflash.kvcache). Runs the split-KV kernels, which read the lengths."""
+    ragged lengths: cuflash.kvcache). Runs the split-KV kernels, which read the lengths.
+
+    ``page_table`` (int32 CuPy array (B, pages_per_seq) of valid page indices, checked by the caller):
+    k and v are a paged cache (num_pages, Hk, page_size, D), entry b's key j in row j % page_size of
+    page ``page_table[b, j // page_size]``; the kernels read the pages in place (ValueError where the
+    chosen kernel's loader cannot: the caller gathers them instead)."""
+    xp = options.array_module(q)
+    page_size = 0
+    if page_table is not None:
+        page_size = k.shape[2]
+        cap = page_table.shape[1] * page_size
+        # The pages seen as (B, Hk, cap, D): validation and the params read the shape and the strides; the
+        # batch stride (one page's) is what the kernels step by through the table.
+        k, v = (xp.lib.stride_tricks.as_strided(x, shape=(q.shape[0], x.shape[1], cap, x.shape[3]), strides=x.strides)
+                for x in (k, v))
     call = options.forward_call(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits)
     p = call.problem
     if p.xp is np or type(key_lengths) is not p.xp.ndarray or np.dtype(key_lengths.dtype) != np.int32 \
             or key_lengths.shape != (p.batch,):
         raise TypeError("key lengths run on CuPy inputs, as an int32 CuPy array of shape (B,)")
+    if page_table is not None and (np.dtype(page_table.dtype) != np.int32 or page_table.shape[0] != p.batch):
+        raise TypeError("a page table runs as an int32 CuPy array of shape (B, pages_per_seq)")
     if p.lk == 0 or p.q.size == 0:
-        return attention_forward(q, k, v, causal=causal, scale=scale, window=window)
-    out, lse = _plan.forward(call, "highest", num_splits, key_lengths=key_lengths)
+        out = p.xp.zeros(p.out_shape(), dtype=q.dtype)
+        return out, p.xp.full(p.lse_shape(), -np.inf, dtype=acc_dtype(p.dtype))
+    out, lse = _plan.forward(call, "highest", num_splits, key_lengths=key_lengths, page_table=page_table,
+                             page_size=page_size)
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 

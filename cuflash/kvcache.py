@@ -100,9 +100,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         A paged cache: ``k_cache`` / ``v_cache`` are pages (num_pages, Hk, page_size, D / Dv) (a
         (num_pages, page_size, Hk, D) store passes as ``.swapaxes(1, 2)``), and position p of
         sequence b lives in page ``block_table[b, p // page_size]``, slot ``p % page_size``; pages in
-        any order, 16 to 256 positions. The append writes into those slots; the attention reads the
-        sequence's pages gathered into one contiguous buffer first (a copy of the cache a call: the
-        kernels do not read pages themselves yet).
+        any order, 1 to 256 positions. The append writes into those slots; on the GPU the float16 and
+        bfloat16 kernels read the pages in place, other calls (float32, float64, the NumPy path, a
+        window without causal) read them gathered into one buffer first (a copy a call).
 
     Returns
     -------
@@ -161,16 +161,24 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
             where = (owner, slice(None), positions % page_size)
         k_cache[where] = k_new.transpose(0, 2, 1, 3)
         v_cache[where] = v_new.transpose(0, 2, 1, 3)
-    if pages is not None:   # each sequence's pages in order, as one (B, Hk, Lcap, D) buffer
-        k_cache, v_cache = (_gathered(c, pages) for c in (k_cache, v_cache))
     total = lengths + n_new                                     # keys of each sequence after the append
     if xp is not np and (causal or window is None) and (scale is None or _plan.scale_folds(scale)):
         # The split-KV kernels read each sequence's key count and align the causal band (and a window
-        # under it) to its own end: no mask, and the query heads of a K/V head share one tile.
-        out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total.astype(np.int32),
-                                                causal="bottom_right" if causal else False, window=window,
-                                                scale=scale, num_splits=num_splits)
+        # under it) to its own end: no mask, and the query heads of a K/V head share one tile. The
+        # 16-bit one reads a paged cache in place; the others take it gathered.
+        table = None if pages is None else pages.astype(np.int32)
+        kwargs = dict(causal="bottom_right" if causal else False, window=window, scale=scale, num_splits=num_splits)
+        try:
+            out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total.astype(np.int32), page_table=table,
+                                                    **kwargs)
+        except ValueError:
+            if pages is None:
+                raise
+            out, lse = api.forward_with_key_lengths(q, _gathered(k_cache, pages), _gathered(v_cache, pages),
+                                                    total.astype(np.int32), **kwargs)
         return (out, lse) if return_lse else out
+    if pages is not None:   # each sequence's pages in order, as one (B, Hk, Lcap, D) buffer
+        k_cache, v_cache = (_gathered(c, pages) for c in (k_cache, v_cache))
     keys = xp.arange(cap)[None, None, None, :]
     allowed = keys < total[:, None, None, None]                 # (B, 1, 1, Lcap)
     if causal or window is not None:

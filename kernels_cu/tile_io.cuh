@@ -143,6 +143,32 @@ __device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int6
     }
 }
 
+// load_tile_fixed_col's copy of K or V rows [row0, row0 + ROWS) of batch entry `batch` from a paged
+// cache (MaskParams::page_table): each row's page looked up, the view's batch stride stepping between
+// pages. Needs load_tile_fixed_col's layout (whole chunks a row, whole rows a thread step).
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
+__device__ __forceinline__ void load_paged_rows(T* smem, const View& pages, const MaskParams& m, int batch, int head,
+                                                int row0, int rows_valid, int cols_valid) {
+    constexpr int CHUNK = VEC ? 16 / int(sizeof(T)) : 1;
+    constexpr int PER_ROW = COLS / CHUNK;
+    constexpr int ROW_STEP = THREADS / PER_ROW;
+    static_assert(COLS % CHUNK == 0 && THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0,
+                  "load_tile_fixed_col's layout");
+    const int col = (threadIdx.x % PER_ROW) * CHUNK, first_row = threadIdx.x / PER_ROW;
+    const bool col_valid = col < cols_valid;
+    const int* table = m.page_table + int64(batch) * m.pages_per_seq;
+    const unsigned dst_addr = smem_addr(smem + first_row * PITCH + col);
+#pragma unroll
+    for (int k = 0; k < ROWS / ROW_STEP; ++k) {
+        const int row = first_row + k * ROW_STEP, key = row0 + row;
+        const bool valid = col_valid && row < rows_valid;
+        const T* src = valid ? pages.at<const T>(table[key / m.page_size], head, key % m.page_size) + col : nullptr;
+        const T* from = valid ? src : static_cast<const T*>(pages.ptr);   // (no bytes read when not valid)
+        if (VEC) cp_async_16(dst_addr + k * ROW_STEP * PITCH * int(sizeof(T)), from, valid);
+        else smem[row * PITCH + col] = valid ? *src : zero_value<T>();
+    }
+}
+
 // Two tiles of the same ROWS rows [row0, row0 + ROWS) of one (batch, head) from
 // two views: Q and dO, or K and V. Rows past rows_valid and columns past each
 // view's own width (a_cols, b_cols) are zeros.
@@ -191,10 +217,21 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 // head dims) and, with a bias, the block's BM x BN bias tile. All cp.async where the layout allows;
 // the caller commits the group. The forwards (16-bit and TF32) and the TF32 dQ kernel share it.
 template <typename T, int BM, int BN, int HEAD, int P, int BIAS_PITCH, int THREADS, bool VEC, int KV_ELEMS,
-          int BIAS_ELEMS, typename Params>
+          int BIAS_ELEMS, bool PAGED = false, typename Params>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stage, const Params& p,
                                              const QueryBlock& blk, bool with_bias, int n0) {
     const AttnDims& dims = p.dims;
+    constexpr int PER_ROW = HEAD / (VEC ? 16 / int(sizeof(T)) : 1);   // load_paged_rows' layout fits these tiles
+    constexpr bool PAGES_FIT = THREADS % PER_ROW == 0 && BN % (THREADS / PER_ROW) == 0;
+    if constexpr (PAGED && PAGES_FIT) {   // a paged cache (the split forwards' PER_SEQ path): each row's page
+        if (p.mask.page_table != nullptr) {
+            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS, p.k, p.mask, blk.batch,
+                                                          blk.kv_head, n0, dims.lk - n0, dims.d);
+            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS, p.v, p.mask, blk.batch,
+                                                          blk.kv_head, n0, dims.lk - n0, dims.dv);
+            return;
+        }
+    }
     load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS,
                                                       p.k.template at<const T>(blk.batch, blk.kv_head, n0),
                                                       p.k.row_stride, dims.lk - n0, dims.d);

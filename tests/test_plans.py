@@ -673,3 +673,24 @@ def test_key_lengths_go_to_the_split_kernels_by_address(fake):
         assert int(f["dims"]["lq"]) == 4 and int(f["dims"]["heads_q"]) == 2     # packed: 4 query heads a K/V head
     with pytest.raises(TypeError, match="int32"):
         cuflash.api.forward_with_key_lengths(q, k, v, dev.empty((2,), np.int64))
+
+
+def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
+    """Pages (num_pages, Hk, page_size, D) read in place: the views' batch stride is a page's, the page
+    table's address is written a call, page size and pages a sequence packed; float64 (its own loader)
+    is refused, for the caller to gather the pages."""
+    dev, launches = fake
+    q = dev.empty((2, 8, 1, 128), np.float16)
+    k, v = (dev.empty((40, 2, 16, 128), np.float16) for _ in range(2))
+    table, lengths = dev.empty((2, 20), np.int32), dev.empty((2,), np.int32)
+    cuflash.api.forward_with_key_lengths(q, k, v, lengths, causal="bottom_right", page_table=table)
+    (partial, params, _, _), (combine, _, _, _) = launches[-2:]
+    f = _fwd_fields(params)
+    assert partial.kv_split and combine.family == "fwd_combine"
+    assert int(f["mask"]["page_table"]) == table.data.ptr and int(f["mask"]["key_lengths"]) == lengths.data.ptr
+    assert (int(f["mask"]["page_size"]), int(f["mask"]["pages_per_seq"])) == (16, 20)
+    assert int(f["k"]["batch_stride"]) == 2 * 16 * 128 and int(f["dims"]["lk"]) == 20 * 16
+    q64 = dev.empty((2, 8, 1, 128), np.float64)
+    k64, v64 = (dev.empty((40, 2, 16, 128), np.float64) for _ in range(2))
+    with pytest.raises(ValueError, match="reads no paged cache"):
+        cuflash.api.forward_with_key_lengths(q64, k64, v64, lengths, causal="bottom_right", page_table=table)

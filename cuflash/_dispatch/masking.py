@@ -128,7 +128,8 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
     values = {"band_lo": lo, "band_hi": hi, "block_q": block[0], "block_k": block[1], "bias": bias_view,
               "mask": mask_view, "layout": lay_view,
               "drop_threshold": dropout_threshold(opts.dropout_p) if opts.dropout else 0,
-              "seed_lo": seed_lo, "seed_hi": seed_hi, "keep_scale": 1.0 / (1.0 - opts.dropout_p), "key_lengths": 0}
+              "seed_lo": seed_lo, "seed_hi": seed_hi, "keep_scale": 1.0 / (1.0 - opts.dropout_p), "key_lengths": 0,
+              "page_table": 0, "page_size": 1, "pages_per_seq": 0}
     return KernelMasking(band, opts.extra, values, tuple(keep), chunks)
 
 

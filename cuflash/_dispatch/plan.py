@@ -44,6 +44,10 @@ _FWD_ADDRESSES = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in _F
 _FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
 _FWD_PARTIALS = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in ("out_partial", "lse_partial"))
 _FWD_KEY_LENGTHS = (PACKERS["FwdParams"].offset("mask.key_lengths"),)
+_FWD_PAGE_TABLE = (PACKERS["FwdParams"].offset("mask.page_table"),)
+PAGED_FAMILIES = ("fwd_mma",)
+"""The split forwards whose K/V loader reads a paged cache (kernels_cu/tile_io.cuh, load_paged_rows): the
+16-bit one; the float32 tiles spill 8-160 bytes with the page lookups, so float32 pages are gathered."""
 _BWD_ADDRESSES = tuple(PACKERS["BwdParams"].offset(f"{name}.ptr") for name in _BWD_ARRAYS)
 
 
@@ -115,17 +119,21 @@ class ForwardPlan:
     keep_alive: tuple = field(default=(), repr=False)
     partial_only: bool = False   # the result is the partial buffers' one split (accumulator precision)
     key_lengths: bool = False    # each batch entry's key count comes with the call (MaskParams::key_lengths)
+    paged: bool = False          # K and V are pages, read through the call's page table
 
 
 def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
-                 key_lengths: bool = False) -> ForwardPlan:
+                 key_lengths: bool = False, pages: Optional[Tuple[int, int]] = None) -> ForwardPlan:
     """The forward plan of a validated call (``p``: :class:`cuflash.options.Problem` on CuPy with
     keys and outputs, ``opts``: its :class:`cuflash.options.Options`). ``num_splits``: the split-KV
     forward's key splits (None: :func:`select.split_count` decides; 1: unsplit). ``accumulator_out``:
     out in the accumulator type (float32; float64 for float64), from the split-KV partial kernel over
     one split (for results merged again later: cuflash.distributed). ``key_lengths``: each batch entry
     attends its own number of keys (an int32 array the call passes), the band aligned to its own end:
-    the split-KV kernels, which read them (ScoreMod's PER_SEQ), with as many splits as chosen (1 included)."""
+    the split-KV kernels, which read them (ScoreMod's PER_SEQ), with as many splits as chosen (1 included).
+    ``pages`` ``(page_size, pages_per_seq)``: K and V are a paged cache (their views' batch stride steps
+    from page to page) read through a page table the call passes; ValueError where the kernel's loader
+    cannot (:data:`PAGED_FAMILIES`, load_paged_rows' layout)."""
     q, k, v = p.q, p.k, p.v
     d, dv = p.d, p.dv
     masking = masking_.kernel_masking(p, opts)
@@ -145,10 +153,14 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     if key_lengths:
         if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
             raise ValueError("per-sequence key lengths take no masking option and a positive scale")
-        plan = _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
-                                   smem_limit)
-        return replace(plan, key_lengths=True,
-                       params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS))
+        values = masking.values if pages is None else dict(masking.values, page_size=pages[0],
+                                                                         pages_per_seq=pages[1])
+        plan = _plan_split_forward(p, replace(masking, values=values), extra or band, portable, splits, out_shape,
+                                   lse_shape, lse_dtype, smem_limit)
+        if pages is not None and not _reads_pages(plan.kernels[0].variant, q.itemsize):
+            raise ValueError(f"the {plan.kernels[0].variant.family} split kernel reads no paged cache")
+        return replace(plan, key_lengths=True, paged=pages is not None,
+                       params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
     if splits > 1:
         return _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
                                    smem_limit)
@@ -169,6 +181,14 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     return ForwardPlan(q.data.device_id, (KernelLaunch(variant, grid, maps is not None),), out_shape, lse_shape,
                        q.dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
                        variant.schedule == "queue", None, masking.keep_alive)
+
+
+def _reads_pages(v, itemsize: int) -> bool:
+    """Whether a split variant's K/V loader reads pages (tile_io.cuh: load_kv_tile's PAGES_FIT)."""
+    if v.family not in PAGED_FAMILIES or v.extra:
+        return False
+    per_row = v.head // (16 // itemsize if v.vec else 1)
+    return v.threads % per_row == 0 and v.tile.block_n % (v.threads // per_row) == 0
 
 
 def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
@@ -252,10 +272,10 @@ class _Strided:
         return cls(shape, tuple(reversed(strides)), itemsize)
 
 
-def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None):
+def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=None):
     """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D); with ``plan.partial_only`` out in the
     accumulator type (a view of the partial buffer without its padding column); ``key_lengths`` (int32
-    (B,)) for a plan that takes them."""
+    (B,)) and ``page_table`` (int32 (B, pages_per_seq)) for a plan that takes them."""
     cupy, _ = device.cupy_modules()
     with device.on_device(plan.device):
         if plan.partial_only:
@@ -273,6 +293,8 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None):
             params.put_addresses(_FWD_PARTIALS, (out_partial.data.ptr, lse_partial.data.ptr))
         if plan.key_lengths:
             params.put_addresses(_FWD_KEY_LENGTHS, (key_lengths.data.ptr,))
+        if plan.paged:
+            params.put_addresses(_FWD_PAGE_TABLE, (page_table.data.ptr,))
         maps = None if plan.maps is None else plan.maps.for_arrays({"q": q, "k": k, "v": v, "out": out})
         run(plan.kernels, params, maps)
     if plan.partial_only:   # (B, Hk, group x Lq) packed rows are (B, Hq, Lq) rows in memory
@@ -431,19 +453,21 @@ CACHES_OF_CHOICES.append(clear_plans)
 
 
 def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
-            key_lengths=None):
+            key_lengths=None, page_table=None, page_size: int = 0):
     """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
-    keys and outputs; ``num_splits`` (part of the call's signature), ``accumulator_out`` and
-    ``key_lengths`` (an int32 array (B,) or None) as :func:`plan_forward` takes them."""
+    keys and outputs; ``num_splits`` (part of the call's signature), ``accumulator_out``, ``key_lengths``
+    (an int32 array (B,) or None) and a paged cache's ``page_table`` (int32 (B, pages_per_seq)) with its
+    ``page_size`` as :func:`plan_forward` takes them."""
     p = call.problem
     with_lengths = key_lengths is not None
-    key = None if call.signature is None else (call.signature, accumulator_out, with_lengths, _hooks())
+    pages = None if page_table is None else (int(page_size), int(page_table.shape[1]))
+    key = None if call.signature is None else (call.signature, accumulator_out, with_lengths, pages, _hooks())
     plan = None if key is None else _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = plan_forward(p, call.options, precision, num_splits, accumulator_out, with_lengths)
+        plan = plan_forward(p, call.options, precision, num_splits, accumulator_out, with_lengths, pages)
         if key is not None:
             _remember(_FORWARD_PLANS, key, plan)
-    return execute_forward(plan, p.q, p.k, p.v, key_lengths)
+    return execute_forward(plan, p.q, p.k, p.v, key_lengths, page_table)
 
 
 def backward(call, dout, out, lse, precision: str, deterministic: bool):
