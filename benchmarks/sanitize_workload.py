@@ -20,7 +20,7 @@ key count, whose last float pair the sequence end cuts). ``--portable``: the por
 float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both precisions).
 ``--split``: the split-KV forward (decoding shapes: one to 16 query rows over odd key counts, packed
 grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
-a KV cache of ragged lengths (0 included) with an append.
+a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16.
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -167,8 +167,13 @@ def split_kv(dtypes) -> None:
         launched.clear()
         out = cuflash.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=cp.asarray([0, 777, 2999]),
                                              causal=True)
+        # a paged cache: 188 pages of 16 in shuffled order (the 16-bit kernel reads them in place)
+        page_table = cp.random.default_rng(0).permutation(3 * 188).reshape(3, 188).astype(cp.int32)
+        k_pages, v_pages = (cp.zeros((3 * 188, 2, 16, d), dtype=DTYPES[dtype]) for _ in range(2))
+        out_paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v, causal=True,
+                                                   cache_seqlens=cp.asarray([0, 777, 2999]), block_table=page_table)
         cp.cuda.Device().synchronize()
-        finite = bool(cp.isfinite(out.astype(cp.float64)).all())
+        finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out, out_paged))
         print(f"{dtype:8} d={d:3} kv cache {','.join(launched[:2])} finite={finite}", flush=True)
 
 
