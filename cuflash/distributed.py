@@ -300,24 +300,32 @@ def _slices(spans) -> List[slice]:
     return out
 
 
-def _check(comm, q, k, v, causal, layout, length):
-    """The same call on every rank (shapes but the sequence axis, dtype, options), or ValueError on
-    every rank: one all-reduce of a signature, max against min."""
+SIGNATURE_WORDS = 32
+
+
+def _agree(comm, q, k, v, causal, layout, length: Optional[int]) -> int:
+    """The whole sequence's length, once every rank is found to make the same call (shapes but the
+    sequence axis, dtype, options, ``length`` where given), else ValueError on every rank: one max and
+    one min all-reduce of the call's signature and a one-hot of this rank's slice length."""
     xp = array_module(q)
     name = SUPPORTED_DTYPES.get(np.dtype(q.dtype))
     if name is None:
         raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32, float64")
-    words = [q.ndim, *q.shape[:-2], q.shape[-1], *k.shape[:-2], k.shape[-1], *v.shape[:-2], v.shape[-1],
-             list(SUPPORTED_DTYPES.values()).index(name), int(bool(causal)), LAYOUTS.index(layout), length]
-    words += [0] * (32 - len(words))
-    signature = xp.asarray(np.asarray(words[:32], dtype=np.int64))
-    same = comm.all_reduce(signature, "max") == comm.all_reduce(signature, "min")
-    if not bool(same.all()):
-        raise ValueError("the ranks' calls differ (shapes, dtype, causal, layout or sequence length): every rank "
-                         "must pass its slice of the same sequence with the same options")
     for name_, x in (("k", k), ("v", v)):
         if np.dtype(x.dtype) != np.dtype(q.dtype):
             raise TypeError(f"{name_} must have q's dtype {q.dtype}, got {x.dtype}")
+    words = [q.ndim, *q.shape[:-2], q.shape[-1], *k.shape[:-2], k.shape[-1], *v.shape[:-2], v.shape[-1],
+             list(SUPPORTED_DTYPES.values()).index(name), int(bool(causal)), LAYOUTS.index(layout),
+             -1 if length is None else int(length)]
+    words = (words + [0] * SIGNATURE_WORDS)[:SIGNATURE_WORDS]
+    slices = [0] * comm.size
+    slices[comm.rank] = q.shape[-2]
+    both = xp.asarray(np.asarray(words + slices, dtype=np.int64))
+    high, low = comm.all_reduce(both, "max"), comm.all_reduce(both, "min")
+    if not bool((high[:SIGNATURE_WORDS] == low[:SIGNATURE_WORDS]).all()):
+        raise ValueError("the ranks' calls differ (shapes, dtype, causal, layout or sequence length): every rank "
+                         "must pass its slice of the same sequence with the same options")
+    return int(high[SIGNATURE_WORDS:].sum()) if length is None else int(length)
 
 
 def _layout_of(causal, layout):
@@ -354,8 +362,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     layout = _layout_of(causal, layout)
     xp = array_module(q)
     local = q.shape[-2]
-    total = _total_length(comm, local, xp) if length is None else int(length)
-    _check(comm, q, k, v, causal, layout, total)
+    total = _agree(comm, q, k, v, causal, layout, length)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
     if sum(b - a for a, b in mine) != local:
@@ -378,13 +385,6 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     return out.astype(q.dtype), lse
 
 
-def _total_length(comm, local: int, xp) -> int:
-    """The whole sequence's length: the sum of the ranks' slice lengths (two all-reduces of a one-hot)."""
-    counts = np.zeros(comm.size, dtype=np.int64)
-    counts[comm.rank] = local
-    return int(comm.all_reduce(xp.asarray(counts), "max").sum())
-
-
 def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = False, scale: Optional[float] = None,
                             layout: Optional[str] = None, deterministic: bool = False) -> Tuple[Any, Any, Any]:
     """(dq, dk, dv) of this rank's slice, from the ring forward's ``out`` and ``lse`` (same options).
@@ -396,8 +396,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     """
     layout = _layout_of(causal, layout)
     xp = array_module(q)
-    total = _total_length(comm, q.shape[-2], xp)
-    _check(comm, q, k, v, causal, layout, total)
+    total = _agree(comm, q, k, v, causal, layout, None)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
     acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import api
 from ._dispatch import plan as _plan
-from .options import array_module, dtype_name
+from .options import MAX_HEAD_DIM, array_module, check_scale, dtype_name
 
 __all__ = ["attention_with_kvcache"]
 
@@ -38,8 +38,29 @@ def _lengths(cache_seqlens, batch: int, xp):
     return cache_seqlens.astype(np.int64)
 
 
+def _check_ranges(cache_seqlens, lengths, pages, n_new: int, cap: int, num_pages: int, xp) -> None:
+    """The lengths (and page indices) in range, or ValueError: their extremes in one transfer from the
+    device (none for an int length without pages)."""
+    if isinstance(cache_seqlens, (int, np.integer)) and pages is None:
+        lo = hi = int(cache_seqlens)
+    elif lengths.size == 0:
+        return
+    else:
+        parts = [lengths.min(), lengths.max()]
+        if pages is not None and pages.size:
+            parts += [pages.min(), pages.max()]
+        values = [int(x) for x in xp.stack(parts).tolist()]
+        lo, hi = values[:2]
+        if len(values) == 4 and (values[2] < 0 or values[3] >= num_pages):
+            raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
+    if lo < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
+    if hi + n_new > cap:
+        raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
+
+
 def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
-    """block_table as an int64 array (B, max_pages) of valid page indices, or TypeError / ValueError."""
+    """block_table as an int64 array (B, max_pages), or TypeError / ValueError (its values: _check_ranges)."""
     try:
         mod = array_module(block_table)
     except TypeError:
@@ -55,10 +76,7 @@ def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
     page_size = k_cache.shape[2]
     if not 1 <= page_size <= 256:
         raise ValueError(f"pages hold 1 to 256 positions, got {page_size}")
-    pages = block_table.astype(np.int64)
-    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= k_cache.shape[0]):
-        raise ValueError(f"block_table holds page indices outside [0, {k_cache.shape[0]})")
-    return pages
+    return block_table.astype(np.int64)   # its range: checked with the lengths' (one transfer)
 
 
 def _gathered(cache, pages):
@@ -142,14 +160,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         if k_new.shape != (b, hk, n_new, d) or v_new.shape != (b, hk, n_new, v_cache.shape[3]):
             raise ValueError(f"k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} must be (B, Hk, Lnew, D) and "
                              f"(B, Hk, Lnew, Dv) of the caches")
-    lengths = _lengths(cache_seqlens, b, xp)
-    lo, hi = int(lengths.min()) if b else 0, int(lengths.max()) if b else 0
-    if lo < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
-    if hi + n_new > cap:
-        raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
+    if hq % hk:
+        raise ValueError(f"q has {hq} heads, not a multiple of the caches' {hk}")
+    if max(d, v_cache.shape[3]) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {MAX_HEAD_DIM}, got {d} and {v_cache.shape[3]}")
+    check_scale(scale, d)
     if window is not None and (not isinstance(window, tuple) or len(window) != 2):
         raise ValueError(f"window must be (left, right), got {window!r}")
+    lengths = _lengths(cache_seqlens, b, xp)
+    _check_ranges(cache_seqlens, lengths, pages, n_new, cap, k_cache.shape[0] if pages is not None else 0, xp)
 
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
         positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)

@@ -25,7 +25,8 @@ __all__ = ["merge_attention"]
 
 
 def _to_acc(xp, x, acc):
-    """``x`` in the accumulator dtype ``acc``; a CuPy bfloat16 array widened by its bits."""
+    """``x`` in the accumulator dtype ``acc``; a CuPy bfloat16 array widened by its bits (CuPy 13, which
+    the cuda12 extra allows, has no bfloat16 arithmetic)."""
     if xp is not np and x.dtype == _BF16:
         x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
     return x.astype(acc, copy=False)

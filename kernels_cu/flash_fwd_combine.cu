@@ -24,7 +24,7 @@ __device__ __forceinline__ A log_of(A x) {
     else return logf(x);
 }
 
-// The larger of a and b, NaN if either is (fmax would drop a NaN).
+// The larger of a and b, NaN if either is (fmax, and so group_max, would drop a NaN).
 template <typename A>
 __device__ __forceinline__ A max_keeping_nan(A a, A b) {
     return (a != a || b != b) ? a + b : (a > b ? a : b);
@@ -34,13 +34,6 @@ template <typename A>
 __device__ __forceinline__ A warp_max_keeping_nan(A x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) x = max_keeping_nan(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
-}
-
-template <typename A>
-__device__ __forceinline__ A warp_sum(A x) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
 }
 
@@ -66,7 +59,7 @@ flash_fwd_combine(const FwdParams p) {
     const A shift = peak == neg_inf<A>() ? A(0) : peak;   // every split empty: weights exp(-inf) = 0
     A total = A(0);
     for (int s = lane; s < splits; s += 32) total += exp_of(split_lse(s) - shift);
-    total = warp_sum(total);
+    total = group_sum<32>(total);
     const A inv_total = total == A(0) ? A(0) : A(1) / total;   // NaN stays NaN
 
     A acc[COLS];

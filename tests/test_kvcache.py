@@ -104,6 +104,7 @@ def test_no_new_keys_and_an_int_length(device):
     (dict(cache_seqlens=np.array([1, 2])), ValueError, r"shape \(3,\)"),
     (dict(cache_seqlens="3"), TypeError, "int or an integer array"),
     (dict(cache_seqlens=3, window=5), ValueError, "window"),
+    (dict(cache_seqlens=3, scale=float("nan")), ValueError, "scale"),
 ])
 def test_bad_input_is_refused_and_the_cache_untouched(kwargs, err, match):
     q, kc, vc, kn, vn = _setup(np)
@@ -121,6 +122,13 @@ def test_mismatched_arrays_are_refused():
         cuflash.attention_with_kvcache(q, kc.astype(np.float32), vc, cache_seqlens=1)
     with pytest.raises(ValueError, match="k_new"):
         cuflash.attention_with_kvcache(q, kc, vc, kn[:, :1], vn[:, :1], cache_seqlens=1)
+    before = kc.copy()
+    with pytest.raises(ValueError, match="not a multiple"):
+        cuflash.attention_with_kvcache(q[:, :3], kc, vc, kn, vn, cache_seqlens=1)
+    wide = [np.zeros(x.shape[:3] + (300,)) for x in (q, kc, vc, kn, vn)]
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        cuflash.attention_with_kvcache(*wide, cache_seqlens=1)
+    np.testing.assert_array_equal(kc, before)
 
 
 def _paged(xp, kc, vc, page_size, seed=3):

@@ -278,13 +278,14 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=Non
     (B,)) and ``page_table`` (int32 (B, pages_per_seq)) for a plan that takes them."""
     cupy, _ = device.cupy_modules()
     with device.on_device(plan.device):
-        if plan.partial_only:
-            out = lse = _NO_ARRAY
+        params = HostArg(plan.params)
+        if plan.partial_only:   # out and lse are the partial buffers (their addresses stay 0 in the params)
+            out = lse = None
+            params.put_addresses(_FWD_ADDRESSES[:3], (q.data.ptr, k.data.ptr, v.data.ptr))
         else:
             out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
             lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
-        params = HostArg(plan.params)
-        params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
+            params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
         if plan.queue:   # a zeroed counter a launch: CTAs of two launches never share one
             queue = cupy.zeros(1, dtype=cupy.int32)
             params.put_addresses(_FWD_QUEUE, (queue.data.ptr,))
@@ -301,16 +302,6 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=Non
         return out_partial.reshape(plan.out_shape[:3] + (-1,))[..., :plan.out_shape[3]], \
             lse_partial.reshape(plan.lse_shape)
     return out, lse
-
-
-class _NoArray:
-    """The unused out / lse of a partial-only plan: address 0."""
-
-    class data:
-        ptr = 0
-
-
-_NO_ARRAY = _NoArray()
 
 
 # ------------------------------------------------------------------ backward
