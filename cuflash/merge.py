@@ -10,7 +10,7 @@ key (``lse_s = -inf``, ``out_s = 0`` as the forward writes it) has weight 0; if 
 the row is 0 with ``lse = -inf``, as a fully masked row of :func:`cuflash.attention_forward`. A NaN
 in any part's out or lse propagates to the merged row, as NaN inputs do in PyTorch.
 
-The split-KV forward merges its partial results the same way on the GPU (kernels_cu/combine.cu).
+The split-KV forward merges its partial results the same way on the GPU (kernels_cu/flash_fwd_combine.cu).
 """
 from __future__ import annotations
 

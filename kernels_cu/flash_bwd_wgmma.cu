@@ -652,7 +652,7 @@ __device__ __forceinline__ void consume_head_halves(const BwdParams& p, const Bw
 }
 
 // Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
-// The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
+// The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
 // DBIAS: the consumers add dS into dbias (the file's head).
 template <typename T, typename Cfg, typename Flags, bool DBIAS>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)

@@ -222,7 +222,7 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
 // (SCHEDULE_ONE_A_BLOCK), or one CTA an SM, each walking blocks in turn (BlockWalk). A CTA's producer
 // and consumers walk the same blocks and tiles, so the stage ring and its parities simply run on
 // across blocks.
-// The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
+// The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
 template <typename T, typename Cfg, typename Flags, int SCHEDULE>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {

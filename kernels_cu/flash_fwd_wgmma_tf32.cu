@@ -179,7 +179,7 @@ __device__ __forceinline__ void produce_tf32(const Tf32Smem<Tr>& sm, const FwdTe
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
-// The host checked what the tensor maps need: 16-byte aligned bases and strides (_tma.py).
+// The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
 template <typename T, typename Cfg, typename Flags, int SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
 flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {

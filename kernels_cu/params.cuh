@@ -93,7 +93,7 @@ struct FwdParams {
     // Split-KV (scheduler.cuh, KeySplit): num_splits partial results, split s over key tiles
     // [s * split_tiles, (s + 1) * split_tiles) of the variant's block_n, written in the accumulator
     // type as batch s * B + b of out_partial (S * B, Hq, Lq, >= Dv rounded up to even) and
-    // lse_partial (S * B, Hq, Lq); the combine kernel (combine.cu) merges them into out and lse.
+    // lse_partial (S * B, Hq, Lq); the combine kernel (flash_fwd_combine.cu) merges them into out and lse.
     int num_splits, split_tiles;
     View out_partial, lse_partial;
     // SCHEDULE_QUEUE (scheduler.cuh): the host's block counter, zero at the launch, from which the

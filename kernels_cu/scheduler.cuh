@@ -126,7 +126,7 @@ struct QueryBlock {
 // Split-KV (a forward's KV_SPLIT; FwdParams::num_splits, split_tiles): the grid is num_splits copies
 // of the query blocks' grid, copy s (the slowest index) taking the key tiles [s * split_tiles,
 // (s + 1) * split_tiles) of each block's visible range, and writing its partial O and lse in the
-// accumulator type as batch s * B + b of out_partial / lse_partial (combine.cu merges them).
+// accumulator type as batch s * B + b of out_partial / lse_partial (flash_fwd_combine.cu merges them).
 // Without KV_SPLIT each function is the plain grid's.
 template <int BM, bool KV_SPLIT>
 struct KeySplit {
