@@ -74,7 +74,7 @@ def _paged_cache(k, v, page_size: int):
     """k, v (B, Hk, Lk, D) as shuffled pages (num_pages, Hk, page_size, D) and their block table."""
     b, hk, lk, d = k.shape
     per_seq = -(-lk // page_size)
-    order = cp.random.default_rng(1).permutation(b * per_seq).reshape(b, per_seq)
+    order = cp.asarray(np.random.default_rng(1).permutation(b * per_seq).reshape(b, per_seq))
     pages = []
     for c in (k, v):
         padded = cp.zeros((b, hk, per_seq * page_size, d), dtype=c.dtype)

@@ -20,7 +20,8 @@ key count, whose last float pair the sequence end cuts). ``--portable``: the por
 float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both precisions).
 ``--split``: the split-KV forward (decoding shapes: one to 16 query rows over odd key counts, packed
 grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
-a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16.
+a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16
+(``--kvcache``: that cache part alone).
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -48,6 +49,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hopper-persistent", action="store_true",
                         help="the Hopper forward's persistent CTAs, three of them walking every query block")
     parser.add_argument("--split", action="store_true", help="the split-KV forward and its combine kernel")
+    parser.add_argument("--kvcache", action="store_true",
+                        help="only the KV cache part of --split (ragged lengths, contiguous and paged)")
     parser.add_argument("--portable", action="store_true",
                         help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
@@ -63,8 +66,11 @@ def main(argv=None) -> None:
     if args.hopper_persistent:
         hopper_persistent(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
         return
-    if args.split:
-        split_kv(args.dtypes.split(",") if args.dtypes else list(DTYPES))
+    if args.split or args.kvcache:
+        dtypes = args.dtypes.split(",") if args.dtypes else list(DTYPES)
+        if args.split:
+            split_kv(dtypes)
+        kv_cache(dtypes)
         return
     dims = (64, 128, 256) if args.quick else (40, 64, 111, 128, 256)
     if args.dims:
@@ -159,7 +165,13 @@ def split_kv(dtypes) -> None:
         finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out,) + grads)
         print(f"{dtype:8} d={d:3} lq={lq:2} hq={hq} splits={splits!s:4} masked={masked!s:5} "
               f"{','.join(launched[:2])} finite={finite}", flush=True)
-    # A KV cache of ragged lengths (0 included), one new key appended: the kernels read the lengths.
+
+
+def kv_cache(dtypes) -> None:
+    """A KV cache of ragged lengths (0 included), one new key appended: the kernels read the lengths."""
+    launched = []
+    _record(lambda variant, grid: launched.append(variant.family + ("/split" if variant.kv_split else "")))
+    rng = np.random.default_rng(1)
     for dtype, d in itertools.product(dtypes, (64, 128)):
         q = cp.asarray(rng.standard_normal((3, 8, 1, d)).astype(DTYPES[dtype]))
         k, v = (cp.asarray(rng.standard_normal((3, 2, 3000, d)).astype(DTYPES[dtype])) for _ in range(2))
@@ -168,7 +180,7 @@ def split_kv(dtypes) -> None:
         out = cuflash.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=cp.asarray([0, 777, 2999]),
                                              causal=True)
         # a paged cache: 188 pages of 16 in shuffled order (the 16-bit kernel reads them in place)
-        page_table = cp.random.default_rng(0).permutation(3 * 188).reshape(3, 188).astype(cp.int32)
+        page_table = cp.asarray(rng.permutation(3 * 188).reshape(3, 188).astype(np.int32))
         k_pages, v_pages = (cp.zeros((3 * 188, 2, 16, d), dtype=DTYPES[dtype]) for _ in range(2))
         out_paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v, causal=True,
                                                    cache_seqlens=cp.asarray([0, 777, 2999]), block_table=page_table)

@@ -26,8 +26,9 @@ def test_cupy_merge_matches_numpy_and_one_shot(dtype):
     host = cuflash.merge_attention([cp.asnumpy(o) for o, _ in parts], [cp.asnumpy(l_) for _, l_ in parts])
     tol = 1e-12 if dtype is np.float64 else 1e-6
     np.testing.assert_allclose(cp.asnumpy(lse), host[1], rtol=tol, atol=tol)
+    # the device's exp and fused multiply-adds differ from NumPy's by an ulp or so
     np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), host[0].astype(np.float64), rtol=tol,
-                               atol=0 if dtype in (np.float32, np.float64) else 1e-2)
+                               atol=tol if dtype in (np.float32, np.float64) else 1e-2)
     one_out, one_lse = cuflash.attention_forward(qd, kd, vd)
     ok = np.ones(lse.shape, dtype=bool)
     ok[0, 0, :5] = False
