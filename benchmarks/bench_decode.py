@@ -8,7 +8,9 @@ against Lk cached keys, head dim D, no mask (one query row: bottom-right causal 
 rows get the same no-mask call from every contender). Contenders on the same buffers (PyTorch reads
 CuPy's arrays through DLPack): cuflash (the split-KV forward where it decides), cuflash with
 ``num_splits=1`` (one thread block a query block: what the split buys), cuflash.attention_with_kvcache
-on the same cache contiguous and as shuffled pages of 16 and 256 positions, and PyTorch SDPA's flash
+(causal: with Lq > 1 the bottom-right band, a few keys fewer) on the same cache contiguous, its lengths
+checked (a device read a call) and not (``validate=False``), and as shuffled pages of 16 and 256
+positions (not checked), and PyTorch SDPA's flash
 (FlashAttention-2), cuDNN, efficient and math backends with ``enable_gqa`` (a backend that refuses
 GQA gets K/V repeated to Hq heads beforehand, outside the time, and reads Hq / Hk times the bytes;
 the row says so). Time: the median of ``--repeat`` queued calls' mean, 5 runs (CUDA events). GB/s
@@ -92,13 +94,15 @@ def contenders(q, k, v) -> dict:
     out = {"cuflash": (lambda: cuflash.attention_forward(q, k, v), ""),
            "cuflash unsplit": (lambda: cuflash.attention_forward(q, k, v, num_splits=1), ""),
            "cuflash kvcache": (lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True),
-                               "lengths as a key mask")}
+                               "lengths checked (a device read a call)"),
+           "cuflash kvcache unchecked": (lambda: cuflash.attention_with_kvcache(
+               q, k, v, cache_seqlens=lengths, causal=True, validate=False), "validate=False")}
     for page_size in (16, 256):
         k_pages, v_pages, table = _paged_cache(k, v, page_size)
         out[f"cuflash paged {page_size}"] = (
             lambda k_pages=k_pages, v_pages=v_pages, table=table: cuflash.attention_with_kvcache(
-                q, k_pages, v_pages, cache_seqlens=lengths, causal=True, block_table=table),
-            "pages gathered first")
+                q, k_pages, v_pages, cache_seqlens=lengths, causal=True, block_table=table, validate=False),
+            "validate=False")
     if torch is None:
         return out
     tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))

@@ -174,9 +174,9 @@ def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, sc
     page ``page_table[b, j // page_size]``; the kernels read the pages in place (ValueError where the
     chosen kernel's loader cannot: the caller gathers them instead)."""
     xp = options.array_module(q)
-    page_size = 0
+    page_size = num_pages = 0
     if page_table is not None:
-        page_size = k.shape[2]
+        page_size, num_pages = k.shape[2], k.shape[0]
         cap = page_table.shape[1] * page_size
         # The pages seen as (B, Hk, cap, D): validation and the params read the shape and the strides; the
         # batch stride (one page's) is what the kernels step by through the table.
@@ -193,7 +193,7 @@ def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, sc
         out = p.xp.zeros(p.out_shape(), dtype=q.dtype)
         return out, p.xp.full(p.lse_shape(), -np.inf, dtype=acc_dtype(p.dtype))
     out, lse = _plan.forward(call, "highest", num_splits, key_lengths=key_lengths, page_table=page_table,
-                             page_size=page_size)
+                             page_size=page_size, num_pages=num_pages)
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 

@@ -21,10 +21,15 @@ from .options import MAX_HEAD_DIM, array_module, check_scale, dtype_name
 __all__ = ["attention_with_kvcache"]
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _lengths(cache_seqlens, batch: int, xp):
-    """cache_seqlens as an int64 array of shape (batch,) on q's device, or TypeError / ValueError."""
-    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        return xp.full((batch,), int(cache_seqlens), dtype=np.int64)
+    """cache_seqlens as a contiguous int32 array of shape (batch,) on q's device (itself when it is one), or
+    TypeError / ValueError (its values: _check_ranges)."""
+    if _is_int(cache_seqlens):
+        return xp.full((batch,), min(max(int(cache_seqlens), 0), 2 ** 31 - 1), dtype=np.int32)
     try:
         mod = array_module(cache_seqlens)
     except TypeError:
@@ -35,24 +40,26 @@ def _lengths(cache_seqlens, batch: int, xp):
         raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
     if mod is not xp:
         raise TypeError(f"cache_seqlens is a {mod.__name__} array but q is a {xp.__name__} array")
-    return cache_seqlens.astype(np.int64)
+    return xp.ascontiguousarray(cache_seqlens.astype(np.int32, copy=False))
 
 
-def _check_ranges(cache_seqlens, lengths, pages, n_new: int, cap: int, num_pages: int, xp) -> None:
-    """The lengths (and page indices) in range, or ValueError: their extremes in one transfer from the
-    device (none for an int length without pages)."""
-    if isinstance(cache_seqlens, (int, np.integer)) and pages is None:
-        lo = hi = int(cache_seqlens)
-    elif lengths.size == 0:
-        return
-    else:
-        parts = [lengths.min(), lengths.max()]
-        if pages is not None and pages.size:
-            parts += [pages.min(), pages.max()]
-        values = [int(x) for x in xp.stack(parts).tolist()]
-        lo, hi = values[:2]
-        if len(values) == 4 and (values[2] < 0 or values[3] >= num_pages):
+def _check_ranges(cache_seqlens, pages, n_new: int, cap: int, num_pages: int, xp) -> None:
+    """The lengths (as given) and the page indices in range, or ValueError: the lengths and the page
+    indices' extremes in one transfer from the device (none for an int length without pages)."""
+    parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
+    if pages is not None and pages.size:
+        parts += [pages.min().reshape(1).astype(np.int64), pages.max().reshape(1).astype(np.int64)]
+    values = (xp.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else np.zeros(0, np.int64)
+    values = values if isinstance(values, np.ndarray) else values.get()
+    if pages is not None and pages.size:
+        if values[-2] < 0 or values[-1] >= num_pages:
             raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
+        values = values[:-2]
+    if _is_int(cache_seqlens):
+        values = np.array([int(cache_seqlens)])
+    if values.size == 0:
+        return
+    lo, hi = int(values.min()), int(values.max())
     if lo < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
     if hi + n_new > cap:
@@ -60,7 +67,8 @@ def _check_ranges(cache_seqlens, lengths, pages, n_new: int, cap: int, num_pages
 
 
 def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
-    """block_table as an int64 array (B, max_pages), or TypeError / ValueError (its values: _check_ranges)."""
+    """block_table as a contiguous int32 array (B, max_pages) (itself when it is one), or TypeError /
+    ValueError (its values: _check_ranges)."""
     try:
         mod = array_module(block_table)
     except TypeError:
@@ -76,7 +84,7 @@ def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
     page_size = k_cache.shape[2]
     if not 1 <= page_size <= 256:
         raise ValueError(f"pages hold 1 to 256 positions, got {page_size}")
-    return block_table.astype(np.int64)   # its range: checked with the lengths' (one transfer)
+    return xp.ascontiguousarray(block_table.astype(np.int32, copy=False))
 
 
 def _gathered(cache, pages):
@@ -88,7 +96,8 @@ def _gathered(cache, pages):
 
 def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache_seqlens,
                            causal: bool = False, window: Any = None, scale: Optional[float] = None,
-                           num_splits: Optional[int] = None, return_lse: bool = False, block_table=None) -> Any:
+                           num_splits: Optional[int] = None, return_lse: bool = False, block_table=None,
+                           validate: bool = True) -> Any:
     """Attention of new queries over a KV cache, appending the new keys and values in place.
 
     Parameters
@@ -121,6 +130,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         any order, 1 to 256 positions. The append writes into those slots; on the GPU the float16 and
         bfloat16 kernels read the pages in place, other calls (float32, float64, the NumPy path, a
         window without causal) read them gathered into one buffer first (a copy a call).
+    validate : bool
+        Check ``cache_seqlens`` and ``block_table`` against the cache before anything is written or
+        launched (ValueError). On CuPy arrays that reads them back from the device: one small transfer,
+        which waits for the work already queued. ``False`` skips it on CuPy arrays, for a decoding loop
+        that keeps them in range itself (the call then never waits for the device): out-of-range
+        values are then not reported, but stay inside the cache (the kernels clamp lengths to
+        ``[0, Lcap]`` and page indices to the pages given, the append's indices wrap), so they give a
+        meaningless result rather than a fault. NumPy inputs and an int ``cache_seqlens`` are always
+        checked.
 
     Returns
     -------
@@ -168,7 +186,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     if window is not None and (not isinstance(window, tuple) or len(window) != 2):
         raise ValueError(f"window must be (left, right), got {window!r}")
     lengths = _lengths(cache_seqlens, b, xp)
-    _check_ranges(cache_seqlens, lengths, pages, n_new, cap, k_cache.shape[0] if pages is not None else 0, xp)
+    if validate or xp is np or (_is_int(cache_seqlens) and pages is None):
+        _check_ranges(cache_seqlens, pages, n_new, cap, k_cache.shape[0] if pages is not None else 0, xp)
 
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
         positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)
@@ -180,21 +199,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
             where = (owner, slice(None), positions % page_size)
         k_cache[where] = k_new.transpose(0, 2, 1, 3)
         v_cache[where] = v_new.transpose(0, 2, 1, 3)
-    total = lengths + n_new                                     # keys of each sequence after the append
+    total = lengths + np.int32(n_new) if n_new else lengths     # keys of each sequence after the append (int32)
     if xp is not np and (causal or window is None) and (scale is None or _plan.scale_folds(scale)):
         # The split-KV kernels read each sequence's key count and align the causal band (and a window
         # under it) to its own end: no mask, and the query heads of a K/V head share one tile. The
         # 16-bit one reads a paged cache in place; the others take it gathered.
-        table = None if pages is None else pages.astype(np.int32)
         kwargs = dict(causal="bottom_right" if causal else False, window=window, scale=scale, num_splits=num_splits)
         try:
-            out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total.astype(np.int32), page_table=table,
-                                                    **kwargs)
+            out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total, page_table=pages, **kwargs)
         except ValueError:
             if pages is None:
                 raise
             out, lse = api.forward_with_key_lengths(q, _gathered(k_cache, pages), _gathered(v_cache, pages),
-                                                    total.astype(np.int32), **kwargs)
+                                                    total, **kwargs)
         return (out, lse) if return_lse else out
     if pages is not None:   # each sequence's pages in order, as one (B, Hk, Lcap, D) buffer
         k_cache, v_cache = (_gathered(c, pages) for c in (k_cache, v_cache))

@@ -68,8 +68,8 @@ struct ScoreMod {
                                         int head_)
         : lq(dims.lq), lk(dims.lk), scale_log2(scale_log2_), batch(batch_), head(head_), m(m_) {
         if constexpr (PER_SEQ) {
-            if (m.key_lengths != nullptr) {
-                lk = m.key_lengths[batch];
+            if (m.key_lengths != nullptr) {   // clamped: an unchecked length stays inside the cache
+                lk = min(max(m.key_lengths[batch], 0), dims.lk);
                 shift = lk - dims.lk;
             }
         }

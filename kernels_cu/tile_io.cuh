@@ -143,29 +143,62 @@ __device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int6
     }
 }
 
-// load_tile_fixed_col's copy of K or V rows [row0, row0 + ROWS) of batch entry `batch` from a paged
-// cache (MaskParams::page_table): each row's page looked up, the view's batch stride stepping between
-// pages. Needs load_tile_fixed_col's layout (whole chunks a row, whole rows a thread step).
+// A paged cache's key `key` lies in page `key / page_size` of its sequence: a shift for the
+// power-of-two page sizes (a division by a runtime value costs some twenty instructions a row).
+__device__ __forceinline__ int page_of_key(int key, int page_size) {
+    return (page_size & (page_size - 1)) == 0 ? key >> (__ffs(page_size) - 1) : key / page_size;
+}
+
+// The pages of the rows one thread copies in a K/V tile of a paged cache (MaskParams::page_table),
+// in load_tile_fixed_col's layout: thread t copies rows t / PER_ROW + k * ROW_STEP. The K and V copies
+// of a tile share them, and load_kv_tile reads the next tile's entries as it issues this tile's
+// copies: a table read's latency then passes during a step instead of in front of the tile's copy
+// (in front, the 16-bit split forward streamed a paged cache at about half the contiguous rate:
+// benchmarks/bench_decode.py).
+template <typename T, int ROWS, int COLS, int THREADS, bool VEC>
+struct PageCursor {
+    static constexpr int CHUNK = VEC ? 16 / int(sizeof(T)) : 1;
+    static constexpr int PER_ROW = COLS / CHUNK;
+    static constexpr int ROW_STEP = THREADS / PER_ROW;
+    // 16-byte chunks only: element copies would hold a page a row (64 registers at head dim 64)
+    static constexpr bool FITS = VEC && COLS % CHUNK == 0 && THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0;
+    static constexpr int COUNT = FITS ? ROWS / ROW_STEP : 1;   // rows a thread copies a tile
+    int row0 = -1;      // the first key of the tile whose pages `page` holds (-1: none)
+    int page[COUNT];    // page[k]: the page holding key row0 + threadIdx.x / PER_ROW + k * ROW_STEP
+
+    // Issues the table reads for the tile at key row0_next (keys at or past lk read nothing).
+    __device__ __forceinline__ void look_up(const MaskParams& m, int batch, int row0_next, int lk) {
+        const int* table = m.page_table + int64(batch) * m.pages_per_seq;
+        const int first_key = row0_next + int(threadIdx.x) / PER_ROW;
+        row0 = row0_next;
+#pragma unroll
+        for (int k = 0; k < COUNT; ++k) {
+            const int key = first_key + k * ROW_STEP;
+            // clamped: an unchecked index stays inside the cache
+            page[k] = key < lk ? min(max(table[page_of_key(key, m.page_size)], 0), m.num_pages - 1) : 0;
+        }
+    }
+};
+
+// load_tile_fixed_col's 16-byte copy of K or V rows [cursor.row0, cursor.row0 + ROWS) of one head
+// from a paged cache, each row in its page (the view's batch stride steps between pages; rows past
+// rows_valid and columns past cols_valid are zeros).
 template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
-__device__ __forceinline__ void load_paged_rows(T* smem, const View& pages, const MaskParams& m, int batch, int head,
-                                                int row0, int rows_valid, int cols_valid) {
-    constexpr int CHUNK = VEC ? 16 / int(sizeof(T)) : 1;
-    constexpr int PER_ROW = COLS / CHUNK;
-    constexpr int ROW_STEP = THREADS / PER_ROW;
-    static_assert(COLS % CHUNK == 0 && THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0,
-                  "load_tile_fixed_col's layout");
-    const int col = (threadIdx.x % PER_ROW) * CHUNK, first_row = threadIdx.x / PER_ROW;
+__device__ __forceinline__ void load_paged_rows(T* smem, const View& pages, const PageCursor<T, ROWS, COLS, THREADS, VEC>& cursor,
+                                                int page_size, int head, int rows_valid, int cols_valid) {
+    typedef PageCursor<T, ROWS, COLS, THREADS, VEC> Cursor;
+    static_assert(Cursor::FITS, "load_tile_fixed_col's layout");
+    const int col = (threadIdx.x % Cursor::PER_ROW) * Cursor::CHUNK, first_row = threadIdx.x / Cursor::PER_ROW;
     const bool col_valid = col < cols_valid;
-    const int* table = m.page_table + int64(batch) * m.pages_per_seq;
     const unsigned dst_addr = smem_addr(smem + first_row * PITCH + col);
 #pragma unroll
-    for (int k = 0; k < ROWS / ROW_STEP; ++k) {
-        const int row = first_row + k * ROW_STEP, key = row0 + row;
+    for (int k = 0; k < Cursor::COUNT; ++k) {
+        const int row = first_row + k * Cursor::ROW_STEP, key = cursor.row0 + row;
         const bool valid = col_valid && row < rows_valid;
-        const T* src = valid ? pages.at<const T>(table[key / m.page_size], head, key % m.page_size) + col : nullptr;
+        const int in_page = key - page_of_key(key, page_size) * page_size;
+        const T* src = valid ? pages.at<const T>(cursor.page[k], head, in_page) + col : nullptr;
         const T* from = valid ? src : static_cast<const T*>(pages.ptr);   // (no bytes read when not valid)
-        if (VEC) cp_async_16(dst_addr + k * ROW_STEP * PITCH * int(sizeof(T)), from, valid);
-        else smem[row * PITCH + col] = valid ? *src : zero_value<T>();
+        cp_async_16(dst_addr + k * Cursor::ROW_STEP * PITCH * int(sizeof(T)), from, valid);
     }
 }
 
@@ -216,19 +249,23 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 // and BIAS_ELEMS elements a stage): K and V rows n0.. (fixed-column copies, zero past lk and past the
 // head dims) and, with a bias, the block's BM x BN bias tile. All cp.async where the layout allows;
 // the caller commits the group. The forwards (16-bit and TF32) and the TF32 dQ kernel share it.
+// PAGED (the split forwards' PER_SEQ path) with a page table: K and V from a paged cache through
+// `pages`, which holds tile n0's pages when the previous call read them ahead (else they are read
+// now) and is left reading tile n0 + 1's.
 template <typename T, int BM, int BN, int HEAD, int P, int BIAS_PITCH, int THREADS, bool VEC, int KV_ELEMS,
           int BIAS_ELEMS, bool PAGED = false, typename Params>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stage, const Params& p,
-                                             const QueryBlock& blk, bool with_bias, int n0) {
+                                             const QueryBlock& blk, bool with_bias, int n0,
+                                             PageCursor<T, BN, HEAD, THREADS, VEC>* pages = nullptr) {
     const AttnDims& dims = p.dims;
-    constexpr int PER_ROW = HEAD / (VEC ? 16 / int(sizeof(T)) : 1);   // load_paged_rows' layout fits these tiles
-    constexpr bool PAGES_FIT = THREADS % PER_ROW == 0 && BN % (THREADS / PER_ROW) == 0;
-    if constexpr (PAGED && PAGES_FIT) {   // a paged cache (the split forwards' PER_SEQ path): each row's page
+    if constexpr (PAGED && PageCursor<T, BN, HEAD, THREADS, VEC>::FITS) {
         if (p.mask.page_table != nullptr) {
-            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS, p.k, p.mask, blk.batch,
-                                                          blk.kv_head, n0, dims.lk - n0, dims.d);
-            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS, p.v, p.mask, blk.batch,
-                                                          blk.kv_head, n0, dims.lk - n0, dims.dv);
+            if (pages->row0 != n0) pages->look_up(p.mask, blk.batch, n0, dims.lk);
+            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS, p.k, *pages, p.mask.page_size,
+                                                          blk.kv_head, dims.lk - n0, dims.d);
+            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS, p.v, *pages, p.mask.page_size,
+                                                          blk.kv_head, dims.lk - n0, dims.dv);
+            pages->look_up(p.mask, blk.batch, n0 + BN, dims.lk);
             return;
         }
     }

@@ -184,12 +184,12 @@ def test_bad_page_tables_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("page_size, d", [(16, 64), (64, 128), (256, 128), (8, 40)])
+@pytest.mark.parametrize("page_size, d", [(16, 64), (64, 128), (256, 128), (8, 40), (24, 64)])
 def test_pages_read_in_place_equal_the_contiguous_cache(dtype, page_size, d):
     """The 16-bit split kernel reads the pages through the table (no gather; float32 gathers them): the
     same output as the contiguous cache, for ragged lengths and an append."""
     cp = pytest.importorskip("cupy")
-    cap = 4 * 256
+    cap = 3 * 1024   # whole pages of every size below
     q, kc, vc, kn, vn = _setup(cp, DTYPES[dtype], b=3, hq=8, hk=2, lq=1, cap=cap, n_new=1, d=d)
     lengths = cp.asarray([0, 300, cap - 1])
     k_pages, v_pages, table = _paged(cp, _host(kc), _host(vc), page_size)
@@ -197,3 +197,36 @@ def test_pages_read_in_place_equal_the_contiguous_cache(dtype, page_size, d):
                                          block_table=table)
     want = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lengths, causal=True)
     np.testing.assert_allclose(_host(out).astype(np.float64), _host(want).astype(np.float64), rtol=1e-6, atol=1e-6)
+
+
+def test_numpy_inputs_are_checked_even_unvalidated():
+    q, kc, vc, kn, vn = _setup(np)
+    with pytest.raises(ValueError, match="past"):
+        cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=np.array([0, 1, 38]), validate=False)
+    with pytest.raises(ValueError, match=">= 0"):
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=-1, validate=False)
+
+
+@pytest.mark.gpu
+def test_unvalidated_calls_equal_validated_ones_and_stay_inside_the_cache():
+    """validate=False reads nothing back: in-range input gives the validated result bit for bit; lengths
+    past the cache or negative are clamped to it, page indices outside the pages to them (no fault)."""
+    cp = pytest.importorskip("cupy")
+    cap = 512
+    q, kc, vc, kn, vn = _setup(cp, np.float16, b=3, hq=8, hk=2, lq=1, cap=cap, n_new=1, d=64)
+    lengths = cp.asarray([0, 300, cap - 2])
+    kc2, vc2 = kc.copy(), vc.copy()
+    want = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lengths, causal=True)
+    got = cuflash.attention_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=lengths, causal=True, validate=False)
+    np.testing.assert_array_equal(_host(got), _host(want))
+    np.testing.assert_array_equal(_host(kc2), _host(kc))
+    out = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=cp.asarray([cap + 88, -5, cap]), causal=True,
+                                         validate=False)
+    clamped = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=cp.asarray([cap, 0, cap]), causal=True)
+    np.testing.assert_array_equal(_host(out), _host(clamped))
+    k_pages, v_pages, table = _paged(cp, _host(kc), _host(vc), 16)
+    bad = table.copy()
+    bad[1, 3], bad[2, 0] = 10 ** 6, -7
+    out = cuflash.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, causal=True, block_table=bad,
+                                         validate=False)
+    assert bool(cp.isfinite(out.astype(cp.float32)).all())

@@ -688,7 +688,7 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     f = _fwd_fields(params)
     assert partial.kv_split and combine.family == "fwd_combine"
     assert int(f["mask"]["page_table"]) == table.data.ptr and int(f["mask"]["key_lengths"]) == lengths.data.ptr
-    assert (int(f["mask"]["page_size"]), int(f["mask"]["pages_per_seq"])) == (16, 20)
+    assert (int(f["mask"]["page_size"]), int(f["mask"]["pages_per_seq"]), int(f["mask"]["num_pages"])) == (16, 20, 40)
     assert int(f["k"]["batch_stride"]) == 2 * 16 * 128 and int(f["dims"]["lk"]) == 20 * 16
     q64 = dev.empty((2, 8, 1, 128), np.float64)
     k64, v64 = (dev.empty((40, 2, 16, 128), np.float64) for _ in range(2))

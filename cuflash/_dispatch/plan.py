@@ -131,7 +131,7 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     one split (for results merged again later: cuflash.distributed). ``key_lengths``: each batch entry
     attends its own number of keys (an int32 array the call passes), the band aligned to its own end:
     the split-KV kernels, which read them (ScoreMod's PER_SEQ), with as many splits as chosen (1 included).
-    ``pages`` ``(page_size, pages_per_seq)``: K and V are a paged cache (their views' batch stride steps
+    ``pages`` ``(page_size, pages_per_seq, num_pages)``: K and V are a paged cache (their views' batch stride steps
     from page to page) read through a page table the call passes; ValueError where the kernel's loader
     cannot (:data:`PAGED_FAMILIES`, load_paged_rows' layout)."""
     q, k, v = p.q, p.k, p.v
@@ -154,7 +154,7 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
         if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
             raise ValueError("per-sequence key lengths take no masking option and a positive scale")
         values = masking.values if pages is None else dict(masking.values, page_size=pages[0],
-                                                                         pages_per_seq=pages[1])
+                                                                         pages_per_seq=pages[1], num_pages=pages[2])
         plan = _plan_split_forward(p, replace(masking, values=values), extra or band, portable, splits, out_shape,
                                    lse_shape, lse_dtype, smem_limit)
         if pages is not None and not _reads_pages(plan.kernels[0].variant, q.itemsize):
@@ -184,10 +184,10 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
 
 
 def _reads_pages(v, itemsize: int) -> bool:
-    """Whether a split variant's K/V loader reads pages (tile_io.cuh: load_kv_tile's PAGES_FIT)."""
-    if v.family not in PAGED_FAMILIES or v.extra:
+    """Whether a split variant's K/V loader reads pages (tile_io.cuh: PageCursor::FITS, 16-byte copies)."""
+    if v.family not in PAGED_FAMILIES or v.extra or not v.vec:
         return False
-    per_row = v.head // (16 // itemsize if v.vec else 1)
+    per_row = v.head // (16 // itemsize)
     return v.threads % per_row == 0 and v.tile.block_n % (v.threads // per_row) == 0
 
 
@@ -444,14 +444,14 @@ CACHES_OF_CHOICES.append(clear_plans)
 
 
 def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
-            key_lengths=None, page_table=None, page_size: int = 0):
+            key_lengths=None, page_table=None, page_size: int = 0, num_pages: int = 0):
     """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
     keys and outputs; ``num_splits`` (part of the call's signature), ``accumulator_out``, ``key_lengths``
     (an int32 array (B,) or None) and a paged cache's ``page_table`` (int32 (B, pages_per_seq)) with its
-    ``page_size`` as :func:`plan_forward` takes them."""
+    ``page_size`` and the cache's ``num_pages`` as :func:`plan_forward` takes them."""
     p = call.problem
     with_lengths = key_lengths is not None
-    pages = None if page_table is None else (int(page_size), int(page_table.shape[1]))
+    pages = None if page_table is None else (int(page_size), int(page_table.shape[1]), int(num_pages))
     key = None if call.signature is None else (call.signature, accumulator_out, with_lengths, pages, _hooks())
     plan = None if key is None else _FORWARD_PLANS.get(key)
     if plan is None:
