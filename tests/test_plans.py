@@ -629,6 +629,21 @@ def test_num_splits_is_taken_as_given(fake, num_splits):
     assert int(f["split_tiles"]) == -(-(-(-100 // partial.tile.block_n)) // num_splits)
 
 
+def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
+    """One query head a block (no GQA to pack) and a block for every SM: one kernel, no split; the same
+    blocks' worth of K/V heads shared by four query heads each still split (benchmarks/bench_decode.py)."""
+    dev, launches = fake
+    q = dev.empty((4, 32, 1, 128), np.float16)
+    k, v = (dev.empty((4, 32, 8192, 128), np.float16) for _ in range(2))
+    cuflash.attention_forward(q, k, v)
+    assert len(launches) == 1 and not launches[0][0].kv_split
+    launches.clear()
+    q = dev.empty((16, 32, 1, 128), np.float16)
+    k, v = (dev.empty((16, 8, 8192, 128), np.float16) for _ in range(2))
+    cuflash.attention_forward(q, k, v)
+    assert launches[0][0].kv_split and launches[1][0].family == "fwd_combine"
+
+
 def test_a_long_query_block_stays_unsplit(fake):
     """Prefill: the query blocks fill the GPU or take the Hopper kernel; no split unless asked."""
     dev, launches = fake

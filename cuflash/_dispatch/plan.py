@@ -28,7 +28,7 @@ from ..semantics import LOG2E, acc_dtype
 from . import masking as masking_
 from .model import head_bucket
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice, row_class,
-                     SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
+                     SPLIT_FILL, SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -195,13 +195,18 @@ def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     """The key splits a call takes unasked: decoding-like calls only, whose (packed) query rows fit one
     block of the portable kernel over at least SPLIT_MIN_KEYS keys, split where their blocks leave the
     GPU idle (select.split_count); other calls keep the unsplit kernels (the Hopper forward where it
-    applies)."""
+    applies). Unpacked blocks (one query head each) that give every SM one already stay unsplit: the
+    split's partials and combine then cost more than a second CTA an SM gains (B=4, 32 heads, D=128,
+    Lk=8192 on the H200: 127 us unsplit, 142 us in two splits; benchmarks/bench_decode.py --quick)."""
     rows, heads = p.lq * pack, p.heads_q // pack
     if rows > portable.tile.block_m or p.lk < SPLIT_MIN_KEYS:
         return 1
+    blocks = portable.grid(p.batch, heads, 1, rows, p.lk)
+    if pack == 1 and blocks >= SPLIT_FILL * device.sm_count():
+        return 1
     slots = device.sm_count() * ctas_per_sm(portable, smem_limit)
     key_tiles = -(-p.lk // portable.tile.block_n)
-    return split_count(portable.grid(p.batch, heads, 1, rows, p.lk), key_tiles, slots)
+    return split_count(blocks, key_tiles, slots)
 
 
 def _band_is_full(band: Tuple[int, int], lq: int, lk: int) -> bool:
