@@ -259,7 +259,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``q (B, Lq, Hq, D)``, caches ``(B, Lcap, Hk, D)`` written in place at ``cache_seqlens[b] ...``
     with ``k`` / ``v (B, Lnew, Hk, D)``; ``cache_seqlens`` an int or an int tensor (B,); ``causal`` and
     ``window_size`` aligned to each sequence's own end; a paged cache ``(num_pages, page_size, Hk, D)``
-    with ``block_table (B, max_pages)`` (gathered into one buffer a call: cuflash.attention_with_kvcache).
+    with ``block_table (B, max_pages)`` (read in place in 16 bits, gathered otherwise: cuflash.attention_with_kvcache).
     Returns ``(B, Lq, Hq, Dv)`` (and the lse ``(B, Hq, Lq)`` with ``return_softmax_lse``). Rotary
     embeddings, ``cache_batch_idx``, ``cache_leftpad``, ``softcap`` and ``alibi_slopes`` raise
     NotImplementedError naming what is missing.
