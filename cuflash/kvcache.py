@@ -43,12 +43,16 @@ def _lengths(cache_seqlens, batch: int, xp):
     return xp.ascontiguousarray(cache_seqlens.astype(np.int32, copy=False))
 
 
-def _check_ranges(cache_seqlens, pages, n_new: int, cap: int, num_pages: int, xp) -> None:
-    """The lengths (as given) and the page indices in range, or ValueError: the lengths and the page
-    indices' extremes in one transfer from the device (none for an int length without pages)."""
+def _check_ranges(cache_seqlens, lengths, pages, page_size: int, n_new: int, cap: int, num_pages: int,
+                  xp) -> None:
+    """The lengths (as given) and the page indices a sequence uses in range, or ValueError: the lengths
+    and the used indices' extremes in one transfer from the device (none for an int length without
+    pages). Table entries past a sequence's last position are not read (e.g. -1 padding)."""
     parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
     if pages is not None and pages.size:
-        parts += [pages.min().reshape(1).astype(np.int64), pages.max().reshape(1).astype(np.int64)]
+        used = xp.arange(pages.shape[1])[None, :] * page_size < (lengths + n_new)[:, None]   # (B, max_pages)
+        used_pages = xp.where(used, pages, 0)
+        parts += [used_pages.min().reshape(1).astype(np.int64), used_pages.max().reshape(1).astype(np.int64)]
     values = (xp.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else np.zeros(0, np.int64)
     values = values if isinstance(values, np.ndarray) else values.get()
     if pages is not None and pages.size:
@@ -127,9 +131,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         A paged cache: ``k_cache`` / ``v_cache`` are pages (num_pages, Hk, page_size, D / Dv) (a
         (num_pages, page_size, Hk, D) store passes as ``.swapaxes(1, 2)``), and position p of
         sequence b lives in page ``block_table[b, p // page_size]``, slot ``p % page_size``; pages in
-        any order, 1 to 256 positions. The append writes into those slots; on the GPU the float16 and
-        bfloat16 kernels read the pages in place, other calls (float32, float64, the NumPy path, a
-        window without causal) read them gathered into one buffer first (a copy a call).
+        any order, 1 to 256 positions; entries past a sequence's last position are not read (e.g. -1).
+        The append writes into those slots; on the GPU the float16 and bfloat16 kernels read pages of a
+        power-of-two size in place (K and V pages of the same strides), other calls (float32, float64,
+        other page sizes, the NumPy path, a window without causal) read them gathered into one buffer
+        first (a copy a call).
     validate : bool
         Check ``cache_seqlens`` and ``block_table`` against the cache before anything is written or
         launched (ValueError). On CuPy arrays that reads them back from the device: one small transfer,
@@ -187,7 +193,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         raise ValueError(f"window must be (left, right), got {window!r}")
     lengths = _lengths(cache_seqlens, b, xp)
     if validate or xp is np or (_is_int(cache_seqlens) and pages is None):
-        _check_ranges(cache_seqlens, pages, n_new, cap, k_cache.shape[0] if pages is not None else 0, xp)
+        _check_ranges(cache_seqlens, lengths, pages, k_cache.shape[2] if pages is not None else 0, n_new, cap,
+                      k_cache.shape[0] if pages is not None else 0, xp)
 
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
         positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)

@@ -59,7 +59,8 @@ struct MaskParams {
     const int* key_lengths;    // split-KV forwards (ScoreMod's PER_SEQ): each batch entry's key count; null = Lk
     // A paged KV cache (the 16-bit split forward, flash_fwd_mma's PER_SEQ path): key j of batch entry b
     // is row j % page_size of page page_table[b * pages_per_seq + j / page_size], the K / V views' batch
-    // stride stepping from page to page; null = no pages. Page indices are clamped to [0, num_pages).
+    // stride stepping from page to page; null = no pages. page_size is a power of two; page indices are
+    // clamped to [0, num_pages).
     const int* page_table;
     int page_size, pages_per_seq, num_pages;
 };

@@ -143,18 +143,15 @@ __device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int6
     }
 }
 
-// A paged cache's key `key` lies in page `key / page_size` of its sequence: a shift for the
-// power-of-two page sizes (a division by a runtime value costs some twenty instructions a row).
-__device__ __forceinline__ int page_of_key(int key, int page_size) {
-    return (page_size & (page_size - 1)) == 0 ? key >> (__ffs(page_size) - 1) : key / page_size;
-}
-
-// The pages of the rows one thread copies in a K/V tile of a paged cache (MaskParams::page_table),
-// in load_tile_fixed_col's layout: thread t copies rows t / PER_ROW + k * ROW_STEP. The K and V copies
-// of a tile share them, and load_kv_tile reads the next tile's entries as it issues this tile's
-// copies: a table read's latency then passes during a step instead of in front of the tile's copy
-// (in front, the 16-bit split forward streamed a paged cache at about half the contiguous rate:
-// benchmarks/bench_decode.py).
+// The rows one thread copies in a K/V tile of a paged cache (MaskParams::page_table), in
+// load_tile_fixed_col's layout: thread t copies chunk t % PER_ROW of rows t / PER_ROW + k * ROW_STEP.
+// look_up reads the table entries of a tile and works out each row's element offset inside its page
+// (row, head and chunk: arithmetic that waits for no load); load_kv_tile calls it for the next tile
+// as it issues this tile's copies, so the table reads' latency passes during a step, and a copy then
+// needs one multiply-add a row, shared by K and V (the plan reads pages in place only where K and V
+// have the same strides). With the lookup in front of each copy, and its address worked out for K
+// and again for V, the 16-bit split forward streamed a paged cache at 0.45x the contiguous rate
+// (benchmarks/bench_decode.py).
 template <typename T, int ROWS, int COLS, int THREADS, bool VEC>
 struct PageCursor {
     static constexpr int CHUNK = VEC ? 16 / int(sizeof(T)) : 1;
@@ -163,42 +160,52 @@ struct PageCursor {
     // 16-byte chunks only: element copies would hold a page a row (64 registers at head dim 64)
     static constexpr bool FITS = VEC && COLS % CHUNK == 0 && THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0;
     static constexpr int COUNT = FITS ? ROWS / ROW_STEP : 1;   // rows a thread copies a tile
-    int row0 = -1;      // the first key of the tile whose pages `page` holds (-1: none)
-    int page[COUNT];    // page[k]: the page holding key row0 + threadIdx.x / PER_ROW + k * ROW_STEP
+    int row0 = -1;        // the first key of the tile these entries describe (-1: none)
+    int page[COUNT];      // the table entry of row threadIdx.x / PER_ROW + k * ROW_STEP (not yet clamped)
+    int in_page[COUNT];   // that row's chunk's element offset inside its page (row, head, column)
 
-    // Issues the table reads for the tile at key row0_next (keys at or past lk read nothing).
-    __device__ __forceinline__ void look_up(const MaskParams& m, int batch, int row0_next, int lk) {
+    // Issues the table reads for the K/V head `head`'s tile at key row0_next (keys at or past lk read
+    // nothing). `pages` is the K view (the V view has its strides).
+    __device__ __forceinline__ void look_up(const MaskParams& m, const View& pages, int batch, int head, int row0_next,
+                                            int lk) {
         const int* table = m.page_table + int64(batch) * m.pages_per_seq;
         const int first_key = row0_next + int(threadIdx.x) / PER_ROW;
+        const int chunk = int(head * pages.head_stride) + int(threadIdx.x % PER_ROW) * CHUNK;
+        const int shift = __ffs(m.page_size) - 1;   // page sizes are powers of two (the plan's rule)
         row0 = row0_next;
 #pragma unroll
         for (int k = 0; k < COUNT; ++k) {
             const int key = first_key + k * ROW_STEP;
-            // clamped: an unchecked index stays inside the cache
-            page[k] = key < lk ? min(max(table[page_of_key(key, m.page_size)], 0), m.num_pages - 1) : 0;
+            page[k] = key < lk ? table[key >> shift] : 0;
+            in_page[k] = (key & (m.page_size - 1)) * int(pages.row_stride) + chunk;
         }
     }
 };
 
-// load_tile_fixed_col's 16-byte copy of K or V rows [cursor.row0, cursor.row0 + ROWS) of one head
-// from a paged cache, each row in its page (the view's batch stride steps between pages; rows past
-// rows_valid and columns past cols_valid are zeros).
+// load_tile_fixed_col's 16-byte copy of the K and V rows [cursor.row0, cursor.row0 + ROWS) of one head
+// from a paged cache (K and V views of equal strides; the batch stride steps between pages), each row
+// in its page: rows past rows_valid and K / V columns past k_cols / v_cols are zeros. Page indices are
+// clamped to [0, num_pages): an unchecked table stays inside the cache.
 template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
-__device__ __forceinline__ void load_paged_rows(T* smem, const View& pages, const PageCursor<T, ROWS, COLS, THREADS, VEC>& cursor,
-                                                int page_size, int head, int rows_valid, int cols_valid) {
+__device__ __forceinline__ void load_paged_rows(T* k_smem, T* v_smem, const View& k, const View& v,
+                                                const PageCursor<T, ROWS, COLS, THREADS, VEC>& cursor, int num_pages,
+                                                int rows_valid, int k_cols, int v_cols) {
     typedef PageCursor<T, ROWS, COLS, THREADS, VEC> Cursor;
     static_assert(Cursor::FITS, "load_tile_fixed_col's layout");
     const int col = (threadIdx.x % Cursor::PER_ROW) * Cursor::CHUNK, first_row = threadIdx.x / Cursor::PER_ROW;
-    const bool col_valid = col < cols_valid;
-    const unsigned dst_addr = smem_addr(smem + first_row * PITCH + col);
+    const bool k_col_valid = col < k_cols, v_col_valid = col < v_cols;
+    const unsigned k_dst = smem_addr(k_smem + first_row * PITCH + col), v_dst = smem_addr(v_smem + first_row * PITCH + col);
+    const T* k_base = static_cast<const T*>(k.ptr);
+    const T* v_base = static_cast<const T*>(v.ptr);
 #pragma unroll
-    for (int k = 0; k < Cursor::COUNT; ++k) {
-        const int row = first_row + k * Cursor::ROW_STEP, key = cursor.row0 + row;
-        const bool valid = col_valid && row < rows_valid;
-        const int in_page = key - page_of_key(key, page_size) * page_size;
-        const T* src = valid ? pages.at<const T>(cursor.page[k], head, in_page) + col : nullptr;
-        const T* from = valid ? src : static_cast<const T*>(pages.ptr);   // (no bytes read when not valid)
-        cp_async_16(dst_addr + k * Cursor::ROW_STEP * PITCH * int(sizeof(T)), from, valid);
+    for (int k_row = 0; k_row < Cursor::COUNT; ++k_row) {
+        const bool row_valid = first_row + k_row * Cursor::ROW_STEP < rows_valid;
+        const int page = min(max(cursor.page[k_row], 0), num_pages - 1);
+        const int64 offset = int64(page) * int64(int(k.batch_stride)) + cursor.in_page[k_row];   // (plan: < 2^31 a page)
+        const unsigned step = k_row * Cursor::ROW_STEP * PITCH * int(sizeof(T));
+        const bool k_valid = row_valid && k_col_valid, v_valid = row_valid && v_col_valid;
+        cp_async_16(k_dst + step, k_valid ? k_base + offset : k_base, k_valid);   // (no bytes read when not valid)
+        cp_async_16(v_dst + step, v_valid ? v_base + offset : v_base, v_valid);
     }
 }
 
@@ -260,12 +267,10 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stag
     const AttnDims& dims = p.dims;
     if constexpr (PAGED && PageCursor<T, BN, HEAD, THREADS, VEC>::FITS) {
         if (p.mask.page_table != nullptr) {
-            if (pages->row0 != n0) pages->look_up(p.mask, blk.batch, n0, dims.lk);
-            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS, p.k, *pages, p.mask.page_size,
-                                                          blk.kv_head, dims.lk - n0, dims.d);
-            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS, p.v, *pages, p.mask.page_size,
-                                                          blk.kv_head, dims.lk - n0, dims.dv);
-            pages->look_up(p.mask, blk.batch, n0 + BN, dims.lk);
+            if (pages->row0 != n0) pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0, dims.lk);
+            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS, p.k, p.v,
+                                                          *pages, p.mask.num_pages, dims.lk - n0, dims.d, dims.dv);
+            pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0 + BN, dims.lk);
             return;
         }
     }

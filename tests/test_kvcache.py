@@ -171,7 +171,7 @@ def test_bad_page_tables_are_refused():
     q, kc, vc, kn, vn = _setup(np)
     k_pages, v_pages, table = _paged(np, kc, vc, 8)
     bad = table.copy()
-    bad[1, 2] = k_pages.shape[0]
+    bad[1, 0] = k_pages.shape[0]
     for kwargs, err, match in ((dict(block_table=bad), ValueError, "outside"),
                                (dict(block_table=table[:2]), ValueError, "shape"),
                                (dict(block_table=table.astype(np.float32)), ValueError, "integer"),
@@ -180,6 +180,12 @@ def test_bad_page_tables_are_refused():
         with pytest.raises(err, match=match):
             cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, **{"cache_seqlens": 1, **kwargs})
         np.testing.assert_array_equal(k_pages, before)
+    padded = table.copy()
+    padded[:, 1:] = -1                        # entries past every sequence's last position: never read
+    k2, v2 = k_pages.copy(), v_pages.copy()
+    out = cuflash.attention_with_kvcache(q, k2, v2, kn, vn, cache_seqlens=1, block_table=padded)
+    want = cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, cache_seqlens=1, block_table=table)
+    np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.gpu

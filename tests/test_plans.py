@@ -693,7 +693,8 @@ def test_key_lengths_go_to_the_split_kernels_by_address(fake):
 def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     """Pages (num_pages, Hk, page_size, D) read in place: the views' batch stride is a page's, the page
     table's address is written a call, page size and pages a sequence packed; float64 (its own loader)
-    is refused, for the caller to gather the pages."""
+    K / V of different strides and pages of a size other than a power of two are refused, for the caller
+    to gather the pages."""
     dev, launches = fake
     q = dev.empty((2, 8, 1, 128), np.float16)
     k, v = (dev.empty((40, 2, 16, 128), np.float16) for _ in range(2))
@@ -707,5 +708,11 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     assert int(f["k"]["batch_stride"]) == 2 * 16 * 128 and int(f["dims"]["lk"]) == 20 * 16
     q64 = dev.empty((2, 8, 1, 128), np.float64)
     k64, v64 = (dev.empty((40, 2, 16, 128), np.float64) for _ in range(2))
-    with pytest.raises(ValueError, match="reads no paged cache"):
+    with pytest.raises(ValueError, match="reads no such paged cache"):
         cuflash.api.forward_with_key_lengths(q64, k64, v64, lengths, causal="bottom_right", page_table=table)
+    v_wide = dev.empty((40, 2, 16, 256), np.float16)[..., :128]      # V's strides differ from K's
+    with pytest.raises(ValueError, match="reads no such paged cache"):
+        cuflash.api.forward_with_key_lengths(q, k, v_wide, lengths, causal="bottom_right", page_table=table)
+    k24, v24 = (dev.empty((40, 2, 24, 128), np.float16) for _ in range(2))   # pages of 24: not a power of two
+    with pytest.raises(ValueError, match="reads no such paged cache"):
+        cuflash.api.forward_with_key_lengths(q, k24, v24, lengths, causal="bottom_right", page_table=table)

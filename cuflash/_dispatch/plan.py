@@ -157,8 +157,8 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
                                                                          pages_per_seq=pages[1], num_pages=pages[2])
         plan = _plan_split_forward(p, replace(masking, values=values), extra or band, portable, splits, out_shape,
                                    lse_shape, lse_dtype, smem_limit)
-        if pages is not None and not _reads_pages(plan.kernels[0].variant, q.itemsize):
-            raise ValueError(f"the {plan.kernels[0].variant.family} split kernel reads no paged cache")
+        if pages is not None and not _reads_pages(plan.kernels[0].variant, q.itemsize, p.k, p.v, pages[0]):
+            raise ValueError(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
         return replace(plan, key_lengths=True, paged=pages is not None,
                        params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
     if splits > 1:
@@ -183,9 +183,13 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
                        variant.schedule == "queue", None, masking.keep_alive)
 
 
-def _reads_pages(v, itemsize: int) -> bool:
-    """Whether a split variant's K/V loader reads pages (tile_io.cuh: PageCursor::FITS, 16-byte copies)."""
-    if v.family not in PAGED_FAMILIES or v.extra or not v.vec:
+def _reads_pages(v, itemsize: int, k, v_pages, page_size: int) -> bool:
+    """Whether a split variant's K/V loader reads these pages (tile_io.cuh: PageCursor::FITS, 16-byte
+    copies; one address a row for K and V, so equal strides, a page's elements in 32 bits, and pages of a
+    power-of-two size, found by a shift)."""
+    if v.family not in PAGED_FAMILIES or v.extra or not v.vec or page_size & (page_size - 1):
+        return False
+    if k.strides != v_pages.strides or max(abs(s) for s in k.strides) // itemsize >= 2 ** 31:
         return False
     per_row = v.head // (16 // itemsize)
     return v.threads % per_row == 0 and v.tile.block_n % (v.threads // per_row) == 0
