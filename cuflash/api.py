@@ -226,7 +226,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                        bias: Any = None, mask: Any = None, dropout_p: float = 0.0,
                        seed: Optional[int] = None, window: Any = None,
                        block_layout: Optional[BlockLayout] = None, precision: str = "highest",
-                       deterministic: bool = False) -> Tuple[Any, ...]:
+                       deterministic: bool = False, bias_grad: bool = True) -> Tuple[Any, ...]:
     """Gradients of ``sum(dout * attention(q, k, v))`` with respect to q, k, v (and the bias).
 
     The n x n probabilities are recomputed tile by tile from q, k and the saved
@@ -250,6 +250,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         differ run to run. True: dQ is computed by a separate pass with a fixed
         summation order, and dbias contributions take turns in a fixed order;
         results are bitwise identical run to run.
+    bias_grad : bool
+        With a bias: True (default) also returns dbias; False returns (dq, dk, dv) only, and the GPU
+        kernels skip the bias gradient's work (a fixed bias, e.g. a float attention mask).
 
     Returns
     -------
@@ -257,7 +260,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         With grouped-query attention, dk and dv sum over the query heads that
         share a key/value head. Rows that attend to nothing contribute 0.
     dbias : array with exactly the bias's shape and dtype, only when ``bias`` is
-        given: dS summed over the axes the bias broadcasts along (in an fp32 /
+        given and ``bias_grad``: dS summed over the axes the bias broadcasts along (in an fp32 /
         fp64 accumulator of the bias's own shape, never an n x n buffer per head).
         A bias constant along keys (last dim 1) gets exactly 0: it shifts every
         score of a row equally, which softmax ignores.
@@ -271,7 +274,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         grads = reference.attention_backward_blocked(dout4, p.q, p.k, p.v, out4, lse4, causal=p.reference_causal,
                                                      scale=p.scale, **_reference_kwargs(p, opts))
         result = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads[:3], (q, k, v)))
-        if bias is None:
+        if bias is None or not bias_grad:
             return result
         return result + (_masking.DbiasPlan(grads[3], {}, ()).result(p, opts),)
     cupy = p.xp
@@ -279,10 +282,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
     if p.q.size == 0 or p.lk == 0:   # no queries, batches or heads (q is empty), or no keys
         with on_device(p.q.data.device_id):
             grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (p.q, p.k, p.v))
-            if bias is not None:
+            if bias is not None and bias_grad:
                 dbias = cupy.zeros(bias.shape, dtype=bias.dtype)
     else:
-        dq, dk, dv, dbias_plan = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic))
+        dq, dk, dv, dbias_plan = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic),
+                                                bool(bias_grad))
         if call.signature is not None:   # 4-D inputs, no bias: the gradients have their shapes already
             return dq, dk, dv
         grads = (dq, dk, dv)
@@ -290,7 +294,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
             with on_device(p.q.data.device_id):
                 dbias = dbias_plan.result(p, opts)
     result = (_shaped(grads[0], q.shape), _shaped(grads[1], k.shape), _shaped(grads[2], v.shape))
-    return result if bias is None else result + (dbias,)
+    return result if bias is None or not bias_grad else result + (dbias,)
 
 
 def vjp(q, k, v, *, deterministic: bool = False, **kwargs):

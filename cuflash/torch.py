@@ -111,10 +111,10 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """[dq, dk, dv] (and dbias where ``want_dbias``) of cuflash.attention_backward."""
     with _on_stream_of(q):
         grads = api.attention_backward(_array(dout), _array(q), _array(k), _array(v), _array(out), _array(lse),
-                                       deterministic=deterministic,
+                                       deterministic=deterministic, bias_grad=want_dbias,
                                        **_options(bias, mask, causal, scale, window_left, window_right, dropout_p,
                                                   seed))
-        return [_tensor(g) for g in grads[:4 if want_dbias else 3]]
+        return [_tensor(g) for g in grads]
 
 
 @_backward.register_fake

@@ -184,6 +184,19 @@ def test_dbias_matches_finite_differences(shape):
         assert abs(fd - dbias[idx]) <= 1e-6 * (1 + abs(fd)), idx
 
 
+def test_bias_grad_false_returns_dq_dk_dv_only():
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 3, 9, 8)) for _ in range(3))
+    bias = rng.standard_normal((1, 3, 9, 9))
+    out, lse = cuflash.attention_forward(q, k, v, bias=bias)
+    dout = rng.standard_normal(out.shape)
+    full = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias)
+    without = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias, bias_grad=False)
+    assert len(full) == 4 and len(without) == 3
+    for a, b in zip(without, full[:3]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_key_constant_bias_has_zero_gradient_and_shifts_lse():
     q, k, v, do = _qkv()
     bias = RNG.standard_normal((2, 2, 21, 1))

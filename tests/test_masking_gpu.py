@@ -72,6 +72,24 @@ def test_deterministic_dbias_is_bitwise_stable(dtype, kind):
             assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("kind", ["pair bias (1,1,L,L)", "key bias (B,1,1,L)", "all"])
+def test_a_backward_without_the_bias_gradient_gives_the_same_dq_dk_dv(dtype, kind):
+    """bias_grad=False: the kernels leave dbias out; dq, dk, dv bitwise those of the call that forms it
+    (deterministic, so both sum dQ in one order)."""
+    rng = np.random.default_rng(5)
+    q = cp.asarray(rng.standard_normal((B, HQ, LQ, 64)).astype(DTYPES[dtype]))
+    k, v = (cp.asarray(rng.standard_normal((B, HK, LK, 64)).astype(DTYPES[dtype])) for _ in range(2))
+    opts = device_options(_options(kind, 4), dtype)
+    out, lse = cuflash.attention_forward(q, k, v, **opts)
+    dout = cp.asarray(rng.standard_normal(out.shape).astype(DTYPES[dtype]))
+    full = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **opts)
+    without = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, bias_grad=False, **opts)
+    assert len(full) == 4 and len(without) == 3
+    for a, b in zip(without, full[:3]):
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("lk", [144, 150])
 def test_bias_tile_paths(dtype, lk, monkeypatch):

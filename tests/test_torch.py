@@ -87,6 +87,12 @@ def test_bool_and_float_masks(device):
     (g,) = torch.autograd.grad(out.sum(), bias)
     (h,) = torch.autograd.grad(want.sum(), bias)
     _close(g, h, dtype)
+    fixed = bias.detach()                     # a float mask that needs no gradient: none is formed
+    q, k, v = _qkv(dev, dtype, grad=True)
+    ours = torch.autograd.grad(ct.scaled_dot_product_attention(q, k, v, attn_mask=fixed).sum(), (q, k, v))
+    theirs = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=fixed).sum(), (q, k, v))
+    for a, b in zip(ours, theirs):
+        _close(a, b, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

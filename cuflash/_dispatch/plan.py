@@ -470,14 +470,15 @@ def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_
     return execute_forward(plan, p.q, p.k, p.v, key_lengths, page_table)
 
 
-def backward(call, dout, out, lse, precision: str, deterministic: bool):
+def backward(call, dout, out, lse, precision: str, deterministic: bool, bias_grad: bool = True):
     """(dq, dk, dv, dbias plan or None) of a validated CuPy call with 4-D views ``dout``, ``out`` and
-    ``lse (B, Hq, Lq)`` in the accumulator dtype."""
+    ``lse (B, Hq, Lq)`` in the accumulator dtype; ``bias_grad`` False leaves a bias's gradient out."""
     p = call.problem
     key = None if call.signature is None else (call.signature, deterministic, _hooks())
     plan = None if key is None else _BACKWARD_PLANS.get(key)
     if plan is None:
-        plan = plan_backward(p, call.options, dout, out, lse, deterministic, precision, call.options.bias is not None)
+        plan = plan_backward(p, call.options, dout, out, lse, deterministic, precision,
+                             call.options.bias is not None and bias_grad)
         if key is not None:
             _remember(_BACKWARD_PLANS, key, plan)
     return (*execute_backward(plan, dout, p.q, p.k, p.v, out, lse), plan.dbias)
