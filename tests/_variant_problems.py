@@ -17,6 +17,7 @@ from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
 BATCH, HEADS_Q, HEADS_K, LQ, LK = 2, 2, 1, 97, 130
 SPLITS = 3   # a split-KV variant's problem: three key ranges, the last one shorter
+DECODE_LQ = 5   # the decoding partial kernel's problem: 5 query rows (10 with the two query heads packed)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Problem:
                                   # mask and dropout only (the Hopper dK/dV kernel's variant without dbias)
     precision: str = "highest"    # float32: "tf32" the plain TF32 kernels, "fma" the FMA ones (FLOAT32_PRECISIONS)
     num_splits: int = 1           # > 1: the split-KV forward (the portable kernel's partial twin, then the combine)
+    lq: int = LQ                  # query rows (DECODE_LQ: the decoding partial kernel's few rows)
 
     @property
     def vec(self) -> bool:
@@ -49,8 +51,9 @@ class Problem:
         fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
                               cc=self.cc, rows=row_class(head, self.lk, band), precision=self.precision,
                               wgmma=self.num_splits == 1)
-        if self.num_splits > 1:
-            return list(split_variants(fwd, self.dv, self.smem_limit))
+        if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks
+            rows = self.lq * (HEADS_Q // HEADS_K if not self.extra and self.causal is False else 1)
+            return list(split_variants(fwd, self.dv, self.smem_limit, rows))
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -80,14 +83,16 @@ def problem_for(v: Variant) -> Problem:
         d = v.head if v.vec else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
         precision = {"fwd_tf32": "tf32", "fwd_fma": "fma"}.get(v.family, "highest")
+        lq = DECODE_LQ if v.family == "fwd_decode" else LQ
         for limit, cc in itertools.product(sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):
-            p = Problem(v.dtype, d, d, causal, v.extra, False, False, limit, cc, precision=precision, num_splits=SPLITS)
+            p = Problem(v.dtype, d, d, causal, v.extra, False, False, limit, cc, precision=precision, num_splits=SPLITS,
+                        lq=lq)
             try:
                 if v in p.variants():
                     return p
             except ValueError:
                 continue
-        return Problem(v.dtype, d, d, causal, v.extra, False, False, precision=precision, num_splits=SPLITS)
+        return Problem(v.dtype, d, d, causal, v.extra, False, False, precision=precision, num_splits=SPLITS, lq=lq)
     if v.family == "fwd_combine":
         d = v.head - 5
         return Problem(v.dtype, d, d, False, False, False, False, num_splits=SPLITS)

@@ -584,15 +584,17 @@ def _fwd_fields(params: bytes):
 
 
 def test_a_decoding_call_splits_its_keys_and_packs_its_query_heads(fake):
-    """One query row a sequence, 32 query heads over 8 K/V heads, a long cache: the portable kernel's
-    partial twin over the key splits, then the combine kernel; its rows are each K/V head's 4 query
-    heads (packed GQA: dims see 8 heads of 4 rows, the K/V head read once for them)."""
+    """One query row a sequence, 32 query heads over 8 K/V heads, a long cache: the decoding partial
+    kernel (its warps split each key tile) over the key splits, then the combine kernel; its rows are
+    each K/V head's 4 query heads (packed GQA: dims see 8 heads of 4 rows, the K/V head read once for
+    them)."""
     dev, launches = fake
     q = dev.empty((1, 32, 1, 128), np.float16)
     k, v = (dev.empty((1, 8, 16384, 128), np.float16) for _ in range(2))
     out, lse = cuflash.attention_forward(q, k, v, causal="bottom_right")
     (partial, params, maps, grid), (combine, params2, _, grid2) = launches
-    assert partial.kv_split and partial.family == "fwd_mma" and not partial.band and maps is None
+    assert partial.kv_split and partial.family == "fwd_decode" and not partial.band and maps is None
+    assert partial.tile.block_m == 16
     assert combine.family == "fwd_combine" and combine.head == 128 and params2 == params
     f = _fwd_fields(params)
     splits, split_tiles = int(f["num_splits"]), int(f["split_tiles"])

@@ -61,6 +61,20 @@ def test_decoding_shapes_split_on_their_own(dtype, b, hq, hk, lk, launches):
     assert families[-1] == ("fwd_combine", False) and families[0][1], families
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq, lq, causal, splits", sampled(
+    [(8, 1, "bottom_right", None), (8, 2, False, 7), (4, 5, "bottom_right", 3), (2, 16, True, 64)],
+    [(8, 1, "bottom_right", None), (4, 5, "bottom_right", 3), (2, 16, True, 64)], multi=True))
+def test_few_query_rows_take_the_decoding_kernel(dtype, d, hq, lq, causal, splits, split_forward, launches):
+    """At most 16 query rows a block (packed GQA: Lq x the query heads of a K/V head, no band): the
+    decoding partial kernel, whose warps split each key tile, then the combine; odd key counts, empty
+    splits (64 splits of 2500 keys), a band cutting tiles."""
+    split_forward(splits)
+    check_forward(dtype, 2, hq, 2, lq, 2500, d, d, causal, seed_of(dtype, d, hq, lq, str(causal), splits))
+    assert ("fwd_decode", True) in _families(launches), _families(launches)
+
+
 def test_prefill_shapes_stay_unsplit(launches):
     check_forward("bfloat16", 2, 16, 16, 1024, 1024, 64, 64, True, 1)
     assert all(v.family != "fwd_combine" for v in launches)

@@ -20,7 +20,7 @@ from cuflash._runtime import device
 from _errors import rel_error
 from _gpu_checks import (DTYPES, check_backward, check_backward_tf32, check_forward, check_forward_tf32,
                          check_masked, seed_of)
-from _variant_problems import BATCH, HEADS_K, HEADS_Q, LQ, problem_for, variant_options
+from _variant_problems import BATCH, HEADS_K, HEADS_Q, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
 
@@ -45,20 +45,20 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
                             functools.partial(cuflash.attention_forward, num_splits=p.num_splits))
     seed = seed_of(variant.name)
     if p.precision == "tf32" and p.backward:   # the plain TF32 kernels: their own error bound (TF32_BWD_TOL)
-        check_backward_tf32(BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
+        check_backward_tf32(BATCH, HEADS_Q, HEADS_K, p.lq, p.lk, p.d, p.dv, p.causal, seed,
                             variant_options(seed, p.lk, p.bias) if p.extra else None, deterministic=p.deterministic)
     elif p.precision == "tf32":   # the plain TF32 forward: its own error bound (_gpu_checks.TF32_TOL)
-        check_forward_tf32(BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
+        check_forward_tf32(BATCH, HEADS_Q, HEADS_K, p.lq, p.lk, p.d, p.dv, p.causal, seed,
                            variant_options(seed, p.lk) if p.extra else None)
     elif p.extra:   # with bias, key padding and dropout; a forward variant's problem runs the forward only
         # (a small-shared-memory forward may have no backward at that limit: float64 at head dim 256)
-        check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed, variant_options(seed, p.lk, p.bias),
+        check_masked(p.dtype, BATCH, HEADS_Q, HEADS_K, p.lq, p.lk, p.d, p.dv, p.causal, seed, variant_options(seed, p.lk, p.bias),
                      deterministic=p.deterministic, backward=p.backward)
     elif p.backward:
-        check_backward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed,
+        check_backward(p.dtype, BATCH, HEADS_Q, HEADS_K, p.lq, p.lk, p.d, p.dv, p.causal, seed,
                        deterministic=p.deterministic)
     else:
-        check_forward(p.dtype, BATCH, HEADS_Q, HEADS_K, LQ, p.lk, p.d, p.dv, p.causal, seed)
+        check_forward(p.dtype, BATCH, HEADS_Q, HEADS_K, p.lq, p.lk, p.d, p.dv, p.causal, seed)
     assert variant in launches, f"{variant.name} was not launched; got {[v.name for v in launches]}"
 
 

@@ -351,7 +351,7 @@ class Family:
 
 FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forward", "fwd_fma": "forward",
                "fwd_tf32x3": "forward", "fwd_tf32": "forward", "fwd_wgmma_tf32x3": "forward",
-               "fwd_wgmma_tf32": "forward", "fwd_combine": "split-KV combine",
+               "fwd_wgmma_tf32": "forward", "fwd_combine": "split-KV combine", "fwd_decode": "decoding forward",
                "bwd_dsum": "backward", "bwd_dkdv_mma": "backward",
                "bwd_dq_mma": "deterministic backward", "bwd_dkdv_fma": "backward",
                "bwd_dq_fma": "deterministic backward", "bwd_dkdv_tf32x3": "backward", "bwd_dkdv_tf32": "backward",
@@ -360,6 +360,7 @@ FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forwar
 
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
+    "fwd_decode": Family("flash_fwd_decode", "flash_fwd_decode.cu", ("mask", "vec"), "q", _smem_fwd_mma),
     "fwd_dmma": Family("flash_fwd_dmma", "flash_fwd_dmma.cu", ("mask", "vec"), "q", _smem_fwd_dmma),
     "fwd_wgmma": Family("flash_fwd_wgmma", "flash_fwd_wgmma.cu", ("mask",), "q", _smem_fwd_wgmma),
     "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),
@@ -392,7 +393,7 @@ FAMILIES: Dict[str, Family] = {
 }
 
 
-KV_SPLIT_FAMILIES = ("fwd_mma", "fwd_tf32x3", "fwd_tf32", "fwd_dmma", "fwd_fma")
+KV_SPLIT_FAMILIES = ("fwd_mma", "fwd_tf32x3", "fwd_tf32", "fwd_dmma", "fwd_fma", "fwd_decode")
 """The forwards that take KV_SPLIT (their last template parameter): the split-KV forward's partial
 kernels (kernels_cu/scheduler.cuh, KeySplit), merged by ``fwd_combine``."""
 

@@ -45,9 +45,9 @@ _FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
 _FWD_PARTIALS = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in ("out_partial", "lse_partial"))
 _FWD_KEY_LENGTHS = (PACKERS["FwdParams"].offset("mask.key_lengths"),)
 _FWD_PAGE_TABLE = (PACKERS["FwdParams"].offset("mask.page_table"),)
-PAGED_FAMILIES = ("fwd_mma",)
+PAGED_FAMILIES = ("fwd_mma", "fwd_decode")
 """The split forwards whose K/V loader reads a paged cache (kernels_cu/tile_io.cuh, load_paged_rows): the
-16-bit one; the float32 tiles spill 8-160 bytes with the page lookups, so float32 pages are gathered."""
+16-bit ones; the float32 tiles spill 8-160 bytes with the page lookups, so float32 pages are gathered."""
 _BWD_ADDRESSES = tuple(PACKERS["BwdParams"].offset(f"{name}.ptr") for name in _BWD_ARRAYS)
 
 
@@ -208,9 +208,10 @@ def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     blocks = portable.grid(p.batch, heads, 1, rows, p.lk)
     if pack == 1 and blocks >= SPLIT_FILL * device.sm_count():
         return 1
-    slots = device.sm_count() * ctas_per_sm(portable, smem_limit)
-    key_tiles = -(-p.lk // portable.tile.block_n)
-    return split_count(blocks, key_tiles, slots)
+    partial = split_variants(portable, p.dv, smem_limit, rows)[0]   # what a split call runs
+    slots = device.sm_count() * ctas_per_sm(partial, smem_limit)
+    key_tiles = -(-p.lk // partial.tile.block_n)
+    return split_count(partial.grid(p.batch, heads, 1, rows, p.lk), key_tiles, slots)
 
 
 def _band_is_full(band: Tuple[int, int], lq: int, lk: int) -> bool:
@@ -238,8 +239,8 @@ def _plan_split_forward(p, masking, masked: bool, portable, splits: int, out_sha
     ``partial_only`` (one split): the partial kernel alone, its buffers the result."""
     q, k, v = p.q, p.k, p.v
     pack = _gqa_packing(p, masked, False, q)
-    partial, combine = split_variants(portable, p.dv, smem_limit)
     b, heads, rows = p.batch, p.heads_q // pack, p.lq * pack
+    partial, combine = split_variants(portable, p.dv, smem_limit, rows)
     qv = _Strided((b, heads, rows, p.d), (q.strides[0], q.strides[1] * pack, q.strides[2], q.strides[3]), q.itemsize)
     out_view = _Strided.contiguous((b, heads, rows, p.dv), q.dtype)
     lse_view = _Strided.contiguous((b, heads, rows), lse_dtype)

@@ -312,9 +312,23 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
     return next(n for n in counts if fill(n) >= SPLIT_EFFICIENCY * best)
 
 
-def split_variants(portable: Variant, dv: int, smem_limit: int) -> Tuple[Variant, Variant]:
-    """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted): its
-    partial twin (``kv_split``) and the combine kernel at the bucket of ``dv``."""
+DECODE_ROWS = 16
+"""Query rows a block of the decoding partial kernel holds (flash_fwd_decode.cu: one 16-row strip)."""
+
+
+def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1) -> Tuple[Variant, Variant]:
+    """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted) and
+    whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
+    the combine kernel at the bucket of ``dv``. The partial kernel: for 16-bit calls of at most
+    DECODE_ROWS rows without an EXTRA option, with 16-byte loads, at a head bucket the split table
+    has, the decoding kernel (``fwd_decode``: the warps split each key tile); else the portable
+    kernel's twin (``kv_split``)."""
+    decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
+    if rows <= DECODE_ROWS and not portable.extra and portable.vec and decode_key in TABLES["split"]:
+        with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
+            decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
+                             kv_split=True).fitted(smem_limit)
+            return decode, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
     partial = replace(portable, kv_split=True)
     if not portable.extra and (portable.arch, portable.family, portable.dtype, portable.head) in TABLES["split"]:
         with contextlib.suppress(ValueError):   # no split tile fits: the portable variant's own
@@ -369,7 +383,8 @@ def all_variants() -> List[Variant]:
             except ValueError:
                 continue
             if portable.family in KV_SPLIT_FAMILIES:
-                seen[split_variants(portable, head, limit)[0]] = None
+                for rows in (DECODE_ROWS, DECODE_ROWS + 1):   # the decoding kernel, the portable twin
+                    seen[split_variants(portable, head, limit, rows)[0]] = None
     for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
         seen[Variant("fwd_combine", dtype, head)] = None
     return list(seen)

@@ -1,0 +1,170 @@
+// flash_fwd_decode.cu -- the split-KV partial forward for decoding (float16 / bfloat16): at most 16
+// query rows a (batch, head) block -- Lq new rows, times the query heads of a K/V head with packed
+// GQA -- over a long key range.
+//
+// flash_fwd_mma's split twin gives each warp 16 query rows of a 64-row block, so a decoding block
+// fills one warp's rows and every warp reads each K/V tile whole from shared memory for padding
+// rows. Here the warps share one 16-row Q strip and split each K/V tile's keys instead: warp w
+// takes keys [n0 + w * KEYS_W, n0 + (w + 1) * KEYS_W) of tile n0, with its own online softmax
+// (softmax.cuh) over its keys. Each K/V element then crosses shared memory once and the padded
+// tensor-core work falls by the warp count. At the end the warps' (O, max, sum) merge in shared
+// memory, as flash_fwd_combine.cu merges splits, and warp 0 writes the split's partial O and lse
+// (KeySplit, scheduler.cuh) for the combine kernel.
+//   load Q strip (16 rows, zeros past the block's rows)
+//   for each key tile j of this split (the next one streams in with cp.async meanwhile):
+//       S_w = Q K_j[w]^T, masked where the tile is partial (the band, the sequence's own end)
+//       online softmax of S_w; O_w += P_w V_j[w]
+//   merge the warps' O_w, max_w, sum_w; warp 0 writes O and lse of the split
+// The K/V copies are flash_fwd_mma's (tile_io.cuh load_kv_tile, a paged cache included); no EXTRA
+// option (bias, mask, dropout, block layout): those calls take flash_fwd_mma's split twin.
+#include "common.cuh"
+#include "params.cuh"
+#include "scheduler.cuh"
+#include "mma.cuh"
+#include "warp_gemm.cuh"
+#include "tile_io.cuh"
+#include "softmax.cuh"
+#include "score_mod.cuh"
+#include "epilogue.cuh"
+
+template <typename T, typename Cfg>
+struct FwdDecodeTraits {
+    static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int KEYS_W = BN / WARPS;     // keys of a tile each warp takes
+    static constexpr int PITCH = HEAD + 8;        // shared row pitch in elements (16 bytes of padding)
+    static constexpr int S_TILES = KEYS_W / 8;    // n8 tiles of one warp's S
+    static constexpr int O_TILES = HEAD / 8;      // n8 tiles of one warp's O
+    static constexpr int Q_ELEMS = BM * PITCH;
+    static constexpr int KV_ELEMS = BN * PITCH;   // one K or V stage
+    static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
+    // The warps' merge: every warp but 0 leaves its O fragments and row statistics in the K/V stages.
+    static constexpr int MERGE_FLOATS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
+    static_assert(BM == 16, "one 16-row strip, shared by the warps");
+    static_assert(BN % (16 * WARPS) == 0 && HEAD % 16 == 0, "whole k16 steps of keys a warp");
+    static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
+    static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
+    static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
+    static_assert(MERGE_FLOATS * int(sizeof(float)) <= 2 * Cfg::STAGES * KV_ELEMS * int(sizeof(T)),
+                  "the merge fits in the K/V stages");
+};
+
+// The warps' (O, max, sum) of one 16-row strip merged into warp 0's registers, as
+// flash_fwd_combine.cu merges splits (in log2 units here): peak = max_w max_w (NaN kept),
+// O = sum_w O_w 2^(max_w - peak), sum = sum_w sum_w 2^(max_w - peak). A warp that saw no key has
+// max -inf and O = sum = 0: weight 0. Lane l of every warp holds the same rows and columns, so lane
+// l of warp 0 merges lane l's values. `stage` is at least MERGE_FLOATS floats of shared memory no
+// copy is writing; the caller's barrier after the key loop makes it free.
+template <typename Tr>
+__device__ __forceinline__ void merge_warps(float* stage, int warp, int lane, float (&acc_o)[1][Tr::O_TILES][4],
+                                            float (&row_max)[1][2], float (&row_sum)[1][2]) {
+    constexpr int PER_WARP = 4 * Tr::O_TILES + 4;   // floats a lane leaves: O, then max and sum of its two rows
+    if (warp > 0) {
+        float* mine = stage + (warp - 1) * PER_WARP * 32 + lane;   // lane-minor: no bank conflicts
+#pragma unroll
+        for (int t = 0; t < Tr::O_TILES; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mine[(4 * t + i) * 32] = acc_o[0][t][i];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mine[(4 * Tr::O_TILES + r) * 32] = row_max[0][r];
+            mine[(4 * Tr::O_TILES + 2 + r) * 32] = row_sum[0][r];
+        }
+    }
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float peak = row_max[0][r];
+        for (int w = 1; w < Tr::WARPS; ++w) {
+            const float m = stage[((w - 1) * PER_WARP + 4 * Tr::O_TILES + r) * 32 + lane];
+            peak = (m != m || peak != peak) ? m + peak : amax(peak, m);
+        }
+        const float shift = peak == neg_inf<float>() ? 0.0f : peak;   // every warp empty: weights 0
+        const float own = fast_exp2(row_max[0][r] - shift);
+        row_sum[0][r] *= own;
+#pragma unroll
+        for (int t = 0; t < Tr::O_TILES; ++t) {
+            acc_o[0][t][2 * r] *= own;
+            acc_o[0][t][2 * r + 1] *= own;
+        }
+        for (int w = 1; w < Tr::WARPS; ++w) {
+            const float* theirs = stage + (w - 1) * PER_WARP * 32 + lane;
+            const float weight = fast_exp2(theirs[(4 * Tr::O_TILES + r) * 32] - shift);
+            row_sum[0][r] += weight * theirs[(4 * Tr::O_TILES + 2 + r) * 32];
+#pragma unroll
+            for (int t = 0; t < Tr::O_TILES; ++t) {
+                acc_o[0][t][2 * r] += weight * theirs[(4 * t + 2 * r) * 32];
+                acc_o[0][t][2 * r + 1] += weight * theirs[(4 * t + 2 * r + 1) * 32];
+            }
+        }
+        row_max[0][r] = shift;
+    }
+}
+
+// Grid: num_splits x ceil(rows / 16) x heads x batch CTAs (KeySplit), each over its split's key tiles.
+// KV_SPLIT is the split forwards' last template parameter (the variant table names every split kernel
+// so); this kernel has no unsplit form.
+template <typename T, typename Cfg, typename Flags, bool VEC, bool KV_SPLIT>
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
+flash_fwd_decode(const FwdParams p) {
+    typedef FwdDecodeTraits<T, Cfg> Tr;
+    static_assert(KV_SPLIT, "a split-KV partial kernel only: the combine kernel finishes its results");
+    static_assert(!Flags::EXTRA, "no EXTRA option: flash_fwd_mma's split twin takes those calls");
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* q_s = reinterpret_cast<T*>(smem_raw);
+    T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
+    T* v_s = k_s + 2 * Tr::KV_ELEMS;
+
+    const AttnDims& dims = p.dims;
+    typedef KeySplit<BM, true> Split;
+    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<false>(p.mask));
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const ScoreMod<Flags, float, T, true> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
+                                              blk.head);
+    const float x_per_s = mod.x_per_score();
+    const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
+    // The tiles every row of the strip sees whole (the band's inside, short of the sequence's end).
+    const TileRange full = mod.full_key_tiles(blk.m0, BM, BN);
+
+    PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead
+    auto load_kv = [&](int j, int stage) {
+        load_kv_tile<T, BM, BN, HEAD, P, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true>(
+            k_s, v_s, nullptr, stage, p, blk, false, j * BN, &pages);
+        cp_async_commit();
+    };
+
+    float acc_o[1][Tr::O_TILES][4];
+    float row_max[1][2], row_sum[1][2];
+    start_rows(acc_o, row_max, row_sum);
+
+    int j = keys.begin;
+    if (j < keys.end) {
+        load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
+                                                    blk.rows, dims.d);
+        load_kv(j, 0);
+    }
+    const int key_w = warp * Tr::KEYS_W;   // this warp's keys within a tile
+    for (int stage = 0; j < keys.end; stage ^= 1) {
+        prefetch_next_step<2>(j + 1, keys.end, stage, [&](int j_next, int s_next) { load_kv(j_next, s_next); });
+        __syncthreads();
+
+        float s[1][Tr::S_TILES][4];   // S = Q K^T over this warp's keys
+        zero_frags(s[0]);
+        warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, P, false>(s, q_s, k_s + stage * Tr::KV_ELEMS + key_w * P,
+                                                                   lane);
+        if (!full.contains(j)) mask_partial_strip(s[0], mod, blk.m0 + lane / 4, j * BN + key_w + 2 * (lane % 4));
+        unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
+        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+            p16[m][n][r] = pack2<T>(p0, p1);
+        });
+        warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, P>(acc_o, p16, v_s + stage * Tr::KV_ELEMS + key_w * P, lane);
+        __syncthreads();   // the next iteration's prefetch overwrites this stage
+        j = j + 1;
+    }
+
+    merge_warps<Tr>(reinterpret_cast<float*>(k_s), warp, lane, acc_o, row_max, row_sum);
+    if (warp == 0)
+        store_o_lse_c_frags<true, float, true>(p, Split::partial_block(blk, dims), 0, lane, acc_o, row_max, row_sum);
+}
