@@ -185,10 +185,11 @@ def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, sc
     call = options.forward_call(q, k, v, causal=causal, scale=scale, window=window, num_splits=num_splits)
     p = call.problem
     if p.xp is np or type(key_lengths) is not p.xp.ndarray or np.dtype(key_lengths.dtype) != np.int32 \
-            or key_lengths.shape != (p.batch,):
-        raise TypeError("key lengths run on CuPy inputs, as an int32 CuPy array of shape (B,)")
-    if page_table is not None and (np.dtype(page_table.dtype) != np.int32 or page_table.shape[0] != p.batch):
-        raise TypeError("a page table runs as an int32 CuPy array of shape (B, pages_per_seq)")
+            or key_lengths.shape != (p.batch,) or not key_lengths.flags.c_contiguous:
+        raise TypeError("key lengths run on CuPy inputs, as a contiguous int32 CuPy array of shape (B,)")
+    if page_table is not None and (np.dtype(page_table.dtype) != np.int32 or page_table.shape[0] != p.batch
+                                   or not page_table.flags.c_contiguous):
+        raise TypeError("a page table runs as a contiguous int32 CuPy array of shape (B, pages_per_seq)")
     if p.lk == 0 or p.q.size == 0:
         out = p.xp.zeros(p.out_shape(), dtype=q.dtype)
         return out, p.xp.full(p.lse_shape(), -np.inf, dtype=acc_dtype(p.dtype))

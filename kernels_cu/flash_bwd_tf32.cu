@@ -347,7 +347,7 @@ flash_bwd_dq_tf32(const BwdParams p) {
 
     auto load_kv = [&](int j, int stage) {
         load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
-            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN);
+            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN, dims.lk);
         cp_async_commit();
     };
     auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };

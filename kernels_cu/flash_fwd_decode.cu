@@ -53,12 +53,13 @@ struct FwdDecodeTraits {
 // flash_fwd_combine.cu merges splits (in log2 units here): peak = max_w max_w (NaN kept),
 // O = sum_w O_w 2^(max_w - peak), sum = sum_w sum_w 2^(max_w - peak). A warp that saw no key has
 // max -inf and O = sum = 0: weight 0. Lane l of every warp holds the same rows and columns, so lane
-// l of warp 0 merges lane l's values. `stage` is at least MERGE_FLOATS floats of shared memory no
-// copy is writing; the caller's barrier after the key loop makes it free.
+// l of warp 0 merges lane l's values. `stage`: at least MERGE_FLOATS floats of shared memory that the
+// key loop's copies and reads have finished with (the barrier here orders them before the writes).
 template <typename Tr>
 __device__ __forceinline__ void merge_warps(float* stage, int warp, int lane, float (&acc_o)[1][Tr::O_TILES][4],
                                             float (&row_max)[1][2], float (&row_sum)[1][2]) {
     constexpr int PER_WARP = 4 * Tr::O_TILES + 4;   // floats a lane leaves: O, then max and sum of its two rows
+    __syncthreads();
     if (warp > 0) {
         float* mine = stage + (warp - 1) * PER_WARP * 32 + lane;   // lane-minor: no bank conflicts
 #pragma unroll
@@ -131,7 +132,7 @@ flash_fwd_decode(const FwdParams p) {
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead
     auto load_kv = [&](int j, int stage) {
         load_kv_tile<T, BM, BN, HEAD, P, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true>(
-            k_s, v_s, nullptr, stage, p, blk, false, j * BN, &pages);
+            k_s, v_s, nullptr, stage, p, blk, false, j * BN, mod.lk, &pages);
         cp_async_commit();
     };
 

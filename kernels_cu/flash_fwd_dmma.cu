@@ -94,14 +94,16 @@ flash_fwd_dmma(const FwdParams p) {
     const ScoreMod<Flags, double, double, PER_SEQ> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
     const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 
+    // K / V rows from the sequence's key count on are zeros (a KV cache's own count: load_kv_tile, tile_io.cuh)
+    const int key_count = PER_SEQ ? mod.lk : dims.lk;
     auto load_kv = [&](int j, int stage) {
         const int n0 = j * BN;
         load_tile<double, BN, HEAD, Tr::QK_PITCH, Tr::THREADS, VEC>(
             k_s + stage * Tr::K_ELEMS, p.k.at<const double>(blk.batch, blk.kv_head, n0), p.k.row_stride,
-            dims.lk - n0, dims.d);
+            key_count - n0, dims.d);
         load_tile<double, BN, HEAD, Tr::V_PITCH, Tr::THREADS, VEC>(
             v_s + stage * Tr::V_ELEMS, p.v.at<const double>(blk.batch, blk.kv_head, n0), p.v.row_stride,
-            dims.lk - n0, dims.dv);
+            key_count - n0, dims.dv);
         if (mod.has_bias())
             load_score_tile<double, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS,
                                                                         p.mask.bias, blk.batch, blk.head, blk.m0,

@@ -61,6 +61,8 @@ flash_fwd_fma(const FwdParams p) {
     const ScoreMod<Flags, A, T, PER_SEQ> mod(p.mask, dims, acc_param<A>(p.scale_log2, p.scale_log2_f), blk.batch,
                                              blk.head);
     const TileRange keys = Split::keys(mod.key_tiles(m0, blk.rows, BN), p);
+    // K / V rows from the sequence's key count on are zeros (a KV cache's own count: load_kv_tile, tile_io.cuh)
+    const int key_count = PER_SEQ ? mod.lk : dims.lk;
 
     A acc_o[Tr::TM][Tr::TD];
     A row_max[Tr::TM], row_sum[Tr::TM];
@@ -79,9 +81,9 @@ flash_fwd_fma(const FwdParams p) {
     for (int j = first; j < keys.end; j = mod.next_key_tile(j + 1, keys.end, m0, blk.rows, BN)) {
         const int n0 = j * BN;
         load_tile<T, BN, HEAD, Tr::QK_PITCH, Tr::THREADS, false>(k_s, p.k.at<const T>(blk.batch, blk.kv_head, n0),
-                                                                 p.k.row_stride, dims.lk - n0, dims.d);
+                                                                 p.k.row_stride, key_count - n0, dims.d);
         load_tile<T, BN, HEAD, Tr::V_PITCH, Tr::THREADS, false>(v_s, p.v.at<const T>(blk.batch, blk.kv_head, n0),
-                                                                p.v.row_stride, dims.lk - n0, dims.dv);
+                                                                p.v.row_stride, key_count - n0, dims.dv);
         if (mod.has_bias())   // the bias tile waits in P's place until the probabilities overwrite it
             load_score_tile_acc<T, A, BM, BN, Tr::P_PITCH, Tr::THREADS>(p_s, p.mask.bias, blk.batch, blk.head, m0, n0,
                                                                         blk.rows, dims.lk - n0);
@@ -127,7 +129,7 @@ flash_fwd_fma(const FwdParams p) {
         __syncthreads();
 
         // O += P V
-        const int n_valid = imin(BN, dims.lk - n0);
+        const int n_valid = imin(BN, key_count - n0);
         for (int kk = 0; kk < n_valid; ++kk) {
             A vv[Tr::TD];
 #pragma unroll

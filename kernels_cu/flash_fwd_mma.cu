@@ -85,7 +85,7 @@ flash_fwd_mma(const FwdParams p) {
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead (PER_SEQ)
     auto load_kv = [&](int j, int stage, const QueryBlock& b) {
         load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS, PER_SEQ>(
-            k_s, v_s, bias_s, stage, p, b, mod.has_bias(), j * BN, &pages);
+            k_s, v_s, bias_s, stage, p, b, mod.has_bias(), j * BN, PER_SEQ ? mod.lk : dims.lk, &pages);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some) before end.

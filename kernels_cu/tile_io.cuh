@@ -253,8 +253,11 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 }
 
 // One key tile of a query block's pipeline, into stage ``stage`` of the K, V and bias rings (KV_ELEMS
-// and BIAS_ELEMS elements a stage): K and V rows n0.. (fixed-column copies, zero past lk and past the
-// head dims) and, with a bias, the block's BM x BN bias tile. All cp.async where the layout allows;
+// and BIAS_ELEMS elements a stage): K and V rows n0.. (fixed-column copies, zero past the head dims; V
+// zero from key_count on -- the keys the block's sequence has: dims.lk, or a KV cache sequence's own
+// count, past which the cache may hold anything, NaN included, that a zero probability would not cancel
+// in P V; K rows there are copied up to dims.lk, their scores masked: a count held in a register
+// through K's copy spilled the float32 split tile 128x32) and, with a bias, the block's BM x BN bias tile. All cp.async where the layout allows;
 // the caller commits the group. The forwards (16-bit and TF32) and the TF32 dQ kernel share it.
 // PAGED (the split forwards' PER_SEQ path) with a page table: K and V from a paged cache through
 // `pages`, which holds tile n0's pages when the previous call read them ahead (else they are read
@@ -262,15 +265,15 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 template <typename T, int BM, int BN, int HEAD, int P, int BIAS_PITCH, int THREADS, bool VEC, int KV_ELEMS,
           int BIAS_ELEMS, bool PAGED = false, typename Params>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stage, const Params& p,
-                                             const QueryBlock& blk, bool with_bias, int n0,
+                                             const QueryBlock& blk, bool with_bias, int n0, int key_count,
                                              PageCursor<T, BN, HEAD, THREADS, VEC>* pages = nullptr) {
     const AttnDims& dims = p.dims;
     if constexpr (PAGED && PageCursor<T, BN, HEAD, THREADS, VEC>::FITS) {
         if (p.mask.page_table != nullptr) {
-            if (pages->row0 != n0) pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0, dims.lk);
+            if (pages->row0 != n0) pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0, key_count);
             load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS, p.k, p.v,
-                                                          *pages, p.mask.num_pages, dims.lk - n0, dims.d, dims.dv);
-            pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0 + BN, dims.lk);
+                                                          *pages, p.mask.num_pages, key_count - n0, dims.d, dims.dv);
+            pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0 + BN, key_count);
             return;
         }
     }
@@ -279,10 +282,10 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stag
                                                       p.k.row_stride, dims.lk - n0, dims.d);
     load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS,
                                                       p.v.template at<const T>(blk.batch, blk.kv_head, n0),
-                                                      p.v.row_stride, dims.lk - n0, dims.dv);
+                                                      p.v.row_stride, key_count - n0, dims.dv);
     if (with_bias)
         load_score_tile<T, BM, BN, BIAS_PITCH, THREADS>(bias_s + stage * BIAS_ELEMS, p.mask.bias, blk.batch, blk.head,
-                                                        blk.m0, n0, blk.rows, dims.lk - n0);
+                                                        blk.m0, n0, blk.rows, key_count - n0);
 }
 
 // Into a tile of the accumulator type A (the FMA kernels' P tile), converted;

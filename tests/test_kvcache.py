@@ -236,3 +236,48 @@ def test_unvalidated_calls_equal_validated_ones_and_stay_inside_the_cache():
     out = cuflash.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, causal=True, block_table=bad,
                                          validate=False)
     assert bool(cp.isfinite(out.astype(cp.float32)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("paged", [False, True])
+def test_cache_rows_past_each_length_are_never_used(dtype, paged):
+    """The free room past each sequence (here NaN) never reaches the result, not even as 0 x NaN in P V:
+    the kernels copy zeros from each sequence's own key count on."""
+    cp = pytest.importorskip("cupy")
+    cap, lengths = 1024, [0, 300, 1000]
+    q, kc, vc, kn, vn = _setup(cp, DTYPES[dtype], b=3, hq=8, hk=2, lq=1, cap=cap, n_new=1, d=64)
+    dirty_k, dirty_v = kc.copy(), vc.copy()
+    for bi, n in enumerate(lengths):
+        dirty_k[bi, :, n:] = cp.nan
+        dirty_v[bi, :, n:] = cp.nan
+    results = []
+    for k_cache, v_cache in ((kc, vc), (dirty_k, dirty_v)):
+        table = None
+        if paged:
+            k_cache, v_cache, table = _paged(cp, _host(k_cache), _host(v_cache), 16)
+        results.append(cuflash.attention_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens=cp.asarray(lengths),
+                                                       causal=True, block_table=table))
+    clean, dirty = (_host(r).astype(np.float64) for r in results)
+    assert np.isfinite(dirty).all()
+    np.testing.assert_array_equal(dirty, clean)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (5, 2))])
+def test_free_room_never_reaches_the_result(device, causal, window):
+    """NaN in the room past each sequence: the result equals a clean cache's (the masked paths take V
+    with zeros there; the split kernels copy zeros from each sequence's key count on)."""
+    xp = _xp(device)
+    q, kc, vc, kn, vn = _setup(xp)
+    lengths = [5, 17, 33]
+    dirty_k, dirty_v = kc.copy(), vc.copy()
+    for bi, n in enumerate(lengths):
+        dirty_k[bi, :, n:] = np.nan
+        dirty_v[bi, :, n:] = np.nan
+    clean = cuflash.attention_with_kvcache(q, kc.copy(), vc.copy(), kn, vn, cache_seqlens=xp.asarray(lengths),
+                                           causal=causal, window=window)
+    dirty = cuflash.attention_with_kvcache(q, dirty_k, dirty_v, kn, vn, cache_seqlens=xp.asarray(lengths),
+                                           causal=causal, window=window)
+    assert np.isfinite(_host(dirty)).all()
+    np.testing.assert_allclose(_host(dirty), _host(clean), rtol=1e-12, atol=1e-14)

@@ -695,8 +695,8 @@ def test_key_lengths_go_to_the_split_kernels_by_address(fake):
 def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     """Pages (num_pages, Hk, page_size, D) read in place: the views' batch stride is a page's, the page
     table's address is written a call, page size and pages a sequence packed; float64 (its own loader)
-    K / V of different strides and pages of a size other than a power of two are refused, for the caller
-    to gather the pages."""
+    K / V of different strides, pages of a size other than a power of two and offsets within a page past
+    32 bits are refused, for the caller to gather the pages."""
     dev, launches = fake
     q = dev.empty((2, 8, 1, 128), np.float16)
     k, v = (dev.empty((40, 2, 16, 128), np.float16) for _ in range(2))
@@ -718,3 +718,8 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     k24, v24 = (dev.empty((40, 2, 24, 128), np.float16) for _ in range(2))   # pages of 24: not a power of two
     with pytest.raises(ValueError, match="reads no such paged cache"):
         cuflash.api.forward_with_key_lengths(q, k24, v24, lengths, causal="bottom_right", page_table=table)
+    # a head-major pool (Hk, num_pages, page_size, D) seen page-major: its heads 2^28 elements apart, past 32 bits
+    pool_k, pool_v = (dev.empty((16, 2 ** 17, 16, 128), np.float16).swapaxes(0, 1) for _ in range(2))
+    q16 = dev.empty((2, 16, 1, 128), np.float16)
+    with pytest.raises(ValueError, match="reads no such paged cache"):
+        cuflash.api.forward_with_key_lengths(q16, pool_k, pool_v, lengths, causal="bottom_right", page_table=table)

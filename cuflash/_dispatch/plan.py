@@ -185,11 +185,13 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
 
 def _reads_pages(v, itemsize: int, k, v_pages, page_size: int) -> bool:
     """Whether a split variant's K/V loader reads these pages (tile_io.cuh: PageCursor::FITS, 16-byte
-    copies; one address a row for K and V, so equal strides, a page's elements in 32 bits, and pages of a
-    power-of-two size, found by a shift)."""
+    copies; one address a row for K and V, so equal strides; pages of a power-of-two size, found by a
+    shift; a page's stride and every row's offset within a page (row, head, column) in 32 bits)."""
     if v.family not in PAGED_FAMILIES or v.extra or not v.vec or page_size & (page_size - 1):
         return False
-    if k.strides != v_pages.strides or max(abs(s) for s in k.strides) // itemsize >= 2 ** 31:
+    page_stride, head_stride, row_stride, _ = (abs(s) // itemsize for s in k.strides)
+    in_page = (k.shape[1] - 1) * head_stride + (page_size - 1) * row_stride + k.shape[3]
+    if k.strides != v_pages.strides or max(page_stride, in_page) >= 2 ** 31:
         return False
     per_row = v.head // (16 // itemsize)
     return v.threads % per_row == 0 and v.tile.block_n % (v.threads // per_row) == 0
