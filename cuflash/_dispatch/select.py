@@ -287,11 +287,12 @@ count's (FlashAttention's 85%-of-best-wave rule)."""
 
 
 def ctas_per_sm(v: Variant, smem_limit: int, max_threads: int = 2048) -> int:
-    """CTAs of ``v`` one SM holds by shared memory and threads (at least the tile's ``ctas``)."""
+    """CTAs of ``v`` one SM holds by shared memory and threads (a tile's ``ctas`` bounds its registers
+    for that many; where the shared memory holds fewer, as on GPUs of less of it, fewer run)."""
     by_smem = max_threads // v.threads
     while by_smem > 1 and not fits_resident(v.smem_bytes, by_smem, smem_limit):
         by_smem -= 1
-    return max(v.tile.ctas, by_smem)
+    return by_smem
 
 
 def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
