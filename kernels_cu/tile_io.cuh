@@ -194,14 +194,16 @@ __device__ __forceinline__ void load_paged_rows(T* k_smem, T* v_smem, const View
     static_assert(Cursor::FITS, "load_tile_fixed_col's layout");
     const int col = (threadIdx.x % Cursor::PER_ROW) * Cursor::CHUNK, first_row = threadIdx.x / Cursor::PER_ROW;
     const bool k_col_valid = col < k_cols, v_col_valid = col < v_cols;
-    const unsigned k_dst = smem_addr(k_smem + first_row * PITCH + col), v_dst = smem_addr(v_smem + first_row * PITCH + col);
+    const unsigned k_dst = smem_addr(k_smem + first_row * PITCH + col);
+    const unsigned v_dst = smem_addr(v_smem + first_row * PITCH + col);
     const T* k_base = static_cast<const T*>(k.ptr);
     const T* v_base = static_cast<const T*>(v.ptr);
 #pragma unroll
     for (int k_row = 0; k_row < Cursor::COUNT; ++k_row) {
         const bool row_valid = first_row + k_row * Cursor::ROW_STEP < rows_valid;
         const int page = min(max(cursor.page[k_row], 0), num_pages - 1);
-        const int64 offset = int64(page) * int64(int(k.batch_stride)) + cursor.in_page[k_row];   // (plan: < 2^31 a page)
+        // a page's stride and the in-page offset fit 32 bits (the plan's rule): one wide multiply-add
+        const int64 offset = int64(page) * int64(int(k.batch_stride)) + cursor.in_page[k_row];
         const unsigned step = k_row * Cursor::ROW_STEP * PITCH * int(sizeof(T));
         const bool k_valid = row_valid && k_col_valid, v_valid = row_valid && v_col_valid;
         cp_async_16(k_dst + step, k_valid ? k_base + offset : k_base, k_valid);   // (no bytes read when not valid)
@@ -253,12 +255,13 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 }
 
 // One key tile of a query block's pipeline, into stage ``stage`` of the K, V and bias rings (KV_ELEMS
-// and BIAS_ELEMS elements a stage): K and V rows n0.. (fixed-column copies, zero past the head dims; V
-// zero from key_count on -- the keys the block's sequence has: dims.lk, or a KV cache sequence's own
-// count, past which the cache may hold anything, NaN included, that a zero probability would not cancel
-// in P V; K rows there are copied up to dims.lk, their scores masked: a count held in a register
-// through K's copy spilled the float32 split tile 128x32) and, with a bias, the block's BM x BN bias tile. All cp.async where the layout allows;
-// the caller commits the group. The forwards (16-bit and TF32) and the TF32 dQ kernel share it.
+// and BIAS_ELEMS elements a stage): K and V rows n0.. (fixed-column copies, zero past the head dims)
+// and, with a bias, the block's BM x BN bias tile. All cp.async where the layout allows; the caller
+// commits the group. The forwards (16-bit and TF32) and the TF32 dQ kernel share it.
+// key_count: the keys of the block's sequence (dims.lk, or a KV cache sequence's own count). V rows
+// from it on are zeros: the cache's free room may hold anything, NaN included, which a zero
+// probability would not cancel in P V. K rows there are copied up to dims.lk and their scores masked
+// (the count held through K's copy too spilled the float32 split tile 128x32).
 // PAGED (the split forwards' PER_SEQ path) with a page table: K and V from a paged cache through
 // `pages`, which holds tile n0's pages when the previous call read them ahead (else they are read
 // now) and is left reading tile n0 + 1's.
