@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import api
-from .merge import merge_attention
+from .merge import merge_into
 from .options import SUPPORTED_DTYPES, array_module
 from .semantics import acc_dtype
 
@@ -378,8 +378,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
         for q_sl, k_sl, how in _block_pairs(mine, spans[source], causal):
             o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
                                                causal=how, scale=scale)
-            merged = merge_attention([out[..., q_sl, :], o], [lse[..., q_sl], l_], dtype=acc)
-            out[..., q_sl, :], lse[..., q_sl] = merged
+            merge_into(out[..., q_sl, :], lse[..., q_sl], o, l_)   # views of the accumulators: in place
         if arriving is not None:
             kv = arriving.wait()
     return out.astype(q.dtype), lse

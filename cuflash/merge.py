@@ -100,7 +100,17 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any], *,
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {out_dtype}")
     acc = np.dtype(acc_dtype(SUPPORTED_DTYPES[out_dtype]))
 
-    lse_parts = [_to_acc(xp, l_, acc) for l_ in lses]
+    weights, lse = _weights([_to_acc(xp, l_, acc) for l_ in lses], acc, xp)
+    out = xp.zeros(first.shape, dtype=acc)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for w, o in zip(weights, outs):
+            out += w[..., None] * _to_acc(xp, o, acc)
+    return _from_acc(xp, out, out_dtype), lse
+
+
+def _weights(lse_parts, acc, xp):
+    """(each part's weight exp(lse_s - lse), lse) for lse_parts in the accumulator dtype ``acc``: 0 for a
+    part that saw no key, every weight 0 and lse -inf where no part did, NaN where a part is NaN."""
     peak = lse_parts[0]
     for l_ in lse_parts[1:]:
         peak = xp.maximum(peak, l_)          # NaN propagates
@@ -112,7 +122,18 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any], *,
             total = total + w
         lse = finite_peak + xp.log(total)    # -inf where no part saw a key, NaN where a part is NaN
         inv_total = xp.where(total == 0, acc.type(0), 1 / total)   # 0 where no part saw a key
-        out = xp.zeros(first.shape, dtype=acc)
-        for w, o in zip(weights, outs):
-            out += (w * inv_total)[..., None] * _to_acc(xp, o, acc)
-    return _from_acc(xp, out, out_dtype), lse
+        return [w * inv_total for w in weights], lse
+
+
+def merge_into(out, lse, part_out, part_lse) -> None:
+    """Merge one more part into an accumulated result in place: ``out`` (..., H, Lq, Dv) and ``lse``
+    (..., H, Lq), float32 or float64 (the accumulator dtype), become the merge of themselves and
+    (``part_out``, ``part_lse``) of the same shapes and dtype, as :func:`merge_attention` would return
+    them, without a merged copy (the ring forward accumulates its steps so)."""
+    xp = array_module(out)
+    acc = np.dtype(out.dtype)
+    (w_acc, w_part), merged_lse = _weights([lse, part_lse], acc, xp)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out *= w_acc[..., None]
+        out += w_part[..., None] * part_out
+    lse[...] = merged_lse

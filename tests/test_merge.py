@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import reference
+from cuflash.merge import merge_into
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -156,3 +157,24 @@ def test_bad_input_is_refused(outs, lses, err, match):
 def test_bad_dtype_is_refused():
     with pytest.raises(TypeError, match="dtype must be"):
         cuflash.merge_attention([np.zeros((2, 3, 4))], [np.zeros((2, 3))], dtype=np.int8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_merge_into_equals_merge_attention(dtype):
+    """The in-place two-part merge (the ring forward's) gives merge_attention's result: rows one part
+    saw nothing of, rows neither did, a NaN row."""
+    rng = np.random.default_rng(11)
+    outs = [rng.standard_normal((2, 3, 7, 5)).astype(dtype) for _ in range(2)]
+    lses = [rng.standard_normal((2, 3, 7)).astype(dtype) for _ in range(2)]
+    lses[0][0, 0, :2], outs[0][0, 0, :2] = -np.inf, 0       # the accumulated part saw nothing yet
+    lses[1][0, 1, 3], outs[1][0, 1, 3] = -np.inf, 0         # the new part saw nothing
+    lses[0][1, 2, 4] = lses[1][1, 2, 4] = -np.inf           # neither did
+    outs[0][1, 2, 4] = outs[1][1, 2, 4] = 0
+    outs[1][1, 0, 6, 2] = np.nan
+    want_out, want_lse = cuflash.merge_attention(outs, lses)
+    out, lse = outs[0].copy(), lses[0].copy()
+    merge_into(out[..., 1:, :], lse[..., 1:], outs[1][..., 1:, :], lses[1][..., 1:])   # on views, in place
+    merge_into(out[..., :1, :], lse[..., :1], outs[1][..., :1, :], lses[1][..., :1])
+    np.testing.assert_allclose(out, want_out, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=0)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=0)
+    assert np.isnan(out[1, 0, 6, 2]) and out[1, 2, 4].tolist() == [0] * 5 and lse[1, 2, 4] == -np.inf
