@@ -171,8 +171,9 @@ def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, sc
 
     ``page_table`` (int32 CuPy array (B, pages_per_seq) of valid page indices, checked by the caller):
     k and v are a paged cache (num_pages, Hk, page_size, D), entry b's key j in row j % page_size of
-    page ``page_table[b, j // page_size]``; the kernels read the pages in place (ValueError where the
-    chosen kernel's loader cannot: the caller gathers them instead)."""
+    page ``page_table[b, j // page_size]``; the kernels read the pages in place (where the chosen
+    kernel's loader cannot: ``_dispatch.plan.PagesNotReadInPlace``, a ValueError, and the caller
+    gathers them instead)."""
     xp = options.array_module(q)
     page_size = num_pages = 0
     if page_table is not None:

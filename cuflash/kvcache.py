@@ -214,9 +214,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         kwargs = dict(causal="bottom_right" if causal else False, window=window, scale=scale, num_splits=num_splits)
         try:
             out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total, page_table=pages, **kwargs)
-        except ValueError:
-            if pages is None:
-                raise
+        except _plan.PagesNotReadInPlace:
             out, lse = api.forward_with_key_lengths(q, _gathered(k_cache, pages), _gathered(v_cache, pages),
                                                     total, **kwargs)
         return (out, lse) if return_lse else out

@@ -45,6 +45,11 @@ _FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
 _FWD_PARTIALS = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in ("out_partial", "lse_partial"))
 _FWD_KEY_LENGTHS = (PACKERS["FwdParams"].offset("mask.key_lengths"),)
 _FWD_PAGE_TABLE = (PACKERS["FwdParams"].offset("mask.page_table"),)
+class PagesNotReadInPlace(ValueError):
+    """The kernel a paged-cache call takes cannot read these pages in place (:func:`_reads_pages`): the
+    caller gathers them (cuflash.kvcache)."""
+
+
 PAGED_FAMILIES = ("fwd_mma", "fwd_decode")
 """The split forwards whose K/V loader reads a paged cache (kernels_cu/tile_io.cuh, load_paged_rows): the
 16-bit ones; the float32 tiles spill 8-160 bytes with the page lookups, so float32 pages are gathered."""
@@ -158,7 +163,7 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
         plan = _plan_split_forward(p, replace(masking, values=values), extra or band, portable, splits, out_shape,
                                    lse_shape, lse_dtype, smem_limit)
         if pages is not None and not _reads_pages(plan.kernels[0].variant, q.itemsize, p.k, p.v, pages[0]):
-            raise ValueError(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
+            raise PagesNotReadInPlace(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
         return replace(plan, key_lengths=True, paged=pages is not None,
                        params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
     if splits > 1:
