@@ -723,3 +723,20 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     q16 = dev.empty((2, 16, 1, 128), np.float16)
     with pytest.raises(ValueError, match="reads no such paged cache"):
         cuflash.api.forward_with_key_lengths(q16, pool_k, pool_v, lengths, causal="bottom_right", page_table=table)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_a_backward_without_the_bias_gradient_launches_no_dbias_work(fake, dtype):
+    """bias_grad=False: the bias still shapes the recomputed scores, but no dbias kernel runs and the
+    params carry no dbias accumulator (DbiasParams off)."""
+    dev, launches = fake
+    q, k, v, out, dout = (dev.empty((2, 4, 300, 64), dtype) for _ in range(5))
+    lse = dev.empty((2, 4, 300), np.float64 if dtype == np.float64 else np.float32)
+    bias = dev.empty((1, 4, 300, 300), dtype)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias, bias_grad=False)
+    assert len(grads) == 3
+    assert all(x[0].family != "bwd_dbias_mma" and x[0].extra for x in launches if x[0].family.startswith("bwd_dkdv")
+               or x[0].family == "bwd_dbias_mma")
+    params = [x[1] for x in launches if x[0].family.startswith("bwd_dkdv")][0]
+    fields = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"], count=1)[0]
+    assert int(fields["dbias"]["mode"]) == 0 and int(fields["mask"]["bias"]["ptr"]) == bias.data.ptr
