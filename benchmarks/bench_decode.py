@@ -6,8 +6,10 @@
 Each row: B sequences, Hq query heads over Hk K/V heads (grouped-query attention), Lq new query rows
 against Lk cached keys, head dim D, no mask (one query row: bottom-right causal is no mask; longer
 rows get the same no-mask call from every contender). Contenders on the same buffers (PyTorch reads
-CuPy's arrays through DLPack): cuflash (the split-KV forward where it decides), cuflash with
-``num_splits=1`` (one thread block a query block: what the split buys), cuflash.attention_with_kvcache
+CuPy's arrays through DLPack): cuflash (the split-KV forward where it decides), cuflash's split forward
+on the 64-row split kernel in place of the decoding kernel ("split twin": what the decoding kernel
+buys), cuflash with ``num_splits=1`` (one thread block a query block: what the split buys),
+cuflash.attention_with_kvcache
 (causal: with Lq > 1 the bottom-right band, a few keys fewer) on the same cache contiguous, its lengths
 checked (a device read a call) and not (``validate=False``), and as shuffled pages of 16 and 256
 positions (not checked), and PyTorch SDPA's flash
@@ -21,6 +23,7 @@ Writes JSON and Markdown named by the device into --out (default ./cuflash-decod
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -31,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import cuflash  # noqa: E402
+from cuflash._dispatch import plan, select  # noqa: E402
 from cuflash._runtime.device import gpu_available  # noqa: E402
 
 try:
@@ -88,10 +92,28 @@ def _paged_cache(k, v, page_size: int):
     return pages[0], pages[1], order.astype(cp.int32)
 
 
+def _split_twin(portable, dv, smem_limit, rows=None):
+    """select.split_variants for blocks of more rows than the decoding kernel takes: the portable
+    forward's split twin (flash_fwd_mma.cu)."""
+    return select.split_variants(portable, dv, smem_limit, select.DECODE_ROWS + 1)
+
+
+def _with_split_twin(call):
+    """``call()`` with the split forwards on the portable kernel's twin (a plan of its own: plan._hooks)."""
+    real = plan.split_variants
+    plan.split_variants = _split_twin
+    try:
+        return call()
+    finally:
+        plan.split_variants = real
+
+
 def contenders(q, k, v) -> dict:
     """name -> (callable, note). The KV-cache rows attend every sequence's whole cache (lengths Lk)."""
     lengths = cp.full((q.shape[0],), k.shape[2], dtype=cp.int32)
     out = {"cuflash": (lambda: cuflash.attention_forward(q, k, v), ""),
+           "cuflash split twin": (functools.partial(_with_split_twin, lambda: cuflash.attention_forward(q, k, v)),
+                                  "64-row split kernel in the decoding kernel's place"),
            "cuflash unsplit": (lambda: cuflash.attention_forward(q, k, v, num_splits=1), ""),
            "cuflash kvcache": (lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True),
                                "lengths checked (a device read a call)"),

@@ -442,7 +442,7 @@ def _hooks() -> tuple:
     """The functions a plan's choice reads that tests and benchmarks replace: part of every key, so
     that a replaced one is a different key."""
     return (device.compute_capability, device.smem_limit, device.device_facts, forward_choice, backward_variants,
-            tma.tma_ok)
+            split_variants, tma.tma_ok)
 
 
 def _remember(plans: dict, key: tuple, plan) -> None:
