@@ -223,8 +223,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     keys = xp.arange(cap)[None, None, None, :]
     allowed = keys < total[:, None, None, None]                 # (B, 1, 1, Lcap)
     # The free room past each sequence may hold anything (NaN included), which a zero probability would
-    # not cancel in P V: a copy of V with zeros there.
-    v_cache = xp.where(allowed[:, :, 0, :, None], v_cache, v_cache.dtype.type(0))
+    # not cancel in P V: a copy of V with zeros there (by its bits: CuPy has no bfloat16 arithmetic).
+    bits = np.dtype(f"u{v_cache.dtype.itemsize}")
+    v_cache = xp.where(allowed[:, :, 0, :, None], v_cache.view(bits), bits.type(0)).view(v_cache.dtype)
     if causal or window is not None:
         diagonal = (total - lq)[:, None, None, None] + xp.arange(lq)[None, None, :, None]   # (B, 1, Lq, 1)
         left, right = window if window is not None else (None, None)

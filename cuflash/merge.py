@@ -128,8 +128,9 @@ def _weights(lse_parts, acc, xp):
 def merge_into(out, lse, part_out, part_lse) -> None:
     """Merge one more part into an accumulated result in place: ``out`` (..., H, Lq, Dv) and ``lse``
     (..., H, Lq), float32 or float64 (the accumulator dtype), become the merge of themselves and
-    (``part_out``, ``part_lse``) of the same shapes and dtype, as :func:`merge_attention` would return
-    them, without a merged copy (the ring forward accumulates its steps so)."""
+    (``part_out``, ``part_lse``) of the same shapes (float, cast into the accumulators' dtype), as
+    :func:`merge_attention` would return them, without a merged copy (the ring forward accumulates its
+    steps so). The part must not share memory with the accumulators."""
     xp = array_module(out)
     acc = np.dtype(out.dtype)
     (w_acc, w_part), merged_lse = _weights([lse, part_lse], acc, xp)

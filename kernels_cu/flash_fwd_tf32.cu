@@ -75,17 +75,19 @@ flash_fwd_tf32(const FwdParams p) {
     const ScoreMod<Flags, float, float, PER_SEQ> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
     const float x_per_s = mod.x_per_score();
     const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
-    // PER_SEQ: the sequence's key count, where V's copies stop (load_kv_tile), read back from shared
-    // memory a tile: held in a register through the loop it spilled the 128x32 tile (24 bytes).
-    __shared__ int seq_keys;
+    // PER_SEQ: the sequence's key count, where V's copies stop (load_kv_tile), parked in the padding of
+    // Q's first row (columns HEAD.., which no copy, split or fragment load touches) and read back a tile:
+    // held in a register through the loop it spilled the 128x32 tile (24 bytes). Not a static __shared__
+    // variable: it would add to the dynamic size, which fills the 99 KB GPUs' limit at head dim 128.
+    int* parked_keys = reinterpret_cast<int*>(q_s + HEAD);
     if constexpr (PER_SEQ) {
-        if (threadIdx.x == 0) seq_keys = mod.lk;
+        if (threadIdx.x == 0) *parked_keys = mod.lk;
         __syncthreads();
     }
 
     auto load_kv = [&](int j, int stage) {
         load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
-            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN, PER_SEQ ? seq_keys : dims.lk);
+            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN, PER_SEQ ? *parked_keys : dims.lk);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some).

@@ -45,6 +45,8 @@ _FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
 _FWD_PARTIALS = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in ("out_partial", "lse_partial"))
 _FWD_KEY_LENGTHS = (PACKERS["FwdParams"].offset("mask.key_lengths"),)
 _FWD_PAGE_TABLE = (PACKERS["FwdParams"].offset("mask.page_table"),)
+
+
 class PagesNotReadInPlace(ValueError):
     """The kernel a paged-cache call takes cannot read these pages in place (:func:`_reads_pages`): the
     caller gathers them (cuflash.kvcache)."""
@@ -195,7 +197,7 @@ def _reads_pages(v, itemsize: int, k, v_pages, page_size: int) -> bool:
     if v.family not in PAGED_FAMILIES or v.extra or not v.vec or page_size & (page_size - 1):
         return False
     page_stride, head_stride, row_stride, _ = (abs(s) // itemsize for s in k.strides)
-    in_page = (k.shape[1] - 1) * head_stride + (page_size - 1) * row_stride + k.shape[3]
+    in_page = (k.shape[1] - 1) * head_stride + (page_size - 1) * row_stride + max(k.shape[3], v_pages.shape[3])
     if k.strides != v_pages.strides or max(page_stride, in_page) >= 2 ** 31:
         return False
     per_row = v.head // (16 // itemsize)
