@@ -142,9 +142,19 @@ def hopper_extra(dtypes) -> None:
 
 
 
-def split_kv(dtypes) -> None:
+def _split_launches() -> list:
+    """A list that collects each launch's family ("/split" after a split-KV partial kernel's)."""
     launched = []
     _record(lambda variant, grid: launched.append(variant.family + ("/split" if variant.kv_split else "")))
+    return launched
+
+
+def _all_finite(arrays) -> bool:
+    return all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in arrays)
+
+
+def split_kv(dtypes) -> None:
+    launched = _split_launches()
     rng = np.random.default_rng(0)
     for dtype, d, (lq, hq, splits, masked) in itertools.product(
             dtypes, (40, 64, 128), ((1, 8, None, False), (3, 4, 5, False), (16, 4, 64, False), (2, 4, 7, True))):
@@ -162,15 +172,13 @@ def split_kv(dtypes) -> None:
         do = cp.asarray(rng.standard_normal(out.shape).astype(DTYPES[dtype]))
         grads = cuflash.attention_backward(do, q, k, v, out, lse, causal="bottom_right", **opts)
         cp.cuda.Device().synchronize()
-        finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out,) + grads)
         print(f"{dtype:8} d={d:3} lq={lq:2} hq={hq} splits={splits!s:4} masked={masked!s:5} "
-              f"{','.join(launched[:2])} finite={finite}", flush=True)
+              f"{','.join(launched[:2])} finite={_all_finite((out,) + grads)}", flush=True)
 
 
 def kv_cache(dtypes) -> None:
     """A KV cache of ragged lengths (0 included), one new key appended: the kernels read the lengths."""
-    launched = []
-    _record(lambda variant, grid: launched.append(variant.family + ("/split" if variant.kv_split else "")))
+    launched = _split_launches()
     rng = np.random.default_rng(1)
     for dtype, d in itertools.product(dtypes, (64, 128)):
         q = cp.asarray(rng.standard_normal((3, 8, 1, d)).astype(DTYPES[dtype]))
@@ -185,8 +193,8 @@ def kv_cache(dtypes) -> None:
         out_paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v, causal=True,
                                                    cache_seqlens=cp.asarray([0, 777, 2999]), block_table=page_table)
         cp.cuda.Device().synchronize()
-        finite = all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in (out, out_paged))
-        print(f"{dtype:8} d={d:3} kv cache {','.join(launched[:2])} finite={finite}", flush=True)
+        print(f"{dtype:8} d={d:3} kv cache {','.join(launched[:2])} finite={_all_finite((out, out_paged))}",
+              flush=True)
 
 
 def hopper_persistent(dtypes) -> None:

@@ -51,7 +51,7 @@ def _check_ranges(cache_seqlens, lengths, pages, page_size: int, n_new: int, cap
     parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
     if pages is not None and pages.size:
         used = xp.arange(pages.shape[1])[None, :] * page_size < (lengths + n_new)[:, None]   # (B, max_pages)
-        used_pages = xp.where(used, pages, 0)
+        used_pages = xp.where(used, pages.astype(np.int64, copy=False), 0)
         parts += [used_pages.min().reshape(1).astype(np.int64), used_pages.max().reshape(1).astype(np.int64)]
     values = (xp.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else np.zeros(0, np.int64)
     values = values if isinstance(values, np.ndarray) else values.get()
@@ -193,7 +193,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         raise ValueError(f"window must be (left, right), got {window!r}")
     lengths = _lengths(cache_seqlens, b, xp)
     if validate or xp is np or (_is_int(cache_seqlens) and pages is None):
-        _check_ranges(cache_seqlens, lengths, pages, k_cache.shape[2] if pages is not None else 0, n_new, cap,
+        # block_table as given: its int32 copy would have wrapped entries past 2**31 into range
+        _check_ranges(cache_seqlens, lengths, block_table, k_cache.shape[2] if pages is not None else 0, n_new, cap,
                       k_cache.shape[0] if pages is not None else 0, xp)
 
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch

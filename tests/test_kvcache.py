@@ -172,7 +172,10 @@ def test_bad_page_tables_are_refused():
     k_pages, v_pages, table = _paged(np, kc, vc, 8)
     bad = table.copy()
     bad[1, 0] = k_pages.shape[0]
+    wrapped = table.astype(np.int64)
+    wrapped[1, 0] += 2 ** 32                      # an int32 copy would wrap it back into range
     for kwargs, err, match in ((dict(block_table=bad), ValueError, "outside"),
+                               (dict(block_table=wrapped), ValueError, "outside"),
                                (dict(block_table=table[:2]), ValueError, "shape"),
                                (dict(block_table=table.astype(np.float32)), ValueError, "integer"),
                                (dict(block_table=table, cache_seqlens=np.array([0, 0, 39])), ValueError, "past")):
