@@ -30,10 +30,11 @@ def make_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale=1.0):
     return [x.astype(np.float64) for x in host], dev, host
 
 
-def check_forward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0):
+def check_forward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0, num_splits=None):
     rng = np.random.default_rng(seed)
     ref_in, dev, low = make_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv, logit_scale)
-    out, lse = cuflash.attention_forward(*dev, causal=causal)
+    # num_splits passed only when given: a test may have bound it on attention_forward
+    out, lse = cuflash.attention_forward(*dev, causal=causal, **({} if num_splits is None else {"num_splits": num_splits}))
     assert out.dtype == np.dtype(DTYPES[dtype]) and out.shape == (b, hq, lq, dv)
     assert lse.shape == (b, hq, lq)
     scale = 1 / np.sqrt(d)

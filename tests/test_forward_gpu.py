@@ -169,7 +169,8 @@ def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, launches
     """On compute capability 9.0 the 16-bit forward runs the TMA kernel: at head dim 64 its short-rows tile
     (two CTAs an SM, Variant.short) where a query block visits at most HOPPER_FWD_SHORT_KEYS keys on average
     (half the keys under a causal mask), the table tile past that (at 128 and 256 always); answers within the
-    error budget, grouped-query heads, across tile edges."""
+    error budget, grouped-query heads, across tile edges. Unsplit: one query row over 4100 keys would otherwise
+    take the split-KV forward."""
     from cuflash._dispatch.select import row_class
     from cuflash._runtime import device
 
@@ -177,7 +178,7 @@ def test_hopper_forward_kernel_choice_by_keys(dtype, d, causal, lq, lk, launches
         pytest.skip("needs a GPU of compute capability 9.0 (the Hopper path)")
     for keys in (lk, 1024):
         launches.clear()
-        check_forward(dtype, 1, 4, 2, lq, keys, d, d, causal, seed=lq + keys + d)
+        check_forward(dtype, 1, 4, 2, lq, keys, d, d, causal, seed=lq + keys + d, num_splits=1)
         assert [x.family for x in launches] == ["fwd_wgmma"], (d, keys)
         assert launches[0].short == (row_class(d, keys, causal is not False) != "long"), (d, keys)
 
