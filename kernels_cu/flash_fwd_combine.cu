@@ -6,7 +6,7 @@
 // in any split's O or lse reaches the row, as NaN inputs do in PyTorch.
 //
 // One warp a query row, BM rows a CTA (QueryBlock's grid: ceil(Lq / BM) x Hq x B); lane l holds
-// columns l, l + 32, ... of the row. The partial buffers are in the accumulator type A (float, or
+// columns l, l + 32, ... of the row, and the weights of splits l, l + 32, .... The partial buffers are in the accumulator type A (float, or
 // double for float64), out in T.
 #include "common.cuh"
 #include "params.cuh"
@@ -37,6 +37,14 @@ __device__ __forceinline__ A warp_max_keeping_nan(A x) {
     return x;
 }
 
+// The most splits a call has (cuflash.options.MAX_SPLITS): a lane keeps the weights of splits
+// lane, lane + 32, ... in registers.
+constexpr int MAX_SPLITS = 256;
+constexpr int SPLIT_CHUNKS = MAX_SPLITS / 32;
+// Splits whose partial rows a lane loads before it adds any: independent loads in flight hide the
+// latency that a load, then add, then load loop pays once a split.
+constexpr int SPLITS_IN_FLIGHT = 8;
+
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::THREADS)
 flash_fwd_combine(const FwdParams p) {
@@ -49,29 +57,53 @@ flash_fwd_combine(const FwdParams p) {
     const int lane = threadIdx.x % 32, row = threadIdx.x / 32;
     if (row >= blk.rows) return;
     const int splits = p.num_splits;
-    auto split_lse = [&](int s) {
-        return *p.lse_partial.at<const A>(s * dims.batch + blk.batch, blk.head, blk.m0 + row);
-    };
 
+    // weight[j]: split lane + 32 j's lse, then its weight exp(lse - shift) / total (0 past the last split)
+    A weight[SPLIT_CHUNKS];
     A peak = neg_inf<A>();
-    for (int s = lane; s < splits; s += 32) peak = max_keeping_nan(peak, split_lse(s));
+#pragma unroll
+    for (int j = 0; j < SPLIT_CHUNKS; ++j) {
+        const int s = lane + 32 * j;
+        weight[j] = s < splits ? *p.lse_partial.at<const A>(s * dims.batch + blk.batch, blk.head, blk.m0 + row)
+                               : neg_inf<A>();
+        peak = max_keeping_nan(peak, weight[j]);
+    }
     peak = warp_max_keeping_nan(peak);
     const A shift = peak == neg_inf<A>() ? A(0) : peak;   // every split empty: weights exp(-inf) = 0
     A total = A(0);
-    for (int s = lane; s < splits; s += 32) total += exp_of(split_lse(s) - shift);
+#pragma unroll
+    for (int j = 0; j < SPLIT_CHUNKS; ++j) {
+        weight[j] = exp_of(weight[j] - shift);
+        total += weight[j];
+    }
     total = group_sum<32>(total);
     const A inv_total = total == A(0) ? A(0) : A(1) / total;   // NaN stays NaN
 
     A acc[COLS];
 #pragma unroll
     for (int c = 0; c < COLS; ++c) acc[c] = A(0);
-    for (int s = 0; s < splits; ++s) {
-        const A weight = exp_of(split_lse(s) - shift) * inv_total;
-        const A* o_row = p.out_partial.at<const A>(s * dims.batch + blk.batch, blk.head, blk.m0 + row);
 #pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            const int col = lane + 32 * c;
-            if (col < dims.dv) acc[c] += weight * o_row[col];
+    for (int j = 0; j < SPLIT_CHUNKS; ++j) {
+        const A lane_weight = weight[j] * inv_total;
+#pragma unroll 1
+        for (int t0 = 0; t0 < 32 && 32 * j + t0 < splits; t0 += SPLITS_IN_FLIGHT) {
+            A part[SPLITS_IN_FLIGHT][COLS];
+#pragma unroll
+            for (int t = 0; t < SPLITS_IN_FLIGHT; ++t) {
+                const int s = 32 * j + t0 + t;
+                const A* o_row = p.out_partial.at<const A>(s * dims.batch + blk.batch, blk.head, blk.m0 + row);
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    const int col = lane + 32 * c;
+                    part[t][c] = (s < splits && col < dims.dv) ? o_row[col] : A(0);
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < SPLITS_IN_FLIGHT; ++t) {
+                const A w = __shfl_sync(0xffffffffu, lane_weight, t0 + t);
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) acc[c] += w * part[t][c];
+            }
         }
     }
     T* out_row = p.out.at<T>(blk.batch, blk.head, blk.m0 + row);

@@ -740,3 +740,11 @@ def test_a_backward_without_the_bias_gradient_launches_no_dbias_work(fake, dtype
     params = [x[1] for x in launches if x[0].family.startswith("bwd_dkdv")][0]
     fields = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"], count=1)[0]
     assert int(fields["dbias"]["mode"]) == 0 and int(fields["mask"]["bias"]["ptr"]) == bias.data.ptr
+
+
+def test_combine_kernel_holds_every_split():
+    """The combine kernel keeps the weights of options.MAX_SPLITS splits in registers: its bound is the same."""
+    import re
+    from cuflash._runtime.build import kernel_dir
+    src = (kernel_dir() / "flash_fwd_combine.cu").read_text()
+    assert int(re.search(r"constexpr int MAX_SPLITS = (\d+);", src).group(1)) == options.MAX_SPLITS
