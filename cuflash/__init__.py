@@ -5,8 +5,9 @@ from .block_sparse import BlockLayout
 from .estimate import Estimate, estimate
 from .kvcache import attention_with_kvcache
 from .merge import merge_attention
+from . import varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "merge_attention", "attention_with_kvcache", "BlockLayout", "estimate", "Estimate", "CompileError",
+__all__ = ["attention", "attention_forward", "attention_backward", "vjp", "merge_attention", "attention_with_kvcache", "varlen", "BlockLayout", "estimate", "Estimate", "CompileError",
            "__version__"]

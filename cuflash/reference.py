@@ -142,12 +142,13 @@ def _dropout_tile(dropout, shape: tuple, rows: slice, cols: slice, xp):
     :func:`dropout_keep` for the tile, with each Philox counter drawn once: the four keys 4c..4c+3
     share the counter (c, row, head, batch) and take its four words in order, so the words of the
     quads the tile touches, laid side by side, are the keys' words (a quarter of the work)."""
-    p, seed = dropout
+    p, seed, (batch0, row0, col0) = dropout
     lead = shape[:-3]
     nb = int(np.prod(lead, dtype=np.int64)) if lead else 1
-    batch = np.arange(nb).reshape(lead + (1, 1, 1)) if lead else np.zeros((1, 1, 1), dtype=np.int64)
+    batch = batch0 + (np.arange(nb).reshape(lead + (1, 1, 1)) if lead else np.zeros((1, 1, 1), dtype=np.int64))
     head = np.arange(shape[-3]).reshape(shape[-3], 1, 1)
-    r = np.arange(rows.start, rows.stop).reshape(-1, 1)
+    r = np.arange(row0 + rows.start, row0 + rows.stop).reshape(-1, 1)
+    cols = slice(col0 + cols.start, col0 + cols.stop)
     if cols.stop <= cols.start:
         return dropout_keep(seed, p, batch, head, r, np.arange(cols.start, cols.stop).reshape(1, -1), xp=xp)
     quads = np.arange(cols.start >> 2, ((cols.stop - 1) >> 2) + 1).reshape(1, -1)
@@ -407,13 +408,17 @@ def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False, wind
     return out, lse, grads, group, squeeze, bias
 
 
-def _dropout_arg(dropout_p, seed):
-    """(p, seed) when dropout is on, else None."""
+def _dropout_arg(dropout_p, seed, origin=(0, 0, 0)):
+    """(p, seed, origin) when dropout is on, else None. ``origin``: the (batch, query row, key) that
+    the first element of the scores has in the mask's coordinates."""
     if not dropout_p:
         return None
     if seed is None:
         raise ValueError("dropout_p > 0 needs the seed that drew the mask")
-    return float(dropout_p), int(seed)
+    b0, r0, c0 = (int(x) for x in origin)
+    if min(b0, r0, c0) < 0:
+        raise ValueError(f"dropout_origin must be non-negative, got {origin}")
+    return float(dropout_p), int(seed), (b0, r0, c0)
 
 
 def _result_dtype(dtype):
@@ -520,7 +525,7 @@ def _quiet(fn):
 def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                       bias: Optional[Array] = None, mask: Optional[Array] = None, block_m: int = 64,
                       block_n: int = 64, return_stats: bool = False, window=None, dropout_p: float = 0.0,
-                      seed: Optional[int] = None, block_layout=None):
+                      seed: Optional[int] = None, block_layout=None, dropout_origin: Tuple[int, int, int] = (0, 0, 0)):
     """FlashAttention-2's forward algorithm in float64: online softmax over key tiles.
 
     For each tile of ``block_m`` query rows: running max ``m = -inf``, running sum
@@ -541,6 +546,10 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
         As :func:`attention_naive`.
     block_m, block_n : int
         Query and key tile sizes (>= 1).
+    dropout_origin : (batch, row, key)
+        Where q's first batch entry, first query row and k's first key sit in the coordinates of the
+        dropout mask (:func:`dropout_keep`): a slice of a larger problem draws that problem's mask
+        (a packed sequence: :mod:`cuflash.varlen`). Default (0, 0, 0).
     return_stats : bool
         Also return ``{"tiles_total": int, "tiles_computed": int}``: the number of
         (query tile, key tile) pairs, and of those not skipped by ``causal``.
@@ -556,7 +565,7 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
     q, k, v, scale, _, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
     lq, lk = q.shape[-2], k.shape[-2]
     band = band_limits(causal, window, lq, lk)
-    dropout = _dropout_arg(dropout_p, seed)
+    dropout = _dropout_arg(dropout_p, seed, dropout_origin)
     out = xp.zeros(q.shape[:-1] + (v.shape[-1],))
     lse = xp.full(q.shape[:-1], -np.inf)
     total = computed = 0
@@ -684,7 +693,8 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
                                causal: Causal = False, scale: Optional[float] = None,
                                bias: Optional[Array] = None, mask: Optional[Array] = None,
                                block_m: int = 64, block_n: int = 64, window=None, dropout_p: float = 0.0,
-                               seed: Optional[int] = None, block_layout=None) -> Tuple[Array, ...]:
+                               seed: Optional[int] = None, block_layout=None,
+                               dropout_origin: Tuple[int, int, int] = (0, 0, 0)) -> Tuple[Array, ...]:
     """FlashAttention-2's backward algorithm in float64, from the forward's ``out`` and ``lse``.
 
     ``Dsum = rowsum(dO * O)``. For each key tile (outer loop) and each query tile
@@ -704,6 +714,8 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
         The forward's results.
     block_m, block_n : int
         Query and key tile sizes (>= 1).
+    dropout_origin : (batch, row, key)
+        As :func:`attention_blocked`.
 
     Returns
     -------
@@ -717,7 +729,7 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
     lse = _as_shape(lse, q.shape[:-1], squeeze, "lse", xp)
     lq, lk = q.shape[-2], k.shape[-2]
     band = band_limits(causal, window, lq, lk)
-    dropout = _dropout_arg(dropout_p, seed)
+    dropout = _dropout_arg(dropout_p, seed, dropout_origin)
     dsum = (do * o).sum(axis=-1)
     live = lse != -np.inf             # rows that saw a key (a NaN lse too: its gradients are NaN)
     lse_safe = xp.where(live, lse, 0.0)

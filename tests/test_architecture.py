@@ -11,7 +11,7 @@ PACKAGE = Path(cuflash.__file__).resolve().parent
 # Layers, upstream first: a module may import its own layer or any layer after it.
 LAYERS = [
     {"cuflash.__main__", "cuflash.torch"},
-    {"cuflash.api", "cuflash.estimate", "cuflash.merge", "cuflash.kvcache", "cuflash.distributed"},
+    {"cuflash.api", "cuflash.estimate", "cuflash.merge", "cuflash.kvcache", "cuflash.distributed", "cuflash.varlen"},
     {"cuflash._dispatch.plan", "cuflash._dispatch.masking", "cuflash._dispatch.select",
      "cuflash._dispatch.tables", "cuflash._dispatch.model", "cuflash._dispatch"},
     {"cuflash.options", "cuflash.block_sparse"},

@@ -65,15 +65,19 @@ def test_dropout_depends_on_every_coordinate_and_the_seed():
        lk=st.integers(1, 70), data=st.data(), seed=st.integers(0, 2**63 - 1), p=st.floats(0.01, 0.99))
 def test_dropout_tile_draws_each_counter_once_and_matches_dropout_keep(lead, hq, lq, lk, data, seed, p):
     """The references' tiles (reference._dropout_tile) draw one Philox counter per four keys and slice
-    the words; element for element they are dropout_keep's, for any tile start (mid-quad too)."""
+    the words; element for element they are dropout_keep's, for any tile start (mid-quad too) and any
+    origin of the scores in the mask's coordinates (a slice of a larger problem)."""
     r0 = data.draw(st.integers(0, lq)); r1 = data.draw(st.integers(r0, lq))
     c0 = data.draw(st.integers(0, lk)); c1 = data.draw(st.integers(c0, lk))
+    origin = data.draw(st.tuples(st.integers(0, 5), st.integers(0, 300), st.integers(0, 300)))
     lead = tuple(lead)
-    tile = reference._dropout_tile((p, seed), lead + (hq, lq, lk), slice(r0, r1), slice(c0, c1), np)
+    tile = reference._dropout_tile(reference._dropout_arg(p, seed, origin), lead + (hq, lq, lk), slice(r0, r1),
+                                   slice(c0, c1), np)
     nb = int(np.prod(lead)) if lead else 1
     batch = np.arange(nb).reshape(lead + (1, 1, 1)) if lead else np.zeros((1, 1, 1), dtype=np.int64)
-    each = reference.dropout_keep(seed, p, batch, np.arange(hq).reshape(hq, 1, 1), np.arange(r0, r1)[:, None],
-                                  np.arange(c0, c1)[None, :])
+    b0, q0, k0 = origin
+    each = reference.dropout_keep(seed, p, b0 + batch, np.arange(hq).reshape(hq, 1, 1),
+                                  q0 + np.arange(r0, r1)[:, None], k0 + np.arange(c0, c1)[None, :])
     assert tile.shape == each.shape
     np.testing.assert_array_equal(tile, each)
 

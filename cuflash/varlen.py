@@ -1,0 +1,289 @@
+"""Variable-length sequences packed back to back: attention over a batch of sequences of different
+lengths, with no padding.
+
+The layout is FlashAttention's "varlen" one. The tokens of B sequences lie one after another:
+``q`` is (total_q, Hq, D), ``k`` (total_k, Hk, D), ``v`` (total_k, Hk, Dv). Sequence b holds the rows
+``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v.
+The offsets ``cu_seqlens`` (B + 1,) start at 0, never decrease and end at the packed length, so a
+sequence may be empty. Sequence b's queries attend only its own keys, exactly as
+:func:`cuflash.attention` does for ``q_b`` and ``k_b`` alone. :func:`pack` and :func:`unpack` convert
+between a list of (L, H, D) arrays and this layout.
+
+Options per sequence: ``causal`` (``"top_left"``: query i sees keys j <= i of its sequence;
+``"bottom_right"``: j <= i + Lk_b - Lq_b), ``window`` (relative to each sequence's own diagonal),
+``scale``, grouped-query heads and ``precision``. Dropout's mask is a pure function of the packed
+positions: element (query row r, key c) of head h, counted in the packed arrays, is kept as
+:func:`cuflash.reference.dropout_keep` ``(seed, p, 0, h, r, c)`` says. Bias and boolean masks
+have no per-sequence form here and are not taken.
+
+The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` returns them) to avoid
+a device read; CuPy offsets are copied to the host once a call.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import api, options, reference
+from ._runtime.device import on_device
+from .semantics import acc_dtype
+
+__all__ = ["pack", "unpack", "attention_varlen", "attention_varlen_forward", "attention_varlen_backward",
+           "vjp_varlen"]
+
+
+def pack(arrays: Sequence[Any]) -> Tuple[Any, np.ndarray]:
+    """Concatenate sequences along their first axis.
+
+    Parameters
+    ----------
+    arrays : sequence of arrays, each (L_b, H, D)
+        NumPy or CuPy arrays (one library, one dtype, equal H and D); L_b may be 0.
+
+    Returns
+    -------
+    packed : array (sum of L_b, H, D), the arrays' module and dtype (a new array)
+    cu_seqlens : numpy.ndarray (B + 1,), int32
+        The offsets of the sequences in ``packed``: 0, L_0, L_0 + L_1, ...
+    """
+    arrays = list(arrays)
+    if not arrays:
+        raise ValueError("pack needs at least one array")
+    xp = options.array_module(arrays[0])
+    for i, x in enumerate(arrays):
+        if options.array_module(x) is not xp:
+            raise TypeError(f"arrays[{i}] is a {options.array_module(x).__name__} array but arrays[0] a "
+                            f"{xp.__name__} array")
+        if x.ndim != 3 or x.shape[1:] != arrays[0].shape[1:] or x.dtype != arrays[0].dtype:
+            raise ValueError(f"arrays[{i}] has shape {x.shape} and dtype {x.dtype}; every array must be "
+                             f"(L, {arrays[0].shape[1]}, {arrays[0].shape[2] if arrays[0].ndim == 3 else 'D'}) "
+                             f"of dtype {arrays[0].dtype}")
+    lengths = np.array([x.shape[0] for x in arrays], dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    if cu[-1] >= 2**31:
+        raise ValueError(f"{cu[-1]} packed rows: at most 2**31 - 1")
+    return xp.concatenate(arrays, axis=0), cu.astype(np.int32)
+
+
+def unpack(packed: Any, cu_seqlens: Any) -> List[Any]:
+    """The sequences of a packed array, as views: ``packed[cu_seqlens[b]:cu_seqlens[b + 1]]``.
+
+    Parameters
+    ----------
+    packed : array (total, ...)
+    cu_seqlens : int array (B + 1,), NumPy or CuPy (offsets as in :mod:`cuflash.varlen`)
+    """
+    cu = check_cu_seqlens(cu_seqlens, packed.shape[0], "cu_seqlens")
+    return [packed[int(a):int(b)] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def check_cu_seqlens(cu_seqlens: Any, total: int, name: str) -> np.ndarray:
+    """``cu_seqlens`` validated against a packed length ``total``: a 1-D int32 or int64 array (NumPy
+    or CuPy) of B + 1 >= 1 offsets that start at 0, never decrease and end at ``total``. Returned on
+    the host as int64."""
+    try:
+        xp = options.array_module(cu_seqlens)
+    except TypeError:
+        raise TypeError(f"{name} must be a NumPy or CuPy int32 / int64 array, got "
+                        f"{type(cu_seqlens).__name__}") from None
+    if np.dtype(cu_seqlens.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D with B + 1 >= 1 offsets, got shape {tuple(cu_seqlens.shape)}")
+    cu = (cu_seqlens if xp is np else cu_seqlens.get()).astype(np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        b = int(np.argmax(steps < 0))
+        raise ValueError(f"{name} must not decrease: entry {b + 1} ({cu[b + 1]}) < entry {b} ({cu[b]})")
+    if cu[-1] != total:
+        raise ValueError(f"{name} ends at {cu[-1]} but the packed arrays have {total} rows")
+    return cu
+
+
+class _Packed:
+    """A validated varlen call: the packed arrays, their offsets on the host, and the checked options."""
+
+    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed,
+                 precision):
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            options.array_module(x)
+            if x.ndim != 3:
+                raise ValueError(f"{name} must be packed as (total, heads, head dim), got shape {tuple(x.shape)}")
+        options.check_precision(precision)
+        # The packed arrays seen as one batch entry (1, H, total, D): q, k, v and the options are checked
+        # as one dense call's (dtypes, heads, dims, devices, scale, window, dropout)
+        p = options.check_qkv(*(x.transpose(1, 0, 2)[None] for x in (q, k, v)), causal=causal, scale=scale)
+        self.opts = options.check_options(p, window=window, dropout_p=dropout_p, seed=seed)
+        self.cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+        self.cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+        if len(self.cu_q) != len(self.cu_k):
+            raise ValueError(f"cu_seqlens_q has {len(self.cu_q) - 1} sequences, cu_seqlens_k {len(self.cu_k) - 1}")
+        self.q, self.k, self.v, self.p = q, k, v, p
+        self.kwargs = dict(causal=causal, scale=p.scale, window=window, precision=precision)
+
+    @property
+    def xp(self):
+        return self.p.xp
+
+    def spans(self):
+        """(b, query rows, key rows) of every sequence, as slices of the packed arrays."""
+        for b in range(len(self.cu_q) - 1):
+            yield b, slice(int(self.cu_q[b]), int(self.cu_q[b + 1])), slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
+
+    def dropout_kwargs(self, rows: slice, keys: slice) -> dict:
+        if not self.opts.dropout:
+            return {}
+        return dict(dropout_p=self.opts.dropout_p, seed=self.opts.seed, dropout_origin=(0, rows.start, keys.start))
+
+    def on_gpu_without_dropout(self, what: str) -> None:
+        if self.xp is not np and self.opts.dropout:
+            raise NotImplementedError(f"{what}: dropout over packed sequences runs on NumPy arrays only for now")
+
+
+def _heads_major(x):
+    """(L, H, D) -> (H, L, D) view."""
+    return x.transpose(1, 0, 2)
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api.Causal = False,
+                             scale: Optional[float] = None, window: Any = None, dropout_p: float = 0.0,
+                             seed: Optional[int] = None, precision: str = "highest") -> Tuple[Any, Any]:
+    """Attention of packed sequences, and the row logsumexp the backward needs.
+
+    Parameters
+    ----------
+    q : array (total_q, Hq, D)
+        The sequences' queries back to back (NumPy or CuPy; float16, bfloat16, float32, float64).
+    k : array (total_k, Hk, D); v : array (total_k, Hk, Dv)
+        Keys and values, same dtype; ``Hq % Hk == 0``.
+    cu_seqlens_q, cu_seqlens_k : int32 / int64 arrays (B + 1,)
+        The sequences' offsets in q and in k / v (see :mod:`cuflash.varlen`).
+    causal, scale, window, precision
+        As :func:`cuflash.attention`, applied to each sequence on its own.
+    dropout_p, seed
+        Dropout; its mask follows the packed positions (see :mod:`cuflash.varlen`). A seed is needed
+        here (:func:`attention_varlen` and :func:`vjp_varlen` draw one).
+
+    Returns
+    -------
+    out : array (total_q, Hq, Dv), q's dtype
+        A query of a sequence with no keys gets 0.
+    lse : array (Hq, total_q), float32 (float64 for float64)
+        Each query row's natural-log logsumexp over its sequence's keys; -inf where it sees none.
+    """
+    call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision)
+    call.on_gpu_without_dropout("attention_varlen_forward")
+    xp, p = call.xp, call.p
+    acc = acc_dtype(p.dtype)
+    with _device_of(q):
+        out = xp.zeros((q.shape[0], p.heads_q, p.dv), dtype=q.dtype)
+        lse = xp.full((p.heads_q, q.shape[0]), -np.inf, dtype=acc)
+        for b, rows, keys in call.spans():
+            if rows.stop == rows.start or keys.stop == keys.start:
+                continue   # no queries, or none of them sees a key: 0 and -inf
+            qb, kb, vb = (_heads_major(x) for x in (q[rows], k[keys], v[keys]))
+            if xp is np:
+                o, l = reference.attention_blocked(qb, kb, vb, causal=p.reference_causal, scale=p.scale,
+                                                   window=call.opts.window, **call.dropout_kwargs(rows, keys))
+            else:
+                o, l = api.attention_forward(qb[None], kb[None], vb[None], **call.kwargs)
+                o, l = o[0], l[0]
+            out[rows] = o.transpose(1, 0, 2).astype(q.dtype)
+            lse[:, rows] = l.astype(acc)
+    return out, lse
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api.Causal = False,
+                     scale: Optional[float] = None, window: Any = None, dropout_p: float = 0.0,
+                     seed: Optional[int] = None, precision: str = "highest"):
+    """Attention of packed sequences: :func:`attention_varlen_forward`'s ``out`` (total_q, Hq, Dv).
+    With ``dropout_p > 0`` and no ``seed`` one is drawn."""
+    if dropout_p and seed is None:
+        seed = options.draw_seed()
+    return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window,
+                                    dropout_p=dropout_p, seed=seed, precision=precision)[0]
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal: api.Causal = False,
+                              scale: Optional[float] = None, window: Any = None, dropout_p: float = 0.0,
+                              seed: Optional[int] = None, precision: str = "highest",
+                              deterministic: bool = False) -> Tuple[Any, Any, Any]:
+    """Gradients of ``sum(dout * out)`` with respect to the packed q, k, v.
+
+    Parameters
+    ----------
+    dout : array (total_q, Hq, Dv), q's dtype
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision
+        The forward's inputs and options (the same seed with dropout).
+    out, lse : arrays
+        What :func:`attention_varlen_forward` returned.
+    deterministic : bool
+        As :func:`cuflash.attention_backward`.
+
+    Returns
+    -------
+    dq, dk, dv : arrays with the shapes and dtype of q, k, v
+        dk and dv sum over the query heads that share a key/value head; keys of a sequence with no
+        queries get 0.
+    """
+    call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision)
+    call.on_gpu_without_dropout("attention_varlen_backward")
+    xp, p = call.xp, call.p
+    for name, x, shape in (("dout", dout, (q.shape[0], p.heads_q, p.dv)), ("out", out, (q.shape[0], p.heads_q, p.dv)),
+                           ("lse", lse, (p.heads_q, q.shape[0]))):
+        if options.array_module(x) is not xp:
+            raise TypeError(f"{name} is a {options.array_module(x).__name__} array but q is a {xp.__name__} array")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    for name, x in (("dout", dout), ("out", out)):
+        if np.dtype(x.dtype) != np.dtype(q.dtype):
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if np.dtype(lse.dtype).kind != "f":
+        raise TypeError(f"lse must be a float array, got {lse.dtype}")
+    with _device_of(q):
+        grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
+        for b, rows, keys in call.spans():
+            if rows.stop == rows.start or keys.stop == keys.start:
+                continue   # nothing attended: zero gradients
+            qb, kb, vb, dob, ob = (_heads_major(x) for x in (q[rows], k[keys], v[keys], dout[rows], out[rows]))
+            lb = lse[:, rows]
+            if xp is np:
+                g = reference.attention_backward_blocked(dob, qb, kb, vb, ob, lb, causal=p.reference_causal,
+                                                         scale=p.scale, window=call.opts.window,
+                                                         **call.dropout_kwargs(rows, keys))[:3]
+            else:
+                g = api.attention_backward(dob[None], qb[None], kb[None], vb[None], ob[None], lb[None],
+                                           deterministic=deterministic, **call.kwargs)
+                g = tuple(x[0] for x in g)
+            for whole, part, span in zip(grads, g, (rows, keys, keys)):
+                whole[span] = part.transpose(1, 0, 2).astype(whole.dtype)
+    return tuple(grads)
+
+
+def vjp_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, deterministic: bool = False,
+               **kwargs) -> Tuple[Any, Callable]:
+    """:func:`attention_varlen` and a function mapping ``dout`` to ``(dq, dk, dv)``.
+
+    ``kwargs``: causal, scale, window, dropout_p, seed, precision. With ``dropout_p > 0`` and no seed,
+    one is drawn and kept (``vjp_fn.seed``). ``vjp_fn`` holds references to the inputs, out and lse:
+    do not modify them in place before calling it.
+    """
+    if kwargs.get("dropout_p") and kwargs.get("seed") is None:
+        kwargs = dict(kwargs, seed=options.draw_seed())
+    out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
+
+    def vjp_fn(dout):
+        return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         deterministic=deterministic, **kwargs)
+
+    vjp_fn.seed = kwargs.get("seed")
+    return out, vjp_fn
+
+
+def _device_of(q):
+    """The current-device context of a CuPy array's device (nothing for NumPy)."""
+    return contextlib.nullcontext() if isinstance(q, np.ndarray) else on_device(q.data.device_id)

@@ -1,0 +1,170 @@
+"""cuflash.varlen: packed sequences of different lengths against one dense call over the packed arrays
+with a block-diagonal mask (each sequence's queries see its own keys, causal and windows per
+sequence, dropout at the packed positions); pack / unpack; bad offsets refused. NumPy arrays, and
+with marker `gpu` CuPy arrays of every dtype."""
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuflash import reference, varlen
+from cuflash.semantics import band_limits
+
+from _errors import rel_error
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+
+
+def _packed(rng, lengths_q, lengths_k, hq=4, hk=2, d=8, dv=8, dtype=np.float64):
+    qs = [rng.standard_normal((n, hq, d)).astype(dtype) for n in lengths_q]
+    ks = [rng.standard_normal((n, hk, d)).astype(dtype) for n in lengths_k]
+    vs = [rng.standard_normal((n, hk, dv)).astype(dtype) for n in lengths_k]
+    (q, cu_q), (k, cu_k), (v, _) = varlen.pack(qs), varlen.pack(ks), varlen.pack(vs)
+    return q, k, v, cu_q, cu_k
+
+
+def _block_diagonal(cu_q, cu_k, causal, window):
+    """(total_q, total_k) bool: query i of sequence b sees key j of sequence b inside its band."""
+    allowed = np.zeros((cu_q[-1], cu_k[-1]), dtype=bool)
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        i = np.arange(lq)[:, None]
+        j = np.arange(lk)[None, :]
+        sees = np.ones((lq, lk), dtype=bool)
+        band = band_limits(causal, window, lq, lk)
+        if band is not None:
+            lo, hi = band
+            sees = (j >= i + lo) & (j <= i + hi)
+        allowed[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = sees
+    return allowed
+
+
+def _dense(q, k, v, cu_q, cu_k, causal, window, dropout_p=0.0, seed=None, dout=None):
+    """The oracle: one (H, total, D) call with the block-diagonal mask; dropout at packed positions is
+    the dense call's own mask (batch 0, rows and keys counted in the packed arrays)."""
+    if q.shape[0] == 0 or k.shape[0] == 0:   # nothing attends anything (the naive reference needs keys)
+        if dout is None:
+            return np.zeros(q.shape[:2] + v.shape[2:]), np.full((q.shape[1], q.shape[0]), -np.inf)
+        return tuple(np.zeros(x.shape) for x in (q, k, v))
+    qh, kh, vh = (np.asarray(x, dtype=np.float64).transpose(1, 0, 2) for x in (q, k, v))
+    mask = _block_diagonal(cu_q, cu_k, causal, window)
+    out, lse = reference.attention_naive(qh, kh, vh, mask=mask, dropout_p=dropout_p, seed=seed)
+    if dout is None:
+        return out.transpose(1, 0, 2), lse
+    grads = reference.attention_backward_naive(np.asarray(dout, dtype=np.float64).transpose(1, 0, 2), qh, kh, vh,
+                                               mask=mask, dropout_p=dropout_p, seed=seed)
+    return tuple(g.transpose(1, 0, 2) for g in grads[:3])
+
+
+lengths = st.lists(st.integers(0, 40), min_size=1, max_size=5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lq=lengths, data=st.data(), causal=st.sampled_from([False, True, "bottom_right"]),
+       window=st.sampled_from([None, (3, 0), (None, 2), (5, 5)]), dropout=st.booleans(), hk=st.sampled_from([1, 2, 4]))
+def test_numpy_matches_block_diagonal_dense(lq, data, causal, window, dropout, hk):
+    lk = data.draw(st.lists(st.integers(0, 40), min_size=len(lq), max_size=len(lq)))
+    rng = np.random.default_rng(len(lq) * 1000 + sum(lq) + 7 * sum(lk))
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, hk=hk)
+    kw = dict(causal=causal, window=window, dropout_p=0.25 if dropout else 0.0, seed=11 if dropout else None)
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    ref_out, ref_lse = _dense(q, k, v, cu_q, cu_k, causal, window, kw["dropout_p"], kw["seed"])
+    np.testing.assert_allclose(out, ref_out, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], ref_lse[np.isfinite(ref_lse)], atol=1e-12)
+    dout = rng.standard_normal(out.shape)
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **kw)
+    for g, r in zip(grads, _dense(q, k, v, cu_q, cu_k, causal, window, kw["dropout_p"], kw["seed"], dout=dout)):
+        np.testing.assert_allclose(g, r, atol=1e-11)
+
+
+def test_pack_unpack_round_trip_and_empty_sequences():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((n, 3, 4)) for n in (2, 0, 5, 1)]
+    packed, cu = varlen.pack(arrays)
+    assert packed.shape == (8, 3, 4) and cu.dtype == np.int32 and cu.tolist() == [0, 2, 2, 7, 8]
+    for a, b in zip(varlen.unpack(packed, cu), arrays):
+        np.testing.assert_array_equal(a, b)
+    q, k, v, cu_q, cu_k = _packed(rng, [0, 3], [4, 0])
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k)
+    assert (out == 0).all() and np.isneginf(lse).all()   # sequence 1's queries have no keys
+    dq, dk, dv = varlen.attention_varlen_backward(np.ones_like(out), q, k, v, out, lse, cu_q, cu_k)
+    assert not dq.any() and not dk.any() and not dv.any()
+
+
+def test_vjp_varlen_draws_and_keeps_a_seed():
+    rng = np.random.default_rng(1)
+    q, k, v, cu_q, cu_k = _packed(rng, [6, 9], [6, 9])
+    out, fn = varlen.vjp_varlen(q, k, v, cu_q, cu_k, causal=True, dropout_p=0.5)
+    assert fn.seed is not None
+    kw = dict(causal=True, dropout_p=0.5, seed=fn.seed)
+    again, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    np.testing.assert_array_equal(out, again)
+    dout = rng.standard_normal(out.shape)
+    want = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **kw)
+    for g, w in zip(fn(dout), want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("cu_q,error,match", [
+    (np.array([1, 3, 5], dtype=np.int32), ValueError, "start at 0"),
+    (np.array([0, 4, 3, 5], dtype=np.int32), ValueError, "not decrease"),
+    (np.array([0, 3, 6], dtype=np.int32), ValueError, "ends at 6"),
+    (np.array([0, 3, 5], dtype=np.float64), TypeError, "int32 or int64"),
+    (np.array([[0, 3, 5]], dtype=np.int64), ValueError, "1-D"),
+    (np.zeros(0, dtype=np.int32), ValueError, "1-D"),
+    ([0, 3, 5], TypeError, "NumPy or CuPy"),
+    (np.array([0, 5], dtype=np.int32), ValueError, "1 sequences, cu_seqlens_k 2"),
+])
+def test_bad_offsets_refused(cu_q, error, match):
+    rng = np.random.default_rng(2)
+    q, k, v, _, cu_k = _packed(rng, [3, 2], [3, 2])
+    with pytest.raises(error, match=match):
+        varlen.attention_varlen_forward(q, k, v, cu_q, cu_k)
+
+
+def test_bad_packed_arrays_refused():
+    rng = np.random.default_rng(3)
+    q, k, v, cu_q, cu_k = _packed(rng, [3, 2], [3, 2])
+    with pytest.raises(ValueError, match="packed as"):
+        varlen.attention_varlen_forward(q[None], k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="multiple"):
+        varlen.attention_varlen_forward(np.zeros((5, 3, 8)), k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="seed"):
+        varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, dropout_p=0.1)
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        varlen.attention_varlen_backward(out, q, k, v, out, lse.T, cu_q, cu_k)
+    with pytest.raises(ValueError, match="pack needs"):
+        varlen.pack([])
+    with pytest.raises(ValueError, match="every array"):
+        varlen.pack([np.zeros((2, 3, 4)), np.zeros((2, 2, 4))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_cupy_matches_numpy(dtype, causal):
+    """Every dtype on the GPU, with GQA, a window, empty and one-row sequences, CuPy offsets: forward and
+    backward within the dtype's error budget of the float64 NumPy results."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(4)
+    q, k, v, cu_q, cu_k = _packed(rng, [70, 0, 1, 130], [90, 5, 1, 130], hq=4, hk=2, d=64, dv=64,
+                                  dtype=DTYPES[dtype])
+    window = (40, 3)
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
+    dout = rng.standard_normal(out.shape).astype(DTYPES[dtype])
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, window=window)
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    dout_d = cp.asarray(dout)
+    out_d, lse_d = varlen.attention_varlen_forward(*dev, cp.asarray(cu_q), cp.asarray(cu_k), causal=causal,
+                                                   window=window)
+    grads_d = varlen.attention_varlen_backward(dout_d, *dev, out_d, lse_d, cu_q, cu_k, causal=causal, window=window)
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    assert rel_error(out_d.get().astype(np.float64), out.astype(np.float64)) < tol
+    np.testing.assert_array_equal(np.isneginf(lse_d.get()), np.isneginf(lse))
+    for g_d, g in zip(grads_d, grads):
+        assert rel_error(g_d.get().astype(np.float64), g.astype(np.float64)) < 4 * tol
+    with pytest.raises(NotImplementedError, match="dropout"):
+        varlen.attention_varlen_forward(*dev, cu_q, cu_k, dropout_p=0.1, seed=1)
