@@ -21,7 +21,9 @@ float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both prec
 ``--split``: the split-KV forward (decoding shapes: one to 16 query rows over odd key counts, packed
 grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
 a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16
-(``--kvcache``: that cache part alone).
+(``--kvcache``: that cache part alone). ``--varlen``: packed sequences (cuflash.varlen: empty, one-row and
+keyless sequences, more keys than queries and fewer), the 16-bit forward's packed kernel for every causal
+mode and a window, and a backward.
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -51,6 +53,7 @@ def main(argv=None) -> None:
     parser.add_argument("--split", action="store_true", help="the split-KV forward and its combine kernel")
     parser.add_argument("--kvcache", action="store_true",
                         help="only the KV cache part of --split (ragged lengths, contiguous and paged)")
+    parser.add_argument("--varlen", action="store_true", help="packed sequences (cuflash.varlen)")
     parser.add_argument("--portable", action="store_true",
                         help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
@@ -65,6 +68,9 @@ def main(argv=None) -> None:
         return
     if args.hopper_persistent:
         hopper_persistent(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
+        return
+    if args.varlen:
+        packed_sequences(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16", "float32"])
         return
     if args.split or args.kvcache:
         dtypes = args.dtypes.split(",") if args.dtypes else list(DTYPES)
@@ -195,6 +201,29 @@ def kv_cache(dtypes) -> None:
         cp.cuda.Device().synchronize()
         print(f"{dtype:8} d={d:3} kv cache {','.join(launched[:2])} finite={_all_finite((out, out_paged))}",
               flush=True)
+
+
+def packed_sequences(dtypes) -> None:
+    """Packed sequences of ragged lengths (cuflash.varlen), forward and backward."""
+    from cuflash import varlen
+
+    launched = []
+    _record(lambda variant, grid: launched.append(variant.family + ("/packed" if variant.packed else "")))
+    rng = np.random.default_rng(2)
+    lq, lk = [300, 1, 0, 33, 65, 7], [250, 1, 5, 0, 64, 131]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
+    for dtype, d, (causal, window) in itertools.product(dtypes, (40, 64, 128), ((False, None), (True, None),
+                                                        ("bottom_right", None), ("bottom_right", (30, 4)))):
+        q = cp.asarray(rng.standard_normal((int(cu_q[-1]), 4, d)).astype(DTYPES[dtype]))
+        k, v = (cp.asarray(rng.standard_normal((int(cu_k[-1]), 2, d)).astype(DTYPES[dtype])) for _ in range(2))
+        launched.clear()
+        out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
+        first = launched[0]
+        grads = varlen.attention_varlen_backward(cp.ones_like(out), q, k, v, out, lse, cu_q, cu_k, causal=causal,
+                                                 window=window)
+        cp.cuda.Device().synchronize()
+        print(f"{dtype:8} d={d:3} causal={causal!s:12} window={window!s:8} {first} "
+              f"finite={_all_finite((out,) + grads)}", flush=True)
 
 
 def hopper_persistent(dtypes) -> None:

@@ -6,7 +6,8 @@
   estimate  tiles, score entries and HBM bytes of naive attention vs the tiled kernel
   bench     benchmark against PyTorch SDPA and naive CuPy (GPU, source checkout);
             bench --precision: float32/float64 speed next to each contender's error;
-            bench --decode: few query rows over a long KV cache (split-KV)
+            bench --decode: few query rows over a long KV cache (split-KV);
+            bench --varlen: packed sequences of different lengths against padding
 """
 from __future__ import annotations
 
@@ -276,6 +277,9 @@ def cmd_bench(args, rest) -> int:
     elif "--decode" in rest:   # few query rows over a long KV cache: benchmarks/bench_decode.py
         name = "bench_decode.py"
         rest = [a for a in rest if a != "--decode"]
+    elif "--varlen" in rest:   # packed sequences against padding: benchmarks/bench_varlen.py
+        name = "bench_varlen.py"
+        rest = [a for a in rest if a != "--varlen"]
     script = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not script.is_file():
         raise SystemExit("error: the benchmark ships with the source repository, not the installed package: "
@@ -346,12 +350,14 @@ def main(argv=None) -> int:
                    help="the GPU whose shared memory chooses the tile (default sm_90: H100, H200)")
     p.set_defaults(fn=cmd_estimate)
     p = sub.add_parser("bench", help="benchmark against PyTorch SDPA (GPU, source checkout; --precision: "
-                                     "float32 / float64 with errors; --decode: decoding over a KV cache)",
+                                     "float32 / float64 with errors; --decode: decoding over a KV cache; "
+                                     "--varlen: packed sequences)",
                        description="Run benchmarks/bench.py (needs a GPU and a source checkout); every option "
                                    "after `bench` goes to it, e.g. --quick, --out DIR, --replot JSON. With "
                                    "--precision: benchmarks/bench_precision.py instead (float32 and float64, "
                                    "each contender's error next to its speed); with --decode: "
-                                   "benchmarks/bench_decode.py (few query rows over a long KV cache).",
+                                   "benchmarks/bench_decode.py (few query rows over a long KV cache); with "
+                                   "--varlen: benchmarks/bench_varlen.py (packed sequences against padding).",
                        add_help=False)
     p.set_defaults(fn=cmd_bench)
     args, rest = parser.parse_known_args(argv)

@@ -17,7 +17,10 @@ positions: element (query row r, key c) of head h, counted in the packed arrays,
 have no per-sequence form here and are not taken.
 
 The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` returns them) to avoid
-a device read; CuPy offsets are copied to the host once a call.
+a device read; CuPy offsets are copied to the host once a call. On the GPU the float16 / bfloat16
+forward without dropout runs one kernel over every sequence's blocks, longest sequence first
+(kernels_cu/scheduler.cuh, PackedBlock); other calls, and the backward, launch the dense kernels once a
+sequence.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import api, options, reference
+from ._dispatch import plan as _plan
 from ._runtime.device import on_device
 from .semantics import acc_dtype
 
@@ -179,6 +183,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
     call.on_gpu_without_dropout("attention_varlen_forward")
     xp, p = call.xp, call.p
     acc = acc_dtype(p.dtype)
+    if xp is not np and p.lk > 0:
+        with _device_of(q):
+            plan = _plan.plan_packed_forward(q, k, v, p, call.opts, precision)
+            if plan is not None:
+                return _plan.execute_packed_forward(plan, q, k, v, call.cu_q, call.cu_k)
     with _device_of(q):
         out = xp.zeros((q.shape[0], p.heads_q, p.dv), dtype=q.dtype)
         lse = xp.full((p.heads_q, q.shape[0]), -np.inf, dtype=acc)

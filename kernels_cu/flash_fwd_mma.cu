@@ -58,7 +58,10 @@ struct FwdMmaTraits {
 // epilogue need them, instead of sitting in registers through the key loop: 64-key tiles at
 // head dim 128 fit 255 registers so. It costs a shared load and the K/V pointers' arithmetic
 // a step, so only the tiles that need it take it.
-template <typename T, typename Cfg, typename Flags, bool VEC, bool PARK = false, bool KV_SPLIT = false>
+// PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), each with its
+// sequence's own query and key counts; the split tiles, without EXTRA or PARK.
+template <typename T, typename Cfg, typename Flags, bool VEC, bool PARK = false, bool KV_SPLIT = false,
+          bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_mma(const FwdParams p) {
     typedef FwdMmaTraits<T, Cfg, Flags::EXTRA> Tr;
@@ -71,12 +74,20 @@ flash_fwd_mma(const FwdParams p) {
 
     const AttnDims& dims = p.dims;
     typedef KeySplit<BM, KV_SPLIT> Split;
-    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !(KV_SPLIT || PARK || Flags::EXTRA), "packed sequences: the plain split tiles");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{};
+    const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
+                                  : Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    // a KV cache's per-sequence key counts (MaskParams::key_lengths): the split kernels without EXTRA
-    constexpr bool PER_SEQ = KV_SPLIT && !Flags::EXTRA;
-    const ScoreMod<Flags, float, T, PER_SEQ> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f),
-                                                 blk.batch, blk.head);
+    // per-sequence key counts: a KV cache's (MaskParams::key_lengths: the split kernels without EXTRA) or
+    // a packed sequence's
+    constexpr bool PER_SEQ = (KV_SPLIT || PACKED) && !Flags::EXTRA;
+    typedef ScoreMod<Flags, float, T, PER_SEQ> Mod;
+    const float scale_log2 = acc_param<float>(p.scale_log2, p.scale_log2_f);
+    const Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, scale_log2, blk.head);
+        else return Mod(p.mask, dims, scale_log2, blk.batch, blk.head);
+    }();
     const float x_per_s = mod.x_per_score();
     const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 
@@ -84,8 +95,11 @@ flash_fwd_mma(const FwdParams p) {
     if constexpr (PARK) park_query_block(parking_slot(warp), blk);
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead (PER_SEQ)
     auto load_kv = [&](int j, int stage, const QueryBlock& b) {
-        load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS, PER_SEQ>(
-            k_s, v_s, bias_s, stage, p, b, mod.has_bias(), j * BN, PER_SEQ ? mod.lk : dims.lk, &pages);
+        QueryBlock kv_block = b;
+        if constexpr (PACKED) kv_block.batch = seq.k_start;   // K and V rows from the sequence's first key
+        load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS, PER_SEQ,
+                     PACKED>(k_s, v_s, bias_s, stage, p, kv_block, mod.has_bias(), j * BN,
+                             PER_SEQ ? mod.lk : dims.lk, &pages);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some) before end.

@@ -63,6 +63,12 @@ struct MaskParams {
     // clamped to [0, num_pages).
     const int* page_table;
     int page_size, pages_per_seq, num_pages;
+    // Packed sequences (a forward's PACKED; cuflash.varlen): the block table, 8 int32 a block
+    // (scheduler.cuh, PackedBlock); null = not packed. band_from_end: the band, computed on the host for
+    // a diagonal through (0, 0), moves by each sequence's key count minus its query count
+    // (causal="bottom_right").
+    const int* packed_blocks;
+    int band_from_end;
 };
 
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own

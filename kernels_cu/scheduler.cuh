@@ -9,8 +9,8 @@
 //   SCHEDULE_QUEUE        a persistent grid whose CTA owns blockIdx.x first, then each index it takes
 //                         from the host's zeroed counter FwdParams::block_queue with atomicAdd: blocks
 //                         of unequal work (a causal band), each going to whichever CTA frees first.
-// Split-KV (KeySplit: a block is a query block and a range of key tiles) is a further mode; varlen
-// (blocks of packed sequences, found by a prefix sum of per-sequence block counts) belongs here too.
+// Split-KV (KeySplit: a block is a query block and a range of key tiles) and packed sequences
+// (PackedBlock: a block of one sequence of a varlen batch, from the host's table) are further modes.
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -155,6 +155,31 @@ struct KeySplit {
     __device__ __forceinline__ static QueryBlock partial_block(QueryBlock blk, const AttnDims& dims) {
         if constexpr (KV_SPLIT) blk.batch += index(dims) * dims.batch;
         return blk;
+    }
+};
+
+// Packed sequences (cuflash.varlen; MaskParams::packed_blocks): the grid is (table entries) x (query
+// heads) CTAs, CTA idx taking entry idx / heads for head idx % heads (the heads of one tile side by side:
+// in the packed (total, H, D) layout they read neighbouring rows). The host's table
+// (cuflash/_dispatch/packed.py) runs longest sequence first; an entry is eight int32, two 16-byte loads:
+// {q_start, k_start, first, lq, lk, seq, -, -}. The views of q, out and lse (k and v) are given a batch
+// stride of one row, so that a block whose batch index is its sequence's first row (q_start, or k_start
+// for K and V) addresses its rows as a dense kernel does: rows first.., counted from the sequence's start.
+struct PackedBlock {
+    int q_start, k_start;   // the sequence's first row in the packed q (out, lse) and k (v)
+    int first;              // the block's first query row (or key) within the sequence
+    int lq, lk;             // the sequence's query and key counts
+
+    __device__ __forceinline__ static PackedBlock of_cta(const MaskParams& m, int heads) {
+        const int4* entry = reinterpret_cast<const int4*>(m.packed_blocks) + 2 * (int(blockIdx.x) / heads);
+        const int4 a = entry[0], b = entry[1];
+        return {a.x, a.y, a.z, a.w, b.x};
+    }
+
+    // The query block of this CTA's query head (BM rows from `first`), its batch index the row start.
+    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm) const {
+        const int head = int(blockIdx.x) % dims.heads_q;
+        return {q_start, head, head / dims.group, first, imin(bm, lq - first)};
     }
 };
 

@@ -52,9 +52,10 @@ enum TileKind { TILE_SKIP = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
-// PER_SEQ (the split-KV forwards, KV_SPLIT): MaskParams::key_lengths, where not null, gives each batch
-// entry its own key count (a KV cache's valid keys, at most dims.lk), and the band, computed on the host
-// for dims.lk keys aligned to the end, moves with it: every sequence's diagonal ends at its own last key.
+// PER_SEQ (the split-KV forwards, KV_SPLIT, and the packed ones, PACKED): MaskParams::key_lengths, where
+// not null, gives each batch entry its own key count (a KV cache's valid keys, at most dims.lk), and the
+// band, computed on the host for dims.lk keys aligned to the end, moves with it: every sequence's diagonal
+// ends at its own last key. A packed sequence's block brings its own counts (the PackedBlock constructor).
 template <typename Flags, typename A, typename T = A, bool PER_SEQ = false>
 struct ScoreMod {
     int lq, lk;
@@ -73,6 +74,14 @@ struct ScoreMod {
                 shift = lk - dims.lk;
             }
         }
+    }
+
+    // A block of a packed sequence (PackedBlock, scheduler.cuh): the sequence's own query and key counts,
+    // the band moved by lk - lq where it is aligned to the sequence's end (MaskParams::band_from_end).
+    __device__ __forceinline__ ScoreMod(const MaskParams& m_, const PackedBlock& blk, A scale_log2_, int head_)
+        : lq(blk.lq), lk(blk.lk), scale_log2(scale_log2_), batch(0), head(head_), m(m_),
+          shift(m_.band_from_end ? blk.lk - blk.lq : 0) {
+        static_assert(PER_SEQ && !Flags::EXTRA, "a packed sequence's counts: the kernels without EXTRA (PER_SEQ)");
     }
 
     // The band's offsets (MaskParams::band_lo / band_hi, moved with a sequence's own end under PER_SEQ).

@@ -264,9 +264,10 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 // (the count held through K's copy too spilled the float32 split tile 128x32).
 // PAGED (the split forwards' PER_SEQ path) with a page table: K and V from a paged cache through
 // `pages`, which holds tile n0's pages when the previous call read them ahead (else they are read
-// now) and is left reading tile n0 + 1's.
+// now) and is left reading tile n0 + 1's. PACKED (a packed sequence, PackedBlock): K's rows stop at
+// key_count too (past it lie the next sequence's rows, or the array's end).
 template <typename T, int BM, int BN, int HEAD, int P, int BIAS_PITCH, int THREADS, bool VEC, int KV_ELEMS,
-          int BIAS_ELEMS, bool PAGED = false, typename Params>
+          int BIAS_ELEMS, bool PAGED = false, bool PACKED = false, typename Params>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stage, const Params& p,
                                              const QueryBlock& blk, bool with_bias, int n0, int key_count,
                                              PageCursor<T, BN, HEAD, THREADS, VEC>* pages = nullptr) {
@@ -282,7 +283,7 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stag
     }
     load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS,
                                                       p.k.template at<const T>(blk.batch, blk.kv_head, n0),
-                                                      p.k.row_stride, dims.lk - n0, dims.d);
+                                                      p.k.row_stride, (PACKED ? key_count : dims.lk) - n0, dims.d);
     load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS,
                                                       p.v.template at<const T>(blk.batch, blk.kv_head, n0),
                                                       p.v.row_stride, key_count - n0, dims.dv);

@@ -55,6 +55,41 @@ def check_forward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0
     return out
 
 
+def check_packed(dtype, hq, hk, lengths, d, causal, seed):
+    """cuflash.varlen's forward over packed sequences (``lengths``: (query counts, key counts)) against each
+    sequence's exact attention, within the error budget; 0 and lse -inf for rows that see no key."""
+    from cuflash import varlen
+
+    cp = _cupy()
+    rng = np.random.default_rng(seed)
+    lq, lk = lengths
+    q = rng.standard_normal((sum(lq), hq, d)).astype(DTYPES[dtype])
+    k, v = (rng.standard_normal((sum(lk), hk, d)).astype(DTYPES[dtype]) for _ in range(2))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
+    out, lse = varlen.attention_varlen_forward(cp.asarray(q), cp.asarray(k), cp.asarray(v), cu_q, cu_k, causal=causal)
+    out, lse = cp.asnumpy(out).astype(np.float64), cp.asnumpy(lse).astype(np.float64)
+    assert np.isfinite(out).all(), "NaN or inf in the output"
+    scale = 1 / np.sqrt(d)
+    for b in range(len(lq)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq[b] == 0:
+            continue
+        if lk[b] == 0:
+            assert not out[rows].any() and np.isneginf(lse[:, rows]).all(), f"sequence {b}: no keys, 0 and -inf"
+            continue
+        qb, kb, vb = (x[span].transpose(1, 0, 2)[None].astype(np.float64) for x, span in ((q, rows), (k, keys), (v, keys)))
+        ref = exact(qb, kb, vb, causal=causal, scale=scale, dtype=dtype)
+        naive = naive_same_dtype(qb, kb, vb, causal=causal, scale=scale, dtype=dtype)
+        got = out[rows].transpose(1, 0, 2)[None]
+        ok, msg = within_budget(got, ref, naive, magnitude(qb, kb, vb, causal=causal, scale=scale), dtype)
+        assert ok, f"sequence {b}: {msg}"
+        ref_lse = reference.attention_naive(qb, kb, vb, causal=causal)[1][0]
+        seen = np.isfinite(ref_lse)
+        got_lse = lse[:, rows]
+        assert (np.isneginf(got_lse) == ~seen).all(), f"sequence {b}: lse -inf exactly where a row sees no key"
+        np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=2e-5, atol=2e-5)
+
+
 def seed_of(*parts) -> int:
     """A seed from a test's parameters, the same in every process (``hash`` of a str is salted per
     process, so a failure would not reproduce)."""

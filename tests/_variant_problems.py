@@ -11,13 +11,16 @@ import numpy as np
 
 from cuflash._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, head_bucket
 from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS, backward_variants, forward_variant,
-                                      row_class, split_variants, vec_chunk)
+                                      packed_variant, row_class, split_variants, vec_chunk)
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
 BATCH, HEADS_Q, HEADS_K, LQ, LK = 2, 2, 1, 97, 130
 SPLITS = 3   # a split-KV variant's problem: three key ranges, the last one shorter
 DECODE_LQ = 5   # the decoding partial kernel's problem: 5 query rows (10 with the two query heads packed)
+# A packed variant's problem: query and key counts of its sequences (one past a 64-row tile, an empty one, one
+# without keys, more keys than queries and fewer)
+PACKED_LENGTHS = ((LQ, 0, 1, 3, 70), (LK, 4, 0, 1, 33))
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Problem:
     precision: str = "highest"    # float32: "tf32" the plain TF32 kernels, "fma" the FMA ones (FLOAT32_PRECISIONS)
     num_splits: int = 1           # > 1: the split-KV forward (the portable kernel's partial twin, then the combine)
     lq: int = LQ                  # query rows (DECODE_LQ: the decoding partial kernel's few rows)
+    packed: bool = False          # packed sequences (cuflash.varlen: PACKED_LENGTHS), the forward only
 
     @property
     def vec(self) -> bool:
@@ -51,6 +55,11 @@ class Problem:
         fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
                               cc=self.cc, rows=row_class(head, self.lk, band), precision=self.precision,
                               wgmma=self.num_splits == 1)
+        if self.packed:   # plan.plan_packed_forward's choice: the portable forward's PACKED twin
+            portable = forward_variant(self.dtype, head, band=band, extra=False, vec=self.vec,
+                                       smem_limit=self.smem_limit, cc=self.cc, rows=row_class(head, self.lk, band),
+                                       precision=self.precision, wgmma=False)
+            return [packed_variant(portable, self.smem_limit)]
         if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks
             rows = self.lq * (HEADS_Q // HEADS_K if not self.extra and self.causal is False else 1)
             return list(split_variants(fwd, self.dv, self.smem_limit, rows))
@@ -93,6 +102,14 @@ def problem_for(v: Variant) -> Problem:
             except ValueError:
                 continue
         return Problem(v.dtype, d, d, causal, v.extra, False, False, precision=precision, num_splits=SPLITS, lq=lq)
+    if v.packed:   # a varlen call on the GPU class that takes v's tile
+        d = v.head if v.vec else v.head - 5
+        causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
+        for limit in sorted(SMEM_LIMITS.values(), reverse=True):
+            p = Problem(v.dtype, d, d, causal, False, False, False, limit, packed=True)
+            if v in p.variants():
+                return p
+        return Problem(v.dtype, d, d, causal, False, False, False, packed=True)
     if v.family == "fwd_combine":
         d = v.head - 5
         return Problem(v.dtype, d, d, False, False, False, False, num_splits=SPLITS)

@@ -13,7 +13,7 @@ LAYERS = [
     {"cuflash.__main__", "cuflash.torch"},
     {"cuflash.api", "cuflash.estimate", "cuflash.merge", "cuflash.kvcache", "cuflash.distributed", "cuflash.varlen"},
     {"cuflash._dispatch.plan", "cuflash._dispatch.masking", "cuflash._dispatch.select",
-     "cuflash._dispatch.tables", "cuflash._dispatch.model", "cuflash._dispatch"},
+     "cuflash._dispatch.tables", "cuflash._dispatch.model", "cuflash._dispatch.packed", "cuflash._dispatch"},
     {"cuflash.options", "cuflash.block_sparse"},
     {"cuflash._runtime.launch", "cuflash._runtime.tma", "cuflash._runtime.build", "cuflash._runtime.params",
      "cuflash._runtime.device", "cuflash._runtime"},

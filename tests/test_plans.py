@@ -748,3 +748,58 @@ def test_combine_kernel_holds_every_split():
     from cuflash._runtime.build import kernel_dir
     src = (kernel_dir() / "flash_fwd_combine.cu").read_text()
     assert int(re.search(r"constexpr int MAX_SPLITS = (\d+);", src).group(1)) == options.MAX_SPLITS
+
+
+@pytest.mark.parametrize("causal,window,band_from_end", [(False, None, 0), (True, None, 0), ("bottom_right", None, 1),
+                                                         (False, (5, 2), 0), ("bottom_right", (7, None), 1)])
+def test_packed_forward_launches_one_kernel_over_the_block_table(fake, monkeypatch, causal, window, band_from_end):
+    """16-bit packed sequences: one PACKED fwd_mma launch, (table entries) x (query heads) CTAs; q, k, v,
+    out and lse seen with a batch stride of one row; the band through (0, 0), moved per sequence where
+    aligned to the end; the table the host built, at the address the params hold."""
+    from cuflash import varlen
+    from cuflash._dispatch import packed
+    dev, launches = fake
+    uploads = []
+
+    def upload(x):
+        arr = dev.empty(np.shape(x), np.asarray(x).dtype)
+        uploads.append((arr.data.ptr, np.array(x)))
+        return arr
+
+    monkeypatch.setattr(cp, "asarray", upload)
+    hq, hk, d = 8, 2, 64
+    cu_q = np.array([0, 300, 301, 301, 1400], dtype=np.int32)
+    cu_k = np.array([0, 500, 501, 900, 1900], dtype=np.int32)
+    q = dev.empty((int(cu_q[-1]), hq, d), np.float16)
+    k, v = (dev.empty((int(cu_k[-1]), hk, d), np.float16) for _ in range(2))
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
+    assert out.shape == (1400, hq, d) and lse.shape == (hq, 1400) and lse.dtype == np.float32
+    [(variant, params, maps, grid)] = launches
+    assert variant.packed and variant.family == "fwd_mma" and variant.band == (causal is not False or window is not None)
+    [(table_ptr, table)] = uploads
+    want = packed.block_table(cu_q, cu_k, variant.tile.block_m, "q", causal is not False)
+    np.testing.assert_array_equal(table, want)
+    assert grid == len(want) * hq
+    f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
+    assert int(f["mask"]["packed_blocks"]) == table_ptr and int(f["mask"]["band_from_end"]) == band_from_end
+    if window is not None:
+        assert int(f["mask"]["band_lo"]) == -window[0]
+    if causal is not False:
+        assert int(f["mask"]["band_hi"]) == 0
+    for name, x, rows in (("q", q, hq * d), ("k", k, hk * d), ("v", v, hk * d), ("out", out, hq * d)):
+        assert int(f[name]["ptr"]) == x.data.ptr
+        assert int(f[name]["batch_stride"]) == int(f[name]["row_stride"]) == rows, name
+    assert int(f["lse"]["batch_stride"]) == int(f["lse"]["row_stride"]) == 1 and int(f["lse"]["head_stride"]) == 1400
+    assert (int(f["dims"]["heads_q"]), int(f["dims"]["group"])) == (hq, hq // hk)
+
+
+def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake):
+    """float32 (no packed kernel) and a negative scale (the EXTRA kernels) take no packed plan."""
+    from cuflash import varlen
+    from cuflash._dispatch import plan as plan_
+    dev, _ = fake
+    cu = np.array([0, 64, 200], dtype=np.int32)
+    for dtype, scale in ((np.float32, None), (np.float16, -0.5)):
+        q = dev.empty((200, 2, 64), dtype)
+        call = varlen._Packed(q, q, q, cu, cu, False, scale, None, 0.0, None, "highest")
+        assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is None

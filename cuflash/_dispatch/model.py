@@ -422,7 +422,9 @@ class Variant:
     accumulator is in the fragment tiles of ``bwd_dkdv_mma``. ``schedule``: which blocks a CTA works
     on (:data:`SCHEDULES`). ``kv_split``: a split-KV forward's partial kernel (a forward of
     :data:`KV_SPLIT_FAMILIES`), its grid ``FwdParams::num_splits`` copies of the plain one, each over
-    one range of key tiles, writing partial O and lse in the accumulator type.
+    one range of key tiles, writing partial O and lse in the accumulator type. ``packed``: the forward
+    over packed sequences of different lengths (cuflash.varlen), its grid the host's block table times
+    the query heads (scheduler.cuh, PackedBlock); ``fwd_mma`` without EXTRA, on the split tiles.
     """
 
     family: str
@@ -439,6 +441,7 @@ class Variant:
     dq_tiled: bool = False
     schedule: str = "block"
     kv_split: bool = False
+    packed: bool = False
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
 
     def __post_init__(self):
@@ -463,6 +466,8 @@ class Variant:
             raise ValueError("schedule='queue': only with two consumer warpgroups (the block ring)")
         if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
+        if self.packed and (self.family != "fwd_mma" or self.extra or self.kv_split):
+            raise ValueError("packed: only for fwd_mma without EXTRA, unsplit")
         if self.dq_tiled and self.family != "bwd_convert_dq":
             raise ValueError("dq_tiled: only for bwd_convert_dq (the tiled accumulator of bwd_dkdv_mma)")
         # Hashed once: every launch looks its compiled kernel up by variant (launch._launch_config).
@@ -481,7 +486,7 @@ class Variant:
         key = (self.arch, self.family, self.dtype, self.head)
         if self.short:
             return TABLES["short"][key]
-        if self.kv_split and not self.extra and key in TABLES["split"]:
+        if (self.kv_split or self.packed) and not self.extra and key in TABLES["split"]:
             return TABLES["split"][key]
         if self.extra and key in TABLES["extra"]:
             return TABLES["extra"][key]
@@ -555,14 +560,16 @@ class Variant:
             args.append(str(self.wide_k))
         if self.tile.query_split != 1 or self.tile.late_copies:   # bwd_dkdv_mma's QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
-        if self.tile.park or (self.kv_split and self.family == "fwd_mma"):   # fwd_mma's PARK (false by default)
-            args.append(_cxx(self.tile.park))
+        if self.tile.park or ((self.kv_split or self.packed) and self.family == "fwd_mma"):   # fwd_mma's PARK
+            args.append(_cxx(self.tile.park))                                                  # (false by default)
         if self.tile.late_copies:   # bwd_dkdv_mma's, after QSPLIT: LATE_COPIES (false by default)
             args.append("true")
         if self.family == "fwd_wgmma":   # its last template parameter: SCHEDULE
             args.append(str(SCHEDULES[self.schedule]))
         if self.kv_split:   # the split-KV forwards' last template parameter, KV_SPLIT (false by default)
             args.append("true")
+        if self.packed:     # fwd_mma's, after KV_SPLIT: PACKED
+            args += ["false", "true"]
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

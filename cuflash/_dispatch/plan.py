@@ -23,12 +23,13 @@ import numpy as np
 
 from .._runtime import device, tma
 from .._runtime.launch import KernelLaunch, run
-from .._runtime.params import DBIAS_OFF, PACKERS, HostArg, as_float32, bwd_params, fwd_params
-from ..semantics import LOG2E, acc_dtype
+from .._runtime.params import DBIAS_OFF, MASK_OFF, PACKERS, HostArg, as_float32, bwd_params, fwd_params
+from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
-from .model import head_bucket
-from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice, row_class,
-                     SPLIT_FILL, SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
+from .model import MAX_GRID_X, head_bucket
+from .packed import block_table
+from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice,
+                     packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -320,6 +321,94 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=Non
     if plan.partial_only:   # (B, Hk, group x Lq) packed rows are (B, Hq, Lq) rows in memory
         return out_partial.reshape(plan.out_shape[:3] + (-1,))[..., :plan.out_shape[3]], \
             lse_partial.reshape(plan.lse_shape)
+    return out, lse
+
+
+# ------------------------------------------------------------------ packed sequences
+
+PACKED_MAX_ROWS = 2 ** 30
+"""Packed rows a call may have: the band's unbounded sides (+-2**30) stay out of reach of every row and
+key after a sequence's shift (kernels_cu/score_mod.cuh, the PackedBlock constructor)."""
+
+_FWD_PACKED_BLOCKS = (PACKERS["FwdParams"].offset("mask.packed_blocks"),)
+
+
+@dataclass
+class PackedForwardPlan:
+    """A forward over packed sequences: the PACKED kernel, its query rows a block (the block table's
+    tile), whether a sequence's last block comes first (causal), and its params without addresses."""
+
+    device: int
+    variant: object
+    block_m: int
+    reverse: bool
+    params: bytes
+    out_shape: Tuple[int, ...]
+    lse_shape: Tuple[int, ...]
+    out_dtype: object
+    lse_dtype: object
+
+
+def plan_packed_forward(q, k, v, p, opts, precision: str) -> Optional[PackedForwardPlan]:
+    """The forward plan of packed sequences (cuflash.varlen): ``q (total_q, Hq, D)``, ``k``, ``v``
+    (total_k, Hk, D / Dv) CuPy arrays, ``p`` and ``opts`` their validated problem and options (the
+    packed arrays seen as one batch entry). None where no packed kernel takes the call (only the 16-bit
+    tensor-core forward without EXTRA options and with a scale that folds has one, :func:`select.packed_variant`):
+    its sequences then run one dense launch each."""
+    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS:
+        return None
+    head = head_bucket(max(p.d, p.dv))
+    unbounded = PACKED_MAX_ROWS - 2   # band_limits clamps the open sides to -(lq + 1) and lk + 1
+    band = band_limits("top_left" if p.causal else False, opts.window, unbounded, unbounded)
+    smem_limit = device.smem_limit()
+    _, portable = forward_choice(p.dtype, head, band is not None, False, vec_loads_ok(p.d, p.dv, p.q, p.k, p.v),
+                                 row_class(head, p.lk, band is not None), device.compute_capability(), smem_limit,
+                                 precision)
+    variant = packed_variant(portable, smem_limit)
+    if variant is None:
+        return None
+    lo, hi = band if band is not None else (0, 0)
+    mask = dict(MASK_OFF, band_lo=lo, band_hi=hi, band_from_end=int(p.causal == "bottom_right"))
+    acc = acc_dtype(p.dtype)
+    out_shape, lse_shape = (q.shape[0], p.heads_q, p.dv), (p.heads_q, q.shape[0])
+
+    def rows_view(x_shape, x_strides, itemsize):
+        """A packed (total, H, D) layout as the (1, H, total, D) view whose batch stride is one row
+        (a block's batch index is its sequence's first row: scheduler.cuh, PackedBlock)."""
+        return _Strided((1, x_shape[1], x_shape[0], x_shape[2]), (x_strides[0], x_strides[1], x_strides[0],
+                                                                    x_strides[2]), itemsize)
+
+    out_c = _Strided.contiguous(out_shape, q.dtype)
+    lse_c = _Strided.contiguous(lse_shape, acc)
+    lse_view = _Strided((1, p.heads_q, q.shape[0]), (lse_c.strides[1], lse_c.strides[0], lse_c.strides[1]),
+                        lse_c.itemsize)
+    params = fwd_params(rows_view(q.shape, q.strides, q.itemsize), rows_view(k.shape, k.strides, k.itemsize),
+                        rows_view(v.shape, v.strides, v.itemsize), rows_view(out_shape, out_c.strides, out_c.itemsize),
+                        lse_view, group=p.group, scale=p.scale, mask=mask)
+    return PackedForwardPlan(q.data.device_id, variant, variant.tile.block_m, p.causal is not None,
+                             _without_addresses(params, _FWD_ADDRESSES + _FWD_PACKED_BLOCKS), out_shape, lse_shape,
+                             q.dtype, acc)
+
+
+def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, cu_k: np.ndarray):
+    """(out (total_q, Hq, Dv), lse (Hq, total_q)) of ``plan`` on packed ``q``, ``k``, ``v`` with the host
+    offsets ``cu_q``, ``cu_k`` (checked). Every query row is written: a sequence without keys gets 0 and
+    -inf from its blocks, whose key range is empty."""
+    cupy, _ = device.cupy_modules()
+    table = block_table(cu_q, cu_k, plan.block_m, "q", plan.reverse)
+    with device.on_device(plan.device):
+        out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
+        lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
+        if len(table) == 0:   # no query rows at all
+            return out, lse
+        blocks = cupy.asarray(table)   # freed after the launch: CuPy's pool reuses it in stream order
+        params = HostArg(plan.params)
+        params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
+        params.put_addresses(_FWD_PACKED_BLOCKS, (blocks.data.ptr,))
+        grid = len(table) * plan.out_shape[1]
+        if grid > MAX_GRID_X:
+            raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
+        run((KernelLaunch(plan.variant, grid),), params)
     return out, lse
 
 

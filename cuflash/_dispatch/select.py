@@ -8,7 +8,7 @@ import functools
 import itertools
 import math
 from dataclasses import replace
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
                     fits_resident, head_bucket, walkable)
@@ -337,6 +337,18 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
     return partial, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
 
 
+def packed_variant(portable: Variant, smem_limit: int) -> Optional[Variant]:
+    """The forward over packed sequences (cuflash.varlen) for a call whose portable forward is
+    ``portable``: its PACKED twin on the split tile, for the 16-bit tensor-core forward without EXTRA;
+    None for the others (their sequences run one dense launch each)."""
+    if portable.family != "fwd_mma" or portable.extra:
+        return None
+    try:
+        return replace(portable, packed=True, tile=None).fitted(smem_limit)
+    except ValueError:
+        return None
+
+
 def vec_chunk(itemsize: int) -> int:
     """Elements in one 16-byte ``cp.async`` chunk (tile_io.cuh): rows of 16-byte loads hold a multiple of this."""
     return 16 // itemsize
@@ -386,6 +398,9 @@ def all_variants() -> List[Variant]:
             if portable.family in KV_SPLIT_FAMILIES:
                 for rows in (DECODE_ROWS, DECODE_ROWS + 1):   # the decoding kernel, the portable twin
                     seen[split_variants(portable, head, limit, rows)[0]] = None
+            packed = packed_variant(portable, limit)
+            if packed is not None:
+                seen[packed] = None
     for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
         seen[Variant("fwd_combine", dtype, head)] = None
     return list(seen)

@@ -1,0 +1,216 @@
+"""Packed sequences of different lengths (cuflash.varlen) against padding, on one GPU.
+
+    PYTHONPATH=. python benchmarks/bench_varlen.py [--quick] [--out DIR] [--repeat 10]
+    python -m cuflash bench --varlen [--quick]
+
+Each case packs 65536 tokens: (a) 32 sequences of 2048, (b) lengths drawn uniformly from 128..8192
+(seed 0), (c) one sequence of 32768 and 128 of 256; H x D = 2048 (H = 32 at D = 64, 16 at D = 128),
+queries, keys and values of one length a sequence. Contenders on the same data (PyTorch reads CuPy's
+arrays through DLPack): cuflash varlen (offsets as a NumPy array: no device read), cuflash dense on the
+batch padded to its longest sequence (a (B, 1, 1, L) key mask without causal; causal alone hides the
+right padding), PyTorch SDPA on nested jagged tensors (its flash path) and SDPA efficient on the padded
+batch (the key mask as a boolean attn_mask). Forward, and forward+backward (the gradients of every
+input). Useful TFLOP/s counts each sequence's own FLOPs, 4 L^2 H D (halved when causal; forward+backward
+3.5x the forward), over the time: the median of --repeat queued calls' mean, 5 runs (CUDA events).
+Writes JSON and Markdown named by the device into --out (default ./cuflash-varlen-<time>/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+import cuflash  # noqa: E402
+from cuflash import varlen  # noqa: E402
+from cuflash._runtime.device import gpu_available  # noqa: E402
+
+try:
+    import cupy as cp
+except ImportError:   # main() says what is missing
+    cp = None
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except Exception:  # torch is optional
+    torch = None
+
+TOKENS = 65536
+
+
+def lengths_of(case: str) -> list:
+    """The sequence lengths of case a, b or c (TOKENS tokens)."""
+    if case == "a":
+        return [2048] * (TOKENS // 2048)
+    if case == "c":
+        return [32768] + [256] * ((TOKENS - 32768) // 256)
+    rng = np.random.default_rng(0)
+    out, total = [], 0
+    while total < TOKENS:
+        n = min(int(rng.integers(128, 8193)), TOKENS - total)
+        out.append(n)
+        total += n
+    return out
+
+
+def useful_flops(lengths, h: int, d: int, causal: bool, with_bwd: bool) -> float:
+    per = sum(4.0 * n * n * h * d for n in lengths) * (0.5 if causal else 1.0)
+    return per * (3.5 if with_bwd else 1.0)
+
+
+def _padded(x, cu, lmax):
+    """(total, H, D) packed -> (B, H, Lmax, D) zero-padded copy."""
+    b = len(cu) - 1
+    out = cp.zeros((b, lmax) + x.shape[1:], dtype=x.dtype)
+    for i in range(b):
+        out[i, :cu[i + 1] - cu[i]] = x[cu[i]:cu[i + 1]]
+    return out.transpose(0, 2, 1, 3)
+
+
+def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
+    """name -> (callable or None, note)."""
+    lengths = np.diff(cu)
+    lmax = int(lengths.max())
+    do = cp.ones_like(q)
+
+    def cuflash_varlen():
+        if not with_bwd:
+            return varlen.attention_varlen_forward(q, k, v, cu, cu, causal=causal)
+        out, fn = varlen.vjp_varlen(q, k, v, cu, cu, causal=causal)
+        return fn(do)
+
+    out = {"cuflash varlen": (cuflash_varlen, "")}
+    pq, pk, pv = (_padded(x, cu, lmax) for x in (q, k, v))
+    pdo = cp.ones_like(pq)
+    keys = cp.asarray(np.arange(lmax)[None, :] < lengths[:, None]).reshape(len(lengths), 1, 1, lmax)
+    kw = dict(causal=True) if causal else dict(mask=keys)
+
+    def cuflash_padded():
+        if not with_bwd:
+            return cuflash.attention_forward(pq, pk, pv, **kw)
+        out_, fn = cuflash.vjp(pq, pk, pv, **kw)
+        return fn(pdo)
+
+    out["cuflash padded"] = (cuflash_padded, f"B={len(lengths)}, L={lmax}")
+    if torch is None:
+        return out
+    offsets = torch.as_tensor(cu.astype(np.int64), device="cuda")
+    tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_(with_bwd) for x in (q, k, v))
+
+    def nested():
+        nq, nk, nv = (torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in (tq, tk, tv))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(nq, nk, nv, is_causal=causal)
+        if with_bwd:
+            o.values().backward(torch.ones_like(o.values()))
+        return o
+
+    try:
+        nested()
+        out["torch flash nested"] = (nested, "")
+    except Exception as exc:
+        out["torch flash nested"] = (None, f"n/a ({type(exc).__name__})")
+    ptq, ptk, ptv = (torch.from_dlpack(x).detach().requires_grad_(with_bwd) for x in (pq, pk, pv))
+    tkeys = torch.from_dlpack(keys)
+
+    def efficient():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            o = (F.scaled_dot_product_attention(ptq, ptk, ptv, is_causal=True) if causal
+                 else F.scaled_dot_product_attention(ptq, ptk, ptv, attn_mask=tkeys))
+        if with_bwd:
+            o.backward(torch.ones_like(o))
+        return o
+
+    try:
+        efficient()
+        out["torch efficient padded"] = (efficient, f"B={len(lengths)}, L={lmax}")
+    except Exception as exc:
+        out["torch efficient padded"] = (None, f"n/a ({type(exc).__name__})")
+    return out
+
+
+def run_case(dtype, case, d, causal, with_bwd, repeat, skip) -> list:
+    lengths = lengths_of(case)
+    h = 2048 // d
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rng = np.random.default_rng(1)
+    dt = bench._cp_dtype(dtype)
+    q, k, v = (cp.asarray(rng.standard_normal((TOKENS, h, d), dtype=np.float32)).astype(dt) for _ in range(3))
+    flops = useful_flops(lengths, h, d, causal, with_bwd)
+    results = []
+    for name, (fn, note) in contenders(q, k, v, cu, causal, with_bwd).items():
+        if name in skip:
+            continue
+        entry = {"contender": name, "dtype": dtype, "case": case, "D": d, "H": h, "causal": causal,
+                 "pass": "fwd+bwd" if with_bwd else "fwd", "sequences": len(lengths), "ms": None,
+                 "TFLOP/s": None, "note": note}
+        if fn is not None:
+            try:
+                fn()
+                cp.cuda.Device().synchronize()
+                ms = bench._time_queued(fn, repeat)
+                entry.update({"ms": ms, "TFLOP/s": flops / ms / 1e9})
+            except Exception as exc:   # out of memory, a backend that refuses the shape or dtype
+                entry["note"] = f"n/a ({type(exc).__name__})"
+        results.append(entry)
+    del q, k, v
+    cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def markdown(results, device) -> str:
+    lines = [f"# Packed sequences on {device} ({TOKENS} tokens a call, H x D = 2048)", "",
+             "| dtype | case | D | causal | pass | contender | ms | useful TFLOP/s | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ms = "" if r["ms"] is None else f"{r['ms']:.3f}"
+        tf = "" if r["TFLOP/s"] is None else f"{r['TFLOP/s']:.1f}"
+        lines.append(f"| {r['dtype']} | {r['case']} ({r['sequences']}) | {r['D']} | {r['causal']} | {r['pass']} | "
+                     f"{r['contender']} | {ms} | {tf} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def configurations(quick: bool) -> list:
+    dtypes = ("bfloat16",) if quick else ("bfloat16", "float16", "float32")
+    heads = (128,) if quick else (64, 128)
+    return [(dtype, case, d, causal, with_bwd) for dtype in dtypes for d in heads for case in "abc"
+            for causal in (False, True) for with_bwd in (False, True)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="bfloat16 at head dim 128 only")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--skip", default="", help="contenders to leave out, e.g. 'torch efficient padded'")
+    parser.add_argument("--out", default=None, help="folder for the JSON and Markdown")
+    args = parser.parse_args(argv)
+    ok, what = gpu_available()
+    if not ok or cp is None:
+        print(f"The varlen benchmark needs a GPU: {what}")
+        return 2
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    results = []
+    for config in configurations(args.quick):
+        rows = run_case(*config, args.repeat, skip)
+        results += rows
+        print("\n".join(markdown(rows, device).splitlines()[4:]), flush=True)
+    out = Path(args.out or f"cuflash-varlen-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "varlen-" + device.replace(" ", "_")
+    (out / f"{stem}.json").write_text(json.dumps({"device": device, "rows": results}, indent=1))
+    (out / f"{stem}.md").write_text(markdown(results, device))
+    print(markdown(results, device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The block tables of packed sequences (cuflash.varlen): which sequence and which tile each CTA of a
+packed kernel works on.
+
+A packed kernel's grid is ``blocks x heads`` CTAs; CTA ``idx`` takes the table's entry ``idx // heads``
+for head ``idx % heads``, so the heads of one tile run side by side (in the packed layout
+(total, H, D) they read neighbouring memory). Entries run longest sequence first, so that one long
+sequence among many short ones starts at once and the short ones fill the SMs around it; under a
+causal mask a sequence's last tiles (the most keys) come first. An entry is eight int32
+(kernels_cu/scheduler.cuh, PackedBlock):
+
+    q_start, k_start   the sequence's first row in the packed q (out, lse) and k (v)
+    first              the tile's first query row (query-major kernels) or key (key-major), in the sequence
+    lq, lk             the sequence's query and key counts
+    seq                the sequence's index
+    (two int32 of padding: an entry is two 16-byte loads)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+ENTRY_INTS = 8
+
+
+def block_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, reverse: bool) -> np.ndarray:
+    """The (blocks, 8) int32 table of a packed kernel whose tiles are ``tile`` query rows (``axis``
+    "q") or keys ("k") of a sequence; ``reverse``: a sequence's last tile first. Sequences with no
+    query rows (or, key-major, no keys) have no entries. ``cu_q``, ``cu_k``: the checked offsets
+    (B + 1,) on the host."""
+    cu_q, cu_k = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
+    lq, lk = np.diff(cu_q), np.diff(cu_k)
+    own = lq if axis == "q" else lk
+    order = np.argsort(-own, kind="stable")
+    order = order[own[order] > 0]
+    tiles = -(-own[order] // tile)
+    seq = np.repeat(order, tiles)
+    # the tile's index inside its sequence: 0, 1, ... (or from the last) for each sequence in turn
+    starts = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    local = np.arange(int(tiles.sum()), dtype=np.int64) - starts
+    if reverse:
+        local = np.repeat(tiles, tiles) - 1 - local
+    table = np.zeros((len(seq), ENTRY_INTS), dtype=np.int64)
+    table[:, 0] = cu_q[seq]
+    table[:, 1] = cu_k[seq]
+    table[:, 2] = local * tile
+    table[:, 3] = lq[seq]
+    table[:, 4] = lk[seq]
+    table[:, 5] = seq
+    if table.size and table.max() >= 2**31:
+        raise ValueError("packed sequences of 2**31 rows or more")
+    return table.astype(np.int32)
