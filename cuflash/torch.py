@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised where PyTorch is abse
 import ml_dtypes
 import numpy as np
 
-from . import api
+from . import api, varlen
 from . import kvcache as api_kvcache
 
 __all__ = ["scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
@@ -73,14 +73,30 @@ def _on_stream_of(t: torch.Tensor):
 
 
 def _options(bias, mask, causal: str, scale: float, window_left: int, window_right: int, dropout_p: float,
-             seed: int) -> dict:
+             seed: int, end_offset: int = 0) -> dict:
+    """cuflash's options. A window comes as FlashAttention's, aligned to the bottom right (query i sees keys
+    i + end_offset - left .. i + end_offset + right, end_offset = Lk - Lq); cuflash aligns a window without
+    causal to the top left, so there its sides move by end_offset (NotImplementedError where one would
+    turn negative: a window that does not hold its diagonal)."""
     window = None
     if window_left >= 0 or window_right >= 0:
-        window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+        left, right = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+        if causal == "none" and end_offset:
+            left = None if left is None else left - end_offset
+            right = None if right is None else right + end_offset
+            if min(x for x in (left, right, 0) if x is not None) < 0:
+                raise NotImplementedError(f"window_size=({window_left}, {window_right}) without causal where "
+                                          f"Lk - Lq = {end_offset}: a window past the diagonal is not in cuflash yet")
+        window = (left, right)
     opts = dict(causal=_CAUSAL[causal], scale=scale, bias=_array(bias), mask=_array(mask), window=window)
     if dropout_p > 0:
         opts.update(dropout_p=float(dropout_p), seed=int(seed))
     return opts
+
+
+def _end_offset(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Lk - Lq of (..., H, L, D) tensors (2-D: (L, D))."""
+    return k.shape[-2] - q.shape[-2]
 
 
 # ----------------------------------------------------------------------------- the custom ops
@@ -93,7 +109,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[t
     with _on_stream_of(q):
         out, lse = api.attention_forward(_array(q), _array(k), _array(v),
                                          **_options(bias, mask, causal, scale, window_left, window_right,
-                                                    dropout_p, seed))
+                                                    dropout_p, seed, _end_offset(q, k)))
         return _tensor(out), _tensor(lse)
 
 
@@ -113,7 +129,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         grads = api.attention_backward(_array(dout), _array(q), _array(k), _array(v), _array(out), _array(lse),
                                        deterministic=deterministic, bias_grad=want_dbias,
                                        **_options(bias, mask, causal, scale, window_left, window_right, dropout_p,
-                                                  seed))
+                                                  seed, _end_offset(q, k)))
         return [_tensor(g) for g in grads]
 
 
@@ -219,9 +235,102 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return out.transpose(1, 2).contiguous()
 
 
-def flash_attn_varlen_func(*args, **kwargs):
-    """FlashAttention-2's variable-length entry point: not available yet."""
-    raise NotImplementedError("flash_attn_varlen_func: cuflash has no variable-length (packed) batches yet")
+def _varlen_options(causal: str, scale: float, window_left: int, window_right: int, dropout_p: float,
+                    seed: int) -> dict:
+    opts = _options(None, None, causal, scale, window_left, window_right, dropout_p, seed)
+    del opts["bias"], opts["mask"]
+    return opts
+
+
+@torch.library.custom_op("cuflash::varlen_forward", mutates_args=())
+def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, causal: str, scale: float, window_left: int, window_right: int,
+                    dropout_p: float, seed: int, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of cuflash.varlen.attention_varlen_forward on packed (total, H, D) tensors."""
+    with _on_stream_of(q):
+        out, lse = varlen.attention_varlen_forward(
+            _array(q), _array(k), _array(v), _array(cu_seqlens_q), _array(cu_seqlens_k),
+            **_varlen_options(causal, scale, window_left, window_right, dropout_p, seed))
+        return _tensor(out), _tensor(lse)
+
+
+@_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed, deterministic):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+
+
+@torch.library.custom_op("cuflash::varlen_backward", mutates_args=())
+def _varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: str,
+                     scale: float, window_left: int, window_right: int, dropout_p: float, seed: int,
+                     deterministic: bool) -> List[torch.Tensor]:
+    """[dq, dk, dv] of cuflash.varlen.attention_varlen_backward."""
+    with _on_stream_of(q):
+        grads = varlen.attention_varlen_backward(
+            _array(dout), _array(q), _array(k), _array(v), _array(out), _array(lse), _array(cu_seqlens_q),
+            _array(cu_seqlens_k), deterministic=deterministic,
+            **_varlen_options(causal, scale, window_left, window_right, dropout_p, seed))
+        return [_tensor(g) for g in grads]
+
+
+@_varlen_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed,
+      deterministic):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, deterministic = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.options = (causal, scale, window_left, window_right, dropout_p, seed, deterministic)
+
+
+def _varlen_grad(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cuflash.varlen_backward(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup_context)
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           block_table=None) -> torch.Tensor:
+    """FlashAttention-2's ``flash_attn_varlen_func`` on cuflash (cuflash.varlen), with its autograd.
+
+    ``q (total_q, Hq, D)``, ``k`` / ``v (total_k, Hk, D)`` packed back to back, ``cu_seqlens_q`` /
+    ``cu_seqlens_k`` int32 offsets (B + 1,) (read on the host: on a CUDA device, one small copy a call);
+    ``max_seqlen_q`` / ``max_seqlen_k`` are checked against the offsets. ``causal`` aligns each sequence's
+    diagonal to its bottom right; ``window_size=(left, right)``, -1 for an unbounded side. Returns
+    ``(total_q, Hq, Dv)``. Dropout runs on the CPU path only for now; ``softcap``, ``alibi_slopes``,
+    ``return_attn_probs`` and ``block_table`` raise NotImplementedError naming what is missing.
+    """
+    if softcap:
+        raise NotImplementedError("softcap: cuflash has no score modifications yet")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: cuflash has no score modifications yet")
+    if return_attn_probs:
+        raise NotImplementedError("return_attn_probs: cuflash never stores the attention probabilities")
+    if block_table is not None:
+        raise NotImplementedError("block_table: packed sequences from a paged cache are not in cuflash yet")
+    for name, cu, limit in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
+        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        if longest > int(limit):
+            raise ValueError(f"{name}={limit} but a sequence has {longest} rows")
+    left, right = (int(w) for w in window_size)
+    if not causal and (left >= 0 or right >= 0) and not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise NotImplementedError("window_size without causal over sequences whose query and key counts differ: "
+                                  "a window aligned to each sequence's end is not in cuflash.varlen yet")
+    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, "bottom_right" if causal else "none", scale, left,
+                           right, float(dropout_p), _seed(dropout_p), bool(deterministic))[0]
 
 
 @torch.library.custom_op("cuflash::with_kvcache", mutates_args=("k_cache", "v_cache"))

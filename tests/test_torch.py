@@ -139,8 +139,11 @@ def test_missing_features_are_refused_by_name():
                          (dict(return_attn_probs=True), "return_attn_probs")):
         with pytest.raises(NotImplementedError, match=name):
             ct.flash_attn_func(q, k, v, **kwargs)
-    with pytest.raises(NotImplementedError, match="variable-length"):
-        ct.flash_attn_varlen_func(q, k, v)
+    cu = torch.tensor([0, 33], dtype=torch.int32)
+    for kwargs, name in ((dict(softcap=30.0), "softcap"), (dict(block_table=torch.zeros(1)), "block_table"),
+                         (dict(return_attn_probs=True), "return_attn_probs")):
+        with pytest.raises(NotImplementedError, match=name):
+            ct.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 33, 33, **kwargs)
     with pytest.raises(NotImplementedError, match="rotary_cos"):
         ct.flash_attn_with_kvcache(q, k, v, rotary_cos=torch.ones(1))
 
@@ -205,3 +208,54 @@ def test_flash_attn_with_kvcache_paged():
         want = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                               enable_gqa=True)
         _close(out[b].transpose(0, 1), want, torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq,lk,window", [(9, 30, (25, 2)), (30, 9, (3, 25)), (17, 17, (3, 0)), (9, 30, (30, -1))])
+def test_flash_attn_func_windows_align_to_the_bottom_right(device, lq, lk, window):
+    """FlashAttention's window without causal: query i sees keys i + Lk - Lq - left .. i + Lk - Lq + right."""
+    dev = _device(device)
+    q, k, v = (x.transpose(1, 2) for x in _qkv(dev, lq=lq, lk=lk, grad=False))
+    left, right = window
+    i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+    allowed = (j >= i + lk - lq - left) & ((j <= i + lk - lq + right) if right >= 0 else True)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=allowed.to(dev)).transpose(1, 2)
+    got = ct.flash_attn_func(q, k, v, window_size=window)
+    rows = allowed.any(dim=1)   # SDPA gives NaN for a row that sees nothing, cuflash 0
+    _close(got[:, rows.to(dev)], want[:, rows.to(dev)], torch.float64)
+
+
+def test_flash_attn_func_refuses_a_window_past_its_diagonal():
+    q, k, v = (x.transpose(1, 2) for x in _qkv("cpu", lq=9, lk=30, grad=False))
+    with pytest.raises(NotImplementedError, match="window"):
+        ct.flash_attn_func(q, k, v, window_size=(3, 2))   # query i: keys i + 18 .. i + 23, no key i or before
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_func_matches_each_sequence(device, causal):
+    """Packed (total, H, D) sequences through flash_attn_varlen_func: output and gradients equal to
+    flash_attn_func on each sequence alone (GQA, an empty sequence, bottom-right causal per sequence)."""
+    dev = _device(device)
+    lq, lk = [5, 0, 17, 8], [9, 3, 17, 4]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lq), 4, 16, generator=g, dtype=torch.float64).to(dev).requires_grad_(True)
+    k, v = (torch.randn(sum(lk), 2, 16, generator=g, dtype=torch.float64).to(dev).requires_grad_(True)
+            for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0] + list(np.cumsum(n)), dtype=torch.int32, device=dev) for n in (lq, lk))
+    out = ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dev)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(len(lq)):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lq[b] == 0:
+            continue
+        qb, kb, vb = (x.detach()[s][None].requires_grad_(True) for x, s in ((q, rows), (k, keys), (v, keys)))
+        want = ct.flash_attn_func(qb, kb, vb, causal=causal)
+        _close(out[rows], want[0], torch.float64)
+        wg = torch.autograd.grad(want, (qb, kb, vb), dout[rows][None])
+        for got, w, s in zip(grads, wg, (rows, keys, keys)):
+            _close(got[s], w[0], torch.float64)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, max(lk))
