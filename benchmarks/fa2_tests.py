@@ -6,8 +6,8 @@ The test file is not shipped here: take it from a FlashAttention-2 checkout. Thi
 ``flash_attn`` package of its own first on the path, whose functions are cuflash.torch's
 (``flash_attn_func`` and its packed variants, ``flash_attn_with_kvcache``), with small padding helpers
 written here (``pad_input``, ``unpad_input``, ``index_first_axis``), and runs pytest on the file. A test
-that reaches a feature cuflash lacks (NotImplementedError: varlen, softcap, ALiBi, returned
-probabilities, rotary, paged caches) is reported as skipped with the feature's name. ``--sample N``
+that reaches a feature cuflash lacks (NotImplementedError: softcap, ALiBi, returned probabilities,
+rotary, paged caches, dropout over packed sequences on CUDA) is reported as skipped with the feature's name. ``--sample N``
 keeps every N-th collected test (deterministic), for a run of a few minutes.
 """
 from __future__ import annotations
@@ -29,11 +29,14 @@ SHIM = {
         def flash_attn_qkvpacked_func(qkv, *args, **kwargs):
             return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], *args, **kwargs)
 
-        def flash_attn_varlen_kvpacked_func(*args, **kwargs):
-            return flash_attn_varlen_func(*args, **kwargs)
+        def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args,
+                                            **kwargs):
+            return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, *args, **kwargs)
 
-        def flash_attn_varlen_qkvpacked_func(*args, **kwargs):
-            return flash_attn_varlen_func(*args, **kwargs)
+        def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *args, **kwargs):
+            return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                                          max_seqlen, *args, **kwargs)
         ''',
     "flash_attn/flash_attn_interface.py": '''
         from flash_attn import *  # noqa: F401,F403

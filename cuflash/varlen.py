@@ -19,7 +19,8 @@ have no per-sequence form here and are not taken.
 The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` returns them) to avoid
 a device read; CuPy offsets are copied to the host once a call. On the GPU the float16 / bfloat16
 forward without dropout runs one kernel over every sequence's blocks, longest sequence first
-(kernels_cu/scheduler.cuh, PackedBlock); other calls, and the backward, launch the dense kernels once a
+(kernels_cu/scheduler.cuh, PackedBlock), and so does its backward at head dims up to 128 (dK/dV and dQ
+kernels of their own, deterministic by construction); other calls launch the dense kernels once a
 sequence.
 """
 from __future__ import annotations
@@ -253,6 +254,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
     if np.dtype(lse.dtype).kind != "f":
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
+    if xp is not np and p.lk > 0:
+        with _device_of(q):
+            plan = _plan.plan_packed_backward(q, k, v, dout, out, p, call.opts, precision)
+            if plan is not None:
+                lse_acc = xp.ascontiguousarray(lse.astype(acc_dtype(p.dtype), copy=False))
+                return _plan.execute_packed_backward(plan, dout, q, k, v, out, lse_acc, call.cu_q, call.cu_k)
     with _device_of(q):
         grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
         for b, rows, keys in call.spans():

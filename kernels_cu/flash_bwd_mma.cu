@@ -116,8 +116,10 @@ struct DqMmaTraits {
 // only, each recomputing S^T (one extra GEMM, no spills; cuflash/_dispatch/tables.py,
 // _dkdv_passes). QSPLIT: the layout (header comment).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
+// PACKED: the key blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), each with its
+// sequence's own query and key counts; without EXTRA or dQ atomics.
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int QSPLIT = 1,
-          bool LATE_COPIES = false>
+          bool LATE_COPIES = false, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_mma(const BwdParams p) {
     typedef DkdvMmaTraits<T, Cfg, ATOMIC_DQ, Flags::EXTRA, QSPLIT> Tr;
@@ -138,12 +140,20 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     float* stat_stages = reinterpret_cast<float*>(bias_stages + Tr::STAGES * Tr::BIAS_ELEMS);
 
     const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !(Flags::EXTRA || ATOMIC_DQ), "packed sequences: the plain kernel, dQ apart");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group) : PackedBlock{};
+    const KeyBlock blk = PACKED ? seq.key_block(dims, BN)
+                                : KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int n0 = blk.n0, kv_head = blk.kv_head, batch = blk.batch, keys_valid = blk.keys;
+    const int q_batch = PACKED ? seq.q_start : batch;   // the query side's batch index (packed: its first row)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float scale = float(p.scale);
-    ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), batch,
-                                  blk.first_head);
+    typedef ScoreMod<Flags, float, T, PACKED> Mod;
+    const float scale_log2 = acc_param<float>(p.scale_log2, p.scale_log2_f);
+    Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, scale_log2, blk.first_head);
+        else return Mod(p.mask, dims, scale_log2, batch, blk.first_head);
+    }();
     const float x_per_s = mod.x_per_score();
 
     load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0, keys_valid);
@@ -169,17 +179,17 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     constexpr bool LATE = LATE_COPIES && Tr::STAGES == 2;
     auto issue_query_block = [&](const StepCursor& at, int stage) {
         const int head = at.head, m0 = steps.m0(at.block);
-        const int rows = imin(BM, dims.lq - m0);
-        load_tile_fixed_col<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q.at<const T>(batch, head, m0),
+        const int rows = imin(BM, (PACKED ? mod.lq : dims.lq) - m0);   // the sequence's own count if packed
+        load_tile_fixed_col<T, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * BM * P, p.q.at<const T>(q_batch, head, m0),
                                                               p.q.row_stride, rows, dims.d);
         load_tile_fixed_col<T, BM, HEAD, P, Tr::THREADS, VEC>(do_stages + stage * BM * P,
-                                                              p.dout.at<const T>(batch, head, m0), p.dout.row_stride,
+                                                              p.dout.at<const T>(q_batch, head, m0), p.dout.row_stride,
                                                               rows, dims.dv);
         if (mod.has_bias())   // (mod.head is the current step's here, not this one's: head is passed on)
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS, p.mask.bias,
                                                                    batch, head, m0, n0, imin(BM, dims.lq - m0),
                                                                    keys_valid);
-        copy_row_stats_async<BM, Tr::THREADS>(stat_stages + stage * 2 * BM, p.lse, p.dsum, batch, head, m0, rows);
+        copy_row_stats_async<BM, Tr::THREADS>(stat_stages + stage * 2 * BM, p.lse, p.dsum, q_batch, head, m0, rows);
         cp_async_commit();
     };
     StepCursor cur = StepCursor::first(steps).next_visible(steps, mod, blk, true);
@@ -315,8 +325,9 @@ flash_bwd_dkdv_mma(const BwdParams p) {
     // One row pointer per fragment row (key lane / 4 + 8 r of strip m), not per element:
     // at head dim 128 the per-element address arithmetic spills on sm_80. The block is formed
     // again here: the d=64 kernels spill its K/V head and keys, held across the loop for this.
-    const KeyBlock out = KeyBlock::from_index<BN>(dims, block_index_reread(),
-                                                  shared_scores_head_group<Flags::EXTRA>(p.mask));
+    const KeyBlock out = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group).key_block(dims, BN)
+                                : KeyBlock::from_index<BN>(dims, block_index_reread(),
+                                                           shared_scores_head_group<Flags::EXTRA>(p.mask));
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -337,7 +348,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC>
+// PACKED: the query blocks of packed sequences (PackedBlock), without EXTRA.
+template <typename T, typename Cfg, typename Flags, bool VEC, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_mma(const BwdParams p) {
     typedef DqMmaTraits<T, Cfg, Flags::EXTRA> Tr;
@@ -352,11 +364,21 @@ flash_bwd_dq_mma(const BwdParams p) {
     float* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !Flags::EXTRA, "packed sequences: the plain kernel");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{};
+    const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
+                                  : QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int m0 = blk.m0, head = blk.head, batch = blk.batch, kv_head = blk.kv_head, rows_valid = blk.rows;
+    const int kv_batch = PACKED ? seq.k_start : batch;   // K and V's batch index (packed: the first key)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = warp * 16;
-    const ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), batch, head);
+    typedef ScoreMod<Flags, float, T, PACKED> Mod;
+    const float scale_log2 = acc_param<float>(p.scale_log2, p.scale_log2_f);
+    const Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, scale_log2, head);
+        else return Mod(p.mask, dims, scale_log2, batch, head);
+    }();
+    const int key_count = PACKED ? mod.lk : dims.lk;
     const float x_per_s = mod.x_per_score();
 
     load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q, dims.d, do_s, p.dout, dims.dv, batch, head, m0, rows_valid);
@@ -370,8 +392,8 @@ flash_bwd_dq_mma(const BwdParams p) {
          j = mod.next_key_tile(j + 1, keys.end, m0, rows_valid, BN)) {
         const int n0 = j * BN;
         __syncthreads();
-        load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, batch, kv_head, n0,
-                                                         imin(BN, dims.lk - n0));
+        load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, kv_batch, kv_head, n0,
+                                                         imin(BN, key_count - n0));
         if (mod.has_bias())
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s, p.mask.bias, batch, head, m0, n0, rows_valid,
                                                                    dims.lk - n0);

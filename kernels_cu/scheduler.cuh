@@ -158,31 +158,6 @@ struct KeySplit {
     }
 };
 
-// Packed sequences (cuflash.varlen; MaskParams::packed_blocks): the grid is (table entries) x (query
-// heads) CTAs, CTA idx taking entry idx / heads for head idx % heads (the heads of one tile side by side:
-// in the packed (total, H, D) layout they read neighbouring rows). The host's table
-// (cuflash/_dispatch/packed.py) runs longest sequence first; an entry is eight int32, two 16-byte loads:
-// {q_start, k_start, first, lq, lk, seq, -, -}. The views of q, out and lse (k and v) are given a batch
-// stride of one row, so that a block whose batch index is its sequence's first row (q_start, or k_start
-// for K and V) addresses its rows as a dense kernel does: rows first.., counted from the sequence's start.
-struct PackedBlock {
-    int q_start, k_start;   // the sequence's first row in the packed q (out, lse) and k (v)
-    int first;              // the block's first query row (or key) within the sequence
-    int lq, lk;             // the sequence's query and key counts
-
-    __device__ __forceinline__ static PackedBlock of_cta(const MaskParams& m, int heads) {
-        const int4* entry = reinterpret_cast<const int4*>(m.packed_blocks) + 2 * (int(blockIdx.x) / heads);
-        const int4 a = entry[0], b = entry[1];
-        return {a.x, a.y, a.z, a.w, b.x};
-    }
-
-    // The query block of this CTA's query head (BM rows from `first`), its batch index the row start.
-    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm) const {
-        const int head = int(blockIdx.x) % dims.heads_q;
-        return {q_start, head, head / dims.group, first, imin(bm, lq - first)};
-    }
-};
-
 // A query block parked in shared memory (park4, common.cuh): the forward's K/V copies and
 // epilogue read it back instead of holding its fields, and the K/V row pointers ptxas derives
 // from them, through the loop. rows is not stored: min(BM, lq - m0) is recomputed.
@@ -220,6 +195,38 @@ struct KeyBlock {
     }
 };
 
+
+// Packed sequences (cuflash.varlen; MaskParams::packed_blocks): the grid is (table entries) x (query
+// heads; K/V heads for the key-major dK/dV kernel) CTAs, CTA idx taking entry idx / heads for head idx % heads (the heads of one tile side by side:
+// in the packed (total, H, D) layout they read neighbouring rows). The host's table
+// (cuflash/_dispatch/packed.py) runs longest sequence first; an entry is eight int32, two 16-byte loads:
+// {q_start, k_start, first, lq, lk, seq, -, -}. The views of q, out and lse (k and v) are given a batch
+// stride of one row, so that a block whose batch index is its sequence's first row (q_start, or k_start
+// for K and V) addresses its rows as a dense kernel does: rows first.., counted from the sequence's start.
+struct PackedBlock {
+    int q_start, k_start;   // the sequence's first row in the packed q (out, lse) and k (v)
+    int first;              // the block's first query row (or key) within the sequence
+    int lq, lk;             // the sequence's query and key counts
+
+    __device__ __forceinline__ static PackedBlock of_cta(const MaskParams& m, int heads) {
+        const int4* entry = reinterpret_cast<const int4*>(m.packed_blocks) + 2 * (int(blockIdx.x) / heads);
+        const int4 a = entry[0], b = entry[1];
+        return {a.x, a.y, a.z, a.w, b.x};
+    }
+
+    // The query block of this CTA's query head (BM rows from `first`), its batch index the row start.
+    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm) const {
+        const int head = int(blockIdx.x) % dims.heads_q;
+        return {q_start, head, head / dims.group, first, imin(bm, lq - first)};
+    }
+
+    // The key block of this CTA's K/V head (BN keys from `first`; a key-major table, grid entries x Hk),
+    // its batch index the sequence's first key (the query side's is q_start).
+    __device__ __forceinline__ KeyBlock key_block(const AttnDims& dims, int bn) const {
+        const int kv_head = int(blockIdx.x) % (dims.heads_q / dims.group);
+        return {k_start, kv_head, first, imin(bn, lk - first), kv_head * dims.group, (kv_head + 1) * dims.group};
+    }
+};
 
 // The query blocks a persistent CTA (SCHEDULE_STRIDE or SCHEDULE_QUEUE) owns, in turn, and the ring
 // through which a Hopper forward's producer thread hands each block index to its consumer warpgroups

@@ -55,9 +55,10 @@ def check_forward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, logit_scale=1.0
     return out
 
 
-def check_packed(dtype, hq, hk, lengths, d, causal, seed):
+def check_packed(dtype, hq, hk, lengths, d, causal, seed, backward=False):
     """cuflash.varlen's forward over packed sequences (``lengths``: (query counts, key counts)) against each
-    sequence's exact attention, within the error budget; 0 and lse -inf for rows that see no key."""
+    sequence's exact attention, within the error budget; 0 and lse -inf for rows that see no key. With
+    ``backward``, the gradients too (0 for keys no query sees), bitwise equal when run again."""
     from cuflash import varlen
 
     cp = _cupy()
@@ -66,8 +67,18 @@ def check_packed(dtype, hq, hk, lengths, d, causal, seed):
     q = rng.standard_normal((sum(lq), hq, d)).astype(DTYPES[dtype])
     k, v = (rng.standard_normal((sum(lk), hk, d)).astype(DTYPES[dtype]) for _ in range(2))
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
-    out, lse = varlen.attention_varlen_forward(cp.asarray(q), cp.asarray(k), cp.asarray(v), cu_q, cu_k, causal=causal)
-    out, lse = cp.asnumpy(out).astype(np.float64), cp.asnumpy(lse).astype(np.float64)
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    out_d, lse_d = varlen.attention_varlen_forward(*dev, cu_q, cu_k, causal=causal)
+    out, lse = cp.asnumpy(out_d).astype(np.float64), cp.asnumpy(lse_d).astype(np.float64)
+    grads = None
+    if backward:
+        do = rng.standard_normal(out.shape).astype(DTYPES[dtype])
+        grads_d = varlen.attention_varlen_backward(cp.asarray(do), *dev, out_d, lse_d, cu_q, cu_k, causal=causal)
+        again = varlen.attention_varlen_backward(cp.asarray(do), *dev, out_d, lse_d, cu_q, cu_k, causal=causal)
+        for a, b in zip(grads_d, again):
+            assert (cp.asnumpy(a).view(np.uint8) == cp.asnumpy(b).view(np.uint8)).all(), "packed gradients not bitwise equal"
+        grads = [cp.asnumpy(g).astype(np.float64) for g in grads_d]
+        seen_keys = np.zeros(sum(lk), dtype=bool)
     assert np.isfinite(out).all(), "NaN or inf in the output"
     scale = 1 / np.sqrt(d)
     for b in range(len(lq)):
@@ -88,6 +99,19 @@ def check_packed(dtype, hq, hk, lengths, d, causal, seed):
         got_lse = lse[:, rows]
         assert (np.isneginf(got_lse) == ~seen).all(), f"sequence {b}: lse -inf exactly where a row sees no key"
         np.testing.assert_allclose(got_lse[seen], ref_lse[seen], rtol=2e-5, atol=2e-5)
+        if grads is None:
+            continue
+        seen_keys[keys] = True
+        dob = do[rows].transpose(1, 0, 2)[None].astype(np.float64)
+        ref_out, ref_grads = exact(qb, kb, vb, dob, causal=causal, scale=scale, dtype=dtype)
+        naive_grads = naive_same_dtype(qb, kb, vb, dob, causal=causal, scale=scale, dtype=dtype)[1]
+        mag = magnitude(qb, kb, vb, dob, causal=causal, scale=scale)[1]
+        logit_max = float(np.abs(np.matmul(qb, np.repeat(kb, hq // hk, axis=1).swapaxes(-1, -2))).max()) * scale
+        for name, g, span, r, n, m in zip(("dq", "dk", "dv"), grads, (rows, keys, keys), ref_grads, naive_grads, mag):
+            ok, msg = within_budget(g[span].transpose(1, 0, 2)[None], r, n, m, dtype, logit_max)
+            assert ok, f"sequence {b} {name}: {msg}"
+    if grads is not None:   # keys of sequences without queries: no gradient
+        assert not grads[1][~seen_keys].any() and not grads[2][~seen_keys].any()
 
 
 def seed_of(*parts) -> int:

@@ -11,7 +11,8 @@ import numpy as np
 
 from cuflash._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, head_bucket
 from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS, backward_variants, forward_variant,
-                                      packed_variant, row_class, split_variants, vec_chunk)
+                                      packed_backward_variants, packed_variant, row_class, split_variants,
+                                      vec_chunk)
 
 # Odd lengths at every tile edge: 97 = 64 + 33 query rows, 130 = 2 * 64 + 2 keys
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
@@ -40,7 +41,7 @@ class Problem:
     precision: str = "highest"    # float32: "tf32" the plain TF32 kernels, "fma" the FMA ones (FLOAT32_PRECISIONS)
     num_splits: int = 1           # > 1: the split-KV forward (the portable kernel's partial twin, then the combine)
     lq: int = LQ                  # query rows (DECODE_LQ: the decoding partial kernel's few rows)
-    packed: bool = False          # packed sequences (cuflash.varlen: PACKED_LENGTHS), the forward only
+    packed: bool = False          # packed sequences (cuflash.varlen: PACKED_LENGTHS)
 
     @property
     def vec(self) -> bool:
@@ -59,7 +60,10 @@ class Problem:
             portable = forward_variant(self.dtype, head, band=band, extra=False, vec=self.vec,
                                        smem_limit=self.smem_limit, cc=self.cc, rows=row_class(head, self.lk, band),
                                        precision=self.precision, wgmma=False)
-            return [packed_variant(portable, self.smem_limit)]
+            fwd = [packed_variant(portable, self.smem_limit)]
+            if not self.backward:
+                return fwd
+            return fwd + (packed_backward_variants(self.dtype, head, band, self.vec, self.smem_limit) or [])
         if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks
             rows = self.lq * (HEADS_Q // HEADS_K if not self.extra and self.causal is False else 1)
             return list(split_variants(fwd, self.dv, self.smem_limit, rows))
@@ -105,11 +109,12 @@ def problem_for(v: Variant) -> Problem:
     if v.packed:   # a varlen call on the GPU class that takes v's tile
         d = v.head if v.vec else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
+        backward = v.family != "fwd_mma"
         for limit in sorted(SMEM_LIMITS.values(), reverse=True):
-            p = Problem(v.dtype, d, d, causal, False, False, False, limit, packed=True)
+            p = Problem(v.dtype, d, d, causal, False, backward, backward, limit, packed=True)
             if v in p.variants():
                 return p
-        return Problem(v.dtype, d, d, causal, False, False, False, packed=True)
+        return Problem(v.dtype, d, d, causal, False, backward, backward, packed=True)
     if v.family == "fwd_combine":
         d = v.head - 5
         return Problem(v.dtype, d, d, False, False, False, False, num_splits=SPLITS)

@@ -803,3 +803,48 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake)
         q = dev.empty((200, 2, 64), dtype)
         call = varlen._Packed(q, q, q, cu, cu, False, scale, None, 0.0, None, "highest")
         assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is None
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake, monkeypatch, causal):
+    """16-bit packed sequences' backward: dsum over every packed row, the PACKED dK/dV kernel over a
+    key-major table (x Hk CTAs), the PACKED dQ kernel over a query-major one (x Hq), each table at the
+    address its launch's params hold; the gradients' views with a batch stride of one row."""
+    from cuflash import varlen
+    from cuflash._dispatch import packed
+    dev, launches = fake
+    uploads = []
+
+    def upload(x):
+        arr = dev.empty(np.shape(x), np.asarray(x).dtype)
+        uploads.append((arr.data.ptr, np.array(x)))
+        return arr
+
+    monkeypatch.setattr(cp, "asarray", upload)
+    monkeypatch.setattr(cp, "ascontiguousarray", lambda x: x)
+    hq, hk, d = 8, 2, 128
+    cu_q = np.array([0, 300, 300, 1400], dtype=np.int32)
+    cu_k = np.array([0, 500, 900, 1900], dtype=np.int32)
+    q, dout = (dev.empty((1400, hq, d), np.float16) for _ in range(2))
+    k, v = (dev.empty((1900, hk, d), np.float16) for _ in range(2))
+    out = dev.empty((1400, hq, d), np.float16)
+    lse = dev.empty((hq, 1400), np.float32)
+    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal)
+    assert [(x.shape, x.dtype) for x in (dq, dk, dv)] == [(x.shape, x.dtype) for x in (q, k, v)]
+    (dsum, _, _, dsum_grid), (dkdv, p_kv, _, grid_kv), (dq_k, p_q, _, grid_q) = launches
+    assert dsum.family == "bwd_dsum" and dkdv.family == "bwd_dkdv_mma" and dq_k.family == "bwd_dq_mma"
+    assert dkdv.packed and dq_k.packed and not dkdv.atomic_dq
+    (ptr_kv, table_kv), (ptr_q, table_q) = uploads
+    np.testing.assert_array_equal(table_kv, packed.block_table(cu_q, cu_k, dkdv.tile.block_n, "k", False))
+    np.testing.assert_array_equal(table_q, packed.block_table(cu_q, cu_k, dq_k.tile.block_m, "q", causal is not False))
+    assert grid_kv == len(table_kv) * hk and grid_q == len(table_q) * hq
+    for params, ptr in ((p_kv, ptr_kv), (p_q, ptr_q)):
+        f = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"])[0]
+        assert int(f["mask"]["packed_blocks"]) == ptr
+        assert int(f["mask"]["band_from_end"]) == int(causal == "bottom_right")
+        for name, x, rows in (("q", q, hq * d), ("k", k, hk * d), ("dq", dq, hq * d), ("dk", dk, hk * d),
+                              ("dv", dv, hk * d), ("dout", dout, hq * d)):
+            assert int(f[name]["ptr"]) == x.data.ptr
+            assert int(f[name]["batch_stride"]) == int(f[name]["row_stride"]) == rows, name
+        assert int(f["lse"]["batch_stride"]) == int(f["dsum"]["batch_stride"]) == 1
+        assert int(f["lse"]["head_stride"]) == 1400 and int(f["lse"]["ptr"]) == lse.data.ptr

@@ -397,6 +397,10 @@ KV_SPLIT_FAMILIES = ("fwd_mma", "fwd_tf32x3", "fwd_tf32", "fwd_dmma", "fwd_fma",
 """The forwards that take KV_SPLIT (their last template parameter): the split-KV forward's partial
 kernels (kernels_cu/scheduler.cuh, KeySplit), merged by ``fwd_combine``."""
 
+PACKED_FAMILIES = ("fwd_mma", "bwd_dkdv_mma", "bwd_dq_mma")
+"""The kernels that take PACKED (their last template parameter): packed sequences (cuflash.varlen), each
+block with its sequence's own counts from the host's block table (kernels_cu/scheduler.cuh, PackedBlock)."""
+
 WIDE_K_FAMILIES = ("fwd_dmma", "bwd_dkdv_dmma", "bwd_dq_dmma")
 """Families whose kernels take ``WIDE_K`` (Variant.wide_k) as their last template parameter."""
 
@@ -424,7 +428,8 @@ class Variant:
     :data:`KV_SPLIT_FAMILIES`), its grid ``FwdParams::num_splits`` copies of the plain one, each over
     one range of key tiles, writing partial O and lse in the accumulator type. ``packed``: the forward
     over packed sequences of different lengths (cuflash.varlen), its grid the host's block table times
-    the query heads (scheduler.cuh, PackedBlock); ``fwd_mma`` without EXTRA, on the split tiles.
+    the query heads (K/V heads: dK/dV) (scheduler.cuh, PackedBlock); :data:`PACKED_FAMILIES` without EXTRA
+    (the forward on the split tiles).
     """
 
     family: str
@@ -466,8 +471,8 @@ class Variant:
             raise ValueError("schedule='queue': only with two consumer warpgroups (the block ring)")
         if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
-        if self.packed and (self.family != "fwd_mma" or self.extra or self.kv_split):
-            raise ValueError("packed: only for fwd_mma without EXTRA, unsplit")
+        if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq):
+            raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, dQ apart")
         if self.dq_tiled and self.family != "bwd_convert_dq":
             raise ValueError("dq_tiled: only for bwd_convert_dq (the tiled accumulator of bwd_dkdv_mma)")
         # Hashed once: every launch looks its compiled kernel up by variant (launch._launch_config).
@@ -558,18 +563,19 @@ class Variant:
                         else _cxx(getattr(self, flag)))
         if self.wide_k or (self.kv_split and self.family in WIDE_K_FAMILIES):   # 0 (m8n8k4) by default
             args.append(str(self.wide_k))
-        if self.tile.query_split != 1 or self.tile.late_copies:   # bwd_dkdv_mma's QSPLIT (1 by default)
+        packed_dkdv = self.packed and self.family == "bwd_dkdv_mma"
+        if self.tile.query_split != 1 or self.tile.late_copies or packed_dkdv:   # bwd_dkdv_mma's QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
         if self.tile.park or ((self.kv_split or self.packed) and self.family == "fwd_mma"):   # fwd_mma's PARK
             args.append(_cxx(self.tile.park))                                                  # (false by default)
-        if self.tile.late_copies:   # bwd_dkdv_mma's, after QSPLIT: LATE_COPIES (false by default)
-            args.append("true")
+        if self.tile.late_copies or packed_dkdv:   # bwd_dkdv_mma's, after QSPLIT: LATE_COPIES (false by default)
+            args.append(_cxx(self.tile.late_copies))
         if self.family == "fwd_wgmma":   # its last template parameter: SCHEDULE
             args.append(str(SCHEDULES[self.schedule]))
         if self.kv_split:   # the split-KV forwards' last template parameter, KV_SPLIT (false by default)
             args.append("true")
-        if self.packed:     # fwd_mma's, after KV_SPLIT: PACKED
-            args += ["false", "true"]
+        if self.packed:     # the last template parameter, PACKED (fwd_mma's after KV_SPLIT)
+            args += ["false", "true"] if self.family == "fwd_mma" else ["true"]
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

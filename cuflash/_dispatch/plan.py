@@ -29,7 +29,7 @@ from . import masking as masking_
 from .model import MAX_GRID_X, head_bucket
 from .packed import block_table
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice,
-                     packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
+                     packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -410,6 +410,86 @@ def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, c
             raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
         run((KernelLaunch(plan.variant, grid),), params)
     return out, lse
+
+
+_BWD_PACKED_BLOCKS = (PACKERS["BwdParams"].offset("mask.packed_blocks"),)
+
+
+@dataclass
+class PackedBackwardPlan:
+    """A backward over packed sequences: dsum, then the PACKED dK/dV kernel over a key-major block table
+    and the PACKED dQ kernel over a query-major one (each its own tile), and the params without addresses."""
+
+    device: int
+    kernels: Tuple[object, ...]   # (dsum, dK/dV, dQ) variants
+    params: bytes
+    acc_dtype: object
+    reverse: bool
+
+
+def _packed_layout(rows: int, heads: int, cols: int, itemsize: int, strides=None) -> "_Strided":
+    """A packed (total, H, D) layout (strides in bytes; default contiguous) as the (1, H, total, D) view
+    whose batch stride is one row (scheduler.cuh, PackedBlock)."""
+    s0, s1, s2 = strides if strides is not None else (heads * cols * itemsize, cols * itemsize, itemsize)
+    return _Strided((1, heads, rows, cols), (s0, s1, s0, s2), itemsize)
+
+
+def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str) -> Optional[PackedBackwardPlan]:
+    """The backward plan of packed sequences (cuflash.varlen) of CuPy arrays ``q``, ``k``, ``v``, ``dout``
+    and ``out`` (packed (total, H, D)); None where no packed kernels take it (select.packed_backward_variants:
+    float16 / bfloat16 at head dims up to 128, no EXTRA options, a scale that folds)."""
+    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS:
+        return None
+    unbounded = PACKED_MAX_ROWS - 2
+    band = band_limits("top_left" if p.causal else False, opts.window, unbounded, unbounded)
+    vec = vec_loads_ok(p.d, p.dv, p.q, p.k, p.v) and vec_loads_ok(p.d, p.dv, dout.transpose(1, 0, 2)[None])
+    kernels = packed_backward_variants(p.dtype, head_bucket(max(p.d, p.dv)), band is not None, vec,
+                                       device.smem_limit())
+    if kernels is None:
+        return None
+    lo, hi = band if band is not None else (0, 0)
+    mask = dict(MASK_OFF, band_lo=lo, band_hi=hi, band_from_end=int(p.causal == "bottom_right"))
+    acc = acc_dtype(p.dtype)
+    tq, tk, hq, hk = q.shape[0], k.shape[0], p.heads_q, k.shape[1]
+    it = q.itemsize
+    lse_view = _Strided((1, hq, tq), (np.dtype(acc).itemsize, tq * np.dtype(acc).itemsize, np.dtype(acc).itemsize),
+                        np.dtype(acc).itemsize)
+    params = bwd_params(_packed_layout(tq, hq, p.d, it, q.strides), _packed_layout(tk, hk, p.d, it, k.strides),
+                        _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it, out.strides),
+                        _packed_layout(tq, hq, p.dv, it, dout.strides), lse_view, lse_view, None,
+                        _packed_layout(tq, hq, p.d, it), _packed_layout(tk, hk, p.d, it), _packed_layout(tk, hk, p.dv, it),
+                        group=p.group, scale=p.scale, mask=mask)
+    return PackedBackwardPlan(q.data.device_id, tuple(kernels), _without_addresses(params, _BWD_ADDRESSES), acc,
+                              p.causal is not None)
+
+
+def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, cu_q: np.ndarray, cu_k: np.ndarray):
+    """(dq, dk, dv), packed like q, k, v, of ``plan`` with ``lse (Hq, total_q)`` in the accumulator dtype and
+    the host offsets. Every row is written: keys of a sequence without queries, and queries of one without
+    keys, get 0 from their blocks, which see nothing."""
+    cupy, _ = device.cupy_modules()
+    dsum_kernel, dkdv, dq_kernel = plan.kernels
+    hq, hk = q.shape[1], k.shape[1]
+    with device.on_device(plan.device):
+        dsum = cupy.empty((hq, q.shape[0]), dtype=plan.acc_dtype)
+        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        params = HostArg(plan.params)
+        params.put_addresses(_BWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr,
+                                              lse.data.ptr, dsum.data.ptr, 0, dq.data.ptr, dk.data.ptr, dv.data.ptr))
+        if q.shape[0]:
+            run((KernelLaunch(dsum_kernel, dsum_kernel.grid(1, hq, hq // hk, q.shape[0], k.shape[0])),), params)
+        # each kernel its table, the params' pointer set before its launch (the driver copies the bytes then)
+        for kernel, axis, tile, heads in ((dkdv, "k", dkdv.tile.block_n, hk), (dq_kernel, "q", dq_kernel.tile.block_m, hq)):
+            table = block_table(cu_q, cu_k, tile, axis, plan.reverse and axis == "q")
+            if len(table) == 0:
+                continue
+            blocks = cupy.asarray(table)
+            params.put_addresses(_BWD_PACKED_BLOCKS, (blocks.data.ptr,))
+            grid = len(table) * heads
+            if grid > MAX_GRID_X:
+                raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
+            run((KernelLaunch(kernel, grid),), params)
+    return dq, dk, dv
 
 
 # ------------------------------------------------------------------ backward

@@ -10,7 +10,7 @@ import math
 from dataclasses import replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
+from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, PACKED_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
                     fits_resident, head_bucket, walkable)
 
 
@@ -349,6 +349,20 @@ def packed_variant(portable: Variant, smem_limit: int) -> Optional[Variant]:
         return None
 
 
+def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_limit: int) -> Optional[list]:
+    """The backward over packed sequences (cuflash.varlen): the deterministic portable list (dsum, dK/dV
+    without dQ atomics, dQ) with its dK/dV and dQ kernels' PACKED twins (dsum reads rows alike, packed or
+    not); None where that list has other kernels (the FMA ones at head dim 256, float32, float64)."""
+    try:
+        variants = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=True,
+                                     smem_limit=smem_limit, cc=80)
+    except ValueError:
+        return None
+    if any(v.family not in ("bwd_dsum",) + PACKED_FAMILIES for v in variants):
+        return None
+    return [v if v.family == "bwd_dsum" else replace(v, packed=True) for v in variants]
+
+
 def vec_chunk(itemsize: int) -> int:
     """Elements in one 16-byte ``cp.async`` chunk (tile_io.cuh): rows of 16-byte loads hold a multiple of this."""
     return 16 // itemsize
@@ -401,6 +415,9 @@ def all_variants() -> List[Variant]:
             packed = packed_variant(portable, limit)
             if packed is not None:
                 seen[packed] = None
+            if not extra and cc == 80 and precision == "highest":
+                for v in packed_backward_variants(dtype, head, band, vec, limit) or ():
+                    seen[v] = None
     for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
         seen[Variant("fwd_combine", dtype, head)] = None
     return list(seen)
