@@ -378,7 +378,6 @@ flash_bwd_dq_mma(const BwdParams p) {
         if constexpr (PACKED) return Mod(p.mask, seq, scale_log2, head);
         else return Mod(p.mask, dims, scale_log2, batch, head);
     }();
-    const int key_count = PACKED ? mod.lk : dims.lk;
     const float x_per_s = mod.x_per_score();
 
     load_row_tiles<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q, dims.d, do_s, p.dout, dims.dv, batch, head, m0, rows_valid);
@@ -393,7 +392,7 @@ flash_bwd_dq_mma(const BwdParams p) {
         const int n0 = j * BN;
         __syncthreads();
         load_row_tiles<T, BN, HEAD, P, Tr::THREADS, VEC>(k_s, p.k, dims.d, v_s, p.v, dims.dv, kv_batch, kv_head, n0,
-                                                         imin(BN, key_count - n0));
+                                                         imin(BN, (PACKED ? mod.lk : dims.lk) - n0));
         if (mod.has_bias())
             load_score_tile<T, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s, p.mask.bias, batch, head, m0, n0, rows_valid,
                                                                    dims.lk - n0);

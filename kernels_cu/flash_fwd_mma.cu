@@ -93,12 +93,12 @@ flash_fwd_mma(const FwdParams p) {
 
     auto parking_slot = [&](int in_warp) { return smem_addr(q_s + in_warp * Tr::WARP_ROWS * P + HEAD); };
     if constexpr (PARK) park_query_block(parking_slot(warp), blk);
-    PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead (PER_SEQ)
+    PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead (PER_SEQ, not PACKED)
     auto load_kv = [&](int j, int stage, const QueryBlock& b) {
         QueryBlock kv_block = b;
         if constexpr (PACKED) kv_block.batch = seq.k_start;   // K and V rows from the sequence's first key
-        load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS, PER_SEQ,
-                     PACKED>(k_s, v_s, bias_s, stage, p, kv_block, mod.has_bias(), j * BN,
+        load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS,
+                     PER_SEQ && !PACKED, PACKED>(k_s, v_s, bias_s, stage, p, kv_block, mod.has_bias(), j * BN,
                              PER_SEQ ? mod.lk : dims.lk, &pages);
         cp_async_commit();
     };

@@ -794,7 +794,9 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, monkeypat
 
 
 def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake):
-    """float32 (no packed kernel) and a negative scale (the EXTRA kernels) take no packed plan."""
+    """float32 (no packed kernel), a negative scale (the EXTRA kernels) and rows that are not unit-stride
+    (validation's copies are not the arrays a packed plan would address) take no packed plan; head dim 256
+    has a packed forward but no packed backward."""
     from cuflash import varlen
     from cuflash._dispatch import plan as plan_
     dev, _ = fake
@@ -803,6 +805,17 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake)
         q = dev.empty((200, 2, 64), dtype)
         call = varlen._Packed(q, q, q, cu, cu, False, scale, None, 0.0, None, "highest")
         assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is None
+        assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is None
+    q = dev.empty((200, 2, 64), np.float16)
+    call = varlen._Packed(q, q, q, cu, cu, False, None, None, 0.0, None, "highest")
+    strided = dev.empty((200, 2, 128), np.float16)[..., ::2]
+    assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is not None
+    assert plan_.plan_packed_forward(strided, q, q, call.p, call.opts, "highest") is None
+    assert plan_.plan_packed_backward(q, q, q, strided, q, call.p, call.opts, "highest") is None
+    q = dev.empty((200, 2, 256), np.float16)
+    call = varlen._Packed(q, q, q, cu, cu, True, None, None, 0.0, None, "highest")
+    assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is not None
+    assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is None
 
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])

@@ -333,6 +333,12 @@ key after a sequence's shift (kernels_cu/score_mod.cuh, the PackedBlock construc
 _FWD_PACKED_BLOCKS = (PACKERS["FwdParams"].offset("mask.packed_blocks"),)
 
 
+def _rows_unit_stride(*arrays) -> bool:
+    """Whether packed (total, H, D) arrays have unit-stride rows, as the kernels' views need (the
+    validated problem may hold copies of others, which the packed plans do not take)."""
+    return all(x.shape[2] == 1 or x.strides[2] == x.itemsize for x in arrays)
+
+
 @dataclass
 class PackedForwardPlan:
     """A forward over packed sequences: the PACKED kernel, its query rows a block (the block table's
@@ -355,7 +361,8 @@ def plan_packed_forward(q, k, v, p, opts, precision: str) -> Optional[PackedForw
     packed arrays seen as one batch entry). None where no packed kernel takes the call (only the 16-bit
     tensor-core forward without EXTRA options and with a scale that folds has one, :func:`select.packed_variant`):
     its sequences then run one dense launch each."""
-    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS:
+    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS \
+            or not _rows_unit_stride(q, k, v):
         return None
     head = head_bucket(max(p.d, p.dv))
     unbounded = PACKED_MAX_ROWS - 2   # band_limits clamps the open sides to -(lq + 1) and lk + 1
@@ -438,7 +445,8 @@ def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str) -> Optiona
     """The backward plan of packed sequences (cuflash.varlen) of CuPy arrays ``q``, ``k``, ``v``, ``dout``
     and ``out`` (packed (total, H, D)); None where no packed kernels take it (select.packed_backward_variants:
     float16 / bfloat16 at head dims up to 128, no EXTRA options, a scale that folds)."""
-    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS:
+    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS \
+            or not _rows_unit_stride(q, k, v, dout, out):
         return None
     unbounded = PACKED_MAX_ROWS - 2
     band = band_limits("top_left" if p.causal else False, opts.window, unbounded, unbounded)

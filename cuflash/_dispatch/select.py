@@ -358,8 +358,8 @@ def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_
                                      smem_limit=smem_limit, cc=80)
     except ValueError:
         return None
-    if any(v.family not in ("bwd_dsum",) + PACKED_FAMILIES for v in variants):
-        return None
+    if [v.family for v in variants] != ["bwd_dsum", "bwd_dkdv_mma", "bwd_dq_mma"] or variants[1].pass_ != 0:
+        return None   # (execute_packed_backward launches exactly dsum, one dK/dV pass, dQ)
     return [v if v.family == "bwd_dsum" else replace(v, packed=True) for v in variants]
 
 
