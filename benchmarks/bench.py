@@ -52,6 +52,12 @@ except Exception:  # torch is optional
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
+def device_name() -> str:
+    """The current CUDA device's name (CuPy's properties give bytes or str)."""
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def _cp_dtype(name):
     import ml_dtypes
 
@@ -316,8 +322,7 @@ def main(argv=None):
     ok, why = gpu_available()
     if not ok:
         sys.exit(f"benchmarks/bench.py times kernels on an NVIDIA GPU, and there is none usable here: {why}")
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    device = device_name()
     slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_")
     try:
         from tqdm import tqdm

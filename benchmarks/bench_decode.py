@@ -204,8 +204,7 @@ def main(argv=None) -> int:
     if not ok or cp is None:
         print(f"The decode benchmark needs a GPU: {what}")
         return 2
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    device = bench.device_name()
     peak = next((bw for key, bw in HBM_PEAK.items() if key in device), None)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     results = []

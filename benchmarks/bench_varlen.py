@@ -30,17 +30,7 @@ import cuflash  # noqa: E402
 from cuflash import varlen  # noqa: E402
 from cuflash._runtime.device import gpu_available  # noqa: E402
 
-try:
-    import cupy as cp
-except ImportError:   # main() says what is missing
-    cp = None
-
-try:
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-except Exception:  # torch is optional
-    torch = None
+cp, torch = bench.cp, bench.torch   # None where CuPy (main() says so) or PyTorch (no peers) is missing
 
 TOKENS = 65536
 
@@ -101,6 +91,7 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
     out["cuflash padded"] = (cuflash_padded, f"B={len(lengths)}, L={lmax}")
     if torch is None:
         return out
+    F, SDPBackend, sdpa_kernel = bench.F, bench.SDPBackend, bench.sdpa_kernel
     offsets = torch.as_tensor(cu.astype(np.int64), device="cuda")
     tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_(with_bwd) for x in (q, k, v))
 
@@ -195,8 +186,7 @@ def main(argv=None) -> int:
     if not ok or cp is None:
         print(f"The varlen benchmark needs a GPU: {what}")
         return 2
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    device = bench.device_name()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     results = []
     for config in configurations(args.quick):

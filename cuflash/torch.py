@@ -141,10 +141,11 @@ def _(dout, q, k, v, out, lse, bias, mask, causal, scale, window_left, window_ri
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, causal, scale, window_left, window_right, dropout_p, seed, deterministic = inputs
+    """Both forward ops' inputs are (q, k, v, two tensors: bias and mask, or the offsets, then the options)."""
+    q, k, v, extra_a, extra_b, causal, scale, window_left, window_right, dropout_p, seed, deterministic = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, bias, mask)
+    ctx.save_for_backward(q, k, v, out, lse, extra_a, extra_b)
     ctx.options = (causal, scale, window_left, window_right, dropout_p, seed, deterministic)
 
 
@@ -280,21 +281,13 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, window
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
-def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, deterministic = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.options = (causal, scale, window_left, window_right, dropout_p, seed, deterministic)
-
-
 def _varlen_grad(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.cuflash.varlen_backward(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-_varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup_context)
+_varlen_forward.register_autograd(_varlen_grad, setup_context=_setup_context)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

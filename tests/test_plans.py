@@ -750,23 +750,30 @@ def test_combine_kernel_holds_every_split():
     assert int(re.search(r"constexpr int MAX_SPLITS = (\d+);", src).group(1)) == options.MAX_SPLITS
 
 
+@pytest.fixture
+def uploads(fake, monkeypatch):
+    """The host arrays copied to the (fake) device, as (address, a copy of the array): cp.asarray recorded."""
+    dev, _ = fake
+    seen = []
+
+    def upload(x):
+        arr = dev.empty(np.shape(x), np.asarray(x).dtype)
+        seen.append((arr.data.ptr, np.array(x)))
+        return arr
+
+    monkeypatch.setattr(cp, "asarray", upload)
+    return seen
+
+
 @pytest.mark.parametrize("causal,window,band_from_end", [(False, None, 0), (True, None, 0), ("bottom_right", None, 1),
                                                          (False, (5, 2), 0), ("bottom_right", (7, None), 1)])
-def test_packed_forward_launches_one_kernel_over_the_block_table(fake, monkeypatch, causal, window, band_from_end):
+def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, causal, window, band_from_end):
     """16-bit packed sequences: one PACKED fwd_mma launch, (table entries) x (query heads) CTAs; q, k, v,
     out and lse seen with a batch stride of one row; the band through (0, 0), moved per sequence where
     aligned to the end; the table the host built, at the address the params hold."""
     from cuflash import varlen
     from cuflash._dispatch import packed
     dev, launches = fake
-    uploads = []
-
-    def upload(x):
-        arr = dev.empty(np.shape(x), np.asarray(x).dtype)
-        uploads.append((arr.data.ptr, np.array(x)))
-        return arr
-
-    monkeypatch.setattr(cp, "asarray", upload)
     hq, hk, d = 8, 2, 64
     cu_q = np.array([0, 300, 301, 301, 1400], dtype=np.int32)
     cu_k = np.array([0, 500, 501, 900, 1900], dtype=np.int32)
@@ -819,21 +826,13 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake)
 
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
-def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake, monkeypatch, causal):
+def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake, uploads, monkeypatch, causal):
     """16-bit packed sequences' backward: dsum over every packed row, the PACKED dK/dV kernel over a
     key-major table (x Hk CTAs), the PACKED dQ kernel over a query-major one (x Hq), each table at the
     address its launch's params hold; the gradients' views with a batch stride of one row."""
     from cuflash import varlen
     from cuflash._dispatch import packed
     dev, launches = fake
-    uploads = []
-
-    def upload(x):
-        arr = dev.empty(np.shape(x), np.asarray(x).dtype)
-        uploads.append((arr.data.ptr, np.array(x)))
-        return arr
-
-    monkeypatch.setattr(cp, "asarray", upload)
     monkeypatch.setattr(cp, "ascontiguousarray", lambda x: x)
     hq, hk, d = 8, 2, 128
     cu_q = np.array([0, 300, 300, 1400], dtype=np.int32)

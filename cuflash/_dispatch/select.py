@@ -10,7 +10,7 @@ import math
 from dataclasses import replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, PACKED_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
+from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
                     fits_resident, head_bucket, walkable)
 
 
