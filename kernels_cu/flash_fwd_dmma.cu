@@ -73,7 +73,9 @@ __device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES]
 // KV_SPLIT: that many times FwdParams::num_splits, each copy over its split's key tiles (KeySplit).
 // WIDE_K (sm_90+; warp_gemm_f64.cuh): 0 runs both GEMMs on m8n8k4, 4 / 8 / 16 on
 // m16n8kWIDE_K over pairs of a warp's 8-row tiles (the H100's full fp64 tensor rate).
-template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0, bool KV_SPLIT = false>
+// PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), without EXTRA.
+template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0, bool KV_SPLIT = false,
+          bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_dmma(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
@@ -87,11 +89,20 @@ flash_fwd_dmma(const FwdParams p) {
 
     const AttnDims& dims = p.dims;
     typedef KeySplit<BM, KV_SPLIT> Split;
-    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !(KV_SPLIT || Flags::EXTRA), "packed sequences: the plain kernel, unsplit");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{};
+    const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
+                                  : Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    const int kv_batch = PACKED ? seq.k_start : blk.batch;   // K and V's batch index (packed: the first key)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    // a KV cache's per-sequence key counts (MaskParams::key_lengths): the split kernels without EXTRA
-    constexpr bool PER_SEQ = KV_SPLIT && !Flags::EXTRA;
-    const ScoreMod<Flags, double, double, PER_SEQ> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    // per-sequence key counts: a KV cache's (MaskParams::key_lengths: the split kernels without EXTRA) or
+    // a packed sequence's
+    constexpr bool PER_SEQ = (KV_SPLIT || PACKED) && !Flags::EXTRA;
+    typedef ScoreMod<Flags, double, double, PER_SEQ> Mod;
+    const Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2, blk.head);
+        else return Mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    }();
     const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
 
     // K / V rows from the sequence's key count on are zeros (a KV cache's own count: load_kv_tile, tile_io.cuh)
@@ -99,10 +110,10 @@ flash_fwd_dmma(const FwdParams p) {
     auto load_kv = [&](int j, int stage) {
         const int n0 = j * BN;
         load_tile<double, BN, HEAD, Tr::QK_PITCH, Tr::THREADS, VEC>(
-            k_s + stage * Tr::K_ELEMS, p.k.at<const double>(blk.batch, blk.kv_head, n0), p.k.row_stride,
+            k_s + stage * Tr::K_ELEMS, p.k.at<const double>(kv_batch, blk.kv_head, n0), p.k.row_stride,
             key_count - n0, dims.d);
         load_tile<double, BN, HEAD, Tr::V_PITCH, Tr::THREADS, VEC>(
-            v_s + stage * Tr::V_ELEMS, p.v.at<const double>(blk.batch, blk.kv_head, n0), p.v.row_stride,
+            v_s + stage * Tr::V_ELEMS, p.v.at<const double>(kv_batch, blk.kv_head, n0), p.v.row_stride,
             key_count - n0, dims.dv);
         if (mod.has_bias())
             load_score_tile<double, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS,

@@ -109,11 +109,14 @@ def problem_for(v: Variant) -> Problem:
     if v.packed:   # a varlen call on the GPU class that takes v's tile
         d = v.head if v.vec else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
-        backward = v.family != "fwd_mma"
-        for limit in sorted(SMEM_LIMITS.values(), reverse=True):
-            p = Problem(v.dtype, d, d, causal, False, backward, backward, limit, packed=True)
-            if v in p.variants():
-                return p
+        backward = not v.family.startswith("fwd")
+        for limit, cc in itertools.product(sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):
+            p = Problem(v.dtype, d, d, causal, False, backward, backward, limit, cc, packed=True)
+            try:
+                if v in p.variants():
+                    return p
+            except ValueError:   # no such kernel for this GPU class
+                continue
         return Problem(v.dtype, d, d, causal, False, backward, backward, packed=True)
     if v.family == "fwd_combine":
         d = v.head - 5

@@ -397,7 +397,7 @@ KV_SPLIT_FAMILIES = ("fwd_mma", "fwd_tf32x3", "fwd_tf32", "fwd_dmma", "fwd_fma",
 """The forwards that take KV_SPLIT (their last template parameter): the split-KV forward's partial
 kernels (kernels_cu/scheduler.cuh, KeySplit), merged by ``fwd_combine``."""
 
-PACKED_FAMILIES = ("fwd_mma", "bwd_dkdv_mma", "bwd_dq_mma")
+PACKED_FAMILIES = ("fwd_mma", "fwd_dmma", "bwd_dkdv_mma", "bwd_dq_mma")
 """The kernels that take PACKED (their last template parameter): packed sequences (cuflash.varlen), each
 block with its sequence's own counts from the host's block table (kernels_cu/scheduler.cuh, PackedBlock)."""
 
@@ -561,8 +561,8 @@ class Variant:
         for flag in self.fam.flags:
             args.append(f"MaskFlags<{_cxx(self.band)}, {_cxx(self.extra)}>" if flag == "mask"
                         else _cxx(getattr(self, flag)))
-        if self.wide_k or (self.kv_split and self.family in WIDE_K_FAMILIES):   # 0 (m8n8k4) by default
-            args.append(str(self.wide_k))
+        if self.wide_k or ((self.kv_split or self.packed) and self.family in WIDE_K_FAMILIES):   # 0 (m8n8k4)
+            args.append(str(self.wide_k))                                                        # by default
         packed_dkdv = self.packed and self.family == "bwd_dkdv_mma"
         if self.tile.query_split != 1 or self.tile.late_copies or packed_dkdv:   # bwd_dkdv_mma's QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
@@ -574,8 +574,8 @@ class Variant:
             args.append(str(SCHEDULES[self.schedule]))
         if self.kv_split:   # the split-KV forwards' last template parameter, KV_SPLIT (false by default)
             args.append("true")
-        if self.packed:     # the last template parameter, PACKED (fwd_mma's after KV_SPLIT)
-            args += ["false", "true"] if self.family == "fwd_mma" else ["true"]
+        if self.packed:     # the last template parameter, PACKED (the forwards' after KV_SPLIT)
+            args += ["false", "true"] if self.family.startswith("fwd") else ["true"]
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

@@ -339,9 +339,9 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
 
 def packed_variant(portable: Variant, smem_limit: int) -> Optional[Variant]:
     """The forward over packed sequences (cuflash.varlen) for a call whose portable forward is
-    ``portable``: its PACKED twin on the split tile, for the 16-bit tensor-core forward without EXTRA;
-    None for the others (their sequences run one dense launch each)."""
-    if portable.family != "fwd_mma" or portable.extra:
+    ``portable``: its PACKED twin on the split tile, for the 16-bit and float64 tensor-core forwards without
+    EXTRA; None for the others (their sequences run one dense launch each)."""
+    if portable.family not in ("fwd_mma", "fwd_dmma") or portable.extra:
         return None
     try:
         return replace(portable, packed=True, tile=None).fitted(smem_limit)
