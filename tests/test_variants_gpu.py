@@ -26,7 +26,7 @@ cp = pytest.importorskip("cupy")
 
 
 @pytest.mark.gpu_sweep
-@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name + (" packed" if v.packed else ""))
 def test_every_variant_against_reference(variant, launches, monkeypatch):
     p = problem_for(variant)
     if p.cc == 90 and device.compute_capability() != 90:
