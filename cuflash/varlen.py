@@ -19,9 +19,9 @@ have no per-sequence form here and are not taken.
 The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` returns them) to avoid
 a device read; CuPy offsets are copied to the host once a call. On the GPU the float16, bfloat16 and
 float64 forward without dropout runs one kernel over every sequence's blocks, longest sequence first
-(kernels_cu/scheduler.cuh, PackedBlock), and so does the 16-bit backward at head dims up to 128 (dK/dV
-and dQ kernels of their own, deterministic by construction); other calls launch the dense kernels once
-a sequence.
+(kernels_cu/scheduler.cuh, PackedBlock), and so does their backward at head dims up to 128 (dK/dV and
+dQ kernels of their own, deterministic by construction); other calls launch the dense kernels once a
+sequence.
 """
 from __future__ import annotations
 

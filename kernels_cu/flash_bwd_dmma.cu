@@ -134,7 +134,10 @@ __device__ __forceinline__ void add_dbias_frags_t(const DbiasParams& g, const do
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 // WIDE_K (sm_90+): 0 runs every GEMM on m8n8k4, 4 / 8 / 16 on m16n8kWIDE_K over pairs of
 // 8-row tiles (warp_gemm_f64.cuh): this warp's key tiles, and with ATOMIC_DQ the query tiles.
-template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int WIDE_K = 0>
+// PACKED: the key blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), each with its
+// sequence's own counts; without EXTRA or dQ atomics.
+template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int WIDE_K = 0,
+          bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_dmma(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
@@ -153,11 +156,19 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
     double* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !(Flags::EXTRA || ATOMIC_DQ), "packed sequences: the plain kernel, dQ apart");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group) : PackedBlock{};
+    const KeyBlock blk = PACKED ? seq.key_block(dims, BN)
+                                : KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int n0 = blk.n0, batch = blk.batch, keys_valid = blk.keys;
+    const int q_batch = PACKED ? seq.q_start : batch;   // the query side's batch index (packed: its first row)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int key0 = warp * Tr::WARP_KEYS;                      // this warp's keys within the block
-    ScoreMod<Flags, double, double> mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
+    typedef ScoreMod<Flags, double, double, PACKED> Mod;
+    Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2, blk.first_head);
+        else return Mod(p.mask, dims, p.scale_log2, batch, blk.first_head);
+    }();
     const double x_per_s = mod.x_per_score();
     const bool dbias = Flags::EXTRA && DO_DK && p.dbias.mode != DBIAS_NONE;
     const bool ordered = dbias && p.dbias.mode == DBIAS_ORDERED;
@@ -175,9 +186,9 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
     const int q_blocks = ceil_div(dims.lq, BM);
     const KeyBlockSteps<BM> steps(ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM), blk);
     auto issue_query_block = [&](const StepCursor& at, int stage) {
-        const int head = at.head, m0 = steps.m0(at.block), rows = imin(BM, dims.lq - m0);
+        const int head = at.head, m0 = steps.m0(at.block), rows = imin(BM, (PACKED ? mod.lq : dims.lq) - m0);
         load_row_tiles_swz<BM, HEAD, Tr::THREADS, VEC>(q_stages + stage * Tr::QD_ELEMS, p.q, dims.d,
-                                                       do_stages + stage * Tr::QD_ELEMS, p.dout, dims.dv, batch, head,
+                                                       do_stages + stage * Tr::QD_ELEMS, p.dout, dims.dv, q_batch, head,
                                                        m0, rows);
         if (mod.has_bias())
             load_score_tile<double, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS,
@@ -191,11 +202,11 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
     for (int stage = 0; cur.t < steps.count;) {
         const StepCursor next = cur.after(steps).next_visible(steps, mod, blk, !ordered);
         const int head = cur.head, q_block = steps.begin + cur.block, m0 = q_block * BM;
-        const int rows_valid = imin(BM, dims.lq - m0);
+        const int rows_valid = imin(BM, (PACKED ? mod.lq : dims.lq) - m0);
         mod.head = head;
         prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
                                        [&](int, int into) { issue_query_block(next, into); });
-        load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, batch, head, m0, rows_valid);
+        load_row_stats<BM, Tr::THREADS>(lse_s, dsum_s, p.lse, p.dsum, q_batch, head, m0, rows_valid);
         __syncthreads();
         const double* q_s = q_stages + stage * Tr::QD_ELEMS;
         const double* do_s = do_stages + stage * Tr::QD_ELEMS;
@@ -290,7 +301,8 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
 // fixed and the result bitwise reproducible.
 // Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 // WIDE_K as in flash_bwd_dkdv_dmma (pairs of this warp's 8-row query tiles).
-template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0>
+// PACKED: the query blocks of packed sequences (PackedBlock), without EXTRA.
+template <typename T, typename Cfg, typename Flags, bool VEC, int WIDE_K = 0, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_dmma(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
@@ -304,9 +316,17 @@ flash_bwd_dq_dmma(const BwdParams p) {
     double* bias_s = v_s + Cfg::STAGES * Tr::KV_ELEMS;         // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !Flags::EXTRA, "packed sequences: the plain kernel");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{};
+    const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
+                                  : QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    const int kv_batch = PACKED ? seq.k_start : blk.batch;   // K and V's batch index (packed: the first key)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const ScoreMod<Flags, double, double> mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    typedef ScoreMod<Flags, double, double, PACKED> Mod;
+    const Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2, blk.head);
+        else return Mod(p.mask, dims, p.scale_log2, blk.batch, blk.head);
+    }();
     const double x_per_s = mod.x_per_score();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
     const int warp_row0 = warp * Tr::WARP_ROWS;
@@ -314,8 +334,8 @@ flash_bwd_dq_dmma(const BwdParams p) {
     auto load_kv = [&](int j, int stage) {
         const int n0 = j * BN;
         load_row_tiles_swz<BN, HEAD, Tr::THREADS, VEC>(k_s + stage * Tr::KV_ELEMS, p.k, dims.d,
-                                                       v_s + stage * Tr::KV_ELEMS, p.v, dims.dv, blk.batch,
-                                                       blk.kv_head, n0, imin(BN, dims.lk - n0));
+                                                       v_s + stage * Tr::KV_ELEMS, p.v, dims.dv, kv_batch,
+                                                       blk.kv_head, n0, imin(BN, (PACKED ? mod.lk : dims.lk) - n0));
         if (mod.has_bias())
             load_score_tile<double, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_s + stage * Tr::BIAS_ELEMS,
                                                                         p.mask.bias, blk.batch, blk.head, blk.m0,

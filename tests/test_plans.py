@@ -802,8 +802,8 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
 
 def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake):
     """float32 (no packed kernel), a negative scale (the EXTRA kernels) and rows that are not unit-stride
-    (validation's copies are not the arrays a packed plan would address) take no packed plan; 16 bits at
-    head dim 256 and float64 have a packed forward but no packed backward."""
+    (validation's copies are not the arrays a packed plan would address) take no packed plan; at head dim
+    256 (the FMA backward) there is a packed forward but no packed backward."""
     from cuflash import varlen
     from cuflash._dispatch import plan as plan_
     dev, _ = fake
@@ -819,11 +819,11 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake)
     assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is not None
     assert plan_.plan_packed_forward(strided, q, q, call.p, call.opts, "highest") is None
     assert plan_.plan_packed_backward(q, q, q, strided, q, call.p, call.opts, "highest") is None
-    for dtype, d in ((np.float16, 256), (np.float64, 64)):   # a packed forward, no packed backward
+    for dtype, d, backward in ((np.float16, 256, False), (np.float64, 64, True), (np.float64, 256, False)):
         q = dev.empty((200, 2, d), dtype)
         call = varlen._Packed(q, q, q, cu, cu, True, None, None, 0.0, None, "highest")
         assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is not None
-        assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is None
+        assert (plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is not None) == backward
 
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])

@@ -198,12 +198,13 @@ def test_packed_kernel_matches_the_reference(dtype, d, causal, window, launches)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), ("bottom_right", (64, None))])
 def test_packed_backward_matches_the_reference(dtype, d, causal, window, launches):
-    """The 16-bit backward's packed kernels (dsum, PACKED dK/dV, PACKED dQ): gradients of every packed row
-    against the float64 block-diagonal reference, 0 for keys no query sees, bitwise equal run to run."""
+    """The packed backward kernels (dsum, PACKED dK/dV, PACKED dQ; tensor cores, 16 bits and float64):
+    gradients of every packed row against the float64 block-diagonal reference, 0 for keys no query sees,
+    bitwise equal run to run."""
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(d + 1)
     lq = [700, 1, 0, 33, 64, 65, 5, 130]
@@ -215,14 +216,15 @@ def test_packed_backward_matches_the_reference(dtype, d, causal, window, launche
     launches.clear()
     grads = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k, causal=causal,
                                              window=window)
-    assert [x.family for x in launches] == ["bwd_dsum", "bwd_dkdv_mma", "bwd_dq_mma"]
+    kind = "dmma" if dtype == "float64" else "mma"
+    assert [x.family for x in launches] == ["bwd_dsum", f"bwd_dkdv_{kind}", f"bwd_dq_{kind}"]
     assert all(x.packed for x in launches[1:])
     again = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k, causal=causal,
                                              window=window)
     for a, b in zip(grads, again):
         np.testing.assert_array_equal(a.get().view(np.uint8), b.get().view(np.uint8))
     want = _dense(q, k, v, cu_q, cu_k, causal, window, dout=dout)
-    tol = {"float16": 1e-2, "bfloat16": 6e-2}[dtype]
+    tol = {"float16": 1e-2, "bfloat16": 6e-2, "float64": 1e-10}[dtype]
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         got = g.get().astype(np.float64)
         assert np.isfinite(got).all(), name

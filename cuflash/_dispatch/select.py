@@ -352,13 +352,16 @@ def packed_variant(portable: Variant, smem_limit: int) -> Optional[Variant]:
 def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_limit: int) -> Optional[list]:
     """The backward over packed sequences (cuflash.varlen): the deterministic portable list (dsum, dK/dV
     without dQ atomics, dQ) with its dK/dV and dQ kernels' PACKED twins (dsum reads rows alike, packed or
-    not); None where that list has other kernels (the FMA ones at head dim 256, float32, float64)."""
+    not), for the 16-bit and float64 tensor-core kernels; None where that list has other kernels (the FMA
+    ones at head dim 256, float32)."""
     try:
         variants = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=True,
                                      smem_limit=smem_limit, cc=80)
     except ValueError:
         return None
-    if [v.family for v in variants] != ["bwd_dsum", "bwd_dkdv_mma", "bwd_dq_mma"] or variants[1].pass_ != 0:
+    families = [v.family for v in variants]
+    if families not in (["bwd_dsum", "bwd_dkdv_mma", "bwd_dq_mma"], ["bwd_dsum", "bwd_dkdv_dmma", "bwd_dq_dmma"]) \
+            or variants[1].pass_ != 0:
         return None   # (execute_packed_backward launches exactly dsum, one dK/dV pass, dQ)
     return [v if v.family == "bwd_dsum" else replace(v, packed=True) for v in variants]
 
