@@ -29,7 +29,8 @@ from . import masking as masking_
 from .model import MAX_GRID_X, head_bucket
 from .packed import block_table
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice,
-                     packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count, split_variants, vec_chunk)
+                     packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count,
+                     split_variants, vec_chunk)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -331,22 +332,61 @@ PACKED_MAX_ROWS = 2 ** 30
 key after a sequence's shift (kernels_cu/score_mod.cuh, the PackedBlock constructor)."""
 
 _FWD_PACKED_BLOCKS = (PACKERS["FwdParams"].offset("mask.packed_blocks"),)
+_BWD_PACKED_BLOCKS = (PACKERS["BwdParams"].offset("mask.packed_blocks"),)
 
 
-def _rows_unit_stride(*arrays) -> bool:
-    """Whether packed (total, H, D) arrays have unit-stride rows, as the kernels' views need (the
-    validated problem may hold copies of others, which the packed plans do not take)."""
-    return all(x.shape[2] == 1 or x.strides[2] == x.itemsize for x in arrays)
+def _packed_mask(p, opts, *arrays) -> Optional[dict]:
+    """MaskParams of a packed call, or None where the packed kernels cannot take it: EXTRA options, a
+    scale that does not fold, too many rows, or rows that are not unit-stride (validation's copies of
+    such arrays are not what a packed plan would address). The band is the one through (0, 0), moved by
+    each sequence's lk - lq where it is aligned to the end (``band_from_end``)."""
+    q, k = arrays[0], arrays[1]
+    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS \
+            or not all(x.shape[2] == 1 or x.strides[2] == x.itemsize for x in arrays):
+        return None
+    unbounded = PACKED_MAX_ROWS - 2   # band_limits clamps the open sides to -(lq + 1) and lk + 1
+    band = band_limits("top_left" if p.causal else False, opts.window, unbounded, unbounded)
+    lo, hi = band if band is not None else (0, 0)
+    return dict(MASK_OFF, band_lo=lo, band_hi=hi, band_from_end=int(p.causal == "bottom_right"),
+                band=band is not None)
+
+
+def _packed_layout(rows: int, heads: int, cols: int, itemsize: int, strides=None) -> "_Strided":
+    """A packed (total, H, D) layout (strides in bytes; default contiguous) as the (1, H, total, D) view
+    whose batch stride is one row (a block's batch index is its sequence's first row: scheduler.cuh,
+    PackedBlock)."""
+    s0, s1, s2 = strides if strides is not None else (heads * cols * itemsize, cols * itemsize, itemsize)
+    return _Strided((1, heads, rows, cols), (s0, s1, s0, s2), itemsize)
+
+
+def _packed_rows_vector(heads: int, rows: int, dtype) -> "_Strided":
+    """A contiguous (H, total) vector (lse, dsum) as the (1, H, total) view whose batch stride is one row."""
+    it = np.dtype(dtype).itemsize
+    return _Strided((1, heads, rows), (it, rows * it, it), it)
+
+
+def _launch_packed(kernel, table: np.ndarray, heads: int, params: HostArg, offsets: tuple) -> None:
+    """Launch a PACKED kernel over a block table (entries x heads CTAs), the table's device copy's address
+    written into the params first (the driver copies them at the launch; CuPy's pool reuses the copy in
+    stream order after it)."""
+    cupy, _ = device.cupy_modules()
+    if len(table) == 0:
+        return
+    grid = len(table) * heads
+    if grid > MAX_GRID_X:
+        raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
+    blocks = cupy.asarray(table)
+    params.put_addresses(offsets, (blocks.data.ptr,))
+    run((KernelLaunch(kernel, grid),), params)
 
 
 @dataclass
 class PackedForwardPlan:
-    """A forward over packed sequences: the PACKED kernel, its query rows a block (the block table's
-    tile), whether a sequence's last block comes first (causal), and its params without addresses."""
+    """A forward over packed sequences: the PACKED kernel, whether a sequence's last block comes first
+    (causal), its params without addresses, and its outputs' shapes and dtypes."""
 
     device: int
     variant: object
-    block_m: int
     reverse: bool
     params: bytes
     out_shape: Tuple[int, ...]
@@ -358,43 +398,26 @@ class PackedForwardPlan:
 def plan_packed_forward(q, k, v, p, opts, precision: str) -> Optional[PackedForwardPlan]:
     """The forward plan of packed sequences (cuflash.varlen): ``q (total_q, Hq, D)``, ``k``, ``v``
     (total_k, Hk, D / Dv) CuPy arrays, ``p`` and ``opts`` their validated problem and options (the
-    packed arrays seen as one batch entry). None where no packed kernel takes the call (only the 16-bit
-    tensor-core forward without EXTRA options and with a scale that folds has one, :func:`select.packed_variant`):
+    packed arrays seen as one batch entry). None where no packed kernel takes the call (:func:`_packed_mask`;
+    the tensor-core forwards of float16, bfloat16 and float64 have one, :func:`select.packed_variant`):
     its sequences then run one dense launch each."""
-    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS \
-            or not _rows_unit_stride(q, k, v):
+    mask = _packed_mask(p, opts, q, k, v)
+    if mask is None:
         return None
-    head = head_bucket(max(p.d, p.dv))
-    unbounded = PACKED_MAX_ROWS - 2   # band_limits clamps the open sides to -(lq + 1) and lk + 1
-    band = band_limits("top_left" if p.causal else False, opts.window, unbounded, unbounded)
+    head, band = head_bucket(max(p.d, p.dv)), mask.pop("band")
     smem_limit = device.smem_limit()
-    _, portable = forward_choice(p.dtype, head, band is not None, False, vec_loads_ok(p.d, p.dv, p.q, p.k, p.v),
-                                 row_class(head, p.lk, band is not None), device.compute_capability(), smem_limit,
-                                 precision)
+    _, portable = forward_choice(p.dtype, head, band, False, vec_loads_ok(p.d, p.dv, p.q, p.k, p.v),
+                                 row_class(head, p.lk, band), device.compute_capability(), smem_limit, precision)
     variant = packed_variant(portable, smem_limit)
     if variant is None:
         return None
-    lo, hi = band if band is not None else (0, 0)
-    mask = dict(MASK_OFF, band_lo=lo, band_hi=hi, band_from_end=int(p.causal == "bottom_right"))
-    acc = acc_dtype(p.dtype)
-    out_shape, lse_shape = (q.shape[0], p.heads_q, p.dv), (p.heads_q, q.shape[0])
-
-    def rows_view(x_shape, x_strides, itemsize):
-        """A packed (total, H, D) layout as the (1, H, total, D) view whose batch stride is one row
-        (a block's batch index is its sequence's first row: scheduler.cuh, PackedBlock)."""
-        return _Strided((1, x_shape[1], x_shape[0], x_shape[2]), (x_strides[0], x_strides[1], x_strides[0],
-                                                                    x_strides[2]), itemsize)
-
-    out_c = _Strided.contiguous(out_shape, q.dtype)
-    lse_c = _Strided.contiguous(lse_shape, acc)
-    lse_view = _Strided((1, p.heads_q, q.shape[0]), (lse_c.strides[1], lse_c.strides[0], lse_c.strides[1]),
-                        lse_c.itemsize)
-    params = fwd_params(rows_view(q.shape, q.strides, q.itemsize), rows_view(k.shape, k.strides, k.itemsize),
-                        rows_view(v.shape, v.strides, v.itemsize), rows_view(out_shape, out_c.strides, out_c.itemsize),
-                        lse_view, group=p.group, scale=p.scale, mask=mask)
-    return PackedForwardPlan(q.data.device_id, variant, variant.tile.block_m, p.causal is not None,
-                             _without_addresses(params, _FWD_ADDRESSES + _FWD_PACKED_BLOCKS), out_shape, lse_shape,
-                             q.dtype, acc)
+    acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
+    params = fwd_params(_packed_layout(tq, hq, p.d, it, q.strides), _packed_layout(tk, hk, p.d, it, k.strides),
+                        _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it),
+                        _packed_rows_vector(hq, tq, acc), group=p.group, scale=p.scale, mask=mask)
+    return PackedForwardPlan(q.data.device_id, variant, p.causal is not None,
+                             _without_addresses(params, _FWD_ADDRESSES + _FWD_PACKED_BLOCKS), (tq, hq, p.dv),
+                             (hq, tq), q.dtype, acc)
 
 
 def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, cu_k: np.ndarray):
@@ -402,24 +425,14 @@ def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, c
     offsets ``cu_q``, ``cu_k`` (checked). Every query row is written: a sequence without keys gets 0 and
     -inf from its blocks, whose key range is empty."""
     cupy, _ = device.cupy_modules()
-    table = block_table(cu_q, cu_k, plan.block_m, "q", plan.reverse)
+    table = block_table(cu_q, cu_k, plan.variant.tile.block_m, "q", plan.reverse)
     with device.on_device(plan.device):
         out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
         lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
-        if len(table) == 0:   # no query rows at all
-            return out, lse
-        blocks = cupy.asarray(table)   # freed after the launch: CuPy's pool reuses it in stream order
         params = HostArg(plan.params)
         params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
-        params.put_addresses(_FWD_PACKED_BLOCKS, (blocks.data.ptr,))
-        grid = len(table) * plan.out_shape[1]
-        if grid > MAX_GRID_X:
-            raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
-        run((KernelLaunch(plan.variant, grid),), params)
+        _launch_packed(plan.variant, table, plan.out_shape[1], params, _FWD_PACKED_BLOCKS)
     return out, lse
-
-
-_BWD_PACKED_BLOCKS = (PACKERS["BwdParams"].offset("mask.packed_blocks"),)
 
 
 @dataclass
@@ -434,37 +447,24 @@ class PackedBackwardPlan:
     reverse: bool
 
 
-def _packed_layout(rows: int, heads: int, cols: int, itemsize: int, strides=None) -> "_Strided":
-    """A packed (total, H, D) layout (strides in bytes; default contiguous) as the (1, H, total, D) view
-    whose batch stride is one row (scheduler.cuh, PackedBlock)."""
-    s0, s1, s2 = strides if strides is not None else (heads * cols * itemsize, cols * itemsize, itemsize)
-    return _Strided((1, heads, rows, cols), (s0, s1, s0, s2), itemsize)
-
-
 def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str) -> Optional[PackedBackwardPlan]:
     """The backward plan of packed sequences (cuflash.varlen) of CuPy arrays ``q``, ``k``, ``v``, ``dout``
-    and ``out`` (packed (total, H, D)); None where no packed kernels take it (select.packed_backward_variants:
-    float16 / bfloat16 at head dims up to 128, no EXTRA options, a scale that folds)."""
-    if opts.extra or not scale_folds(p.scale) or max(q.shape[0], k.shape[0]) >= PACKED_MAX_ROWS \
-            or not _rows_unit_stride(q, k, v, dout, out):
+    and ``out`` (packed (total, H, D)); None where no packed kernels take it (:func:`_packed_mask`;
+    select.packed_backward_variants: the tensor-core kernels of float16, bfloat16 and float64 at head
+    dims up to 128)."""
+    mask = _packed_mask(p, opts, q, k, v, dout, out)
+    if mask is None:
         return None
-    unbounded = PACKED_MAX_ROWS - 2
-    band = band_limits("top_left" if p.causal else False, opts.window, unbounded, unbounded)
+    band = mask.pop("band")
     vec = vec_loads_ok(p.d, p.dv, p.q, p.k, p.v) and vec_loads_ok(p.d, p.dv, dout.transpose(1, 0, 2)[None])
-    kernels = packed_backward_variants(p.dtype, head_bucket(max(p.d, p.dv)), band is not None, vec,
-                                       device.smem_limit())
+    kernels = packed_backward_variants(p.dtype, head_bucket(max(p.d, p.dv)), band, vec, device.smem_limit())
     if kernels is None:
         return None
-    lo, hi = band if band is not None else (0, 0)
-    mask = dict(MASK_OFF, band_lo=lo, band_hi=hi, band_from_end=int(p.causal == "bottom_right"))
-    acc = acc_dtype(p.dtype)
-    tq, tk, hq, hk = q.shape[0], k.shape[0], p.heads_q, k.shape[1]
-    it = q.itemsize
-    lse_view = _Strided((1, hq, tq), (np.dtype(acc).itemsize, tq * np.dtype(acc).itemsize, np.dtype(acc).itemsize),
-                        np.dtype(acc).itemsize)
+    acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
+    rows = _packed_rows_vector(hq, tq, acc)   # lse and dsum
     params = bwd_params(_packed_layout(tq, hq, p.d, it, q.strides), _packed_layout(tk, hk, p.d, it, k.strides),
                         _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it, out.strides),
-                        _packed_layout(tq, hq, p.dv, it, dout.strides), lse_view, lse_view, None,
+                        _packed_layout(tq, hq, p.dv, it, dout.strides), rows, rows, None,
                         _packed_layout(tq, hq, p.d, it), _packed_layout(tk, hk, p.d, it), _packed_layout(tk, hk, p.dv, it),
                         group=p.group, scale=p.scale, mask=mask)
     return PackedBackwardPlan(q.data.device_id, tuple(kernels), _without_addresses(params, _BWD_ADDRESSES), acc,
@@ -486,17 +486,9 @@ def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, c
                                               lse.data.ptr, dsum.data.ptr, 0, dq.data.ptr, dk.data.ptr, dv.data.ptr))
         if q.shape[0]:
             run((KernelLaunch(dsum_kernel, dsum_kernel.grid(1, hq, hq // hk, q.shape[0], k.shape[0])),), params)
-        # each kernel its table, the params' pointer set before its launch (the driver copies the bytes then)
-        for kernel, axis, tile, heads in ((dkdv, "k", dkdv.tile.block_n, hk), (dq_kernel, "q", dq_kernel.tile.block_m, hq)):
-            table = block_table(cu_q, cu_k, tile, axis, plan.reverse and axis == "q")
-            if len(table) == 0:
-                continue
-            blocks = cupy.asarray(table)
-            params.put_addresses(_BWD_PACKED_BLOCKS, (blocks.data.ptr,))
-            grid = len(table) * heads
-            if grid > MAX_GRID_X:
-                raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
-            run((KernelLaunch(kernel, grid),), params)
+        _launch_packed(dkdv, block_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params, _BWD_PACKED_BLOCKS)
+        _launch_packed(dq_kernel, block_table(cu_q, cu_k, dq_kernel.tile.block_m, "q", plan.reverse), hq, params,
+                       _BWD_PACKED_BLOCKS)
     return dq, dk, dv
 
 
