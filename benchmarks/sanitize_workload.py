@@ -22,8 +22,8 @@ float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both prec
 grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
 a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16
 (``--kvcache``: that cache part alone). ``--varlen``: packed sequences (cuflash.varlen: empty, one-row and
-keyless sequences, more keys than queries and fewer), the 16-bit forward's packed kernel for every causal
-mode and a window, and a backward.
+keyless sequences, more keys than queries and fewer), the forward's packed kernel (the Hopper one for 16-bit
+rows at head dims 40-256) for every causal mode and a window, and a backward.
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -212,7 +212,7 @@ def packed_sequences(dtypes) -> None:
     rng = np.random.default_rng(2)
     lq, lk = [300, 1, 0, 33, 65, 7], [250, 1, 5, 0, 64, 131]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
-    for dtype, d, (causal, window) in itertools.product(dtypes, (40, 64, 128), ((False, None), (True, None),
+    for dtype, d, (causal, window) in itertools.product(dtypes, (40, 64, 128, 256), ((False, None), (True, None),
                                                         ("bottom_right", None), ("bottom_right", (30, 4)))):
         q = cp.asarray(rng.standard_normal((int(cu_q[-1]), 4, d)).astype(DTYPES[dtype]))
         k, v = (cp.asarray(rng.standard_normal((int(cu_k[-1]), 2, d)).astype(DTYPES[dtype])) for _ in range(2))

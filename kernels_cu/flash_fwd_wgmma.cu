@@ -174,25 +174,29 @@ struct WgmmaSmem {
 // emptied that stage, and Q (`q_round`: the CTA's blocks with tiles before this one) after the
 // first K tile: a later block's Q waits until the consumers are done with the previous one's
 // (q_empty), while that K stage was freed a tile earlier. `first`: the first visible tile (< end;
-// a block with none loads nothing, and its consumers wait for nothing).
+// a block with none loads nothing, and its consumers wait for nothing). `at`: the block's rows in
+// the maps' coordinates (TmaRows, scheduler.cuh).
 template <typename Tr, typename Mod>
 __device__ __forceinline__ void produce_tiles(const WgmmaSmem<Tr>& sm, const FwdTensorMaps& maps, const Mod& mod,
-                                              const QueryBlock& blk, int first, int end, int& t, int q_round) {
+                                              const QueryBlock& blk, const TmaRows& at, int first, int end, int& t,
+                                              int q_round) {
     constexpr int BN = Tr::BN;
     for (int j = first; j < end; j = mod.next_key_tile(j + 1, end, blk.m0, blk.rows, BN), ++t) {
         const int stage = t & 1;
         const unsigned empty_parity = ((t >> 1) & 1) ^ 1;   // the round before this one
         mbar_wait(sm.k_empty(stage), empty_parity);
         mbar_arrive_expect_tx(sm.k_full(stage), Tr::KV_BYTES);
-        tma_load_tile<BN, Tr::SLABS>(sm.k_tile(stage), &maps.k, sm.k_full(stage), j * BN, blk.kv_head, blk.batch);
+        tma_load_tile<BN, Tr::SLABS>(sm.k_tile(stage), &maps.k, sm.k_full(stage), at.k0 + j * BN, blk.kv_head,
+                                     at.batch);
         if (j == first) {
             if (q_round > 0) mbar_wait(sm.q_empty(), (q_round - 1) & 1);
             mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
-            tma_load_tile<Tr::BM, Tr::SLABS>(sm.q, &maps.q, sm.q_full(), blk.m0, blk.head, blk.batch);
+            tma_load_tile<Tr::BM, Tr::SLABS>(sm.q, &maps.q, sm.q_full(), at.q0 + blk.m0, blk.head, at.batch);
         }
         mbar_wait(sm.v_empty(stage), empty_parity);
         mbar_arrive_expect_tx(sm.v_full(stage), Tr::KV_BYTES);
-        tma_load_tile<BN, Tr::SLABS>(sm.v_tile(stage), &maps.v, sm.v_full(stage), j * BN, blk.kv_head, blk.batch);
+        tma_load_tile<BN, Tr::SLABS>(sm.v_tile(stage), &maps.v, sm.v_full(stage), at.k0 + j * BN, blk.kv_head,
+                                     at.batch);
     }
 }
 
@@ -218,16 +222,34 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
     }
 }
 
+// PACKED: a sequence's last K/V tile holds the next sequence's rows past its last key (the copy
+// engine fills zeros past the packed tensor only). Their scores are masked, so P is 0 there, but
+// 0 x inf or NaN is NaN: the consumers zero the V stage's rows [keys, BN) before P V reads them.
+// A row of a slab is one 128-byte line whatever the swizzle. `thread`: of the CONSUMER_THREADS.
+template <typename Tr>
+__device__ __forceinline__ void zero_rows_past(unsigned char* tile, int keys, int thread) {
+    constexpr int CHUNKS = 128 / 16;   // 16-byte chunks a line
+#pragma unroll 1
+    for (int i = thread; i < Tr::SLABS * Tr::BN * CHUNKS; i += Tr::CONSUMER_THREADS)
+        if ((i / CHUNKS) % Tr::BN >= keys) *reinterpret_cast<int4*>(tile + 16 * i) = make_int4(0, 0, 0, 0);
+}
+
 // Grid (SCHEDULE, scheduler.cuh): ceil(Lq / BM) x Hq x B CTAs, longest causal query blocks first
 // (SCHEDULE_ONE_A_BLOCK), or one CTA an SM, each walking blocks in turn (BlockWalk). A CTA's producer
 // and consumers walk the same blocks and tiles, so the stage ring and its parities simply run on
 // across blocks.
+// PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), a CTA a block,
+// without EXTRA: each with its sequence's own counts, its maps' rows counted from the packed tensor's
+// first (TmaRows); O of a warpgroup's 64 rows goes out by the copy engine only where all 64 are the
+// sequence's (the maps clip at the packed tensor's end only).
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
-template <typename T, typename Cfg, typename Flags, int SCHEDULE>
+template <typename T, typename Cfg, typename Flags, int SCHEDULE, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA, SCHEDULE> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
+    static_assert(!PACKED || (SCHEDULE == SCHEDULE_ONE_A_BLOCK && !Flags::EXTRA),
+                  "packed sequences: a CTA a block, without EXTRA");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = smem_addr(smem_raw);
     const unsigned tiles = align_1024(base);
@@ -237,16 +259,24 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 
     const AttnDims& dims = p.dims;
     const int head_group = shared_scores_head_group<Flags::EXTRA>(p.mask);
-    const int blocks = QueryBlock::count<BM>(dims);
+    // PACKED: the CTA's table entry, read where used (not held through the loops: the producer has 24-56
+    // registers)
+    auto seq = [&]() { return PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{}; };
+    const int blocks = PACKED ? int(gridDim.x) : QueryBlock::count<BM>(dims);   // (PACKED: the table's, one a CTA)
     // SCHEDULE_ONE_A_BLOCK: the loops below end after their first pass (and a grid too small for
     // that is the host's bug, stopped here rather than leaving blocks unwritten).
     if (!Tr::PERSISTENT && int(gridDim.x) < blocks) __trap();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
-    // Query block `idx`, its score modifier and visible key tiles.
-    auto block_at = [&](int idx) { return QueryBlock::from_index<BM>(dims, idx, head_group); };
+    // Query block `idx`, its rows in the maps, its score modifier and visible key tiles.
+    auto block_at = [&](int idx) {
+        return PACKED ? seq().query_block(dims, BM) : QueryBlock::from_index<BM>(dims, idx, head_group);
+    };
+    auto tma_rows = [&](const QueryBlock& blk) { return PACKED ? TmaRows::packed(seq()) : TmaRows::dense(blk); };
+    typedef ScoreMod<Flags, float, T, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
     auto score_mod = [&](const QueryBlock& blk) {
-        return ScoreMod<Flags, float, T>(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
-                                         blk.head);
+        const float scale_log2 = acc_param<float>(p.scale_log2, p.scale_log2_f);
+        if constexpr (PACKED) return Mod(p.mask, seq(), scale_log2, blk.head);
+        else return Mod(p.mask, dims, scale_log2, blk.batch, blk.head);
     };
 
     if (threadIdx.x == 0) {
@@ -292,7 +322,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             const int first = mod.next_key_tile(keys.begin, keys.end, blk.m0, blk.rows, BN);
             if (first >= keys.end) continue;
             if (threadIdx.x == 0) {
-                produce_tiles(sm, maps, mod, blk, first, keys.end, t, q_round++);
+                produce_tiles(sm, maps, mod, blk, tma_rows(blk), first, keys.end, t, q_round++);
             } else if constexpr (Flags::EXTRA) {
                 if (!mod.has_bias()) return;
                 produce_bias_tiles<T>(sm, p.mask.bias, mod, blk, first, keys.end, dims.lk, loader, t);
@@ -329,9 +359,15 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     auto my_turn = [&]() { if (Tr::PINGPONG) named_bar_sync(1 + consumer, 2 * 128); };
     auto your_turn = [&]() { if (Tr::PINGPONG) named_bar_arrive(2 - consumer, 2 * 128); };
     // O += P V of a tile whose V is at `stage`, finished here: the product every tile gets
-    // without OVERLAP_PV, and the last tile's with it.
-    auto pv_now = [&](int stage, unsigned full_parity, const unsigned (&p_frag)[BN / 16][4]) {
+    // without OVERLAP_PV, and the last tile's with it. `keys`: the sequence's keys in the tile
+    // (PACKED: V's rows past them zeroed first, zero_rows_past; named barrier 6: every consumer).
+    auto pv_now = [&](int stage, unsigned full_parity, const unsigned (&p_frag)[BN / 16][4], int keys) {
         mbar_wait(sm.v_full(stage), full_parity);
+        if (PACKED && keys < BN) {
+            zero_rows_past<Tr>(smem_raw + (sm.v_tile(stage) - base), keys, int(threadIdx.x) - 128);
+            fence_proxy_async_smem();   // the stores, before the wgmmas (async proxy) read V
+            named_bar_sync(6, Tr::CONSUMER_THREADS);
+        }
         my_turn();
         wgmma_fence();
         issue_pv(stage, p_frag);
@@ -359,6 +395,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 
         int j = next_tile(keys.begin);
         const bool has_tiles = j < keys.end;
+        int last_n0 = 0;   // the last tile's first key
         if (has_tiles) mbar_wait(sm.q_full(), q_round & 1);
         const int t0 = t;
         for (; j < keys.end; ++t) {
@@ -431,14 +468,15 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) pack_a_frag<T, BN>(p_frag[kk], s[0], 16 * kk);
             if constexpr (!Tr::OVERLAP_PV) {   // this tile's O += P V now, done before the next S
-                pv_now(stage, full_parity, p_frag);
+                pv_now(stage, full_parity, p_frag, mod.lk - n0);
                 fence_regs(p_frag);
                 mbar_arrive(sm.v_empty(stage));
             }
+            last_n0 = n0;
             j = next;
         }
         if (Tr::OVERLAP_PV && t > t0) {   // the last tile's O += P V
-            pv_now((t - 1) & 1, ((t - 1) >> 1) & 1, p_frag);
+            pv_now((t - 1) & 1, ((t - 1) >> 1) & 1, p_frag, mod.lk - last_n0);
             fence_regs(p_frag);
             mbar_arrive(sm.v_empty((t - 1) & 1));
         }
@@ -446,7 +484,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         // Epilogue: O = acc_o / l, lse per row; rows past lq and columns past dv are not written.
         // Through shared memory where O's tile is free: its own tile, or Q's once this block's
         // S = Q K^T are done (with no tiles, Q's may be receiving the next block's Q).
-        if (Tr::TMA_STORE_O && (Tr::O_OWN_TILE || has_tiles)) {
+        const TmaRows at = tma_rows(blk);
+        if (Tr::TMA_STORE_O && (Tr::O_OWN_TILE || has_tiles) && (!PACKED || consumer * 64 + 64 <= blk.rows)) {
             // The warpgroup's 64 rows of O go, 16-bit and swizzled, into its 64 rows of the tile, and
             // one thread has the copy engine write them out, SLABS boxes of 64 x 64 (the tensor
             // map's bounds clip rows and columns).
@@ -464,7 +503,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             if (storer) {
 #pragma unroll
                 for (int s = 0; s < Tr::SLABS; ++s)
-                    tma_store_4d(&maps.o, o_wg + s * BM * 128, 64 * s, blk.m0 + consumer * 64, blk.head, blk.batch);
+                    tma_store_4d(&maps.o, o_wg + s * BM * 128, 64 * s, at.q0 + blk.m0 + consumer * 64, blk.head,
+                                 at.batch);
                 bulk_commit();
                 if (!Tr::O_OWN_TILE) {   // Q's tile: the next Q waits until the engine has read O
                     bulk_wait_read<0>();

@@ -228,6 +228,18 @@ struct PackedBlock {
     }
 };
 
+// Where a block's tiles lie in the coordinates of a Hopper kernel's tensor maps (row, batch): a dense
+// block's rows of its batch entry, or a packed sequence's rows counted from the packed tensor's first,
+// whose maps describe (total, H, D) as one batch entry (D, total, H, 1) (cuflash/_runtime/tma.py): the copy
+// engine's bounds are the packed tensor's, not a sequence's.
+struct TmaRows {
+    int q0, k0;   // added to a query row (out's too) and to a key row within the block's sequence
+    int batch;    // the batch coordinate
+
+    __device__ __forceinline__ static TmaRows dense(const QueryBlock& blk) { return {0, 0, blk.batch}; }
+    __device__ __forceinline__ static TmaRows packed(const PackedBlock& seq) { return {seq.q_start, seq.k_start, 0}; }
+};
+
 // The query blocks a persistent CTA (SCHEDULE_STRIDE or SCHEDULE_QUEUE) owns, in turn, and the ring
 // through which a Hopper forward's producer thread hands each block index to its consumer warpgroups
 // (`ring`: two 8-byte index slots, then their full and empty mbarriers, 48 bytes of shared memory),

@@ -4,6 +4,7 @@ Shared by the GPU test that runs every variant (test_variants_gpu.py) and the CP
 test that checks, through the same selection functions the launcher uses, that
 these problems cover the whole variant table (test_variants.py).
 """
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -56,11 +57,11 @@ class Problem:
         fwd = forward_variant(self.dtype, head, band=band, extra=self.extra, vec=self.vec, smem_limit=self.smem_limit,
                               cc=self.cc, rows=row_class(head, self.lk, band), precision=self.precision,
                               wgmma=self.num_splits == 1)
-        if self.packed:   # plan.plan_packed_forward's choice: the portable forward's PACKED twin
-            portable = forward_variant(self.dtype, head, band=band, extra=False, vec=self.vec,
+        if self.packed:   # plan.plan_packed_forward's choice: the Hopper or the portable forward's PACKED twin
+            choose = functools.partial(forward_variant, self.dtype, head, band=band, extra=False, vec=self.vec,
                                        smem_limit=self.smem_limit, cc=self.cc, rows=row_class(head, self.lk, band),
-                                       precision=self.precision, wgmma=False)
-            fwd = [packed_variant(portable, self.smem_limit)]
+                                       precision=self.precision)
+            fwd = [packed_variant(choose(), choose(wgmma=False), self.smem_limit)]
             if not self.backward:
                 return fwd
             return fwd + (packed_backward_variants(self.dtype, head, band, self.vec, self.smem_limit) or [])
@@ -106,8 +107,8 @@ def problem_for(v: Variant) -> Problem:
             except ValueError:
                 continue
         return Problem(v.dtype, d, d, causal, v.extra, False, False, precision=precision, num_splits=SPLITS, lq=lq)
-    if v.packed:   # a varlen call on the GPU class that takes v's tile
-        d = v.head if v.vec else v.head - 5
+    if v.packed:   # a varlen call on the GPU class that takes v's tile (the Hopper kernel: 16-byte rows)
+        d = v.head if v.vec or v.arch == "sm90a" else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
         backward = not v.family.startswith("fwd")
         for limit, cc in itertools.product(sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):

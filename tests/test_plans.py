@@ -767,13 +767,18 @@ def uploads(fake, monkeypatch):
 
 @pytest.mark.parametrize("causal,window,band_from_end", [(False, None, 0), (True, None, 0), ("bottom_right", None, 1),
                                                          (False, (5, 2), 0), ("bottom_right", (7, None), 1)])
-def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, causal, window, band_from_end):
-    """16-bit packed sequences: one PACKED fwd_mma launch, (table entries) x (query heads) CTAs; q, k, v,
-    out and lse seen with a batch stride of one row; the band through (0, 0), moved per sequence where
+@pytest.mark.parametrize("hopper", [True, False])
+def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, monkeypatch, causal, window,
+                                                                band_from_end, hopper):
+    """16-bit packed sequences: one PACKED launch (fwd_wgmma on Hopper, its tensor maps describing each packed
+    (total, H, D) array as (D, total, H, 1); fwd_mma elsewhere), (table entries) x (query heads) CTAs; q, k,
+    v, out and lse seen with a batch stride of one row; the band through (0, 0), moved per sequence where
     aligned to the end; the table the host built, at the address the params hold."""
     from cuflash import varlen
     from cuflash._dispatch import packed
     dev, launches = fake
+    if not hopper:
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
     hq, hk, d = 8, 2, 64
     cu_q = np.array([0, 300, 301, 301, 1400], dtype=np.int32)
     cu_k = np.array([0, 500, 501, 900, 1900], dtype=np.int32)
@@ -782,7 +787,15 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
     assert out.shape == (1400, hq, d) and lse.shape == (hq, 1400) and lse.dtype == np.float32
     [(variant, params, maps, grid)] = launches
-    assert variant.packed and variant.family == "fwd_mma" and variant.band == (causal is not False or window is not None)
+    assert variant.packed and variant.family == ("fwd_wgmma" if hopper else "fwd_mma")
+    assert variant.band == (causal is not False or window is not None) and variant.schedule == "block"
+    if hopper:   # the fake encoder's bytes: address, dims (D, rows, H, B), byte strides of rows, heads, batch
+        for i, (x, rows, heads) in enumerate(((q, 1400, hq), (k, 1900, hk), (v, 1900, hk))):
+            words = struct.unpack_from("=8Q", maps, 128 * i)
+            assert words == (x.data.ptr, d, rows, heads, 1, heads * d * 2, d * 2, heads * d * 2)
+        assert not any(maps[384:])   # head dim 64: O is stored element by element, its map left as zeros
+    else:
+        assert maps is None
     [(table_ptr, table)] = uploads
     want = packed.block_table(cu_q, cu_k, variant.tile.block_m, "q", causal is not False)
     np.testing.assert_array_equal(table, want)

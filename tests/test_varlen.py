@@ -176,9 +176,9 @@ def test_cupy_matches_numpy(dtype, causal):
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), ("bottom_right", None), (False, (100, 20)),
                                            ("bottom_right", (64, None))])
 def test_packed_kernel_matches_the_reference(dtype, d, causal, window, launches):
-    """The 16-bit forward's one kernel over every sequence (PACKED fwd_mma): one long sequence among short
-    ones, empty and one-row sequences, sequences with no keys, more keys than queries and fewer, GQA;
-    every row against the float64 block-diagonal reference."""
+    """The 16-bit forward's one kernel over every sequence (PACKED fwd_wgmma on Hopper at head dims 64-256,
+    else fwd_mma): one long sequence among short ones, empty and one-row sequences, sequences with no keys,
+    more keys than queries and fewer, GQA; every row against the float64 block-diagonal reference."""
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(d)
     lq = [700, 1, 0, 33, 64, 65, 5, 130]
@@ -195,6 +195,37 @@ def test_packed_kernel_matches_the_reference(dtype, d, causal, window, launches)
     np.testing.assert_array_equal(np.isneginf(lse.get()), np.isneginf(ref_lse))
     live = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse.get()[live], ref_lse[live], atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_neighbours_non_finite_rows_stay_out(dtype, d):
+    """A tile of a sequence's queries or keys that runs past its end holds the next sequence's rows (the
+    Hopper copy engine loads whole tiles of the packed arrays): NaN queries and infinite keys and values
+    there leave the sequences around them finite and exact, forward and backward."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(d + 2)
+    lq, lk = [100, 50, 77], [130, 40, 90]
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, hq=4, hk=2, d=d, dv=d, dtype=DTYPES[dtype])
+    dout = rng.standard_normal(q.shape).astype(DTYPES[dtype])
+    want_out, _ = _dense(q, k, v, cu_q, cu_k, False, None)
+    want_grads = _dense(q, k, v, cu_q, cu_k, False, None, dout=dout)
+    bad_q, bad_k = slice(cu_q[1], cu_q[2]), slice(cu_k[1], cu_k[2])
+    q[bad_q], k[bad_k], v[bad_k] = np.nan, np.inf, -np.inf
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    out, lse = varlen.attention_varlen_forward(*dev, cu_q, cu_k)
+    grads = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k)
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float64": 1e-12}[dtype]
+    for b in (0, 2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        got = out.get()[rows].astype(np.float64)
+        assert np.isfinite(got).all(), f"sequence {b}"
+        assert rel_error(got, want_out[rows]) < tol, f"sequence {b}"
+        for name, g, w, span in zip(("dq", "dk", "dv"), grads, want_grads, (rows, keys, keys)):
+            got = g.get()[span].astype(np.float64)
+            assert np.isfinite(got).all(), f"sequence {b} {name}"
+            assert rel_error(got, w[span]) < 4 * tol, f"sequence {b} {name}"
 
 
 @pytest.mark.gpu

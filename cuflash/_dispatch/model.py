@@ -397,7 +397,7 @@ KV_SPLIT_FAMILIES = ("fwd_mma", "fwd_tf32x3", "fwd_tf32", "fwd_dmma", "fwd_fma",
 """The forwards that take KV_SPLIT (their last template parameter): the split-KV forward's partial
 kernels (kernels_cu/scheduler.cuh, KeySplit), merged by ``fwd_combine``."""
 
-PACKED_FAMILIES = ("fwd_mma", "fwd_dmma", "bwd_dkdv_mma", "bwd_dq_mma", "bwd_dkdv_dmma", "bwd_dq_dmma")
+PACKED_FAMILIES = ("fwd_wgmma", "fwd_mma", "fwd_dmma", "bwd_dkdv_mma", "bwd_dq_mma", "bwd_dkdv_dmma", "bwd_dq_dmma")
 """The kernels that take PACKED (their last template parameter): packed sequences (cuflash.varlen), each
 block with its sequence's own counts from the host's block table (kernels_cu/scheduler.cuh, PackedBlock)."""
 
@@ -471,8 +471,10 @@ class Variant:
             raise ValueError("schedule='queue': only with two consumer warpgroups (the block ring)")
         if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
-        if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq):
-            raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, dQ apart")
+        if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq
+                            or self.schedule != "block"):
+            raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, dQ apart, "
+                             "a CTA a block")
         if self.dq_tiled and self.family != "bwd_convert_dq":
             raise ValueError("dq_tiled: only for bwd_convert_dq (the tiled accumulator of bwd_dkdv_mma)")
         # Hashed once: every launch looks its compiled kernel up by variant (launch._launch_config).
@@ -574,8 +576,8 @@ class Variant:
             args.append(str(SCHEDULES[self.schedule]))
         if self.kv_split:   # the split-KV forwards' last template parameter, KV_SPLIT (false by default)
             args.append("true")
-        if self.packed:     # the last template parameter, PACKED (the forwards' after KV_SPLIT)
-            args += ["false", "true"] if self.family.startswith("fwd") else ["true"]
+        if self.packed:     # the last template parameter, PACKED (after KV_SPLIT where the family has it)
+            args += ["false", "true"] if self.family in KV_SPLIT_FAMILIES else ["true"]
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

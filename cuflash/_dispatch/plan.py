@@ -365,10 +365,17 @@ def _packed_rows_vector(heads: int, rows: int, dtype) -> "_Strided":
     return _Strided((1, heads, rows), (it, rows * it, it), it)
 
 
-def _launch_packed(kernel, table: np.ndarray, heads: int, params: HostArg, offsets: tuple) -> None:
+def _packed_view(x):
+    """A packed (total, H, D) array as the (1, H, total, D) view whose tensor map the Hopper kernels read
+    (kernels_cu/scheduler.cuh, TmaRows: rows counted from the packed tensor's first)."""
+    return x.transpose(1, 0, 2)[None]
+
+
+def _launch_packed(kernel, table: np.ndarray, heads: int, params: HostArg, offsets: tuple,
+                   maps: Optional[HostArg] = None) -> None:
     """Launch a PACKED kernel over a block table (entries x heads CTAs), the table's device copy's address
     written into the params first (the driver copies them at the launch; CuPy's pool reuses the copy in
-    stream order after it)."""
+    stream order after it), with its tensor maps where it reads some."""
     cupy, _ = device.cupy_modules()
     if len(table) == 0:
         return
@@ -377,13 +384,14 @@ def _launch_packed(kernel, table: np.ndarray, heads: int, params: HostArg, offse
         raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
     blocks = cupy.asarray(table)
     params.put_addresses(offsets, (blocks.data.ptr,))
-    run((KernelLaunch(kernel, grid),), params)
+    run((KernelLaunch(kernel, grid, maps is not None),), params, maps)
 
 
 @dataclass
 class PackedForwardPlan:
     """A forward over packed sequences: the PACKED kernel, whether a sequence's last block comes first
-    (causal), its params without addresses, and its outputs' shapes and dtypes."""
+    (causal), its params without addresses, its outputs' shapes and dtypes, and its tensor maps (the
+    Hopper kernel's; None for the portable ones)."""
 
     device: int
     variant: object
@@ -393,6 +401,7 @@ class PackedForwardPlan:
     lse_shape: Tuple[int, ...]
     out_dtype: object
     lse_dtype: object
+    maps: Optional[_Maps] = None
 
 
 def plan_packed_forward(q, k, v, p, opts, precision: str) -> Optional[PackedForwardPlan]:
@@ -400,15 +409,21 @@ def plan_packed_forward(q, k, v, p, opts, precision: str) -> Optional[PackedForw
     (total_k, Hk, D / Dv) CuPy arrays, ``p`` and ``opts`` their validated problem and options (the
     packed arrays seen as one batch entry). None where no packed kernel takes the call (:func:`_packed_mask`;
     the tensor-core forwards of float16, bfloat16 and float64 have one, :func:`select.packed_variant`):
-    its sequences then run one dense launch each."""
+    its sequences then run one dense launch each. The Hopper kernel reads its arrays through tensor maps
+    where they can describe them, else the portable one runs."""
     mask = _packed_mask(p, opts, q, k, v)
     if mask is None:
         return None
     head, band = head_bucket(max(p.d, p.dv)), mask.pop("band")
     smem_limit = device.smem_limit()
-    _, portable = forward_choice(p.dtype, head, band, False, vec_loads_ok(p.d, p.dv, p.q, p.k, p.v),
-                                 row_class(head, p.lk, band), device.compute_capability(), smem_limit, precision)
-    variant = packed_variant(portable, smem_limit)
+    choice, portable = forward_choice(p.dtype, head, band, False, vec_loads_ok(p.d, p.dv, p.q, p.k, p.v),
+                                      row_class(head, p.lk, band), device.compute_capability(), smem_limit, precision)
+    variant, maps = packed_variant(choice, portable, smem_limit), None
+    if variant is not None and variant.arch == "sm90a":
+        if tma.tma_ok(*(_packed_view(x) for x in (q, k, v))) and tma.can_encode():
+            maps = _Maps(tma.fwd_map_specs(variant.tile.block_m, variant.tile.block_n, head >= TMA_STORE_O_HEAD))
+        else:
+            variant = packed_variant(portable, portable, smem_limit)
     if variant is None:
         return None
     acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
@@ -417,7 +432,7 @@ def plan_packed_forward(q, k, v, p, opts, precision: str) -> Optional[PackedForw
                         _packed_rows_vector(hq, tq, acc), group=p.group, scale=p.scale, mask=mask)
     return PackedForwardPlan(q.data.device_id, variant, p.causal is not None,
                              _without_addresses(params, _FWD_ADDRESSES + _FWD_PACKED_BLOCKS), (tq, hq, p.dv),
-                             (hq, tq), q.dtype, acc)
+                             (hq, tq), q.dtype, acc, maps)
 
 
 def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, cu_k: np.ndarray):
@@ -431,7 +446,9 @@ def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, c
         lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
         params = HostArg(plan.params)
         params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
-        _launch_packed(plan.variant, table, plan.out_shape[1], params, _FWD_PACKED_BLOCKS)
+        maps = None if plan.maps is None else plan.maps.for_arrays(
+            {name: _packed_view(x) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))})
+        _launch_packed(plan.variant, table, plan.out_shape[1], params, _FWD_PACKED_BLOCKS, maps)
     return out, lse
 
 

@@ -337,13 +337,18 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
     return partial, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
 
 
-def packed_variant(portable: Variant, smem_limit: int) -> Optional[Variant]:
-    """The forward over packed sequences (cuflash.varlen) for a call whose portable forward is
-    ``portable``: its PACKED twin on the split tile, for the 16-bit and float64 tensor-core forwards without
-    EXTRA; None for the others (their sequences run one dense launch each)."""
-    if portable.family not in ("fwd_mma", "fwd_dmma") or portable.extra:
-        return None
+def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Optional[Variant]:
+    """The forward over packed sequences (cuflash.varlen) for a call whose forward is ``variant`` and portable
+    forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin, a CTA a block on the
+    long-rows tile (a packed call's rows are not one sequence's), where ``variant`` is that kernel without
+    EXTRA; else the portable forward's PACKED twin on the split tile, for the 16-bit and float64 tensor-core
+    forwards without EXTRA; None for the others (their sequences run one dense launch each). The plan takes
+    ``packed_variant(portable, portable, ...)`` where tensor maps cannot describe the arrays."""
     try:
+        if variant.family == "fwd_wgmma" and not variant.extra:
+            return replace(variant, packed=True, schedule="block", short=False, tile=None).fitted(smem_limit)
+        if portable.family not in ("fwd_mma", "fwd_dmma") or portable.extra:
+            return None
         return replace(portable, packed=True, tile=None).fitted(smem_limit)
     except ValueError:
         return None
@@ -415,9 +420,12 @@ def all_variants() -> List[Variant]:
             if portable.family in KV_SPLIT_FAMILIES:
                 for rows in (DECODE_ROWS, DECODE_ROWS + 1):   # the decoding kernel, the portable twin
                     seen[split_variants(portable, head, limit, rows)[0]] = None
-            packed = packed_variant(portable, limit)
-            if packed is not None:
-                seen[packed] = None
+            if not extra:   # the packed forward a call takes (the Hopper one where it has one)
+                choice = portable if cc != HOPPER_CC else forward_variant(
+                    dtype, head, band=band, vec=vec, smem_limit=limit, cc=cc, precision=precision)
+                packed = packed_variant(choice, portable, limit)
+                if packed is not None:
+                    seen[packed] = None
             if not extra and cc == 80 and precision == "highest":
                 for v in packed_backward_variants(dtype, head, band, vec, limit) or ():
                     seen[v] = None
