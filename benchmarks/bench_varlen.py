@@ -9,9 +9,13 @@ queries, keys and values of one length a sequence. Contenders on the same data (
 arrays through DLPack): cuflash varlen (offsets as a NumPy array: no device read), cuflash dense on the
 batch padded to its longest sequence (a (B, 1, 1, L) key mask without causal; causal alone hides the
 right padding), PyTorch SDPA on nested jagged tensors (its flash path) and SDPA efficient on the padded
-batch (the key mask as a boolean attn_mask). Forward, and forward+backward (the gradients of every
-input). Useful TFLOP/s counts each sequence's own FLOPs, 4 L^2 H D (halved when causal; forward+backward
-3.5x the forward), over the time: the median of --repeat queued calls' mean, 5 runs (CUDA events).
+batch (the key mask as a boolean attn_mask); a padded batch of more than 4x the packed tokens (case c:
+129 x 32768) is left out. Beside them, the yardsticks: cuflash dense on equal lengths of the mean
+(cases a and b: as many sequences of the mean length, its own FLOPs), and (case c) the long sequence
+alone plus the short ones alone (two dense calls, their times added). Forward, and forward+backward (the
+gradients of every input). Useful TFLOP/s counts each sequence's own FLOPs, 4 L^2 H D (halved when
+causal; forward+backward 3.5x the forward), over the time: the median of --repeat queued calls' mean,
+5 runs (CUDA events).
 Writes JSON and Markdown named by the device into --out (default ./cuflash-varlen-<time>/).
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ from cuflash._runtime.device import gpu_available  # noqa: E402
 cp, torch = bench.cp, bench.torch   # None where CuPy (main() says so) or PyTorch (no peers) is missing
 
 TOKENS = 65536
+MAX_PADDING = 4   # padded contenders run where the padded batch has at most this many times the packed tokens
 
 
 def lengths_of(case: str) -> list:
@@ -64,6 +69,40 @@ def _padded(x, cu, lmax):
     return out.transpose(0, 2, 1, 3)
 
 
+def _dense_call(shape, dtype, causal: bool, with_bwd: bool):
+    """A cuflash dense call on new (B, H, L, D) arrays: forward, or forward and backward."""
+    q, k, v = (cp.ones(shape, dtype=dtype) for _ in range(3))
+    do = cp.ones_like(q)
+
+    def call():
+        if not with_bwd:
+            return cuflash.attention_forward(q, k, v, causal=causal)
+        out, fn = cuflash.vjp(q, k, v, causal=causal)
+        return fn(do)
+    return call
+
+
+def yardsticks(q, cu, causal: bool, with_bwd: bool, h: int, d: int) -> dict:
+    """name -> (callable, note, FLOPs or None: the case's useful FLOPs): cuflash dense on equal lengths of
+    the mean (its own FLOPs), or where one sequence is at least half the tokens (case c), the long one alone
+    plus the others alone (two dense calls of equal lengths each; the case's FLOPs)."""
+    lengths = np.diff(cu)
+    if lengths.max() * 2 >= lengths.sum():
+        long_ = _dense_call((1, h, int(lengths.max()), d), q.dtype, causal, with_bwd)
+        rest = lengths[lengths != lengths.max()]
+        short = _dense_call((len(rest), h, int(rest.max()), d), q.dtype, causal, with_bwd)
+        assert (rest == rest.max()).all(), "the other sequences are of one length"
+
+        def parts():
+            long_()
+            return short()
+        return {"cuflash long + short alone": (parts, f"1 x {lengths.max()}, then {len(rest)} x {rest.max()}", None)}
+    mean = int(round(lengths.mean()))
+    flops = useful_flops([mean] * len(lengths), h, d, causal, with_bwd)
+    return {"cuflash dense, mean length": (_dense_call((len(lengths), h, mean, d), q.dtype, causal, with_bwd),
+                                          f"B={len(lengths)}, L={mean}", flops)}
+
+
 def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
     """name -> (callable or None, note)."""
     lengths = np.diff(cu)
@@ -77,18 +116,23 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
         return fn(do)
 
     out = {"cuflash varlen": (cuflash_varlen, "")}
-    pq, pk, pv = (_padded(x, cu, lmax) for x in (q, k, v))
-    pdo = cp.ones_like(pq)
-    keys = cp.asarray(np.arange(lmax)[None, :] < lengths[:, None]).reshape(len(lengths), 1, 1, lmax)
-    kw = dict(causal=True) if causal else dict(mask=keys)
+    padding = len(lengths) * lmax / lengths.sum()
+    if padding > MAX_PADDING:
+        left_out = (None, f"left out: padded to {len(lengths)} x {lmax}, {padding:.0f}x the tokens")
+        out["cuflash padded"] = left_out
+    else:
+        pq, pk, pv = (_padded(x, cu, lmax) for x in (q, k, v))
+        pdo = cp.ones_like(pq)
+        keys = cp.asarray(np.arange(lmax)[None, :] < lengths[:, None]).reshape(len(lengths), 1, 1, lmax)
+        kw = dict(causal=True) if causal else dict(mask=keys)
 
-    def cuflash_padded():
-        if not with_bwd:
-            return cuflash.attention_forward(pq, pk, pv, **kw)
-        out_, fn = cuflash.vjp(pq, pk, pv, **kw)
-        return fn(pdo)
+        def cuflash_padded():
+            if not with_bwd:
+                return cuflash.attention_forward(pq, pk, pv, **kw)
+            out_, fn = cuflash.vjp(pq, pk, pv, **kw)
+            return fn(pdo)
 
-    out["cuflash padded"] = (cuflash_padded, f"B={len(lengths)}, L={lmax}")
+        out["cuflash padded"] = (cuflash_padded, f"B={len(lengths)}, L={lmax}")
     if torch is None:
         return out
     F, SDPBackend, sdpa_kernel = bench.F, bench.SDPBackend, bench.sdpa_kernel
@@ -108,6 +152,9 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
         out["torch flash nested"] = (nested, "")
     except Exception as exc:
         out["torch flash nested"] = (None, f"n/a ({type(exc).__name__})")
+    if padding > MAX_PADDING:
+        out["torch efficient padded"] = left_out
+        return out
     ptq, ptk, ptv = (torch.from_dlpack(x).detach().requires_grad_(with_bwd) for x in (pq, pk, pv))
     tkeys = torch.from_dlpack(keys)
 
@@ -136,7 +183,9 @@ def run_case(dtype, case, d, causal, with_bwd, repeat, skip) -> list:
     q, k, v = (cp.asarray(rng.standard_normal((TOKENS, h, d), dtype=np.float32)).astype(dt) for _ in range(3))
     flops = useful_flops(lengths, h, d, causal, with_bwd)
     results = []
-    for name, (fn, note) in contenders(q, k, v, cu, causal, with_bwd).items():
+    runs = {name: (fn, note, flops) for name, (fn, note) in contenders(q, k, v, cu, causal, with_bwd).items()}
+    runs.update(yardsticks(q, cu, causal, with_bwd, h, d))
+    for name, (fn, note, own_flops) in runs.items():
         if name in skip:
             continue
         entry = {"contender": name, "dtype": dtype, "case": case, "D": d, "H": h, "causal": causal,
@@ -147,7 +196,7 @@ def run_case(dtype, case, d, causal, with_bwd, repeat, skip) -> list:
                 fn()
                 cp.cuda.Device().synchronize()
                 ms = bench._time_queued(fn, repeat)
-                entry.update({"ms": ms, "TFLOP/s": flops / ms / 1e9})
+                entry.update({"ms": ms, "TFLOP/s": (own_flops or flops) / ms / 1e9})
             except Exception as exc:   # out of memory, a backend that refuses the shape or dtype
                 entry["note"] = f"n/a ({type(exc).__name__})"
         results.append(entry)

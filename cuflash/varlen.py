@@ -19,8 +19,10 @@ have no per-sequence form here and are not taken.
 The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` returns them) to avoid
 a device read; CuPy offsets are copied to the host once a call. On the GPU the float16, bfloat16 and
 float64 forward without dropout runs one kernel over every sequence's blocks, longest sequence first
-(kernels_cu/scheduler.cuh, PackedBlock), and so does their backward at head dims up to 128 (dK/dV and
-dQ kernels of their own, deterministic by construction); other calls launch the dense kernels once a
+(kernels_cu/scheduler.cuh, PackedBlock: the Hopper kernel on an H100 / H200 where the rows are 16-byte
+loads), and so does their backward at head dims up to 128: on Hopper, unless ``deterministic``, the
+Hopper dK/dV kernel adding dQ into an fp32 accumulator (16-bit rows at head dims 64 and 128), else dK/dV
+and dQ kernels of their own, deterministic by construction; other calls launch the dense kernels once a
 sequence.
 """
 from __future__ import annotations
@@ -256,7 +258,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
     if xp is not np and p.lk > 0:
         with _device_of(q):
-            plan = _plan.plan_packed_backward(q, k, v, dout, out, p, call.opts, precision)
+            plan = _plan.plan_packed_backward(q, k, v, dout, out, p, call.opts, precision, deterministic)
             if plan is not None:
                 lse_acc = xp.ascontiguousarray(lse.astype(acc_dtype(p.dtype), copy=False))
                 return _plan.execute_packed_backward(plan, dout, q, k, v, out, lse_acc, call.cu_q, call.cu_k)

@@ -150,7 +150,8 @@ struct DkdvWgmmaTraits {
 // Named barriers (0 is __syncthreads). DS_T: dS^T is in shared memory (both consumer
 // warpgroups); DQ_STAGED + c: consumer warpgroup c's dQ staging is complete (its 128 threads);
 // P_T: SPLIT_HEAD's P^T is in shared memory (both consumer warpgroups).
-enum BwdNamedBarrier { BAR_DS_T = 1, BAR_DQ_STAGED = 2, BAR_P_T = 4 };
+// ZEROED (PACKED): the rows past a sequence's end in K, V or a step's Q, dO are zeroed (both).
+enum BwdNamedBarrier { BAR_DS_T = 1, BAR_DQ_STAGED = 2, BAR_P_T = 4, BAR_ZEROED = 5 };
 
 // Shared-memory addresses of the pipeline's tiles, row statistics and barriers, and the generic
 // pointer of an address (raw is the dynamic shared memory, at shared address base).
@@ -175,29 +176,31 @@ struct BwdWgmmaSmem {
 
 // The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
 // statistics (all lanes; with EXTRA the bias loaders' job: STATS false) into stage t % STAGES once
-// the consumers have emptied it.
-template <typename Tr, bool STATS = true>
+// the consumers have emptied it. `at`: the block's rows in the maps' coordinates (TmaRows,
+// scheduler.cuh); `lq`: its sequence's query count.
+template <typename Tr, bool STATS = true, bool PACKED = false>
 __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdTensorMaps& maps,
                                               const BwdParams& p, const KeyBlock& blk,
-                                              const KeyBlockSteps<Tr::BM>& steps) {
+                                              const KeyBlockSteps<Tr::BM>& steps, const TmaRows& at, int lq) {
     constexpr int BM = Tr::BM;
     const int lane = threadIdx.x % 32;
+    const int q_batch = PACKED ? at.q0 : blk.batch;   // the statistics' batch index (packed: the first row)
     if (lane == 0) {
         mbar_arrive_expect_tx(sm.kv_full(), 2 * Tr::KV_BYTES);
-        tma_load_tile<Tr::BN, Tr::SLABS>(sm.k, &maps.k, sm.kv_full(), blk.n0, blk.kv_head, blk.batch);
-        tma_load_tile<Tr::BN, Tr::SLABS>(sm.v, &maps.v, sm.kv_full(), blk.n0, blk.kv_head, blk.batch);
+        tma_load_tile<Tr::BN, Tr::SLABS>(sm.k, &maps.k, sm.kv_full(), at.k0 + blk.n0, blk.kv_head, at.batch);
+        tma_load_tile<Tr::BN, Tr::SLABS>(sm.v, &maps.v, sm.kv_full(), at.k0 + blk.n0, blk.kv_head, at.batch);
     }
     for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
         const int stage = t % Tr::STAGES, m0 = steps.m0(block);
         mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
         if (lane == 0) {
             mbar_arrive_expect_tx(sm.full(stage), 2 * Tr::Q_BYTES);
-            tma_load_tile<BM, Tr::SLABS>(sm.q_tile(stage), &maps.q, sm.full(stage), m0, head, blk.batch);
-            tma_load_tile<BM, Tr::SLABS>(sm.do_tile(stage), &maps.dout, sm.full(stage), m0, head, blk.batch);
+            tma_load_tile<BM, Tr::SLABS>(sm.q_tile(stage), &maps.q, sm.full(stage), at.q0 + m0, head, at.batch);
+            tma_load_tile<BM, Tr::SLABS>(sm.do_tile(stage), &maps.dout, sm.full(stage), at.q0 + m0, head, at.batch);
         }
         if constexpr (STATS) {
             float* lse_s = stats0 + stage * 2 * BM;
-            load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, blk.batch, head, m0, imin(BM, p.dims.lq - m0));
+            load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, q_batch, head, m0, imin(BM, lq - m0));
             mbar_arrive(sm.full(stage));   // release: this lane's statistics are visible to the waiters
         }
     }
@@ -349,12 +352,17 @@ __device__ __forceinline__ unsigned score_mod_t(float (&st)[Tr::BM / 8][4], cons
 }
 
 // Head dims 64 and 128: consumer warpgroup c owns keys [64 c, 64 c + 64) of the block and all
-// head-dim columns (the file's head).
-template <typename T, typename Tr, typename Mod>
+// head-dim columns (the file's head). `at`: the block's rows in the maps (TmaRows, scheduler.cuh).
+// PACKED: the tiles the copy engine loaded past the sequence's end hold the next sequence's rows (it
+// fills zeros past the packed tensor only): K and V's rows past the block's keys, and a step's Q and dO
+// rows past the sequence's queries, are zeroed before any product reads them. Such rows then give
+// scores 0, P = 0 (their lse is +inf: load_row_stats) and dS = 0, as the zero-filled rows of a dense
+// call do; the sequence's own values, finite or not, never meet the neighbour's.
+template <typename T, typename Tr, bool PACKED, typename Mod>
 __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const BwdTensorMaps& maps,
                                                    const BwdWgmmaSmem<Tr>& sm, const float* stats0, const KeyBlock& blk,
-                                                   Mod& mod, const KeyBlockSteps<Tr::BM>& steps, int lane, int consumer,
-                                                   int cwarp) {
+                                                   Mod& mod, const KeyBlockSteps<Tr::BM>& steps, const TmaRows& at,
+                                                   int lane, int consumer, int cwarp) {
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     const bool wg_leader = threadIdx.x % 128 == 0;            // issues the warpgroup's dQ additions
     const int key_row = 64 * consumer + 16 * cwarp;           // this warp's first key within the block
@@ -378,13 +386,26 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
     DbiasRowSums row_sums;
     row_sums.zero();
     int rows_head = steps.first_head;
+    const int ctid = int(threadIdx.x) - 128;   // this thread among the consumers
     if (steps.count > 0) mbar_wait(sm.kv_full(), 0);
+    if (PACKED && steps.count > 0 && blk.keys < BN) {
+        zero_tile_rows<BN, Tr::SLABS, Tr::CONSUMER_THREADS>(sm.at(sm.k), blk.keys, ctid);
+        zero_tile_rows<BN, Tr::SLABS, Tr::CONSUMER_THREADS>(sm.at(sm.v), blk.keys, ctid);
+        fence_proxy_async_smem();   // the stores, before the wgmmas (async proxy) read them
+        named_bar_sync(BAR_ZEROED, Tr::CONSUMER_THREADS);
+    }
     int formed = 0;   // EXTRA: steps not hidden so far (both warpgroups agree: a CTA-wide classify)
     for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
         const int stage = t % STAGES, m0 = steps.m0(block);
         const unsigned q_tile = sm.q_tile(stage), do_tile = sm.do_tile(stage);
         mod.head = head;
         mbar_wait(sm.full(stage), (t / STAGES) & 1);
+        if (PACKED && m0 + BM > mod.lq) {
+            zero_tile_rows<BM, Tr::SLABS, Tr::CONSUMER_THREADS>(sm.at(q_tile), mod.lq - m0, ctid);
+            zero_tile_rows<BM, Tr::SLABS, Tr::CONSUMER_THREADS>(sm.at(do_tile), mod.lq - m0, ctid);
+            fence_proxy_async_smem();
+            named_bar_sync(BAR_ZEROED, Tr::CONSUMER_THREADS);
+        }
         if constexpr (Tr::EXTRA_OPTIONS) {
             if (steps.hidden(mod, blk, m0)) {   // nothing to form: the stage goes straight back
                 mbar_arrive(sm.empty(stage));
@@ -490,8 +511,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         if (wg_leader) {
 #pragma unroll
             for (int box = 0; box < 2; ++box)
-                tma_reduce_add_4d(&maps.dq, dq_stage + box * Tr::DQ_BOX_BYTES, dq_col0 + 32 * box, m0 + dq_row0, head,
-                                  blk.batch);
+                tma_reduce_add_4d(&maps.dq, dq_stage + box * Tr::DQ_BOX_BYTES, dq_col0 + 32 * box, at.q0 + m0 + dq_row0,
+                                  head, at.batch);
             bulk_commit();
         }
     }
@@ -654,11 +675,16 @@ __device__ __forceinline__ void consume_head_halves(const BwdParams& p, const Bw
 // Grid: ceil(Lk / BN) x Hk x B CTAs (KeyBlock), key block 0 (the most causal work) first.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
 // DBIAS: the consumers add dS into dbias (the file's head).
-template <typename T, typename Cfg, typename Flags, bool DBIAS>
+// PACKED: the key blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), a key-major
+// table's entries x Hk CTAs, head dims 64 and 128 without EXTRA: each with its sequence's own counts, its
+// maps' rows counted from the packed tensors' first (TmaRows), the rows past the sequence zeroed
+// (consume_key_halves).
+template <typename T, typename Cfg, typename Flags, bool DBIAS, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
 flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant__ BwdTensorMaps maps) {
     typedef DkdvWgmmaTraits<T, Cfg, Flags::EXTRA, DBIAS> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, STAGES = Tr::STAGES;
+    static_assert(!PACKED || (!Flags::EXTRA && !Tr::SPLIT_HEAD), "packed sequences: head dims 64 and 128, no EXTRA");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = smem_addr(smem_raw);
     const unsigned tiles = align_1024(base);
@@ -678,10 +704,18 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     float* stats0 = reinterpret_cast<float*>(sm.at(sm.stats));
 
     const AttnDims& dims = p.dims;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask, DBIAS));
+    // PACKED: the CTA's table entry (its K/V head: blockIdx.x % Hk)
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group) : PackedBlock{};
+    const KeyBlock blk = PACKED ? seq.key_block(dims, BN)
+                                : KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask, DBIAS));
+    const TmaRows at = PACKED ? TmaRows::packed(seq) : TmaRows::dense(blk.batch);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
-    ScoreMod<Flags, float, T> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
-                                  blk.first_head);
+    typedef ScoreMod<Flags, float, T, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
+    Mod mod = [&]() {
+        const float scale_log2 = acc_param<float>(p.scale_log2, p.scale_log2_f);
+        if constexpr (PACKED) return Mod(p.mask, seq, scale_log2, blk.first_head);
+        else return Mod(p.mask, dims, scale_log2, blk.batch, blk.first_head);
+    }();
     const KeyBlockSteps<BM> steps(mod, blk);
 
     if (threadIdx.x == 0) {
@@ -700,17 +734,17 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
         if constexpr (Flags::EXTRA) {   // warp 0 the copy engine, warp 1 the statistics, warps 2 and 3 the bias
             const int loader = int(threadIdx.x) - Tr::FIRST_BIAS_LOADER;
-            if (warp == 0 && steps.count > 0) produce_steps<Tr, false>(sm, stats0, maps, p, blk, steps);
+            if (warp == 0 && steps.count > 0) produce_steps<Tr, false>(sm, stats0, maps, p, blk, steps, at, dims.lq);
             else if (warp == 1) produce_stats(sm, stats0, p, blk, steps, lane);
             else if (loader >= 0 && loader < Tr::BIAS_LOADERS && mod.has_bias())
                 produce_bias_steps<T>(sm, p.mask.bias, blk, steps, dims.lq, dims.lk, loader);
         } else if (warp == 0 && steps.count > 0) {
-            produce_steps(sm, stats0, maps, p, blk, steps);
+            produce_steps<Tr, true, PACKED>(sm, stats0, maps, p, blk, steps, at, mod.lq);
         }
         return;
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     const int consumer = warpgroup - 1, cwarp = warp % 4;   // consumer warpgroup, warp within it
     if constexpr (Tr::SPLIT_HEAD) consume_head_halves<T>(p, maps, sm, stats0, blk, mod, steps, lane, consumer, cwarp);
-    else consume_key_halves<T>(p, maps, sm, stats0, blk, mod, steps, lane, consumer, cwarp);
+    else consume_key_halves<T, Tr, PACKED>(p, maps, sm, stats0, blk, mod, steps, at, lane, consumer, cwarp);
 }

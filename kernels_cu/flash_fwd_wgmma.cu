@@ -222,18 +222,6 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
     }
 }
 
-// PACKED: a sequence's last K/V tile holds the next sequence's rows past its last key (the copy
-// engine fills zeros past the packed tensor only). Their scores are masked, so P is 0 there, but
-// 0 x inf or NaN is NaN: the consumers zero the V stage's rows [keys, BN) before P V reads them.
-// A row of a slab is one 128-byte line whatever the swizzle. `thread`: of the CONSUMER_THREADS.
-template <typename Tr>
-__device__ __forceinline__ void zero_rows_past(unsigned char* tile, int keys, int thread) {
-    constexpr int CHUNKS = 128 / 16;   // 16-byte chunks a line
-#pragma unroll 1
-    for (int i = thread; i < Tr::SLABS * Tr::BN * CHUNKS; i += Tr::CONSUMER_THREADS)
-        if ((i / CHUNKS) % Tr::BN >= keys) *reinterpret_cast<int4*>(tile + 16 * i) = make_int4(0, 0, 0, 0);
-}
-
 // Grid (SCHEDULE, scheduler.cuh): ceil(Lq / BM) x Hq x B CTAs, longest causal query blocks first
 // (SCHEDULE_ONE_A_BLOCK), or one CTA an SM, each walking blocks in turn (BlockWalk). A CTA's producer
 // and consumers walk the same blocks and tiles, so the stage ring and its parities simply run on
@@ -271,7 +259,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     auto block_at = [&](int idx) {
         return PACKED ? seq().query_block(dims, BM) : QueryBlock::from_index<BM>(dims, idx, head_group);
     };
-    auto tma_rows = [&](const QueryBlock& blk) { return PACKED ? TmaRows::packed(seq()) : TmaRows::dense(blk); };
+    auto tma_rows = [&](const QueryBlock& blk) { return PACKED ? TmaRows::packed(seq()) : TmaRows::dense(blk.batch); };
     typedef ScoreMod<Flags, float, T, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
     auto score_mod = [&](const QueryBlock& blk) {
         const float scale_log2 = acc_param<float>(p.scale_log2, p.scale_log2_f);
@@ -359,12 +347,15 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     auto my_turn = [&]() { if (Tr::PINGPONG) named_bar_sync(1 + consumer, 2 * 128); };
     auto your_turn = [&]() { if (Tr::PINGPONG) named_bar_arrive(2 - consumer, 2 * 128); };
     // O += P V of a tile whose V is at `stage`, finished here: the product every tile gets
-    // without OVERLAP_PV, and the last tile's with it. `keys`: the sequence's keys in the tile
-    // (PACKED: V's rows past them zeroed first, zero_rows_past; named barrier 6: every consumer).
+    // without OVERLAP_PV, and the last tile's with it. `keys`: the sequence's keys in the tile.
+    // PACKED: a sequence's last tile holds the next sequence's rows past its last key (the copy engine
+    // fills zeros past the packed tensor only); their P is 0, but 0 x inf is NaN, so V's rows there
+    // are zeroed first (named barrier 6: every consumer thread).
     auto pv_now = [&](int stage, unsigned full_parity, const unsigned (&p_frag)[BN / 16][4], int keys) {
         mbar_wait(sm.v_full(stage), full_parity);
         if (PACKED && keys < BN) {
-            zero_rows_past<Tr>(smem_raw + (sm.v_tile(stage) - base), keys, int(threadIdx.x) - 128);
+            zero_tile_rows<BN, Tr::SLABS, Tr::CONSUMER_THREADS>(smem_raw + (sm.v_tile(stage) - base), keys,
+                                                                int(threadIdx.x) - 128);
             fence_proxy_async_smem();   // the stores, before the wgmmas (async proxy) read V
             named_bar_sync(6, Tr::CONSUMER_THREADS);
         }

@@ -236,7 +236,7 @@ struct TmaRows {
     int q0, k0;   // added to a query row (out's too) and to a key row within the block's sequence
     int batch;    // the batch coordinate
 
-    __device__ __forceinline__ static TmaRows dense(const QueryBlock& blk) { return {0, 0, blk.batch}; }
+    __device__ __forceinline__ static TmaRows dense(int batch) { return {0, 0, batch}; }
     __device__ __forceinline__ static TmaRows packed(const PackedBlock& seq) { return {seq.q_start, seq.k_start, 0}; }
 };
 

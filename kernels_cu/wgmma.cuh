@@ -75,6 +75,18 @@ __device__ __forceinline__ int sw128_offset(int row, int col, int slab_bytes) {
     return (col / 64) * slab_bytes + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
 }
 
+// Zero rows [from, ROWS) of every 64-column slab of a ROWS-row swizzled tile (`tile`: its generic
+// pointer), THREADS threads from `thread`: a slab's row is one 128-byte line whatever the swizzle.
+// (Packed sequences: rows of a tile the copy engine loaded past a sequence's end hold the next
+// sequence's, which no product may read: 0 x inf is NaN.) The writer fences and syncs before a wgmma reads.
+template <int ROWS, int SLABS, int THREADS>
+__device__ __forceinline__ void zero_tile_rows(unsigned char* tile, int from, int thread) {
+    constexpr int CHUNKS = 128 / 16;   // 16-byte chunks a line
+#pragma unroll 1
+    for (int i = thread; i < SLABS * ROWS * CHUNKS; i += THREADS)
+        if ((i / CHUNKS) % ROWS >= from) *reinterpret_cast<int4*>(tile + 16 * i) = make_int4(0, 0, 0, 0);
+}
+
 // A fragment array seen as the flat accumulator list a wgmma wrapper takes.
 template <int A, int B, int C>
 __device__ __forceinline__ float (&flat(float (&x)[A][B][C]))[A * B * C] {

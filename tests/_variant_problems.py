@@ -64,7 +64,8 @@ class Problem:
             fwd = [packed_variant(choose(), choose(wgmma=False), self.smem_limit)]
             if not self.backward:
                 return fwd
-            return fwd + (packed_backward_variants(self.dtype, head, band, self.vec, self.smem_limit) or [])
+            return fwd + (packed_backward_variants(self.dtype, head, band, self.vec, self.smem_limit, self.cc,
+                                                   self.deterministic) or [])
         if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks
             rows = self.lq * (HEADS_Q // HEADS_K if not self.extra and self.causal is False else 1)
             return list(split_variants(fwd, self.dv, self.smem_limit, rows))
@@ -111,8 +112,9 @@ def problem_for(v: Variant) -> Problem:
         d = v.head if v.vec or v.arch == "sm90a" else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
         backward = not v.family.startswith("fwd")
-        for limit, cc in itertools.product(sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):
-            p = Problem(v.dtype, d, d, causal, False, backward, backward, limit, cc, packed=True)
+        for limit, cc, det in itertools.product(sorted(SMEM_LIMITS.values(), reverse=True), (80, 90),
+                                                (backward, False)):
+            p = Problem(v.dtype, d, d, causal, False, backward, det, limit, cc, packed=True)
             try:
                 if v in p.variants():
                     return p

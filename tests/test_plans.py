@@ -841,8 +841,8 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake)
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake, uploads, monkeypatch, causal):
-    """16-bit packed sequences' backward: dsum over every packed row, the PACKED dK/dV kernel over a
-    key-major table (x Hk CTAs), the PACKED dQ kernel over a query-major one (x Hq), each table at the
+    """16-bit packed sequences' deterministic backward: dsum over every packed row, the PACKED dK/dV kernel
+    over a key-major table (x Hk CTAs), the PACKED dQ kernel over a query-major one (x Hq), each table at the
     address its launch's params hold; the gradients' views with a batch stride of one row."""
     from cuflash import varlen
     from cuflash._dispatch import packed
@@ -855,7 +855,8 @@ def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake,
     k, v = (dev.empty((1900, hk, d), np.float16) for _ in range(2))
     out = dev.empty((1400, hq, d), np.float16)
     lse = dev.empty((hq, 1400), np.float32)
-    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal)
+    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal,
+                                                  deterministic=True)
     assert [(x.shape, x.dtype) for x in (dq, dk, dv)] == [(x.shape, x.dtype) for x in (q, k, v)]
     (dsum, _, _, dsum_grid), (dkdv, p_kv, _, grid_kv), (dq_k, p_q, _, grid_q) = launches
     assert dsum.family == "bwd_dsum" and dkdv.family == "bwd_dkdv_mma" and dq_k.family == "bwd_dq_mma"
@@ -874,3 +875,36 @@ def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake,
             assert int(f[name]["batch_stride"]) == int(f[name]["row_stride"]) == rows, name
         assert int(f["lse"]["batch_stride"]) == int(f["dsum"]["batch_stride"]) == 1
         assert int(f["lse"]["head_stride"]) == 1400 and int(f["lse"]["ptr"]) == lse.data.ptr
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_backward_on_hopper_adds_dq_through_the_wgmma_kernel(fake, uploads, monkeypatch, d):
+    """Not deterministic, on Hopper: dsum, the PACKED wgmma dK/dV kernel over a key-major table (x Hk CTAs)
+    with tensor maps of the packed q, dout, k, v as (D, total, H, 1) and of the zeroed fp32 dQ accumulator
+    (1, Hq, total, D), then the convert kernel over every packed row into dq."""
+    from cuflash import varlen
+    from cuflash._dispatch import packed
+    dev, launches = fake
+    monkeypatch.setattr(cp, "ascontiguousarray", lambda x: x)
+    hq, hk = 8, 2
+    cu_q = np.array([0, 300, 300, 1400], dtype=np.int32)
+    cu_k = np.array([0, 500, 900, 1900], dtype=np.int32)
+    q, dout, out = (dev.empty((1400, hq, d), np.float16) for _ in range(3))
+    k, v = (dev.empty((1900, hk, d), np.float16) for _ in range(2))
+    lse = dev.empty((hq, 1400), np.float32)
+    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
+    (dsum, _, _, _), (dkdv, p_kv, maps, grid_kv), (convert, p_c, _, grid_c) = launches
+    assert (dsum.family, dkdv.family, convert.family) == ("bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq")
+    assert dkdv.packed and dkdv.band and not dkdv.extra
+    [(ptr_kv, table_kv)] = uploads
+    np.testing.assert_array_equal(table_kv, packed.block_table(cu_q, cu_k, dkdv.tile.block_n, "k", False))
+    assert grid_kv == len(table_kv) * hk and grid_c == convert.grid(1, hq, hq // hk, 1400, 1900)
+    f = np.frombuffer(p_kv, dtype=_params.STRUCTS["BwdParams"])[0]
+    assert int(f["mask"]["packed_blocks"]) == ptr_kv
+    for i, (x, rows, heads) in enumerate(((q, 1400, hq), (dout, 1400, hq), (k, 1900, hk), (v, 1900, hk))):
+        assert struct.unpack_from("=8Q", maps, 128 * i) == (x.data.ptr, d, rows, heads, 1, heads * d * 2, d * 2,
+                                                            heads * d * 2)
+    acc = struct.unpack_from("=8Q", maps, 128 * 4)   # the accumulator (1, Hq, total, D) of fp32, its [..., :d]
+    assert acc[0] == int(f["dq_acc"]["ptr"]) and acc[1:5] == (d, 1400, hq, 1) and acc[5:7] == (d * 4, 1400 * d * 4)
+    assert int(f["dq_acc"]["row_stride"]) == d and int(f["dq_acc"]["head_stride"]) == 1400 * d
+    assert int(f["dq"]["ptr"]) == dq.data.ptr and int(f["dq"]["batch_stride"]) == int(f["dq"]["row_stride"]) == hq * d

@@ -46,7 +46,8 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
                         functools.partial(cuflash.attention_forward, num_splits=p.num_splits))
     seed = seed_of(variant.name)
     if p.packed:
-        check_packed(p.dtype, HEADS_Q, HEADS_K, PACKED_LENGTHS, p.d, p.causal, seed, backward=p.backward)
+        check_packed(p.dtype, HEADS_Q, HEADS_K, PACKED_LENGTHS, p.d, p.causal, seed, backward=p.backward,
+                     deterministic=p.deterministic)
     elif p.precision == "tf32" and p.backward:   # the plain TF32 kernels: their own error bound (TF32_BWD_TOL)
         check_backward_tf32(BATCH, HEADS_Q, HEADS_K, p.lq, p.lk, p.d, p.dv, p.causal, seed,
                             variant_options(seed, p.lk, p.bias) if p.extra else None, deterministic=p.deterministic)

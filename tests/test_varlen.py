@@ -232,10 +232,13 @@ def test_a_neighbours_non_finite_rows_stay_out(dtype, d):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), ("bottom_right", (64, None))])
-def test_packed_backward_matches_the_reference(dtype, d, causal, window, launches):
-    """The packed backward kernels (dsum, PACKED dK/dV, PACKED dQ; tensor cores, 16 bits and float64):
-    gradients of every packed row against the float64 block-diagonal reference, 0 for keys no query sees,
-    bitwise equal run to run."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_packed_backward_matches_the_reference(dtype, d, causal, window, deterministic, launches):
+    """The packed backward kernels: dsum, PACKED dK/dV and PACKED dQ (tensor cores, 16 bits and float64),
+    or on Hopper, not deterministic, 16-bit rows at head dims 64 and 128, the PACKED wgmma dK/dV kernel and
+    the convert kernel: gradients of every packed row against the float64 block-diagonal reference, 0 for
+    keys no query sees, bitwise equal run to run where deterministic."""
+    from cuflash._runtime import device
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(d + 1)
     lq = [700, 1, 0, 33, 64, 65, 5, 130]
@@ -246,14 +249,19 @@ def test_packed_backward_matches_the_reference(dtype, d, causal, window, launche
     out, lse = varlen.attention_varlen_forward(*dev, cu_q, cu_k, causal=causal, window=window)
     launches.clear()
     grads = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k, causal=causal,
-                                             window=window)
+                                             window=window, deterministic=deterministic)
     kind = "dmma" if dtype == "float64" else "mma"
-    assert [x.family for x in launches] == ["bwd_dsum", f"bwd_dkdv_{kind}", f"bwd_dq_{kind}"]
-    assert all(x.packed for x in launches[1:])
-    again = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k, causal=causal,
-                                             window=window)
-    for a, b in zip(grads, again):
-        np.testing.assert_array_equal(a.get().view(np.uint8), b.get().view(np.uint8))
+    if not deterministic and dtype != "float64" and d in (64, 128) and device.compute_capability() == 90:
+        assert [x.family for x in launches] == ["bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq"]
+        assert launches[1].packed
+    else:
+        assert [x.family for x in launches] == ["bwd_dsum", f"bwd_dkdv_{kind}", f"bwd_dq_{kind}"]
+        assert all(x.packed for x in launches[1:])
+    if deterministic:
+        again = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k, causal=causal,
+                                                 window=window, deterministic=True)
+        for a, b in zip(grads, again):
+            np.testing.assert_array_equal(a.get().view(np.uint8), b.get().view(np.uint8))
     want = _dense(q, k, v, cu_q, cu_k, causal, window, dout=dout)
     tol = {"float16": 1e-2, "bfloat16": 6e-2, "float64": 1e-10}[dtype]
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):

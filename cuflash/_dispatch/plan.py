@@ -455,57 +455,83 @@ def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, c
 @dataclass
 class PackedBackwardPlan:
     """A backward over packed sequences: dsum, then the PACKED dK/dV kernel over a key-major block table
-    and the PACKED dQ kernel over a query-major one (each its own tile), and the params without addresses."""
+    and either the PACKED dQ kernel over a query-major one (each its own tile), or (the Hopper dK/dV
+    kernel, which adds dQ into an fp32 accumulator through its tensor maps) the convert kernel; the params
+    without addresses, and the accumulator's shape and the maps where there is one."""
 
     device: int
-    kernels: Tuple[object, ...]   # (dsum, dK/dV, dQ) variants
+    kernels: Tuple[object, ...]   # (dsum, dK/dV, dQ or convert) variants
     params: bytes
     acc_dtype: object
     reverse: bool
+    dq_acc_shape: Optional[Tuple[int, ...]] = None
+    maps: Optional[_Maps] = None
 
 
-def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str) -> Optional[PackedBackwardPlan]:
+def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str,
+                         deterministic: bool = True) -> Optional[PackedBackwardPlan]:
     """The backward plan of packed sequences (cuflash.varlen) of CuPy arrays ``q``, ``k``, ``v``, ``dout``
     and ``out`` (packed (total, H, D)); None where no packed kernels take it (:func:`_packed_mask`;
     select.packed_backward_variants: the tensor-core kernels of float16, bfloat16 and float64 at head
-    dims up to 128)."""
+    dims up to 128; on Hopper, not ``deterministic``, the wgmma dK/dV kernel where tensor maps describe
+    the arrays)."""
     mask = _packed_mask(p, opts, q, k, v, dout, out)
     if mask is None:
         return None
     band = mask.pop("band")
     vec = vec_loads_ok(p.d, p.dv, p.q, p.k, p.v) and vec_loads_ok(p.d, p.dv, dout.transpose(1, 0, 2)[None])
-    kernels = packed_backward_variants(p.dtype, head_bucket(max(p.d, p.dv)), band, vec, device.smem_limit())
+    choose = functools.partial(packed_backward_variants, p.dtype, head_bucket(max(p.d, p.dv)), band, vec,
+                               device.smem_limit(), deterministic=deterministic)
+    kernels, maps, dq_acc_shape = choose(cc=device.compute_capability()), None, None
+    acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
+    hopper = next((v_ for v_ in kernels or () if v_.family == "bwd_dkdv_wgmma"), None)
+    if hopper is not None:
+        if tma.tma_ok(*(_packed_view(x) for x in (q, dout, k, v))) and tma.can_encode():
+            maps = _Maps(tma.bwd_map_specs(hopper.tile.block_m, hopper.tile.block_n))
+            dq_acc_shape = dq_accumulator_shape(kernels, 1, hq, tq, p.d)
+        else:
+            kernels = choose(cc=device.MIN_COMPUTE_CAPABILITY)
     if kernels is None:
         return None
-    acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
     rows = _packed_rows_vector(hq, tq, acc)   # lse and dsum
+    dq_acc = None if dq_acc_shape is None else _Strided.contiguous(dq_acc_shape, acc)
     params = bwd_params(_packed_layout(tq, hq, p.d, it, q.strides), _packed_layout(tk, hk, p.d, it, k.strides),
                         _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it, out.strides),
-                        _packed_layout(tq, hq, p.dv, it, dout.strides), rows, rows, None,
+                        _packed_layout(tq, hq, p.dv, it, dout.strides), rows, rows, dq_acc,
                         _packed_layout(tq, hq, p.d, it), _packed_layout(tk, hk, p.d, it), _packed_layout(tk, hk, p.dv, it),
                         group=p.group, scale=p.scale, mask=mask)
     return PackedBackwardPlan(q.data.device_id, tuple(kernels), _without_addresses(params, _BWD_ADDRESSES), acc,
-                              p.causal is not None)
+                              p.causal is not None, dq_acc_shape, maps)
 
 
 def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, cu_q: np.ndarray, cu_k: np.ndarray):
     """(dq, dk, dv), packed like q, k, v, of ``plan`` with ``lse (Hq, total_q)`` in the accumulator dtype and
     the host offsets. Every row is written: keys of a sequence without queries, and queries of one without
-    keys, get 0 from their blocks, which see nothing."""
+    keys, get 0 from their blocks, which see nothing (the Hopper plan's dq: its zeroed accumulator)."""
     cupy, _ = device.cupy_modules()
-    dsum_kernel, dkdv, dq_kernel = plan.kernels
-    hq, hk = q.shape[1], k.shape[1]
+    dsum_kernel, dkdv, last = plan.kernels
+    hq, hk, tq, tk = q.shape[1], k.shape[1], q.shape[0], k.shape[0]
     with device.on_device(plan.device):
-        dsum = cupy.empty((hq, q.shape[0]), dtype=plan.acc_dtype)
+        dsum = cupy.empty((hq, tq), dtype=plan.acc_dtype)
+        dq_acc = None if plan.dq_acc_shape is None else cupy.zeros(plan.dq_acc_shape, dtype=plan.acc_dtype)
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         params = HostArg(plan.params)
         params.put_addresses(_BWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr,
-                                              lse.data.ptr, dsum.data.ptr, 0, dq.data.ptr, dk.data.ptr, dv.data.ptr))
-        if q.shape[0]:
-            run((KernelLaunch(dsum_kernel, dsum_kernel.grid(1, hq, hq // hk, q.shape[0], k.shape[0])),), params)
-        _launch_packed(dkdv, block_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params, _BWD_PACKED_BLOCKS)
-        _launch_packed(dq_kernel, block_table(cu_q, cu_k, dq_kernel.tile.block_m, "q", plan.reverse), hq, params,
-                       _BWD_PACKED_BLOCKS)
+                                              lse.data.ptr, dsum.data.ptr, 0 if dq_acc is None else dq_acc.data.ptr,
+                                              dq.data.ptr, dk.data.ptr, dv.data.ptr))
+        maps = None if plan.maps is None else plan.maps.for_arrays(
+            dict({name: _packed_view(x) for name, x in (("q", q), ("dout", dout), ("k", k), ("v", v))},
+                 dq_acc=dq_acc[..., :q.shape[2]]))
+        if tq:
+            run((KernelLaunch(dsum_kernel, dsum_kernel.grid(1, hq, hq // hk, tq, tk)),), params)
+        _launch_packed(dkdv, block_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params, _BWD_PACKED_BLOCKS,
+                       maps)
+        if last.family == "bwd_convert_dq":
+            if tq:
+                run((KernelLaunch(last, last.grid(1, hq, hq // hk, tq, tk)),), params)
+        else:
+            _launch_packed(last, block_table(cu_q, cu_k, last.tile.block_m, "q", plan.reverse), hq, params,
+                           _BWD_PACKED_BLOCKS)
     return dq, dk, dv
 
 

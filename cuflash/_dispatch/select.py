@@ -354,11 +354,21 @@ def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Opti
         return None
 
 
-def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_limit: int) -> Optional[list]:
-    """The backward over packed sequences (cuflash.varlen): the deterministic portable list (dsum, dK/dV
-    without dQ atomics, dQ) with its dK/dV and dQ kernels' PACKED twins (dsum reads rows alike, packed or
-    not), for the 16-bit and float64 tensor-core kernels; None where that list has other kernels (the FMA
-    ones at head dim 256, float32)."""
+def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_limit: int, cc: int = 80,
+                             deterministic: bool = True) -> Optional[list]:
+    """The backward over packed sequences (cuflash.varlen). On Hopper (``cc`` 90), not ``deterministic``,
+    16-bit rows of 16-byte loads at head dims 64 and 128: the Hopper list (dsum, the wgmma dK/dV kernel's
+    PACKED twin adding dQ into its fp32 accumulator, the convert kernel). Otherwise the deterministic
+    portable list (dsum, dK/dV without dQ atomics, dQ) with its dK/dV and dQ kernels' PACKED twins (dsum and
+    the convert kernel read rows alike, packed or not), for the 16-bit and float64 tensor-core kernels;
+    None where that list has other kernels (the FMA ones at head dim 256, float32). The plan takes the
+    portable list where tensor maps cannot describe the arrays (``cc`` 80)."""
+    if cc == HOPPER_CC and not deterministic and head in (64, 128):
+        with contextlib.suppress(ValueError):
+            hopper = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
+                                       smem_limit=smem_limit, cc=cc)
+            if [v.family for v in hopper] == ["bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq"]:
+                return [v if v.family != "bwd_dkdv_wgmma" else replace(v, packed=True) for v in hopper]
     try:
         variants = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=True,
                                      smem_limit=smem_limit, cc=80)
@@ -426,8 +436,8 @@ def all_variants() -> List[Variant]:
                 packed = packed_variant(choice, portable, limit)
                 if packed is not None:
                     seen[packed] = None
-            if not extra and cc == 80 and precision == "highest":
-                for v in packed_backward_variants(dtype, head, band, vec, limit) or ():
+            if not extra and precision == "highest":   # the packed backward (Hopper's: atomic dQ)
+                for v in packed_backward_variants(dtype, head, band, vec, limit, cc, deterministic=cc == 80) or ():
                     seen[v] = None
     for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
         seen[Variant("fwd_combine", dtype, head)] = None
