@@ -292,9 +292,11 @@ __device__ __forceinline__ void store_frags_t(unsigned char* tile, const unsigne
 // order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
 // counts as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
 // the half-warp's four rows then cover the row's four chunk pairs (n % 4) ^ 2 (g & 1) ^ (g >> 1)
-// once each, one wavefront a half.
+// once each, one wavefront a half. BOUNDED (packed sequences): rows from `rows` on are staged as 0
+// (the next sequence's rows, which the addition reaches: dS is 0 there, but 0 x an infinite K is NaN).
+template <bool BOUNDED = false>
 __device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
-                                               float scale, int lane) {
+                                               float scale, int lane, int rows = 64) {
     const bool odd_g = (lane / 4) & 1;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -305,7 +307,8 @@ __device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float
             const float v1 = odd_g ? dq[j ^ 2][2 * r + 1] : dq[j][2 * r + 1];
             const int row = warp_row0 + lane / 4 + 8 * r, col = 8 * (n % 4) + 2 * (lane % 4);   // col in the box
             unsigned char* at = stage + (n / 4) * 64 * 128 + row * 128 + ((col / 4) ^ (row % 8)) * 16 + (col % 4) * 4;
-            *reinterpret_cast<float2*>(at) = make_float2(v0 * scale, v1 * scale);
+            const bool past = BOUNDED && row >= rows;   // a select: NaN x 0 is NaN
+            *reinterpret_cast<float2*>(at) = past ? make_float2(0.0f, 0.0f) : make_float2(v0 * scale, v1 * scale);
         }
 }
 
@@ -505,7 +508,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         // dQ += scale dS K: the block goes through shared memory, and one thread of the warpgroup has
         // the copy engine add it to the accumulator (rows past lq, columns past d are dropped there).
         const unsigned dq_stage = sm.dq_stage(consumer);
-        stage_dq_block(sm.at(dq_stage), dq, 16 * cwarp, scale, lane);
+        stage_dq_block<PACKED>(sm.at(dq_stage), dq, 16 * cwarp, scale, lane, mod.lq - m0 - dq_row0);
         fence_proxy_async_smem();
         named_bar_sync(BAR_DQ_STAGED + consumer, 128);
         if (wg_leader) {
