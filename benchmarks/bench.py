@@ -71,6 +71,54 @@ def _time(fn, repeat):
     return float(np.median(res.gpu_times[0]) * 1e3)
 
 
+def side_args(argv, doc: str, what: str, quick_help: str, repeat: int, skip_example: str):
+    """(arguments, the device's name, the contenders to skip) of a side benchmark (bench_decode.py,
+    bench_varlen.py): --quick, --repeat, --skip, --out; None, after saying why, where there is no GPU."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    parser.add_argument("--skip", default="", help=f"contenders to leave out, e.g. {skip_example}")
+    parser.add_argument("--out", default=None, help="folder for the JSON and Markdown")
+    args = parser.parse_args(argv)
+    ok, why = gpu_available()
+    if not ok or cp is None:
+        print(f"The {what} benchmark needs a GPU: {why}")
+        return None
+    return args, device_name(), {s.strip() for s in args.skip.split(",") if s.strip()}
+
+
+def side_report(row_lists, markdown, device: str, out, prefix: str, **extra) -> int:
+    """Print each list of rows of ``row_lists`` as it comes (``markdown(rows, device)``'s table lines), then
+    write all of them as ``<prefix>-<device>.json`` (``extra`` beside the rows) and ``.md`` into ``out``
+    (default ./cuflash-<prefix>-<time>/) and print the whole table."""
+    results = []
+    for rows in row_lists:
+        results += rows
+        print("\n".join(markdown(rows, device).splitlines()[4:]), flush=True)
+    folder = Path(out or f"cuflash-{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{prefix}-" + device.replace(" ", "_")
+    (folder / f"{stem}.json").write_text(json.dumps({"device": device, **extra, "rows": results}, indent=1))
+    (folder / f"{stem}.md").write_text(markdown(results, device))
+    print(markdown(results, device))
+    return 0
+
+
+def timed_row(entry: dict, fn, repeat: int, fields) -> dict:
+    """``entry`` (a result row) with the time of ``fn``: one warm-up call, then :func:`_time_queued`'s ms and
+    ``fields(ms)`` merged in. Where ``fn`` is None the row stays as it is; a call that fails (out of memory,
+    a backend that refuses the shape or dtype) leaves its exception's type in the row's note."""
+    if fn is not None:
+        try:
+            fn()
+            cp.cuda.Device().synchronize()
+            ms = _time_queued(fn, repeat)
+            entry.update({"ms": ms, **fields(ms)})
+        except Exception as exc:
+            entry["note"] = f"n/a ({type(exc).__name__})"
+    return entry
+
+
 def _time_queued(fn, repeat, runs=5):
     """Median over ``runs`` of the mean ms per call of ``repeat`` calls queued without a
     synchronisation between them (the host runs ahead of the GPU where it can)."""

@@ -22,11 +22,8 @@ Writes JSON and Markdown named by the device into --out (default ./cuflash-decod
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import cuflash  # noqa: E402
 from cuflash._dispatch import plan, select  # noqa: E402
-from cuflash._runtime.device import gpu_available  # noqa: E402
 
 try:
     import cupy as cp
@@ -67,13 +63,6 @@ def sweep() -> list:
     for dtype in ("float16", "float32", "float64"):
         rows += [(dtype, 1, 32, 8, 1, 65536, 128), (dtype, 8, 32, 8, 1, 32768, 128)]
     return rows
-
-
-def _time(fn, repeat) -> float:
-    """bench.py's queued timing after one warm-up call."""
-    fn()
-    cp.cuda.Device().synchronize()
-    return bench._time_queued(fn, repeat)
 
 
 def _paged_cache(k, v, page_size: int):
@@ -167,14 +156,10 @@ def run_row(row, repeat, peak, skip) -> list:
             continue
         entry = {"contender": name, "dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d,
                  "note": note, "ms": None, "GB/s": None, "peak %": None}
-        if fn is not None and not (name == "torch math" and b * hq * lq * lk > 2 ** 31):
-            try:
-                ms = _time(fn, repeat)
-                entry.update({"ms": ms, "GB/s": kv_bytes / ms / 1e6,
-                              "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak})
-            except Exception as exc:   # out of memory, a backend that refuses the shape
-                entry["note"] = f"n/a ({type(exc).__name__})"
-        results.append(entry)
+        if name == "torch math" and b * hq * lq * lk > 2 ** 31:
+            fn = None   # its score matrix would not fit
+        results.append(bench.timed_row(entry, fn, repeat, lambda ms: {
+            "GB/s": kv_bytes / ms / 1e6, "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak}))
     del q, k, v
     cp.get_default_memory_pool().free_all_blocks()
     return results
@@ -194,32 +179,13 @@ def markdown(results, device) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the four reference rows only")
-    parser.add_argument("--repeat", type=int, default=50)
-    parser.add_argument("--skip", default="", help="contenders to leave out, e.g. 'torch math'")
-    parser.add_argument("--out", default=None, help="folder for the JSON and Markdown")
-    args = parser.parse_args(argv)
-    ok, what = gpu_available()
-    if not ok or cp is None:
-        print(f"The decode benchmark needs a GPU: {what}")
+    parsed = bench.side_args(argv, __doc__, "decode", "the four reference rows only", 50, "'torch math'")
+    if parsed is None:
         return 2
-    device = bench.device_name()
+    args, device, skip = parsed
     peak = next((bw for key, bw in HBM_PEAK.items() if key in device), None)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    results = []
-    for row in (QUICK if args.quick else sweep()):
-        rows = run_row(row, args.repeat, peak, skip)
-        results += rows
-        print("\n".join(markdown(rows, device).splitlines()[4:]), flush=True)
-    out = Path(args.out or f"cuflash-decode-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "decode-" + device.replace(" ", "_")
-    (out / f"{stem}.json").write_text(json.dumps({"device": device, "peak_bytes_per_s": peak, "rows": results},
-                                                 indent=1))
-    (out / f"{stem}.md").write_text(markdown(results, device))
-    print(markdown(results, device))
-    return 0
+    rows = (run_row(row, args.repeat, peak, skip) for row in (QUICK if args.quick else sweep()))
+    return bench.side_report(rows, markdown, device, args.out, "decode", peak_bytes_per_s=peak)
 
 
 if __name__ == "__main__":

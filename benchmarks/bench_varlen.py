@@ -20,10 +20,7 @@ Writes JSON and Markdown named by the device into --out (default ./cuflash-varle
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import cuflash  # noqa: E402
 from cuflash import varlen  # noqa: E402
-from cuflash._runtime.device import gpu_available  # noqa: E402
 
 cp, torch = bench.cp, bench.torch   # None where CuPy (main() says so) or PyTorch (no peers) is missing
 
@@ -191,15 +187,7 @@ def run_case(dtype, case, d, causal, with_bwd, repeat, skip) -> list:
         entry = {"contender": name, "dtype": dtype, "case": case, "D": d, "H": h, "causal": causal,
                  "pass": "fwd+bwd" if with_bwd else "fwd", "sequences": len(lengths), "ms": None,
                  "TFLOP/s": None, "note": note}
-        if fn is not None:
-            try:
-                fn()
-                cp.cuda.Device().synchronize()
-                ms = bench._time_queued(fn, repeat)
-                entry.update({"ms": ms, "TFLOP/s": (own_flops or flops) / ms / 1e9})
-            except Exception as exc:   # out of memory, a backend that refuses the shape or dtype
-                entry["note"] = f"n/a ({type(exc).__name__})"
-        results.append(entry)
+        results.append(bench.timed_row(entry, fn, repeat, lambda ms, f=own_flops or flops: {"TFLOP/s": f / ms / 1e9}))
     del q, k, v
     cp.get_default_memory_pool().free_all_blocks()
     return results
@@ -225,30 +213,12 @@ def configurations(quick: bool) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="bfloat16 at head dim 128 only")
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--skip", default="", help="contenders to leave out, e.g. 'torch efficient padded'")
-    parser.add_argument("--out", default=None, help="folder for the JSON and Markdown")
-    args = parser.parse_args(argv)
-    ok, what = gpu_available()
-    if not ok or cp is None:
-        print(f"The varlen benchmark needs a GPU: {what}")
+    parsed = bench.side_args(argv, __doc__, "varlen", "bfloat16 at head dim 128 only", 10, "'torch efficient padded'")
+    if parsed is None:
         return 2
-    device = bench.device_name()
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    results = []
-    for config in configurations(args.quick):
-        rows = run_case(*config, args.repeat, skip)
-        results += rows
-        print("\n".join(markdown(rows, device).splitlines()[4:]), flush=True)
-    out = Path(args.out or f"cuflash-varlen-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "varlen-" + device.replace(" ", "_")
-    (out / f"{stem}.json").write_text(json.dumps({"device": device, "rows": results}, indent=1))
-    (out / f"{stem}.md").write_text(markdown(results, device))
-    print(markdown(results, device))
-    return 0
+    args, device, skip = parsed
+    rows = (run_case(*config, args.repeat, skip) for config in configurations(args.quick))
+    return bench.side_report(rows, markdown, device, args.out, "varlen")
 
 
 if __name__ == "__main__":
