@@ -104,6 +104,13 @@ def side_report(row_lists, markdown, device: str, out, prefix: str, **extra) -> 
     return 0
 
 
+def timed_rows(runs: dict, base: dict, repeat: int, skip) -> list:
+    """One result row a contender of ``runs`` (name -> (callable or None, note, fields(ms) -> dict)) not in
+    ``skip``: ``base`` with its name and note, timed by :func:`timed_row`."""
+    return [timed_row({"contender": name, **base, "note": note}, fn, repeat, fields)
+            for name, (fn, note, fields) in runs.items() if name not in skip]
+
+
 def timed_row(entry: dict, fn, repeat: int, fields) -> dict:
     """``entry`` (a result row) with the time of ``fn``: one warm-up call, then :func:`_time_queued`'s ms and
     ``fields(ms)`` merged in. Where ``fn`` is None the row stays as it is; a call that fails (out of memory,

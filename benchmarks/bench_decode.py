@@ -150,16 +150,14 @@ def run_row(row, repeat, peak, skip) -> list:
     q = cp.asarray(rng.standard_normal((b, hq, lq, d), dtype=np.float32).astype(dt))
     k, v = (cp.asarray(rng.standard_normal((b, hk, lk, d), dtype=np.float32).astype(dt)) for _ in range(2))
     kv_bytes = 2 * b * hk * lk * d * np.dtype(dt).itemsize
-    results = []
-    for name, (fn, note) in contenders(q, k, v).items():
-        if name in skip:
-            continue
-        entry = {"contender": name, "dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d,
-                 "note": note, "ms": None, "GB/s": None, "peak %": None}
-        if name == "torch math" and b * hq * lq * lk > 2 ** 31:
-            fn = None   # its score matrix would not fit
-        results.append(bench.timed_row(entry, fn, repeat, lambda ms: {
-            "GB/s": kv_bytes / ms / 1e6, "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak}))
+    def fields(ms):
+        return {"GB/s": kv_bytes / ms / 1e6, "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak}
+    too_big = b * hq * lq * lk > 2 ** 31   # torch math's score matrix would not fit
+    runs = {name: (None if name == "torch math" and too_big else fn, note, fields)
+            for name, (fn, note) in contenders(q, k, v).items()}
+    base = {"dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d, "ms": None, "GB/s": None,
+            "peak %": None}
+    results = bench.timed_rows(runs, base, repeat, skip)
     del q, k, v
     cp.get_default_memory_pool().free_all_blocks()
     return results

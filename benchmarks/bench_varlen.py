@@ -178,16 +178,13 @@ def run_case(dtype, case, d, causal, with_bwd, repeat, skip) -> list:
     dt = bench._cp_dtype(dtype)
     q, k, v = (cp.asarray(rng.standard_normal((TOKENS, h, d), dtype=np.float32)).astype(dt) for _ in range(3))
     flops = useful_flops(lengths, h, d, causal, with_bwd)
-    results = []
     runs = {name: (fn, note, flops) for name, (fn, note) in contenders(q, k, v, cu, causal, with_bwd).items()}
     runs.update(yardsticks(q, cu, causal, with_bwd, h, d))
-    for name, (fn, note, own_flops) in runs.items():
-        if name in skip:
-            continue
-        entry = {"contender": name, "dtype": dtype, "case": case, "D": d, "H": h, "causal": causal,
-                 "pass": "fwd+bwd" if with_bwd else "fwd", "sequences": len(lengths), "ms": None,
-                 "TFLOP/s": None, "note": note}
-        results.append(bench.timed_row(entry, fn, repeat, lambda ms, f=own_flops or flops: {"TFLOP/s": f / ms / 1e9}))
+    runs = {name: (fn, note, lambda ms, f=own_flops or flops: {"TFLOP/s": f / ms / 1e9})
+            for name, (fn, note, own_flops) in runs.items()}
+    base = {"dtype": dtype, "case": case, "D": d, "H": h, "causal": causal, "pass": "fwd+bwd" if with_bwd else "fwd",
+            "sequences": len(lengths), "ms": None, "TFLOP/s": None}
+    results = bench.timed_rows(runs, base, repeat, skip)
     del q, k, v
     cp.get_default_memory_pool().free_all_blocks()
     return results
