@@ -486,9 +486,14 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 named_bar_sync(3 + consumer, 128);
             }
             unsigned char* o_tile = smem_raw + (o_wg - base);
+            // PACKED: the lane and warp read again here, so that ptxas does not hoist the 32 swizzled
+            // addresses they give out of the block loop and hold them through the key loop (NVRTC 12.9
+            // spilled them at head dim 128).
+            const int tid = PACKED ? thread_index_reread() : int(threadIdx.x);
+            const int stage_lane = PACKED ? tid % 32 : lane, stage_warp = PACKED ? tid / 32 - 4 : cwarp;
             // the warp's rows within the warpgroup's 64, 128-byte swizzled slabs of BM rows
             stage_o_lse_c_frags<T>(o_tile, [](int row, int col) { return sw128_offset(row, col, BM * 128); }, p.lse,
-                                   blk, (cwarp % 4) * 16, consumer * 64, lane, acc_o, row_max, row_sum);
+                                   blk, (stage_warp % 4) * 16, consumer * 64, stage_lane, acc_o, row_max, row_sum);
             fence_proxy_async_smem();
             named_bar_sync(3 + consumer, 128);
             if (storer) {
