@@ -135,7 +135,7 @@ __device__ __forceinline__ void tile_p_ds(const BwdSmem<T, Tr>& sm, const Mod& m
             const int c = tx + 16 * j;
             A keep = A(1);
             if (mod.has_dropout()) keep = mod.keep(m0 + r, n0 + c);
-            prob_and_dscore(s[i][j], dp[i][j], sm.lse[r], sm.dsum[r], keep);
+            mod.prob_and_dscore_at(s[i][j], dp[i][j], sm.lse[r], sm.dsum[r], keep, A(1), m0 + r, n0 + c);
             sm.p[r * Tr::S_PITCH + c] = s[i][j];
             sm.ds[r * Tr::S_PITCH + c] = dp[i][j];
         }

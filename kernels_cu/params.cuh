@@ -69,6 +69,9 @@ struct MaskParams {
     // (causal="bottom_right").
     const int* packed_blocks;
     int band_from_end;
+    // User modifications (EXTRA; cuflash.mods, user_mod.cuh): their parameters, a word each (a number's
+    // bits, an array's address), in the order the generated source reads them.
+    unsigned long long mod_args[16];
 };
 
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own

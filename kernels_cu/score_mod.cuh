@@ -28,6 +28,10 @@
 //                   are skipped, BLOCK_ALL ones need no per-element mask test
 //           dropout after the softmax statistics: dropped probabilities are 0,
 //                   kept ones are scaled by keep_scale (dropout.cuh)
+//           user modifications (cuflash.mods, user_mod.cuh; compiled in by the host's
+//                   prelude): mask modifications in the per-element test (their block
+//                   states in the layout), score modifications on every visible score
+//                   after it (forward: apply_user_score; backward: prob_and_dscore_at)
 // One EXTRA bit rather than one per piece keeps the variant count at 2x; the
 // plain kernels (EXTRA off) carry none of this code.
 #pragma once
@@ -35,6 +39,8 @@
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "dropout.cuh"
+#include "softmax.cuh"
+#include "user_mod.cuh"
 
 template <bool BAND_, bool EXTRA_>
 struct MaskFlags {
@@ -121,7 +127,30 @@ struct ScoreMod {
         if (row >= lq) return false;   // rows past the end: nothing to read there
         if (m.layout.ptr && *m.layout.at<signed char>(batch, head, row / m.block_q, col / m.block_k) == BLOCK_OFF)
             return false;
+        if (USER_MASK && !user_mask_allows(batch, head, row, col, m.mod_args)) return false;
         return !m.mask.ptr || *m.mask.at<unsigned char>(batch, head, row, col) != 0;
+    }
+
+    // The user score modifications (EXTRA) of x, a visible score in log2 units (the forward).
+    __device__ __forceinline__ A user_score(A x, int row, int col) const {
+        return user_modified_score<A>(x, batch, head, row, col, m.mod_args);
+    }
+
+    // prob_and_dscore (softmax.cuh) of the score x at (row, col). With user score modifications P is
+    // that of the modified score and dS that of the raw one (dS of the modified one times their
+    // derivative), and the trainable parameters take their gradients from dS of the modified one.
+    __device__ __forceinline__ void prob_and_dscore_at(A& s_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep, A x_per_s,
+                                                       int row, int col) const {
+        if constexpr (!USER_SCORE || !Flags::EXTRA) {
+            prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, x_per_s);
+        } else {
+            const A x = s_to_p * x_per_s;
+            A grad;
+            s_to_p = user_modified_score_grad<A>(x, batch, head, row, col, m.mod_args, grad);
+            prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep);
+            user_param_grads<A>(x, batch, head, row, col, m.mod_args, dp_to_ds);
+            dp_to_ds = dp_to_ds == A(0) ? A(0) : dp_to_ds * grad;   // P = 0 (masked): 0, whatever grad is there
+        }
     }
 
     // Without EXTRA a partial tile's test is the band and the sequence end only:
@@ -428,6 +457,23 @@ __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             s[n][i] = !frag_bit<N>(allowed, n, i) ? neg_inf<float>() : scaled ? s[n][i] : s[n][i] * mod.scale_log2;
+}
+
+// The user score modifications (EXTRA, user_mod.cuh) over a register tile of visible scores in log2
+// units, after apply_score_mod: the forward's (the backward's prob_and_dscore_at applies them itself).
+// coord as apply_score_mod's; s[I][J] or the C fragments s[N][4] with coord(n, i, row, col).
+template <typename Mod, typename A, int I, int J, typename Coord>
+__device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, Coord coord) {
+    if constexpr (USER_SCORE) {
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                int row, col;
+                coord(i, j, row, col);
+                s[i][j] = mod.user_score(s[i][j], row, col);
+            }
+    }
 }
 
 // apply_dropout<true>'s verdicts on the C fragments, half a Philox draw an element pair

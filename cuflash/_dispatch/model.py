@@ -430,7 +430,9 @@ class Variant:
     one range of key tiles, writing partial O and lse in the accumulator type. ``packed``: the forward
     over packed sequences of different lengths (cuflash.varlen), its grid the host's block table times
     the query heads (K/V heads: dK/dV) (scheduler.cuh, PackedBlock); :data:`PACKED_FAMILIES` without EXTRA
-    (the forward on the split tiles).
+    (the forward on the split tiles). ``prelude``: source placed before the kernel's, a call's user
+    modifications (cuflash.mods, kernels_cu/user_mod.cuh) for an EXTRA variant; the name expression is
+    the same, the build another.
     """
 
     family: str
@@ -449,6 +451,7 @@ class Variant:
     kv_split: bool = False
     packed: bool = False
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
+    prelude: str = field(default="", repr=False)
 
     def __post_init__(self):
         if self.tile is None:
@@ -470,6 +473,8 @@ class Variant:
                              "EXTRA, at head dims up to 128 walks blocks")
         if self.schedule == "queue" and not walk_ring(self):
             raise ValueError("schedule='queue': only with two consumer warpgroups (the block ring)")
+        if self.prelude and not self.extra:
+            raise ValueError("prelude: user modifications run on EXTRA variants only")
         if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
         if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq

@@ -337,6 +337,24 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
     return partial, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
 
 
+MODS_FWD_WGMMA_TILE = Tile(128, 128, 12, 2, "user modifications at head dim 64: two consumer warpgroups of 232 "
+                           "registers a thread; the 192-row tile's three of 160 spill 528 bytes with softcap "
+                           "and 8 with a mask modification (NVRTC 13, benchmarks/sass.py)")
+"""The 16-bit Hopper forward's tile where a call's user modifications are compiled in and the table's has
+three consumer warpgroups."""
+
+
+def with_mods(v: Variant, prelude: str) -> Variant:
+    """``v`` with a call's user modifications (cuflash.mods: their generated ``prelude``) compiled in: the
+    variants that score (EXTRA), on :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has
+    three consumer warpgroups; the others (dsum, convert, combine) as they are."""
+    if not prelude or not v.extra:
+        return v
+    if v.family == "fwd_wgmma" and v.tile.warps == 16:
+        v = replace(v, tile=MODS_FWD_WGMMA_TILE)
+    return replace(v, prelude=prelude)
+
+
 def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Optional[Variant]:
     """The forward over packed sequences (cuflash.varlen) for a call whose forward is ``variant`` and portable
     forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin, a CTA a block on the
