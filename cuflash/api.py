@@ -313,7 +313,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         with on_device(p.q.data.device_id):
             if dbias_plan is not None:
                 dbias = dbias_plan.result(p, opts)
-            param_grads = {name: acc.astype(m.params[name].dtype) for (m, name), acc in zip(trainable, param_accs)}
+            param_grads = {name: acc.astype(m.params[name].dtype, copy=False)
+                           for (m, name), acc in zip(trainable, param_accs)}
     result = (_shaped(grads[0], q.shape), _shaped(grads[1], k.shape), _shaped(grads[2], v.shape))
     if bias is not None and bias_grad:
         result = result + (dbias,)

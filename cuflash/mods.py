@@ -33,6 +33,7 @@ NumPy inputs (and the tests' reference) evaluate the ``python`` twins instead: N
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import keyword
 import math
@@ -150,6 +151,14 @@ class _Mod:
                 slot += 1
         lines += [f"(void){n};" for n in self.params]   # parameters the source does not use
         return "\n    ".join(lines), slot - slot0
+
+    def on(self, xp):
+        """A copy of this modification with its parameter arrays in ``xp`` (numpy or cupy, the current
+        device): the same source, so the same builds."""
+        other = copy.copy(self)
+        other.params = {n: xp.asarray(v.get() if xp is np and hasattr(v, "get") else v) if _is_array(v) else v
+                        for n, v in self.params.items()}
+        return other
 
     def twin_args(self, xp) -> dict:
         """The parameters for the NumPy twin, as arrays of ``xp``."""

@@ -165,9 +165,10 @@ flash_bwd_dbias_mma(const BwdParams p) {
                 float keep0 = 1.0f, keep1 = 1.0f;
                 const int col = w.n0 + frag_col(lane, n, i);
                 if (mod.has_dropout()) mod.keep2(m0 + row, col, keep0, keep1);
-                mod.prob_and_dscore_at(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, 1.0f, m0 + row, col);
-                mod.prob_and_dscore_at(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1, 1.0f, m0 + row,
-                                       col + 1);
+                mod.template prob_and_dscore_at<false>(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, 1.0f, m0 + row,
+                                                       col);
+                mod.template prob_and_dscore_at<false>(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1, 1.0f,
+                                                       m0 + row, col + 1);
                 acc_db[n][i] += dp[n][i];
                 acc_db[n][i + 1] += dp[n][i + 1];
             }

@@ -98,7 +98,8 @@ __device__ __forceinline__ void prob_and_dscore_t(double (&st)[N][2], double (&d
             int row = 0, col = 0;
             if (USER_SCORE) coord(n, i, row, col);
             if (DO_DS)
-                mod.prob_and_dscore_at(st[n][i], dpt[n][i], i ? lse1 : lse0, i ? dsum1 : dsum0, k, x_per_s, row, col);
+                mod.template prob_and_dscore_at<true>(st[n][i], dpt[n][i], i ? lse1 : lse0, i ? dsum1 : dsum0, k, x_per_s,
+                                                      row, col);
             else if (USER_SCORE)
                 st[n][i] = fast_exp2(mod.user_score(st[n][i] * x_per_s, row, col) - (i ? lse1 : lse0)) * k;
             else
@@ -398,8 +399,10 @@ flash_bwd_dq_dmma(const BwdParams p) {
                 int row = 0, col = 0;
                 if (mod.has_dropout() || USER_SCORE) coord(n, 0, row, col);
                 if (mod.has_dropout()) mod.keep2(row, col, keep0, keep1);
-                mod.prob_and_dscore_at(s[m][n][0], dp[m][n][0], lse_log2[m], dsum[m], keep0, x_per_s, row, col);   // dp: dS
-                mod.prob_and_dscore_at(s[m][n][1], dp[m][n][1], lse_log2[m], dsum[m], keep1, x_per_s, row, col + 1);
+                mod.template prob_and_dscore_at<false>(s[m][n][0], dp[m][n][0], lse_log2[m], dsum[m], keep0, x_per_s,
+                                                       row, col);   // dp: dS
+                mod.template prob_and_dscore_at<false>(s[m][n][1], dp[m][n][1], lse_log2[m], dsum[m], keep1, x_per_s,
+                                                       row, col + 1);
             }
         }
         warp_gemm_rn_swz<M, Tr::D_TILES, Tr::S_TILES, HEAD, WIDE_K>(acc_dq, dp, k_tile, lane);   // dQ += dS K

@@ -264,8 +264,8 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                     if constexpr (Flags::EXTRA) {   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
                         float lse_row, dsum_row;
                         stat_of<BM>(stats, row, lse_row, dsum_row);
-                        mod.prob_and_dscore_at(st[m][n][i], dpt[m][n][i], lse_row, dsum_row, keep, 1.0f, m0 + row,
-                                               n0 + key0 + 16 * m + frag_row(lane, i));   // st: P^T, dpt: dS^T
+                        mod.template prob_and_dscore_at<DO_DK>(st[m][n][i], dpt[m][n][i], lse_row, dsum_row, keep,
+                                                               1.0f, m0 + row, n0 + key0 + 16 * m + frag_row(lane, i));
                     } else
                         prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
                 }
@@ -421,9 +421,10 @@ flash_bwd_dq_mma(const BwdParams p) {
                 float keep0 = 1.0f, keep1 = 1.0f;
                 const int col = n0 + frag_col(lane, n, i);
                 if (mod.has_dropout()) mod.keep2(m0 + row, col, keep0, keep1);
-                mod.prob_and_dscore_at(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, x_per_s, m0 + row, col);
-                mod.prob_and_dscore_at(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1, x_per_s, m0 + row,
-                                       col + 1);
+                mod.template prob_and_dscore_at<false>(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, x_per_s,
+                                                       m0 + row, col);
+                mod.template prob_and_dscore_at<false>(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1,
+                                                       x_per_s, m0 + row, col + 1);
             }
         warp_gemm_rn<T, HEAD, BN, P>(acc_dq, dp, k_s, lane);              // dQ += dS K
     }

@@ -251,8 +251,9 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             stat_pair_of<BM>(stats, frag_col(lane, n, 0), lse_log2, dsum);
 #pragma unroll
             for (int i = 0; i < 4; ++i)   // (x_per_s is 1 with EXTRA: ScoreMod::scores_stay_raw)
-                mod.prob_and_dscore_at(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], drop_factor(mod, kept, n, i),
-                                       x_per_s, m0 + frag_col(lane, n, i), n0 + key0 + frag_row(lane, i));
+                mod.template prob_and_dscore_at<DO_DK>(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
+                                                       drop_factor(mod, kept, n, i), x_per_s, m0 + frag_col(lane, n, i),
+                                                       n0 + key0 + frag_row(lane, i));
             if (ATOMIC_DQ)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
@@ -410,9 +411,10 @@ flash_bwd_dq_tf32(const BwdParams p) {
                 int row = 0, col = 0;
                 if (mod.has_dropout() || USER_SCORE) coord(n, i, row, col);
                 if (mod.has_dropout()) mod.keep2(row, col, keep0, keep1);
-                mod.prob_and_dscore_at(s[n][i], dp[n][i], lse_log2[i / 2], dsum[i / 2], keep0, x_per_s, row, col);   // dp: dS
-                mod.prob_and_dscore_at(s[n][i + 1], dp[n][i + 1], lse_log2[i / 2], dsum[i / 2], keep1, x_per_s, row,
-                                       col + 1);
+                mod.template prob_and_dscore_at<false>(s[n][i], dp[n][i], lse_log2[i / 2], dsum[i / 2], keep0,
+                                                       x_per_s, row, col);   // dp: dS
+                mod.template prob_and_dscore_at<false>(s[n][i + 1], dp[n][i + 1], lse_log2[i / 2], dsum[i / 2], keep1,
+                                                       x_per_s, row, col + 1);
             }
         warp_gemm_pv_tf32<SPLIT, 1, HEAD, BN, P>(one_strip(acc_dq), one_strip(dp), k_tile, lane);   // dQ += dS K
         __syncthreads();   // the next iteration's prefetch overwrites this stage

@@ -138,7 +138,10 @@ struct ScoreMod {
 
     // prob_and_dscore (softmax.cuh) of the score x at (row, col). With user score modifications P is
     // that of the modified score and dS that of the raw one (dS of the modified one times their
-    // derivative), and the trainable parameters take their gradients from dS of the modified one.
+    // derivative), and with PARAM_GRADS the trainable parameters take their gradients from dS of the
+    // modified one: in the one kernel of a backward that forms every dS for dK (not the dQ, dbias or
+    // dV-only passes, which form them again).
+    template <bool PARAM_GRADS>
     __device__ __forceinline__ void prob_and_dscore_at(A& s_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep, A x_per_s,
                                                        int row, int col) const {
         if constexpr (!USER_SCORE || !Flags::EXTRA) {
@@ -148,7 +151,7 @@ struct ScoreMod {
             A grad;
             s_to_p = user_modified_score_grad<A>(x, batch, head, row, col, m.mod_args, grad);
             prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep);
-            user_param_grads<A>(x, batch, head, row, col, m.mod_args, dp_to_ds);
+            if constexpr (PARAM_GRADS) user_param_grads<A>(x, batch, head, row, col, m.mod_args, dp_to_ds);
             dp_to_ds = dp_to_ds == A(0) ? A(0) : dp_to_ds * grad;   // P = 0 (masked): 0, whatever grad is there
         }
     }

@@ -68,7 +68,7 @@ _STATES_PARAMS = struct.Struct(f"=Q{MAX_PARAM_SLOTS}Qq7i4x")
 MAX_STATES_GRID = 2**30
 _MOD_STATES: dict = {}
 MAX_MOD_STATES = 64
-"""Block states kept (a cache: the same modification, shape and parameter arrays give the same states)."""
+"""Block states kept (a cache: the same mask modification objects and shape give the same states)."""
 
 
 def clear_mod_states() -> None:
@@ -78,8 +78,9 @@ def clear_mod_states() -> None:
 
 def mod_states(p: Problem, mods: Mods, block: Tuple[int, int]):
     """The BlockState int8 array (B', H', query blocks, key blocks) of the mask modifications: B' = B
-    where a modification reads ``b`` (else 1), H' likewise for ``h``. Cached per (modifications,
-    parameter arrays by address, shape, block)."""
+    where a modification reads ``b`` (else 1), H' likewise for ``h``. Cached per (modification objects,
+    shape, block): a MaskMod's arrays are its own (it keeps them alive), and one changed in place needs a
+    new MaskMod (or :func:`clear_mod_states`)."""
     from .._runtime import device
     from .._runtime.launch import launch_kernel
 
@@ -87,11 +88,10 @@ def mod_states(p: Problem, mods: Mods, block: Tuple[int, int]):
     batches = p.batch if any(m.reads_batch for m in mods.mask) else 1
     heads = p.heads_q if any(m.reads_head for m in mods.mask) else 1
     nq, nk = -(-p.lq // block[0]), -(-p.lk // block[1])
-    params = tuple((name, (v.data.ptr, v.shape, str(v.dtype)) if hasattr(v, "dtype") else v)
-                   for m in mods.mask for name, v in m.params.items())
-    key = (mods.key(), params, batches, heads, p.lq, p.lk, block, p.q.data.device_id)
-    if key in _MOD_STATES:
-        return _MOD_STATES[key]
+    key = (tuple(id(m) for m in mods.mask), batches, heads, p.lq, p.lk, block, p.q.data.device_id)
+    cached = _MOD_STATES.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached[0], mods.mask)):
+        return cached[1]
     words, _ = mods.words(np.float32, with_grads=False)
     states = cupy.empty((batches, heads, nq, nk), dtype=np.int8)
     kernel = _StatesKernel(mods.prelude(False))
@@ -103,7 +103,7 @@ def mod_states(p: Problem, mods: Mods, block: Tuple[int, int]):
                           min(MAX_STATES_GRID, total - first))
     if len(_MOD_STATES) >= MAX_MOD_STATES:
         _MOD_STATES.clear()
-    _MOD_STATES[key] = states
+    _MOD_STATES[key] = (mods.mask, states)   # the objects too: their ids stay theirs while cached
     return states
 
 

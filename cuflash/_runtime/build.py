@@ -121,7 +121,7 @@ def explain_prelude_errors(log: str, prelude: str) -> str:
     sections = {}
     parts = _LINE.split(prelude)
     for label, text in zip(parts[1::2], parts[2::2]):
-        sections.setdefault(label, text.split("\n"))
+        sections.setdefault(label, text.split("\n")[1:])   # (the directive's own line ends first)
     out = []
     for line in log.splitlines():
         out.append(line)
