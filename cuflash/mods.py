@@ -40,8 +40,8 @@ import math
 import numbers
 import re
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -311,13 +311,16 @@ __device__ __forceinline__ void cuf_atomic_add(double* at, double x) { atomicAdd
 """
 
 
+_PRELUDES: dict = {}
+MAX_PRELUDES = 64
+
+
 @dataclass(frozen=True)
 class Mods:
     """A call's modifications: score modifications in order, mask modifications (all must allow)."""
 
     score: Tuple[ScoreMod, ...] = ()
     mask: Tuple[MaskMod, ...] = ()
-    _prelude: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def slots(self) -> int:
@@ -339,10 +342,19 @@ class Mods:
 
     def prelude(self, fast_special: bool) -> str:
         """The CUDA source placed before a kernel's: the CUF_USER_* switches (score_mod.cuh) and the
-        modifications' device functions."""
-        cached = self._prelude.get(fast_special)
-        if cached is not None:
-            return cached
+        modifications' device functions. Kept per modification objects (a call's Mods is new each call;
+        the objects, held with the text, keep their ids)."""
+        key = (tuple(id(m) for m in self.score), tuple(id(m) for m in self.mask), fast_special)
+        known = _PRELUDES.get(key)
+        if known is not None and all(a is b for a, b in zip(known[0], self.score + self.mask)):
+            return known[1]
+        text = self._generate(fast_special)
+        if len(_PRELUDES) >= MAX_PRELUDES:
+            _PRELUDES.clear()
+        _PRELUDES[key] = (self.score + self.mask, text)
+        return text
+
+    def _generate(self, fast_special: bool) -> str:
         lines = [f"// cuflash user modifications {self.key()}", f"#define CUF_FAST_SPECIAL {int(fast_special)}"]
         if self.score:
             lines.append("#define CUF_USER_SCORE 1")
@@ -383,9 +395,7 @@ class Mods:
                      f"A upstream) {{\n" + "\n".join(body) + "\n}\n")
         masks = " && ".join(f"cuf_mask_{i}({call})" for i in range(len(self.mask))) or "true"
         lines.append(f"__device__ __forceinline__ bool cuf_user_mask({args}) {{ return {masks}; }}\n")
-        text = "\n".join(lines) + "\n"
-        self._prelude[fast_special] = text
-        return text
+        return "\n".join(lines) + "\n"
 
     def labels(self) -> Dict[str, str]:
         """#line label -> the user's source, for compile errors."""
