@@ -204,16 +204,11 @@ def run_row(kind: str, d: int, n: int, repeat: int, plain_ms: dict, skip) -> lis
 
 
 def markdown(results, device) -> str:
-    lines = [f"# User modifications against FlexAttention on {device} (bf16, B={B}, H={H}, causal)", "",
-             "| mod | D | L | pass | contender | ms | vs cuflash plain | first call s | new length s | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        def f(x, fmt):
-            return "" if x is None else format(x, fmt)
-        lines.append(f"| {r['mod']} | {r['D']} | {r['L']} | {r['pass']} | {r['contender']} | {f(r['ms'], '.3f')} | "
-                     f"{f(r['vs plain'], '.2f')} | {f(r['first call s'], '.2f')} | {f(r['new length s'], '.3f')} | "
-                     f"{r['note']} |")
-    return "\n".join(lines) + "\n"
+    return bench.markdown_table(
+        f"# User modifications against FlexAttention on {device} (bf16, B={B}, H={H}, causal)",
+        [("mod", "mod", ""), ("D", "D", ""), ("L", "L", ""), ("pass", "pass", ""), ("contender", "contender", ""),
+         ("ms", "ms", ".3f"), ("vs cuflash plain", "vs plain", ".2f"), ("first call s", "first call s", ".2f"),
+         ("new length s", "new length s", ".3f"), ("note", "note", "")], results)
 
 
 def main(argv=None) -> int:
