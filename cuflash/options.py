@@ -268,9 +268,10 @@ class Options:
 
     @property
     def extra(self) -> bool:
-        """Whether the kernels need their EXTRA pieces (score_mod.cuh)."""
+        """Whether the kernels need their EXTRA pieces (score_mod.cuh): score modifications alone run on the
+        plain kernels (their hooks work on raw scores too), mask modifications need the per-element test."""
         return (self.bias is not None or self.mask is not None or self.block_layout is not None or self.dropout
-                or self.mods is not None)
+                or (self.mods is not None and bool(self.mods.mask)))
 
     def reference_kwargs(self) -> dict:
         return dict(bias=self.bias, mask=self.mask, window=self.window, dropout_p=self.dropout_p, seed=self.seed,

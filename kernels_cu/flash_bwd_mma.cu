@@ -266,8 +266,11 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                         stat_of<BM>(stats, row, lse_row, dsum_row);
                         mod.template prob_and_dscore_at<DO_DK>(st[m][n][i], dpt[m][n][i], lse_row, dsum_row, keep,
                                                                1.0f, m0 + row, n0 + key0 + 16 * m + frag_row(lane, i));
-                    } else
-                        prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
+                    } else {
+                        mod.template prob_and_dscore_at<DO_DK>(st[m][n][i], dpt[m][n][i], lse_log2[i % 2], dsum[i % 2],
+                                                               keep, x_per_s, m0 + row,
+                                                               n0 + key0 + 16 * m + frag_row(lane, i));
+                    }
                 }
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {   // fragment row r: key 16 m + lane / 4 + 8 r

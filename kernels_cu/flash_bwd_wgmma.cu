@@ -94,6 +94,8 @@ struct DkdvWgmmaTraits {
     // Head dim 256: both consumer warpgroups own the block's keys and split dK / dV by columns
     // (the file's head); otherwise each owns 64 keys and all columns.
     static constexpr bool SPLIT_HEAD = HEAD == 256;
+    static_assert(!SPLIT_HEAD || !USER_SCORE, "head dim 256 forms P and dS in different warpgroups, dS from P: no "
+                                              "user score modifications (the portable kernels take them)");
     static constexpr int WG_COLS = SPLIT_HEAD ? HEAD / 2 : HEAD;   // dK / dV columns of a consumer warpgroup
     static constexpr bool EXTRA_OPTIONS = EXTRA;
     static constexpr bool ADDS_DBIAS = DBIAS;   // the consumers add dS^T into dbias (bias_grad_t.cuh)

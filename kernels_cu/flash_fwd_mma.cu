@@ -175,10 +175,10 @@ flash_fwd_mma(const FwdParams p) {
                     scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
                                                                        mod.scale_log2);
                 apply_score_mod(s[m], mod, partial, strip_coord(m));
-                apply_user_score(s[m], mod, strip_coord(m));
             } else if (partial) {
                 mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
             }
+            apply_user_score(s[m], mod, strip_coord(m), x_per_s);
         }
         unsigned p16[M][Tr::S_TILES][2];   // P in 16 bits (pack_frags' layout), the A operand of O += P V
         if constexpr (Flags::EXTRA) {

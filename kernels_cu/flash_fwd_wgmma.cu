@@ -437,10 +437,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 }
                 // the per-element tests in a loop (registers), none where the warp sees nothing
                 apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
-                apply_user_score(s[0], mod, coord);
             } else {
                 apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
             }
+            apply_user_score(s[0], mod, coord, x_per_s);
             // acc_o is still being written: its correction waits for the P V product.
             float correction[2];
             const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,

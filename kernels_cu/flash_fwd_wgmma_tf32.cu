@@ -290,10 +290,10 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
             if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);   // x = s scale + bias log2(e)
             // the per-element tests in a loop (registers), none where the warp sees nothing
             apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
-            apply_user_score(s[0], mod, coord);
         } else {
             apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
         }
+        apply_user_score(s[0], mod, coord, x_per_s);
         // P = 2^(x - m_new) in s; acc_o is not in flight, so a moved reference rescales it at once.
         warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
                               [&](int, int r, float c) { rescale_acc_row(acc_o, 0, r, c); });

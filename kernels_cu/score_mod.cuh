@@ -88,6 +88,7 @@ struct ScoreMod {
         : lq(blk.lq), lk(blk.lk), scale_log2(scale_log2_), batch(0), head(head_), m(m_),
           shift(m_.band_from_end ? blk.lk - blk.lq : 0) {
         static_assert(PER_SEQ && !Flags::EXTRA, "a packed sequence's counts: the kernels without EXTRA (PER_SEQ)");
+        static_assert(!USER_SCORE && !USER_MASK, "packed sequences take no user modifications");
     }
 
     // The band's offsets (MaskParams::band_lo / band_hi, moved with a sequence's own end under PER_SEQ).
@@ -131,9 +132,11 @@ struct ScoreMod {
         return !m.mask.ptr || *m.mask.at<unsigned char>(batch, head, row, col) != 0;
     }
 
-    // The user score modifications (EXTRA) of x, a visible score in log2 units (the forward).
-    __device__ __forceinline__ A user_score(A x, int row, int col) const {
-        return user_modified_score<A>(x, batch, head, row, col, m.mod_args);
+    // The user score modifications of a visible score s as a kernel holds it, x / x_per_s (x in log2 units:
+    // x_per_s 1 where the kernel formed x, the scale where its scores stay raw dot products), returned as
+    // held; inv_x_per_s = 1 / x_per_s.
+    __device__ __forceinline__ A user_score(A s, int row, int col, A x_per_s, A inv_x_per_s) const {
+        return user_modified_score<A>(s * x_per_s, batch, head, row, col, m.mod_args) * inv_x_per_s;
     }
 
     // prob_and_dscore (softmax.cuh) of the score x at (row, col). With user score modifications P is
@@ -144,7 +147,7 @@ struct ScoreMod {
     template <bool PARAM_GRADS>
     __device__ __forceinline__ void prob_and_dscore_at(A& s_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep, A x_per_s,
                                                        int row, int col) const {
-        if constexpr (!USER_SCORE || !Flags::EXTRA) {
+        if constexpr (!USER_SCORE) {
             prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, x_per_s);
         } else {
             const A x = s_to_p * x_per_s;
@@ -462,19 +465,20 @@ __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod
             s[n][i] = !frag_bit<N>(allowed, n, i) ? neg_inf<float>() : scaled ? s[n][i] : s[n][i] * mod.scale_log2;
 }
 
-// The user score modifications (EXTRA, user_mod.cuh) over a register tile of visible scores in log2
-// units, after apply_score_mod: the forward's (the backward's prob_and_dscore_at applies them itself).
+// The user score modifications (user_mod.cuh) over a register tile of scores after the mask, held as x /
+// x_per_s (ScoreMod::user_score): the forward's (the backward's prob_and_dscore_at applies them itself).
 // coord as apply_score_mod's; s[I][J] or the C fragments s[N][4] with coord(n, i, row, col).
 template <typename Mod, typename A, int I, int J, typename Coord>
-__device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, Coord coord) {
+__device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s) {
     if constexpr (USER_SCORE) {
+        const A inv_x_per_s = A(1) / x_per_s;
 #pragma unroll
         for (int i = 0; i < I; ++i)
 #pragma unroll
             for (int j = 0; j < J; ++j) {
                 int row, col;
                 coord(i, j, row, col);
-                s[i][j] = mod.user_score(s[i][j], row, col);
+                s[i][j] = mod.user_score(s[i][j], row, col, x_per_s, inv_x_per_s);
             }
     }
 }

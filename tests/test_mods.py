@@ -9,6 +9,7 @@ import pytest
 
 import cuflash
 from cuflash import CompileError, mods as M, reference
+from cuflash._dispatch.model import SCORING_FAMILIES
 from cuflash._dispatch.select import MODS_FWD_WGMMA_TILE, all_variants, with_mods
 from cuflash._runtime.build import compile_offline
 
@@ -110,14 +111,15 @@ def test_modifications_go_on_the_scoring_variants_only():
     prelude = M.resolve(cuflash.softcap(30.0)).prelude(True)
     for v in all_variants():
         w = with_mods(v, prelude)
-        if not v.extra:
+        if v.family not in SCORING_FAMILIES or v.packed:
             assert w is v
             continue
         assert w.prelude == prelude and w.name.split("<")[0] == v.name.split("<")[0]
-        if v.family == "fwd_wgmma" and v.tile.warps == 16:
+        if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
             assert w.tile == MODS_FWD_WGMMA_TILE
-    with pytest.raises(ValueError, match="EXTRA variants only"):
-        replace(next(v for v in all_variants() if not v.extra), prelude=prelude)
+    for family in ("fwd_decode", "bwd_dsum"):
+        with pytest.raises(ValueError, match="scoring kernels"):
+            replace(next(v for v in all_variants() if v.family == family), prelude=prelude)
 
 
 _FAMILIES = [("sm_80", "fwd_mma", "bfloat16"), ("sm_90", "fwd_wgmma", "float16"), ("sm_90", "bwd_dkdv_wgmma", "bfloat16"),
@@ -126,14 +128,22 @@ _FAMILIES = [("sm_80", "fwd_mma", "bfloat16"), ("sm_90", "fwd_wgmma", "float16")
              ("sm_90", "fwd_dmma", "float64"), ("sm_90", "bwd_dkdv_dmma", "float64"), ("sm_80", "bwd_dkdv_fma", "float32")]
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("arch, family, dtype", _FAMILIES)
-def test_library_modifications_compile_without_spills(arch, family, dtype):
-    """Every library modification at once compiled into a variant of each kind of kernel: zero spills
-    (the sweep compiles every EXTRA variant so)."""
+def _every_library_mod(masks: bool = True):
     lib = _library()
-    mods = M.resolve(lib["composed"]["score_mod"] + (lib["t5"]["score_mod"],), lib["composed"]["mask_mod"])
-    v = next(v for v in all_variants() if v.extra and not v.packed and v.family == family and v.dtype == dtype
+    return M.resolve(lib["composed"]["score_mod"] + (lib["t5"]["score_mod"],),
+                     lib["composed"]["mask_mod"] if masks else None)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("extra", [True, False])
+@pytest.mark.parametrize("arch, family, dtype", _FAMILIES)
+def test_library_modifications_compile_without_spills(arch, family, dtype, extra):
+    """Every library modification at once compiled into a variant of each kind of kernel: zero spills (the
+    sweep compiles every scoring variant so). Score modifications alone run on the plain variants."""
+    if family == "bwd_dbias_mma" and not extra:
+        pytest.skip("the dbias kernel is EXTRA only")
+    mods = _every_library_mod(masks=extra)
+    v = next(v for v in all_variants() if v.extra == extra and not v.packed and v.family == family and v.dtype == dtype
              and v.compile_target(arch))
     v = with_mods(v, mods.prelude(dtype in ("float16", "bfloat16")))
     build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
@@ -142,15 +152,16 @@ def test_library_modifications_compile_without_spills(arch, family, dtype):
 
 @pytest.mark.sweep
 @needs_nvrtc
-@pytest.mark.parametrize("dtype, family", sorted({(v.dtype, v.family) for v in all_variants() if v.extra}))
+@pytest.mark.parametrize("dtype, family", sorted({(v.dtype, v.family) for v in all_variants()
+                                                  if v.family in SCORING_FAMILIES}))
 def test_every_scoring_variant_compiles_with_modifications(dtype, family):
-    """Every EXTRA variant with every library modification compiled in, for the architecture its table row
-    is tuned for (sm_90 for the sm90 rows and Hopper's own, sm_80 for the others): zero spills."""
-    lib = _library()
-    mods = M.resolve(lib["composed"]["score_mod"] + (lib["t5"]["score_mod"],), lib["composed"]["mask_mod"])
-    prelude = mods.prelude(dtype in ("float16", "bfloat16"))
+    """Every scoring variant with every library modification compiled in (the plain ones: the score
+    modifications alone), for the architecture its table row is tuned for (sm_90 for the sm90 rows and
+    Hopper's own, sm_80 for the others): zero spills. Head dim 256's Hopper backward takes none."""
     bad = []
-    for v in {with_mods(v, prelude) for v in all_variants() if v.extra and v.dtype == dtype and v.family == family}:
+    for v in {with_mods(v, _every_library_mod(masks=v.extra).prelude(dtype in ("float16", "bfloat16")))
+              for v in all_variants() if v.dtype == dtype and v.family == family and not v.packed
+              and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)}:
         arch = "sm_80" if v.arch == "sm80" else "sm_90"
         build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
         if build.spills or build.stack_frame:

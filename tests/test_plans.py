@@ -946,3 +946,34 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     assert all(not var.prelude for var, *_ in launches if not var.extra)   # dsum, convert: as they are
     for _, params in scoring:
         assert _words(params, "BwdParams")[:4] == [cap_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr]
+
+
+def test_score_modifications_alone_run_on_the_plain_kernels(fake):
+    """Score modifications alone take the plain kernels (their hooks on raw scores): the Hopper forward's
+    walking schedule, the Hopper backward at head dim 128; not the decoding kernel (its split twin) nor packed
+    GQA rows for few query rows; and at head dim 256 the portable backward (the Hopper one forms dS from a
+    16-bit P in another warpgroup)."""
+    dev, launches = fake
+    softcap = cuflash.softcap(30.0)
+    q, k, v = _qkv(dev, (2, 4, 1100, 128))
+    out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
+    [(fwd, _, _, grid)] = launches
+    assert fwd.family == "fwd_wgmma" and not fwd.extra and fwd.prelude and fwd.schedule == "queue" and grid == 2 * 4 * 9
+    launches.clear()
+    cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
+    families = [var.family for var, *_ in launches]
+    assert "bwd_dkdv_wgmma" in families and all(var.prelude for var, *_ in launches if var.family.startswith("bwd_dkdv"))
+    launches.clear()
+    qd = dev.empty((2, 8, 1, 128), np.float16)
+    kd, vd = (dev.empty((2, 2, 8192, 128), np.float16) for _ in range(2))
+    cuflash.attention_forward(qd, kd, vd, score_mod=softcap)
+    partial = launches[0][0]
+    assert partial.family == "fwd_mma" and partial.kv_split and partial.prelude
+    f = np.frombuffer(launches[0][1], dtype=_params.STRUCTS["FwdParams"])[0]
+    assert int(f["dims"]["heads_q"]) == 8 and int(f["dims"]["lq"]) == 1   # no packed GQA rows
+    launches.clear()
+    q, k, v = _qkv(dev, (2, 4, 1100, 256))
+    out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
+    launches.clear()
+    cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
+    assert not any(var.family == "bwd_dkdv_wgmma" for var, *_ in launches)

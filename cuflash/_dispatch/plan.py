@@ -159,9 +159,10 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
     lse_dtype = acc_dtype(p.dtype)
     if accumulator_out:
-        return _plan_split_forward(p, masking, extra or band, portable, 1, out_shape, lse_shape, lse_dtype,
-                                   smem_limit, partial_only=True)
-    splits = _auto_splits(p, portable, _gqa_packing(p, extra, band, q), smem_limit) if num_splits is None else num_splits
+        return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, 1, out_shape,
+                                   lse_shape, lse_dtype, smem_limit, partial_only=True)
+    splits = _auto_splits(p, portable, _gqa_packing(p, extra or opts.mods is not None, band, q), smem_limit) \
+        if num_splits is None else num_splits
     if key_lengths:
         if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
             raise ValueError("per-sequence key lengths take no masking option and a positive scale")
@@ -173,9 +174,9 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
             raise PagesNotReadInPlace(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
         return replace(plan, key_lengths=True, paged=pages is not None,
                        params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
-    if splits > 1:
-        return _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
-                                   smem_limit)
+    if splits > 1:   # (user modifications read a row's head and position: no packed GQA rows)
+        return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, splits, out_shape,
+                                   lse_shape, lse_dtype, smem_limit)
     maps = None
     if variant.arch == "sm90a":
         # The Hopper kernels load through tensor maps and read a bias by 16-byte chunks of its rows;
@@ -596,7 +597,9 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
     prelude = _mods_prelude(p, opts) if opts.mods is not None else ""
     variants = [with_mods(v_, prelude) for v_ in choose(cc=device.compute_capability())]
     hopper = next((v_ for v_ in variants if v_.family == "bwd_dkdv_wgmma"), None)
-    if hopper is not None and not (masking.bias_in_chunks and tma.tma_ok(q, dout, k, v) and tma.can_encode()):
+    # (the Hopper kernel at head dim 256 forms dS from a 16-bit P in another warpgroup: no modifications)
+    if hopper is not None and not (masking.bias_in_chunks and tma.tma_ok(q, dout, k, v) and tma.can_encode()
+                                   and not (prelude and hopper.head == 256)):
         variants, hopper = [with_mods(v_, prelude) for v_ in choose(cc=device.MIN_COMPUTE_CAPABILITY)], None
     dq_acc_shape = None if deterministic else dq_accumulator_shape(variants, b, hq, lq, d)
     maps = None

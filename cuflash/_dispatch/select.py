@@ -10,8 +10,8 @@ import math
 from dataclasses import replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
-                    fits_resident, head_bucket, walkable)
+from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SCORING_FAMILIES, SMEM_LIMITS,
+                    SMEM_MAX, TABLES, Tile, Variant, fits_resident, head_bucket, walkable)
 
 
 def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
@@ -322,10 +322,11 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
     the combine kernel at the bucket of ``dv``. The partial kernel: for 16-bit calls of at most
     DECODE_ROWS rows without an EXTRA option, with 16-byte loads, at a head bucket the split table
-    has, the decoding kernel (``fwd_decode``: the warps split each key tile); else the portable
-    kernel's twin (``kv_split``)."""
+    has, the decoding kernel (``fwd_decode``: the warps split each key tile; not with user modifications);
+    else the portable kernel's twin (``kv_split``)."""
     decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
-    if rows <= DECODE_ROWS and not portable.extra and portable.vec and decode_key in TABLES["split"]:
+    if rows <= DECODE_ROWS and not portable.extra and not portable.prelude and portable.vec \
+            and decode_key in TABLES["split"]:
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
                              kv_split=True).fitted(smem_limit)
@@ -342,16 +343,23 @@ MODS_FWD_WGMMA_TILE = Tile(128, 128, 12, 2, "user modifications at head dim 64: 
                            "and 8 with a mask modification (NVRTC 13, benchmarks/sass.py)")
 """The 16-bit Hopper forward's tile where a call's user modifications are compiled in and the table's has
 three consumer warpgroups."""
+MODS_FWD_TF32_TILE = Tile(128, 32, 4, 2, "user modifications with masks in the TF32 forward at head dim 64: 32-key "
+                          "tiles; the table's 64-key tile spills 16-40 bytes with every library modification "
+                          "(NVRTC 12.9)")
+"""The TF32 forward's tile (EXTRA, head dim 64) where a call's user modifications are compiled in."""
 
 
 def with_mods(v: Variant, prelude: str) -> Variant:
     """``v`` with a call's user modifications (cuflash.mods: their generated ``prelude``) compiled in: the
-    variants that score (EXTRA), on :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has
-    three consumer warpgroups; the others (dsum, convert, combine) as they are."""
-    if not prelude or not v.extra:
+    variants that score (:data:`SCORING_FAMILIES`), on :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's
+    tile has three consumer warpgroups or two CTAs an SM and on :data:`MODS_FWD_TF32_TILE` where the TF32
+    forward's would spill; the others (dsum, convert, combine) as they are."""
+    if not prelude or v.family not in SCORING_FAMILIES or v.packed:
         return v
-    if v.family == "fwd_wgmma" and v.tile.warps == 16:
-        v = replace(v, tile=MODS_FWD_WGMMA_TILE)
+    if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
+        v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
+    elif v.family == "fwd_tf32" and v.extra and (v.tile.block_m, v.tile.block_n) == (128, 64):
+        v = replace(v, tile=MODS_FWD_TF32_TILE)
     return replace(v, prelude=prelude)
 
 
