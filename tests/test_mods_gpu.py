@@ -147,3 +147,21 @@ def test_nan_scores_propagate_through_a_modification():
     got = cp.asnumpy(out)
     assert np.isnan(got[0, 0, 5]).all()
     assert np.isnan(got).any(axis=-1).sum() == 40   # key 5 is NaN for every row (NaN score, as SDPA)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_modifications_in_the_split_forward(dtype):
+    """Few query rows over many keys: the split-KV forward's partial kernels with the modifications compiled
+    in (not the decoding kernel, and no query heads packed into one tile's rows), then the backward."""
+    seed = seed_of(dtype, "split")
+    table = (np.random.default_rng(seed).standard_normal((32, 8)) * 0.5).astype(np.float32)
+    options = dict(score_mod=(cuflash.softcap(5.0), cuflash.relative_position_bias(table, max_distance=500)))
+    check_masked(dtype, 2, 8, 2, 3, 4000, 64, 64, "bottom_right", seed, options)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_modifications_at_head_dim_256(dtype):
+    """Head dim 256: the Hopper forward with the modification, the portable backward (the Hopper one forms
+    dS from a 16-bit P in another warpgroup)."""
+    seed = seed_of(dtype, "256")
+    check_masked(dtype, B, HQ, HK, LQ, LK, 256, 256, True, seed, _options("softcap", seed))
