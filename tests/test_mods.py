@@ -10,7 +10,8 @@ import pytest
 import cuflash
 from cuflash import CompileError, mods as M, reference
 from cuflash._dispatch.model import SCORING_FAMILIES
-from cuflash._dispatch.select import MODS_FWD_WGMMA_TILE, all_variants, with_mods
+from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, takes_plain_mods,
+                                      with_mods)
 from cuflash._runtime.build import compile_offline
 
 from _nvrtc import needs_nvrtc
@@ -110,6 +111,10 @@ def _as_pair(mods):
 def test_modifications_go_on_the_scoring_variants_only():
     prelude = M.resolve(cuflash.softcap(30.0)).prelude(True)
     for v in all_variants():
+        if not v.extra and v.family in SCORING_FAMILIES and not v.packed and not takes_plain_mods(v):
+            with pytest.raises(ValueError, match="EXTRA variants"):
+                with_mods(v, prelude)
+            continue
         w = with_mods(v, prelude)
         if v.family not in SCORING_FAMILIES or v.packed:
             assert w is v
@@ -117,6 +122,8 @@ def test_modifications_go_on_the_scoring_variants_only():
         assert w.prelude == prelude and w.name.split("<")[0] == v.name.split("<")[0]
         if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
             assert w.tile == MODS_FWD_WGMMA_TILE
+        if v.family == "fwd_wgmma" and v.band:
+            assert w.schedule == "block"
     for family in ("fwd_decode", "bwd_dsum"):
         with pytest.raises(ValueError, match="scoring kernels"):
             replace(next(v for v in all_variants() if v.family == family), prelude=prelude)
@@ -140,8 +147,8 @@ def _every_library_mod(masks: bool = True):
 def test_library_modifications_compile_without_spills(arch, family, dtype, extra):
     """Every library modification at once compiled into a variant of each kind of kernel: zero spills (the
     sweep compiles every scoring variant so). Score modifications alone run on the plain variants."""
-    if family == "bwd_dbias_mma" and not extra:
-        pytest.skip("the dbias kernel is EXTRA only")
+    if not extra and family not in PLAIN_MODS_FAMILIES:
+        pytest.skip(f"{family} takes modifications on its EXTRA variants")
     mods = _every_library_mod(masks=extra)
     v = next(v for v in all_variants() if v.extra == extra and not v.packed and v.family == family and v.dtype == dtype
              and v.compile_target(arch))
@@ -155,13 +162,14 @@ def test_library_modifications_compile_without_spills(arch, family, dtype, extra
 @pytest.mark.parametrize("dtype, family", sorted({(v.dtype, v.family) for v in all_variants()
                                                   if v.family in SCORING_FAMILIES}))
 def test_every_scoring_variant_compiles_with_modifications(dtype, family):
-    """Every scoring variant with every library modification compiled in (the plain ones: the score
-    modifications alone), for the architecture its table row is tuned for (sm_90 for the sm90 rows and
-    Hopper's own, sm_80 for the others): zero spills. Head dim 256's Hopper backward takes none."""
+    """Every scoring variant that takes modifications with every library modification compiled in (the plain
+    ones of PLAIN_MODS_FAMILIES: the score modifications alone), for the architecture its table row is tuned
+    for (sm_90 for the sm90 rows and Hopper's own, sm_80 for the others): zero spills. Head dim 256's Hopper
+    backward takes none."""
     bad = []
     for v in {with_mods(v, _every_library_mod(masks=v.extra).prelude(dtype in ("float16", "bfloat16")))
               for v in all_variants() if v.dtype == dtype and v.family == family and not v.packed
-              and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)}:
+              and (v.extra or takes_plain_mods(v)) and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)}:
         arch = "sm_80" if v.arch == "sm80" else "sm_90"
         build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
         if build.spills or build.stack_frame:

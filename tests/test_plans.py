@@ -949,16 +949,16 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
 
 
 def test_score_modifications_alone_run_on_the_plain_kernels(fake):
-    """Score modifications alone take the plain kernels (their hooks on raw scores): the Hopper forward's
-    walking schedule, the Hopper backward at head dim 128; not the decoding kernel (its split twin) nor packed
-    GQA rows for few query rows; and at head dim 256 the portable backward (the Hopper one forms dS from a
-    16-bit P in another warpgroup)."""
+    """Score modifications alone take the plain Hopper kernels (their hooks on scores as held; the band forward a
+    CTA a block) and the portable forward's EXTRA variant (its plain ones spill with them); not the decoding
+    kernel (its split twin) nor packed GQA rows for few query rows; and at head dim 256 the portable backward
+    (the Hopper one forms dS from a 16-bit P in another warpgroup)."""
     dev, launches = fake
     softcap = cuflash.softcap(30.0)
     q, k, v = _qkv(dev, (2, 4, 1100, 128))
     out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
     [(fwd, _, _, grid)] = launches
-    assert fwd.family == "fwd_wgmma" and not fwd.extra and fwd.prelude and fwd.schedule == "queue" and grid == 2 * 4 * 9
+    assert fwd.family == "fwd_wgmma" and not fwd.extra and fwd.prelude and fwd.schedule == "block" and grid == 2 * 4 * 9
     launches.clear()
     cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
     families = [var.family for var, *_ in launches]
@@ -968,7 +968,7 @@ def test_score_modifications_alone_run_on_the_plain_kernels(fake):
     kd, vd = (dev.empty((2, 2, 8192, 128), np.float16) for _ in range(2))
     cuflash.attention_forward(qd, kd, vd, score_mod=softcap)
     partial = launches[0][0]
-    assert partial.family == "fwd_mma" and partial.kv_split and partial.prelude
+    assert partial.family == "fwd_mma" and partial.kv_split and partial.extra and partial.prelude
     f = np.frombuffer(launches[0][1], dtype=_params.STRUCTS["FwdParams"])[0]
     assert int(f["dims"]["heads_q"]) == 8 and int(f["dims"]["lq"]) == 1   # no packed GQA rows
     launches.clear()
@@ -977,3 +977,19 @@ def test_score_modifications_alone_run_on_the_plain_kernels(fake):
     launches.clear()
     cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
     assert not any(var.family == "bwd_dkdv_wgmma" for var, *_ in launches)
+
+
+def test_score_modifications_on_the_portable_kernels_take_their_extra_variants(fake, monkeypatch):
+    """Off Hopper: the portable forward's and the FMA backward's EXTRA variants (their plain ones spill with
+    modifications), the tensor-core backward's plain ones."""
+    dev, launches = fake
+    monkeypatch.setattr(device, "compute_capability", lambda: 80)
+    softcap = cuflash.softcap(30.0)
+    for d, backward_extra in ((64, False), (256, True)):   # head dim 256 16-bit: the FMA backward
+        launches.clear()
+        q, k, v = _qkv(dev, (2, 4, 300, d))
+        out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
+        cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
+        scoring = [var for var, *_ in launches if var.family in model.SCORING_FAMILIES]
+        assert scoring[0].family.startswith("fwd_") and scoring[0].extra and scoring[0].prelude
+        assert all(var.extra == backward_extra and var.prelude for var in scoring[1:]), [str(v_) for v_ in scoring]

@@ -26,11 +26,11 @@ from .._runtime.launch import KernelLaunch, run
 from .._runtime.params import DBIAS_OFF, MASK_OFF, PACKERS, HostArg, as_float32, bwd_params, fwd_params
 from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
-from .model import MAX_GRID_X, head_bucket
+from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket
 from .packed import block_table
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice,
                      packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count,
-                     split_variants, vec_chunk, with_mods)
+                     split_variants, takes_plain_mods, vec_chunk, with_mods)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -154,6 +154,12 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
                                        row_class(head, p.lk, band), device.compute_capability(), smem_limit,
                                        precision)
     if opts.mods is not None:
+        if not extra:   # score modifications alone: the plain Hopper forward, else the EXTRA portable one
+            variant_x, portable = forward_choice(p.dtype, head, band, True, vec_loads_ok(d, dv, q, k, v),
+                                                 row_class(head, p.lk, band), device.compute_capability(),
+                                                 smem_limit, precision)
+            if not takes_plain_mods(variant):
+                variant = variant_x
         prelude = _mods_prelude(p, opts)
         variant, portable = with_mods(variant, prelude), with_mods(portable, prelude)
     out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
@@ -595,12 +601,12 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
                                smem_limit=device.smem_limit(), dbias=want_dbias, precision=precision)
     prelude = _mods_prelude(p, opts) if opts.mods is not None else ""
-    variants = [with_mods(v_, prelude) for v_ in choose(cc=device.compute_capability())]
+    variants = _with_mods_list(choose, device.compute_capability(), prelude)
     hopper = next((v_ for v_ in variants if v_.family == "bwd_dkdv_wgmma"), None)
     # (the Hopper kernel at head dim 256 forms dS from a 16-bit P in another warpgroup: no modifications)
     if hopper is not None and not (masking.bias_in_chunks and tma.tma_ok(q, dout, k, v) and tma.can_encode()
                                    and not (prelude and hopper.head == 256)):
-        variants, hopper = [with_mods(v_, prelude) for v_ in choose(cc=device.MIN_COMPUTE_CAPABILITY)], None
+        variants, hopper = _with_mods_list(choose, device.MIN_COMPUTE_CAPABILITY, prelude), None
     dq_acc_shape = None if deterministic else dq_accumulator_shape(variants, b, hq, lq, d)
     maps = None
     if hopper is not None:   # atomic dQ: the accumulator is row-major; its map covers [..., :d]
@@ -635,6 +641,15 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
     return BackwardPlan(q.data.device_id, tuple(kernels), acc, (b, hq, lq), dq_acc_shape, q.dtype, grad_shapes,
                         _without_addresses(params, _BWD_ADDRESSES), maps, dbias, masking.keep_alive,
                         masking.param_grads)
+
+
+def _with_mods_list(choose, cc: int, prelude: str) -> list:
+    """The backward list ``choose(cc=cc)`` with a call's user modifications (``prelude``) compiled into its
+    scoring kernels; where a plain one does not take them (select.PLAIN_MODS_FAMILIES), the EXTRA list."""
+    variants = choose(cc=cc)
+    if prelude and not all(v.extra or takes_plain_mods(v) for v in variants if v.family in SCORING_FAMILIES):
+        variants = choose(cc=cc, extra=True)
+    return [with_mods(v, prelude) for v in variants]
 
 
 def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse):

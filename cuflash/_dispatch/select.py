@@ -349,15 +349,34 @@ MODS_FWD_TF32_TILE = Tile(128, 32, 4, 2, "user modifications with masks in the T
 """The TF32 forward's tile (EXTRA, head dim 64) where a call's user modifications are compiled in."""
 
 
+PLAIN_MODS_FAMILIES = ("fwd_wgmma", "fwd_wgmma_tf32x3", "bwd_dkdv_wgmma", "bwd_dkdv_mma", "bwd_dq_mma", "bwd_dkdv_tf32",
+                       "bwd_dq_tf32", "bwd_dkdv_tf32x3", "bwd_dq_tf32x3", "bwd_dkdv_dmma", "bwd_dq_dmma")
+"""The families whose plain variants take score modifications (a call with no option that needs EXTRA):
+the Hopper forwards and the tensor-core backwards. The portable forwards and the FMA backwards take them
+on their EXTRA variants: their plain ones, tuned to the register limit, spill 32-268 bytes with them
+(NVRTC 12.9; test_mods.py's sweep)."""
+
+
+def takes_plain_mods(v: Variant) -> bool:
+    return v.family in PLAIN_MODS_FAMILIES
+
+
 def with_mods(v: Variant, prelude: str) -> Variant:
     """``v`` with a call's user modifications (cuflash.mods: their generated ``prelude``) compiled in: the
-    variants that score (:data:`SCORING_FAMILIES`), on :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's
-    tile has three consumer warpgroups or two CTAs an SM and on :data:`MODS_FWD_TF32_TILE` where the TF32
-    forward's would spill; the others (dsum, convert, combine) as they are."""
+    variants that score (:data:`SCORING_FAMILIES`; plain ones only of :data:`PLAIN_MODS_FAMILIES`), on
+    :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has three consumer warpgroups or two CTAs an
+    SM, a CTA a block for its band, and on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill;
+    the others (dsum, convert, combine) as they are."""
     if not prelude or v.family not in SCORING_FAMILIES or v.packed:
         return v
+    if not v.extra and not takes_plain_mods(v):
+        raise ValueError(f"{v.family}: user modifications run on its EXTRA variants (PLAIN_MODS_FAMILIES)")
     if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
         v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
+    if v.family == "fwd_wgmma" and v.band and v.schedule != "block":
+        # a walking CTA's band forward holds 224-232 registers a consumer thread: 228 bytes spill with
+        # modifications (NVRTC 12.9); a CTA a block keeps 232 and spills none
+        v = replace(v, schedule="block")
     elif v.family == "fwd_tf32" and v.extra and (v.tile.block_m, v.tile.block_n) == (128, 64):
         v = replace(v, tile=MODS_FWD_TF32_TILE)
     return replace(v, prelude=prelude)
