@@ -306,8 +306,16 @@ __device__ __forceinline__ float cuf_tanh(float x) {
 #endif
 }
 __device__ __forceinline__ double cuf_tanh(double x) { return tanh(x); }
-__device__ __forceinline__ void cuf_atomic_add(float* at, float x) { atomicAdd(at, x); }
-__device__ __forceinline__ void cuf_atomic_add(double* at, double x) { atomicAdd(at, x); }
+// A trainable parameter's gradient: the lanes of a warp adding into one element sum their parts first and
+// one of them adds (T5's buckets: most lanes of a far-off tile share one).
+template <typename A>
+__device__ __forceinline__ void cuf_atomic_add(A* at, A x) {
+    const unsigned active = __activemask();
+    const unsigned peers = __match_any_sync(active, reinterpret_cast<unsigned long long>(at));
+    A sum = A(0);
+    for (unsigned rest = peers; rest; rest &= rest - 1) sum += __shfl_sync(peers, x, __ffs(rest) - 1);
+    if (int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(at, sum);
+}
 """
 
 
