@@ -405,17 +405,6 @@ class Mods:
         lines.append(f"__device__ __forceinline__ bool cuf_user_mask({args}) {{ return {masks}; }}\n")
         return "\n".join(lines) + "\n"
 
-    def labels(self) -> Dict[str, str]:
-        """#line label -> the user's source, for compile errors."""
-        out = {}
-        for m in self.score:
-            out[m.name] = m.source
-            out[m.name + " grad"] = m.grad or ""
-            out[m.name + " param_grads"] = "\n".join(f"{i}; {d}" for i, d in m.param_grads.values())
-        for m in self.mask:
-            out[m.name] = m.source
-        return out
-
     def words(self, acc, with_grads: bool = True) -> Tuple[list, list]:
         """The parameter words (MaskParams::mod_args, MAX_PARAM_SLOTS of them) for inputs whose
         accumulator is ``acc`` (float32 or float64), and the trainable parameters' gradient
@@ -518,14 +507,6 @@ def resolve(score_mod=None, mask_mod=None) -> Optional[Mods]:
         raise ValueError(f"the modifications take {mods.slots} parameter words; at most {MAX_PARAM_SLOTS} "
                          "(one a number or array, two a trainable array)")
     return mods
-
-
-def index_grids(batch: int, heads: int, lq: int, lk: int, xp, rows: slice = slice(None), cols: slice = slice(None)):
-    """The (b, h, q_idx, kv_idx) index arrays of a (batch, heads, rows, cols) score tile, broadcastable."""
-    r = xp.arange(lq)[rows]
-    c = xp.arange(lk)[cols]
-    return (xp.arange(batch).reshape(-1, 1, 1, 1), xp.arange(heads).reshape(1, -1, 1, 1),
-            r.reshape(1, 1, -1, 1), c.reshape(1, 1, 1, -1))
 
 
 # --------------------------------------------------------------------------- library modifications

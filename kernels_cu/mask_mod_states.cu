@@ -9,14 +9,6 @@
 #include "params.cuh"
 #include "user_mod.cuh"
 
-struct MaskStatesParams {
-    signed char* states;           // (batches, heads, q_blocks, k_blocks), row-major
-    unsigned long long args[16];   // the modifications' parameter words (MaskParams::mod_args)
-    long long first;               // this launch's first block (a launch is at most 2^30 CTAs)
-    int heads, q_blocks, k_blocks;
-    int lq, lk, block_q, block_k;
-};
-
 __global__ void __launch_bounds__(256) mask_mod_states(const __grid_constant__ MaskStatesParams p) {
     const long long cta = p.first + blockIdx.x;
     const int kb = int(cta % p.k_blocks), qb = int(cta / p.k_blocks % p.q_blocks);

@@ -74,6 +74,15 @@ struct MaskParams {
     unsigned long long mod_args[16];
 };
 
+// The block-state kernel of mask modifications (mask_mod_states.cu).
+struct MaskStatesParams {
+    signed char* states;           // (batches, heads, q_blocks, k_blocks), row-major
+    unsigned long long args[16];   // the modifications' parameter words (MaskParams::mod_args)
+    long long first;               // this launch's first block (a launch is at most 2^30 CTAs)
+    int heads, q_blocks, k_blocks;
+    int lq, lk, block_q, block_k;
+};
+
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own
 // broadcast shape (stride 0 along its broadcast axes) in the accumulator type.
 // DBIAS_KERNEL: the tensor-core backward's own dbias kernel (flash_bwd_dbias.cu)

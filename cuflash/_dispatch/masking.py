@@ -18,7 +18,6 @@
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from ..mods import MAX_PARAM_SLOTS, Mods
 from ..options import Options, Problem, own_4d
-from .._runtime.params import DBIAS_OFF, NO_SCORE, HostArg
+from .._runtime.params import DBIAS_OFF, NO_SCORE, PACKERS
 from ..semantics import acc_dtype, band_limits, dropout_key, dropout_threshold
 
 MASK_SUMMARY_BLOCK = (64, 64)
@@ -64,7 +63,6 @@ class _StatesKernel:
     threads: int = 256
 
 
-_STATES_PARAMS = struct.Struct(f"=Q{MAX_PARAM_SLOTS}Qq7i4x")
 MAX_STATES_GRID = 2**30
 _MOD_STATES: dict = {}
 MAX_MOD_STATES = 64
@@ -98,9 +96,10 @@ def mod_states(p: Problem, mods: Mods, block: Tuple[int, int]):
     total = batches * heads * nq * nk
     with device.on_device(p.q.data.device_id):
         for first in range(0, total, MAX_STATES_GRID):
-            launch_kernel(kernel, HostArg(_STATES_PARAMS.pack(states.data.ptr, *words, first, heads, nq, nk, p.lq,
-                                                              p.lk, block[0], block[1])),
-                          min(MAX_STATES_GRID, total - first))
+            params = PACKERS["MaskStatesParams"].pack({
+                "states": states.data.ptr, "args": words, "first": first, "heads": heads, "q_blocks": nq,
+                "k_blocks": nk, "lq": p.lq, "lk": p.lk, "block_q": block[0], "block_k": block[1]})
+            launch_kernel(kernel, params, min(MAX_STATES_GRID, total - first))
     if len(_MOD_STATES) >= MAX_MOD_STATES:
         _MOD_STATES.clear()
     _MOD_STATES[key] = (mods.mask, states)   # the objects too: their ids stay theirs while cached

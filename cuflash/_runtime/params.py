@@ -37,6 +37,9 @@ STRUCTS: Dict[str, np.dtype] = {
     "ScoreTensor": _SCORE,
     "MaskParams": _MASK,
     "DbiasParams": _DBIAS,
+    "MaskStatesParams": np.dtype([("states", np.uint64), ("args", np.uint64, (16,)), ("first", np.int64)]
+                                 + [(n, np.int32) for n in ("heads", "q_blocks", "k_blocks", "lq", "lk", "block_q",
+                                                            "block_k")], align=True),
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64),
                            ("scale_log2_f", np.float32), ("num_splits", np.int32), ("split_tiles", np.int32),
@@ -110,7 +113,7 @@ class Packer:
         return self.fields[path]
 
 
-PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams")}
+PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams", "MaskStatesParams")}
 _ADDRESS = struct.Struct("=Q")
 
 
