@@ -104,6 +104,17 @@ def side_report(row_lists, markdown, device: str, out, prefix: str, **extra) -> 
     return 0
 
 
+def markdown_table(title: str, columns, results) -> str:
+    """A Markdown table under ``title``: ``columns`` of (header, key, format), a cell being the result row's
+    value at ``key`` (or ``key(row)`` where it is a function) formatted by ``format`` ("" where None)."""
+    def cell(row, key, fmt):
+        value = key(row) if callable(key) else row[key]
+        return "" if value is None else format(value, fmt)
+    lines = [title, "", "| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r, key, fmt) for _, key, fmt in columns) + " |" for r in results]
+    return "\n".join(lines) + "\n"
+
+
 def timed_rows(runs: dict, base: dict, repeat: int, skip) -> list:
     """One result row a contender of ``runs`` (name -> (callable or None, note, fields(ms) -> dict)) not in
     ``skip``: ``base`` with its name and note, timed by :func:`timed_row`."""

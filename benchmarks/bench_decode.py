@@ -164,16 +164,11 @@ def run_row(row, repeat, peak, skip) -> list:
 
 
 def markdown(results, device) -> str:
-    lines = [f"# Decoding over a KV cache on {device}", "",
-             "| dtype | B | Hq/Hk | Lq | Lk | D | contender | ms | GB/s | % peak | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        def f(x, fmt):
-            return "" if x is None else format(x, fmt)
-        lines.append(f"| {r['dtype']} | {r['B']} | {r['Hq']}/{r['Hk']} | {r['Lq']} | {r['Lk']} | {r['D']} | "
-                     f"{r['contender']} | {f(r['ms'], '.4f')} | {f(r['GB/s'], '.0f')} | {f(r['peak %'], '.1f')} | "
-                     f"{r['note']} |")
-    return "\n".join(lines) + "\n"
+    return bench.markdown_table(
+        f"# Decoding over a KV cache on {device}",
+        [("dtype", "dtype", ""), ("B", "B", ""), ("Hq/Hk", lambda r: f"{r['Hq']}/{r['Hk']}", ""), ("Lq", "Lq", ""),
+         ("Lk", "Lk", ""), ("D", "D", ""), ("contender", "contender", ""), ("ms", "ms", ".4f"),
+         ("GB/s", "GB/s", ".0f"), ("% peak", "peak %", ".1f"), ("note", "note", "")], results)
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,9 @@ grouped-query heads, more splits than key tiles, masking options) and a backward
 a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16
 (``--kvcache``: that cache part alone). ``--varlen``: packed sequences (cuflash.varlen: empty, one-row and
 keyless sequences, more keys than queries and fewer), the forward's packed kernel (the Hopper one for 16-bit
-rows at head dims 40-256) for every causal mode and a window, and a backward.
+rows at head dims 40-256) for every causal mode and a window, and a backward. ``--mods``: user score and
+mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, document and
+prefix-LM masks, composed with a bias, a window and dropout), forward and backward, Hopper and portable.
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -54,6 +56,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kvcache", action="store_true",
                         help="only the KV cache part of --split (ragged lengths, contiguous and paged)")
     parser.add_argument("--varlen", action="store_true", help="packed sequences (cuflash.varlen)")
+    parser.add_argument("--mods", action="store_true", help="user score and mask modifications (cuflash.mods)")
     parser.add_argument("--portable", action="store_true",
                         help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
@@ -71,6 +74,10 @@ def main(argv=None) -> None:
         return
     if args.varlen:
         packed_sequences(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16", "float32"])
+        return
+    if args.mods:
+        modifications(args.dtypes.split(",") if args.dtypes else list(DTYPES),
+                      tuple(int(d) for d in args.dims.split(",")) if args.dims else (64, 128))
         return
     if args.split or args.kvcache:
         dtypes = args.dtypes.split(",") if args.dtypes else list(DTYPES)
@@ -224,6 +231,34 @@ def packed_sequences(dtypes) -> None:
         cp.cuda.Device().synchronize()
         print(f"{dtype:8} d={d:3} causal={causal!s:12} window={window!s:8} {first} "
               f"finite={_all_finite((out,) + grads)}", flush=True)
+
+
+def modifications(dtypes, dims) -> None:
+    """User modifications (cuflash.mods) through every scoring kernel: forward and backward (both dQ
+    strategies), the mask modification's block-state kernel, the trainable table's atomics."""
+    launched = []
+    _record(lambda variant, grid: launched.append(variant.family if variant.name != "mask_mod_states" else "states"))
+    rng = np.random.default_rng(3)
+    lq, lk, hq = 97, 130, 4
+    doc = cp.asarray(np.sort(rng.integers(0, 3, (2, lk)), axis=1).astype(np.int32))
+    slopes = cp.asarray(np.geomspace(0.5, 0.05, hq).astype(np.float32))
+    for dtype, d, det, kind in itertools.product(dtypes, dims, (False, True), ("score", "mask", "every")):
+        table = cp.asarray(rng.standard_normal((32, hq)).astype(np.float64 if dtype == "float64" else np.float32))
+        q, do = (cp.asarray(rng.standard_normal((2, hq, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
+        k, v = (cp.asarray(rng.standard_normal((2, 2, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
+        opts = {"score": dict(score_mod=(cuflash.softcap(5.0), cuflash.relative_position_bias(table, max_distance=40))),
+                "mask": dict(mask_mod=(cuflash.document_mask(doc), cuflash.prefix_lm_mask(cp.asarray([9, 50], cp.int32)))),
+                "every": dict(score_mod=(cuflash.alibi(slopes), cuflash.softcap(5.0)), mask_mod=cuflash.document_mask(doc),
+                              bias=cp.asarray(rng.standard_normal((1, hq, lq, lk)).astype(DTYPES[dtype])),
+                              window=(60, 20), dropout_p=0.2, seed=11)}[kind]
+        launched.clear()
+        out, lse = cuflash.attention_forward(q, k, v, causal=kind != "mask", **opts)
+        grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=kind != "mask", deterministic=det, **opts)
+        cp.cuda.Device().synchronize()
+        arrays = (out,) + tuple(g for g in grads if not isinstance(g, dict)) + tuple(
+            x for g in grads if isinstance(g, dict) for x in g.values())
+        print(f"{dtype:8} d={d:3} deterministic={det!s:5} {kind:5} {','.join(dict.fromkeys(launched))} "
+              f"finite={_all_finite(arrays)}", flush=True)
 
 
 def hopper_persistent(dtypes) -> None:

@@ -7,7 +7,8 @@
   bench     benchmark against PyTorch SDPA and naive CuPy (GPU, source checkout);
             bench --precision: float32/float64 speed next to each contender's error;
             bench --decode: few query rows over a long KV cache (split-KV);
-            bench --varlen: packed sequences of different lengths against padding
+            bench --varlen: packed sequences of different lengths against padding;
+            bench --mods: user score and mask modifications against FlexAttention
 """
 from __future__ import annotations
 
@@ -280,6 +281,9 @@ def cmd_bench(args, rest) -> int:
     elif "--varlen" in rest:   # packed sequences against padding: benchmarks/bench_varlen.py
         name = "bench_varlen.py"
         rest = [a for a in rest if a != "--varlen"]
+    elif "--mods" in rest:   # user modifications against FlexAttention: benchmarks/bench_mods.py
+        name = "bench_mods.py"
+        rest = [a for a in rest if a != "--mods"]
     script = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not script.is_file():
         raise SystemExit("error: the benchmark ships with the source repository, not the installed package: "
@@ -351,13 +355,15 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_estimate)
     p = sub.add_parser("bench", help="benchmark against PyTorch SDPA (GPU, source checkout; --precision: "
                                      "float32 / float64 with errors; --decode: decoding over a KV cache; "
-                                     "--varlen: packed sequences)",
+                                     "--varlen: packed sequences; --mods: user modifications)",
                        description="Run benchmarks/bench.py (needs a GPU and a source checkout); every option "
                                    "after `bench` goes to it, e.g. --quick, --out DIR, --replot JSON. With "
                                    "--precision: benchmarks/bench_precision.py instead (float32 and float64, "
                                    "each contender's error next to its speed); with --decode: "
                                    "benchmarks/bench_decode.py (few query rows over a long KV cache); with "
-                                   "--varlen: benchmarks/bench_varlen.py (packed sequences against padding).",
+                                   "--varlen: benchmarks/bench_varlen.py (packed sequences against padding); "
+                                   "with --mods: benchmarks/bench_mods.py (user modifications against "
+                                   "FlexAttention).",
                        add_help=False)
     p.set_defaults(fn=cmd_bench)
     args, rest = parser.parse_known_args(argv)

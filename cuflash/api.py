@@ -20,7 +20,7 @@ __all__ = ["attention", "attention_forward", "attention_backward", "vjp"]
 def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None, bias: Any = None,
               mask: Any = None, dropout_p: float = 0.0, seed: Optional[int] = None, window: Any = None,
               block_layout: Optional[BlockLayout] = None, precision: str = "highest",
-              num_splits: Optional[int] = None):
+              num_splits: Optional[int] = None, score_mod=None, mask_mod=None):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, computed tile by tile.
 
     Parameters
@@ -81,6 +81,14 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         so that few long rows (decoding over a KV cache) still fill the GPU. None (default): split
         where the query blocks alone would leave most of the GPU idle; 1: never. The result is
         the same up to rounding. Ignored by NumPy inputs.
+    score_mod : cuflash.ScoreMod or a sequence of them, optional
+        User modifications of each score (natural units, after the bias and before the softmax),
+        CUDA source compiled into the kernels (:mod:`cuflash.mods`; library ones: ``cuflash.softcap``,
+        ``cuflash.alibi``, ``cuflash.relative_position_bias``). Several apply in order.
+    mask_mod : cuflash.MaskMod or a sequence of them, optional
+        User masks over (batch, head, query, key) (``cuflash.document_mask``,
+        ``cuflash.prefix_lm_mask``); every one has to allow a key, as do the other masking options.
+        Blocks they hide entirely are skipped.
 
     Returns
     -------
@@ -99,14 +107,15 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         seed = options.draw_seed()   # no backward will need it
     return attention_forward(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, dropout_p=dropout_p,
                              seed=seed, window=window, block_layout=block_layout, precision=precision,
-                             num_splits=num_splits)[0]
+                             num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod)[0]
 
 
 def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
                       bias: Any = None, mask: Any = None, dropout_p: float = 0.0,
                       seed: Optional[int] = None, window: Any = None,
                       block_layout: Optional[BlockLayout] = None,
-                      precision: str = "highest", num_splits: Optional[int] = None) -> Tuple[Any, Any]:
+                      precision: str = "highest", num_splits: Optional[int] = None, score_mod=None,
+                      mask_mod=None) -> Tuple[Any, Any]:
     """Attention output and the row logsumexp saved for the backward pass.
 
     Parameters are those of :func:`attention`, except that dropout needs an
@@ -117,12 +126,12 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
     -------
     out : array, shape (..., Hq, Lq, Dv), the input dtype.
     lse : array, shape (..., Hq, Lq), float32 (float64 for float64 inputs).
-        Natural-log logsumexp over keys of the scaled, biased, masked scores
+        Natural-log logsumexp over keys of the scaled, biased, modified, masked scores
         (before dropout); ``-inf`` for a row that can see no key.
     """
     call = options.forward_call(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, window=window,
                                 dropout_p=dropout_p, seed=seed, block_layout=block_layout, precision=precision,
-                                num_splits=num_splits)
+                                num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod)
     p = call.problem
     if p.xp is np:
         return _forward_numpy(p, call.options, q.dtype)
@@ -228,7 +237,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                        bias: Any = None, mask: Any = None, dropout_p: float = 0.0,
                        seed: Optional[int] = None, window: Any = None,
                        block_layout: Optional[BlockLayout] = None, precision: str = "highest",
-                       deterministic: bool = False, bias_grad: bool = True) -> Tuple[Any, ...]:
+                       deterministic: bool = False, bias_grad: bool = True, score_mod=None,
+                       mask_mod=None) -> Tuple[Any, ...]:
     """Gradients of ``sum(dout * attention(q, k, v))`` with respect to q, k, v (and the bias).
 
     The n x n probabilities are recomputed tile by tile from q, k and the saved
@@ -243,9 +253,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
     out, lse : arrays
         What :func:`attention_forward` returned for these inputs and options.
         ``lse`` may be any float dtype; it is read as float32 (float64 for float64).
-    causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision
+    causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision, score_mod, mask_mod
         The options the forward pass used (they must match; with dropout, the
-        same seed).
+        same seed). Each score modification needs its ``grad``.
     deterministic : bool
         False (default): dQ (and a bias gradient shared across batches or K/V
         heads) is summed with fp32/fp64 atomics, fast but the last bits may
@@ -266,37 +276,49 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         fp64 accumulator of the bias's own shape, never an n x n buffer per head).
         A bias constant along keys (last dim 1) gets exactly 0: it shifts every
         score of a row equally, which softmax ignores.
+    param_grads : dict, only when a score modification has trainable parameters (``param_grads``):
+        parameter name -> its gradient, with the parameter's shape and dtype.
     """
     call = options.backward_call(dout, q, k, v, out, lse, causal=causal, scale=scale, bias=bias, mask=mask,
                                  window=window, dropout_p=dropout_p, seed=seed, block_layout=block_layout,
-                                 precision=precision)
+                                 precision=precision, score_mod=score_mod, mask_mod=mask_mod)
     p, opts = call.problem, call.options
     dout4, out4, lse4 = call.backward_inputs
+    trainable = opts.mods.trainable if opts.mods is not None else ()
     if p.xp is np:
         grads = reference.attention_backward_blocked(dout4, p.q, p.k, p.v, out4, lse4, causal=p.reference_causal,
                                                      scale=p.scale, **_reference_kwargs(p, opts))
         result = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads[:3], (q, k, v)))
-        if bias is None or not bias_grad:
-            return result
-        return result + (_masking.DbiasPlan(grads[3], {}, ()).result(p, opts),)
+        if bias is not None and bias_grad:
+            result = result + (_masking.DbiasPlan(grads[3], {}, ()).result(p, opts),)
+        if trainable:
+            result = result + ({name: grads[-1][name].astype(m.params[name].dtype) for m, name in trainable},)
+        return result
     cupy = p.xp
     dbias = None
+    param_grads = {}
     if p.q.size == 0 or p.lk == 0:   # no queries, batches or heads (q is empty), or no keys
         with on_device(p.q.data.device_id):
             grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (p.q, p.k, p.v))
             if bias is not None and bias_grad:
                 dbias = cupy.zeros(bias.shape, dtype=bias.dtype)
+            param_grads = {name: cupy.zeros(m.params[name].shape, dtype=m.params[name].dtype)
+                           for m, name in trainable}
     else:
-        dq, dk, dv, dbias_plan = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic),
-                                                bool(bias_grad))
-        if call.signature is not None:   # 4-D inputs, no bias: the gradients have their shapes already
+        dq, dk, dv, dbias_plan, param_accs = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic),
+                                                            bool(bias_grad))
+        if call.signature is not None:   # 4-D inputs, no options: the gradients have their shapes already
             return dq, dk, dv
         grads = (dq, dk, dv)
-        if dbias_plan is not None:
-            with on_device(p.q.data.device_id):
+        with on_device(p.q.data.device_id):
+            if dbias_plan is not None:
                 dbias = dbias_plan.result(p, opts)
+            param_grads = {name: acc.astype(m.params[name].dtype, copy=False)
+                           for (m, name), acc in zip(trainable, param_accs)}
     result = (_shaped(grads[0], q.shape), _shaped(grads[1], k.shape), _shaped(grads[2], v.shape))
-    return result if bias is None or not bias_grad else result + (dbias,)
+    if bias is not None and bias_grad:
+        result = result + (dbias,)
+    return result + (param_grads,) if trainable else result
 
 
 def vjp(q, k, v, *, deterministic: bool = False, **kwargs):
@@ -308,15 +330,16 @@ def vjp(q, k, v, *, deterministic: bool = False, **kwargs):
     deterministic : bool
         Passed to :func:`attention_backward`.
     **kwargs
-        causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision, and
-        num_splits (the forward's only). With ``dropout_p > 0`` and no ``seed``, one is drawn;
+        causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision, score_mod,
+        mask_mod, and num_splits (the forward's only). With ``dropout_p > 0`` and no ``seed``, one is drawn;
         it is kept for the backward and readable as ``vjp_fn.seed``.
 
     Returns
     -------
     out : array, shape (..., Hq, Lq, Dv)
     vjp_fn : callable
-        ``vjp_fn(dout) -> (dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` with a bias;
+        ``vjp_fn(dout) -> (dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` with a bias, and the
+        trainable parameters' gradients (a dict) last where a score modification has them;
         may be called any number of times. It holds references to q, k, v, the
         bias, mask, out and lse (not copies): do not modify them in place
         between the forward and the backward.

@@ -13,6 +13,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from .block_sparse import BlockLayout
+from .mods import Mods, resolve as resolve_mods
 from .semantics import acc_dtype
 
 try:  # bfloat16 arrays are ml_dtypes.bfloat16 (NumPy and CuPy alike)
@@ -259,6 +260,7 @@ class Options:
     dropout_p: float = 0.0
     seed: Optional[int] = None
     block_layout: Optional[BlockLayout] = None
+    mods: Optional[Mods] = None   # score and mask modifications (cuflash.mods)
 
     @property
     def dropout(self) -> bool:
@@ -266,12 +268,15 @@ class Options:
 
     @property
     def extra(self) -> bool:
-        """Whether the kernels need their EXTRA pieces (score_mod.cuh)."""
-        return self.bias is not None or self.mask is not None or self.block_layout is not None or self.dropout
+        """Whether the kernels need their EXTRA pieces (score_mod.cuh): score modifications alone run on the
+        plain kernels (their hooks work on raw scores too), mask modifications need the per-element test."""
+        return (self.bias is not None or self.mask is not None or self.block_layout is not None or self.dropout
+                or (self.mods is not None and bool(self.mods.mask)))
 
     def reference_kwargs(self) -> dict:
         return dict(bias=self.bias, mask=self.mask, window=self.window, dropout_p=self.dropout_p, seed=self.seed,
-                    block_layout=self.block_layout)
+                    block_layout=self.block_layout, score_mod=self.mods.score if self.mods else None,
+                    mask_mod=self.mods.mask if self.mods else None)
 
 
 def _score_shape(p: Problem) -> tuple:
@@ -308,8 +313,28 @@ def check_window(window) -> Optional[Tuple[Optional[int], Optional[int]]]:
     return (None if left is None else int(left), None if right is None else int(right))
 
 
+def check_mods(p: Problem, score_mod=None, mask_mod=None) -> Optional[Mods]:
+    """The call's modifications (cuflash.mods), checked against its inputs: CuPy inputs take parameter
+    arrays on their device; NumPy inputs need every modification's NumPy twin."""
+    mods = resolve_mods(score_mod, mask_mod)
+    if mods is None:
+        return None
+    for m in mods.score + mods.mask:
+        if p.xp is np and m.python is None:
+            raise ValueError(f"{m.name}: NumPy inputs run the modification's NumPy twin; give python=...")
+        for name, value in m.params.items():
+            if hasattr(value, "dtype") and hasattr(value, "shape"):
+                if p.xp is not np and array_module(value) is not p.xp:
+                    raise TypeError(f"{m.name}: parameter {name!r} is a {array_module(value).__name__} array "
+                                    f"but q is a {p.xp.__name__} array")
+                if p.xp is not np and value.device.id != p.q.device.id:
+                    raise ValueError(f"{m.name}: parameter {name!r} is on device {value.device.id}, "
+                                     f"q on device {p.q.device.id}")
+    return mods
+
+
 def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.0, seed=None,
-                  block_layout=None, need_seed: bool = True) -> Options:
+                  block_layout=None, need_seed: bool = True, score_mod=None, mask_mod=None) -> Options:
     """Validate the masking options of a call (clear TypeError / ValueError, nothing launched)."""
     shape = _score_shape(p)
     if bias is not None:
@@ -340,7 +365,8 @@ def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.
         bq, bk = block_layout.block_size
         _broadcastable(block_layout.layout, p.lead + (p.heads_q, *block_layout.blocks(p.lq, p.lk)),
                        f"block_layout (blocks of {bq} x {bk})")
-    return Options(check_window(window), bias, mask, dropout_p, None if seed is None else int(seed), block_layout)
+    return Options(check_window(window), bias, mask, dropout_p, None if seed is None else int(seed), block_layout,
+                   check_mods(p, score_mod, mask_mod))
 
 
 def draw_seed() -> int:
@@ -427,10 +453,12 @@ def check_num_splits(num_splits) -> None:
 
 
 def forward_call(q, k, v, *, causal=False, scale=None, bias=None, mask=None, window=None, dropout_p=0.0,
-                 seed=None, block_layout=None, precision="highest", num_splits=None) -> Call:
+                 seed=None, block_layout=None, precision="highest", num_splits=None, score_mod=None,
+                 mask_mod=None) -> Call:
     """Validate a forward call (TypeError / ValueError before anything is launched)."""
     signature = None
-    if _plain(causal, scale, bias, mask, window, dropout_p, seed, block_layout) and (
+    if score_mod is None and mask_mod is None and _plain(causal, scale, bias, mask, window, dropout_p, seed,
+                                                         block_layout) and (
             num_splits is None or type(num_splits) is int):
         arrays = _arrays_signature((q, k, v))
         if arrays is not None:
@@ -442,19 +470,21 @@ def forward_call(q, k, v, *, causal=False, scale=None, bias=None, mask=None, win
     check_num_splits(num_splits)
     p = check_qkv(q, k, v, causal=causal, scale=scale)
     opts = check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
-                         block_layout=block_layout)
+                         block_layout=block_layout, score_mod=score_mod, mask_mod=mask_mod)
     if signature is not None:
         _memo(signature, p)
     return Call(p, opts, signature)
 
 
 def backward_call(dout, q, k, v, out, lse, *, causal=False, scale=None, bias=None, mask=None, window=None,
-                  dropout_p=0.0, seed=None, block_layout=None, precision="highest") -> Call:
+                  dropout_p=0.0, seed=None, block_layout=None, precision="highest", score_mod=None,
+                  mask_mod=None) -> Call:
     """Validate a backward call; ``Call.backward_inputs`` holds dout and out as 4-D views and lse as
     (B, Hq, Lq) in the accumulator dtype. A scale of zero takes no signature (0.0 == -0.0 as dict
     keys, but the gradients, multiplied by it, carry its sign)."""
     signature = None
-    if _plain(causal, scale, bias, mask, window, dropout_p, seed, block_layout) and scale != 0.0:
+    if score_mod is None and mask_mod is None and _plain(causal, scale, bias, mask, window, dropout_p, seed,
+                                                         block_layout) and scale != 0.0:
         arrays = _arrays_signature((q, k, v, dout, out))
         cupy = _cupy()
         if arrays is not None and type(lse) is cupy.ndarray and lse.ndim == 3:
@@ -467,7 +497,10 @@ def backward_call(dout, q, k, v, out, lse, *, causal=False, scale=None, bias=Non
     check_precision(precision)
     p = check_qkv(q, k, v, causal=causal, scale=scale)
     opts = check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
-                         block_layout=block_layout)
+                         block_layout=block_layout, score_mod=score_mod, mask_mod=mask_mod)
+    if opts.mods is not None and not opts.mods.has_grad:
+        missing = ", ".join(m.name for m in opts.mods.score if m.grad is None)
+        raise ValueError(f"the backward needs each score modification's derivative: give grad=... to {missing}")
     inputs = check_backward_inputs(p, dout, out, lse)
     if signature is not None and all(a is b for a, b in zip(inputs, (dout, out, lse))):
         _memo(signature, p)

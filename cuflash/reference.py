@@ -226,6 +226,36 @@ def _allowed_tile(band, mask, block_layout, rows: slice, cols: slice, ndim: int,
     return allowed
 
 
+def _mods(score_mod, mask_mod):
+    """The modifications (cuflash.mods.Mods) of a reference call, or None."""
+    if score_mod is None and mask_mod is None:
+        return None
+    from .mods import resolve
+    return resolve(score_mod, mask_mod)
+
+
+def _mod_grids(shape: tuple, rows: slice, cols: slice, xp):
+    """The (b, h, q_idx, kv_idx) index arrays of a score tile of ``shape`` (..., H, rows, cols), broadcastable
+    to it: b the flat index over the leading dims (0 without any), h the query head."""
+    lead, heads = shape[:-3], shape[-3]
+    b = xp.arange(math.prod(lead)).reshape(lead + (1, 1, 1)) if lead else xp.zeros((1, 1, 1), dtype=np.int64)
+    h = xp.arange(heads).reshape(heads, 1, 1)
+    return b, h, xp.arange(rows.start, rows.stop).reshape(-1, 1), xp.arange(cols.start, cols.stop).reshape(1, -1)
+
+
+def _modified(s, mods, grids, xp):
+    """Scores after the score modifications; where a score is -inf (masked) it stays so."""
+    return s if mods is None else mods.scores(s, *grids, xp)
+
+
+def _mod_allowed(allowed, mods, grids, xp):
+    """``allowed`` and the mask modifications' verdict."""
+    if mods is None or not mods.mask:
+        return allowed
+    verdict = mods.allowed(*grids, xp)
+    return verdict if allowed is None else (allowed & verdict)
+
+
 def _tile(x, ndim: int, rows: slice, cols: slice):
     """The (rows, cols) tile of a bias/mask broadcastable to an ``ndim``-D score array, unexpanded."""
     x = x.reshape((1,) * (ndim - x.ndim) + x.shape)
@@ -349,7 +379,8 @@ def _precision(dtype, xp):
     return np.float32, functools.partial(_round, name=name, xp=xp)   # float32 arrays holding `name` values
 
 
-def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, absolute: bool = False, keep=None):
+def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, absolute: bool = False, keep=None,
+                 mods=None):
     """THE naive attention: the n x n scores materialised, each result passed through ``rnd``.
 
     ``q (..., Hq, Lq, D)``, ``k (..., Hq, Lk, D)``, ``v (..., Hq, Lk, Dv)`` (K/V heads
@@ -358,7 +389,9 @@ def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, abs
     (dropout: ``1/(1-p)`` or 0 per element, or None) multiplies P after the softmax:
     ``O = (keep P) V``, ``dV = (keep P)^T dO``, ``dS = P (keep dP - Dsum)``. With
     ``absolute``, every product is taken over absolute values (``|P| |V|``,
-    ``P (|dP| + |Dsum|)``, ...): the magnitudes that bound rounding errors.
+    ``P (|dP| + |Dsum|)``, ...): the magnitudes that bound rounding errors. ``mods``
+    (cuflash.mods.Mods): the score modifications applied to S (each result rounded), dS times their
+    derivative; the mask modifications are in ``allowed`` already.
     """
     a = xp.abs if absolute else (lambda x: x)
     scale = work(abs(scale) if absolute else scale)
@@ -366,6 +399,15 @@ def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, abs
         s = rnd(xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale)     # S = scale Q K^T (GEMM with alpha = scale)
         if bias is not None:
             s = rnd(s + rnd(bias).astype(work))
+        grad = None
+        if mods is not None and mods.score:
+            grids = _mod_grids(s.shape, slice(0, s.shape[-2]), slice(0, s.shape[-1]), xp)
+            if do is not None:
+                s_mod, grad, _ = mods.scores_and_grad(s, *grids, xp)
+                grad = a(grad)
+            else:
+                s_mod = mods.scores(s, *grids, xp)
+            s = rnd(xp.where(xp.isneginf(s), work(-np.inf), s_mod).astype(work))
         if allowed is not None:
             s = xp.where(allowed, s, work(-np.inf))
         p, lse = _softmax_rows(s, xp)                              # P = softmax(S)
@@ -380,13 +422,15 @@ def _materialise(q, k, v, do, *, scale: float, bias, allowed, xp, work, rnd, abs
             dp = dp * keep
         dsum = (a(do) * out).sum(axis=-1, keepdims=True)           # Dsum = rowsum(dO * O)
         ds = rnd(p * (dp + dsum) if absolute else p * (dp - dsum))  # dS = P (dP - Dsum)
+        if grad is not None:                                       # dS of the raw scores
+            ds = rnd(xp.where(p != 0, ds * grad, 0.0))
         dq = rnd(xp.matmul(ds, a(k)) * scale)                      # dQ = scale dS K
         dk = rnd(xp.matmul(xp.swapaxes(ds, -1, -2), a(q)) * scale)  # dK = scale dS^T Q
     return out, lse, (dq, dk, dv, ds)
 
 
 def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False, window=None, dropout=None,
-           block_layout=None):
+           block_layout=None, mods=None):
     """Validate, convert to the working precision, run :func:`_materialise`."""
     xp = _array_module(dout, q, k, v)
     work, rnd = (np.float64, lambda x: x) if absolute else _precision(dtype, xp)
@@ -400,11 +444,12 @@ def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False, wind
     rows, cols = slice(0, lq), slice(0, lk)
     band = band_limits(causal, window, lq, lk)
     allowed = _allowed_tile(band, mask, block_layout, rows, cols, q.ndim, xp)
+    allowed = _mod_allowed(allowed, mods, _mod_grids(q.shape[:-1] + (lk,), rows, cols, xp), xp)
     keep = None
     if dropout is not None:
         keep = _dropout_tile(dropout, q.shape[:-2] + (lq, lk), rows, cols, xp).astype(work)
     out, lse, grads = _materialise(q, k, v, do, scale=scale, bias=bias, allowed=allowed, xp=xp, work=work, rnd=rnd,
-                                   absolute=absolute, keep=keep)
+                                   absolute=absolute, keep=keep, mods=mods)
     return out, lse, grads, group, squeeze, bias
 
 
@@ -428,7 +473,7 @@ def _result_dtype(dtype):
 def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                     bias: Optional[Array] = None, mask: Optional[Array] = None,
                     dtype: Any = None, window=None, dropout_p: float = 0.0, seed: Optional[int] = None,
-                    block_layout=None) -> Tuple[Array, Array]:
+                    block_layout=None, score_mod=None, mask_mod=None) -> Tuple[Array, Array]:
     """Attention with the full score matrix materialised: ``softmax(scale q k^T + bias) v``.
 
     Parameters
@@ -451,6 +496,9 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         Dropout after the softmax with the kernels' Philox mask (:func:`dropout_keep`).
     block_layout : cuflash.BlockLayout, optional
         Blocks that are off attend nothing.
+    score_mod, mask_mod : cuflash.ScoreMod / cuflash.MaskMod or sequences of them, optional
+        User modifications, evaluated by their NumPy twins (cuflash.mods) with ``b`` the flat index
+        over the leading dims.
     dtype : None, float16, "bfloat16" / ``ml_dtypes.bfloat16``, float32, float64 or "longdouble"
         None (or float64): exact float64 computation; "longdouble": exact in NumPy's
         long double (the reference for float64 results). Otherwise emulate a naive
@@ -469,7 +517,8 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         Natural-log logsumexp of the allowed scores (-inf for rows with nothing).
     """
     out, lse, _, _, squeeze, _ = _naive(q, k, v, None, causal, scale, bias, mask, dtype, window=window,
-                                        dropout=_dropout_arg(dropout_p, seed), block_layout=block_layout)
+                                        dropout=_dropout_arg(dropout_p, seed), block_layout=block_layout,
+                                        mods=_mods(score_mod, mask_mod))
     res = _result_dtype(dtype)
     return _squeeze(squeeze, out.astype(res), lse.astype(res))
 
@@ -525,7 +574,8 @@ def _quiet(fn):
 def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                       bias: Optional[Array] = None, mask: Optional[Array] = None, block_m: int = 64,
                       block_n: int = 64, return_stats: bool = False, window=None, dropout_p: float = 0.0,
-                      seed: Optional[int] = None, block_layout=None, dropout_origin: Tuple[int, int, int] = (0, 0, 0)):
+                      seed: Optional[int] = None, block_layout=None, dropout_origin: Tuple[int, int, int] = (0, 0, 0),
+                      score_mod=None, mask_mod=None):
     """FlashAttention-2's forward algorithm in float64: online softmax over key tiles.
 
     For each tile of ``block_m`` query rows: running max ``m = -inf``, running sum
@@ -542,7 +592,7 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
 
     Parameters
     ----------
-    q, k, v, causal, scale, bias, mask, window, dropout_p, seed, block_layout
+    q, k, v, causal, scale, bias, mask, window, dropout_p, seed, block_layout, score_mod, mask_mod
         As :func:`attention_naive`.
     block_m, block_n : int
         Query and key tile sizes (>= 1).
@@ -563,6 +613,7 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
     block_m, block_n = _check_blocks(block_m, block_n)
     xp = _array_module(q, k, v)
     q, k, v, scale, _, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
+    mods = _mods(score_mod, mask_mod)
     lq, lk = q.shape[-2], k.shape[-2]
     band = band_limits(causal, window, lq, lk)
     dropout = _dropout_arg(dropout_p, seed, dropout_origin)
@@ -584,7 +635,9 @@ def attention_blocked(q: Array, k: Array, v: Array, *, causal: Causal = False, s
             s = xp.matmul(qi, xp.swapaxes(k[..., cols, :], -1, -2)) * scale
             if bias is not None:
                 s = s + _tile(bias, s.ndim, rows, cols)
-            allowed = _allowed_tile(band, mask, block_layout, rows, cols, s.ndim, xp)
+            grids = _mod_grids(s.shape, rows, cols, xp) if mods is not None else None
+            s = _modified(s, mods, grids, xp)
+            allowed = _mod_allowed(_allowed_tile(band, mask, block_layout, rows, cols, s.ndim, xp), mods, grids, xp)
             if allowed is not None:
                 s = xp.where(allowed, s, -np.inf)
             m_new = xp.maximum(m, s.max(axis=-1))
@@ -634,7 +687,8 @@ def _grads(dq, dk, dv, dbias, group: int, squeeze: bool):
 def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causal: Causal = False,
                              scale: Optional[float] = None, bias: Optional[Array] = None,
                              mask: Optional[Array] = None, dtype: Any = None, window=None, dropout_p: float = 0.0,
-                             seed: Optional[int] = None, block_layout=None) -> Tuple[Array, ...]:
+                             seed: Optional[int] = None, block_layout=None, score_mod=None,
+                             mask_mod=None) -> Tuple[Array, ...]:
     """Gradients of ``sum(dout * out)`` with the score matrix materialised.
 
     ``P = softmax(S)``, ``O = P V``, ``dV = P^T dO``, ``dP = dO V^T``,
@@ -646,7 +700,7 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
     ----------
     dout : array ``(..., Hq, Lq, Dv)``
         Gradient with respect to ``out``.
-    q, k, v, causal, scale, bias, mask, dtype, window, dropout_p, seed, block_layout
+    q, k, v, causal, scale, bias, mask, dtype, window, dropout_p, seed, block_layout, score_mod, mask_mod
         As :func:`attention_naive` (``dtype`` emulates the same naive framework:
         every matmul result and n x n intermediate rounded to ``dtype``).
 
@@ -658,7 +712,7 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
     """
     _, _, (dq, dk, dv, ds), group, squeeze, bias = _naive(q, k, v, dout, causal, scale, bias, mask, dtype,
                                                           window=window, dropout=_dropout_arg(dropout_p, seed),
-                                                          block_layout=block_layout)
+                                                          block_layout=block_layout, mods=_mods(score_mod, mask_mod))
     dbias = None if bias is None else _reduce_to(_squeeze(squeeze, ds)[0], bias.shape)
     res = _result_dtype(dtype)
     return tuple(g.astype(res) for g in _grads(dq, dk, dv, dbias, group, squeeze))
@@ -667,7 +721,7 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
 def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = None, *, causal: Causal = False,
                         scale: Optional[float] = None, bias: Optional[Array] = None,
                         mask: Optional[Array] = None, window=None, dropout_p: float = 0.0,
-                        seed: Optional[int] = None, block_layout=None):
+                        seed: Optional[int] = None, block_layout=None, score_mod=None, mask_mod=None):
     """The naive computation with every product over absolute values, in float64.
 
     ``|P| |V|`` for the output; ``|P|^T |dO|``, ``P (|dP| + |Dsum|)``, ``|dS| |K|``, ...
@@ -680,7 +734,7 @@ def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = No
     """
     out, _, grads, group, squeeze, _ = _naive(q, k, v, dout, causal, scale, bias, mask, None, absolute=True,
                                               window=window, dropout=_dropout_arg(dropout_p, seed),
-                                              block_layout=block_layout)
+                                              block_layout=block_layout, mods=_mods(score_mod, mask_mod))
     (out,) = _squeeze(squeeze, out)
     if grads is None:
         return out
@@ -694,7 +748,8 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
                                bias: Optional[Array] = None, mask: Optional[Array] = None,
                                block_m: int = 64, block_n: int = 64, window=None, dropout_p: float = 0.0,
                                seed: Optional[int] = None, block_layout=None,
-                               dropout_origin: Tuple[int, int, int] = (0, 0, 0)) -> Tuple[Array, ...]:
+                               dropout_origin: Tuple[int, int, int] = (0, 0, 0), score_mod=None,
+                               mask_mod=None) -> Tuple[Array, ...]:
     """FlashAttention-2's backward algorithm in float64, from the forward's ``out`` and ``lse``.
 
     ``Dsum = rowsum(dO * O)``. For each key tile (outer loop) and each query tile
@@ -708,7 +763,7 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
     Parameters
     ----------
     dout : array ``(..., Hq, Lq, Dv)``
-    q, k, v, causal, scale, bias, mask, window, dropout_p, seed, block_layout
+    q, k, v, causal, scale, bias, mask, window, dropout_p, seed, block_layout, score_mod, mask_mod
         As :func:`attention_naive`.
     out : array ``(..., Hq, Lq, Dv)``; lse : array ``(..., Hq, Lq)``
         The forward's results.
@@ -719,11 +774,15 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
 
     Returns
     -------
-    As :func:`attention_backward_naive`.
+    As :func:`attention_backward_naive`; with trainable parameters of score modifications, also a dict of
+    their gradients (float64, the parameters' shapes) last. A score modification's ``dS`` is
+    ``P (dP - Dsum)`` times its derivative at the raw score.
     """
     block_m, block_n = _check_blocks(block_m, block_n)
     xp = _array_module(dout, q, k, v, out, lse)
     q, k, v, scale, group, squeeze, bias, mask = _prepare(q, k, v, scale, bias, mask, xp)
+    mods = _mods(score_mod, mask_mod)
+    param_grads: dict = {}
     do = _as_shape(dout, q.shape[:-1] + (v.shape[-1],), squeeze, "dout", xp)
     o = _as_shape(out, do.shape, squeeze, "out", xp)
     lse = _as_shape(lse, q.shape[:-1], squeeze, "lse", xp)
@@ -750,7 +809,14 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
             if bias is not None:
                 s = s + _tile(bias_nd, s.ndim, rows, cols)
             ok = live[..., rows, None]
-            allowed = _allowed_tile(band, mask, block_layout, rows, cols, s.ndim, xp)
+            grad = inputs = grids = None
+            if mods is not None:
+                grids = _mod_grids(s.shape, rows, cols, xp)
+                if mods.score:
+                    raw = s
+                    s, grad, inputs = mods.scores_and_grad(s, *grids, xp)
+                    s = xp.where(xp.isneginf(raw), -np.inf, s)
+            allowed = _mod_allowed(_allowed_tile(band, mask, block_layout, rows, cols, s.ndim, xp), mods, grids, xp)
             if allowed is not None:
                 ok = ok & allowed
             ok = ok & xp.ones(s.shape, dtype=bool)
@@ -764,6 +830,12 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
             else:
                 dv[..., cols, :] += xp.matmul(xp.swapaxes(p, -1, -2), doi)
             ds = p * (dp - dsum[..., rows, None])
+            if grad is not None:   # dS of the modified scores -> of the raw ones, and the parameters' gradients
+                ds = xp.where(p != 0, ds, 0.0)
+                if mods.trainable:
+                    for name, g in mods.param_grads_numpy(inputs, ds, *grids, xp).items():
+                        param_grads[name] = param_grads.get(name, 0) + g
+                ds = xp.where(p != 0, ds * grad, 0.0)
             dk[..., cols, :] += xp.matmul(xp.swapaxes(ds, -1, -2), qi) * scale
             dq[..., rows, :] += xp.matmul(ds, kj) * scale
             if bias is not None:
@@ -774,4 +846,8 @@ def attention_backward_blocked(dout: Array, q: Array, k: Array, v: Array, out: A
                     g = g.sum(axis=-1, keepdims=True)
                 dbias[..., rows if bias_nd.shape[-2] != 1 else slice(None),
                       cols if bias_nd.shape[-1] != 1 else slice(None)] += g
-    return _grads(dq, dk, dv, None if bias is None else dbias.reshape(bias.shape), group, squeeze)
+    grads = _grads(dq, dk, dv, None if bias is None else dbias.reshape(bias.shape), group, squeeze)
+    if mods is not None and mods.trainable:
+        grads = grads + ({name: param_grads.get(name, xp.zeros(m.params[name].shape))
+                          for m, name in mods.trainable},)
+    return grads

@@ -163,9 +163,12 @@ flash_bwd_dbias_mma(const BwdParams p) {
             for (int i = 0; i < 4; i += 2) {   // elements i, i + 1: one row, keys col and col + 1
                 const int row = row0 + frag_row(lane, i);
                 float keep0 = 1.0f, keep1 = 1.0f;
-                if (mod.has_dropout()) mod.keep2(m0 + row, w.n0 + frag_col(lane, n, i), keep0, keep1);
-                prob_and_dscore(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0);
-                prob_and_dscore(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1);
+                const int col = w.n0 + frag_col(lane, n, i);
+                if (mod.has_dropout()) mod.keep2(m0 + row, col, keep0, keep1);
+                mod.template prob_and_dscore_at<false>(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, 1.0f, m0 + row,
+                                                       col);
+                mod.template prob_and_dscore_at<false>(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1, 1.0f,
+                                                       m0 + row, col + 1);
                 acc_db[n][i] += dp[n][i];
                 acc_db[n][i + 1] += dp[n][i + 1];
             }

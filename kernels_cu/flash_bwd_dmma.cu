@@ -79,11 +79,13 @@ struct DqDmmaTraits {
 
 // P^T and dS^T in place on one 8-key tile's S^T, dP^T fragments (N query tiles;
 // this lane: queries 8n + 2t + i). lse_log2 and dsum are the step's row stats in
-// shared memory; keep(n, i) dropout's verdict (1 without). DO_DS: without it (the
-// dV-only pass) only P^T is formed.
-template <bool DO_DS, int N, typename Keep>
+// shared memory; keep(n, i) dropout's verdict (1 without); coord(n, i, row, col) the element's query
+// and key (user score modifications, ScoreMod::prob_and_dscore_at). DO_DS: without it (the dV-only
+// pass) only P^T is formed.
+template <bool DO_DS, int N, typename Mod, typename Keep, typename Coord>
 __device__ __forceinline__ void prob_and_dscore_t(double (&st)[N][2], double (&dpt)[N][2], const double* lse_log2,
-                                                  const double* dsum, int lane, double x_per_s, Keep keep) {
+                                                  const double* dsum, int lane, double x_per_s, const Mod& mod,
+                                                  Keep keep, Coord coord) {
 #pragma unroll
     for (int n = 0; n < N; ++n) {
         const int q = 8 * n + 2 * (lane % 4);   // the pair's first query: both stats in one 16-byte load
@@ -93,8 +95,13 @@ __device__ __forceinline__ void prob_and_dscore_t(double (&st)[N][2], double (&d
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const double k = keep(n, i);
+            int row = 0, col = 0;
+            if (USER_SCORE) coord(n, i, row, col);
             if (DO_DS)
-                prob_and_dscore(st[n][i], dpt[n][i], i ? lse1 : lse0, i ? dsum1 : dsum0, k, x_per_s);
+                mod.template prob_and_dscore_at<true>(st[n][i], dpt[n][i], i ? lse1 : lse0, i ? dsum1 : dsum0, k, x_per_s,
+                                                      row, col);
+            else if (USER_SCORE)
+                st[n][i] = fast_exp2(mod.user_score(st[n][i], row, col, x_per_s, 1.0) - (i ? lse1 : lse0)) * k;
             else
                 st[n][i] = fast_exp2(st[n][i] * x_per_s - (i ? lse1 : lse0)) * k;
         }
@@ -235,7 +242,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
                 coord(n, i, row, col);
                 return mod.keep(row, col);
             };
-            prob_and_dscore_t<DO_DK>(st[m], dpt[m], lse_s, dsum_s, lane, x_per_s, keep);   // st: P^T, dpt: dS^T
+            prob_and_dscore_t<DO_DK>(st[m], dpt[m], lse_s, dsum_s, lane, x_per_s, mod, keep, coord);   // st: P^T, dpt: dS^T
             if (ATOMIC_DQ)
 #pragma unroll
                 for (int n = 0; n < QT; ++n)
@@ -389,13 +396,13 @@ flash_bwd_dq_dmma(const BwdParams p) {
 #pragma unroll
             for (int n = 0; n < Tr::S_TILES; ++n) {   // a lane's pair: keys col, col + 1 of one row, one Philox draw
                 double keep0 = 1.0, keep1 = 1.0;
-                if (mod.has_dropout()) {
-                    int row, col;
-                    coord(n, 0, row, col);
-                    mod.keep2(row, col, keep0, keep1);
-                }
-                prob_and_dscore(s[m][n][0], dp[m][n][0], lse_log2[m], dsum[m], keep0, x_per_s);   // dp: dS
-                prob_and_dscore(s[m][n][1], dp[m][n][1], lse_log2[m], dsum[m], keep1, x_per_s);
+                int row = 0, col = 0;
+                if (mod.has_dropout() || USER_SCORE) coord(n, 0, row, col);
+                if (mod.has_dropout()) mod.keep2(row, col, keep0, keep1);
+                mod.template prob_and_dscore_at<false>(s[m][n][0], dp[m][n][0], lse_log2[m], dsum[m], keep0, x_per_s,
+                                                       row, col);   // dp: dS
+                mod.template prob_and_dscore_at<false>(s[m][n][1], dp[m][n][1], lse_log2[m], dsum[m], keep1, x_per_s,
+                                                       row, col + 1);
             }
         }
         warp_gemm_rn_swz<M, Tr::D_TILES, Tr::S_TILES, HEAD, WIDE_K>(acc_dq, dp, k_tile, lane);   // dQ += dS K

@@ -112,8 +112,9 @@ __device__ __forceinline__ void load_bias_tile(const BwdSmem<T, Tr>& sm, const M
 }
 
 // P and dS of one (query block m0, key block n0) tile, written to shared memory.
-// A bias tile, when the call has one, is in sm.p (load_bias_tile).
-template <typename T, typename Tr, typename Mod>
+// A bias tile, when the call has one, is in sm.p (load_bias_tile). PARAM_GRADS: the dK/dV kernel's
+// (ScoreMod::prob_and_dscore_at).
+template <typename T, typename Tr, bool PARAM_GRADS, typename Mod>
 __device__ __forceinline__ void tile_p_ds(const BwdSmem<T, Tr>& sm, const Mod& mod, int m0, int n0, int d, int dv) {
     typedef typename Tr::A A;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -135,7 +136,8 @@ __device__ __forceinline__ void tile_p_ds(const BwdSmem<T, Tr>& sm, const Mod& m
             const int c = tx + 16 * j;
             A keep = A(1);
             if (mod.has_dropout()) keep = mod.keep(m0 + r, n0 + c);
-            prob_and_dscore(s[i][j], dp[i][j], sm.lse[r], sm.dsum[r], keep);
+            mod.template prob_and_dscore_at<PARAM_GRADS>(s[i][j], dp[i][j], sm.lse[r], sm.dsum[r], keep, A(1), m0 + r,
+                                                         n0 + c);
             sm.p[r * Tr::S_PITCH + c] = s[i][j];
             sm.ds[r * Tr::S_PITCH + c] = dp[i][j];
         }
@@ -256,7 +258,7 @@ flash_bwd_dkdv_fma(const BwdParams p) {
             load_query_block<T, Tr>(sm, p, batch, head, m0);
             load_bias_tile<T, Tr>(sm, mod, p, m0, n0);
             __syncthreads();
-            tile_p_ds<T, Tr>(sm, mod, m0, n0, dims.d, dims.dv);
+            tile_p_ds<T, Tr, true>(sm, mod, m0, n0, dims.d, dims.dv);
             __syncthreads();
             if (dbias) {
                 if (ordered) turn.wait_turn();
@@ -325,7 +327,7 @@ flash_bwd_dq_fma(const BwdParams p) {
                                                                            imin(Tr::BN, p.dims.lk - n0));
         load_bias_tile<T, Tr>(sm, mod, p, blk.m0, n0);
         __syncthreads();
-        tile_p_ds<T, Tr>(sm, mod, blk.m0, n0, p.dims.d, p.dims.dv);
+        tile_p_ds<T, Tr, false>(sm, mod, blk.m0, n0, p.dims.d, p.dims.dv);
         __syncthreads();
         accumulate_ds_k<T, Tr>(acc_dq, sm, imin(Tr::BN, p.dims.lk - n0), ty * Tr::TM);
     }

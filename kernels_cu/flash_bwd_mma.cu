@@ -264,9 +264,13 @@ flash_bwd_dkdv_mma(const BwdParams p) {
                     if constexpr (Flags::EXTRA) {   // (x_per_s is 1 there: ScoreMod::scores_stay_raw)
                         float lse_row, dsum_row;
                         stat_of<BM>(stats, row, lse_row, dsum_row);
-                        prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_row, dsum_row, keep);   // st: P^T, dpt: dS^T
-                    } else
-                        prob_and_dscore(st[m][n][i], dpt[m][n][i], lse_log2[i % 2], dsum[i % 2], keep, x_per_s);
+                        mod.template prob_and_dscore_at<DO_DK>(st[m][n][i], dpt[m][n][i], lse_row, dsum_row, keep,
+                                                               1.0f, m0 + row, n0 + key0 + 16 * m + frag_row(lane, i));
+                    } else {
+                        mod.template prob_and_dscore_at<DO_DK>(st[m][n][i], dpt[m][n][i], lse_log2[i % 2], dsum[i % 2],
+                                                               keep, x_per_s, m0 + row,
+                                                               n0 + key0 + 16 * m + frag_row(lane, i));
+                    }
                 }
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {   // fragment row r: key 16 m + lane / 4 + 8 r
@@ -418,9 +422,12 @@ flash_bwd_dq_mma(const BwdParams p) {
             for (int i = 0; i < 4; i += 2) {   // elements i, i + 1: one row, keys col and col + 1
                 const int row = row0 + frag_row(lane, i);
                 float keep0 = 1.0f, keep1 = 1.0f;
-                if (mod.has_dropout()) mod.keep2(m0 + row, n0 + frag_col(lane, n, i), keep0, keep1);
-                prob_and_dscore(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, x_per_s);
-                prob_and_dscore(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1, x_per_s);
+                const int col = n0 + frag_col(lane, n, i);
+                if (mod.has_dropout()) mod.keep2(m0 + row, col, keep0, keep1);
+                mod.template prob_and_dscore_at<false>(s[n][i], dp[n][i], lse_s[row], dsum_s[row], keep0, x_per_s,
+                                                       m0 + row, col);
+                mod.template prob_and_dscore_at<false>(s[n][i + 1], dp[n][i + 1], lse_s[row], dsum_s[row], keep1,
+                                                       x_per_s, m0 + row, col + 1);
             }
         warp_gemm_rn<T, HEAD, BN, P>(acc_dq, dp, k_s, lane);              // dQ += dS K
     }

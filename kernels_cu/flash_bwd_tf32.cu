@@ -251,8 +251,9 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             stat_pair_of<BM>(stats, frag_col(lane, n, 0), lse_log2, dsum);
 #pragma unroll
             for (int i = 0; i < 4; ++i)   // (x_per_s is 1 with EXTRA: ScoreMod::scores_stay_raw)
-                prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2], drop_factor(mod, kept, n, i),
-                                x_per_s);
+                mod.template prob_and_dscore_at<DO_DK>(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
+                                                       drop_factor(mod, kept, n, i), x_per_s, m0 + frag_col(lane, n, i),
+                                                       n0 + key0 + frag_row(lane, i));
             if (ATOMIC_DQ)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
@@ -407,13 +408,13 @@ flash_bwd_dq_tf32(const BwdParams p) {
 #pragma unroll
             for (int i = 0; i < 4; i += 2) {   // elements i, i + 1: one row, keys col and col + 1 (one Philox draw)
                 float keep0 = 1.0f, keep1 = 1.0f;
-                if (mod.has_dropout()) {
-                    int row, col;
-                    coord(n, i, row, col);
-                    mod.keep2(row, col, keep0, keep1);
-                }
-                prob_and_dscore(s[n][i], dp[n][i], lse_log2[i / 2], dsum[i / 2], keep0, x_per_s);   // dp: dS
-                prob_and_dscore(s[n][i + 1], dp[n][i + 1], lse_log2[i / 2], dsum[i / 2], keep1, x_per_s);
+                int row = 0, col = 0;
+                if (mod.has_dropout() || USER_SCORE) coord(n, i, row, col);
+                if (mod.has_dropout()) mod.keep2(row, col, keep0, keep1);
+                mod.template prob_and_dscore_at<false>(s[n][i], dp[n][i], lse_log2[i / 2], dsum[i / 2], keep0,
+                                                       x_per_s, row, col);   // dp: dS
+                mod.template prob_and_dscore_at<false>(s[n][i + 1], dp[n][i + 1], lse_log2[i / 2], dsum[i / 2], keep1,
+                                                       x_per_s, row, col + 1);
             }
         warp_gemm_pv_tf32<SPLIT, 1, HEAD, BN, P>(one_strip(acc_dq), one_strip(dp), k_tile, lane);   // dQ += dS K
         __syncthreads();   // the next iteration's prefetch overwrites this stage

@@ -94,6 +94,8 @@ struct DkdvWgmmaTraits {
     // Head dim 256: both consumer warpgroups own the block's keys and split dK / dV by columns
     // (the file's head); otherwise each owns 64 keys and all columns.
     static constexpr bool SPLIT_HEAD = HEAD == 256;
+    static_assert(!SPLIT_HEAD || !USER_SCORE, "head dim 256 forms P and dS in different warpgroups, dS from P: no "
+                                              "user score modifications (the portable kernels take them)");
     static constexpr int WG_COLS = SPLIT_HEAD ? HEAD / 2 : HEAD;   // dK / dV columns of a consumer warpgroup
     static constexpr bool EXTRA_OPTIONS = EXTRA;
     static constexpr bool ADDS_DBIAS = DBIAS;   // the consumers add dS^T into dbias (bias_grad_t.cuh)
@@ -463,8 +465,9 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
                 const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
-                    prob_and_dscore(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
-                                    drop_factor(mod, kept, n, i), x_per_s);
+                    mod.template prob_and_dscore_at<true>(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
+                                                          drop_factor(mod, kept, n, i), x_per_s, m0 + frag_col(lane, n, i),
+                                                          blk.n0 + key_row + frag_row(lane, i));
                 if constexpr (Tr::ADDS_DBIAS) {   // dbias += dS, fp32, before dS^T is packed to 16 bits
                     if (dbias_tiles) dbias_step.add(dpt[n], n, lane);
                     else if (dbias_rows) row_sums.add(dpt[n]);

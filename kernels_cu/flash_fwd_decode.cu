@@ -41,6 +41,7 @@ struct FwdDecodeTraits {
     // The warps' merge: every warp but 0 leaves its O fragments and row statistics in the K/V stages.
     static constexpr int MERGE_FLOATS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
     static_assert(BM == 16, "one 16-row strip, shared by the warps");
+    static_assert(!USER_SCORE && !USER_MASK, "no user modifications in the decoding kernel (the split twin takes them)");
     static_assert(BN % (16 * WARPS) == 0 && HEAD % 16 == 0, "whole k16 steps of keys a warp");
     static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");

@@ -162,6 +162,7 @@ flash_fwd_dmma(const FwdParams p) {
                 scale_add_bias_frags_f64<Tr::S_TILES, Tr::BIAS_PITCH>(s[m], bias_tile + 8 * m * Tr::BIAS_PITCH,
                                                                       lane, mod.scale_log2);
             apply_score_mod(s[m], mod, partial, coord);
+            apply_user_score(s[m], mod, coord, mod.x_per_score());
             warp_softmax_update_f64<Tr>(s[m], acc_o[m], row_max[m], row_sum[m], mod.x_per_score());
             apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
         }

@@ -115,6 +115,7 @@ flash_fwd_fma(const FwdParams p) {
         // Each thread reads the bias entries it later overwrites with P: no other thread's.
         auto bias = [&](int i, int jj, int, int) { return p_s[(row0 + i) * Tr::P_PITCH + tx + 16 * jj]; };
         apply_score_mod(s, mod, mod.tile_is_partial(m0, BM, n0, BN), coord, bias);
+        apply_user_score(s, mod, coord, A(1));   // (the FMA kernels form x themselves: ScoreMod::score)
 #pragma unroll
         for (int i = 0; i < Tr::TM; ++i) {
             const A correction = softmax_update_row<16>(s[i], row_max[i], row_sum[i]);

@@ -178,6 +178,7 @@ flash_fwd_mma(const FwdParams p) {
             } else if (partial) {
                 mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
             }
+            apply_user_score(s[m], mod, strip_coord(m), x_per_s);
         }
         unsigned p16[M][Tr::S_TILES][2];   // P in 16 bits (pack_frags' layout), the A operand of O += P V
         if constexpr (Flags::EXTRA) {

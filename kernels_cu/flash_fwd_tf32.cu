@@ -146,6 +146,7 @@ flash_fwd_tf32(const FwdParams p) {
             } else if (partial) {
                 mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
             }
+            apply_user_score(s[m], mod, strip_coord(m), x_per_s);
         }
         // P = 2^(x - m_new) in place, in fp32 (row_sum takes the same values).
         warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {

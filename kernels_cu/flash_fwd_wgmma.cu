@@ -440,6 +440,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             } else {
                 apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
             }
+            apply_user_score(s[0], mod, coord, x_per_s);
             // acc_o is still being written: its correction waits for the P V product.
             float correction[2];
             const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,

@@ -293,6 +293,7 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
         } else {
             apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
         }
+        apply_user_score(s[0], mod, coord, x_per_s);
         // P = 2^(x - m_new) in s; acc_o is not in flight, so a moved reference rescales it at once.
         warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
                               [&](int, int r, float c) { rescale_acc_row(acc_o, 0, r, c); });

@@ -69,6 +69,18 @@ struct MaskParams {
     // (causal="bottom_right").
     const int* packed_blocks;
     int band_from_end;
+    // User modifications (EXTRA; cuflash.mods, user_mod.cuh): their parameters, a word each (a number's
+    // bits, an array's address), in the order the generated source reads them.
+    unsigned long long mod_args[16];
+};
+
+// The block-state kernel of mask modifications (mask_mod_states.cu).
+struct MaskStatesParams {
+    signed char* states;           // (batches, heads, q_blocks, k_blocks), row-major
+    unsigned long long args[16];   // the modifications' parameter words (MaskParams::mod_args)
+    long long first;               // this launch's first block (a launch is at most 2^30 CTAs)
+    int heads, q_blocks, k_blocks;
+    int lq, lk, block_q, block_k;
 };
 
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own

@@ -28,6 +28,10 @@
 //                   are skipped, BLOCK_ALL ones need no per-element mask test
 //           dropout after the softmax statistics: dropped probabilities are 0,
 //                   kept ones are scaled by keep_scale (dropout.cuh)
+//           user modifications (cuflash.mods, user_mod.cuh; compiled in by the host's
+//                   prelude): mask modifications in the per-element test (their block
+//                   states in the layout), score modifications on every visible score
+//                   after it (forward: apply_user_score; backward: prob_and_dscore_at)
 // One EXTRA bit rather than one per piece keeps the variant count at 2x; the
 // plain kernels (EXTRA off) carry none of this code.
 #pragma once
@@ -35,6 +39,8 @@
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "dropout.cuh"
+#include "softmax.cuh"
+#include "user_mod.cuh"
 
 template <bool BAND_, bool EXTRA_>
 struct MaskFlags {
@@ -82,6 +88,7 @@ struct ScoreMod {
         : lq(blk.lq), lk(blk.lk), scale_log2(scale_log2_), batch(0), head(head_), m(m_),
           shift(m_.band_from_end ? blk.lk - blk.lq : 0) {
         static_assert(PER_SEQ && !Flags::EXTRA, "a packed sequence's counts: the kernels without EXTRA (PER_SEQ)");
+        static_assert(!USER_SCORE && !USER_MASK, "packed sequences take no user modifications");
     }
 
     // The band's offsets (MaskParams::band_lo / band_hi, moved with a sequence's own end under PER_SEQ).
@@ -121,7 +128,35 @@ struct ScoreMod {
         if (row >= lq) return false;   // rows past the end: nothing to read there
         if (m.layout.ptr && *m.layout.at<signed char>(batch, head, row / m.block_q, col / m.block_k) == BLOCK_OFF)
             return false;
+        if (USER_MASK && !user_mask_allows(batch, head, row, col, m.mod_args)) return false;
         return !m.mask.ptr || *m.mask.at<unsigned char>(batch, head, row, col) != 0;
+    }
+
+    // The user score modifications of a visible score s as a kernel holds it, x / x_per_s (x in log2 units:
+    // x_per_s 1 where the kernel formed x, the scale where its scores stay raw dot products), returned as
+    // held; inv_x_per_s = 1 / x_per_s.
+    __device__ __forceinline__ A user_score(A s, int row, int col, A x_per_s, A inv_x_per_s) const {
+        return user_modified_score<A>(s * x_per_s, batch, head, row, col, m.mod_args) * inv_x_per_s;
+    }
+
+    // prob_and_dscore (softmax.cuh) of the score x at (row, col). With user score modifications P is
+    // that of the modified score and dS that of the raw one (dS of the modified one times their
+    // derivative), and with PARAM_GRADS the trainable parameters take their gradients from dS of the
+    // modified one: in the one kernel of a backward that forms every dS for dK (not the dQ, dbias or
+    // dV-only passes, which form them again).
+    template <bool PARAM_GRADS>
+    __device__ __forceinline__ void prob_and_dscore_at(A& s_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep, A x_per_s,
+                                                       int row, int col) const {
+        if constexpr (!USER_SCORE) {
+            prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, x_per_s);
+        } else {
+            const A x = s_to_p * x_per_s;
+            A grad;
+            s_to_p = user_modified_score_grad<A>(x, batch, head, row, col, m.mod_args, grad);
+            prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep);
+            if constexpr (PARAM_GRADS) user_param_grads<A>(x, batch, head, row, col, m.mod_args, dp_to_ds);
+            dp_to_ds = dp_to_ds == A(0) ? A(0) : dp_to_ds * grad;   // P = 0 (masked): 0, whatever grad is there
+        }
     }
 
     // Without EXTRA a partial tile's test is the band and the sequence end only:
@@ -428,6 +463,24 @@ __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             s[n][i] = !frag_bit<N>(allowed, n, i) ? neg_inf<float>() : scaled ? s[n][i] : s[n][i] * mod.scale_log2;
+}
+
+// The user score modifications (user_mod.cuh) over a register tile of scores after the mask, held as x /
+// x_per_s (ScoreMod::user_score): the forward's (the backward's prob_and_dscore_at applies them itself).
+// coord as apply_score_mod's; s[I][J] or the C fragments s[N][4] with coord(n, i, row, col).
+template <typename Mod, typename A, int I, int J, typename Coord>
+__device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s) {
+    if constexpr (USER_SCORE) {
+        const A inv_x_per_s = A(1) / x_per_s;
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                int row, col;
+                coord(i, j, row, col);
+                s[i][j] = mod.user_score(s[i][j], row, col, x_per_s, inv_x_per_s);
+            }
+    }
 }
 
 // apply_dropout<true>'s verdicts on the C fragments, half a Philox draw an element pair

@@ -164,7 +164,14 @@ def device_options(options: dict, dtype: str) -> dict:
     if options.get("block_layout") is not None:
         lay = options["block_layout"]
         dev["block_layout"] = cuflash.BlockLayout(cp.asarray(lay.layout), lay.block_size)
+    for name in ("score_mod", "mask_mod"):   # user modifications: their parameter arrays on the device
+        if options.get(name) is not None:
+            dev[name] = _mods_on(options[name], cp)
     return dev
+
+
+def _mods_on(mods, xp):
+    return tuple(m.on(xp) for m in mods) if isinstance(mods, (tuple, list)) else mods.on(xp)
 
 
 def host_options(options: dict, dtype: str) -> dict:
@@ -172,6 +179,9 @@ def host_options(options: dict, dtype: str) -> dict:
     host = dict(options)
     if options.get("bias") is not None:
         host["bias"] = options["bias"].astype(DTYPES[dtype]).astype(np.float64)
+    for name in ("score_mod", "mask_mod"):
+        if options.get(name) is not None:
+            host[name] = _mods_on(options[name], np)
     return host
 
 
@@ -206,6 +216,8 @@ def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, determi
     if not backward:
         return out, None
     names = ["dq", "dk", "dv"] + (["dbias"] if options.get("bias") is not None else [])
+    if isinstance(grads[-1], dict):   # trainable parameters of user modifications: test_mods_gpu.py checks them
+        grads = grads[:-1]
     assert len(grads) == len(names)
     logit_max = float(np.abs(ref_lse[seen]).max()) if seen.any() else 0.0
     for name, g, r, n, m in zip(names, grads, ref, naive, mag):
@@ -267,6 +279,8 @@ def check_backward_tf32(b, hq, hk, lq, lk, d, dv, causal, seed, options=None, de
                                        deterministic=deterministic, **dev)
     _, ref = exact(q, k, v, do, causal=causal, scale=scale, dtype="float32", **host)
     names = ["dq", "dk", "dv"] + (["dbias"] if options.get("bias") is not None else [])
+    if isinstance(grads[-1], dict):   # trainable parameters of user modifications: test_mods_gpu.py checks them
+        grads = grads[:-1]
     assert len(grads) == len(names)
     errors = {}
     for name, g, r in zip(names, grads, ref):

@@ -17,7 +17,7 @@ LAYERS = [
     {"cuflash.options", "cuflash.block_sparse"},
     {"cuflash._runtime.launch", "cuflash._runtime.tma", "cuflash._runtime.build", "cuflash._runtime.params",
      "cuflash._runtime.device", "cuflash._runtime"},
-    {"cuflash.reference"},
+    {"cuflash.reference", "cuflash.mods"},
     {"cuflash.semantics"},
 ]
 LAUNCH_PATH = {"cuflash.options"} | LAYERS[2] | LAYERS[4]

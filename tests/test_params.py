@@ -63,20 +63,26 @@ def _distinct_values(dtype: np.dtype, counter: list) -> dict:
         sub = dtype.fields[name][0]
         if sub.names:
             values[name] = _distinct_values(sub, counter)
-            continue
-        counter[0] += 1
-        n = counter[0]
-        if sub.kind == "f":
-            values[name] = n + 0.5                                   # exact in float32 and float64
-        elif sub.kind == "u" and sub.itemsize == 8:
-            values[name] = (n << 40) | 0xBEEF                        # beyond 32 bits
-        elif sub.kind == "i" and sub.itemsize == 8:
-            values[name] = -((n << 36) + 7)                          # negative, beyond 32 bits
-        elif sub.kind == "u":
-            values[name] = 0x80000000 + n                            # the top bit set
+        elif sub.subdtype is not None:   # a fixed-size array: a list, one distinct value an element
+            item, shape = sub.subdtype
+            values[name] = [_distinct_value(item, counter) for _ in range(int(np.prod(shape)))]
         else:
-            values[name] = -n
+            values[name] = _distinct_value(sub, counter)
     return values
+
+
+def _distinct_value(sub: np.dtype, counter: list):
+    counter[0] += 1
+    n = counter[0]
+    if sub.kind == "f":
+        return n + 0.5                                   # exact in float32 and float64
+    if sub.kind == "u" and sub.itemsize == 8:
+        return (n << 40) | 0xBEEF                        # beyond 32 bits
+    if sub.kind == "i" and sub.itemsize == 8:
+        return -((n << 36) + 7)                          # negative, beyond 32 bits
+    if sub.kind == "u":
+        return 0x80000000 + n                            # the top bit set
+    return -n
 
 
 def _read_back(record, dtype: np.dtype) -> dict:
@@ -84,7 +90,10 @@ def _read_back(record, dtype: np.dtype) -> dict:
     out = {}
     for name in dtype.names:
         sub = dtype.fields[name][0]
-        out[name] = _read_back(record[name], sub) if sub.names else record[name].item()
+        if sub.names:
+            out[name] = _read_back(record[name], sub)
+        else:
+            out[name] = record[name].tolist() if sub.subdtype is not None else record[name].item()
     return out
 
 
@@ -105,7 +114,7 @@ def test_pack_round_trip_by_field_name(name):
         leaf = _leaf_dtype(desc, path)
         want = values
         for part in path.split("."):
-            want = want[part]
+            want = want[int(part)] if part.isdigit() else want[part]
         assert np.frombuffer(raw, leaf, count=1, offset=offset)[0].item() == want
         assert packer.offset(path) == offset
 
@@ -115,13 +124,15 @@ def _leaves_of(dtype, path=()):
         sub = dtype.fields[name][0]
         if sub.names:
             yield from _leaves_of(sub, path + (name,))
+        elif sub.subdtype is not None:
+            yield from (path + (name, i) for i in range(int(np.prod(sub.subdtype[1]))))
         else:
             yield path + (name,)
 
 
 def _leaf_dtype(dtype, path: str):
     for part in path.split("."):
-        dtype = dtype.fields[part][0]
+        dtype = dtype.subdtype[0] if part.isdigit() else dtype.fields[part][0]
     return dtype
 
 

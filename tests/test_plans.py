@@ -60,9 +60,11 @@ def fake(monkeypatch):
     monkeypatch.setattr(_tma, "_replace_fn", lambda: replace)
     plan.clear_plans()
     options._PROBLEMS.clear()
+    _masking.clear_mod_states()
     yield dev, launches
     plan.clear_plans()
     options._PROBLEMS.clear()
+    _masking.clear_mod_states()
 
 
 def _qkv(dev, shape=(2, 4, 1100, 64), dtype=np.float16):
@@ -908,3 +910,86 @@ def test_packed_backward_on_hopper_adds_dq_through_the_wgmma_kernel(fake, upload
     assert acc[0] == int(f["dq_acc"]["ptr"]) and acc[1:5] == (d, 1400, hq, 1) and acc[5:7] == (d * 4, 1400 * d * 4)
     assert int(f["dq_acc"]["row_stride"]) == d and int(f["dq_acc"]["head_stride"]) == 1400 * d
     assert int(f["dq"]["ptr"]) == dq.data.ptr and int(f["dq"]["batch_stride"]) == int(f["dq"]["row_stride"]) == hq * d
+
+
+def _words(params: bytes, struct_name: str = "FwdParams") -> list:
+    return [int(w) for w in np.frombuffer(params, dtype=_params.STRUCTS[struct_name])["mask"]["mod_args"][0]]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(fake, d):
+    """User modifications (cuflash.mods): the mask modification's block states computed first (once: the
+    backward finds them cached), every scoring kernel built with the modifications' source (the Hopper
+    forward on two consumer warpgroups at head dim 64), the parameter words in slot order: numbers' bits,
+    arrays' addresses, and in the backward the trainable parameter's fresh gradient accumulator."""
+    dev, launches = fake
+    q, k, v = _qkv(dev, (2, 4, 1100, d))
+    doc, weights = dev.empty((2, 1100), np.int32), dev.empty((4,), np.float32)
+    scaled = cuflash.ScoreMod("score + acc_t(w[h])", grad="acc_t(1)", params={"w": weights},
+                              param_grads={"w": ("h", "acc_t(1)")})
+    mods = dict(score_mod=(cuflash.softcap(30.0), scaled), mask_mod=cuflash.document_mask(doc))
+    out, lse = cuflash.attention_forward(q, k, v, causal=True, **mods)
+    (states, states_params, _, states_grid), (fwd, fwd_params, _, _) = launches
+    assert states.name == "mask_mod_states" and "CUF_USER_MASK 1" in states.prelude
+    assert states_grid == 2 * 1 * 18 * 18   # B x heads (the mask reads b, not h) x 64-row blocks x 64-key blocks
+    assert fwd.extra and fwd.prelude == cuflash.mods.resolve(*[mods["score_mod"]], mods["mask_mod"]).prelude(True)
+    assert fwd.family == "fwd_wgmma" and (fwd.tile.warps == 12 if d == 64 else True)
+    cap_bits = struct.unpack("<I", struct.pack("<f", 30.0))[0]
+    assert _words(fwd_params)[:4] == [cap_bits, weights.data.ptr, 0, doc.data.ptr]   # no gradient in a forward
+    launches.clear()
+    dout = dev.empty(out.shape, out.dtype)
+    dq, dk, dv, grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **mods)
+    assert set(grads) == {"w"} and grads["w"].shape == (4,) and grads["w"].dtype == np.float32
+    scoring = [(var, params) for var, params, _, _ in launches if var.extra]
+    assert scoring and all(var.prelude == fwd.prelude for var, _ in scoring)
+    assert not any(var.name == "mask_mod_states" for var, *_ in launches)   # cached by the forward
+    assert all(not var.prelude for var, *_ in launches if not var.extra)   # dsum, convert: as they are
+    for _, params in scoring:
+        assert _words(params, "BwdParams")[:4] == [cap_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr]
+
+
+def test_score_modifications_alone_run_on_the_plain_kernels(fake):
+    """Score modifications alone take the plain Hopper kernels (their hooks on scores as held; the band forward a
+    CTA a block) and the portable forward's EXTRA variant (its plain ones spill with them); not the decoding
+    kernel (its split twin) nor packed GQA rows for few query rows; and at head dim 256 the portable backward
+    (the Hopper one forms dS from a 16-bit P in another warpgroup)."""
+    dev, launches = fake
+    softcap = cuflash.softcap(30.0)
+    q, k, v = _qkv(dev, (2, 4, 1100, 128))
+    out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
+    [(fwd, _, _, grid)] = launches
+    assert fwd.family == "fwd_wgmma" and not fwd.extra and fwd.prelude and fwd.schedule == "block" and grid == 2 * 4 * 9
+    launches.clear()
+    cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
+    families = [var.family for var, *_ in launches]
+    assert "bwd_dkdv_wgmma" in families and all(var.prelude for var, *_ in launches if var.family.startswith("bwd_dkdv"))
+    launches.clear()
+    qd = dev.empty((2, 8, 1, 128), np.float16)
+    kd, vd = (dev.empty((2, 2, 8192, 128), np.float16) for _ in range(2))
+    cuflash.attention_forward(qd, kd, vd, score_mod=softcap)
+    partial = launches[0][0]
+    assert partial.family == "fwd_mma" and partial.kv_split and partial.extra and partial.prelude
+    f = np.frombuffer(launches[0][1], dtype=_params.STRUCTS["FwdParams"])[0]
+    assert int(f["dims"]["heads_q"]) == 8 and int(f["dims"]["lq"]) == 1   # no packed GQA rows
+    launches.clear()
+    q, k, v = _qkv(dev, (2, 4, 1100, 256))
+    out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
+    launches.clear()
+    cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
+    assert not any(var.family == "bwd_dkdv_wgmma" for var, *_ in launches)
+
+
+def test_score_modifications_on_the_portable_kernels_take_their_extra_variants(fake, monkeypatch):
+    """Off Hopper: the portable forward's and the FMA backward's EXTRA variants (their plain ones spill with
+    modifications), the tensor-core backward's plain ones."""
+    dev, launches = fake
+    monkeypatch.setattr(device, "compute_capability", lambda: 80)
+    softcap = cuflash.softcap(30.0)
+    for d, backward_extra in ((64, False), (256, True)):   # head dim 256 16-bit: the FMA backward
+        launches.clear()
+        q, k, v = _qkv(dev, (2, 4, 300, d))
+        out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
+        cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
+        scoring = [var for var, *_ in launches if var.family in model.SCORING_FAMILIES]
+        assert scoring[0].family.startswith("fwd_") and scoring[0].extra and scoring[0].prelude
+        assert all(var.extra == backward_extra and var.prelude for var in scoring[1:]), [str(v_) for v_ in scoring]

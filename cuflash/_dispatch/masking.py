@@ -9,6 +9,8 @@
   ``block_layout``: the kernels skip state-0 tiles without loading them and test
   the mask per element only in state-1 tiles (key padding costs one tile column).
 * ``dropout_p`` and ``seed`` become a Philox threshold and key.
+* User modifications (cuflash.mods) become their parameter words; mask modifications also become
+  block states, computed on the GPU (kernels_cu/mask_mod_states.cu) and cached.
 * The backward's ``dbias``: an accumulator of the bias's own shape, and how the
   kernels add into it (bias_grad.cuh): the tensor-core backward's own dbias kernel
   (flash_bwd_dbias.cu), the FMA dK/dV kernel's adds, atomics or turns, or the Hopper
@@ -21,8 +23,9 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from ..mods import MAX_PARAM_SLOTS, Mods
 from ..options import Options, Problem, own_4d
-from .._runtime.params import DBIAS_OFF, NO_SCORE
+from .._runtime.params import DBIAS_OFF, NO_SCORE, PACKERS
 from ..semantics import acc_dtype, band_limits, dropout_key, dropout_threshold
 
 MASK_SUMMARY_BLOCK = (64, 64)
@@ -48,10 +51,66 @@ def score_view(x4, p: Problem) -> dict:
 
 
 
+@dataclass(frozen=True)
+class _StatesKernel:
+    """The mask modifications' block-state kernel as the launcher takes a variant."""
+
+    prelude: str
+    entry: str = "mask_mod_states.cu"
+    name: str = "mask_mod_states"
+    smem_bytes: int = 0
+    nvrtc_arch: Optional[str] = None
+    threads: int = 256
+
+
+MAX_STATES_GRID = 2**30
+_MOD_STATES: dict = {}
+MAX_MOD_STATES = 64
+"""Block states kept (a cache: the same mask modification objects and shape give the same states)."""
+
+
+def clear_mod_states() -> None:
+    """Forget the cached block states of mask modifications (after changing a parameter array in place)."""
+    _MOD_STATES.clear()
+
+
+def mod_states(p: Problem, mods: Mods, block: Tuple[int, int]):
+    """The BlockState int8 array (B', H', query blocks, key blocks) of the mask modifications: B' = B
+    where a modification reads ``b`` (else 1), H' likewise for ``h``. Cached per (modification objects,
+    shape, block): a MaskMod's arrays are its own (it keeps them alive), and one changed in place needs a
+    new MaskMod (or :func:`clear_mod_states`)."""
+    from .._runtime import device
+    from .._runtime.launch import launch_kernel
+
+    cupy = p.xp
+    batches = p.batch if any(m.reads_batch for m in mods.mask) else 1
+    heads = p.heads_q if any(m.reads_head for m in mods.mask) else 1
+    nq, nk = -(-p.lq // block[0]), -(-p.lk // block[1])
+    key = (tuple(id(m) for m in mods.mask), batches, heads, p.lq, p.lk, block, p.q.data.device_id)
+    cached = _MOD_STATES.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached[0], mods.mask)):
+        return cached[1]
+    words, _ = mods.words(np.float32, with_grads=False)
+    states = cupy.empty((batches, heads, nq, nk), dtype=np.int8)
+    kernel = _StatesKernel(mods.prelude(False))
+    total = batches * heads * nq * nk
+    with device.on_device(p.q.data.device_id):
+        for first in range(0, total, MAX_STATES_GRID):
+            params = PACKERS["MaskStatesParams"].pack({
+                "states": states.data.ptr, "args": words, "first": first, "heads": heads, "q_blocks": nq,
+                "k_blocks": nk, "lq": p.lq, "lk": p.lk, "block_q": block[0], "block_k": block[1]})
+            launch_kernel(kernel, params, min(MAX_STATES_GRID, total - first))
+    if len(_MOD_STATES) >= MAX_MOD_STATES:
+        _MOD_STATES.clear()
+    _MOD_STATES[key] = (mods.mask, states)   # the objects too: their ids stay theirs while cached
+    return states
+
+
 def block_states(p: Problem, opts: Options):
     """The int8 BlockState layout (own 4-D shape) and its block size, or (None, None)."""
     xp = p.xp
-    if opts.mask is None and opts.block_layout is None:
+    mask_mods = opts.mods is not None and bool(opts.mods.mask)
+    if opts.mask is None and opts.block_layout is None and not mask_mods:
         return None, None
     bq, bk = opts.block_layout.block_size if opts.block_layout is not None else MASK_SUMMARY_BLOCK
     nq, nk = -(-p.lq // bq), -(-p.lk // bk)
@@ -72,6 +131,9 @@ def block_states(p: Problem, opts: Options):
         lay = own_4d(xp.asarray(opts.block_layout.layout), p)
         user = xp.where(lay, 2, 0).astype(np.int8)
         states = user if states is None else xp.minimum(states, user)
+    if mask_mods:
+        mine = mod_states(p, opts.mods, (bq, bk))
+        states = mine if states is None else xp.minimum(states, mine)
     return xp.ascontiguousarray(states), (bq, bk)
 
 
@@ -101,9 +163,12 @@ class KernelMasking:
     values: dict       # MaskParams by field name
     keep_alive: tuple
     bias_in_chunks: bool = True
+    param_grads: tuple = ()   # the trainable parameters' gradient accumulators (the backward's), in slot order
 
 
-def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
+def kernel_masking(p: Problem, opts: Options, param_grads: bool = False) -> KernelMasking:
+    """MaskParams' values of a call; ``param_grads``: allocate (zeroed) the accumulators the backward adds
+    the trainable parameters' gradients into."""
     band = band_limits(p.reference_causal, opts.window, p.lq, p.lk)
     keep = []
     bias_view = mask_view = lay_view = NO_SCORE
@@ -123,6 +188,10 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
         keep.append(states)
         block = blk
         lay_view = layout_view(states, p, blk)
+    words, grads = [0] * MAX_PARAM_SLOTS, ()
+    if opts.mods is not None:
+        words, grads = opts.mods.words(acc_dtype(p.dtype), with_grads=param_grads)
+        keep += list(grads)
     seed_lo, seed_hi = dropout_key(opts.seed or 0)
     lo, hi = band if band is not None else (0, 0)
     values = {"band_lo": lo, "band_hi": hi, "block_q": block[0], "block_k": block[1], "bias": bias_view,
@@ -130,8 +199,8 @@ def kernel_masking(p: Problem, opts: Options) -> KernelMasking:
               "drop_threshold": dropout_threshold(opts.dropout_p) if opts.dropout else 0,
               "seed_lo": seed_lo, "seed_hi": seed_hi, "keep_scale": 1.0 / (1.0 - opts.dropout_p), "key_lengths": 0,
               "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
-              "band_from_end": 0}
-    return KernelMasking(band, opts.extra, values, tuple(keep), chunks)
+              "band_from_end": 0, "mod_args": words}
+    return KernelMasking(band, opts.extra, values, tuple(keep), chunks, tuple(grads))
 
 
 @dataclass

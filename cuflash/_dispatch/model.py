@@ -406,6 +406,15 @@ WIDE_K_FAMILIES = ("fwd_dmma", "bwd_dkdv_dmma", "bwd_dq_dmma")
 """Families whose kernels take ``WIDE_K`` (Variant.wide_k) as their last template parameter."""
 
 
+SCORING_FAMILIES = ("fwd_mma", "fwd_tf32", "fwd_tf32x3", "fwd_dmma", "fwd_fma", "fwd_wgmma", "fwd_wgmma_tf32x3",
+                    "bwd_dkdv_mma", "bwd_dkdv_tf32", "bwd_dkdv_tf32x3", "bwd_dkdv_dmma", "bwd_dkdv_fma",
+                    "bwd_dkdv_wgmma", "bwd_dq_mma", "bwd_dq_tf32", "bwd_dq_tf32x3", "bwd_dq_dmma", "bwd_dq_fma",
+                    "bwd_dbias_mma")
+"""The families whose kernels score (query, key) pairs and so take a call's user modifications
+(Variant.prelude, kernels_cu/user_mod.cuh); the decoding kernel scores too but takes none (its split twin
+does)."""
+
+
 def _cxx(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -430,7 +439,9 @@ class Variant:
     one range of key tiles, writing partial O and lse in the accumulator type. ``packed``: the forward
     over packed sequences of different lengths (cuflash.varlen), its grid the host's block table times
     the query heads (K/V heads: dK/dV) (scheduler.cuh, PackedBlock); :data:`PACKED_FAMILIES` without EXTRA
-    (the forward on the split tiles).
+    (the forward on the split tiles). ``prelude``: source placed before the kernel's, a call's user
+    modifications (cuflash.mods, kernels_cu/user_mod.cuh) for an EXTRA variant; the name expression is
+    the same, the build another.
     """
 
     family: str
@@ -449,6 +460,7 @@ class Variant:
     kv_split: bool = False
     packed: bool = False
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
+    prelude: str = field(default="", repr=False)
 
     def __post_init__(self):
         if self.tile is None:
@@ -470,6 +482,9 @@ class Variant:
                              "EXTRA, at head dims up to 128 walks blocks")
         if self.schedule == "queue" and not walk_ring(self):
             raise ValueError("schedule='queue': only with two consumer warpgroups (the block ring)")
+        if self.prelude and (self.family not in SCORING_FAMILIES or self.packed or self.family == "fwd_decode"):
+            raise ValueError(f"prelude: user modifications run on the scoring kernels ({', '.join(SCORING_FAMILIES)}), "
+                             "not on packed ones")
         if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
         if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq

@@ -26,11 +26,11 @@ from .._runtime.launch import KernelLaunch, run
 from .._runtime.params import DBIAS_OFF, MASK_OFF, PACKERS, HostArg, as_float32, bwd_params, fwd_params
 from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
-from .model import MAX_GRID_X, head_bucket
+from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket
 from .packed import block_table
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice,
                      packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count,
-                     split_variants, vec_chunk)
+                     split_variants, takes_plain_mods, vec_chunk, with_mods)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -153,12 +153,22 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     variant, portable = forward_choice(p.dtype, head, band, extra, vec_loads_ok(d, dv, q, k, v),
                                        row_class(head, p.lk, band), device.compute_capability(), smem_limit,
                                        precision)
+    if opts.mods is not None:
+        if not extra:   # score modifications alone: the plain Hopper forward, else the EXTRA portable one
+            variant_x, portable = forward_choice(p.dtype, head, band, True, vec_loads_ok(d, dv, q, k, v),
+                                                 row_class(head, p.lk, band), device.compute_capability(),
+                                                 smem_limit, precision)
+            if not takes_plain_mods(variant):
+                variant = variant_x
+        prelude = _mods_prelude(p, opts)
+        variant, portable = with_mods(variant, prelude), with_mods(portable, prelude)
     out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
     lse_dtype = acc_dtype(p.dtype)
     if accumulator_out:
-        return _plan_split_forward(p, masking, extra or band, portable, 1, out_shape, lse_shape, lse_dtype,
-                                   smem_limit, partial_only=True)
-    splits = _auto_splits(p, portable, _gqa_packing(p, extra, band, q), smem_limit) if num_splits is None else num_splits
+        return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, 1, out_shape,
+                                   lse_shape, lse_dtype, smem_limit, partial_only=True)
+    splits = _auto_splits(p, portable, _gqa_packing(p, extra or opts.mods is not None, band, q), smem_limit) \
+        if num_splits is None else num_splits
     if key_lengths:
         if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
             raise ValueError("per-sequence key lengths take no masking option and a positive scale")
@@ -170,9 +180,9 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
             raise PagesNotReadInPlace(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
         return replace(plan, key_lengths=True, paged=pages is not None,
                        params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
-    if splits > 1:
-        return _plan_split_forward(p, masking, extra or band, portable, splits, out_shape, lse_shape, lse_dtype,
-                                   smem_limit)
+    if splits > 1:   # (user modifications read a row's head and position: no packed GQA rows)
+        return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, splits, out_shape,
+                                   lse_shape, lse_dtype, smem_limit)
     maps = None
     if variant.arch == "sm90a":
         # The Hopper kernels load through tensor maps and read a bias by 16-byte chunks of its rows;
@@ -190,6 +200,12 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     return ForwardPlan(q.data.device_id, (KernelLaunch(variant, grid, maps is not None),), out_shape, lse_shape,
                        q.dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
                        variant.schedule == "queue", None, masking.keep_alive)
+
+
+def _mods_prelude(p, opts) -> str:
+    """The source of a call's user modifications placed before its kernels' (cuflash.mods); the
+    special-function approximations for 16-bit inputs."""
+    return opts.mods.prelude(p.dtype in ("float16", "bfloat16"))
 
 
 def _reads_pages(v, itemsize: int, k, v_pages, page_size: int) -> bool:
@@ -554,6 +570,7 @@ class BackwardPlan:
     maps: Optional[_Maps]
     dbias: Optional[masking_.DbiasPlan] = None
     keep_alive: tuple = field(default=(), repr=False)
+    param_grads: tuple = ()   # user modifications' trainable parameters: their gradient accumulators
 
 
 def dq_accumulator_shape(kernels, b: int, hq: int, lq: int, d: int) -> Tuple[int, int, int, int]:
@@ -577,16 +594,19 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
     q, k, v = p.q, p.k, p.v
     b, hq, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
-    masking = masking_.kernel_masking(p, opts)
+    masking = masking_.kernel_masking(p, opts, param_grads=True)
     acc = acc_dtype(p.dtype)
     extra = masking.extra or not scale_folds(p.scale)
     choose = functools.partial(backward_variants, p.dtype, head_bucket(max(d, dv)), band=masking.band is not None,
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
                                smem_limit=device.smem_limit(), dbias=want_dbias, precision=precision)
-    variants = choose(cc=device.compute_capability())
+    prelude = _mods_prelude(p, opts) if opts.mods is not None else ""
+    variants = _with_mods_list(choose, device.compute_capability(), prelude)
     hopper = next((v_ for v_ in variants if v_.family == "bwd_dkdv_wgmma"), None)
-    if hopper is not None and not (masking.bias_in_chunks and tma.tma_ok(q, dout, k, v) and tma.can_encode()):
-        variants, hopper = choose(cc=device.MIN_COMPUTE_CAPABILITY), None   # the portable list
+    # (the Hopper kernel at head dim 256 forms dS from a 16-bit P in another warpgroup: no modifications)
+    if hopper is not None and not (masking.bias_in_chunks and tma.tma_ok(q, dout, k, v) and tma.can_encode()
+                                   and not (prelude and hopper.head == 256)):
+        variants, hopper = _with_mods_list(choose, device.MIN_COMPUTE_CAPABILITY, prelude), None
     dq_acc_shape = None if deterministic else dq_accumulator_shape(variants, b, hq, lq, d)
     maps = None
     if hopper is not None:   # atomic dQ: the accumulator is row-major; its map covers [..., :d]
@@ -619,7 +639,17 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
                         *(_Strided.contiguous(s, q.dtype) for s in grad_shapes), group=p.group, scale=p.scale,
                         mask=masking.values, dbias=DBIAS_OFF if dbias is None else dbias.values)
     return BackwardPlan(q.data.device_id, tuple(kernels), acc, (b, hq, lq), dq_acc_shape, q.dtype, grad_shapes,
-                        _without_addresses(params, _BWD_ADDRESSES), maps, dbias, masking.keep_alive)
+                        _without_addresses(params, _BWD_ADDRESSES), maps, dbias, masking.keep_alive,
+                        masking.param_grads)
+
+
+def _with_mods_list(choose, cc: int, prelude: str) -> list:
+    """The backward list ``choose(cc=cc)`` with a call's user modifications (``prelude``) compiled into its
+    scoring kernels; where a plain one does not take them (select.PLAIN_MODS_FAMILIES), the EXTRA list."""
+    variants = choose(cc=cc)
+    if prelude and not all(v.extra or takes_plain_mods(v) for v in variants if v.family in SCORING_FAMILIES):
+        variants = choose(cc=cc, extra=True)
+    return [with_mods(v, prelude) for v in variants]
 
 
 def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse):
@@ -693,7 +723,8 @@ def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_
 
 
 def backward(call, dout, out, lse, precision: str, deterministic: bool, bias_grad: bool = True):
-    """(dq, dk, dv, dbias plan or None) of a validated CuPy call with 4-D views ``dout``, ``out`` and
+    """(dq, dk, dv, dbias plan or None, the trainable parameters' gradient accumulators (a call with user
+    modifications: its plan is its own)) of a validated CuPy call with 4-D views ``dout``, ``out`` and
     ``lse (B, Hq, Lq)`` in the accumulator dtype; ``bias_grad`` False leaves a bias's gradient out."""
     p = call.problem
     key = None if call.signature is None else (call.signature, deterministic, _hooks())
@@ -703,4 +734,4 @@ def backward(call, dout, out, lse, precision: str, deterministic: bool, bias_gra
                              call.options.bias is not None and bias_grad)
         if key is not None:
             _remember(_BACKWARD_PLANS, key, plan)
-    return (*execute_backward(plan, dout, p.q, p.k, p.v, out, lse), plan.dbias)
+    return (*execute_backward(plan, dout, p.q, p.k, p.v, out, lse), plan.dbias, plan.param_grads)

@@ -10,8 +10,8 @@ import math
 from dataclasses import replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant,
-                    fits_resident, head_bucket, walkable)
+from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SCORING_FAMILIES, SMEM_LIMITS,
+                    SMEM_MAX, TABLES, Tile, Variant, fits_resident, head_bucket, walkable)
 
 
 def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
@@ -322,10 +322,11 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
     the combine kernel at the bucket of ``dv``. The partial kernel: for 16-bit calls of at most
     DECODE_ROWS rows without an EXTRA option, with 16-byte loads, at a head bucket the split table
-    has, the decoding kernel (``fwd_decode``: the warps split each key tile); else the portable
-    kernel's twin (``kv_split``)."""
+    has, the decoding kernel (``fwd_decode``: the warps split each key tile; not with user modifications);
+    else the portable kernel's twin (``kv_split``)."""
     decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
-    if rows <= DECODE_ROWS and not portable.extra and portable.vec and decode_key in TABLES["split"]:
+    if rows <= DECODE_ROWS and not portable.extra and not portable.prelude and portable.vec \
+            and decode_key in TABLES["split"]:
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
                              kv_split=True).fitted(smem_limit)
@@ -335,6 +336,50 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
         with contextlib.suppress(ValueError):   # no split tile fits: the portable variant's own
             partial = replace(portable, kv_split=True, tile=None).fitted(smem_limit)
     return partial, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
+
+
+MODS_FWD_WGMMA_TILE = Tile(128, 128, 12, 2, "user modifications at head dim 64: two consumer warpgroups of 232 "
+                           "registers a thread; the 192-row tile's three of 160 spill 528 bytes with softcap "
+                           "and 8 with a mask modification (NVRTC 13, benchmarks/sass.py)")
+"""The 16-bit Hopper forward's tile where a call's user modifications are compiled in and the table's has
+three consumer warpgroups."""
+MODS_FWD_TF32_TILE = Tile(128, 32, 4, 2, "user modifications with masks in the TF32 forward at head dim 64: 32-key "
+                          "tiles; the table's 64-key tile spills 16-40 bytes with every library modification "
+                          "(NVRTC 12.9)")
+"""The TF32 forward's tile (EXTRA, head dim 64) where a call's user modifications are compiled in."""
+
+
+PLAIN_MODS_FAMILIES = ("fwd_wgmma", "fwd_wgmma_tf32x3", "bwd_dkdv_wgmma", "bwd_dkdv_mma", "bwd_dq_mma", "bwd_dkdv_tf32",
+                       "bwd_dq_tf32", "bwd_dkdv_tf32x3", "bwd_dq_tf32x3", "bwd_dkdv_dmma", "bwd_dq_dmma")
+"""The families whose plain variants take score modifications (a call with no option that needs EXTRA):
+the Hopper forwards and the tensor-core backwards. The portable forwards and the FMA backwards take them
+on their EXTRA variants: their plain ones, tuned to the register limit, spill 32-268 bytes with them
+(NVRTC 12.9; test_mods.py's sweep)."""
+
+
+def takes_plain_mods(v: Variant) -> bool:
+    return v.family in PLAIN_MODS_FAMILIES
+
+
+def with_mods(v: Variant, prelude: str) -> Variant:
+    """``v`` with a call's user modifications (cuflash.mods: their generated ``prelude``) compiled in: the
+    variants that score (:data:`SCORING_FAMILIES`; plain ones only of :data:`PLAIN_MODS_FAMILIES`), on
+    :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has three consumer warpgroups or two CTAs an
+    SM, a CTA a block for its band, and on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill;
+    the others (dsum, convert, combine) as they are."""
+    if not prelude or v.family not in SCORING_FAMILIES or v.packed:
+        return v
+    if not v.extra and not takes_plain_mods(v):
+        raise ValueError(f"{v.family}: user modifications run on its EXTRA variants (PLAIN_MODS_FAMILIES)")
+    if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
+        v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
+    if v.family == "fwd_wgmma" and v.band and v.schedule != "block":
+        # a walking CTA's band forward holds 224-232 registers a consumer thread: 228 bytes spill with
+        # modifications (NVRTC 12.9); a CTA a block keeps 232 and spills none
+        v = replace(v, schedule="block")
+    elif v.family == "fwd_tf32" and v.extra and (v.tile.block_m, v.tile.block_n) == (128, 64):
+        v = replace(v, tile=MODS_FWD_TF32_TILE)
+    return replace(v, prelude=prelude)
 
 
 def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Optional[Variant]:

@@ -109,27 +109,54 @@ def preload_nvrtc_wheel() -> str | None:
     return None
 
 
+_LINE = re.compile(r'^#line 1 "([^"]+)"$', re.MULTILINE)
+_AT = re.compile(r"^(.+?)\((\d+)\): (error|warning)", re.MULTILINE)
+
+
+def explain_prelude_errors(log: str, prelude: str) -> str:
+    """``log`` with the user's source line quoted under each error in a prelude's ``#line 1 "label"``
+    section (cuflash.mods): NVRTC names the label and the line within it."""
+    if not prelude:
+        return log
+    sections = {}
+    parts = _LINE.split(prelude)
+    for label, text in zip(parts[1::2], parts[2::2]):
+        sections.setdefault(label, text.split("\n")[1:])   # (the directive's own line ends first)
+    out = []
+    for line in log.splitlines():
+        out.append(line)
+        m = _AT.match(line)
+        if m and m.group(1) in sections:
+            lines = sections[m.group(1)]
+            n = int(m.group(2))
+            if 1 <= n <= len(lines):
+                out.append(f"    in {m.group(1)}, line {n}: {lines[n - 1].strip()}")
+    return "\n".join(out)
+
+
 @functools.lru_cache(maxsize=None)
-def _module(entry: str, name_expression: str, nvrtc_arch: str | None = None):
+def _module(entry: str, name_expression: str, nvrtc_arch: str | None = None, prelude: str = ""):
     import cupy
 
     preload_nvrtc_wheel()
     # CuPy appends -arch for the device itself (sm_90 on an H100); an sm_90a target named
     # here as well is what NVRTC builds (wgmma and setmaxnreg exist only there).
     options = NVRTC_OPTIONS + ((f"-arch={nvrtc_arch}",) if nvrtc_arch else ())
-    # RawModule compiles lazily, on the first get_function (see _function).
-    return cupy.RawModule(code=load_source(entry), options=options, name_expressions=[name_expression])
+    # RawModule compiles lazily, on the first get_function (see _function). A prelude (user
+    # modifications) comes first: CuPy's cache hashes the whole text, so each is its own build.
+    return cupy.RawModule(code=prelude + load_source(entry), options=options, name_expressions=[name_expression])
 
 
 @functools.lru_cache(maxsize=None)
-def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int, nvrtc_arch: str | None = None):
+def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int, nvrtc_arch: str | None = None,
+              prelude: str = ""):
     # One RawModule per variant; the function handle is per device.
     import cupy
 
     try:
-        func = _module(entry, name_expression, nvrtc_arch).get_function(name_expression)
+        func = _module(entry, name_expression, nvrtc_arch, prelude).get_function(name_expression)
     except cupy.cuda.compiler.CompileException as exc:
-        raise CompileError(name_expression, str(exc)) from exc
+        raise CompileError(name_expression, explain_prelude_errors(str(exc), prelude)) from exc
     if smem_bytes > 48 * 1024:
         func.max_dynamic_shared_size_bytes = smem_bytes
     return func
@@ -137,7 +164,8 @@ def _function(entry: str, name_expression: str, device_id: int, smem_bytes: int,
 
 @functools.lru_cache(maxsize=None)
 def _compiled(variant, device_id: int):
-    return _function(variant.entry, variant.name, device_id, variant.smem_bytes, variant.nvrtc_arch)
+    return _function(variant.entry, variant.name, device_id, variant.smem_bytes, variant.nvrtc_arch,
+                     getattr(variant, "prelude", ""))
 
 
 def get_kernel(variant):
@@ -171,12 +199,19 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def compile_offline(entry: str, name_expression: str, arch: str = "sm_90") -> OfflineBuild:
-    """Compile one variant of the entry file ``entry`` to a cubin for ``arch`` with NVRTC, without a GPU.
+def compile_offline(entry: str, name_expression: str, arch: str = "sm_90", prelude: str = "") -> OfflineBuild:
+    """Compile one variant of the entry file ``entry`` to a cubin for ``arch`` with NVRTC, without a GPU;
+    ``prelude``: source placed first (a call's user modifications, cuflash.mods).
 
-    Raises :class:`CompileError` with the NVRTC log on failure.
+    Raises :class:`CompileError` with the NVRTC log on failure (the user's line quoted under an
+    error in a prelude).
     """
-    return compile_source_offline(load_source(entry), entry, name_expression, arch)
+    try:
+        return compile_source_offline(prelude + load_source(entry), entry, name_expression, arch)
+    except CompileError as exc:
+        if not prelude:
+            raise
+        raise CompileError(name_expression, explain_prelude_errors(exc.log, prelude)) from None
 
 
 def compile_source_offline(source: str, filename: str, name_expression: str, arch: str = "sm_90") -> OfflineBuild:

@@ -26,7 +26,7 @@ _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.i
                   ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("keep_scale", np.float64),
                   ("key_lengths", np.uint64), ("page_table", np.uint64), ("page_size", np.int32),
                   ("pages_per_seq", np.int32), ("num_pages", np.int32), ("packed_blocks", np.uint64),
-                  ("band_from_end", np.int32)], align=True)
+                  ("band_from_end", np.int32), ("mod_args", np.uint64, (16,))], align=True)
 _DBIAS = np.dtype([("acc", _SCORE), ("order", np.uint64), ("mode", np.int32), ("rows_broadcast", np.int32),
                    ("tiles_b", np.int32), ("tiles_h", np.int32), ("tiles_i", np.int32), ("splits", np.int32),
                    ("split_stride", np.int64)], align=True)
@@ -37,6 +37,9 @@ STRUCTS: Dict[str, np.dtype] = {
     "ScoreTensor": _SCORE,
     "MaskParams": _MASK,
     "DbiasParams": _DBIAS,
+    "MaskStatesParams": np.dtype([("states", np.uint64), ("args", np.uint64, (16,)), ("first", np.int64)]
+                                 + [(n, np.int32) for n in ("heads", "q_blocks", "k_blocks", "lq", "lk", "block_q",
+                                                            "block_k")], align=True),
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64),
                            ("scale_log2_f", np.float32), ("num_splits", np.int32), ("split_tiles", np.int32),
@@ -58,6 +61,10 @@ def _leaves(dtype: np.dtype, base: int = 0, path: tuple = ()):
         sub, offset = dtype.fields[name][:2]
         if sub.names:
             yield from _leaves(sub, base + offset, path + (name,))
+        elif sub.subdtype is not None:   # a fixed-size array: one leaf an element, indexed by position
+            item, shape = sub.subdtype
+            for i in range(int(np.prod(shape))):
+                yield path + (name, i), base + offset + i * item.itemsize, item
         else:
             yield path + (name,), base + offset, sub
 
@@ -85,7 +92,7 @@ class Packer:
         fmt += f"{dtype.itemsize - pos}x" if dtype.itemsize > pos else ""
         self.struct = struct.Struct(fmt)
         assert self.struct.size == dtype.itemsize, (fmt, dtype)
-        self.fields = {".".join(path): offset for path, offset, _ in self.leaves}
+        self.fields = {".".join(str(part) for part in path): offset for path, offset, _ in self.leaves}
         # One generated function reads every leaf by its path: ~3 us a struct, where walking the
         # description per call cost ten times that on every launch's host path.
         reads = ", ".join("v" + "".join(f"[{name!r}]" for name in path) for path, _, _ in self.leaves)
@@ -106,7 +113,7 @@ class Packer:
         return self.fields[path]
 
 
-PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams")}
+PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams", "MaskStatesParams")}
 _ADDRESS = struct.Struct("=Q")
 
 
@@ -172,7 +179,7 @@ def view(x: Any) -> dict:
 MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_SCORE, "mask": NO_SCORE,
             "layout": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "keep_scale": 1.0, "key_lengths": 0,
             "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
-            "band_from_end": 0}
+            "band_from_end": 0, "mod_args": [0] * 16}
 """MaskParams with every piece off (kernels compiled without BAND / EXTRA ignore it)."""
 DBIAS_OFF = {"acc": NO_SCORE, "order": 0, "mode": 0, "rows_broadcast": 0, "tiles_b": 1, "tiles_h": 1,
              "tiles_i": 1, "splits": 1, "split_stride": 0}

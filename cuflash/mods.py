@@ -1,0 +1,630 @@
+"""User score and mask modifications, compiled into the kernels at run time.
+
+A :class:`ScoreMod` rewrites each score before the softmax; a :class:`MaskMod` decides which keys a
+query sees. Both are CUDA source over one element's coordinates, compiled by NVRTC into the
+attention kernels (once per modification and kernel variant, then cached on disk like every kernel;
+a new sequence length never recompiles)::
+
+    softcap = cuflash.ScoreMod("cap * tanh(score / cap)",
+                               grad="1 - tanh(score / cap) * tanh(score / cap)", params={"cap": 30.0},
+                               python=lambda score, b, h, q_idx, kv_idx, cap: cap * np.tanh(score / cap))
+    out = cuflash.attention(q, k, v, causal=True, score_mod=softcap)
+
+Scores are in natural units: ``score = scale * q . k + bias`` (the number softmax exponentiates).
+The source sees ``score`` (type ``acc_t``: float, double for float64 inputs), the element's batch
+entry ``b``, query head ``h``, query row ``q_idx`` and key ``kv_idx`` (int), and each parameter by
+its name. It is an expression, or a body with ``return``. Parameters are Python numbers (floats
+arrive as ``acc_t``, ints as ``int``) or C-contiguous arrays on the inputs' device, indexed flat
+(``const float* slopes``: ``slopes[h]``). ``cuf_tanh(x)`` is tanh (the special-function unit's
+approximation for float16 / bfloat16 inputs, where its 2^-11 relative error is below their rounding).
+
+Several score modifications apply in order (``score_mod=(a, b)``: b(a(score))); several mask
+modifications all have to allow a key. A score modification may return ``-inf`` to mask; a mask
+modification also makes the kernels skip blocks it hides entirely (its block states are computed on
+the GPU once per modification, shape and parameter arrays, and cached).
+
+The backward needs ``grad``, the derivative of the modification with respect to ``score`` (same
+variables). A parameter array may be trainable: ``param_grads={"table": (index, derivative)}``, C
+expressions giving the flat index of the element the score depends on and the derivative with respect
+to it; :func:`cuflash.attention_backward` then returns those gradients in a dict.
+
+NumPy inputs (and the tests' reference) evaluate the ``python`` twins instead: NumPy functions of
+``(score, b, h, q_idx, kv_idx, **params)`` over broadcast index arrays.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import keyword
+import math
+import numbers
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["ScoreMod", "MaskMod", "softcap", "alibi", "relative_position_bias", "document_mask", "prefix_lm_mask",
+           "MAX_PARAM_SLOTS"]
+
+MAX_PARAM_SLOTS = 16
+"""Parameter words a call's modifications may use together (MaskParams::mod_args): one a number or
+an array, two a trainable array (it and its gradient)."""
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RESERVED = {"score", "b", "h", "q_idx", "kv_idx", "acc_t", "cuf_args"}
+_ARRAY_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.int32): "int",
+                np.dtype(np.int64): "long long", np.dtype(np.int8): "signed char", np.dtype(np.uint8): "unsigned char",
+                np.dtype(np.bool_): "bool"}
+
+
+def _body(source: str) -> str:
+    """A C++ function body from an expression or a body with ``return``."""
+    text = source.strip()
+    if re.search(r"\breturn\b", text):
+        return text
+    return f"return ({text});"
+
+
+def _check_source(source, what: str) -> str:
+    if not isinstance(source, str) or not source.strip():
+        raise TypeError(f"{what} must be a non-empty string of CUDA source, got {source!r}")
+    if "#" in source:
+        raise ValueError(f"{what}: preprocessor directives are not allowed in a modification's source")
+    return source
+
+
+def _check_params(params) -> Dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise TypeError(f"params must be a dict of name -> number or array, got {type(params).__name__}")
+    out = {}
+    for name, value in params.items():
+        if not isinstance(name, str) or not _IDENT.match(name) or keyword.iskeyword(name) or name in _RESERVED \
+                or name.startswith("cuf_"):
+            raise ValueError(f"parameter name {name!r} is not usable: a C identifier, not one of "
+                             f"{sorted(_RESERVED)}, not starting with cuf_")
+        if isinstance(value, (bool, np.bool_)):
+            value = int(value)
+        if isinstance(value, numbers.Integral):
+            if not -2**31 <= int(value) < 2**31:
+                raise ValueError(f"parameter {name!r}: an int parameter must fit in 32 bits, got {value}")
+            out[name] = int(value)
+        elif isinstance(value, numbers.Real):
+            if not math.isfinite(float(value)):
+                raise ValueError(f"parameter {name!r} must be finite, got {value}")
+            out[name] = float(value)
+        elif hasattr(value, "dtype") and hasattr(value, "shape"):
+            if np.dtype(value.dtype) not in _ARRAY_TYPES:
+                raise TypeError(f"parameter {name!r}: array dtype {value.dtype} not supported "
+                                f"({', '.join(str(d) for d in _ARRAY_TYPES)})")
+            if not value.flags.c_contiguous:
+                raise ValueError(f"parameter {name!r} must be C-contiguous (the source indexes it flat)")
+            out[name] = value
+        else:
+            raise TypeError(f"parameter {name!r} must be a number or an array, got {type(value).__name__}")
+    return out
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+class _Mod:
+    """What score and mask modifications share: source, parameters, the NumPy twin."""
+
+    kind = ""
+
+    def __init__(self, source: str, params, python, name: Optional[str]):
+        self.source = _check_source(source, f"{self.kind} source")
+        self.params = _check_params(params)
+        if python is not None and not callable(python):
+            raise TypeError(f"python must be a callable NumPy twin, got {type(python).__name__}")
+        self.python = python
+        self.name = name or self.kind
+
+    def _signature(self) -> tuple:
+        """What the generated source depends on: sources and parameter kinds (not values)."""
+        kinds = tuple((n, str(np.dtype(v.dtype)) if _is_array(v) else type(v).__name__)
+                      for n, v in self.params.items())
+        return (type(self).__name__, self.source, kinds)
+
+    def _locals(self, slot0: int, grads: dict) -> Tuple[str, int]:
+        """The C declarations of this modification's parameters from the words at ``slot0``, and the
+        number of words taken."""
+        lines, slot = [], slot0
+        for name, value in self.params.items():
+            if _is_array(value):
+                ctype = _ARRAY_TYPES[np.dtype(value.dtype)]
+                lines.append(f"const {ctype}* {name} = reinterpret_cast<const {ctype}*>(cuf_args[{slot}]);")
+                slot += 1
+                if name in grads:
+                    lines.append(f"acc_t* {name}_grad = reinterpret_cast<acc_t*>(cuf_args[{slot}]);")
+                    slot += 1
+            elif isinstance(value, int):
+                lines.append(f"const int {name} = int(cuf_args[{slot}]);")
+                slot += 1
+            else:
+                lines.append(f"const acc_t {name} = cuf_scalar<acc_t>(cuf_args[{slot}]);")
+                slot += 1
+        lines += [f"(void){n};" for n in self.params]   # parameters the source does not use
+        return "\n    ".join(lines), slot - slot0
+
+    def on(self, xp):
+        """A copy of this modification with its parameter arrays in ``xp`` (numpy or cupy, the current
+        device): the same source, so the same builds."""
+        other = copy.copy(self)
+        other.params = {n: xp.asarray(v.get() if xp is np and hasattr(v, "get") else v) if _is_array(v) else v
+                        for n, v in self.params.items()}
+        return other
+
+    def twin_args(self, xp) -> dict:
+        """The parameters for the NumPy twin, as arrays of ``xp``."""
+        out = {}
+        for name, value in self.params.items():
+            if _is_array(value):
+                value = value.get() if xp is np and hasattr(value, "get") else xp.asarray(value)
+            out[name] = value
+        return out
+
+    def _twin(self):
+        if self.python is None:
+            raise ValueError(f"{self.name}: NumPy inputs and the reference need the modification's NumPy twin "
+                             "(python=...)")
+        return self.python
+
+
+class ScoreMod(_Mod):
+    """A modification of each score before the softmax, in CUDA source (see the module's docstring).
+
+    Parameters
+    ----------
+    source : str
+        An expression (or a body with ``return``) of type ``acc_t`` over ``score`` (natural units),
+        ``b``, ``h``, ``q_idx``, ``kv_idx`` and the parameters. ``-inf`` masks the element.
+    grad : str, optional
+        Its derivative with respect to ``score``, same variables; needed by the backward.
+    params : dict, optional
+        name -> Python number or C-contiguous array (float32, float64, int32, int64, int8, uint8,
+        bool) on the inputs' device.
+    param_grads : dict, optional
+        name of a float32 / float64 array parameter -> (index, derivative): C expressions (same
+        variables) of the flat index of the element the score depends on and the derivative of the
+        modification with respect to it. The backward returns the gradient of such parameters.
+    python, python_grad : callable, optional
+        NumPy twins of ``source`` and ``grad``: ``f(score, b, h, q_idx, kv_idx, **params)``.
+    python_param_grads : dict, optional
+        name -> NumPy twin returning (flat index, derivative) arrays.
+    name : str, optional
+        Shown in errors.
+    """
+
+    kind = "score_mod"
+
+    def __init__(self, source: str, *, grad: Optional[str] = None, params: Optional[dict] = None,
+                 param_grads: Optional[dict] = None, python: Optional[Callable] = None,
+                 python_grad: Optional[Callable] = None, python_param_grads: Optional[dict] = None,
+                 name: Optional[str] = None):
+        super().__init__(source, params, python, name)
+        self.grad = None if grad is None else _check_source(grad, "score_mod grad")
+        self.param_grads = {}
+        for pname, spec in (param_grads or {}).items():
+            value = self.params.get(pname)
+            if value is None or not _is_array(value) or np.dtype(value.dtype).kind != "f":
+                raise ValueError(f"param_grads[{pname!r}]: not a float array parameter of this modification")
+            try:
+                index, deriv = spec
+            except (TypeError, ValueError):
+                raise TypeError(f"param_grads[{pname!r}] must be (index source, derivative source)") from None
+            self.param_grads[pname] = (_check_source(index, "param_grads index"),
+                                       _check_source(deriv, "param_grads derivative"))
+        self.python_grad = python_grad
+        self.python_param_grads = dict(python_param_grads or {})
+
+    @property
+    def slots(self) -> int:
+        return len(self.params) + len(self.param_grads)
+
+    def _signature(self) -> tuple:
+        return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())))
+
+    def cuda(self, i: int, slot0: int) -> str:
+        """The device functions of modification ``i`` (its value, derivative, parameter gradients)."""
+        decl, _ = self._locals(slot0, self.param_grads)
+        head = ("template <typename acc_t>\n__device__ __forceinline__ {ret} cuf_{what}_{i}(acc_t score, int b, int h, "
+                "int q_idx, int kv_idx, const unsigned long long* cuf_args{extra}) {{\n    {decl}\n    (void)score; "
+                "(void)b; (void)h; (void)q_idx; (void)kv_idx;\n#line 1 \"{label}\"\n{body}\n}}\n")
+        label = f"{self.name}"
+        parts = [head.format(ret="acc_t", what="score", i=i, extra="", decl=decl, label=label,
+                             body=_body(self.source))]
+        grad = self.grad if self.grad is not None else "cuf_no_grad()"
+        parts.append(head.format(ret="acc_t", what="grad", i=i, extra="", decl=decl, label=label + " grad",
+                                 body=_body(grad)))
+        adds = []
+        for pname, (index, deriv) in self.param_grads.items():
+            adds.append(f"cuf_atomic_add({pname}_grad + (long long)({index}), acc_t({deriv}) * cuf_upstream);")
+        parts.append(head.format(ret="void", what="param_grads", i=i, extra=", acc_t cuf_upstream", decl=decl,
+                                 label=label + " param_grads", body="\n".join(adds) if adds else "(void)cuf_upstream;"))
+        return "".join(parts)
+
+    def apply_numpy(self, s, b, h, q, kv, xp):
+        return self._twin()(s, b, h, q, kv, **self.twin_args(xp))
+
+    def grad_numpy(self, s, b, h, q, kv, xp):
+        if self.python_grad is None:
+            raise ValueError(f"{self.name}: the backward of NumPy inputs needs python_grad")
+        return self.python_grad(s, b, h, q, kv, **self.twin_args(xp))
+
+
+class MaskMod(_Mod):
+    """Which keys a query sees, in CUDA source: a bool expression (or body) over ``b``, ``h``,
+    ``q_idx``, ``kv_idx`` and the parameters; true = attend. ``python``: its NumPy twin
+    ``f(b, h, q_idx, kv_idx, **params)`` over broadcast index arrays."""
+
+    kind = "mask_mod"
+
+    def __init__(self, source: str, *, params: Optional[dict] = None, python: Optional[Callable] = None,
+                 name: Optional[str] = None):
+        super().__init__(source, params, python, name)
+
+    @property
+    def slots(self) -> int:
+        return len(self.params)
+
+    def cuda(self, i: int, slot0: int) -> str:
+        decl, _ = self._locals(slot0, {})
+        return ("__device__ __forceinline__ bool cuf_mask_{i}(int b, int h, int q_idx, int kv_idx, "
+                "const unsigned long long* cuf_args) {{\n    typedef float acc_t;\n    {decl}\n    (void)b; (void)h; "
+                "(void)q_idx; (void)kv_idx;\n#line 1 \"{label}\"\n{body}\n}}\n").format(
+                    i=i, decl=decl, label=self.name, body=_body(self.source))
+
+    @property
+    def reads_batch(self) -> bool:
+        return bool(re.search(r"\bb\b", self.source))
+
+    @property
+    def reads_head(self) -> bool:
+        return bool(re.search(r"\bh\b", self.source))
+
+    def apply_numpy(self, b, h, q, kv, xp):
+        return self._twin()(b, h, q, kv, **self.twin_args(xp))
+
+
+_HELPERS = r"""
+template <typename A> __device__ __forceinline__ A cuf_scalar(unsigned long long w);
+template <> __device__ __forceinline__ float cuf_scalar<float>(unsigned long long w) { return __int_as_float(int(unsigned(w))); }
+template <> __device__ __forceinline__ double cuf_scalar<double>(unsigned long long w) { return __longlong_as_double((long long)w); }
+__device__ __forceinline__ float cuf_tanh(float x) {
+#if CUF_FAST_SPECIAL
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return tanhf(x);
+#endif
+}
+__device__ __forceinline__ double cuf_tanh(double x) { return tanh(x); }
+// A trainable parameter's gradient: the lanes of a warp adding into one element sum their parts first and
+// one of them adds (T5's buckets: most lanes of a far-off tile share one).
+template <typename A>
+__device__ __forceinline__ void cuf_atomic_add(A* at, A x) {
+    const unsigned active = __activemask();
+    const unsigned peers = __match_any_sync(active, reinterpret_cast<unsigned long long>(at));
+    A sum = A(0);
+    for (unsigned rest = peers; rest; rest &= rest - 1) sum += __shfl_sync(peers, x, __ffs(rest) - 1);
+    if (int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(at, sum);
+}
+"""
+
+
+_PRELUDES: dict = {}
+MAX_PRELUDES = 64
+
+
+@dataclass(frozen=True)
+class Mods:
+    """A call's modifications: score modifications in order, mask modifications (all must allow)."""
+
+    score: Tuple[ScoreMod, ...] = ()
+    mask: Tuple[MaskMod, ...] = ()
+
+    @property
+    def slots(self) -> int:
+        return sum(m.slots for m in self.score + self.mask)
+
+    @property
+    def trainable(self) -> Tuple[Tuple[ScoreMod, str], ...]:
+        """(modification, parameter name) of every trainable parameter, in slot order."""
+        return tuple((m, n) for m in self.score for n in m.params if n in m.param_grads)
+
+    @property
+    def has_grad(self) -> bool:
+        return all(m.grad is not None for m in self.score)
+
+    def key(self) -> str:
+        """A short digest of the generated source (a cache key for block states and plans)."""
+        sig = repr(tuple(m._signature() for m in self.score + self.mask)).encode()
+        return hashlib.sha256(sig).hexdigest()[:16]
+
+    def prelude(self, fast_special: bool) -> str:
+        """The CUDA source placed before a kernel's: the CUF_USER_* switches (score_mod.cuh) and the
+        modifications' device functions. Kept per modification objects (a call's Mods is new each call;
+        the objects, held with the text, keep their ids)."""
+        key = (tuple(id(m) for m in self.score), tuple(id(m) for m in self.mask), fast_special)
+        known = _PRELUDES.get(key)
+        if known is not None and all(a is b for a, b in zip(known[0], self.score + self.mask)):
+            return known[1]
+        text = self._generate(fast_special)
+        if len(_PRELUDES) >= MAX_PRELUDES:
+            _PRELUDES.clear()
+        _PRELUDES[key] = (self.score + self.mask, text)
+        return text
+
+    def _generate(self, fast_special: bool) -> str:
+        lines = [f"// cuflash user modifications {self.key()}", f"#define CUF_FAST_SPECIAL {int(fast_special)}"]
+        if self.score:
+            lines.append("#define CUF_USER_SCORE 1")
+        if self.mask:
+            lines.append("#define CUF_USER_MASK 1")
+        if self.trainable:
+            lines.append("#define CUF_USER_PARAM_GRADS 1")
+        lines.append(_HELPERS)
+        lines.append("template <typename A> __device__ __forceinline__ A cuf_no_grad() { return A(0) / A(0); }")
+        lines.append("#define cuf_no_grad() cuf_no_grad<acc_t>()")
+        slot = 0
+        for i, m in enumerate(self.score):
+            lines.append(m.cuda(i, slot))
+            slot += m.slots
+        for i, m in enumerate(self.mask):
+            lines.append(m.cuda(i, slot))
+            slot += m.slots
+        lines.append('#line 1 "cuflash"')
+        args = "int b, int h, int q_idx, int kv_idx, const unsigned long long* cuf_args"
+        call = "b, h, q_idx, kv_idx, cuf_args"
+        chain = "".join(f"    score = cuf_score_{i}<A>(score, {call});\n" for i in range(len(self.score)))
+        lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score(A score, {args}) {{\n"
+                     f"{chain}    return score;\n}}\n")
+        # value and derivative (chain rule: each step's derivative at its own input)
+        steps = "".join(f"    grad *= cuf_grad_{i}<A>(score, {call});\n    score = cuf_score_{i}<A>(score, {call});\n"
+                        for i in range(len(self.score)))
+        lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score_grad(A score, {args}, "
+                     f"A& grad) {{\n    grad = A(1);\n{steps}    return score;\n}}\n")
+        # parameter gradients: the inputs of every step again, then upstream gradients from the last step back
+        n = len(self.score)
+        body = [f"    A in[{max(n, 1)}], d[{max(n, 1)}];"]
+        for i in range(n):
+            body.append(f"    in[{i}] = score; d[{i}] = cuf_grad_{i}<A>(score, {call}); "
+                        f"score = cuf_score_{i}<A>(score, {call});")
+        for i in reversed(range(n)):
+            body.append(f"    cuf_param_grads_{i}<A>(in[{i}], {call}, upstream); upstream *= d[{i}];")
+        lines.append(f"template <typename A>\n__device__ __forceinline__ void cuf_user_param_grads(A score, {args}, "
+                     f"A upstream) {{\n" + "\n".join(body) + "\n}\n")
+        masks = " && ".join(f"cuf_mask_{i}({call})" for i in range(len(self.mask))) or "true"
+        lines.append(f"__device__ __forceinline__ bool cuf_user_mask({args}) {{ return {masks}; }}\n")
+        return "\n".join(lines) + "\n"
+
+    def words(self, acc, with_grads: bool = True) -> Tuple[list, list]:
+        """The parameter words (MaskParams::mod_args, MAX_PARAM_SLOTS of them) for inputs whose
+        accumulator is ``acc`` (float32 or float64), and the trainable parameters' gradient
+        accumulators (zeroed arrays of ``acc``, in slot order; with ``with_grads`` False none, their
+        words 0) -- CuPy arrays only."""
+        import cupy
+
+        words, grads = [], []
+        for m in self.score + self.mask:
+            for name, value in m.params.items():
+                if _is_array(value):
+                    if not isinstance(value, cupy.ndarray):
+                        raise TypeError(f"{m.name}: parameter {name!r} is a {type(value).__name__}; CuPy inputs "
+                                        "take CuPy parameter arrays")
+                    words.append(value.data.ptr)
+                    if name in getattr(m, "param_grads", {}):
+                        g = cupy.zeros(value.shape, dtype=acc) if with_grads else None
+                        if g is not None:
+                            grads.append(g)
+                        words.append(0 if g is None else g.data.ptr)
+                elif isinstance(value, int):
+                    words.append(value & (2**64 - 1))
+                elif np.dtype(acc) == np.float64 and isinstance(m, ScoreMod):   # (mask functions read float)
+                    words.append(struct.unpack("<Q", struct.pack("<d", value))[0])
+                else:
+                    words.append(struct.unpack("<I", struct.pack("<f", value))[0])
+        return words + [0] * (MAX_PARAM_SLOTS - len(words)), grads
+
+    # ------------------------------------------------------------------ NumPy evaluation
+
+    def scores(self, s, b, h, q, kv, xp):
+        """The score modifications applied to natural-unit scores ``s`` (masked entries stay -inf)."""
+        if not self.score:
+            return s
+        masked = xp.isneginf(s)
+        with np.errstate(all="ignore"):
+            for m in self.score:
+                s = m.apply_numpy(s, b, h, q, kv, xp)
+        return xp.where(masked, -np.inf, s)
+
+    def scores_and_grad(self, s, b, h, q, kv, xp):
+        """(modified scores, d modified / d raw, [(mod, name, flat index, upstream factor...)])."""
+        g = xp.ones_like(s)
+        inputs = []
+        with np.errstate(all="ignore"):
+            for m in self.score:
+                inputs.append(s)
+                g = g * m.grad_numpy(s, b, h, q, kv, xp)
+                s = m.apply_numpy(s, b, h, q, kv, xp)
+        return s, g, inputs
+
+    def allowed(self, b, h, q, kv, xp):
+        """The mask modifications' verdict, broadcast over the index arrays (None without any)."""
+        out = None
+        for m in self.mask:
+            a = xp.asarray(m.apply_numpy(b, h, q, kv, xp)).astype(bool)
+            out = a if out is None else (out & a)
+        return out
+
+    def param_grads_numpy(self, inputs, ds_mod, b, h, q, kv, xp) -> Dict[str, Any]:
+        """Gradients of the trainable parameters from dL/d(modified score) ``ds_mod`` and the steps'
+        inputs (:meth:`scores_and_grad`), float64 arrays of the parameters' shapes."""
+        out = {}
+        upstream = ds_mod
+        with np.errstate(all="ignore"):
+            for m, s_in in reversed(list(zip(self.score, inputs))):
+                for name in m.param_grads:
+                    twin = m.python_param_grads.get(name)
+                    if twin is None:
+                        raise ValueError(f"{m.name}: the backward of NumPy inputs needs python_param_grads[{name!r}]")
+                    index, deriv = twin(s_in, b, h, q, kv, **m.twin_args(xp))
+                    shape = m.params[name].shape
+                    acc = xp.zeros(int(np.prod(shape)), dtype=np.float64)
+                    seen = upstream != 0   # masked elements: no contribution (their derivative may be NaN)
+                    contrib = xp.broadcast_to(xp.where(seen, deriv * upstream, 0.0), upstream.shape)
+                    idx = xp.broadcast_to(xp.asarray(index), upstream.shape)
+                    xp.add.at(acc, idx[seen].astype(np.int64), contrib[seen])
+                    out[name] = out.get(name, 0) + acc.reshape(shape)
+                upstream = xp.where(upstream != 0, upstream * m.grad_numpy(s_in, b, h, q, kv, xp), 0.0)
+        return out
+
+
+def _as_tuple(x, cls, what: str) -> tuple:
+    if x is None:
+        return ()
+    items = tuple(x) if isinstance(x, (list, tuple)) else (x,)
+    for m in items:
+        if not isinstance(m, cls):
+            raise TypeError(f"{what} must be a cuflash.{cls.__name__} or a sequence of them, got {type(m).__name__}")
+    return items
+
+
+def resolve(score_mod=None, mask_mod=None) -> Optional[Mods]:
+    """The call's :class:`Mods`, or None without modifications (TypeError / ValueError on bad ones)."""
+    score, mask = _as_tuple(score_mod, ScoreMod, "score_mod"), _as_tuple(mask_mod, MaskMod, "mask_mod")
+    if not score and not mask:
+        return None
+    mods = Mods(score, mask)
+    if mods.slots > MAX_PARAM_SLOTS:
+        raise ValueError(f"the modifications take {mods.slots} parameter words; at most {MAX_PARAM_SLOTS} "
+                         "(one a number or array, two a trainable array)")
+    return mods
+
+
+# --------------------------------------------------------------------------- library modifications
+
+def softcap(cap: float) -> ScoreMod:
+    """``cap * tanh(score / cap)``: scores squashed into (-cap, cap) (Gemma 2, Grok)."""
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
+    return ScoreMod("cap * cuf_tanh(score / cap)",
+                    grad="{ const acc_t t = cuf_tanh(score / cap); return acc_t(1) - t * t; }",
+                    params={"cap": float(cap)}, name="softcap",
+                    python=lambda s, b, h, q, kv, cap: cap * np.tanh(s / cap),
+                    python_grad=lambda s, b, h, q, kv, cap: 1.0 - np.tanh(s / cap) ** 2)
+
+
+def alibi(slopes) -> ScoreMod:
+    """ALiBi: ``score - slopes[h] * |q_idx - kv_idx|`` (Press et al.; FlashAttention's ``alibi_slopes``
+    with queries and keys aligned at the start). ``slopes``: float32 array (Hq,) on the inputs' device."""
+    if not _is_array(slopes) or slopes.ndim != 1 or np.dtype(slopes.dtype) != np.float32:
+        raise TypeError("alibi: slopes must be a float32 array of shape (Hq,)")
+    return ScoreMod("score - acc_t(slopes[h]) * acc_t(abs(q_idx - kv_idx))", grad="acc_t(1)",
+                    params={"slopes": slopes}, name="alibi",
+                    python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * abs(q - kv),
+                    python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))
+
+
+def t5_bucket(rel, num_buckets: int, max_distance: int, bidirectional: bool):
+    """T5's relative-position bucket (``_relative_position_bucket``) of ``rel = kv_idx - q_idx``, NumPy
+    int64: exact buckets for small distances, logarithmic ones up to ``max_distance``."""
+    rel = np.asarray(rel, dtype=np.int64)
+    bucket = np.zeros(rel.shape, dtype=np.int64)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (rel > 0) * num_buckets
+        rel = np.abs(rel)
+    else:
+        rel = np.where(rel < 0, -rel, 0)
+    exact = num_buckets // 2
+    with np.errstate(divide="ignore"):
+        big = exact + (np.log(np.maximum(rel, 1) / exact) / math.log(max_distance / exact)
+                       * (num_buckets - exact)).astype(np.int64)
+    return bucket + np.where(rel < exact, rel, np.minimum(big, num_buckets - 1))
+
+
+def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 128,
+                           bidirectional: bool = True) -> ScoreMod:
+    """T5's learned relative-position bias: ``score + table[bucket(kv_idx - q_idx), h]`` with ``table``
+    a float32 / float64 array (num_buckets, Hq); trainable (the backward returns its gradient as
+    ``{"table": ...}``). Buckets as T5's ``_relative_position_bucket`` (:func:`t5_bucket`), looked up
+    in a table of one bucket per distance up to ``max_distance`` (past it, the last bucket)."""
+    if not _is_array(table) or table.ndim != 2 or np.dtype(table.dtype).kind != "f":
+        raise TypeError("relative_position_bias: table must be a float array (num_buckets, Hq)")
+    if table.shape[0] != num_buckets:
+        raise ValueError(f"relative_position_bias: table has {table.shape[0]} rows for {num_buckets} buckets")
+    half = num_buckets // 2 if bidirectional else num_buckets
+    if num_buckets < 4 or max_distance <= half // 2:
+        raise ValueError("relative_position_bias: num_buckets >= 4 and max_distance above the exact buckets")
+    heads, md, bd = table.shape[1], int(max_distance), bool(bidirectional)
+    # bucket of distance d (0..max_distance) on the side of keys before the query; keys after it add `half`
+    lookup = t5_bucket(-np.arange(md + 1), num_buckets, md, bd).astype(np.int32)
+    xp = _xp(table)
+    lookup = xp.asarray(lookup)
+    rel = "kv_idx - q_idx"
+    if bd:
+        bucket = f"(({rel}) > 0 ? {half} : 0) + bucket_of[min(abs({rel}), {md})]"
+    else:
+        bucket = f"bucket_of[min(max(-({rel}), 0), {md})]"
+    index = f"({bucket}) * {heads} + h"
+
+    def twin(s, b, h, q, kv, table, bucket_of):
+        x = _xp(s)
+        return s + table[x.asarray(t5_bucket(_host(kv - q), num_buckets, md, bd)), h]
+
+    def twin_index(s, b, h, q, kv, table, bucket_of):
+        x = _xp(s)
+        return x.asarray(t5_bucket(_host(kv - q), num_buckets, md, bd)) * heads + h, x.ones_like(s)
+
+    return ScoreMod(f"score + acc_t(table[{index}])", grad="acc_t(1)",
+                    params={"table": table, "bucket_of": lookup}, param_grads={"table": (index, "acc_t(1)")},
+                    name="relative_position_bias", python=twin,
+                    python_grad=lambda s, b, h, q, kv, table, bucket_of: s * 0 + 1.0,
+                    python_param_grads={"table": twin_index})
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def _xp(x):
+    try:
+        import cupy
+        return cupy.get_array_module(x)
+    except ImportError:   # pragma: no cover
+        return np
+
+
+def document_mask(document_ids) -> MaskMod:
+    """Packed documents: query i sees key j only within its own document, ``ids[b, i] == ids[b, j]``.
+    ``document_ids``: int32 array (B, L) (queries and keys share positions: Lq == Lk == L)."""
+    if not _is_array(document_ids) or document_ids.ndim != 2 or np.dtype(document_ids.dtype) != np.int32:
+        raise TypeError("document_mask: document_ids must be an int32 array (B, L)")
+    length = document_ids.shape[1]
+    return MaskMod(f"doc[(long long)b * {length} + q_idx] == doc[(long long)b * {length} + kv_idx]",
+                   params={"doc": document_ids}, name="document_mask",
+                   python=lambda b, h, q, kv, doc: _doc_twin(b, q, kv, doc))
+
+
+def _doc_twin(b, q, kv, doc):
+    bb = b.reshape(-1)
+    rows = doc[bb][:, None, :, None]         # (B, 1, L, 1) ids of the queries
+    cols = doc[bb][:, None, None, :]         # (B, 1, 1, L) ids of the keys
+    return rows[..., q.reshape(-1), :] == cols[..., kv.reshape(-1)]
+
+
+def prefix_lm_mask(prefix_lengths) -> MaskMod:
+    """Prefix-LM: every query sees the prefix (keys ``j < prefix[b]``) and, past it, keys up to
+    itself (``j <= i``). ``prefix_lengths``: int32 array (B,). Use without ``causal``."""
+    if not _is_array(prefix_lengths) or prefix_lengths.ndim != 1 or np.dtype(prefix_lengths.dtype) != np.int32:
+        raise TypeError("prefix_lm_mask: prefix_lengths must be an int32 array (B,)")
+    return MaskMod("kv_idx < prefix[b] || kv_idx <= q_idx", params={"prefix": prefix_lengths}, name="prefix_lm",
+                   python=lambda b, h, q, kv, prefix: (kv < prefix[b]) | (kv <= q))

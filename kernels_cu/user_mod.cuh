@@ -1,0 +1,76 @@
+// user_mod.cuh -- user score and mask modifications (cuflash.mods), as the kernels see them.
+//
+// The host compiles a call's modifications by placing their generated source before a kernel's
+// (cuflash/mods.py, Mods.prelude). That source defines the switches below and the functions they
+// guard, each over one element (natural units, b, h, q_idx, kv_idx, the parameter words):
+//     cuf_user_score(s, ...)              the score modifications in order
+//     cuf_user_score_grad(s, ..., g)      the same, and g = d modified / d s (chain rule)
+//     cuf_user_param_grads(s, ..., ds')   the trainable parameters' gradients from ds' = dL / d modified
+//     cuf_user_mask(...)                  every mask modification's verdict
+// Without that source every switch is 0 and the hooks (ScoreMod, score_mod.cuh) compile to nothing:
+// the library's own kernels are unchanged.
+#pragma once
+#include "common.cuh"
+
+#ifndef CUF_USER_SCORE
+#define CUF_USER_SCORE 0
+#endif
+#ifndef CUF_USER_MASK
+#define CUF_USER_MASK 0
+#endif
+#ifndef CUF_USER_PARAM_GRADS
+#define CUF_USER_PARAM_GRADS 0
+#endif
+
+constexpr bool USER_SCORE = CUF_USER_SCORE;
+constexpr bool USER_MASK = CUF_USER_MASK;
+
+// The score modifications of x, a score in log2 units as the EXTRA kernels hold it (x = s log2 e):
+// modified in natural units, back in log2 units. A masked score (-inf) stays masked.
+template <typename A>
+__device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, const unsigned long long* args) {
+#if CUF_USER_SCORE
+    if (x == neg_inf<A>()) return x;
+    return cuf_user_score<A>(x * A(LN2), b, h, row, col, args) * A(LOG2E);
+#else
+    (void)b, (void)h, (void)row, (void)col, (void)args;
+    return x;
+#endif
+}
+
+// The modified score of x (log2 units) and its derivative with respect to the raw score; the
+// trainable parameters' gradients come from ds_mod, dL / d modified score (natural units).
+template <typename A>
+__device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row, int col,
+                                                      const unsigned long long* args, A& grad) {
+#if CUF_USER_SCORE
+    if (x == neg_inf<A>()) {
+        grad = A(0);
+        return x;
+    }
+    return cuf_user_score_grad<A>(x * A(LN2), b, h, row, col, args, grad) * A(LOG2E);
+#else
+    (void)b, (void)h, (void)row, (void)col, (void)args;
+    grad = A(1);
+    return x;
+#endif
+}
+
+template <typename A>
+__device__ __forceinline__ void user_param_grads(A x, int b, int h, int row, int col, const unsigned long long* args,
+                                                 A ds_mod) {
+#if CUF_USER_PARAM_GRADS
+    if (ds_mod != A(0)) cuf_user_param_grads<A>(x * A(LN2), b, h, row, col, args, ds_mod);
+#else
+    (void)x, (void)b, (void)h, (void)row, (void)col, (void)args, (void)ds_mod;
+#endif
+}
+
+__device__ __forceinline__ bool user_mask_allows(int b, int h, int row, int col, const unsigned long long* args) {
+#if CUF_USER_MASK
+    return cuf_user_mask(b, h, row, col, args);
+#else
+    (void)b, (void)h, (void)row, (void)col, (void)args;
+    return true;
+#endif
+}

@@ -1,0 +1,344 @@
+"""User score and mask modifications (cuflash.mods) on the CPU: validation, the generated source and its
+NVRTC builds, the NumPy path against the options it should equal, and gradients against float64 finite
+differences. The GPU runs are test_mods_gpu.py's."""
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import CompileError, mods as M, reference
+from cuflash._dispatch.model import SCORING_FAMILIES
+from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, takes_plain_mods,
+                                      with_mods)
+from cuflash._runtime.build import compile_offline
+
+from _nvrtc import needs_nvrtc
+
+B, H, L, D = 2, 3, 37, 16
+
+
+def _inputs(seed=0, b=B, h=H, lq=L, lk=L, d=D):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((b, h, lq, d)), rng.standard_normal((b, h, lk, d)), rng.standard_normal((b, h, lk, d)),
+            rng.standard_normal((b, h, lq, d)))
+
+
+def _library(h=H, b=B, length=L):
+    rng = np.random.default_rng(1)
+    doc = np.sort(rng.integers(0, 3, (b, length)), axis=1).astype(np.int32)
+    return {
+        "softcap": dict(score_mod=cuflash.softcap(3.0)),
+        "alibi": dict(score_mod=cuflash.alibi(np.linspace(0.05, 0.4, h).astype(np.float32))),
+        "t5": dict(score_mod=cuflash.relative_position_bias(rng.standard_normal((32, h)).astype(np.float32),
+                                                            max_distance=20)),
+        "document": dict(mask_mod=cuflash.document_mask(doc)),
+        "prefix": dict(mask_mod=cuflash.prefix_lm_mask(np.array([5, 11][:b], np.int32))),
+        "composed": dict(score_mod=(cuflash.alibi(np.full(h, 0.1, np.float32)), cuflash.softcap(2.0)),
+                         mask_mod=(cuflash.document_mask(doc), cuflash.prefix_lm_mask(np.array([30, 3][:b], np.int32)))),
+    }
+
+
+# --------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize("bad, err, match", [
+    (lambda: cuflash.ScoreMod(""), TypeError, "non-empty string"),
+    (lambda: cuflash.ScoreMod("#define X 1\nscore"), ValueError, "preprocessor"),
+    (lambda: cuflash.ScoreMod("score", params={"score": 1.0}), ValueError, "not usable"),
+    (lambda: cuflash.ScoreMod("score", params={"cuf_x": 1.0}), ValueError, "not usable"),
+    (lambda: cuflash.ScoreMod("score", params={"x": "a"}), TypeError, "number or an array"),
+    (lambda: cuflash.ScoreMod("score", params={"x": float("nan")}), ValueError, "finite"),
+    (lambda: cuflash.ScoreMod("score", params={"x": 2**40}), ValueError, "32 bits"),
+    (lambda: cuflash.ScoreMod("score", params={"x": np.zeros(3, np.complex64)}), TypeError, "not supported"),
+    (lambda: cuflash.ScoreMod("score", params={"x": np.zeros((3, 4))[:, ::2]}), ValueError, "C-contiguous"),
+    (lambda: cuflash.ScoreMod("score", params={"t": np.zeros(3, np.int32)}, param_grads={"t": ("0", "1")}),
+     ValueError, "float array"),
+    (lambda: cuflash.ScoreMod("score", params={"t": np.zeros(3, np.float32)}, param_grads={"t": "0"}),
+     TypeError, "index source"),
+    (lambda: cuflash.ScoreMod("score", python=3), TypeError, "callable"),
+    (lambda: cuflash.softcap(0.0), ValueError, "cap"),
+    (lambda: cuflash.alibi(np.ones(3)), TypeError, "float32"),
+    (lambda: cuflash.relative_position_bias(np.ones((8, 3), np.float32)), ValueError, "32 buckets"),
+    (lambda: cuflash.document_mask(np.ones(3, np.int32)), TypeError, "int32 array"),
+    (lambda: cuflash.prefix_lm_mask(np.ones((2, 2), np.int32)), TypeError, "int32 array"),
+])
+def test_bad_modifications_are_refused(bad, err, match):
+    with pytest.raises(err, match=match):
+        bad()
+
+
+def test_bad_calls_are_refused_before_anything_runs():
+    q, k, v, do = _inputs()
+    with pytest.raises(TypeError, match="score_mod must be a cuflash.ScoreMod"):
+        cuflash.attention(q, k, v, score_mod=cuflash.document_mask(np.zeros((B, L), np.int32)))
+    with pytest.raises(TypeError, match="mask_mod must be a cuflash.MaskMod"):
+        cuflash.attention(q, k, v, mask_mod="kv_idx <= q_idx")
+    with pytest.raises(ValueError, match="NumPy twin"):
+        cuflash.attention(q, k, v, score_mod=cuflash.ScoreMod("score * 2"))
+    many = tuple(cuflash.ScoreMod("score", params={f"p{i}": 1.0 for i in range(9)}, python=lambda s, *a, **p: s)
+                 for _ in range(2))
+    with pytest.raises(ValueError, match="at most 16"):
+        cuflash.attention(q, k, v, score_mod=many)
+    out, lse = cuflash.attention_forward(q, k, v, score_mod=cuflash.ScoreMod("score", python=lambda s, *a: s))
+    with pytest.raises(ValueError, match="derivative: give grad"):
+        cuflash.attention_backward(do, q, k, v, out, lse, score_mod=cuflash.ScoreMod("score", python=lambda s, *a: s))
+
+
+# --------------------------------------------------------------------------- the generated source
+
+def test_prelude_switches_and_slots():
+    mods = M.resolve(tuple(_library()["composed"]["score_mod"]) + (_library()["t5"]["score_mod"],),
+                     _library()["composed"]["mask_mod"])
+    text = mods.prelude(True)
+    for switch in ("CUF_USER_SCORE 1", "CUF_USER_MASK 1", "CUF_USER_PARAM_GRADS 1", "CUF_FAST_SPECIAL 1"):
+        assert f"#define {switch}" in text
+    assert "#define CUF_FAST_SPECIAL 0" in mods.prelude(False)
+    # alibi (slopes), softcap (cap), t5 (table + its gradient, bucket_of), document (doc), prefix (prefix)
+    assert mods.slots == 7
+    slots = [int(re.search(r"cuf_args\[(\d+)\]", line).group(1)) for line in text.splitlines()
+             if "cuf_args[" in line and "=" in line]
+    assert list(dict.fromkeys(slots)) == list(range(7))   # each function of a modification reads its own
+    assert mods.key() == M.resolve(*_as_pair(mods)).key()   # the same modifications, the same builds
+    plain = M.resolve(None, _library()["prefix"]["mask_mod"]).prelude(False)
+    assert "CUF_USER_SCORE" not in plain and "CUF_USER_MASK 1" in plain
+
+
+def _as_pair(mods):
+    return mods.score, mods.mask
+
+
+def test_modifications_go_on_the_scoring_variants_only():
+    prelude = M.resolve(cuflash.softcap(30.0)).prelude(True)
+    for v in all_variants():
+        if not v.extra and v.family in SCORING_FAMILIES and not v.packed and not takes_plain_mods(v):
+            with pytest.raises(ValueError, match="EXTRA variants"):
+                with_mods(v, prelude)
+            continue
+        w = with_mods(v, prelude)
+        if v.family not in SCORING_FAMILIES or v.packed:
+            assert w is v
+            continue
+        assert w.prelude == prelude and w.name.split("<")[0] == v.name.split("<")[0]
+        if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
+            assert w.tile == MODS_FWD_WGMMA_TILE
+        if v.family == "fwd_wgmma" and v.band:
+            assert w.schedule == "block"
+    for family in ("fwd_decode", "bwd_dsum"):
+        with pytest.raises(ValueError, match="scoring kernels"):
+            replace(next(v for v in all_variants() if v.family == family), prelude=prelude)
+
+
+_FAMILIES = [("sm_80", "fwd_mma", "bfloat16"), ("sm_90", "fwd_wgmma", "float16"), ("sm_90", "bwd_dkdv_wgmma", "bfloat16"),
+             ("sm_80", "bwd_dkdv_mma", "float16"), ("sm_80", "bwd_dbias_mma", "bfloat16"),
+             ("sm_90", "fwd_wgmma_tf32x3", "float32"), ("sm_80", "bwd_dq_tf32x3", "float32"),
+             ("sm_90", "fwd_dmma", "float64"), ("sm_90", "bwd_dkdv_dmma", "float64"), ("sm_80", "bwd_dkdv_fma", "float32")]
+
+
+def _every_library_mod(masks: bool = True):
+    lib = _library()
+    return M.resolve(lib["composed"]["score_mod"] + (lib["t5"]["score_mod"],),
+                     lib["composed"]["mask_mod"] if masks else None)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("extra", [True, False])
+@pytest.mark.parametrize("arch, family, dtype", _FAMILIES)
+def test_library_modifications_compile_without_spills(arch, family, dtype, extra):
+    """Every library modification at once compiled into a variant of each kind of kernel: zero spills (the
+    sweep compiles every scoring variant so). Score modifications alone run on the plain variants."""
+    if not extra and family not in PLAIN_MODS_FAMILIES:
+        pytest.skip(f"{family} takes modifications on its EXTRA variants")
+    mods = _every_library_mod(masks=extra)
+    v = next(v for v in all_variants() if v.extra == extra and not v.packed and v.family == family and v.dtype == dtype
+             and v.compile_target(arch))
+    v = with_mods(v, mods.prelude(dtype in ("float16", "bfloat16")))
+    build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
+    assert build.spills == 0 and build.stack_frame == 0, build.log
+
+
+@pytest.mark.sweep
+@needs_nvrtc
+@pytest.mark.parametrize("dtype, family", sorted({(v.dtype, v.family) for v in all_variants()
+                                                  if v.family in SCORING_FAMILIES}))
+def test_every_scoring_variant_compiles_with_modifications(dtype, family):
+    """Every scoring variant that takes modifications with every library modification compiled in (the plain
+    ones of PLAIN_MODS_FAMILIES: the score modifications alone), for the architecture its table row is tuned
+    for (sm_90 for the sm90 rows and Hopper's own, sm_80 for the others): zero spills. Head dim 256's Hopper
+    backward takes none."""
+    bad = []
+    for v in {with_mods(v, _every_library_mod(masks=v.extra).prelude(dtype in ("float16", "bfloat16")))
+              for v in all_variants() if v.dtype == dtype and v.family == family and not v.packed
+              and (v.extra or takes_plain_mods(v)) and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)}:
+        arch = "sm_80" if v.arch == "sm80" else "sm_90"
+        build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
+        if build.spills or build.stack_frame:
+            bad.append((v.name, build.spills))
+    assert not bad, bad
+
+
+@needs_nvrtc
+def test_the_block_state_kernel_compiles():
+    mods = M.resolve(None, _library()["composed"]["mask_mod"])
+    build = compile_offline("mask_mod_states.cu", "mask_mod_states", "sm_80", mods.prelude(False))
+    assert build.spills == 0
+
+
+@needs_nvrtc
+def test_a_compile_error_quotes_the_users_line():
+    bad = cuflash.ScoreMod("{\n  acc_t y = score * 2;\n  return y + undefined_name;\n}", grad="acc_t(2)",
+                           name="my_mod")
+    v = with_mods(next(v for v in all_variants() if v.extra and v.family == "fwd_mma"), M.resolve(bad).prelude(True))
+    with pytest.raises(CompileError) as info:
+        compile_offline(v.entry, v.name, "sm_80", v.prelude)
+    assert "my_mod(3)" in info.value.log and "undefined_name" in info.value.log
+    assert "in my_mod, line 3: return y + undefined_name;" in info.value.log
+
+
+# --------------------------------------------------------------------------- the NumPy path
+
+def _dense(kind, q, k, v):
+    """The same attention from the plain options: an explicit bias or boolean mask."""
+    lib = _library()
+    i = np.arange(L)
+    if kind == "alibi":
+        slopes = lib["alibi"]["score_mod"].params["slopes"].astype(np.float64)
+        return dict(bias=-slopes[:, None, None] * np.abs(i[:, None] - i[None, :]))
+    if kind == "t5":
+        table = lib["t5"]["score_mod"].params["table"].astype(np.float64)
+        return dict(bias=np.moveaxis(table[M.t5_bucket(i[None, :] - i[:, None], 32, 20, True)], -1, 0))
+    if kind == "document":
+        doc = lib["document"]["mask_mod"].params["doc"]
+        return dict(mask=doc[:, None, :, None] == doc[:, None, None, :])
+    if kind == "prefix":
+        pre = lib["prefix"]["mask_mod"].params["prefix"]
+        return dict(mask=(i < pre[:, None, None, None]) | (i[None, :] <= i[:, None]))
+    raise KeyError(kind)
+
+
+@pytest.mark.parametrize("kind", ["alibi", "t5", "document", "prefix"])
+def test_library_modifications_equal_their_explicit_bias_or_mask(kind):
+    q, k, v, do = _inputs()
+    got, lse = cuflash.attention_forward(q, k, v, causal=kind != "prefix", **_library()[kind])
+    want, want_lse = cuflash.attention_forward(q, k, v, causal=kind != "prefix", **_dense(kind, q, k, v))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    grads = cuflash.vjp(q, k, v, causal=kind != "prefix", **_library()[kind])[1](do)
+    want_grads = cuflash.vjp(q, k, v, causal=kind != "prefix", **_dense(kind, q, k, v))[1](do)
+    for g, w in zip(grads[:3], want_grads[:3]):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_softcap_is_the_formula():
+    q, k, v, _ = _inputs()
+    got = cuflash.attention(q, k, v, causal=True, window=(20, None), score_mod=cuflash.softcap(2.5))
+    s = 2.5 * np.tanh(q @ k.swapaxes(-1, -2) / np.sqrt(D) / 2.5)
+    i = np.arange(L)
+    s = np.where((i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 20), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(got, (p / p.sum(-1, keepdims=True)) @ v, rtol=1e-12, atol=1e-12)
+
+
+def test_modifications_apply_in_order_and_masks_all_apply():
+    q, k, v, _ = _inputs()
+    a, s = cuflash.alibi(np.full(H, 0.5, np.float32)), cuflash.softcap(1.0)
+    assert not np.allclose(cuflash.attention(q, k, v, score_mod=(a, s)), cuflash.attention(q, k, v, score_mod=(s, a)))
+    twice = cuflash.ScoreMod("score * 2", grad="acc_t(2)", python=lambda s, *a: s * 2)
+    np.testing.assert_allclose(cuflash.attention(q, k, v, score_mod=(twice, twice)),
+                               cuflash.attention(q, k, v, scale=4 / np.sqrt(D)), rtol=1e-12)
+    m1, m2 = _library()["document"]["mask_mod"], _library()["prefix"]["mask_mod"]
+    both = _dense("document", q, k, v)["mask"] & _dense("prefix", q, k, v)["mask"]
+    np.testing.assert_allclose(cuflash.attention(q, k, v, mask_mod=(m1, m2)), cuflash.attention(q, k, v, mask=both),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_modifications_compose_with_the_other_options():
+    """bias (added before the modification), mask, window, dropout, block layout, GQA: the reference of
+    each against the modified NumPy path."""
+    rng = np.random.default_rng(3)
+    q, k, v, do = _inputs(4)
+    k, v = k[:, :1], v[:, :1]   # grouped-query: 3 query heads a K/V head
+    opts = dict(causal="bottom_right", window=(25, None), bias=rng.standard_normal((1, H, L, L)),
+                mask=rng.random((B, 1, 1, L)) < 0.9, dropout_p=0.1, seed=7,
+                block_layout=cuflash.BlockLayout(rng.random((H, 3, 3)) < 0.8, 16), **_library()["composed"])
+    out = cuflash.attention(q, k, v, **opts)
+    naive = reference.attention_naive(q, k, v, **opts)[0]
+    np.testing.assert_allclose(out, naive, rtol=1e-11, atol=1e-12)
+    grads = cuflash.vjp(q, k, v, **opts)[1](do)
+    naive_grads = reference.attention_backward_naive(do, q, k, v, **opts)
+    for g, w in zip(grads, naive_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11)
+
+
+# --------------------------------------------------------------------------- gradients
+
+def _fd_check(f, x, grad, points=6, eps=1e-6, seed=0):
+    rng = np.random.default_rng(seed)
+    for idx in zip(*(rng.integers(0, n, points) for n in x.shape)):
+        e = np.zeros_like(x)
+        e[idx] = eps
+        fd = (f(x + e) - f(x - e)) / (2 * eps)
+        assert abs(fd - grad[idx]) <= 1e-6 * (1 + abs(fd)), (idx, fd, grad[idx])
+
+
+@pytest.mark.parametrize("kind", ["softcap", "alibi", "composed"])
+def test_gradients_match_finite_differences(kind):
+    q, k, v, do = _inputs(2)
+    opts = dict(causal=True, **_library()[kind])
+    dq, dk, dv = cuflash.vjp(q, k, v, **opts)[1](do)
+    _fd_check(lambda x: (cuflash.attention(x, k, v, **opts) * do).sum(), q, dq)
+    _fd_check(lambda x: (cuflash.attention(q, x, v, **opts) * do).sum(), k, dk)
+    _fd_check(lambda x: (cuflash.attention(q, k, x, **opts) * do).sum(), v, dv)
+
+
+def test_the_relative_position_table_gradient_matches_finite_differences():
+    q, k, v, do = _inputs(5)
+    table = np.random.default_rng(6).standard_normal((32, H))
+    rel = cuflash.relative_position_bias(table, max_distance=20)
+    *_, grads = cuflash.vjp(q, k, v, causal=True, score_mod=(rel, cuflash.softcap(2.0)))[1](do)
+    assert set(grads) == {"table"} and grads["table"].shape == table.shape and grads["table"].dtype == table.dtype
+
+    def f(t):
+        mod = cuflash.relative_position_bias(t, max_distance=20)
+        return (cuflash.attention(q, k, v, causal=True, score_mod=(mod, cuflash.softcap(2.0))) * do).sum()
+
+    _fd_check(f, table, grads["table"], points=10)
+    # causal: keys after the query never seen, so their buckets (16 and up, bidirectional) get nothing
+    assert (grads["table"][16:] == 0).all() and np.abs(grads["table"][:16]).sum() > 0
+
+
+def test_t5_buckets_are_t5s():
+    """T5's _relative_position_bucket, written out for a few distances (32 buckets, max distance 128)."""
+    rel = np.array([-200, -128, -50, -9, -8, -7, -1, 0, 1, 7, 8, 50, 128, 200])
+    want = [15, 15, 13, 8, 8, 7, 1, 0, 17, 23, 24, 29, 31, 31]
+    assert M.t5_bucket(rel, 32, 128, True).tolist() == want
+    assert M.t5_bucket(np.array([-20, -1, 0, 5]), 32, 128, False).tolist() == [17, 1, 0, 0]
+
+
+def _bench_mods():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_mods.py"
+    spec = importlib.util.spec_from_file_location("bench_mods", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_fresh_modification_is_the_same_but_new():
+    """bench_mods.py's first-call rows build a modification never built before: the same function (the NumPy
+    path gives the same attention), another source (another build)."""
+    bench_mods = _bench_mods()
+    q, k, v, _ = _inputs(7)
+    for mod in (cuflash.softcap(3.0), cuflash.prefix_lm_mask(np.array([4, 9], np.int32))):
+        fresh = bench_mods._fresh(mod)
+        assert fresh.source != mod.source and type(fresh) is type(mod)
+        kw = "score_mod" if isinstance(mod, cuflash.ScoreMod) else "mask_mod"
+        assert M.resolve(**{kw: fresh}).key() != M.resolve(**{kw: mod}).key()
+        np.testing.assert_array_equal(cuflash.attention(q, k, v, **{kw: fresh}), cuflash.attention(q, k, v, **{kw: mod}))
+    ids = bench_mods._documents(4096)
+    assert ids.shape == (bench_mods.B, 4096) and (np.diff(ids, axis=1) >= 0).all() and (ids[:, -1] == 3).all()
+    row = {"mod": "softcap", "D": 64, "L": 4096, "pass": "fwd", "contender": "cuflash", "ms": 0.5, "vs plain": 1.1,
+           "first call s": 1.2, "new length s": 0.001, "note": ""}
+    assert "| softcap | 64 | 4096 | fwd | cuflash | 0.500 | 1.10 | 1.20 | 0.001 |" in bench_mods.markdown([row], "X")

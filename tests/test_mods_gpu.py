@@ -1,0 +1,167 @@
+"""User score and mask modifications on the GPU (marker `gpu`): the library modifications and their
+compositions with every masking option, every dtype, forward and backward, on the Hopper and the portable
+kernels, against the float64 reference under the error rule; the trainable table's gradient; the block
+states the kernels skip by; no rebuild for a new sequence length."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import mods as M, reference
+from cuflash._dispatch import masking
+from cuflash._runtime import build, device
+
+from _gpu_checks import DTYPES, check_masked, device_options, host_options, make_grad_inputs, seed_of
+from _tiers import sampled
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+B, HQ, HK, LQ, LK = 2, 4, 2, 113, 150
+
+
+def _options(kind: str, seed: int) -> dict:
+    """Host (NumPy) modifications; check_masked moves their parameter arrays to the device."""
+    rng = np.random.default_rng(seed)
+    doc = np.sort(rng.integers(0, 4, (B, LK)), axis=1).astype(np.int32)
+    table = (rng.standard_normal((32, HQ)) * 0.5).astype(np.float32)
+    softcap, alibi = cuflash.softcap(30.0), cuflash.alibi(np.geomspace(0.5, 0.02, HQ).astype(np.float32))
+    return {
+        "softcap": dict(score_mod=softcap),
+        "softcap tight": dict(score_mod=cuflash.softcap(0.5)),
+        "alibi": dict(score_mod=alibi),
+        "relative position": dict(score_mod=cuflash.relative_position_bias(table, max_distance=64)),
+        "document": dict(mask_mod=cuflash.document_mask(doc)),
+        "prefix lm": dict(mask_mod=cuflash.prefix_lm_mask(np.array([20, 90], np.int32))),
+        "custom": dict(score_mod=cuflash.ScoreMod(
+            "score * scale_h[h] + acc_t(0.01) * acc_t(kv_idx % 7)", grad="acc_t(scale_h[h])",
+            params={"scale_h": np.linspace(0.5, 1.5, HQ).astype(np.float32)},
+            python=lambda s, b, h, q, kv, scale_h: s * scale_h[h] + 0.01 * (kv % 7),
+            python_grad=lambda s, b, h, q, kv, scale_h: np.broadcast_to(scale_h[h], s.shape))),
+        "with every option": dict(score_mod=(alibi, softcap), mask_mod=cuflash.document_mask(doc),
+                                  bias=rng.standard_normal((1, HQ, LQ, LK)), window=(70, 10), dropout_p=0.1, seed=3,
+                                  block_layout=cuflash.BlockLayout.from_rule(LQ, LK, 32, local=2, global_blocks=1)),
+    }[kind]
+
+
+KINDS = ["softcap", "softcap tight", "alibi", "relative position", "document", "prefix lm", "custom",
+         "with every option"]
+CASES = sampled([(dt, c) for dt in DTYPES for c in (False, "bottom_right")],
+                [("float16", False), ("bfloat16", "bottom_right"), ("float32", "bottom_right"), ("float64", False)],
+                multi=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype, causal", CASES)
+def test_modifications_against_reference(dtype, kind, causal):
+    for d in (64, 128):
+        seed = seed_of(dtype, kind, str(causal), d)
+        check_masked(dtype, B, HQ, HK, LQ, LK, d, d, causal, seed, _options(kind, seed))
+
+
+@pytest.mark.parametrize("kind", ["softcap", "relative position", "with every option"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_modifications_on_the_portable_kernels(monkeypatch, dtype, kind):
+    monkeypatch.setattr(device, "compute_capability", lambda: 80)
+    seed = seed_of(dtype, kind, "portable")
+    check_masked(dtype, B, HQ, HK, LQ, LK, 64, 64, True, seed, _options(kind, seed))
+
+
+@pytest.mark.parametrize("kind", ["softcap", "document"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_deterministic_backward_with_modifications(dtype, kind):
+    seed = seed_of(dtype, kind, "deterministic")
+    _, grads = check_masked(dtype, B, HQ, HK, LQ, LK, 64, 64, True, seed, _options(kind, seed), deterministic=True)
+    rng = np.random.default_rng(seed)
+    _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LQ, LK, 64, 64)
+    dev = device_options(_options(kind, seed), dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
+    for a, b in zip(grads, again):
+        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_relative_position_table_gradient(dtype):
+    """The trainable table's gradient (atomics from every dS) against the float64 blocked reference's."""
+    seed = seed_of(dtype, "table")
+    rng = np.random.default_rng(seed)
+    (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LQ, LK, 64, 64)
+    table = (rng.standard_normal((32, HQ)) * 0.5).astype(np.float64 if dtype == "float64" else np.float32)
+    host = cuflash.relative_position_bias(table, max_distance=64)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal="bottom_right", score_mod=host.on(cp))
+    *_, grads = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal="bottom_right", score_mod=host.on(cp))
+    ref_out, ref_lse = reference.attention_blocked(q, k, v, causal="bottom_right", score_mod=host)
+    *_, ref = reference.attention_backward_blocked(do, q, k, v, ref_out, ref_lse, causal="bottom_right",
+                                                   score_mod=host)
+    assert grads["table"].dtype == table.dtype and grads["table"].shape == table.shape
+    got = cp.asnumpy(grads["table"]).astype(np.float64)
+    tol = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-10}[dtype]
+    err = np.linalg.norm(got - ref["table"]) / np.linalg.norm(ref["table"])
+    assert err < tol, (dtype, err)
+
+
+@pytest.mark.parametrize("kind", ["document", "prefix lm"])
+def test_block_states_of_a_mask_modification_are_those_of_its_boolean_mask(kind):
+    """The GPU's block states of a mask modification equal the host's summary of the same mask as a
+    boolean array (which the kernels have skipped by since the start)."""
+    opts = host_options(_options(kind, 1), "float16")
+    q = cp.zeros((B, HQ, LQ, 64), cp.float16)
+    k = cp.zeros((B, HK, LK, 64), cp.float16)
+    call = cuflash.options.forward_call(q, k, k, **device_options(_options(kind, 1), "float16"))
+    states, block = masking.block_states(call.problem, call.options)
+    grids = reference._mod_grids((B, HQ, LQ, LK), slice(0, LQ), slice(0, LK), np)
+    mods = M.resolve(opts.get("score_mod"), opts.get("mask_mod"))
+    boolean = np.broadcast_to(mods.allowed(*grids, np), (B, HQ, LQ, LK))
+    call_b = cuflash.options.forward_call(q, k, k, mask=cp.asarray(boolean))
+    want, block_b = masking.block_states(call_b.problem, call_b.options)
+    assert block == block_b
+    got = cp.broadcast_to(states, want.shape)
+    assert bool((got == want).all())
+
+
+def test_a_new_sequence_length_builds_nothing():
+    dev = device_options(_options("softcap", 2), "bfloat16")
+    rng = np.random.default_rng(2)
+    for lq in (300, 301, 1000):
+        _, (qd, kd, vd, dod) = make_grad_inputs(rng, "bfloat16", 1, HQ, HK, lq, lq, 64, 64)
+        out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+        cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, **dev)
+        if lq == 300:
+            builds = build._module.cache_info().misses
+    assert build._module.cache_info().misses == builds
+
+
+def test_a_mask_that_hides_everything_gives_zero_and_minus_inf():
+    dev = dict(mask_mod=cuflash.MaskMod("kv_idx < 0", python=lambda b, h, q, kv: kv < 0))
+    q = cp.asarray(np.random.default_rng(0).standard_normal((1, 2, 70, 64)).astype(np.float16))
+    out, lse = cuflash.attention_forward(q, q, q, **dev)
+    assert bool((out == 0).all()) and bool(cp.isneginf(lse).all())
+    dq, dk, dv = cuflash.attention_backward(cp.ones_like(q), q, q, q, out, lse, **dev)
+    assert all(bool((g == 0).all()) for g in (dq, dk, dv))
+
+
+def test_nan_scores_propagate_through_a_modification():
+    q = np.random.default_rng(0).standard_normal((1, 1, 40, 64)).astype(np.float16)
+    q[0, 0, 5, 3] = np.nan
+    out = cuflash.attention(cp.asarray(q), cp.asarray(q), cp.asarray(q), score_mod=cuflash.softcap(30.0).on(cp))
+    got = cp.asnumpy(out)
+    assert np.isnan(got[0, 0, 5]).all()
+    assert np.isnan(got).any(axis=-1).sum() == 40   # key 5 is NaN for every row (NaN score, as SDPA)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_modifications_in_the_split_forward(dtype):
+    """Few query rows over many keys: the split-KV forward's partial kernels with the modifications compiled
+    in (not the decoding kernel, and no query heads packed into one tile's rows), then the backward."""
+    seed = seed_of(dtype, "split")
+    table = (np.random.default_rng(seed).standard_normal((32, 8)) * 0.5).astype(np.float32)
+    options = dict(score_mod=(cuflash.softcap(5.0), cuflash.relative_position_bias(table, max_distance=500)))
+    check_masked(dtype, 2, 8, 2, 3, 4000, 64, 64, "bottom_right", seed, options)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_modifications_at_head_dim_256(dtype):
+    """Head dim 256: the Hopper forward with the modification, the portable backward (the Hopper one forms
+    dS from a 16-bit P in another warpgroup)."""
+    seed = seed_of(dtype, "256")
+    check_masked(dtype, B, HQ, HK, LQ, LK, 256, 256, True, seed, _options("softcap", seed))
