@@ -71,14 +71,17 @@ def _time(fn, repeat):
     return float(np.median(res.gpu_times[0]) * 1e3)
 
 
-def side_args(argv, doc: str, what: str, quick_help: str, repeat: int, skip_example: str):
+def side_args(argv, doc: str, what: str, quick_help: str, repeat: int, skip_example: str, more=None):
     """(arguments, the device's name, the contenders to skip) of a side benchmark (bench_decode.py,
-    bench_varlen.py): --quick, --repeat, --skip, --out; None, after saying why, where there is no GPU."""
+    bench_varlen.py): --quick, --repeat, --skip, --out, and what ``more(parser)`` adds; None, after saying
+    why, where there is no GPU."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--repeat", type=int, default=repeat)
     parser.add_argument("--skip", default="", help=f"contenders to leave out, e.g. {skip_example}")
     parser.add_argument("--out", default=None, help="folder for the JSON and Markdown")
+    if more is not None:
+        more(parser)
     args = parser.parse_args(argv)
     ok, why = gpu_available()
     if not ok or cp is None:

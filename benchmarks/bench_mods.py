@@ -1,6 +1,6 @@
 """User score and mask modifications against PyTorch's FlexAttention (needs a GPU).
 
-    PYTHONPATH=. python benchmarks/bench_mods.py [--quick] [--out DIR] [--repeat 20]
+    PYTHONPATH=. python benchmarks/bench_mods.py [--quick] [--out DIR] [--repeat 20] [--kinds plain,softcap]
     python -m cuflash bench --mods [--quick]
 
 Each row: bf16, B=4, H=16, L queries and keys, head dim D, causal, one modification: none (plain causal),
@@ -151,6 +151,9 @@ def flex_runs(kind: str, n: int, d: int) -> dict:
         return {}
     q, k, v, do = (torch.from_dlpack(x) for x in _inputs(n, d))
     score, mask = flex_mods(kind, n)
+    # a fresh compile a row: otherwise the rows' closures (a document's ids a length) pile up recompiles of
+    # one function until dynamo's limit sends flex_attention to its unfused path
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention)
     block_mask = create_block_mask(mask, B if kind == "document" else None, None, n, n, device="cuda")
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
@@ -212,13 +215,23 @@ def markdown(results, device) -> str:
 
 
 def main(argv=None) -> int:
-    parsed = bench.side_args(argv, __doc__, "modifications", "head dims 64 and 128 at L=4096 only", 20, "flex")
+    def kinds_option(parser):
+        parser.add_argument("--kinds", default=",".join(KINDS),
+                            help=f"the modifications to time, of {', '.join(KINDS)} (plain first: the ratios' base)")
+
+    parsed = bench.side_args(argv, __doc__, "modifications", "head dims 64 and 128 at L=4096 only", 20, "flex",
+                             kinds_option)
     if parsed is None:
         return 2
     args, device, skip = parsed
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        print(f"--kinds: unknown {', '.join(unknown)} (of {', '.join(KINDS)})")
+        return 2
     plain: dict = {}
     rows = (run_row(kind, d, n, args.repeat, plain, skip) for d, n in (QUICK if args.quick else SWEEP)
-            for kind in KINDS)
+            for kind in kinds)
     return bench.side_report(rows, markdown, device, args.out, "mods")
 
 
