@@ -1,8 +1,8 @@
 """Ring attention's scaling: one sequence on one GPU against the same sequence sharded over N GPUs of
 one host (needs N GPUs; one process a GPU, NCCL through CuPy).
 
-    PYTHONPATH=. python benchmarks/bench_ring.py [--gpus 2] [--lengths 131072,262144] [--dtype bfloat16]
-        [--heads 16] [--head-dim 128] [--repeat 3] [--out DIR]
+    PYTHONPATH=. python benchmarks/bench_ring.py [--gpus 2] [--lengths 131072,262144,524288,1048576] [--dtype bfloat16]
+        [--heads 16] [--head-dim 128] [--repeat 3] [--long-from 524288] [--out DIR]
 
 For each length, causal (zigzag) and not (contiguous): the median time of the forward and of the
 forward+backward on 1 GPU (cuflash.attention_forward / attention_backward) and on N (the ring, every
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,13 @@ def _inputs(length, heads, d, dtype, seed=0):
     return [rng.standard_normal((1, heads, length, d), dtype=cp.float32).astype(dt) for _ in range(4)]
 
 
-def _timed(fn, repeat):
+def _timed(fn, repeat, warm=True):
+    """Median ms of ``repeat`` calls (CUDA events), after one untimed call when ``warm``."""
     import cupy as cp
 
-    fn()
-    cp.cuda.Device().synchronize()
+    if warm:
+        fn()
+        cp.cuda.Device().synchronize()
     times = []
     for _ in range(repeat):
         start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -48,62 +49,62 @@ def _timed(fn, repeat):
     return float(np.median(times))
 
 
-def one_gpu(length, heads, d, dtype, causal, repeat):
+def one_gpu(length, heads, d, dtype, causal, repeat, warm):
     import cuflash
 
     q, k, v, do = _inputs(length, heads, d, dtype)
-    fwd = _timed(lambda: cuflash.attention_forward(q, k, v, causal=causal), repeat)
+    fwd = _timed(lambda: cuflash.attention_forward(q, k, v, causal=causal), repeat, warm)
 
     def both():
         out, lse = cuflash.attention_forward(q, k, v, causal=causal)
         cuflash.attention_backward(do, q, k, v, out, lse, causal=causal)
 
-    return fwd, _timed(both, repeat)
+    return fwd, _timed(both, repeat, warm)
 
 
-def _rank(rank, size, uid, args, pipe):
+def _rank(comm, rows, heads, d, dtype):
+    """One rank's (forward ms, forward+backward ms) of each row (length, causal, repeat, warm)."""
     import cupy as cp
 
     from cuflash import distributed as dist
 
-    cp.cuda.Device(rank).use()
-    comm = dist.NcclRing(rank, size, uid, device=rank)
-    length, heads, d, dtype, causal, repeat = args
-    layout = "zigzag" if causal else "contiguous"
-    q, k, v, do = (cp.ascontiguousarray(dist.shard(x, rank, size, layout)) for x in _inputs(length, heads, d, dtype))
-    fwd = _timed(lambda: dist.ring_attention_forward(q, k, v, comm, causal=causal, layout=layout), repeat)
+    times = []
+    for length, causal, repeat, warm in rows:
+        layout = "zigzag" if causal else "contiguous"
+        q, k, v, do = (cp.ascontiguousarray(dist.shard(x, comm.rank, comm.size, layout))
+                       for x in _inputs(length, heads, d, dtype))
+        cp.get_default_memory_pool().free_all_blocks()   # the whole sequence's inputs, made to be sharded
+        fwd = _timed(lambda: dist.ring_attention_forward(q, k, v, comm, causal=causal, layout=layout), repeat, warm)
 
-    def both():
-        out, lse = dist.ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
-        dist.ring_attention_backward(do, q, k, v, out, lse, comm, causal=causal, layout=layout)
+        def both():
+            out, lse = dist.ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
+            dist.ring_attention_backward(do, q, k, v, out, lse, comm, causal=causal, layout=layout)
 
-    pipe.send((fwd, _timed(both, repeat)))
+        times.append((fwd, _timed(both, repeat, warm)))
+        if comm.rank == 0:
+            print(f"rank 0: L={length} causal={causal} fwd {times[-1][0]:.2f} ms fwd+bwd {times[-1][1]:.2f} ms", flush=True)
+        q = k = v = do = None   # freed before the next length's inputs
+        cp.get_default_memory_pool().free_all_blocks()
+    return times
 
 
-def n_gpus(size, length, heads, d, dtype, causal, repeat):
-    from cuflash import distributed as dist
-
-    ctx = multiprocessing.get_context("spawn")
-    uid = dist.NcclRing.unique_id()
-    pipes = [ctx.Pipe() for _ in range(size)]
-    procs = [ctx.Process(target=_rank, args=(r, size, uid, (length, heads, d, dtype, causal, repeat), pipes[r][1]))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    times = [pipes[r][0].recv() for r in range(size)]
-    for p in procs:
-        p.join()
-    return max(t[0] for t in times), max(t[1] for t in times)
+def _plan(lengths, repeat, long_from):
+    """(length, causal, repeat, warm) rows: each mode warmed up at the first length only (the kernels are the
+    same at every length), one timed call from ``long_from`` tokens on."""
+    return [(n, causal, repeat if n < long_from else 1, i == 0)
+            for i, n in enumerate(lengths) for causal in (True, False)]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--lengths", default="131072,262144")
+    parser.add_argument("--lengths", default="131072,262144,524288,1048576")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--long-from", type=int, default=524288,
+                        help="lengths from here on are timed once (seconds a call)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import cupy as cp
@@ -113,18 +114,25 @@ def main(argv=None) -> int:
         return 2
     props = cp.cuda.runtime.getDeviceProperties(0)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    from cuflash import distributed as dist
+
+    plan = _plan([int(x) for x in args.lengths.split(",")], args.repeat, args.long_from)
+    ones = []
+    for n, causal, repeat, warm in plan:
+        ones.append(one_gpu(n, args.heads, args.head_dim, args.dtype, causal, repeat, warm))
+        print(f"1 GPU: L={n} causal={causal} fwd {ones[-1][0]:.2f} ms fwd+bwd {ones[-1][1]:.2f} ms", flush=True)
+    cp.get_default_memory_pool().free_all_blocks()   # GPU 0 is rank 0's too
+    per_rank = dist.launch(_rank, args.gpus, args=(plan, args.heads, args.head_dim, args.dtype))
     rows = []
-    for length in (int(x) for x in args.lengths.split(",")):
-        for causal in (True, False):
-            f1, b1 = one_gpu(length, args.heads, args.head_dim, args.dtype, causal, args.repeat)
-            fn, bn = n_gpus(args.gpus, length, args.heads, args.head_dim, args.dtype, causal, args.repeat)
-            row = {"L": length, "causal": causal, "layout": "zigzag" if causal else "contiguous", "gpus": args.gpus,
-                   "dtype": args.dtype, "H": args.heads, "D": args.head_dim, "fwd_1gpu_ms": f1, "fwd_ngpu_ms": fn,
-                   "fwdbwd_1gpu_ms": b1, "fwdbwd_ngpu_ms": bn, "fwd_efficiency": f1 / (args.gpus * fn),
-                   "fwdbwd_efficiency": b1 / (args.gpus * bn)}
-            rows.append(row)
-            print(f"L={length:8d} causal={causal!s:5} fwd {f1:9.2f} -> {fn:9.2f} ms ({row['fwd_efficiency']:.0%}) "
-                  f"fwd+bwd {b1:9.2f} -> {bn:9.2f} ms ({row['fwdbwd_efficiency']:.0%})", flush=True)
+    for (length, causal, repeat, _), (f1, b1), *ranks in zip(plan, ones, *per_rank):
+        fn, bn = max(t[0] for t in ranks), max(t[1] for t in ranks)   # the slowest rank's
+        row = {"L": length, "causal": causal, "layout": "zigzag" if causal else "contiguous", "gpus": args.gpus,
+               "dtype": args.dtype, "H": args.heads, "D": args.head_dim, "repeat": repeat, "fwd_1gpu_ms": f1,
+               "fwd_ngpu_ms": fn, "fwdbwd_1gpu_ms": b1, "fwdbwd_ngpu_ms": bn, "fwd_efficiency": f1 / (args.gpus * fn),
+               "fwdbwd_efficiency": b1 / (args.gpus * bn)}
+        rows.append(row)
+        print(f"L={length:8d} causal={causal!s:5} fwd {f1:9.2f} -> {fn:9.2f} ms ({row['fwd_efficiency']:.0%}) "
+              f"fwd+bwd {b1:9.2f} -> {bn:9.2f} ms ({row['fwdbwd_efficiency']:.0%})", flush=True)
     out = Path(args.out or f"cuflash-ring-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     stem = f"ring-{args.gpus}x-" + device.replace(" ", "_")

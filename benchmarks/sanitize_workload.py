@@ -26,6 +26,9 @@ keyless sequences, more keys than queries and fewer), the forward's packed kerne
 rows at head dims 40-256) for every causal mode and a window, and a backward. ``--mods``: user score and
 mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, document and
 prefix-LM masks, composed with a bias, a window and dropout), forward and backward, Hopper and portable.
+``--partials``: the forward in float32 (cuflash.api.forward_in_accumulator: the 16-bit Hopper forward's
+float32-output twin at head dims 64, 128 and 256) and a two-rank ring over threads on one GPU
+(cuflash.distributed.ThreadRing: causal zigzag, a window), forward and backward.
 Prints one line per call (with the kernels it launched) so a sanitizer report can be placed.
 """
 import argparse
@@ -57,6 +60,8 @@ def main(argv=None) -> None:
                         help="only the KV cache part of --split (ragged lengths, contiguous and paged)")
     parser.add_argument("--varlen", action="store_true", help="packed sequences (cuflash.varlen)")
     parser.add_argument("--mods", action="store_true", help="user score and mask modifications (cuflash.mods)")
+    parser.add_argument("--partials", action="store_true",
+                        help="forwards in float32 (the ring's partial results) and a ring of two threads")
     parser.add_argument("--portable", action="store_true",
                         help="the kernels a GPU without sm_90a runs (the portable path, also on an H100)")
     args = parser.parse_args(argv)
@@ -74,6 +79,9 @@ def main(argv=None) -> None:
         return
     if args.varlen:
         packed_sequences(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16", "float32"])
+        return
+    if args.partials:
+        partials(args.dtypes.split(",") if args.dtypes else ["float16", "bfloat16"])
         return
     if args.mods:
         modifications(args.dtypes.split(",") if args.dtypes else list(DTYPES),
@@ -156,14 +164,42 @@ def hopper_extra(dtypes) -> None:
 
 
 def _split_launches() -> list:
-    """A list that collects each launch's family ("/split" after a split-KV partial kernel's)."""
+    """A list that collects each launch's family ("/split" after a split-KV partial kernel's, "/f32-out"
+    after the Hopper forward's float32-output twin's)."""
     launched = []
-    _record(lambda variant, grid: launched.append(variant.family + ("/split" if variant.kv_split else "")))
+    _record(lambda variant, grid: launched.append(variant.family + ("/split" if variant.kv_split else "")
+                                                  + ("/f32-out" if variant.acc_out else "")))
     return launched
 
 
 def _all_finite(arrays) -> bool:
     return all(bool(cp.isfinite(x.astype(cp.float64)).all()) for x in arrays)
+
+
+def partials(dtypes) -> None:
+    from cuflash import distributed as dist
+
+    launched = _split_launches()
+    rng = np.random.default_rng(0)
+    for dtype, d, band in itertools.product(dtypes, (64, 128, 256), ({}, {"causal": True}, {"window": (70, 30)})):
+        q = cp.asarray(rng.standard_normal((2, 4, 197, d)).astype(DTYPES[dtype]))
+        k, v = (cp.asarray(rng.standard_normal((2, 2, 333, d)).astype(DTYPES[dtype])) for _ in range(2))
+        launched.clear()
+        out, lse = cuflash.api.forward_in_accumulator(q, k, v, **band)
+        cp.cuda.Device().synchronize()
+        print(f"{dtype:8} d={d:3} {band} {','.join(launched)} finite={_all_finite((out,))}", flush=True)
+    for dtype, window in itertools.product(dtypes, (None, (90, None))):
+        q, k, v, do = (cp.asarray(rng.standard_normal((1, 4, 397, 64)).astype(DTYPES[dtype])) for _ in range(4))
+
+        def rank_work(comm):
+            mine = [dist.shard(x, comm.rank, comm.size, "zigzag") for x in (q, k, v, do)]
+            out, vjp_fn = dist.ring_vjp(*mine[:3], comm, causal=True, window=window)
+            return (out, *vjp_fn(mine[3]))
+
+        results = dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2))
+        cp.cuda.Device().synchronize()
+        print(f"{dtype:8} ring of 2 threads window={window} finite={_all_finite([x for r in results for x in r])}",
+              flush=True)
 
 
 def split_kv(dtypes) -> None:

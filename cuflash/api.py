@@ -153,7 +153,9 @@ def forward_in_accumulator(q, k, v, *, causal: Causal = False, scale: Optional[f
                            mask: Any = None, window: Any = None, precision: str = "highest") -> Tuple[Any, Any]:
     """:func:`attention_forward` with ``out`` in the accumulator dtype (float32, float64 for float64;
     the NumPy path's float64): a partial result to be merged with others before any rounding to 16
-    bits (cuflash.distributed). The GPU runs the portable forward's split-KV kernel over one split."""
+    bits (cuflash.distributed). 16-bit calls run the Hopper forward's float32-output twin where the call
+    takes that kernel without an EXTRA option (bias, mask, dropout, block layout), else the portable
+    forward's split-KV kernel over one split; float32 and float64 calls are plain forwards."""
     call = options.forward_call(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, window=window,
                                 precision=precision)
     p = call.problem

@@ -16,17 +16,17 @@ environments) or :class:`ThreadRing` (ranks as threads of one process, for tests
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import api
 from .merge import merge_into
-from .options import SUPPORTED_DTYPES, array_module
+from .options import SUPPORTED_DTYPES, array_module, check_window
 from .semantics import acc_dtype
 
 __all__ = ["segments", "shard", "unshard", "ring_attention", "ring_attention_forward", "ring_attention_backward",
-           "ring_vjp", "ThreadRing", "NcclRing"]
+           "ring_vjp", "ThreadRing", "NcclRing", "launch"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -265,31 +265,137 @@ def _shared_unique_id(rank: int, size: int, id_file: Optional[str]):
     raise RuntimeError(f"the NCCL id file {id_file} did not appear within a minute")
 
 
+# ----------------------------------------------------------------------------- local launcher
+
+def launch(fn, nprocs: Optional[int] = None, args: Sequence[Any] = (), timeout: Optional[float] = None) -> list:
+    """``[fn(comm, *args) on rank r for r in range(nprocs)]``: one process a GPU of this host (multiprocessing's
+    spawn), rank r on GPU r with ``comm`` its :class:`NcclRing`; the NCCL id travels with the arguments.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(comm, *args)``, a module-level function of an importable module (the processes are spawned:
+        they import it by name; not a lambda, nor a function typed into an interactive session).
+    nprocs : int, optional
+        Ranks (default: every GPU of the host).
+    args : sequence
+        Picklable arguments passed to every rank (NumPy arrays, numbers, strings).
+    timeout : float, optional
+        Seconds to wait for all ranks (default: no limit).
+
+    Returns
+    -------
+    list
+        Each rank's return value, rank order; CuPy arrays in it (also inside lists, tuples and dicts) come back
+        as NumPy arrays.
+
+    Raises
+    ------
+    RuntimeError
+        A rank raised (its traceback quoted) or ended without a result (a crash); the other ranks are stopped.
+    TimeoutError
+        ``timeout`` passed first; every rank is stopped.
+    """
+    import multiprocessing
+    import time
+    from multiprocessing.connection import wait
+
+    if nprocs is None:
+        import cupy
+
+        nprocs = cupy.cuda.runtime.getDeviceCount()
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    ctx = multiprocessing.get_context("spawn")
+    uid = NcclRing.unique_id()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
+    procs = [ctx.Process(target=_launched, args=(r, nprocs, uid, fn, tuple(args), pipes[r][1]), daemon=True)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    for _, sender in pipes:
+        sender.close()   # only the child holds its end: a child that dies closes the pipe
+    results, pending = [None] * nprocs, {pipes[r][0]: r for r in range(nprocs)}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending), timeout=left)
+            if not ready:
+                raise TimeoutError(f"ranks {sorted(pending.values())} gave no result within {timeout} s")
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    procs[rank].join(5)
+                    raise RuntimeError(f"rank {rank} ended without a result (exit code {procs[rank].exitcode}; "
+                                       "is fn a module-level function of an importable module?)") from None
+                if status != "ok":
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                results[rank] = value
+    finally:
+        for p in procs:
+            if pending:
+                p.terminate()
+            p.join()
+    return results
+
+
+def _launched(rank: int, size: int, uid, fn, args: tuple, conn) -> None:
+    """A spawned rank of :func:`launch`: its ring, ``fn``'s result (or the traceback) sent back."""
+    try:
+        import cupy
+
+        comm = NcclRing(rank, size, uid, device=rank)
+        result = fn(comm, *args)
+        cupy.cuda.get_current_stream().synchronize()
+        conn.send(("ok", _on_host(result)))
+    except BaseException:   # reported to the parent, which raises it
+        import traceback
+
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _on_host(value):
+    """``value`` with CuPy arrays (also inside lists, tuples and dicts) as NumPy arrays."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_host(x) for x in value)
+    if isinstance(value, dict):
+        return {key: _on_host(x) for key, x in value.items()}
+    if type(value).__module__.startswith("cupy") and hasattr(value, "get"):
+        return value.get()
+    return value
+
+
 # ----------------------------------------------------------------------------- the ring
 
-def _pair(q_span: Tuple[int, int], k_span: Tuple[int, int], causal: bool) -> Optional[Any]:
-    """How queries of ``q_span`` see keys of ``k_span`` (global positions): None (not at all), False
-    (every key) or "top_left" (the diagonal block: the same span)."""
-    if not causal:
-        return False
-    (qs, qe), (ks, ke) = q_span, k_span
-    if ks >= qe or ke <= ks:
-        return None
-    if ke - 1 <= qs:
-        return False
-    if (qs, qe) != (ks, ke):
-        raise AssertionError("query and key spans of one partition overlap only on the diagonal")
-    return "top_left"
-
-
-def _block_pairs(q_spans, k_spans, causal: bool):
-    """(query slice, key slice, how) for each pair of this rank's query pieces and a key block's
-    pieces that attend (how: :func:`_pair`'s False or "top_left"), empty pieces left out."""
-    for q_span, q_sl in zip(q_spans, _slices(q_spans)):
-        for k_span, k_sl in zip(k_spans, _slices(k_spans)):
-            how = _pair(q_span, k_span, causal)
-            if how is not None and q_span[0] < q_span[1] and k_span[0] < k_span[1]:
-                yield q_sl, k_sl, how
+def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice, slice, Any]]:
+    """(query slice, key slice, local window) for each pair of this rank's query pieces and a key
+    block's pieces that see each other: the slices (of the local arrays) cut to the queries that see
+    some key of the piece and the keys some of them see, and the band of global positions
+    ``q - left <= k <= q + right`` (right 0 with ``causal``) moved to those slices' own (0, 0): a
+    top-left window with both sides >= 0, or None where every query sees every key of the slice."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0
+    for (qs, qe), q_sl in zip(q_spans, _slices(q_spans)):
+        for (ks, ke), k_sl in zip(k_spans, _slices(k_spans)):
+            qa = qs if right is None else max(qs, ks - right)    # the queries that see a key of [ks, ke)
+            qb = qe if left is None else min(qe, ke + left)
+            if qa >= qb:
+                continue
+            ka = ks if left is None else max(ks, qa - left)      # the keys those queries see
+            kb = ke if right is None else min(ke, qb + right)
+            if ka >= kb:
+                continue
+            left_ = None if left is None else ka - qa + left     # the band in the slices' own positions
+            right_ = None if right is None else qa - ka + right
+            full = (left_ is None or left_ >= qb - qa - 1) and (right_ is None or right_ >= kb - ka - 1)
+            yield (slice(q_sl.start + qa - qs, q_sl.start + qb - qs), slice(k_sl.start + ka - ks, k_sl.start + kb - ks),
+                   None if full else (left_, right_))
 
 
 def _slices(spans) -> List[slice]:
@@ -303,7 +409,7 @@ def _slices(spans) -> List[slice]:
 SIGNATURE_WORDS = 32
 
 
-def _agree(comm, q, k, v, causal, layout, length: Optional[int]) -> int:
+def _agree(comm, q, k, v, causal, layout, length: Optional[int], window=None, scale: Optional[float] = None) -> int:
     """The whole sequence's length, once every rank is found to make the same call (shapes but the
     sequence axis, dtype, options, ``length`` where given), else ValueError on every rank: one max and
     one min all-reduce of the call's signature and a one-hot of this rank's slice length."""
@@ -316,15 +422,17 @@ def _agree(comm, q, k, v, causal, layout, length: Optional[int]) -> int:
             raise TypeError(f"{name_} must have q's dtype {q.dtype}, got {x.dtype}")
     words = [q.ndim, *q.shape[:-2], q.shape[-1], *k.shape[:-2], k.shape[-1], *v.shape[:-2], v.shape[-1],
              list(SUPPORTED_DTYPES.values()).index(name), int(bool(causal)), LAYOUTS.index(layout),
-             -1 if length is None else int(length)]
+             -1 if length is None else int(length), int(window is None),
+             *(-1 if w is None else int(w) for w in (window or (None, None))), int(scale is None),
+             int(np.float64(0.0 if scale is None else scale).view(np.int64))]
     words = (words + [0] * SIGNATURE_WORDS)[:SIGNATURE_WORDS]
     slices = [0] * comm.size
     slices[comm.rank] = q.shape[-2]
     both = xp.asarray(np.asarray(words + slices, dtype=np.int64))
     high, low = comm.all_reduce(both, "max"), comm.all_reduce(both, "min")
     if not bool((high[:SIGNATURE_WORDS] == low[:SIGNATURE_WORDS]).all()):
-        raise ValueError("the ranks' calls differ (shapes, dtype, causal, layout or sequence length): every rank "
-                         "must pass its slice of the same sequence with the same options")
+        raise ValueError("the ranks' calls differ (shapes, dtype, causal, window, scale, layout or sequence length): "
+                         "every rank must pass its slice of the same sequence with the same options")
     return int(high[SIGNATURE_WORDS:].sum()) if length is None else int(length)
 
 
@@ -335,7 +443,7 @@ def _layout_of(causal, layout):
     return layout
 
 
-def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Optional[float] = None,
+def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Optional[float] = None, window: Any = None,
                            layout: Optional[str] = None, length: Optional[int] = None) -> Tuple[Any, Any]:
     """(out, lse) of attention over the whole sequence, for this rank's slice of it.
 
@@ -349,6 +457,10 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
         Causal over the whole sequence (query i sees keys j <= i, global positions).
     scale : float, optional
         Default ``1 / sqrt(D)``.
+    window : (left, right), optional
+        Sliding window over global positions: query i sees keys ``i - left <= j <= i + right`` (None for
+        an unbounded side; with ``causal`` the right side is 0). Each step attends only the slices of
+        queries and keys that the band joins, so the work shrinks with the window.
     layout : {"zigzag", "contiguous"}, optional
         How the sequence is sharded (default "zigzag" when causal, else "contiguous").
     length : int, optional
@@ -360,9 +472,10 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     Partial results are merged in float32 (float64 for float64), rounded to q's dtype once.
     """
     layout = _layout_of(causal, layout)
+    window = check_window(window)
     xp = array_module(q)
     local = q.shape[-2]
-    total = _agree(comm, q, k, v, causal, layout, length)
+    total = _agree(comm, q, k, v, causal, layout, length, window, scale)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
     if sum(b - a for a, b in mine) != local:
@@ -375,9 +488,9 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
-        for q_sl, k_sl, how in _block_pairs(mine, spans[source], causal):
+        for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
             o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
-                                               causal=how, scale=scale)
+                                               window=band, scale=scale)
             merge_into(out[..., q_sl, :], lse[..., q_sl], o, l_)   # views of the accumulators: in place
         if arriving is not None:
             kv = arriving.wait()
@@ -385,7 +498,8 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = False, scale: Optional[float] = None,
-                            layout: Optional[str] = None, deterministic: bool = False) -> Tuple[Any, Any, Any]:
+                            window: Any = None, layout: Optional[str] = None,
+                            deterministic: bool = False) -> Tuple[Any, Any, Any]:
     """(dq, dk, dv) of this rank's slice, from the ring forward's ``out`` and ``lse`` (same options).
 
     The keys and values go around the ring again with float32 (float64) dK / dV accumulators; each
@@ -394,8 +508,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     them on; after the last step they reach their owner.
     """
     layout = _layout_of(causal, layout)
+    window = check_window(window)
     xp = array_module(q)
-    total = _agree(comm, q, k, v, causal, layout, None)
+    total = _agree(comm, q, k, v, causal, layout, None, window, scale)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
     acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
@@ -406,9 +521,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
         share = [xp.zeros(kv[0].shape, dtype=acc), xp.zeros(kv[1].shape, dtype=acc)]   # this rank's dK, dV part
-        for q_sl, k_sl, how in _block_pairs(mine, spans[source], causal):
+        for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
             g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
-                                       kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], causal=how,
+                                       kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], window=band,
                                        scale=scale, deterministic=deterministic)
             dq[..., q_sl, :] += g[0]
             share[0][..., k_sl, :] += g[1]

@@ -230,14 +230,19 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
 // without EXTRA: each with its sequence's own counts, its maps' rows counted from the packed tensor's
 // first (TmaRows); O of a warpgroup's 64 rows goes out by the copy engine only where all 64 are the
 // sequence's (the maps clip at the packed tensor's end only).
+// ACC_OUT: O in float32, the accumulator's type, stored element pair by pair (no tensor map): a partial
+// result that is merged with others before any rounding to 16 bits (cuflash.distributed's ring steps).
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
-template <typename T, typename Cfg, typename Flags, int SCHEDULE, bool PACKED = false>
+template <typename T, typename Cfg, typename Flags, int SCHEDULE, bool PACKED = false, bool ACC_OUT = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA, SCHEDULE> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     static_assert(!PACKED || (SCHEDULE == SCHEDULE_ONE_A_BLOCK && !Flags::EXTRA),
                   "packed sequences: a CTA a block, without EXTRA");
+    static_assert(!(PACKED && ACC_OUT), "packed sequences store O in their own type");
+    // O staged for the copy engine: 16-bit rows only (an ACC_OUT row goes out from the registers).
+    constexpr bool STAGE_O = Tr::TMA_STORE_O && !ACC_OUT;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = smem_addr(smem_raw);
     const unsigned tiles = align_1024(base);
@@ -477,7 +482,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         // Through shared memory where O's tile is free: its own tile, or Q's once this block's
         // S = Q K^T are done (with no tiles, Q's may be receiving the next block's Q).
         const TmaRows at = tma_rows(blk);
-        if (Tr::TMA_STORE_O && (Tr::O_OWN_TILE || has_tiles) && (!PACKED || consumer * 64 + 64 <= blk.rows)) {
+        if (STAGE_O && (Tr::O_OWN_TILE || has_tiles) && (!PACKED || consumer * 64 + 64 <= blk.rows)) {
             // The warpgroup's 64 rows of O go, 16-bit and swizzled, into its 64 rows of the tile, and
             // one thread has the copy engine write them out, SLABS boxes of 64 x 64 (the tensor
             // map's bounds clip rows and columns).
@@ -509,7 +514,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 }
             }
         } else {
-            store_o_lse_c_frags<true, T>(p, blk, cwarp * 16, lane, acc_o, row_max, row_sum);
+            if constexpr (ACC_OUT) store_o_lse_c_frags<true, float>(p, blk, cwarp * 16, lane, acc_o, row_max, row_sum);
+            else store_o_lse_c_frags<true, T>(p, blk, cwarp * 16, lane, acc_o, row_max, row_sum);
         }
         q_round += has_tiles;
         if constexpr (Tr::ONE_PASS_BREAK) break;
@@ -520,5 +526,5 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     if (Tr::PINGPONG && consumer == 0) my_turn();
     // Only until the engine has read the last tile: the CTA may exit with the writes in flight
     // (they land before the grid completes).
-    if (Tr::TMA_STORE_O && Tr::O_OWN_TILE && threadIdx.x % 128 == 0) bulk_wait_read<0>();
+    if (STAGE_O && Tr::O_OWN_TILE && threadIdx.x % 128 == 0) bulk_wait_read<0>();
 }

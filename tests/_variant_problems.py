@@ -6,7 +6,7 @@ these problems cover the whole variant table (test_variants.py).
 """
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -43,6 +43,7 @@ class Problem:
     num_splits: int = 1           # > 1: the split-KV forward (the portable kernel's partial twin, then the combine)
     lq: int = LQ                  # query rows (DECODE_LQ: the decoding partial kernel's few rows)
     packed: bool = False          # packed sequences (cuflash.varlen: PACKED_LENGTHS)
+    accumulator: bool = False     # the forward in float32 (api.forward_in_accumulator: the Hopper forward's acc_out twin)
 
     @property
     def vec(self) -> bool:
@@ -66,6 +67,8 @@ class Problem:
                 return fwd
             return fwd + (packed_backward_variants(self.dtype, head, band, self.vec, self.smem_limit, self.cc,
                                                    self.deterministic) or [])
+        if self.accumulator and fwd.family == "fwd_wgmma" and not self.extra:   # plan_forward's accumulator_out
+            fwd = replace(fwd, acc_out=True)
         if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks
             rows = self.lq * (HEADS_Q // HEADS_K if not self.extra and self.causal is False else 1)
             return list(split_variants(fwd, self.dv, self.smem_limit, rows))
@@ -93,7 +96,10 @@ def problem_for(v: Variant) -> Problem:
     """A problem whose call runs ``v``: head dims inside v's bucket (a multiple of 8
     for 16-byte loads, odd otherwise), causal alignment alternating by bucket, and
     the largest GPU class of SMEM_LIMITS under which the launcher picks v's tile. A split-KV
-    variant: its unsplit twin's problem with three splits; the combine kernel: a plain forward's."""
+    variant: its unsplit twin's problem with three splits; the combine kernel: a plain forward's; the Hopper
+    forward's float32-output twin: its 16-bit twin's problem, in the accumulator type."""
+    if v.acc_out:
+        return replace(problem_for(replace(v, acc_out=False)), accumulator=True)
     if v.kv_split:   # the call whose portable forward's split twin is v, on the GPU class that takes v's tile
         d = v.head if v.vec else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)

@@ -1,5 +1,5 @@
 """Ring attention on ranks simulated as threads (ThreadRing, NumPy arrays): every layout, causal and
-not, GQA, odd lengths, 1 to 4 ranks, forward and backward equal to one-shot attention of the whole
+not, sliding windows, GQA, odd lengths, 1 to 4 ranks, forward and backward equal to one-shot attention of the whole
 sequence; the shard / unshard helpers; a call that differs across ranks refused on every rank."""
 import ml_dtypes
 import numpy as np
@@ -50,6 +50,40 @@ def test_ring_equals_one_shot_attention(size, causal, layout):
     for i, want in enumerate(want_grads):
         got = dist.unshard([r[1][i] for r in results], layout)
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag"), (False, "zigzag")])
+@pytest.mark.parametrize("window", [(3, 5), (0, 0), (None, 4), (6, None), (0, None), (40, 40)])
+def test_ring_with_a_window_equals_one_shot_attention(size, causal, layout, window):
+    q, k, v, dout = _full(length=37)
+
+    def rank_work(comm):
+        mine = [dist.shard(x, comm.rank, comm.size, layout) for x in (q, k, v, dout)]
+        out, vjp_fn = dist.ring_vjp(*mine[:3], comm, causal=causal, layout=layout, window=window, scale=0.3)
+        return out, vjp_fn(mine[3])
+
+    want_out, want_lse = cuflash.attention_forward(q, k, v, causal=causal, window=window, scale=0.3)
+    want_grads = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, causal=causal, window=window,
+                                            scale=0.3)
+    results = dist.ThreadRing.run(rank_work, dist.ThreadRing.create(size))
+    np.testing.assert_allclose(dist.unshard([r[0] for r in results], layout), want_out, rtol=1e-12, atol=1e-13)
+    for i, want in enumerate(want_grads):
+        got = dist.unshard([r[1][i] for r in results], layout)
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+def test_block_pairs_cut_to_the_band():
+    # window (2, 3): queries 0..9 reach keys up to 12, none of 20..29
+    assert list(dist._block_pairs([(0, 10)], [(20, 30)], False, (2, 3))) == []
+    # keys 10..19: only queries 7..9 see any (keys 10..12); the slices' own band gives the same mask
+    (q_sl, k_sl, band), = dist._block_pairs([(0, 10)], [(10, 20)], False, (2, 3))
+    assert (q_sl, k_sl) == (slice(7, 10), slice(0, 3))
+    i, j = np.arange(7, 10)[:, None], np.arange(10, 13)[None, :]
+    want = (j >= i - 2) & (j <= i + 3)
+    li, lj = np.arange(3)[:, None], np.arange(3)[None, :]
+    got = (lj >= li - band[0]) & (lj <= li + band[1])
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])

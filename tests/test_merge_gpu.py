@@ -33,3 +33,21 @@ def test_cupy_merge_matches_numpy_and_one_shot(dtype):
     ok = np.ones(lse.shape, dtype=bool)
     ok[0, 0, :5] = False
     np.testing.assert_allclose(cp.asnumpy(lse)[ok], cp.asnumpy(one_lse)[ok], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("band", [{}, {"causal": True}, {"window": (70, 30)}], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("lq", [1000, 37])
+def test_a_16_bit_partial_in_float32_is_the_forward_before_its_rounding(dtype, d, band, lq):
+    """forward_in_accumulator (the ring's partials): out in float32 from the same kernel arithmetic as
+    attention_forward's, which rounds it to 16 bits: equal after that rounding, bit for bit, lse equal."""
+    rng = np.random.default_rng(d + lq)
+    q = cp.asarray(rng.standard_normal((2, 4, lq, d)).astype(dtype))
+    k, v = (cp.asarray(rng.standard_normal((2, 2, 1100, d)).astype(dtype)) for _ in range(2))
+    out32, lse32 = cuflash.api.forward_in_accumulator(q, k, v, **band)
+    out, lse = cuflash.attention_forward(q, k, v, **band)
+    assert out32.dtype == np.float32 and out32.shape == out.shape and lse32.dtype == np.float32
+    np.testing.assert_array_equal(cp.asnumpy(out32.astype(dtype)).view(np.uint16), cp.asnumpy(out).view(np.uint16))
+    np.testing.assert_array_equal(cp.asnumpy(lse32), cp.asnumpy(lse))
+    assert float(cp.abs(out32 - out32.astype(dtype).astype(cp.float32)).max()) > 0   # not rounded to 16 bits

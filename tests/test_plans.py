@@ -665,11 +665,35 @@ def test_bad_num_splits_is_refused(fake, bad, err):
     assert not launches
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_16_bit_forward_in_the_accumulator_type_on_hopper_is_the_float32_output_twin(fake, d):
+    dev, launches = fake
+    q = dev.empty((2, 8, 50, d), np.float16)
+    k, v = (dev.empty((2, 2, 300, d), np.float16) for _ in range(2))
+    out, lse = cuflash.api.forward_in_accumulator(q, k, v, window=(None, 0))
+    (variant, params, maps, grid), = launches
+    assert variant.family == "fwd_wgmma" and variant.acc_out and variant.band
+    assert variant.name.endswith(", false, true>")   # PACKED false, ACC_OUT true
+    assert not any(maps[384:])   # O leaves from the registers: its map left as zeros
+    assert out.shape == (2, 8, 50, d) and out.dtype == np.float32 and lse.dtype == np.float32
+    assert out.data.ptr == int(_fwd_fields(params)["out"]["ptr"])
+
+
+def test_a_float32_forward_in_the_accumulator_type_is_the_plain_forward(fake):
+    dev, launches = fake
+    q, k, v = (dev.empty((2, 8, 50, 64), np.float32) for _ in range(3))
+    out, _ = cuflash.api.forward_in_accumulator(q, k, v, causal=True)
+    cuflash.attention_forward(q, k, v, causal=True)
+    assert launches[0][0] == launches[1][0] and not launches[0][0].kv_split and out.dtype == np.float32
+
+
 def test_a_forward_in_the_accumulator_type_is_one_split_without_combine(fake):
+    """Off the Hopper forward (here: a bias, EXTRA): the portable kernel's split twin, one split."""
     dev, launches = fake
     q = dev.empty((2, 8, 50, 64), np.float16)
     k, v = (dev.empty((2, 2, 300, 64), np.float16) for _ in range(2))
-    out, lse = cuflash.api.forward_in_accumulator(q, k, v, causal=True)
+    bias = dev.empty((2, 8, 50, 300), np.float16)
+    out, lse = cuflash.api.forward_in_accumulator(q, k, v, causal=True, bias=bias)
     (partial, params, maps, grid), = launches
     assert partial.kv_split and maps is None and int(_fwd_fields(params)["num_splits"]) == 1
     assert out.shape == (2, 8, 50, 64) and out.dtype == np.float32 and lse.dtype == np.float32

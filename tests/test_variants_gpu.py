@@ -26,7 +26,7 @@ cp = pytest.importorskip("cupy")
 
 
 @pytest.mark.gpu_sweep
-@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name + (" packed" if v.packed else ""))
+@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name + (" packed" if v.packed else "") + (" f32-out" if v.acc_out else ""))
 def test_every_variant_against_reference(variant, launches, monkeypatch):
     p = problem_for(variant)
     if p.cc == 90 and device.compute_capability() != 90:
@@ -44,6 +44,13 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
     # many keys would take it by itself, and the variant under test would not run)
     monkeypatch.setattr(cuflash, "attention_forward",
                         functools.partial(cuflash.attention_forward, num_splits=p.num_splits))
+    if p.accumulator:   # the forward in float32 (the ring's partials), rounded to be checked as any forward's
+        def in_accumulator(q, k, v, causal=False, num_splits=None):
+            out, lse = cuflash.api.forward_in_accumulator(q, k, v, causal=causal)
+            assert out.dtype == np.float32
+            return out.astype(q.dtype), lse
+
+        monkeypatch.setattr(cuflash, "attention_forward", in_accumulator)
     seed = seed_of(variant.name)
     if p.packed:
         check_packed(p.dtype, HEADS_Q, HEADS_K, PACKED_LENGTHS, p.d, p.causal, seed, backward=p.backward,

@@ -439,7 +439,8 @@ class Variant:
     one range of key tiles, writing partial O and lse in the accumulator type. ``packed``: the forward
     over packed sequences of different lengths (cuflash.varlen), its grid the host's block table times
     the query heads (K/V heads: dK/dV) (scheduler.cuh, PackedBlock); :data:`PACKED_FAMILIES` without EXTRA
-    (the forward on the split tiles). ``prelude``: source placed before the kernel's, a call's user
+    (the forward on the split tiles). ``acc_out``: the 16-bit Hopper forward writing O in float32 (a
+    partial result merged again later, cuflash.distributed), its last template parameter. ``prelude``: source placed before the kernel's, a call's user
     modifications (cuflash.mods, kernels_cu/user_mod.cuh) for an EXTRA variant; the name expression is
     the same, the build another.
     """
@@ -459,6 +460,7 @@ class Variant:
     schedule: str = "block"
     kv_split: bool = False
     packed: bool = False
+    acc_out: bool = False
     tile: Tile = field(default=None, repr=False)   # default: the table's preferred tile
     prelude: str = field(default="", repr=False)
 
@@ -491,6 +493,8 @@ class Variant:
                             or self.schedule != "block"):
             raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, dQ apart, "
                              "a CTA a block")
+        if self.acc_out and (self.family != "fwd_wgmma" or self.packed or self.extra or self.prelude):
+            raise ValueError("acc_out: only for fwd_wgmma without EXTRA, packing or user modifications")
         if self.dq_tiled and self.family != "bwd_convert_dq":
             raise ValueError("dq_tiled: only for bwd_convert_dq (the tiled accumulator of bwd_dkdv_mma)")
         # Hashed once: every launch looks its compiled kernel up by variant (launch._launch_config).
@@ -594,6 +598,8 @@ class Variant:
             args.append("true")
         if self.packed:     # the last template parameter, PACKED (after KV_SPLIT where the family has it)
             args += ["false", "true"] if self.family in KV_SPLIT_FAMILIES else ["true"]
+        if self.acc_out:    # fwd_wgmma's, after PACKED (false)
+            args += ["false", "true"]
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

@@ -136,8 +136,10 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     """The forward plan of a validated call (``p``: :class:`cuflash.options.Problem` on CuPy with
     keys and outputs, ``opts``: its :class:`cuflash.options.Options`). ``num_splits``: the split-KV
     forward's key splits (None: :func:`select.split_count` decides; 1: unsplit). ``accumulator_out``:
-    out in the accumulator type (float32; float64 for float64), from the split-KV partial kernel over
-    one split (for results merged again later: cuflash.distributed). ``key_lengths``: each batch entry
+    out in the accumulator type (float32; float64 for float64) for results merged again later
+    (cuflash.distributed): float32 and float64 calls plan as usual; 16-bit ones take the Hopper forward's
+    ``acc_out`` twin where the call takes that kernel without EXTRA or user modifications, else the
+    split-KV partial kernel over one split. ``key_lengths``: each batch entry
     attends its own number of keys (an int32 array the call passes), the band aligned to its own end:
     the split-KV kernels, which read them (ScoreMod's PER_SEQ), with as many splits as chosen (1 included).
     ``pages`` ``(page_size, pages_per_seq, num_pages)``: K and V are a paged cache (their views' batch stride steps
@@ -164,9 +166,13 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
         variant, portable = with_mods(variant, prelude), with_mods(portable, prelude)
     out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
     lse_dtype = acc_dtype(p.dtype)
-    if accumulator_out:
+    accumulator_out = accumulator_out and np.dtype(q.dtype) != np.dtype(lse_dtype)
+    if accumulator_out and not (variant.family == "fwd_wgmma" and not extra and opts.mods is None
+                                and masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode()):
         return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, 1, out_shape,
                                    lse_shape, lse_dtype, smem_limit, partial_only=True)
+    if accumulator_out:   # the Hopper forward's twin that writes O in float32 (no O tensor map)
+        variant = replace(variant, acc_out=True)
     splits = _auto_splits(p, portable, _gqa_packing(p, extra or opts.mods is not None, band, q), smem_limit) \
         if num_splits is None else num_splits
     if key_lengths:
@@ -188,17 +194,18 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
         # The Hopper kernels load through tensor maps and read a bias by 16-byte chunks of its rows;
         # any other call, EXTRA or not, takes the portable kernel of the same GPU.
         if masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode():
-            store_out = variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD
+            store_out = variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD and not variant.acc_out
             maps = _Maps(tma.fwd_map_specs(variant.tile.block_m, variant.tile.block_n, store_out))
         else:
             variant = portable
     blocks = variant.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)
     grid = blocks if variant.schedule == "block" else min(blocks, device.sm_count())
-    params = fwd_params(q, k, v, _Strided.contiguous(out_shape, q.dtype), _Strided.contiguous(lse_shape, lse_dtype),
+    out_dtype = lse_dtype if variant.acc_out else q.dtype
+    params = fwd_params(q, k, v, _Strided.contiguous(out_shape, out_dtype), _Strided.contiguous(lse_shape, lse_dtype),
                         group=p.group,
                         scale=p.scale, mask=masking.values)
     return ForwardPlan(q.data.device_id, (KernelLaunch(variant, grid, maps is not None),), out_shape, lse_shape,
-                       q.dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
+                       out_dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
                        variant.schedule == "queue", None, masking.keep_alive)
 
 

@@ -367,7 +367,7 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has three consumer warpgroups or two CTAs an
     SM, a CTA a block for its band, and on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill;
     the others (dsum, convert, combine) as they are."""
-    if not prelude or v.family not in SCORING_FAMILIES or v.packed:
+    if not prelude or v.family not in SCORING_FAMILIES or v.packed or v.acc_out:
         return v
     if not v.extra and not takes_plain_mods(v):
         raise ValueError(f"{v.family}: user modifications run on its EXTRA variants (PLAIN_MODS_FAMILIES)")
@@ -450,8 +450,11 @@ def all_variants() -> List[Variant]:
             if limit == SMEM_LIMITS["sm_90 (H100, H200)"]:
                 for precision, rows in itertools.product(
                         FLOAT32_PRECISIONS if dtype == "float32" else ("highest",), ROWS):
-                    seen[forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
-                                         cc=HOPPER_CC, precision=precision, rows=rows)] = None
+                    hopper = forward_variant(dtype, head, band=band, extra=extra, vec=vec, smem_limit=limit,
+                                             cc=HOPPER_CC, precision=precision, rows=rows)
+                    seen[hopper] = None
+                    if hopper.family == "fwd_wgmma" and not extra:   # its float32-output twin (forward_in_accumulator)
+                        seen[replace(hopper, acc_out=True)] = None
             ccs = (80, HOPPER_CC) if limit == SMEM_LIMITS["sm_90 (H100, H200)"] else (80,)
             precisions = FLOAT32_PRECISIONS if dtype == "float32" else ("highest",)
             for det, dbias, cc, precision in itertools.product((False, True), (False, True) if extra else (False,),
