@@ -666,16 +666,17 @@ def test_bad_num_splits_is_refused(fake, bad, err):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_a_16_bit_forward_in_the_accumulator_type_on_hopper_is_the_float32_output_twin(fake, d):
+@pytest.mark.parametrize("lq, lk", [(50, 300), (5, 5000)])   # few rows over many keys: unsplit all the same
+def test_a_16_bit_forward_in_the_accumulator_type_on_hopper_is_the_float32_output_twin(fake, d, lq, lk):
     dev, launches = fake
-    q = dev.empty((2, 8, 50, d), np.float16)
-    k, v = (dev.empty((2, 2, 300, d), np.float16) for _ in range(2))
+    q = dev.empty((2, 8, lq, d), np.float16)
+    k, v = (dev.empty((2, 2, lk, d), np.float16) for _ in range(2))
     out, lse = cuflash.api.forward_in_accumulator(q, k, v, window=(None, 0))
     (variant, params, maps, grid), = launches
     assert variant.family == "fwd_wgmma" and variant.acc_out and variant.band
     assert variant.name.endswith(", false, true>")   # PACKED false, ACC_OUT true
     assert not any(maps[384:])   # O leaves from the registers: its map left as zeros
-    assert out.shape == (2, 8, 50, d) and out.dtype == np.float32 and lse.dtype == np.float32
+    assert out.shape == (2, 8, lq, d) and out.dtype == np.float32 and lse.dtype == np.float32
     assert out.data.ptr == int(_fwd_fields(params)["out"]["ptr"])
 
 

@@ -171,8 +171,8 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
                                 and masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode()):
         return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, 1, out_shape,
                                    lse_shape, lse_dtype, smem_limit, partial_only=True)
-    if accumulator_out:   # the Hopper forward's twin that writes O in float32 (no O tensor map)
-        variant = replace(variant, acc_out=True)
+    if accumulator_out:   # the Hopper forward's twin that writes O in float32 (no O tensor map), unsplit
+        variant, num_splits = replace(variant, acc_out=True), 1
     splits = _auto_splits(p, portable, _gqa_packing(p, extra or opts.mods is not None, band, q), smem_limit) \
         if num_splits is None else num_splits
     if key_lengths:
