@@ -154,8 +154,8 @@ class NcclRing:
 
     def __init__(self, rank: int, size: int, unique_id, device: Optional[int] = None):
         import cupy
-        from cupy.cuda import nccl
 
+        nccl = _nccl()
         self.rank, self.size = rank, size
         self._cupy, self._nccl = cupy, nccl
         if device is not None:
@@ -166,9 +166,7 @@ class NcclRing:
     @staticmethod
     def unique_id():
         """A new NCCL unique id (rank 0 makes it; every rank passes it to the constructor)."""
-        from cupy.cuda import nccl
-
-        return nccl.get_unique_id()
+        return _nccl().get_unique_id()
 
     @classmethod
     def from_env(cls, id_file: Optional[str] = None) -> "NcclRing":
@@ -223,6 +221,19 @@ class NcclRing:
         self._comm.allReduce(array.data.ptr, out.data.ptr, array.size, nccl.NCCL_INT64, reduce_op,
                              cupy.cuda.get_current_stream().ptr)
         return out
+
+
+def _nccl():
+    """CuPy's NCCL bindings, or RuntimeError saying how to get them."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:   # CuPy itself missing
+        raise RuntimeError(f"the NCCL ring needs CuPy with NCCL: {exc}") from exc
+    if not getattr(nccl, "available", True) or not hasattr(nccl, "NcclCommunicator") \
+            or not hasattr(nccl, "get_unique_id"):
+        raise RuntimeError("CuPy finds no NCCL library: install it for CuPy's CUDA version (pip install "
+                           "nvidia-nccl-cu12 for cupy-cuda12x, nvidia-nccl-cu13 for cupy-cuda13x)")
+    return nccl
 
 
 def _shared_unique_id(rank: int, size: int, id_file: Optional[str]):

@@ -127,3 +127,14 @@ def test_a_slice_of_the_wrong_length_is_refused():
 def test_bad_layout():
     with pytest.raises(ValueError, match="layout"):
         dist.segments(10, 2, "striped")
+
+
+def test_a_missing_nccl_is_a_clear_error():
+    try:
+        dist._nccl()
+    except RuntimeError as exc:
+        assert "NCCL" in str(exc)
+        with pytest.raises(RuntimeError, match="NCCL"):
+            dist.NcclRing.unique_id()
+    else:
+        pytest.skip("this machine's CuPy has NCCL")
