@@ -86,3 +86,30 @@ def test_two_ranks_within_the_error_budget(ring_results, index):
         ok, msg = within_budget(g, r, n, m, dtype, lm)
         assert ok, f"{name}: {msg}"
         assert rel_error(g, r) < 5e-2, f"{name}: {msg}"
+
+
+def _one_rank_ring(comm, q):
+    from cuflash import distributed as dist
+
+    out = dist.ring_attention(cp.asarray(q), cp.asarray(q), cp.asarray(q), comm, causal=True)
+    return {"rank": comm.rank, "size": comm.size, "out": [out]}
+
+
+def _failing_rank(comm):
+    raise ValueError(f"rank {comm.rank} refuses")
+
+
+def test_launch_returns_each_ranks_result_and_raises_its_error():
+    """One rank is enough for the launcher (any GPU machine): results back on the host, an error raised here."""
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
+    import cuflash
+    from cuflash import distributed as dist
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 100, 64)).astype(np.float16)
+    (result,) = dist.launch(_one_rank_ring, 1, args=(q,), timeout=300)
+    assert result["rank"] == 0 and result["size"] == 1 and isinstance(result["out"][0], np.ndarray)
+    want = cp.asnumpy(cuflash.attention(cp.asarray(q), cp.asarray(q), cp.asarray(q), causal=True))
+    np.testing.assert_allclose(result["out"][0].astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+    with pytest.raises(RuntimeError, match="rank 0 failed:(.|\n)*ValueError: rank 0 refuses"):
+        dist.launch(_failing_rank, 1, timeout=300)
