@@ -1,7 +1,7 @@
-"""Ring attention over NCCL on two GPUs of one host (marker `gpu`; skipped with fewer than two): one
-process a GPU started by cuflash.distributed.launch, every case of CASES in one launch; the result and
-the gradients of each within the dtype's error budget against the exact reference of the whole
-sequence (_errors.py), as one GPU's are: every dtype, causal (zigzag and contiguous) and not, sliding
+"""Ring attention on the GPU (marker `gpu`): over NCCL on two GPUs of one host (skipped with fewer), one
+process a GPU started by cuflash.distributed.launch, every case of CASES in one launch; and the same cases
+with two ranks as threads of one process on one GPU. The result and the gradients of each within the
+dtype's error budget against the exact reference of the whole sequence (_errors.py), as one GPU's are: every dtype, causal (zigzag and contiguous) and not, sliding
 windows, GQA, odd lengths, head dims 64 and 128 (the 16-bit Hopper forward's float32-output twin)."""
 import ml_dtypes
 import numpy as np
@@ -65,12 +65,31 @@ def ring_results():
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=_ids())
 def test_two_ranks_within_the_error_budget(ring_results, index):
+    inputs, per_rank = ring_results
+    _check_case(index, inputs[index], [per_rank[r][index] for r in range(RANKS)])
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=_ids())
+def test_two_thread_ranks_on_one_gpu_within_the_error_budget(index):
+    """The same cases with the ranks as threads on one GPU (ThreadRing): the ring's steps, windows and merges
+    on the GPU kernels, without NCCL."""
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
     from cuflash import distributed as dist
 
-    inputs, per_rank = ring_results
+    arrays = _inputs(index)
+    results = dist.ThreadRing.run(lambda comm: _ring_rank(comm, [CASES[index]], [arrays])[0],
+                                  dist.ThreadRing.create(RANKS))
+    _check_case(index, arrays, [dist._on_host(r) for r in results])
+
+
+def _check_case(index, arrays, rank_results):
+    """Case ``index``'s ring result (``rank_results[r]``: rank r's out, dq, dk, dv) within the error budget."""
+    from cuflash import distributed as dist
+
     dtype, causal, layout, window, _, d = CASES[index]
-    q, k, v, do = (x.astype(np.float64) for x in inputs[index])
-    got = [dist.unshard([per_rank[r][index][i] for r in range(RANKS)], layout) for i in range(4)]
+    q, k, v, do = (x.astype(np.float64) for x in arrays)
+    got = [dist.unshard([rank_results[r][i] for r in range(RANKS)], layout) for i in range(4)]
     for g, x in zip(got, (q, q, k, v)):
         assert g.dtype == np.dtype(DTYPES[dtype]) and g.shape == x.shape
     opts = dict(causal=causal, scale=1 / np.sqrt(d), window=window)
