@@ -286,7 +286,7 @@ def launch(fn, nprocs: Optional[int] = None, args: Sequence[Any] = (), timeout: 
     ----------
     fn : callable
         ``fn(comm, *args)``, a module-level function of an importable module (the processes are spawned:
-        they import it by name; not a lambda, nor a function typed into an interactive session).
+        they import it by name; not a lambda, nor a function defined at the Python prompt).
     nprocs : int, optional
         Ranks (default: every GPU of the host).
     args : sequence

@@ -168,7 +168,7 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     lse_dtype = acc_dtype(p.dtype)
     accumulator_out = accumulator_out and np.dtype(q.dtype) != np.dtype(lse_dtype)
     if accumulator_out and not (variant.family == "fwd_wgmma" and not extra and opts.mods is None
-                                and masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode()):
+                                and _maps_fit(masking, q, k, v)):
         return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, 1, out_shape,
                                    lse_shape, lse_dtype, smem_limit, partial_only=True)
     if accumulator_out:   # the Hopper forward's twin that writes O in float32 (no O tensor map), unsplit
@@ -193,7 +193,7 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     if variant.arch == "sm90a":
         # The Hopper kernels load through tensor maps and read a bias by 16-byte chunks of its rows;
         # any other call, EXTRA or not, takes the portable kernel of the same GPU.
-        if masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode():
+        if _maps_fit(masking, q, k, v):
             store_out = variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD and not variant.acc_out
             maps = _Maps(tma.fwd_map_specs(variant.tile.block_m, variant.tile.block_n, store_out))
         else:
@@ -207,6 +207,12 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     return ForwardPlan(q.data.device_id, (KernelLaunch(variant, grid, maps is not None),), out_shape, lse_shape,
                        out_dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
                        variant.schedule == "queue", None, masking.keep_alive)
+
+
+def _maps_fit(masking, q, k, v) -> bool:
+    """Whether the Hopper forward can take the call's arrays: tensor maps describe q, k and v and a bias is
+    read by 16-byte chunks of its rows."""
+    return masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode()
 
 
 def _mods_prelude(p, opts) -> str:
