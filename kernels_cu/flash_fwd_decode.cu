@@ -15,7 +15,10 @@
 //       S_w = Q K_j[w]^T, masked where the tile is partial (the band, the sequence's own end)
 //       online softmax of S_w; O_w += P_w V_j[w]
 //   merge the warps' O_w, max_w, sum_w; warp 0 writes O and lse of the split
-// The K/V copies are flash_fwd_mma's (tile_io.cuh load_kv_tile, a paged cache included); no EXTRA
+// The K/V copies are flash_fwd_mma's (tile_io.cuh load_kv_tile, a paged cache included) into
+// swizzled rows without padding: the K/V stream is the kernel's bound, and copies into rows padded
+// by 16 bytes split a warp's 512 bytes over more shared-memory lines (1.5x the L2 sector reads
+// under ncu, 83% of HBM against 91% for cuDNN's decode; benchmarks/stream_layout.py). No EXTRA
 // option (bias, mask, dropout, block layout): those calls take flash_fwd_mma's split twin.
 #include "common.cuh"
 #include "params.cuh"
@@ -32,17 +35,17 @@ struct FwdDecodeTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int KEYS_W = BN / WARPS;     // keys of a tile each warp takes
-    static constexpr int PITCH = HEAD + 8;        // shared row pitch in elements (16 bytes of padding)
+    static constexpr int PITCH = HEAD + 8;        // Q's shared row pitch in elements (16 bytes of padding)
     static constexpr int S_TILES = KEYS_W / 8;    // n8 tiles of one warp's S
     static constexpr int O_TILES = HEAD / 8;      // n8 tiles of one warp's O
     static constexpr int Q_ELEMS = BM * PITCH;
-    static constexpr int KV_ELEMS = BN * PITCH;   // one K or V stage
+    static constexpr int KV_ELEMS = BN * HEAD;    // one K or V stage: swizzled rows, no padding
     static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
     // The warps' merge: every warp but 0 leaves its O fragments and row statistics in the K/V stages.
     static constexpr int MERGE_FLOATS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
     static_assert(BM == 16, "one 16-row strip, shared by the warps");
     static_assert(!USER_SCORE && !USER_MASK, "no user modifications in the decoding kernel (the split twin takes them)");
-    static_assert(BN % (16 * WARPS) == 0 && HEAD % 16 == 0, "whole k16 steps of keys a warp");
+    static_assert(BN % (16 * WARPS) == 0 && HEAD % 64 == 0, "whole k16 steps of keys a warp, rows of 8 chunks");
     static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
@@ -132,7 +135,7 @@ flash_fwd_decode(const FwdParams p) {
 
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead
     auto load_kv = [&](int j, int stage) {
-        load_kv_tile<T, BM, BN, HEAD, P, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true>(
+        load_kv_tile<T, BM, BN, HEAD, HEAD, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true, false, true>(
             k_s, v_s, nullptr, stage, p, blk, false, j * BN, mod.lk, &pages);
         cp_async_commit();
     };
@@ -154,14 +157,15 @@ flash_fwd_decode(const FwdParams p) {
 
         float s[1][Tr::S_TILES][4];   // S = Q K^T over this warp's keys
         zero_frags(s[0]);
-        warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, P, false>(s, q_s, k_s + stage * Tr::KV_ELEMS + key_w * P,
-                                                                   lane);
+        warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, HEAD, false, true>(
+            s, q_s, k_s + stage * Tr::KV_ELEMS + key_w * HEAD, lane);
         if (!full.contains(j)) mask_partial_strip(s[0], mod, blk.m0 + lane / 4, j * BN + key_w + 2 * (lane % 4));
         unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
         warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
             p16[m][n][r] = pack2<T>(p0, p1);
         });
-        warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, P>(acc_o, p16, v_s + stage * Tr::KV_ELEMS + key_w * P, lane);
+        warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, HEAD, true>(acc_o, p16, v_s + stage * Tr::KV_ELEMS + key_w * HEAD,
+                                                                   lane);
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = j + 1;
     }

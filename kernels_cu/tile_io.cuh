@@ -116,13 +116,24 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64 row_stri
 // d=64 band forward spills 32 bytes on sm_90; fully, 32-iteration loops spill
 // 140-316 bytes). Shapes whose rows do not split evenly over the threads (scalar
 // copies of 256 columns) take load_tile.
-template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
+// SWIZZLED: the tile's rows unpadded (PITCH == COLS) with 16-byte chunk c of row r stored at chunk
+// c ^ (r % 8) (swizzled_chunk), for ldmatrix without bank conflicts (warp_gemm.cuh's SW_B). A warp's
+// copies then fill whole 128-byte lines of shared memory: into rows padded by 16 bytes the same
+// copies stream K/V at 88% of the H200's HBM rate, unpadded at 96% (benchmarks/stream_layout.py).
+// Each thread's rows are ROW_STEP apart, a multiple of 8, so its chunk's swizzled place is the same
+// in every row it copies.
+__device__ __forceinline__ int swizzled_chunk(int row, int chunk) { return chunk ^ (row & 7); }
+
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC, bool SWIZZLED = false>
 __device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int64 row_stride, int rows_valid,
                                                     int cols_valid) {
     constexpr int CHUNK = VEC ? 16 / int(sizeof(T)) : 1;
     constexpr int PER_ROW = COLS / CHUNK;
     constexpr int ROW_STEP = THREADS / PER_ROW;
-    if constexpr (COLS % CHUNK != 0 || THREADS % PER_ROW != 0 || ROWS % ROW_STEP != 0) {
+    constexpr bool FITS = COLS % CHUNK == 0 && THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0;
+    static_assert(!SWIZZLED || (FITS && VEC && PITCH == COLS && PER_ROW % 8 == 0 && ROW_STEP % 8 == 0),
+                  "swizzled rows: whole groups of 8 chunks, each thread's rows a multiple of 8 apart");
+    if constexpr (!FITS) {
         load_tile<T, ROWS, COLS, PITCH, THREADS, VEC>(smem, gmem, row_stride, rows_valid, cols_valid);
     } else {
         constexpr int UNROLL = VEC ? ROWS / ROW_STEP : 16;
@@ -130,7 +141,7 @@ __device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int6
         const bool col_valid = col < cols_valid;
         int rows_left = rows_valid - first_row;   // > 0: this thread's current row is inside
         const T* src = gmem + first_row * row_stride + col;
-        T* dst = smem + first_row * PITCH + col;
+        T* dst = smem + first_row * PITCH + (SWIZZLED ? swizzled_chunk(first_row, col / CHUNK) * CHUNK : col);
         const unsigned dst_addr = smem_addr(dst);
 #pragma unroll UNROLL
         for (int k = 0; k < ROWS / ROW_STEP; ++k) {
@@ -186,16 +197,19 @@ struct PageCursor {
 // from a paged cache (K and V views of equal strides; the batch stride steps between pages), each row
 // in its page: rows past rows_valid and K / V columns past k_cols / v_cols are zeros. Page indices are
 // clamped to [0, num_pages): an unchecked table stays inside the cache.
-template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC>
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC, bool SWIZZLED = false>
 __device__ __forceinline__ void load_paged_rows(T* k_smem, T* v_smem, const View& k, const View& v,
                                                 const PageCursor<T, ROWS, COLS, THREADS, VEC>& cursor, int num_pages,
                                                 int rows_valid, int k_cols, int v_cols) {
     typedef PageCursor<T, ROWS, COLS, THREADS, VEC> Cursor;
     static_assert(Cursor::FITS, "load_tile_fixed_col's layout");
+    static_assert(!SWIZZLED || (PITCH == COLS && Cursor::PER_ROW % 8 == 0 && Cursor::ROW_STEP % 8 == 0),
+                  "load_tile_fixed_col's swizzled layout");
     const int col = (threadIdx.x % Cursor::PER_ROW) * Cursor::CHUNK, first_row = threadIdx.x / Cursor::PER_ROW;
     const bool k_col_valid = col < k_cols, v_col_valid = col < v_cols;
-    const unsigned k_dst = smem_addr(k_smem + first_row * PITCH + col);
-    const unsigned v_dst = smem_addr(v_smem + first_row * PITCH + col);
+    const int dst_col = SWIZZLED ? swizzled_chunk(first_row, col / Cursor::CHUNK) * Cursor::CHUNK : col;
+    const unsigned k_dst = smem_addr(k_smem + first_row * PITCH + dst_col);
+    const unsigned v_dst = smem_addr(v_smem + first_row * PITCH + dst_col);
     const T* k_base = static_cast<const T*>(k.ptr);
     const T* v_base = static_cast<const T*>(v.ptr);
 #pragma unroll
@@ -267,7 +281,7 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 // now) and is left reading tile n0 + 1's. PACKED (a packed sequence, PackedBlock): K's rows stop at
 // key_count too (past it lie the next sequence's rows, or the array's end).
 template <typename T, int BM, int BN, int HEAD, int P, int BIAS_PITCH, int THREADS, bool VEC, int KV_ELEMS,
-          int BIAS_ELEMS, bool PAGED = false, bool PACKED = false, typename Params>
+          int BIAS_ELEMS, bool PAGED = false, bool PACKED = false, bool SWIZZLED = false, typename Params>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stage, const Params& p,
                                              const QueryBlock& blk, bool with_bias, int n0, int key_count,
                                              PageCursor<T, BN, HEAD, THREADS, VEC>* pages = nullptr) {
@@ -275,18 +289,20 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stag
     if constexpr (PAGED && PageCursor<T, BN, HEAD, THREADS, VEC>::FITS) {
         if (p.mask.page_table != nullptr) {
             if (pages->row0 != n0) pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0, key_count);
-            load_paged_rows<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS, p.k, p.v,
-                                                          *pages, p.mask.num_pages, key_count - n0, dims.d, dims.dv);
+            load_paged_rows<T, BN, HEAD, P, THREADS, VEC, SWIZZLED>(k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS,
+                                                                    p.k, p.v, *pages, p.mask.num_pages,
+                                                                    key_count - n0, dims.d, dims.dv);
             pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0 + BN, key_count);
             return;
         }
     }
-    load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(k_s + stage * KV_ELEMS,
-                                                      p.k.template at<const T>(blk.batch, blk.kv_head, n0),
-                                                      p.k.row_stride, (PACKED ? key_count : dims.lk) - n0, dims.d);
-    load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC>(v_s + stage * KV_ELEMS,
-                                                      p.v.template at<const T>(blk.batch, blk.kv_head, n0),
-                                                      p.v.row_stride, key_count - n0, dims.dv);
+    load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC, SWIZZLED>(k_s + stage * KV_ELEMS,
+                                                                p.k.template at<const T>(blk.batch, blk.kv_head, n0),
+                                                                p.k.row_stride, (PACKED ? key_count : dims.lk) - n0,
+                                                                dims.d);
+    load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC, SWIZZLED>(v_s + stage * KV_ELEMS,
+                                                                p.v.template at<const T>(blk.batch, blk.kv_head, n0),
+                                                                p.v.row_stride, key_count - n0, dims.dv);
     if (with_bias)
         load_score_tile<T, BM, BN, BIAS_PITCH, THREADS>(bias_s + stage * BIAS_ELEMS, p.mask.bias, blk.batch, blk.head,
                                                         blk.m0, n0, blk.rows, key_count - n0);

@@ -2,7 +2,8 @@
 //
 // Each call accumulates a 16 x N fp32 result held as N/8 C fragments (mma.cuh's
 // layout) by one warp. Operands come from shared memory (row-major tiles with a
-// row pitch in elements; pitches are padded so ldmatrix rows hit distinct banks)
+// row pitch in elements; pitches are padded so ldmatrix rows hit distinct banks, or B's rows
+// are swizzled instead: SW_B)
 // or, for the A operand, from fp32 C fragments already in registers.
 //   warp_gemm_nt: acc += A B^T   A: 16 x K rows in smem, B: N x K rows in smem  (S = Q K^T)
 //   warp_gemm_rn: acc += P B     P: 16 x K in registers, B: K x N rows in smem  (O += P V)
@@ -65,6 +66,34 @@ __device__ __forceinline__ void load_b_frags(unsigned (&b)[4], unsigned lane_add
     ldmatrix_x4_trans(b, lane_addr + (k0 * PB + n0) * sizeof(T));
 }
 
+//   B in tile_io.cuh's swizzled rows (SWIZZLED copies: PB elements a row, no padding, 16-byte
+//   chunk c of row r at chunk c ^ (r % 8)). A lane's ldmatrix row is 8-aligned plus lane % 8 in
+//   every fragment, so its chunk's place is (tile chunk + the lane's chunk) ^ (lane % 8), and with
+//   the tile chunk even that is tile chunk ^ swz, swz = lane chunk ^ (lane % 8): the lane keeps its
+//   first row's address and swz, and a fragment adds the row offset and (tile chunk ^ swz) * 16.
+struct SwizzledLane {
+    unsigned row_addr;   // shared address of the lane's first row, chunk 0
+    int swz;             // 0..7
+};
+template <typename T, int PB>
+__device__ __forceinline__ SwizzledLane bt_lane_sw(const T* rows, int lane) {
+    static_assert(PB % 64 == 0 && sizeof(T) == 2, "16-bit rows of whole groups of 8 chunks");
+    return {smem_addr(rows + ((lane / 16) * 8 + lane % 8) * PB), ((lane / 8) % 2) ^ (lane % 8)};
+}
+template <typename T, int PB>
+__device__ __forceinline__ void load_bt_frags_sw(unsigned (&b)[4], SwizzledLane lane, int n0, int k0) {
+    ldmatrix_x4(b, lane.row_addr + n0 * PB * int(sizeof(T)) + (((k0 / 8) ^ lane.swz) * 16));
+}
+template <typename T, int PB>
+__device__ __forceinline__ SwizzledLane b_lane_sw(const T* rows, int lane) {
+    static_assert(PB % 64 == 0 && sizeof(T) == 2, "16-bit rows of whole groups of 8 chunks");
+    return {smem_addr(rows + (((lane / 8) % 2) * 8 + lane % 8) * PB), (lane / 16) ^ (lane % 8)};
+}
+template <typename T, int PB>
+__device__ __forceinline__ void load_b_frags_sw(unsigned (&b)[4], SwizzledLane lane, int n0, int k0) {
+    ldmatrix_x4_trans(b, lane.row_addr + k0 * PB * int(sizeof(T)) + (((n0 / 8) ^ lane.swz) * 16));
+}
+
 // Two adjacent n8 C fragments of P (fp32) form one k16 A fragment (16-bit), no shared memory.
 template <typename T, int K>
 __device__ __forceinline__ void pack_a_frag(unsigned (&a)[4], const float (&p)[K / 8][4], int k0) {
@@ -95,10 +124,13 @@ __device__ __forceinline__ void pack_frags(unsigned (&p16)[N][2], const float (&
 // Each B fragment is loaded once and used by all M strips: with M = 2 a warp
 // issues 2 MMAs per ldmatrix of B instead of 1 (shared-memory bandwidth, not the
 // tensor cores, bounds the 16-row loop; FlashAttention-2's reason for 32-row warps).
-template <typename T, int M, int N, int K, int PB, bool B_KN, typename LoadA>
+// SW_B: B in swizzled rows (SwizzledLane), `b` at an 8-row boundary of its tile.
+template <typename T, int M, int N, int K, int PB, bool B_KN, bool SW_B = false, typename LoadA>
 __device__ __forceinline__ void warp_gemm_strips(float (&acc)[M][N / 8][4], LoadA load_a, const T* b, int lane) {
     static_assert(N % 16 == 0 && K % 16 == 0, "mma tiles");
-    const unsigned b_addr = B_KN ? b_lane_addr<T, PB>(b, lane) : bt_lane_addr<T, PB>(b, lane);
+    const unsigned b_addr = SW_B ? 0u : B_KN ? b_lane_addr<T, PB>(b, lane) : bt_lane_addr<T, PB>(b, lane);
+    SwizzledLane b_sw = {0u, 0};
+    if constexpr (SW_B) b_sw = B_KN ? b_lane_sw<T, PB>(b, lane) : bt_lane_sw<T, PB>(b, lane);
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
         unsigned af[M][4];
@@ -107,7 +139,9 @@ __device__ __forceinline__ void warp_gemm_strips(float (&acc)[M][N / 8][4], Load
 #pragma unroll
         for (int n0 = 0; n0 < N; n0 += 16) {
             unsigned bf[4];
-            if (B_KN) load_b_frags<T, PB>(bf, b_addr, n0, k0);
+            if (SW_B && B_KN) load_b_frags_sw<T, PB>(bf, b_sw, n0, k0);
+            else if (SW_B) load_bt_frags_sw<T, PB>(bf, b_sw, n0, k0);
+            else if (B_KN) load_b_frags<T, PB>(bf, b_addr, n0, k0);
             else load_bt_frags<T, PB>(bf, b_addr, n0, k0);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -119,10 +153,10 @@ __device__ __forceinline__ void warp_gemm_strips(float (&acc)[M][N / 8][4], Load
 }
 
 // M strips with A from shared memory: strip m is rows [16 m, 16 m + 16) of `a` (pitch PA).
-template <typename T, int M, int N, int K, int PA, int PB, bool B_KN>
+template <typename T, int M, int N, int K, int PA, int PB, bool B_KN, bool SW_B = false>
 __device__ __forceinline__ void warp_gemm_strips_smem(float (&acc)[M][N / 8][4], const T* a, const T* b, int lane) {
     const unsigned a_addr = a_lane_addr<T, PA>(a, lane);
-    warp_gemm_strips<T, M, N, K, PB, B_KN>(acc, [&](int m, unsigned (&af)[4], int k0) {
+    warp_gemm_strips<T, M, N, K, PB, B_KN, SW_B>(acc, [&](int m, unsigned (&af)[4], int k0) {
         load_a_frag<T, PA>(af, a_addr + m * 16 * PA * int(sizeof(T)), k0);
     }, b, lane);
 }
@@ -149,10 +183,10 @@ __device__ __forceinline__ void warp_gemm_strips_rn(float (&acc)[M][N / 8][4], c
 
 // M strips with A from registers already packed to 16 bits (pack_frags' layout):
 // 2 registers per 8 columns of P instead of 4, from the softmax to the last MMA.
-template <typename T, int M, int N, int K, int PB>
+template <typename T, int M, int N, int K, int PB, bool SW_B = false>
 __device__ __forceinline__ void warp_gemm_strips_rn16(float (&acc)[M][N / 8][4], const unsigned (&p16)[M][K / 8][2],
                                                       const T* b, int lane) {
-    warp_gemm_strips<T, M, N, K, PB, true>(acc, [&](int m, unsigned (&af)[4], int k0) {
+    warp_gemm_strips<T, M, N, K, PB, true, SW_B>(acc, [&](int m, unsigned (&af)[4], int k0) {
         const int t = k0 / 8;
         af[0] = p16[m][t][0];
         af[1] = p16[m][t][1];

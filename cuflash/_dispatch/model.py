@@ -187,6 +187,12 @@ def _smem_fwd_mma(v: "Variant") -> int:
     return ((t.block_m + 2 * t.stages * t.block_n) * _pitch_mma(v.head) + bias) * ITEMSIZE[v.dtype]
 
 
+def _smem_fwd_decode(v: "Variant") -> int:
+    # flash_fwd_decode.cu: the Q strip padded, K and V stages in swizzled rows of head elements.
+    t = v.tile
+    return (t.block_m * _pitch_mma(v.head) + 2 * t.stages * t.block_n * v.head) * ITEMSIZE[v.dtype]
+
+
 def _smem_fwd_dmma(v: "Variant") -> int:
     # Pitches in doubles (flash_fwd_dmma.cu, warp_gemm_f64.cuh): Q and K rows head + 4, V rows
     # head + 2, bias rows = 8 (mod 16); Q once, K, V (and with EXTRA the bias) per stage.
@@ -360,7 +366,7 @@ FAMILY_WHAT = {"fwd_mma": "forward", "fwd_dmma": "forward", "fwd_wgmma": "forwar
 
 FAMILIES: Dict[str, Family] = {
     "fwd_mma": Family("flash_fwd_mma", "flash_fwd_mma.cu", ("mask", "vec"), "q", _smem_fwd_mma),
-    "fwd_decode": Family("flash_fwd_decode", "flash_fwd_decode.cu", ("mask", "vec"), "q", _smem_fwd_mma),
+    "fwd_decode": Family("flash_fwd_decode", "flash_fwd_decode.cu", ("mask", "vec"), "q", _smem_fwd_decode),
     "fwd_dmma": Family("flash_fwd_dmma", "flash_fwd_dmma.cu", ("mask", "vec"), "q", _smem_fwd_dmma),
     "fwd_wgmma": Family("flash_fwd_wgmma", "flash_fwd_wgmma.cu", ("mask",), "q", _smem_fwd_wgmma),
     "fwd_fma": Family("flash_fwd_fma", "flash_fwd_fma.cu", ("mask",), "q", _smem_fwd_fma),

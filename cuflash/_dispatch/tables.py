@@ -55,10 +55,11 @@ add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: t
     split=True)
 # Decoding partial kernel (fwd_decode, flash_fwd_decode.cu): at most 16 packed query rows, the four warps split
 # each K/V tile's keys (32 or 16 keys a warp), so each K/V byte crosses shared memory once; the 64-row split tile
-# above reads it once a warp and spends 4x the tensor-core work on padding rows. K and V stages of 36 KB (d=64)
-# and 34 KB (d=128); not yet measured (benchmarks/bench_decode.py).
-add("fwd_decode", HALF_TYPES, [64], Tile(16, 128, 4, 2, "32 keys a warp, 74 KB: two CTAs an SM", ctas=2), split=True)
-add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 72 KB: three CTAs an SM (H100, H200)",
+# above reads it once a warp and spends 4x the tensor-core work on padding rows. K and V stages of 32 KB in swizzled
+# rows (benchmarks/bench_decode.py, benchmarks/stream_layout.py).
+add("fwd_decode", HALF_TYPES, [64], Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)",
+                                         ctas=2), split=True)
+add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)",
                                           ctas=3), split=True)
 
 # Hopper forward (fwd_wgmma, flash_fwd_wgmma.cu, arch "sm90a"): a TMA producer warpgroup and block_m / 64 consumer
