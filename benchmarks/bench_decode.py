@@ -1,6 +1,6 @@
 """Decoding over a KV cache: few query rows against a long cache (needs a GPU).
 
-    PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--out DIR] [--repeat 50]
+    PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--splits] [--out DIR] [--repeat 50]
     python -m cuflash bench --decode [--quick]
 
 Each row: B sequences, Hq query heads over Hk K/V heads (grouped-query attention), Lq new query rows
@@ -19,6 +19,8 @@ the row says so). Time: the median of ``--repeat`` queued calls' mean, 5 runs (C
 counts the K and V bytes of the cache once (B x Hk x Lk x D x 2 x itemsize) over the time; % peak
 against the device's HBM bandwidth where known (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
 Writes JSON and Markdown named by the device into --out (default ./cuflash-decode-<time>/).
+``--splits``: the four reference rows through cuflash only, unasked (the note gives the split count
+taken, read off the launch) and with ``num_splits`` forced to each of SPLIT_COUNTS.
 """
 from __future__ import annotations
 
@@ -63,6 +65,35 @@ def sweep() -> list:
     for dtype in ("float16", "float32", "float64"):
         rows += [(dtype, 1, 32, 8, 1, 65536, 128), (dtype, 8, 32, 8, 1, 32768, 128)]
     return rows
+
+
+SPLIT_COUNTS = (1, 2, 4, 5, 6, 7, 8, 12, 16, 24, 33, 42, 49, 50, 64)
+
+
+def _first_grid(call) -> int:
+    """The CTAs of the first kernel ``call`` (one cuflash forward) launches: a split call's partial kernel."""
+    from cuflash._runtime import launch
+    grids = []
+    real = launch.launch_kernel
+
+    def record(variant, params, grid, extra_args=()):
+        grids.append(grid)
+        real(variant, params, grid, extra_args)
+    launch.launch_kernel = record
+    try:
+        call()
+    finally:
+        launch.launch_kernel = real
+    return grids[0]
+
+
+def split_contenders(q, k, v) -> dict:
+    """--splits: cuflash unasked and with each count of SPLIT_COUNTS; the note gives the partial kernel's CTAs."""
+    out = {}
+    for n in (None,) + SPLIT_COUNTS:
+        call = (lambda n=n: cuflash.attention_forward(q, k, v, num_splits=n))
+        out["cuflash " + ("unasked" if n is None else f"{n} splits")] = (call, f"{_first_grid(call)} CTAs")
+    return out
 
 
 def _paged_cache(k, v, page_size: int):
@@ -143,7 +174,7 @@ def contenders(q, k, v) -> dict:
     return out
 
 
-def run_row(row, repeat, peak, skip) -> list:
+def run_row(row, repeat, peak, skip, splits=False) -> list:
     dtype, b, hq, hk, lq, lk, d = row
     rng = np.random.default_rng(0)
     dt = bench._cp_dtype(dtype)
@@ -154,7 +185,7 @@ def run_row(row, repeat, peak, skip) -> list:
         return {"GB/s": kv_bytes / ms / 1e6, "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak}
     too_big = b * hq * lq * lk > 2 ** 31   # torch math's score matrix would not fit
     runs = {name: (None if name == "torch math" and too_big else fn, note, fields)
-            for name, (fn, note) in contenders(q, k, v).items()}
+            for name, (fn, note) in (split_contenders if splits else contenders)(q, k, v).items()}
     base = {"dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d, "ms": None, "GB/s": None,
             "peak %": None}
     results = bench.timed_rows(runs, base, repeat, skip)
@@ -172,13 +203,17 @@ def markdown(results, device) -> str:
 
 
 def main(argv=None) -> int:
-    parsed = bench.side_args(argv, __doc__, "decode", "the four reference rows only", 50, "'torch math'")
+    parsed = bench.side_args(argv, __doc__, "decode", "the four reference rows only", 50, "'torch math'",
+                             more=lambda parser: parser.add_argument(
+                                 "--splits", action="store_true", help="the reference rows by split count"))
     if parsed is None:
         return 2
     args, device, skip = parsed
     peak = next((bw for key, bw in HBM_PEAK.items() if key in device), None)
-    rows = (run_row(row, args.repeat, peak, skip) for row in (QUICK if args.quick else sweep()))
-    return bench.side_report(rows, markdown, device, args.out, "decode", peak_bytes_per_s=peak)
+    rows = (run_row(row, args.repeat, peak, skip, args.splits)
+            for row in (QUICK if args.quick or args.splits else sweep()))
+    return bench.side_report(rows, markdown, device, args.out, "decode-splits" if args.splits else "decode",
+                             peak_bytes_per_s=peak)
 
 
 if __name__ == "__main__":

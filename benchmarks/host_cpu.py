@@ -37,6 +37,10 @@ class FakeDevice:
         self.next += (n + 1023) // 1024 * 1024
         return cp.ndarray(shape, dtype=dtype, memptr=memory.MemoryPointer(mem, 0))
 
+    def alloc(self, nbytes):
+        """A memory pointer over ``nbytes`` (cupy.cuda.alloc's place)."""
+        return self.empty((max(int(nbytes), 1),), np.uint8).data
+
 
 class _Kernel:
     class kernel:
@@ -49,6 +53,7 @@ class _Stream:
 
 def _patch(cuflash, dev: FakeDevice) -> None:
     cp.empty = cp.zeros = dev.empty
+    cp.cuda.alloc = dev.alloc
     cp.cuda.runtime.getDevice = lambda: 0
     cp.cuda.get_current_stream = lambda: _Stream
     driver.launchKernel = lambda *args: None

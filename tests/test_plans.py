@@ -37,6 +37,7 @@ def fake(monkeypatch):
     launches = []
     monkeypatch.setattr(cp, "empty", dev.empty)
     monkeypatch.setattr(cp, "zeros", dev.empty)   # the backward's dQ accumulator (never read here)
+    monkeypatch.setattr(cp.cuda, "alloc", dev.alloc)   # the split forward's partials
     monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(device, "device_facts", lambda device_id: (90, 232448, "H100 (fake)", 132))
 
@@ -609,12 +610,31 @@ def test_a_decoding_call_splits_its_keys_and_packs_its_query_heads(fake):
     assert int(f["out"]["head_stride"]) == 4 * 128 and int(f["lse"]["head_stride"]) == 4
     assert int(f["out_partial"]["batch_stride"]) == 8 * 4 * 128 and int(f["out_partial"]["ptr"]) != 0
     assert int(f["lse_partial"]["batch_stride"]) == 8 * 4 and int(f["lse_partial"]["ptr"]) != 0
+    # one buffer: lse's partials 256-byte aligned past O's
+    o_bytes = splits * 8 * 4 * int(f["out_partial"]["row_stride"]) * 4
+    gap = int(f["lse_partial"]["ptr"]) - int(f["out_partial"]["ptr"])
+    assert gap >= o_bytes and gap % 256 == 0 and gap - o_bytes < 256
     assert out.shape == (1, 32, 1, 128) and lse.shape == (1, 32, 1) and lse.dtype == np.float32
     # replayed: the same kernels, fresh partial buffers
     cuflash.attention_forward(q, k, v, causal="bottom_right")
     assert [x[0] for x in launches[2:]] == [partial, combine]
     g = _fwd_fields(launches[2][1])
     assert int(g["out_partial"]["ptr"]) not in (0, int(f["out_partial"]["ptr"]))
+
+
+@pytest.mark.parametrize("blocks, key_tiles, expected", [
+    (8, 2048, 16),    # 128 CTAs: one an SM but 4
+    (64, 512, 2),     # 128 CTAs
+    (128, 128, 1),    # every SM but 4 has a block already
+    (200, 512, 1),    # a second split would spill past one wave of 396 slots
+    (8, 4, 4),        # no more splits than key tiles
+    (1, 4096, 125),   # one CTA an SM on all but 7 (within SPLIT_BALANCE of even; 126 splits take 33 tiles too)
+])
+def test_a_streaming_partial_kernel_takes_one_even_wave(blocks, key_tiles, expected):
+    """The decoding kernel's split count (select.split_count with sms): the fewest splits within one wave
+    whose CTAs spread evenly over the SMs (132 SMs, 3 CTAs an SM)."""
+    assert select.split_count(blocks, key_tiles, 396, sms=132) == expected
+    assert select.split_count(128, 128, 396, sms=132, min_splits=2) == 2   # packed rows: the split path
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 256])

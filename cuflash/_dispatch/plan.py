@@ -16,6 +16,7 @@ options, so it is planned afresh. The memo is a cache: a plan is a pure function
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
@@ -251,7 +252,9 @@ def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     partial = split_variants(portable, p.dv, smem_limit, rows)[0]   # what a split call runs
     slots = device.sm_count() * ctas_per_sm(partial, smem_limit)
     key_tiles = -(-p.lk // partial.tile.block_n)
-    return split_count(partial.grid(p.batch, heads, 1, rows, p.lk), key_tiles, slots)
+    streams = device.sm_count() if partial.family == "fwd_decode" else None
+    return split_count(partial.grid(p.batch, heads, 1, rows, p.lk), key_tiles, slots, sms=streams,
+                       min_splits=2 if pack > 1 else 1)   # one split is the unpacked kernel
 
 
 def _band_is_full(band: Tuple[int, int], lq: int, lk: int) -> bool:
@@ -322,6 +325,18 @@ class _Strided:
         return cls(shape, tuple(reversed(strides)), itemsize)
 
 
+_PARTIAL_ALIGN = 256
+"""Bytes between the starts of the split forward's partial O and lse in their one allocation."""
+
+
+def _partial_memory(cupy, shapes, dtype):
+    """One pool allocation for the split forward's partial O and lse (``shapes``): (its memory pointer,
+    lse's byte offset). Raw memory, no arrays: a decoding call's host time is part of its time."""
+    itemsize = np.dtype(dtype).itemsize
+    lse_at = -(-math.prod(shapes[0]) * itemsize // _PARTIAL_ALIGN) * _PARTIAL_ALIGN
+    return cupy.cuda.alloc(lse_at + math.prod(shapes[1]) * itemsize), lse_at
+
+
 def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=None):
     """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D); with ``plan.partial_only`` out in the
     accumulator type (a view of the partial buffer without its padding column); ``key_lengths`` (int32
@@ -340,8 +355,8 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=Non
             queue = cupy.zeros(1, dtype=cupy.int32)
             params.put_addresses(_FWD_QUEUE, (queue.data.ptr,))
         if plan.partial_shapes is not None:   # split-KV: every split writes its whole slice, no zeroing
-            out_partial, lse_partial = (cupy.empty(s, dtype=plan.lse_dtype) for s in plan.partial_shapes)
-            params.put_addresses(_FWD_PARTIALS, (out_partial.data.ptr, lse_partial.data.ptr))
+            partials, lse_at = _partial_memory(cupy, plan.partial_shapes, plan.lse_dtype)
+            params.put_addresses(_FWD_PARTIALS, (partials.ptr, partials.ptr + lse_at))
         if plan.key_lengths:
             params.put_addresses(_FWD_KEY_LENGTHS, (key_lengths.data.ptr,))
         if plan.paged:
@@ -349,6 +364,8 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=Non
         maps = None if plan.maps is None else plan.maps.for_arrays({"q": q, "k": k, "v": v, "out": out})
         run(plan.kernels, params, maps)
     if plan.partial_only:   # (B, Hk, group x Lq) packed rows are (B, Hq, Lq) rows in memory
+        out_partial = cupy.ndarray(plan.partial_shapes[0], plan.lse_dtype, partials)
+        lse_partial = cupy.ndarray(plan.partial_shapes[1], plan.lse_dtype, partials + lse_at)
         return out_partial.reshape(plan.out_shape[:3] + (-1,))[..., :plan.out_shape[3]], \
             lse_partial.reshape(plan.lse_shape)
     return out, lse
