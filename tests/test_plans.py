@@ -635,6 +635,8 @@ def test_a_streaming_partial_kernel_takes_one_even_wave(blocks, key_tiles, expec
     whose CTAs spread evenly over the SMs (132 SMs, 3 CTAs an SM)."""
     assert select.split_count(blocks, key_tiles, 396, sms=132) == expected
     assert select.split_count(128, 128, 396, sms=132, min_splits=2) == 2   # packed rows: the split path
+    assert select.split_count(512, 64, 396, sms=132, min_splits=2) == 3    # a full GPU: 1536 CTAs, 3.9 waves
+    assert select.split_count(512, 1, 396, sms=132, min_splits=2) == 1     # one key tile: nothing to split
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 256])
@@ -666,6 +668,18 @@ def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
     k, v = (dev.empty((16, 8, 8192, 128), np.float16) for _ in range(2))
     cuflash.attention_forward(q, k, v)
     assert launches[0][0].kv_split and launches[1][0].family == "fwd_combine"
+
+
+def test_a_large_batch_of_packed_rows_still_splits(fake):
+    """64 sequences, 32 query heads over 8 K/V heads, one query row: 512 blocks fill the GPU, but unsplit
+    each K/V head would be read by its 4 query heads apart; the decoding kernel reads it once."""
+    dev, launches = fake
+    q = dev.empty((64, 32, 1, 128), np.float16)
+    k, v = (dev.empty((64, 8, 4096, 128), np.float16) for _ in range(2))
+    cuflash.attention_forward(q, k, v)
+    (partial, params, _, grid), (combine, *_) = launches
+    assert partial.family == "fwd_decode" and combine.family == "fwd_combine"
+    assert grid == int(_fwd_fields(params)["num_splits"]) * 64 * 8 and grid >= 2 * 64 * 8
 
 
 def test_a_long_query_block_stays_unsplit(fake):

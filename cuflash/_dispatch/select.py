@@ -305,22 +305,35 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
     """The number of key splits for a forward of ``blocks`` CTAs over ``key_tiles`` key tiles on a GPU
     of ``slots`` CTA slots (SMs x CTAs an SM): 1 where the blocks fill most slots, else the smallest
     count whose waves are nearly as full as the best count's. Counts that leave some split's tile
-    count unchanged from the count before are skipped (no less work a split).
+    count unchanged from the count before are skipped (no less work a split). At least ``min_splits``
+    (packed GQA's rows need the split path), where there are two key tiles to split.
 
     ``sms`` (a partial kernel that streams K/V at the HBM rate with one CTA an SM: the decoding kernel):
     instead the smallest count within one wave whose CTAs spread evenly over the ``sms`` SMs
-    (:data:`SPLIT_BALANCE`), and at least ``min_splits`` (packed GQA's rows need the split path):
-    fewer, longer splits, and no SM with a CTA more than the rest. The H200,
+    (:data:`SPLIT_BALANCE`): fewer, longer splits, and no SM with a CTA more than the rest. The H200,
     bf16, D=128, one query row of 4 heads a K/V head: B=1, 8 K/V heads, 131072 keys: 16 splits (128
     CTAs) 131 us, 33 (264) 131, 42 (336, the wave rule's count) 137, 50 (400, past the 396 slots) 143;
     B=8: 2 splits (128 CTAs) 249 us, 4 245, 6 246, 5 (320) 258, 7 (448) 273 (benchmarks/bench_decode.py
     --splits)."""
-    if blocks >= SPLIT_FILL * slots or key_tiles < 2:
+    def fill(n: int) -> float:
+        waves = blocks * n / slots
+        return waves / math.ceil(waves)
+
+    if key_tiles < 2:
         return 1
+    if blocks >= SPLIT_FILL * slots:
+        if min_splits == 1:
+            return 1
+        # the GPU is full already (B=64, 8 K/V heads of 4 packed rows: 512 blocks, where unpacked each K/V
+        # head is read 4 times): of min_splits .. min_splits + 2, the count whose last wave is fullest
+        within = range(min_splits, min(min_splits + 2, key_tiles) + 1)
+        best = max(fill(n) for n in within)
+        return next(n for n in within if fill(n) >= 0.98 * best)
     limit = max(1, min(max_splits, key_tiles, slots))
     counts = [n for n in range(1, limit + 1) if n == 1 or -(-key_tiles // n) != -(-key_tiles // (n - 1))]
+    counts = [n for n in counts if n >= min_splits] or [min(min_splits, limit)]
     if sms is not None:
-        one_wave = [n for n in counts if n >= min_splits and blocks * n <= slots] or [min(min_splits, limit)]
+        one_wave = [n for n in counts if blocks * n <= slots] or counts[:1]
 
         def balance(n: int) -> float:
             per_sm = blocks * n / sms
@@ -328,11 +341,6 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
 
         best = max(balance(n) for n in one_wave)
         return next(n for n in one_wave if balance(n) >= SPLIT_BALANCE * best)
-
-    def fill(n: int) -> float:
-        waves = blocks * n / slots
-        return waves / math.ceil(waves)
-
     best = max(fill(n) for n in counts)
     return next(n for n in counts if fill(n) >= SPLIT_EFFICIENCY * best)
 
