@@ -9,7 +9,10 @@ stages, and reads a word of each tile once it lands; no arithmetic. Thread t cop
 rows t / 16 + 8 k (load_tile_fixed_col's layout). The rows land in shared memory unpadded (256
 bytes, as tile_io.cuh's swizzled rows) or padded by 16 bytes (272, the portable kernels' pitch for
 conflict-free ldmatrix). Time: the best of 5 runs of 20 queued calls (CUDA events); % of the HBM
-peak (H200 4.8 TB/s, H100 SXM 3.35 TB/s).
+peak (H200 4.8 TB/s, H100 SXM 3.35 TB/s). The L2 side under ncu:
+
+    ncu --metrics lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_hit_rate.pct,\
+        dram__throughput.avg.pct_of_peak_sustained_elapsed -k regex:padded python benchmarks/stream_layout.py
 """
 import cupy as cp
 import numpy as np
