@@ -226,23 +226,24 @@ def split_kv(dtypes) -> None:
 
 
 def kv_cache(dtypes) -> None:
-    """A KV cache of ragged lengths (0 included), one new key appended: the kernels read the lengths."""
+    """A KV cache of ragged lengths (0 included), one or three new keys appended (three: 4 query heads of
+    3 rows under the causal band in one strip): the kernels read the lengths."""
     launched = _split_launches()
     rng = np.random.default_rng(1)
-    for dtype, d in itertools.product(dtypes, (64, 128)):
-        q = cp.asarray(rng.standard_normal((3, 8, 1, d)).astype(DTYPES[dtype]))
+    for dtype, d, lq in itertools.product(dtypes, (64, 128), (1, 3)):
+        q = cp.asarray(rng.standard_normal((3, 8, lq, d)).astype(DTYPES[dtype]))
         k, v = (cp.asarray(rng.standard_normal((3, 2, 3000, d)).astype(DTYPES[dtype])) for _ in range(2))
-        new_k, new_v = (cp.asarray(rng.standard_normal((3, 2, 1, d)).astype(DTYPES[dtype])) for _ in range(2))
+        new_k, new_v = (cp.asarray(rng.standard_normal((3, 2, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
+        lengths = [0, 777, 3000 - lq]
         launched.clear()
-        out = cuflash.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=cp.asarray([0, 777, 2999]),
-                                             causal=True)
+        out = cuflash.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=cp.asarray(lengths), causal=True)
         # a paged cache: 188 pages of 16 in shuffled order (the 16-bit kernel reads them in place)
         page_table = cp.asarray(rng.permutation(3 * 188).reshape(3, 188).astype(np.int32))
         k_pages, v_pages = (cp.zeros((3 * 188, 2, 16, d), dtype=DTYPES[dtype]) for _ in range(2))
         out_paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v, causal=True,
-                                                   cache_seqlens=cp.asarray([0, 777, 2999]), block_table=page_table)
+                                                   cache_seqlens=cp.asarray(lengths), block_table=page_table)
         cp.cuda.Device().synchronize()
-        print(f"{dtype:8} d={d:3} kv cache {','.join(launched[:2])} finite={_all_finite((out, out_paged))}",
+        print(f"{dtype:8} d={d:3} lq={lq} kv cache {','.join(launched[:2])} finite={_all_finite((out, out_paged))}",
               flush=True)
 
 

@@ -129,9 +129,17 @@ flash_fwd_decode(const FwdParams p) {
     const ScoreMod<Flags, float, T, true> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
                                               blk.head);
     const float x_per_s = mod.x_per_score();
-    const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
+    // Packed GQA rows under a band (MaskParams::band_period): the block holds its K/V head's query heads of
+    // `period` positions each, so its rows see what positions [0, period) see, and a lane's two rows sit
+    // at positions row % period.
+    const int period = Flags::BAND ? p.mask.band_period : 0;
+    const int band_row0 = period > 0 ? 0 : blk.m0;
+    const TileRange keys = Split::keys(mod.key_tiles(band_row0, period > 0 ? period : blk.rows, BN), p);
     // The tiles every row of the strip sees whole (the band's inside, short of the sequence's end).
-    const TileRange full = mod.full_key_tiles(blk.m0, BM, BN);
+    const TileRange full = mod.full_key_tiles(band_row0, period > 0 ? period : BM, BN);
+    const int lane_row = blk.m0 + lane / 4;
+    const int row_a = period > 0 ? lane_row % period : lane_row, row_b = period > 0 ? (lane_row + 8) % period
+                                                                                     : lane_row + 8;
 
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead
     auto load_kv = [&](int j, int stage) {
@@ -159,7 +167,7 @@ flash_fwd_decode(const FwdParams p) {
         zero_frags(s[0]);
         warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, HEAD, false, true>(
             s, q_s, k_s + stage * Tr::KV_ELEMS + key_w * HEAD, lane);
-        if (!full.contains(j)) mask_partial_strip(s[0], mod, blk.m0 + lane / 4, j * BN + key_w + 2 * (lane % 4));
+        if (!full.contains(j)) mask_partial_strip_rows(s[0], mod, row_a, row_b, j * BN + key_w + 2 * (lane % 4));
         unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
         warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
             p16[m][n][r] = pack2<T>(p0, p1);

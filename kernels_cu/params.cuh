@@ -69,6 +69,9 @@ struct MaskParams {
     // (causal="bottom_right").
     const int* packed_blocks;
     int band_from_end;
+    // Packed GQA rows under a band (the decoding kernel): a block's rows are its K/V head's query heads,
+    // band_period positions each, and the band reads row % band_period; 0 = a row is its position.
+    int band_period;
     // User modifications (EXTRA; cuflash.mods, user_mod.cuh): their parameters, a word each (a number's
     // bits, an array's address), in the order the generated source reads them.
     unsigned long long mod_args[16];

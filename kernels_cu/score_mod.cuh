@@ -559,18 +559,26 @@ __device__ __forceinline__ void apply_dropout_frags(float (&p)[N][4], const Mod&
 // visible keys are one interval (ScoreMod::visible_keys), so every element is two compares
 // with a constant rather than a (row, col) pair formed and tested. Masked scores become
 // -inf (raw dot products stay raw).
+// mask_partial_strip_rows: the same with the lane's two rows' band positions given (packed GQA rows
+// under a band, MaskParams::band_period: a row's position is not row0 + 8).
 template <int N, typename Mod>
-__device__ __forceinline__ void mask_partial_strip(float (&s)[N][4], const Mod& mod, int row0, int col0) {
+__device__ __forceinline__ void mask_partial_strip_rows(float (&s)[N][4], const Mod& mod, int row_a, int row_b,
+                                                        int col0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         int lo, hi;
-        mod.visible_keys(row0 + 8 * r, col0, lo, hi);
+        mod.visible_keys(r == 0 ? row_a : row_b, col0, lo, hi);
 #pragma unroll
         for (int n = 0; n < N; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
                 if (8 * n + e < lo || 8 * n + e > hi) s[n][2 * r + e] = neg_inf<float>();
     }
+}
+
+template <int N, typename Mod>
+__device__ __forceinline__ void mask_partial_strip(float (&s)[N][4], const Mod& mod, int row0, int col0) {
+    mask_partial_strip_rows(s, mod, row0, row0 + 8, col0);
 }
 
 // The dK/dV kernels' mask of one 16-key strip of a partial S^T tile without EXTRA (the band and

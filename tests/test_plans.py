@@ -670,6 +670,26 @@ def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
     assert launches[0][0].kv_split and launches[1][0].family == "fwd_combine"
 
 
+def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
+    """Three new query rows a sequence (causal, bottom right) of 32 query heads over 8 K/V heads: the
+    decoding kernel's strip holds a K/V head's 4 query heads x 3 positions, the band reading a row's
+    position as row % 3 (MaskParams::band_period)."""
+    dev, launches = fake
+    q = dev.empty((2, 32, 3, 128), np.float16)
+    k, v = (dev.empty((2, 8, 16384, 128), np.float16) for _ in range(2))
+    cuflash.attention_forward(q, k, v, causal="bottom_right")
+    (partial, params, _, grid), (combine, *_) = launches
+    assert partial.family == "fwd_decode" and partial.band and combine.family == "fwd_combine"
+    f = _fwd_fields(params)
+    assert int(f["mask"]["band_period"]) == 3
+    assert (int(f["dims"]["heads_q"]), int(f["dims"]["lq"])) == (8, 12)
+    launches.clear()
+    q = dev.empty((2, 32, 5, 128), np.float16)   # 20 rows: past one strip, each query head apart
+    cuflash.attention_forward(q, k, v, causal="bottom_right")
+    f = _fwd_fields(launches[0][1])
+    assert int(f["mask"]["band_period"]) == 0 and int(f["dims"]["heads_q"]) == 32
+
+
 def test_a_large_batch_of_packed_rows_still_splits(fake):
     """64 sequences, 32 query heads over 8 K/V heads, one query row: 512 blocks fill the GPU, but unsplit
     each K/V head would be read by its 4 query heads apart; the decoding kernel reads it once."""

@@ -29,9 +29,9 @@ from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
 from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket
 from .packed import block_table
-from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm, forward_choice,
-                     packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS, split_count,
-                     split_variants, takes_plain_mods, vec_chunk, with_mods)
+from .select import (CACHES_OF_CHOICES, DECODE_ROWS, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
+                     forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS,
+                     split_count, split_variants, takes_plain_mods, vec_chunk, with_mods)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -170,26 +170,27 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     accumulator_out = accumulator_out and np.dtype(q.dtype) != np.dtype(lse_dtype)
     if accumulator_out and not (variant.family == "fwd_wgmma" and not extra and opts.mods is None
                                 and _maps_fit(masking, q, k, v)):
-        return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, 1, out_shape,
-                                   lse_shape, lse_dtype, smem_limit, partial_only=True)
+        return _plan_split_forward(p, masking, extra or band or opts.mods is not None, False, portable, 1,
+                                   out_shape, lse_shape, lse_dtype, smem_limit, partial_only=True)
     if accumulator_out:   # the Hopper forward's twin that writes O in float32 (no O tensor map), unsplit
         variant, num_splits = replace(variant, acc_out=True), 1
-    splits = _auto_splits(p, portable, _gqa_packing(p, extra or opts.mods is not None, band, q), smem_limit) \
+    masked = extra or opts.mods is not None   # an option that reads a row's head: no packed GQA rows
+    splits = _auto_splits(p, portable, _gqa_packing(p, masked, band, q, portable, smem_limit), smem_limit) \
         if num_splits is None else num_splits
     if key_lengths:
         if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
             raise ValueError("per-sequence key lengths take no masking option and a positive scale")
         values = masking.values if pages is None else dict(masking.values, page_size=pages[0],
                                                                          pages_per_seq=pages[1], num_pages=pages[2])
-        plan = _plan_split_forward(p, replace(masking, values=values), extra or band, portable, splits, out_shape,
+        plan = _plan_split_forward(p, replace(masking, values=values), extra, band, portable, splits, out_shape,
                                    lse_shape, lse_dtype, smem_limit)
         if pages is not None and not _reads_pages(plan.kernels[0].variant, q.itemsize, p.k, p.v, pages[0]):
             raise PagesNotReadInPlace(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
         return replace(plan, key_lengths=True, paged=pages is not None,
                        params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
-    if splits > 1:   # (user modifications read a row's head and position: no packed GQA rows)
-        return _plan_split_forward(p, masking, extra or band or opts.mods is not None, portable, splits, out_shape,
-                                   lse_shape, lse_dtype, smem_limit)
+    if splits > 1:
+        return _plan_split_forward(p, masking, masked, band, portable, splits, out_shape, lse_shape, lse_dtype,
+                                   smem_limit)
     maps = None
     if variant.arch == "sm90a":
         # The Hopper kernels load through tensor maps and read a bias by 16-byte chunks of its rows;
@@ -264,25 +265,32 @@ def _band_is_full(band: Tuple[int, int], lq: int, lk: int) -> bool:
     return lo <= -(lq - 1) and hi >= lk - 1
 
 
-def _gqa_packing(p, masked: bool, band: bool, q) -> int:
+def _gqa_packing(p, masked: bool, band: bool, q, portable, smem_limit: int) -> int:
     """How many query heads of a K/V head a split-KV forward packs into one tile's rows (the heads as
     consecutive rows of one (batch, K/V head): each K/V byte read once for all of them): the group
-    where no option depends on a row's position (no band, bias, mask, block layout or dropout) and
-    q's heads lie row after row in memory (head stride = Lq row strides); else 1."""
-    if p.group == 1 or masked or band or q.strides[1] != p.lq * q.strides[2]:
+    where no option depends on a row's head (no bias, mask, block layout, dropout or user modification)
+    and q's heads lie row after row in memory (head stride = Lq row strides); with a causal band or a
+    window (they read a row's position) only where the packed rows fit the decoding kernel's strip
+    (MaskParams::band_period); else 1."""
+    if p.group == 1 or masked or q.strides[1] != p.lq * q.strides[2]:
         return 1
+    if band:
+        rows = p.lq * p.group
+        if rows > DECODE_ROWS or split_variants(portable, p.dv, smem_limit, rows)[0].family != "fwd_decode":
+            return 1
     return p.group
 
 
-def _plan_split_forward(p, masking, masked: bool, portable, splits: int, out_shape, lse_shape, lse_dtype,
-                        smem_limit: int, partial_only: bool = False) -> ForwardPlan:
+def _plan_split_forward(p, masking, masked: bool, band: bool, portable, splits: int, out_shape, lse_shape,
+                        lse_dtype, smem_limit: int, partial_only: bool = False) -> ForwardPlan:
     """A split-KV forward: the portable kernel's partial twin over ``splits`` ranges of key tiles, then
     the combine kernel (kernels_cu/flash_fwd_combine.cu). With packed GQA (:func:`_gqa_packing`) the
     kernels see (B, Hk, group x Lq) query rows; out and lse are laid out alike either way.
     ``partial_only`` (one split): the partial kernel alone, its buffers the result."""
     q, k, v = p.q, p.k, p.v
-    pack = _gqa_packing(p, masked, False, q)
+    pack = _gqa_packing(p, masked, band, q, portable, smem_limit)
     b, heads, rows = p.batch, p.heads_q // pack, p.lq * pack
+    values = dict(masking.values, band_period=p.lq) if band and pack > 1 else masking.values
     partial, combine = split_variants(portable, p.dv, smem_limit, rows)
     qv = _Strided((b, heads, rows, p.d), (q.strides[0], q.strides[1] * pack, q.strides[2], q.strides[3]), q.itemsize)
     out_view = _Strided.contiguous((b, heads, rows, p.dv), q.dtype)
@@ -291,7 +299,7 @@ def _plan_split_forward(p, masking, masked: bool, portable, splits: int, out_sha
     split_tiles = -(-key_tiles // splits)
     dv_pad = p.dv + p.dv % 2        # the partial kernels write column pairs
     partial_shapes = ((splits * b, heads, rows, dv_pad), (splits * b, heads, rows))
-    params = fwd_params(qv, k, v, out_view, lse_view, group=p.group // pack, scale=p.scale, mask=masking.values,
+    params = fwd_params(qv, k, v, out_view, lse_view, group=p.group // pack, scale=p.scale, mask=values,
                         num_splits=splits, split_tiles=split_tiles,
                         out_partial=_Strided.contiguous(partial_shapes[0], lse_dtype),
                         lse_partial=_Strided.contiguous(partial_shapes[1], lse_dtype))

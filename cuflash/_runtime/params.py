@@ -26,7 +26,8 @@ _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.i
                   ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("keep_scale", np.float64),
                   ("key_lengths", np.uint64), ("page_table", np.uint64), ("page_size", np.int32),
                   ("pages_per_seq", np.int32), ("num_pages", np.int32), ("packed_blocks", np.uint64),
-                  ("band_from_end", np.int32), ("mod_args", np.uint64, (16,))], align=True)
+                  ("band_from_end", np.int32), ("band_period", np.int32), ("mod_args", np.uint64, (16,))],
+                 align=True)
 _DBIAS = np.dtype([("acc", _SCORE), ("order", np.uint64), ("mode", np.int32), ("rows_broadcast", np.int32),
                    ("tiles_b", np.int32), ("tiles_h", np.int32), ("tiles_i", np.int32), ("splits", np.int32),
                    ("split_stride", np.int64)], align=True)
@@ -179,7 +180,7 @@ def view(x: Any) -> dict:
 MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_SCORE, "mask": NO_SCORE,
             "layout": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "keep_scale": 1.0, "key_lengths": 0,
             "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
-            "band_from_end": 0, "mod_args": [0] * 16}
+            "band_from_end": 0, "band_period": 0, "mod_args": [0] * 16}
 """MaskParams with every piece off (kernels compiled without BAND / EXTRA ignore it)."""
 DBIAS_OFF = {"acc": NO_SCORE, "order": 0, "mode": 0, "rows_broadcast": 0, "tiles_b": 1, "tiles_h": 1,
              "tiles_i": 1, "splits": 1, "split_stride": 0}
