@@ -29,17 +29,21 @@
 #include "score_mod.cuh"
 #include "epilogue.cuh"
 
-template <typename T, typename Cfg, bool EXTRA>
+// SW_KV: K and V stages in tile_io.cuh's swizzled rows without padding (the split twin: a decoding
+// call streams K/V, and copies into padded rows cost 1.5x the L2 sector reads;
+// benchmarks/stream_layout.py).
+template <typename T, typename Cfg, bool EXTRA, bool SW_KV = false>
 struct FwdMmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int STRIPS = BM / (16 * WARPS);     // 16-row strips per warp
     static constexpr int WARP_ROWS = 16 * STRIPS;
-    static constexpr int PITCH = HEAD + 8;         // shared row pitch in elements
+    static constexpr int PITCH = HEAD + 8;         // Q's shared row pitch in elements (K / V's without SW_KV)
+    static constexpr int KV_PITCH = SW_KV ? HEAD : PITCH;
     static constexpr int S_TILES = BN / 8;         // n8 tiles of one warp's S
     static constexpr int O_TILES = HEAD / 8;       // n8 tiles of one warp's O
     static constexpr int Q_ELEMS = BM * PITCH;
-    static constexpr int KV_ELEMS = BN * PITCH;    // one K or V stage
+    static constexpr int KV_ELEMS = BN * KV_PITCH; // one K or V stage
     static constexpr int BIAS_PITCH = BN + 8;
     static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
     static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS + Cfg::STAGES * BIAS_ELEMS) * int(sizeof(T));
@@ -64,8 +68,12 @@ template <typename T, typename Cfg, typename Flags, bool VEC, bool PARK = false,
           bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_mma(const FwdParams p) {
-    typedef FwdMmaTraits<T, Cfg, Flags::EXTRA> Tr;
-    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
+    // The split twin without EXTRA streams K/V through swizzled rows (16-byte copies, 8-chunk rows, each
+    // copying thread's rows a multiple of 8 apart).
+    constexpr bool SW_KV = KV_SPLIT && !Flags::EXTRA && VEC && sizeof(T) == 2 && Cfg::HEAD % 64 == 0
+                           && (Cfg::THREADS / (Cfg::HEAD / 8)) % 8 == 0;
+    typedef FwdMmaTraits<T, Cfg, Flags::EXTRA, SW_KV> Tr;
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, KP = Tr::KV_PITCH;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
     T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
@@ -97,9 +105,9 @@ flash_fwd_mma(const FwdParams p) {
     auto load_kv = [&](int j, int stage, const QueryBlock& b) {
         QueryBlock kv_block = b;
         if constexpr (PACKED) kv_block.batch = seq.k_start;   // K and V rows from the sequence's first key
-        load_kv_tile<T, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS,
-                     PER_SEQ && !PACKED, PACKED>(k_s, v_s, bias_s, stage, p, kv_block, mod.has_bias(), j * BN,
-                             PER_SEQ ? mod.lk : dims.lk, &pages);
+        load_kv_tile<T, BM, BN, HEAD, KP, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS,
+                     PER_SEQ && !PACKED, PACKED, SW_KV>(k_s, v_s, bias_s, stage, p, kv_block, mod.has_bias(), j * BN,
+                                                        PER_SEQ ? mod.lk : dims.lk, &pages);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some) before end.
@@ -153,8 +161,8 @@ flash_fwd_mma(const FwdParams p) {
         float s[M][Tr::S_TILES][4];   // S = Q K^T for this warp's rows
 #pragma unroll
         for (int m = 0; m < M; ++m) zero_frags(s[m]);
-        warp_gemm_strips_smem<T, M, BN, HEAD, P, P, false>(s, q_s + warp * Tr::WARP_ROWS * P,
-                                                          k_s + stage * Tr::KV_ELEMS, lane);
+        warp_gemm_strips_smem<T, M, BN, HEAD, P, KP, false, SW_KV>(s, q_s + warp * Tr::WARP_ROWS * P,
+                                                                   k_s + stage * Tr::KV_ELEMS, lane);
         const int n0 = j * BN;
         const bool partial = Flags::EXTRA ? mod.tile_is_partial(warp_row0, Tr::WARP_ROWS, n0, BN)
                                           : !whole_tile;
@@ -199,7 +207,7 @@ flash_fwd_mma(const FwdParams p) {
             });
         }
         if constexpr (PARK) st = loop_state();
-        warp_gemm_strips_rn16<T, M, HEAD, BN, P>(acc_o, p16, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
+        warp_gemm_strips_rn16<T, M, HEAD, BN, KP, SW_KV>(acc_o, p16, v_s + stage * Tr::KV_ELEMS, lane);   // O += P V
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;
     }

@@ -184,7 +184,11 @@ def _pitch_mma(head: int) -> int:
 def _smem_fwd_mma(v: "Variant") -> int:
     t = v.tile
     bias = t.stages * t.block_m * (t.block_n + 8) if v.extra else 0   # EXTRA: a bias tile per K/V stage
-    return ((t.block_m + 2 * t.stages * t.block_n) * _pitch_mma(v.head) + bias) * ITEMSIZE[v.dtype]
+    # the split twin without EXTRA: K / V in swizzled rows of head elements (flash_fwd_mma.cu, SW_KV)
+    swizzled = v.kv_split and not v.extra and v.vec and ITEMSIZE[v.dtype] == 2 and v.head % 64 == 0 \
+        and (32 * t.warps // (v.head // 8)) % 8 == 0
+    kv_pitch = v.head if swizzled else _pitch_mma(v.head)
+    return (t.block_m * _pitch_mma(v.head) + 2 * t.stages * t.block_n * kv_pitch + bias) * ITEMSIZE[v.dtype]
 
 
 def _smem_fwd_decode(v: "Variant") -> int:
