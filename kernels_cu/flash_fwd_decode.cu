@@ -8,13 +8,14 @@
 // takes keys [n0 + w * KEYS_W, n0 + (w + 1) * KEYS_W) of tile n0, with its own online softmax
 // (softmax.cuh) over its keys. Each K/V element then crosses shared memory once and the padded
 // tensor-core work falls by the warp count. At the end the warps' (O, max, sum) merge in shared
-// memory, as flash_fwd_combine.cu merges splits, and warp 0 writes the split's partial O and lse
-// (KeySplit, scheduler.cuh) for the combine kernel.
+// memory, as combine.cuh merges splits, and warp 0 writes the split's partial O and lse (KeySplit,
+// scheduler.cuh), which the block's last split (or, without split_counters, the combine kernel) merges.
 //   load Q strip (16 rows, zeros past the block's rows)
 //   for each key tile j of this split (the next one streams in with cp.async meanwhile):
 //       S_w = Q K_j[w]^T, masked where the tile is partial (the band, the sequence's own end)
 //       online softmax of S_w; O_w += P_w V_j[w]
 //   merge the warps' O_w, max_w, sum_w; warp 0 writes O and lse of the split
+//   the block's last split to finish merges the splits into out and lse (combine_in_last_split)
 // The K/V copies are flash_fwd_mma's (tile_io.cuh load_kv_tile, a paged cache included) into
 // swizzled rows without padding: the K/V stream is the kernel's bound, and copies into rows padded
 // by 16 bytes split a warp's 512 bytes over more shared-memory lines (1.5x the L2 sector reads
@@ -29,6 +30,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 #include "epilogue.cuh"
+#include "combine.cuh"
 
 template <typename T, typename Cfg>
 struct FwdDecodeTraits {
@@ -107,6 +109,27 @@ __device__ __forceinline__ void merge_warps(float* stage, int warp, int lane, fl
     }
 }
 
+// The combine in a query block's last split (FwdParams::split_counters), in place of the combine
+// kernel's launch: every CTA's partial rows are stored before it counts (a fence a thread, then one
+// atomic), and the CTA that counts last merges the block's rows (combine.cuh, a warp a row, reading the
+// partials at the L2) and leaves the counter at zero for the next launch. `flag`: an int of shared
+// memory the kernel is done with.
+template <typename T, typename Tr>
+__device__ __forceinline__ void combine_in_last_split(const FwdParams& p, const QueryBlock& blk, int* flag, int warp,
+                                                      int lane) {
+    const AttnDims& dims = p.dims;
+    const int block = (blk.batch * dims.heads_q + blk.head) * ceil_div(dims.lq, Tr::BM) + blk.m0 / Tr::BM;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(p.split_counters + block, 1) == p.num_splits - 1;
+    __syncthreads();
+    if (!*flag) return;
+    __threadfence();
+    for (int row = warp; row < blk.rows; row += Tr::WARPS)
+        combine_row<T, Tr::HEAD, true>(p, blk.batch, blk.head, blk.m0 + row, lane);
+    if (threadIdx.x == 0) p.split_counters[block] = 0;
+}
+
 // Grid: num_splits x ceil(rows / 16) x heads x batch CTAs (KeySplit), each over its split's key tiles.
 // KV_SPLIT is the split forwards' last template parameter (the variant table names every split kernel
 // so); this kernel has no unsplit form.
@@ -181,4 +204,5 @@ flash_fwd_decode(const FwdParams p) {
     merge_warps<Tr>(reinterpret_cast<float*>(k_s), warp, lane, acc_o, row_max, row_sum);
     if (warp == 0)
         store_o_lse_c_frags<true, float, true>(p, Split::partial_block(blk, dims), 0, lane, acc_o, row_max, row_sum);
+    if (p.split_counters != nullptr) combine_in_last_split<T, Tr>(p, blk, reinterpret_cast<int*>(q_s), warp, lane);
 }

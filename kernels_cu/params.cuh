@@ -122,6 +122,10 @@ struct FwdParams {
     // persistent grid's CTAs take their next query block in turn; unread by every other schedule.
     // Last: the other kernels' field offsets do not depend on it.
     int* block_queue;
+    // The decoding kernel's combine in its last CTA (flash_fwd_decode.cu): a counter a query block
+    // (batch, head, block), zero at the launch and left zero by the block's last split; null = the
+    // combine kernel merges the partials.
+    int* split_counters;
 };
 
 struct BwdParams {

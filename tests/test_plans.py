@@ -38,6 +38,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(cp, "empty", dev.empty)
     monkeypatch.setattr(cp, "zeros", dev.empty)   # the backward's dQ accumulator (never read here)
     monkeypatch.setattr(cp.cuda, "alloc", dev.alloc)   # the split forward's partials
+    monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: host_cpu._Stream)   # the split counters' key
+    monkeypatch.setattr(plan, "_COUNTERS", {})
     monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(device, "device_facts", lambda device_id: (90, 232448, "H100 (fake)", 132))
 
@@ -588,22 +590,23 @@ def _fwd_fields(params: bytes):
 
 def test_a_decoding_call_splits_its_keys_and_packs_its_query_heads(fake):
     """One query row a sequence, 32 query heads over 8 K/V heads, a long cache: the decoding partial
-    kernel (its warps split each key tile) over the key splits, then the combine kernel; its rows are
-    each K/V head's 4 query heads (packed GQA: dims see 8 heads of 4 rows, the K/V head read once for
-    them)."""
+    kernel (its warps split each key tile) over the key splits, each query block's last split merging
+    them (split_counters, zeroed once a stream: no combine kernel); its rows are each K/V head's 4 query
+    heads (packed GQA: dims see 8 heads of 4 rows, the K/V head read once for them)."""
     dev, launches = fake
     q = dev.empty((1, 32, 1, 128), np.float16)
     k, v = (dev.empty((1, 8, 16384, 128), np.float16) for _ in range(2))
     out, lse = cuflash.attention_forward(q, k, v, causal="bottom_right")
-    (partial, params, maps, grid), (combine, params2, _, grid2) = launches
+    (partial, params, maps, grid), = launches
     assert partial.kv_split and partial.family == "fwd_decode" and not partial.band and maps is None
     assert partial.tile.block_m == 16
-    assert combine.family == "fwd_combine" and combine.head == 128 and params2 == params
     f = _fwd_fields(params)
+    counters = int(f["split_counters"])
+    assert counters != 0 and plan._COUNTERS[(0, 0)].data.ptr == counters and plan._COUNTERS[(0, 0)].size >= 8
     splits, split_tiles = int(f["num_splits"]), int(f["split_tiles"])
     tiles = -(-16384 // partial.tile.block_n)
     assert splits > 1 and split_tiles == -(-tiles // splits)
-    assert grid == splits * 8 and grid2 == 8          # one query block of 4 rows a K/V head
+    assert grid == splits * 8          # one query block of 4 rows a K/V head
     dims = f["dims"]
     assert (int(dims["heads_q"]), int(dims["group"]), int(dims["lq"])) == (8, 1, 4)
     assert int(f["q"]["head_stride"]) == 4 * 128 and int(f["q"]["row_stride"]) == 128
@@ -615,11 +618,12 @@ def test_a_decoding_call_splits_its_keys_and_packs_its_query_heads(fake):
     gap = int(f["lse_partial"]["ptr"]) - int(f["out_partial"]["ptr"])
     assert gap >= o_bytes and gap % 256 == 0 and gap - o_bytes < 256
     assert out.shape == (1, 32, 1, 128) and lse.shape == (1, 32, 1) and lse.dtype == np.float32
-    # replayed: the same kernels, fresh partial buffers
+    # replayed: the same kernel, fresh partial buffers, the same counters
     cuflash.attention_forward(q, k, v, causal="bottom_right")
-    assert [x[0] for x in launches[2:]] == [partial, combine]
-    g = _fwd_fields(launches[2][1])
+    assert [x[0] for x in launches[1:]] == [partial]
+    g = _fwd_fields(launches[1][1])
     assert int(g["out_partial"]["ptr"]) not in (0, int(f["out_partial"]["ptr"]))
+    assert int(g["split_counters"]) == counters
 
 
 @pytest.mark.parametrize("blocks, key_tiles, expected", [
@@ -667,7 +671,7 @@ def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
     q = dev.empty((16, 32, 1, 128), np.float16)
     k, v = (dev.empty((16, 8, 8192, 128), np.float16) for _ in range(2))
     cuflash.attention_forward(q, k, v)
-    assert launches[0][0].kv_split and launches[1][0].family == "fwd_combine"
+    assert launches[0][0].kv_split and launches[0][0].family == "fwd_decode"
 
 
 def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
@@ -678,8 +682,8 @@ def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
     q = dev.empty((2, 32, 3, 128), np.float16)
     k, v = (dev.empty((2, 8, 16384, 128), np.float16) for _ in range(2))
     cuflash.attention_forward(q, k, v, causal="bottom_right")
-    (partial, params, _, grid), (combine, *_) = launches
-    assert partial.family == "fwd_decode" and partial.band and combine.family == "fwd_combine"
+    (partial, params, _, grid), = launches
+    assert partial.family == "fwd_decode" and partial.band
     f = _fwd_fields(params)
     assert int(f["mask"]["band_period"]) == 3
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["lq"])) == (8, 12)
@@ -697,8 +701,8 @@ def test_a_large_batch_of_packed_rows_still_splits(fake):
     q = dev.empty((64, 32, 1, 128), np.float16)
     k, v = (dev.empty((64, 8, 4096, 128), np.float16) for _ in range(2))
     cuflash.attention_forward(q, k, v)
-    (partial, params, _, grid), (combine, *_) = launches
-    assert partial.family == "fwd_decode" and combine.family == "fwd_combine"
+    (partial, params, _, grid), = launches
+    assert partial.family == "fwd_decode"
     assert grid == int(_fwd_fields(params)["num_splits"]) * 64 * 8 and grid >= 2 * 64 * 8
 
 
@@ -764,9 +768,10 @@ def test_key_lengths_go_to_the_split_kernels_by_address(fake):
     for _ in range(2):
         lengths = dev.empty((2,), np.int32)
         cuflash.api.forward_with_key_lengths(q, k, v, lengths, causal="bottom_right", num_splits=1)
-        (partial, params, _, _), (combine, _, _, _) = launches[-2:]
+        partial, params, _, _ = launches[-1]      # the decoding kernel merges its splits itself
         f = _fwd_fields(params)
-        assert partial.kv_split and combine.family == "fwd_combine" and not partial.band
+        assert partial.kv_split and partial.family == "fwd_decode" and not partial.band
+        assert int(f["split_counters"]) != 0
         assert int(f["mask"]["key_lengths"]) == lengths.data.ptr
         assert int(f["dims"]["lq"]) == 4 and int(f["dims"]["heads_q"]) == 2     # packed: 4 query heads a K/V head
     with pytest.raises(TypeError, match="int32"):
@@ -783,9 +788,9 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     k, v = (dev.empty((40, 2, 16, 128), np.float16) for _ in range(2))
     table, lengths = dev.empty((2, 20), np.int32), dev.empty((2,), np.int32)
     cuflash.api.forward_with_key_lengths(q, k, v, lengths, causal="bottom_right", page_table=table)
-    (partial, params, _, _), (combine, _, _, _) = launches[-2:]
+    partial, params, _, _ = launches[-1]
     f = _fwd_fields(params)
-    assert partial.kv_split and combine.family == "fwd_combine"
+    assert partial.kv_split and partial.family == "fwd_decode"
     assert int(f["mask"]["page_table"]) == table.data.ptr and int(f["mask"]["key_lengths"]) == lengths.data.ptr
     assert (int(f["mask"]["page_size"]), int(f["mask"]["pages_per_seq"]), int(f["mask"]["num_pages"])) == (16, 20, 40)
     assert int(f["k"]["batch_stride"]) == 2 * 16 * 128 and int(f["dims"]["lk"]) == 20 * 16
@@ -824,10 +829,11 @@ def test_a_backward_without_the_bias_gradient_launches_no_dbias_work(fake, dtype
 
 
 def test_combine_kernel_holds_every_split():
-    """The combine kernel keeps the weights of options.MAX_SPLITS splits in registers: its bound is the same."""
+    """The combine (combine.cuh) keeps the weights of options.MAX_SPLITS splits in registers: its bound is
+    the same."""
     import re
     from cuflash._runtime.build import kernel_dir
-    src = (kernel_dir() / "flash_fwd_combine.cu").read_text()
+    src = (kernel_dir() / "combine.cuh").read_text()
     assert int(re.search(r"constexpr int MAX_SPLITS = (\d+);", src).group(1)) == options.MAX_SPLITS
 
 

@@ -30,6 +30,12 @@ def _families(launches):
     return [(v.family, v.kv_split) for v in launches]
 
 
+def _split_and_merged(families) -> bool:
+    """A split forward's launches: its partial kernel, then the combine kernel; or the decoding kernel
+    alone, each query block's last split merging them (FwdParams::split_counters)."""
+    return families[0][1] and (families[-1] == ("fwd_combine", False) or families == [("fwd_decode", True)])
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("splits", sampled([1, 2, 3, 7, 64], [1, 3, 64]))
 @pytest.mark.parametrize("lq, causal", [(1, "bottom_right"), (3, "bottom_right"), (16, False), (3, True)])
@@ -38,7 +44,7 @@ def test_forced_splits_match_the_reference(dtype, splits, lq, causal, split_forw
     check_forward(dtype, 2, 8, 2, lq, 1000, 64, 64, causal, seed_of(dtype, splits, lq, str(causal)))
     families = _families(launches)
     if splits > 1:
-        assert families[-1] == ("fwd_combine", False) and families[0][1], families
+        assert _split_and_merged(families), families
     else:
         assert all(family != "fwd_combine" for family, _ in families), families
 
@@ -48,7 +54,7 @@ def test_forced_splits_match_the_reference(dtype, splits, lq, causal, split_forw
 def test_head_dims_and_value_dims(dtype, d, dv, split_forward, launches):
     split_forward(5)
     check_forward(dtype, 1, 4, 4, 2, 777, d, dv, "bottom_right", seed_of(dtype, d, dv))
-    assert ("fwd_combine", False) in _families(launches)
+    assert _split_and_merged(_families(launches)), _families(launches)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -58,7 +64,26 @@ def test_decoding_shapes_split_on_their_own(dtype, b, hq, hk, lk, launches):
     the forward splits the keys unasked (and packs each K/V head's query heads into one tile)."""
     check_forward(dtype, b, hq, hk, 1, lk, 128, 128, "bottom_right", seed_of(dtype, b, hq, lk))
     families = _families(launches)
-    assert families[-1] == ("fwd_combine", False) and families[0][1], families
+    assert _split_and_merged(families), families
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_decoding_kernels_merge_leaves_its_counters_at_zero(dtype):
+    """The decoding kernel's last split of each query block merges the block and resets its counter:
+    after calls of several shapes the stream's counters are all zero again, and a call repeated gives
+    the same bits (its counters started at zero again)."""
+    rng = np.random.default_rng(seed_of(dtype, "counters"))
+    dt = DTYPES[dtype]
+    for b, hq, hk, lq, lk in ((1, 32, 8, 1, 16384), (3, 8, 2, 3, 5000), (2, 4, 4, 16, 3000)):
+        q = cp.asarray(rng.standard_normal((b, hq, lq, 64)).astype(dt))
+        k, v = (cp.asarray(rng.standard_normal((b, hk, lk, 64)).astype(dt)) for _ in range(2))
+        first = cuflash.attention_forward(q, k, v, causal="bottom_right", num_splits=7)
+        again = cuflash.attention_forward(q, k, v, causal="bottom_right", num_splits=7)
+        for x, y in zip(first, again):
+            assert cp.array_equal(x, y, equal_nan=True)
+    cp.cuda.get_current_stream().synchronize()
+    counters = [c for (dev, _), c in plan_._COUNTERS.items() if dev == cp.cuda.Device().id]
+    assert counters and not any(bool(c.any()) for c in counters)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -70,7 +95,7 @@ def test_decoding_shapes_split_on_their_own(dtype, b, hq, hk, lk, launches):
     multi=True))
 def test_few_query_rows_take_the_decoding_kernel(dtype, d, hq, lq, causal, splits, split_forward, launches):
     """At most 16 query rows a block (packed GQA: Lq x the query heads of a K/V head): the
-    decoding partial kernel, whose warps split each key tile, then the combine; odd key counts, empty
+    decoding partial kernel, whose warps split each key tile, then its merge; odd key counts, empty
     splits (64 splits of 2500 keys), a band cutting tiles, packed query heads under a band (4 heads of
     3 or 2 positions: the band reads row % Lq)."""
     split_forward(splits)

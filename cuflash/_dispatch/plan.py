@@ -47,6 +47,7 @@ _FWD_ADDRESSES = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in _F
 _FWD_QUEUE = (PACKERS["FwdParams"].offset("block_queue"),)
 _FWD_PARTIALS = tuple(PACKERS["FwdParams"].offset(f"{name}.ptr") for name in ("out_partial", "lse_partial"))
 _FWD_KEY_LENGTHS = (PACKERS["FwdParams"].offset("mask.key_lengths"),)
+_FWD_SPLIT_COUNTERS = (PACKERS["FwdParams"].offset("split_counters"),)
 _FWD_PAGE_TABLE = (PACKERS["FwdParams"].offset("mask.page_table"),)
 
 
@@ -130,6 +131,7 @@ class ForwardPlan:
     partial_only: bool = False   # the result is the partial buffers' one split (accumulator precision)
     key_lengths: bool = False    # each batch entry's key count comes with the call (MaskParams::key_lengths)
     paged: bool = False          # K and V are pages, read through the call's page table
+    counters: int = 0            # the decoding kernel's combine in its last split: query blocks counted
 
 
 def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
@@ -284,9 +286,11 @@ def _gqa_packing(p, masked: bool, band: bool, q, portable, smem_limit: int) -> i
 def _plan_split_forward(p, masking, masked: bool, band: bool, portable, splits: int, out_shape, lse_shape,
                         lse_dtype, smem_limit: int, partial_only: bool = False) -> ForwardPlan:
     """A split-KV forward: the portable kernel's partial twin over ``splits`` ranges of key tiles, then
-    the combine kernel (kernels_cu/flash_fwd_combine.cu). With packed GQA (:func:`_gqa_packing`) the
-    kernels see (B, Hk, group x Lq) query rows; out and lse are laid out alike either way.
-    ``partial_only`` (one split): the partial kernel alone, its buffers the result."""
+    the combine kernel (kernels_cu/flash_fwd_combine.cu); the decoding kernel merges a query block's
+    splits in its last split's CTA instead (FwdParams::split_counters: one launch, no combine kernel's
+    start behind the partials). With packed GQA (:func:`_gqa_packing`) the kernels see (B, Hk, group x Lq)
+    query rows; out and lse are laid out alike either way. ``partial_only`` (one split): the partial kernel
+    alone, its buffers the result."""
     q, k, v = p.q, p.k, p.v
     pack = _gqa_packing(p, masked, band, q, portable, smem_limit)
     b, heads, rows = p.batch, p.heads_q // pack, p.lq * pack
@@ -303,11 +307,13 @@ def _plan_split_forward(p, masking, masked: bool, band: bool, portable, splits: 
                         num_splits=splits, split_tiles=split_tiles,
                         out_partial=_Strided.contiguous(partial_shapes[0], lse_dtype),
                         lse_partial=_Strided.contiguous(partial_shapes[1], lse_dtype))
-    kernels = (KernelLaunch(partial, splits * partial.grid(b, heads, 1, rows, p.lk)),
-               KernelLaunch(combine, combine.grid(b, heads, 1, rows, p.lk)))
-    return ForwardPlan(q.data.device_id, kernels[:1] if partial_only else kernels, out_shape, lse_shape, q.dtype,
-                       lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE + _FWD_PARTIALS), None,
-                       False, partial_shapes, masking.keep_alive, partial_only)
+    blocks = partial.grid(b, heads, 1, rows, p.lk)
+    kernels = (KernelLaunch(partial, splits * blocks), KernelLaunch(combine, combine.grid(b, heads, 1, rows, p.lk)))
+    merged_in_partial = partial.family == "fwd_decode" and not partial_only
+    return ForwardPlan(q.data.device_id, kernels[:1] if partial_only or merged_in_partial else kernels, out_shape,
+                       lse_shape, q.dtype, lse_dtype,
+                       _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE + _FWD_PARTIALS), None, False,
+                       partial_shapes, masking.keep_alive, partial_only, counters=blocks if merged_in_partial else 0)
 
 
 class _Strided:
@@ -345,6 +351,21 @@ def _partial_memory(cupy, shapes, dtype):
     return cupy.cuda.alloc(lse_at + math.prod(shapes[1]) * itemsize), lse_at
 
 
+_COUNTERS: dict = {}
+"""(device, stream) -> the decoding kernel's split counters: zeroed once, left zero by every launch (each
+query block's last split resets its own), so that one stream's launches, which run in order, share them;
+another stream has its own."""
+
+
+def _split_counters(cupy, device_id: int, count: int):
+    """At least ``count`` zeroed int32 counters for the current stream of ``device_id``."""
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.size < count:
+        counters = _COUNTERS[key] = cupy.zeros(max(count, 4096), dtype=cupy.int32)
+    return counters
+
+
 def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=None):
     """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D); with ``plan.partial_only`` out in the
     accumulator type (a view of the partial buffer without its padding column); ``key_lengths`` (int32
@@ -365,6 +386,8 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=Non
         if plan.partial_shapes is not None:   # split-KV: every split writes its whole slice, no zeroing
             partials, lse_at = _partial_memory(cupy, plan.partial_shapes, plan.lse_dtype)
             params.put_addresses(_FWD_PARTIALS, (partials.ptr, partials.ptr + lse_at))
+        if plan.counters:
+            params.put_addresses(_FWD_SPLIT_COUNTERS, (_split_counters(cupy, plan.device, plan.counters).data.ptr,))
         if plan.key_lengths:
             params.put_addresses(_FWD_KEY_LENGTHS, (key_lengths.data.ptr,))
         if plan.paged:

@@ -44,7 +44,8 @@ STRUCTS: Dict[str, np.dtype] = {
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64),
                            ("scale_log2_f", np.float32), ("num_splits", np.int32), ("split_tiles", np.int32),
-                           ("out_partial", _VIEW), ("lse_partial", _VIEW), ("block_queue", np.uint64)], align=True),
+                           ("out_partial", _VIEW), ("lse_partial", _VIEW), ("block_queue", np.uint64),
+                           ("split_counters", np.uint64)], align=True),
     "BwdParams": np.dtype([(n, _VIEW) for n in ("q", "k", "v", "out", "dout", "lse", "dsum", "dq_acc",
                                                   "dq", "dk", "dv")]
                           + [("dims", _DIMS), ("mask", _MASK), ("dbias", _DBIAS), ("scale", np.float64),
@@ -211,12 +212,14 @@ def fwd_params(q, k, v, out, lse, *, group: int, scale: float, mask: dict = MASK
     and MaskParams ``mask`` (cuflash._dispatch.masking), as ``sizeof(FwdParams)`` bytes.
     ``block_queue``: the address of a zeroed int32 a persistent Hopper grid takes its blocks from
     (0: none). Split-KV: ``num_splits`` partial results of ``split_tiles`` key tiles each, into
-    ``out_partial (S * B, Hq, Lq, Dv')`` and ``lse_partial (S * B, Hq, Lq)``."""
+    ``out_partial (S * B, Hq, Lq, Dv')`` and ``lse_partial (S * B, Hq, Lq)``; the decoding kernel's
+    ``split_counters`` are written at run time (cuflash._dispatch.plan)."""
     return PACKERS["FwdParams"].pack({
         "q": view(q), "k": view(k), "v": view(v), "out": view(out), "lse": view(lse),
         "dims": _dims(q, k, v, group), "mask": mask, "scale_log2": scale * LOG2E,
         "scale_log2_f": as_float32(scale * LOG2E), "num_splits": num_splits, "split_tiles": split_tiles,
-        "out_partial": view(out_partial), "lse_partial": view(lse_partial), "block_queue": block_queue})
+        "out_partial": view(out_partial), "lse_partial": view(lse_partial), "block_queue": block_queue,
+        "split_counters": 0})
 
 
 def bwd_params(q, k, v, out, dout, lse, dsum, dq_acc, dq, dk, dv, *, group: int, scale: float,
