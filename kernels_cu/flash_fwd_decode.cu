@@ -1,4 +1,5 @@
-// flash_fwd_decode.cu -- the split-KV partial forward for decoding (float16 / bfloat16): at most 16
+// flash_fwd_decode.cu -- the split-KV partial forward for decoding (float16 / bfloat16, and float32 on
+// 3xTF32): at most 16
 // query rows a (batch, head) block -- Lq new rows, times the query heads of a K/V head with packed
 // GQA -- over a long key range.
 //
@@ -26,28 +27,36 @@
 #include "scheduler.cuh"
 #include "mma.cuh"
 #include "warp_gemm.cuh"
+#include "warp_gemm_tf32.cuh"
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
 #include "epilogue.cuh"
 #include "combine.cuh"
 
+// float32 (F32): 3xTF32 on mma.sync m16n8k8 (warp_gemm_tf32.cuh, flash_fwd_tf32.cu's arithmetic at
+// precision="highest"): Q split once into big and small parts, K, V and P split per fragment; every
+// tile's rows padded by 4 floats (the TF32 fragment loads' conflict-free pitch) instead of swizzled.
 template <typename T, typename Cfg>
 struct FwdDecodeTraits {
+    static constexpr bool F32 = sizeof(T) == sizeof(float);
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int KEYS_W = BN / WARPS;     // keys of a tile each warp takes
-    static constexpr int PITCH = HEAD + 8;        // Q's shared row pitch in elements (16 bytes of padding)
+    static constexpr int PITCH = F32 ? HEAD + 4 : HEAD + 8;    // Q's shared row pitch in elements (padding)
+    static constexpr int KV_PITCH = F32 ? HEAD + 4 : HEAD;     // 16-bit: swizzled rows, no padding
     static constexpr int S_TILES = KEYS_W / 8;    // n8 tiles of one warp's S
     static constexpr int O_TILES = HEAD / 8;      // n8 tiles of one warp's O
-    static constexpr int Q_ELEMS = BM * PITCH;
-    static constexpr int KV_ELEMS = BN * HEAD;    // one K or V stage: swizzled rows, no padding
+    static constexpr int Q_ELEMS = (F32 ? 2 : 1) * BM * PITCH;   // F32: Q's big part, then its small part
+    static constexpr int KV_ELEMS = BN * KV_PITCH;   // one K or V stage
     static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
     // The warps' merge: every warp but 0 leaves its O fragments and row statistics in the K/V stages.
     static constexpr int MERGE_FLOATS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
     static_assert(BM == 16, "one 16-row strip, shared by the warps");
     static_assert(!USER_SCORE && !USER_MASK, "no user modifications in the decoding kernel (the split twin takes them)");
-    static_assert(BN % (16 * WARPS) == 0 && HEAD % 64 == 0, "whole k16 steps of keys a warp, rows of 8 chunks");
+    static_assert(sizeof(T) == 2 || F32, "16-bit or float32");
+    static_assert(BN % (16 * WARPS) == 0 && HEAD % (F32 ? 32 : 64) == 0,
+                  "whole k16 steps (n8 pairs) of keys a warp; 16-bit rows of 8 chunks");
     static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
@@ -139,9 +148,10 @@ flash_fwd_decode(const FwdParams p) {
     typedef FwdDecodeTraits<T, Cfg> Tr;
     static_assert(KV_SPLIT, "a split-KV partial kernel only: the combine kernel finishes its results");
     static_assert(!Flags::EXTRA, "no EXTRA option: flash_fwd_mma's split twin takes those calls");
-    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, KP = Tr::KV_PITCH;
+    constexpr int SPLIT = TF32X3_ROUNDED;        // F32: precision="highest"
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* q_s = reinterpret_cast<T*>(smem_raw);
+    T* q_s = reinterpret_cast<T*>(smem_raw);    // F32: Q's big part, its small part at q_s + BM * P
     T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
     T* v_s = k_s + 2 * Tr::KV_ELEMS;
 
@@ -166,7 +176,7 @@ flash_fwd_decode(const FwdParams p) {
 
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead
     auto load_kv = [&](int j, int stage) {
-        load_kv_tile<T, BM, BN, HEAD, HEAD, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true, false, true>(
+        load_kv_tile<T, BM, BN, HEAD, KP, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true, false, !Tr::F32>(
             k_s, v_s, nullptr, stage, p, blk, false, j * BN, mod.lk, &pages);
         cp_async_commit();
     };
@@ -180,23 +190,43 @@ flash_fwd_decode(const FwdParams p) {
         load_tile<T, BM, HEAD, P, Tr::THREADS, VEC>(q_s, p.q.at<const T>(blk.batch, blk.head, blk.m0), p.q.row_stride,
                                                     blk.rows, dims.d);
         load_kv(j, 0);
+        if constexpr (Tr::F32) {   // Q split once (the first K/V tile arrives meanwhile); the loop's barrier
+            cp_async_wait<0>();    // publishes the split
+            __syncthreads();
+            split_tile<SPLIT, BM, HEAD, P, Tr::THREADS>(reinterpret_cast<float*>(q_s),
+                                                        reinterpret_cast<float*>(q_s) + BM * P);
+        }
     }
     const int key_w = warp * Tr::KEYS_W;   // this warp's keys within a tile
     for (int stage = 0; j < keys.end; stage ^= 1) {
         prefetch_next_step<2>(j + 1, keys.end, stage, [&](int j_next, int s_next) { load_kv(j_next, s_next); });
         __syncthreads();
 
+        const T* k_w = k_s + stage * Tr::KV_ELEMS + key_w * KP;   // this warp's keys of K and V
+        const T* v_w = v_s + stage * Tr::KV_ELEMS + key_w * KP;
         float s[1][Tr::S_TILES][4];   // S = Q K^T over this warp's keys
         zero_frags(s[0]);
-        warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, HEAD, false, true>(
-            s, q_s, k_s + stage * Tr::KV_ELEMS + key_w * HEAD, lane);
+        if constexpr (Tr::F32) {
+            const float* q_big = reinterpret_cast<const float*>(q_s);
+            warp_gemm_qk_tf32<SPLIT, 1, Tr::KEYS_W, HEAD, P>(s, q_big, q_big + BM * P,
+                                                             reinterpret_cast<const float*>(k_w), lane);
+        } else {
+            warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, KP, false, true>(s, q_s, k_w, lane);
+        }
         if (!full.contains(j)) mask_partial_strip_rows(s[0], mod, row_a, row_b, j * BN + key_w + 2 * (lane % 4));
-        unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
-        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
-            p16[m][n][r] = pack2<T>(p0, p1);
-        });
-        warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, HEAD, true>(acc_o, p16, v_s + stage * Tr::KV_ELEMS + key_w * HEAD,
-                                                                   lane);
+        if constexpr (Tr::F32) {   // P in float32, split per fragment in O += P V
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+                s[m][n][2 * r] = p0;
+                s[m][n][2 * r + 1] = p1;
+            });
+            warp_gemm_pv_tf32<SPLIT, 1, HEAD, Tr::KEYS_W, P>(acc_o, s, reinterpret_cast<const float*>(v_w), lane);
+        } else {
+            unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+                p16[m][n][r] = pack2<T>(p0, p1);
+            });
+            warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, KP, true>(acc_o, p16, v_w, lane);
+        }
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = j + 1;
     }

@@ -674,6 +674,20 @@ def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
     assert launches[0][0].kv_split and launches[0][0].family == "fwd_decode"
 
 
+def test_a_float32_decoding_call_takes_the_decoding_kernel(fake):
+    """float32 at precision "highest": the decoding kernel on 3xTF32 (16-row strip, the warps splitting
+    each key tile); "tf32" keeps the TF32 split twin."""
+    dev, launches = fake
+    q = dev.empty((1, 32, 1, 128), np.float32)
+    k, v = (dev.empty((1, 8, 16384, 128), np.float32) for _ in range(2))
+    cuflash.attention_forward(q, k, v)
+    (partial, *_), = launches
+    assert partial.family == "fwd_decode" and partial.dtype == "float32" and partial.tile.block_m == 16
+    launches.clear()
+    cuflash.attention_forward(q, k, v, precision="tf32")
+    assert launches[0][0].family == "fwd_tf32" and launches[-1][0].family == "fwd_combine"
+
+
 def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
     """Three new query rows a sequence (causal, bottom right) of 32 query heads over 8 K/V heads: the
     decoding kernel's strip holds a K/V head's 4 query heads x 3 positions, the band reading a row's

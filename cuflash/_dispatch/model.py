@@ -192,8 +192,11 @@ def _smem_fwd_mma(v: "Variant") -> int:
 
 
 def _smem_fwd_decode(v: "Variant") -> int:
-    # flash_fwd_decode.cu: the Q strip padded, K and V stages in swizzled rows of head elements.
+    # flash_fwd_decode.cu: 16-bit: the Q strip padded, K and V stages in swizzled rows of head elements;
+    # float32: Q's big and small parts and K, V rows padded by 4 floats.
     t = v.tile
+    if v.dtype == "float32":
+        return (2 * t.block_m + 2 * t.stages * t.block_n) * (v.head + 4) * 4
     return (t.block_m * _pitch_mma(v.head) + 2 * t.stages * t.block_n * v.head) * ITEMSIZE[v.dtype]
 
 

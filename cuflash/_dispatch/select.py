@@ -354,11 +354,11 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
     the combine kernel at the bucket of ``dv``. The partial kernel: for 16-bit calls of at most
     DECODE_ROWS rows without an EXTRA option, with 16-byte loads, at a head bucket the split table
-    has, the decoding kernel (``fwd_decode``: the warps split each key tile; not with user modifications);
-    else the portable kernel's twin (``kv_split``)."""
+    has, the decoding kernel (``fwd_decode``: the warps split each key tile; not with user modifications;
+    float32 at precision "highest", its 3xTF32); else the portable kernel's twin (``kv_split``)."""
     decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
     if rows <= DECODE_ROWS and not portable.extra and not portable.prelude and portable.vec \
-            and decode_key in TABLES["split"]:
+            and decode_key in TABLES["split"] and portable.family in ("fwd_mma", "fwd_tf32x3"):
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
                              kv_split=True).fitted(smem_limit)
