@@ -106,7 +106,9 @@ class Tile:
     shared memory (the Q rows' padding) instead of registers, which a tile needs where the loop
     holds every register (flash_fwd_mma.cu). ``late_copies`` (``bwd_dkdv_mma`` with two stages, its LATE_COPIES;
     taken at head dim 128, where one CTA of 8 warps fills an SM): the next step's Q / dO copies are issued after the
-    step's first GEMM instead of before its first barrier, where every warp's address arithmetic delayed the MMAs."""
+    step's first GEMM instead of before its first barrier, where every warp's address arithmetic delayed the MMAs.
+    ``split_only`` (the split table): a split-KV partial kernel's tile only; packed calls, which read the split
+    table too, go on to its next tile or to the plain table."""
 
     block_m: int
     block_n: int
@@ -122,6 +124,7 @@ class Tile:
     resident: int = 1
     park: bool = False
     late_copies: bool = False
+    split_only: bool = False
 
 
 SMEM_LIMITS = {"sm_90 (H100, H200)": 232448, "sm_80 (A100)": 166912, "sm_86, sm_89, sm_120 (RTX 30/40/50, L40)": 101376}
@@ -527,7 +530,9 @@ class Variant:
         if self.short:
             return TABLES["short"][key]
         if (self.kv_split or self.packed) and not self.extra and key in TABLES["split"]:
-            return TABLES["split"][key]
+            tiles = tuple(t for t in TABLES["split"][key] if self.kv_split or not t.split_only)
+            if tiles:
+                return tiles
         if self.extra and key in TABLES["extra"]:
             return TABLES["extra"][key]
         return TABLES["plain"][key]

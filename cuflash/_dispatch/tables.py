@@ -196,6 +196,18 @@ add("fwd_dmma", ["float64"], [64], Tile(128, 32, 8, 2, "mma.m16n8k16 (full-rate 
 add("fwd_dmma", ["float64"], [128], Tile(128, 16, 8, 2, "mma.m16n8k16 (full-rate fp64 on sm_90), 8 warps, 16-key "
                                                          "tiles: 1.84-1.97x m8n8k4's 64x32 (tune_fwd.py); 197 KB",
                                           wide_k=16), arch="sm90")
+# Split twins for float64 decoding calls (a few packed query rows over many keys): 16-row tiles of two warps, where
+# the prefill tiles' 64 / 128 rows (for 4 useful ones) kept float64 decoding at 15-21% of the H200's HBM peak,
+# bound by padded fp64 MMAs; not yet measured (benchmarks/bench_decode.py's float64 rows).
+add("fwd_dmma", ["float64"], [64], Tile(16, 32, 2, 2, "16 rows, 32-key tiles, 77 KB: two CTAs an SM",
+                                        split_only=True), split=True)
+add("fwd_dmma", ["float64"], [128], Tile(16, 32, 2, 2, "16 rows, 32-key tiles, 151 KB", split_only=True),
+    Tile(16, 16, 2, 2, "16-key tiles: 84 KB, " + _SMALL, split_only=True), split=True)
+# sm_90: one warp's pair of 8-row tiles on mma.m16n8k16 (full fp64 rate), two CTAs an SM
+add("fwd_dmma", ["float64"], [64], Tile(16, 32, 1, 2, "16 rows on m16n8k16, 77 KB", wide_k=16, split_only=True),
+    arch="sm90", split=True)
+add("fwd_dmma", ["float64"], [128], Tile(16, 16, 1, 2, "16 rows on m16n8k16, 16-key tiles: 84 KB", wide_k=16,
+                                         split_only=True), arch="sm90", split=True)
 add("fwd_dmma", ["float64"], [256], Tile(32, 16, 4, 2, "acc_o alone is 128 registers: one 8-row tile a warp; 195 KB"),
      Tile(32, 8, 4, 2, "8-key tiles: 133 KB, the A100"), Tile(8, 8, 1, 2, "one warp: 83 KB, " + _SMALL))
 # With EXTRA each stage also holds a BM x BN fp64 bias tile: smaller tiles keep two CTAs an SM.
