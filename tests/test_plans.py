@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 cp = pytest.importorskip("cupy")
 
@@ -641,6 +643,21 @@ def test_a_streaming_partial_kernel_takes_one_even_wave(blocks, key_tiles, expec
     assert select.split_count(128, 128, 396, sms=132, min_splits=2) == 2   # packed rows: the split path
     assert select.split_count(512, 64, 396, sms=132, min_splits=2) == 3    # a full GPU: 1536 CTAs, 3.9 waves
     assert select.split_count(512, 1, 396, sms=132, min_splits=2) == 1     # one key tile: nothing to split
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=st.integers(1, 2000), key_tiles=st.integers(1, 5000), ctas=st.integers(1, 4),
+       streams=st.booleans(), min_splits=st.sampled_from([1, 2]))
+def test_split_counts_stay_in_range(blocks, key_tiles, ctas, streams, min_splits):
+    """Any call: a count in [1, min(MAX_SPLITS, key tiles)], at least min_splits where there are two tiles
+    to split, and the streaming rule's count within one wave where one wave holds min_splits."""
+    slots = 132 * ctas
+    n = select.split_count(blocks, key_tiles, slots, sms=132 if streams else None, min_splits=min_splits)
+    assert 1 <= n <= max(1, min(select.MAX_SPLITS, key_tiles))
+    if key_tiles >= 2 and min_splits == 2:
+        assert n >= 2
+    if streams and blocks < select.SPLIT_FILL * slots and blocks * min_splits <= slots and key_tiles >= 2:
+        assert blocks * n <= slots
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 256])
