@@ -88,8 +88,6 @@ def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
     page_size = k_cache.shape[2]
     if not 1 <= page_size <= 256:
         raise ValueError(f"pages hold 1 to 256 positions, got {page_size}")
-    if np.dtype(block_table.dtype) == np.int32 and block_table.flags.c_contiguous:
-        return block_table   # as the kernels take it: no array op on a decoding step's host path
     return xp.ascontiguousarray(block_table.astype(np.int32, copy=False))
 
 

@@ -326,7 +326,7 @@ __device__ __forceinline__ void load_score_tile_acc(A* smem, const ScoreTensor& 
 template <int COLS>
 __device__ __forceinline__ unsigned sw_chunk_offset(int row, int chunk) {
     static_assert(COLS % 64 == 0, "whole groups of 8 chunks a row");
-    return row * COLS * 2 + ((chunk ^ (row & 7)) * 16);
+    return row * COLS * 2 + swizzled_chunk(row, chunk) * 16;
 }
 
 // cp.async of one 16-byte chunk that copies its first src_bytes (0-16) and fills the
