@@ -138,3 +138,29 @@ def test_a_missing_nccl_is_a_clear_error():
             dist.NcclRing.unique_id()
     else:
         pytest.skip("this machine's CuPy has NCCL")
+
+
+def test_the_thread_ring_checks_what_arrives_against_the_expected_shapes():
+    """Slices of an odd length differ by a position, and NCCL's receive must be the sender's size: the ring
+    names the previous rank's shapes, and the thread ring refuses arrays of other shapes (an NCCL ring would
+    wait forever)."""
+    def rank_work(comm):
+        mine = np.zeros((1, 2, 5 + comm.rank, 4))
+        got = comm.exchange_async([mine], [(1, 2, 5 + (comm.rank - 1) % comm.size, 4)]).wait()
+        assert got[0].shape[-2] == 5 + (comm.rank - 1) % comm.size
+        with pytest.raises(RuntimeError, match="expected arrays of shapes"):
+            comm.exchange_async([mine], [mine.shape]).wait()
+        return True
+
+    assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
+
+
+def test_a_step_attends_in_as_few_calls_as_its_band_allows():
+    """A rank's own zigzag block under a causal mask is causal in local positions (one call, not three), and
+    the key pieces a query piece sees whole are one rectangle; pieces a window cuts apart stay apart."""
+    spans = dist.segments(17, 2, "zigzag")    # rank 0: [0, 4) and [12, 17); rank 1: [4, 8) and [8, 12)
+    assert dist._ring_calls(spans[0], spans[0], True, None) == [(slice(0, 9), slice(0, 9), (None, 0))]
+    assert dist._ring_calls(spans[0], spans[1], True, None) == [(slice(4, 9), slice(0, 8), None)]
+    assert dist._ring_calls(spans[1], spans[0], True, None) == [(slice(0, 8), slice(0, 4), None)]
+    spans = dist.segments(37, 3, "zigzag")    # rank 0: [0, 6) and [30, 37): 24 positions apart
+    assert len(dist._ring_calls(spans[0], spans[0], True, (5, None))) == 2
