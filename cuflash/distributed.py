@@ -418,40 +418,6 @@ def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice
                    None if full else (left_, right_))
 
 
-def _ring_calls(q_spans, k_spans, causal: bool, window) -> List[Tuple[slice, slice, Any]]:
-    """The attention calls of one ring step: :func:`_block_pairs`, joined into one call over their bounding
-    box where the keys each of its queries sees form a band of the box's local positions (a rank's own
-    zigzag block under a causal mask is causal in local positions; the key pieces a query piece sees whole
-    are one rectangle): fewer, larger launches, each tile skipped as in one call over the whole sequence."""
-    pairs = list(_block_pairs(q_spans, k_spans, causal, window))
-    if len(pairs) < 2:
-        return pairs
-    left, right = window if window is not None else (None, None)
-    right = 0 if causal else right
-    qa, qb = min(p[0].start for p in pairs), max(p[0].stop for p in pairs)
-    ka, kb = min(p[1].start for p in pairs), max(p[1].stop for p in pairs)
-    q_pos = np.concatenate([np.arange(a, b) for a, b in q_spans])[qa:qb]   # global positions
-    k_pos = np.concatenate([np.arange(a, b) for a, b in k_spans])[ka:kb]
-    rows, keys = np.arange(qb - qa), kb - ka
-    # the keys (box positions) each query sees: contiguous, as global positions grow with local ones
-    first = np.zeros_like(rows) if left is None else np.searchsorted(k_pos, q_pos - left)
-    last = np.full_like(rows, keys - 1) if right is None else np.searchsorted(k_pos, q_pos + right, "right") - 1
-    seen = first <= last
-    # the band's sides from the queries it cuts; None where no query's keys end inside the box
-    cut_left, cut_right = seen & (first > 0), seen & (last < keys - 1)
-    band_left = int((rows - first)[cut_left][0]) if cut_left.any() else None
-    band_right = int((last - rows)[cut_right][0]) if cut_right.any() else None
-    if (band_left is not None and band_left < 0) or (band_right is not None and band_right < 0):
-        return pairs
-    lo = rows * 0 if band_left is None else np.maximum(rows - band_left, 0)
-    hi = np.full_like(rows, keys - 1) if band_right is None else np.minimum(rows + band_right, keys - 1)
-    if not (np.array_equal(seen, lo <= hi) and np.array_equal(lo[seen], first[seen])
-            and np.array_equal(hi[seen], last[seen])):
-        return pairs
-    band = None if band_left is None and band_right is None else (band_left, band_right)
-    return [(slice(qa, qb), slice(ka, kb), band)]
-
-
 def _arriving_shapes(arrays, spans, source: int) -> List[Tuple[int, ...]]:
     """The shapes of ``arrays`` (blocks of rank ``source``'s positions) as the previous rank sends them: of
     rank ``source - 1``'s positions (slices of odd lengths differ by one)."""
@@ -549,7 +515,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
-        for q_sl, k_sl, band in _ring_calls(mine, spans[source], causal, window):
+        for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
             o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
                                                window=band, scale=scale)
             merge_into(out[..., q_sl, :], lse[..., q_sl], o, l_)   # views of the accumulators: in place
@@ -582,7 +548,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
         share = [xp.zeros(kv[0].shape, dtype=acc), xp.zeros(kv[1].shape, dtype=acc)]   # this rank's dK, dV part
-        for q_sl, k_sl, band in _ring_calls(mine, spans[source], causal, window):
+        for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
             g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
                                        kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], window=band,
                                        scale=scale, deterministic=deterministic)

@@ -154,13 +154,3 @@ def test_the_thread_ring_checks_what_arrives_against_the_expected_shapes():
 
     assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
 
-
-def test_a_step_attends_in_as_few_calls_as_its_band_allows():
-    """A rank's own zigzag block under a causal mask is causal in local positions (one call, not three), and
-    the key pieces a query piece sees whole are one rectangle; pieces a window cuts apart stay apart."""
-    spans = dist.segments(17, 2, "zigzag")    # rank 0: [0, 4) and [12, 17); rank 1: [4, 8) and [8, 12)
-    assert dist._ring_calls(spans[0], spans[0], True, None) == [(slice(0, 9), slice(0, 9), (None, 0))]
-    assert dist._ring_calls(spans[0], spans[1], True, None) == [(slice(4, 9), slice(0, 8), None)]
-    assert dist._ring_calls(spans[1], spans[0], True, None) == [(slice(0, 8), slice(0, 4), None)]
-    spans = dist.segments(37, 3, "zigzag")    # rank 0: [0, 6) and [30, 37): 24 positions apart
-    assert len(dist._ring_calls(spans[0], spans[0], True, (5, None))) == 2
