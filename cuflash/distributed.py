@@ -8,8 +8,9 @@ partial result by its log-sum-exp (:func:`cuflash.merge_attention`'s rule), whil
 already in flight. The backward sends the keys and values around again with their dK / dV
 accumulators, each rank adding its queries' share, and hands each accumulator back to its owner.
 
-The transport is a communicator with ``rank``, ``size``, ``exchange_async(arrays)`` (send to the next
-rank, receive from the previous one; ``.wait()`` returns what arrived) and ``all_reduce(array, op)``:
+The transport is a communicator with ``rank``, ``size``, ``exchange_async(arrays, shapes)`` (send to the
+next rank, receive the previous one's, whose shapes are ``shapes``: slices of odd lengths differ by a
+position; ``.wait()`` returns what arrived) and ``all_reduce(array, op)``:
 :class:`NcclRing` (CuPy's NCCL, one process per GPU, set up from torchrun / mpirun / SLURM
 environments) or :class:`ThreadRing` (ranks as threads of one process, for tests and the NumPy path).
 """
@@ -96,11 +97,13 @@ class ThreadRing:
         barrier, board = threading.Barrier(size), [None] * size
         return [cls(r, size, boxes, barrier, board) for r in range(size)]
 
-    def exchange_async(self, arrays: Sequence[Any]) -> _Arrived:
-        """Send copies of ``arrays`` to the next rank; ``.wait()`` gives the previous rank's. Exchanges
+    def exchange_async(self, arrays: Sequence[Any], shapes: Sequence[Tuple[int, ...]]) -> _Arrived:
+        """Send copies of ``arrays`` to the next rank; ``.wait()`` gives the previous rank's, which must
+        have ``shapes`` (RuntimeError otherwise: NCCL would wait forever on a size that differs). Exchanges
         pair up by their order on each rank (as NCCL's sends and receives do), whatever order they are
         waited for in."""
         number, self._sent = self._sent, self._sent + 1
+        shapes = [tuple(s) for s in shapes]
         cond, box = self._boxes[(self.rank + 1) % self.size]
         with cond:
             box[number] = [a.copy() for a in arrays]
@@ -110,7 +113,11 @@ class ThreadRing:
         def fetch():
             with own_cond:
                 own_cond.wait_for(lambda: number in own_box)
-                return own_box.pop(number)
+                arrived = own_box.pop(number)
+            if [tuple(a.shape) for a in arrived] != shapes:
+                raise RuntimeError(f"rank {self.rank} expected arrays of shapes {shapes} from the previous rank, "
+                                   f"got {[tuple(a.shape) for a in arrived]}")
+            return arrived
 
         return _Arrived(fetch)
 
@@ -191,10 +198,12 @@ class NcclRing:
         uid = _shared_unique_id(rank, size, id_file or env.get("CUFLASH_NCCL_ID_FILE"))
         return cls(rank, size, uid, device=local)
 
-    def exchange_async(self, arrays: Sequence[Any]) -> _Arrived:
+    def exchange_async(self, arrays: Sequence[Any], shapes: Sequence[Tuple[int, ...]]) -> _Arrived:
+        """Send ``arrays`` to the next rank; ``.wait()`` gives the previous rank's (of ``shapes``, each with
+        its counterpart's dtype: the byte counts of a send and its receive must match)."""
         cupy, nccl = self._cupy, self._nccl
         sent = [cupy.ascontiguousarray(a) for a in arrays]
-        received = [cupy.empty_like(a) for a in sent]
+        received = [cupy.empty(tuple(shape), dtype=a.dtype) for a, shape in zip(sent, shapes)]
         ready = cupy.cuda.get_current_stream().record()
         self._stream.wait_event(ready)
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
@@ -409,6 +418,13 @@ def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice
                    None if full else (left_, right_))
 
 
+def _arriving_shapes(arrays, spans, source: int) -> List[Tuple[int, ...]]:
+    """The shapes of ``arrays`` (blocks of rank ``source``'s positions) as the previous rank sends them: of
+    rank ``source - 1``'s positions (slices of odd lengths differ by one)."""
+    rows = sum(b - a for a, b in spans[(source - 1) % len(spans)])
+    return [tuple(a.shape[:-2]) + (rows, a.shape[-1]) for a in arrays]
+
+
 def _slices(spans) -> List[slice]:
     out, offset = [], 0
     for a, b in spans:
@@ -498,7 +514,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     kv = [k, v]
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
-        arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
+        arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
         for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
             o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
                                                window=band, scale=scale)
@@ -530,7 +546,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     travelling = None   # the accumulators of the block this rank holds, on their way from the previous rank
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
-        arriving = comm.exchange_async(kv) if step < comm.size - 1 else None
+        arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
         share = [xp.zeros(kv[0].shape, dtype=acc), xp.zeros(kv[1].shape, dtype=acc)]   # this rank's dK, dV part
         for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
             g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
@@ -541,7 +557,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
             share[1][..., k_sl, :] += g[2]
         if travelling is not None:   # added only now: their transfer ran during this step's work
             share = [a_ + b_ for a_, b_ in zip(travelling.wait(), share)]
-        travelling = comm.exchange_async(share)   # on to the next rank (after the last step: the owner)
+        # on to the next rank (after the last step: the owner); the previous rank's share is of the block it
+        # holds now, the one this rank holds next
+        travelling = comm.exchange_async(share, _arriving_shapes(share, spans, source))
         if arriving is not None:
             kv = arriving.wait()
     grads = travelling.wait()

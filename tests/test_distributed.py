@@ -138,3 +138,19 @@ def test_a_missing_nccl_is_a_clear_error():
             dist.NcclRing.unique_id()
     else:
         pytest.skip("this machine's CuPy has NCCL")
+
+
+def test_the_thread_ring_checks_what_arrives_against_the_expected_shapes():
+    """Slices of an odd length differ by a position, and NCCL's receive must be the sender's size: the ring
+    names the previous rank's shapes, and the thread ring refuses arrays of other shapes (an NCCL ring would
+    wait forever)."""
+    def rank_work(comm):
+        mine = np.zeros((1, 2, 5 + comm.rank, 4))
+        got = comm.exchange_async([mine], [(1, 2, 5 + (comm.rank - 1) % comm.size, 4)]).wait()
+        assert got[0].shape[-2] == 5 + (comm.rank - 1) % comm.size
+        with pytest.raises(RuntimeError, match="expected arrays of shapes"):
+            comm.exchange_async([mine], [mine.shape]).wait()
+        return True
+
+    assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
+
