@@ -7,6 +7,7 @@ step a rank attends its queries to the block it holds, in the accumulator precis
 partial result by its log-sum-exp (:func:`cuflash.merge_attention`'s rule), while the next block is
 already in flight. The backward sends the keys and values around again with their dK / dV
 accumulators, each rank adding its queries' share, and hands each accumulator back to its owner.
+Dropout draws the whole sequence's mask: each block pair is a call at its global (query, key) origin.
 
 The transport is a communicator with ``rank``, ``size``, ``exchange_async(arrays, shapes)`` (send to the
 next rank, receive the previous one's, whose shapes are ``shapes``: slices of odd lengths differ by a
