@@ -21,7 +21,7 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
               mask: Any = None, dropout_p: float = 0.0, seed: Optional[int] = None, window: Any = None,
               block_layout: Optional[BlockLayout] = None, precision: str = "highest",
               num_splits: Optional[int] = None, score_mod=None, mask_mod=None,
-              dropout_origin: Tuple[int, int, int] = options.NO_ORIGIN):
+              dropout_origin: Tuple[int, int] = options.NO_ORIGIN):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, computed tile by tile.
 
     Parameters
@@ -60,11 +60,12 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         Dropout seed in [0, 2**64): the mask is a pure function of (seed,
         batch, head, query, key) (Philox4x32-10), so equal seeds give bitwise
         equal results and the backward regenerates the mask. None draws one.
-    dropout_origin : (batch, query, key) ints, optional
-        Where this call's first element lies in the dropout mask: element (b, h, i, j)
-        is dropped as the mask's (b + batch, h, i + query, j + key) is, so a slice of a
-        longer problem (a ring step's block, a chunk of queries) drops exactly what one
-        call over the whole problem drops there. Default (0, 0, 0).
+    dropout_origin : (query, key) ints, optional
+        Where this call's scores lie in the dropout mask: element (b, h, i, j) is
+        dropped as the mask's (b, h, i + query, j + key) is, so a slice of a longer
+        problem (a ring step's block, a chunk of queries) drops exactly what one call
+        over the whole problem drops there. Default (0, 0). On the GPU ``key`` is a
+        multiple of 4 (one Philox draw covers keys 4c..4c+3).
     block_layout : cuflash.BlockLayout, optional
         Block-sparse attention: (query block, key block) pairs that are off are
         never loaded.
@@ -122,7 +123,7 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
                       seed: Optional[int] = None, window: Any = None,
                       block_layout: Optional[BlockLayout] = None,
                       precision: str = "highest", num_splits: Optional[int] = None, score_mod=None,
-                      mask_mod=None, dropout_origin: Tuple[int, int, int] = options.NO_ORIGIN) -> Tuple[Any, Any]:
+                      mask_mod=None, dropout_origin: Tuple[int, int] = options.NO_ORIGIN) -> Tuple[Any, Any]:
     """Attention output and the row logsumexp saved for the backward pass.
 
     Parameters are those of :func:`attention`, except that dropout needs an
@@ -159,7 +160,7 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
 
 def forward_in_accumulator(q, k, v, *, causal: Causal = False, scale: Optional[float] = None, bias: Any = None,
                            mask: Any = None, window: Any = None, dropout_p: float = 0.0, seed: Optional[int] = None,
-                           dropout_origin: Tuple[int, int, int] = options.NO_ORIGIN,
+                           dropout_origin: Tuple[int, int] = options.NO_ORIGIN,
                            precision: str = "highest") -> Tuple[Any, Any]:
     """:func:`attention_forward` with ``out`` in the accumulator dtype (float32, float64 for float64;
     the NumPy path's float64): a partial result to be merged with others before any rounding to 16
@@ -250,7 +251,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                        seed: Optional[int] = None, window: Any = None,
                        block_layout: Optional[BlockLayout] = None, precision: str = "highest",
                        deterministic: bool = False, bias_grad: bool = True, score_mod=None,
-                       mask_mod=None, dropout_origin: Tuple[int, int, int] = options.NO_ORIGIN) -> Tuple[Any, ...]:
+                       mask_mod=None, dropout_origin: Tuple[int, int] = options.NO_ORIGIN) -> Tuple[Any, ...]:
     """Gradients of ``sum(dout * attention(q, k, v))`` with respect to q, k, v (and the bias).
 
     The n x n probabilities are recomputed tile by tile from q, k and the saved

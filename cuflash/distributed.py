@@ -22,8 +22,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import api
-from .merge import merge_into
+from . import api, reference
+from .merge import _to_acc, merge_into
 from .options import SUPPORTED_DTYPES, array_module, check_window
 from .semantics import acc_dtype
 
@@ -527,9 +527,15 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
-        for q_sl, k_sl, band, q0, k0 in _block_pairs(mine, spans[source], causal, window):
-            o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
-                                               window=band, scale=scale, **_dropout(dropout_p, seed, q0, k0))
+        for on_kernels, q_sl, k_sl, band, q0, k0 in _step_calls(mine, spans[source], causal, window, bool(dropout_p)):
+            args = (q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :])
+            if on_kernels:
+                o, l_ = api.forward_in_accumulator(*args, window=band, scale=scale,
+                                                   **_dropout(dropout_p, seed, q0, k0))
+            else:   # at most 3 keys before an aligned one
+                o, l_ = reference.attention_blocked(*_reference_args(args, acc), window=band, scale=scale,
+                                                    dropout_p=dropout_p, seed=seed, dropout_origin=(0, q0, k0))
+                o, l_ = o.astype(acc), l_.astype(acc)
             merge_into(out[..., q_sl, :], lse[..., q_sl], o, l_)   # views of the accumulators: in place
         if arriving is not None:
             kv = arriving.wait()
@@ -562,11 +568,16 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
         share = [xp.zeros(kv[0].shape, dtype=acc), xp.zeros(kv[1].shape, dtype=acc)]   # this rank's dK, dV part
-        for q_sl, k_sl, band, q0, k0 in _block_pairs(mine, spans[source], causal, window):
-            g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
-                                       kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], window=band,
-                                       scale=scale, deterministic=deterministic,
-                                       **_dropout(dropout_p, seed, q0, k0))
+        for on_kernels, q_sl, k_sl, band, q0, k0 in _step_calls(mine, spans[source], causal, window, bool(dropout_p)):
+            args = (dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
+                    out[..., q_sl, :], lse[..., q_sl])
+            if on_kernels:
+                g = api.attention_backward(*args, window=band, scale=scale, deterministic=deterministic,
+                                           **_dropout(dropout_p, seed, q0, k0))
+            else:   # at most 3 keys before an aligned one
+                g = reference.attention_backward_blocked(*_reference_args(args, acc), window=band, scale=scale,
+                                                         dropout_p=dropout_p, seed=seed, dropout_origin=(0, q0, k0))
+                g = [x.astype(acc) for x in g[:3]]
             dq[..., q_sl, :] += g[0]
             share[0][..., k_sl, :] += g[1]
             share[1][..., k_sl, :] += g[2]
@@ -583,7 +594,33 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
 
 def _dropout(dropout_p: float, seed: Optional[int], q0: int, k0: int) -> dict:
     """A block pair's dropout options: the mask of the whole sequence at the pair's first query and key."""
-    return dict(dropout_p=dropout_p, seed=seed, dropout_origin=(0, q0, k0)) if dropout_p else {}
+    return dict(dropout_p=dropout_p, seed=seed, dropout_origin=(q0, k0)) if dropout_p else {}
+
+
+def _step_calls(q_spans, k_spans, causal: bool, window, dropout: bool):
+    """(on_kernels, query slice, key slice, local window, first query, first key) for each call of a ring
+    step: :func:`_block_pairs`; under dropout a pair whose first key is not a multiple of 4 (the kernels
+    draw a Philox word group of four keys from an aligned origin) has its keys up to the next multiple of 4
+    (at most 3) attended by :mod:`cuflash.reference` on the arrays' device (``on_kernels`` False), the
+    rest, from an aligned key, by the kernels."""
+    for q_sl, k_sl, band, q0, k0 in _block_pairs(q_spans, k_spans, causal, window):
+        if not dropout or k0 % 4 == 0:
+            yield True, q_sl, k_sl, band, q0, k0
+            continue
+        q_end, k_end = q0 + q_sl.stop - q_sl.start, k0 + k_sl.stop - k_sl.start
+        aligned = min(k_end, k0 + (-k0) % 4)
+        for ka, kb in ((k0, aligned), (aligned, k_end)):
+            for qs, ks, band_, qg, kg in _block_pairs([(q0, q_end)], [(ka, kb)], causal, window):
+                # the queries that see some key of [ka, kb) start no later than those of the pair: a cut
+                # of the keys of [aligned, k_end) leaves them at `aligned`
+                assert ka == k0 or kg == aligned
+                yield (ka != k0, slice(q_sl.start + qs.start, q_sl.start + qs.stop),
+                       slice(k_sl.start + ka - k0 + ks.start, k_sl.start + ka - k0 + ks.stop), band_, qg, kg)
+
+
+def _reference_args(arrays, acc):
+    """Arrays for cuflash.reference on their own device, widened to ``acc`` (a CuPy bfloat16 by its bits)."""
+    return [_to_acc(array_module(x), x, acc) for x in arrays]
 
 
 def _agreed_seed(comm, xp) -> int:

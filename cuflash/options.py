@@ -261,7 +261,7 @@ class Options:
     seed: Optional[int] = None
     block_layout: Optional[BlockLayout] = None
     mods: Optional[Mods] = None   # score and mask modifications (cuflash.mods)
-    dropout_origin: Tuple[int, int, int] = (0, 0, 0)   # the mask's (batch, row, key) of element (0, 0, 0)
+    dropout_origin: Tuple[int, int] = (0, 0)   # the mask's (query, key) of the call's (0, 0)
 
     @property
     def dropout(self) -> bool:
@@ -276,7 +276,7 @@ class Options:
 
     def reference_kwargs(self) -> dict:
         return dict(bias=self.bias, mask=self.mask, window=self.window, dropout_p=self.dropout_p, seed=self.seed,
-                    dropout_origin=self.dropout_origin, block_layout=self.block_layout,
+                    dropout_origin=(0,) + self.dropout_origin, block_layout=self.block_layout,
                     score_mod=self.mods.score if self.mods else None,
                     mask_mod=self.mods.mask if self.mods else None)
 
@@ -335,25 +335,28 @@ def check_mods(p: Problem, score_mod=None, mask_mod=None) -> Optional[Mods]:
     return mods
 
 
-NO_ORIGIN = (0, 0, 0)
-"""The default ``dropout_origin``: a call draws the dropout mask from its own (0, 0, 0)."""
+NO_ORIGIN = (0, 0)
+"""The default ``dropout_origin``: a call draws the dropout mask from its own (0, 0)."""
 
 
-def check_dropout_origin(origin, p: Problem) -> Tuple[int, int, int]:
-    """``dropout_origin``: three ints >= 0 (batch, query row, key) with the call's extent still inside the
-    kernels' 32-bit coordinates."""
+def check_dropout_origin(origin, p: Problem) -> Tuple[int, int]:
+    """``dropout_origin``: two ints >= 0 (query, key) with the call's extent still inside the kernels' 32-bit
+    coordinates; on the GPU the key a multiple of 4 (a Philox draw covers four keys from one)."""
     try:
         parts = tuple(origin)
     except TypeError:
         parts = ()
-    if len(parts) != 3 or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in parts):
-        raise TypeError(f"dropout_origin must be a (batch, query, key) tuple of three ints, got {origin!r}")
+    if len(parts) != 2 or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in parts):
+        raise TypeError(f"dropout_origin must be a (query, key) pair of ints, got {origin!r}")
     parts = tuple(int(x) for x in parts)
     if min(parts) < 0:
         raise ValueError(f"dropout_origin must be non-negative, got {parts}")
-    for x, extent, name in zip(parts, (p.batch, p.lq, p.lk), ("batch", "query", "key")):
+    for x, extent, name in zip(parts, (p.lq, p.lk), ("query", "key")):
         if x + extent > 2**31 - 1:
             raise ValueError(f"dropout_origin's {name} {x} plus the call's {extent} passes 2**31 - 1")
+    if p.xp is not np and parts[1] % 4:
+        raise ValueError(f"on the GPU dropout_origin's key is a multiple of 4 (a Philox draw covers keys 4c..4c+3), "
+                         f"got {parts[1]}")
     return parts
 
 

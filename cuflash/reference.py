@@ -455,12 +455,14 @@ def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False, wind
 
 def _dropout_arg(dropout_p, seed, origin=(0, 0, 0)):
     """(p, seed, origin) when dropout is on, else None. ``origin``: the (batch, query row, key) that
-    the first element of the scores has in the mask's coordinates."""
+    the first element of the scores has in the mask's coordinates; a (query row, key) pair is batch 0's
+    (cuflash.attention's ``dropout_origin``)."""
     if not dropout_p:
         return None
     if seed is None:
         raise ValueError("dropout_p > 0 needs the seed that drew the mask")
-    b0, r0, c0 = (int(x) for x in origin)
+    origin = tuple(origin)
+    b0, r0, c0 = (int(x) for x in ((0,) + origin if len(origin) == 2 else origin))
     if min(b0, r0, c0) < 0:
         raise ValueError(f"dropout_origin must be non-negative, got {origin}")
     return float(dropout_p), int(seed), (b0, r0, c0)
@@ -495,7 +497,7 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         (shifted by the causal alignment; see :func:`band_limits`).
     dropout_p, seed : float, int
         Dropout after the softmax with the kernels' Philox mask (:func:`dropout_keep`).
-    dropout_origin : (batch, row, key)
+    dropout_origin : (batch, row, key) or (row, key)
         The mask's coordinates of the scores' first element (:func:`attention_blocked`).
     block_layout : cuflash.BlockLayout, optional
         Blocks that are off attend nothing.

@@ -258,45 +258,26 @@ struct ScoreMod {
         return x;
     }
 
-    // Dropout's words for the group of four keys holding key `col` of query `row` (call coordinates; the
-    // params' origin moves them into the mask's: MaskParams::drop_row0 / drop_col0 / drop_batch0).
-    __device__ __forceinline__ PhiloxWords dropout_group(int row, int col) const {
-        return dropout_words(m.seed_lo, m.seed_hi, batch + m.drop_batch0, head, row + m.drop_row0, col);
-    }
-    __device__ __forceinline__ A keep_of(unsigned word) const {
-        return word >= m.drop_threshold ? A(m.keep_scale) : A(0);
-    }
-
-    // Dropout's verdict for one element: keep_scale if kept, 0 if dropped.
+    // Dropout's verdict for one element: keep_scale if kept, 0 if dropped. Rows and keys in the call's
+    // coordinates; the params' origin (drop_row0, drop_col0: a multiple of 4) moves them into the mask's.
     __device__ __forceinline__ A keep(int row, int col) const {
-        const int key = col + m.drop_col0;
-        return keep_of(dropout_group(row, key).word(key & 3));
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row + m.drop_row0, col + m.drop_col0);
+        return r.word(col & 3) >= m.drop_threshold ? A(m.keep_scale) : A(0);
     }
 
-    // The verdicts of two neighbouring keys col, col + 1 (col even): one Philox draw, two where an odd
-    // column origin puts them in two groups of four (half the lanes: a branch only under such an origin).
+    // The verdicts of two neighbouring keys col, col + 1 (col even): one Philox draw.
     __device__ __forceinline__ void keep2(int row, int col, A& keep0, A& keep1) const {
-        const int key = col + m.drop_col0;
-        const PhiloxWords r = dropout_group(row, key);
-        keep0 = keep_of(r.word(key & 3));
-        keep1 = (key & 3) == 3 ? keep_of(dropout_group(row, key + 1).w0) : keep_of(r.word((key & 3) + 1));
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row + m.drop_row0, col + m.drop_col0);
+        keep0 = r.word(col & 3) >= m.drop_threshold ? A(m.keep_scale) : A(0);
+        keep1 = r.word((col & 3) + 1) >= m.drop_threshold ? A(m.keep_scale) : A(0);
     }
 
-    // The verdicts of the four keys col .. col + 3 (col a multiple of 4) of one row, one Philox draw (two
-    // where the column origin is not a multiple of 4: a uniform branch): bit k set iff key col + k is
-    // kept (keep() of each, as bits).
+    // The verdicts of the four keys col .. col + 3 (col a multiple of 4) of one row, one
+    // Philox draw: bit k set iff key col + k is kept (keep() of each, as bits).
     __device__ __forceinline__ unsigned keep4_bits(int row, int col) const {
-        const int key = col + m.drop_col0, offset = key & 3;
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row + m.drop_row0, col + m.drop_col0);
         const unsigned t = m.drop_threshold;
-        const PhiloxWords r = dropout_group(row, key);
-        unsigned bits = unsigned(r.w0 >= t) | unsigned(r.w1 >= t) << 1 | unsigned(r.w2 >= t) << 2
-                        | unsigned(r.w3 >= t) << 3;
-        if (offset != 0) {   // keys key .. key + 3 are words offset.. of this group and 0.. of the next
-            const PhiloxWords n = dropout_group(row, key + 4);
-            const unsigned next = unsigned(n.w0 >= t) | unsigned(n.w1 >= t) << 1 | unsigned(n.w2 >= t) << 2;
-            bits = (bits >> offset | next << (4 - offset)) & 15u;
-        }
-        return bits;
+        return unsigned(r.w0 >= t) | unsigned(r.w1 >= t) << 1 | unsigned(r.w2 >= t) << 2 | unsigned(r.w3 >= t) << 3;
     }
 };
 
