@@ -20,7 +20,8 @@ __all__ = ["attention", "attention_forward", "attention_backward", "vjp"]
 def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None, bias: Any = None,
               mask: Any = None, dropout_p: float = 0.0, seed: Optional[int] = None, window: Any = None,
               block_layout: Optional[BlockLayout] = None, precision: str = "highest",
-              num_splits: Optional[int] = None, score_mod=None, mask_mod=None):
+              num_splits: Optional[int] = None, score_mod=None, mask_mod=None,
+              dropout_origin: Tuple[int, int] = options.NO_ORIGIN):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, computed tile by tile.
 
     Parameters
@@ -59,6 +60,12 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         Dropout seed in [0, 2**64): the mask is a pure function of (seed,
         batch, head, query, key) (Philox4x32-10), so equal seeds give bitwise
         equal results and the backward regenerates the mask. None draws one.
+    dropout_origin : (query, key) ints, optional
+        Where this call's scores lie in the dropout mask: element (b, h, i, j) is
+        dropped as the mask's (b, h, i + query, j + key) is, so a slice of a longer
+        problem (a ring step's block, a chunk of queries) drops exactly what one call
+        over the whole problem drops there. Default (0, 0). On the GPU ``key`` is a
+        multiple of 4 (one Philox draw covers keys 4c..4c+3).
     block_layout : cuflash.BlockLayout, optional
         Block-sparse attention: (query block, key block) pairs that are off are
         never loaded.
@@ -107,7 +114,8 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         seed = options.draw_seed()   # no backward will need it
     return attention_forward(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, dropout_p=dropout_p,
                              seed=seed, window=window, block_layout=block_layout, precision=precision,
-                             num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod)[0]
+                             num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                             dropout_origin=dropout_origin)[0]
 
 
 def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
@@ -115,7 +123,7 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
                       seed: Optional[int] = None, window: Any = None,
                       block_layout: Optional[BlockLayout] = None,
                       precision: str = "highest", num_splits: Optional[int] = None, score_mod=None,
-                      mask_mod=None) -> Tuple[Any, Any]:
+                      mask_mod=None, dropout_origin: Tuple[int, int] = options.NO_ORIGIN) -> Tuple[Any, Any]:
     """Attention output and the row logsumexp saved for the backward pass.
 
     Parameters are those of :func:`attention`, except that dropout needs an
@@ -131,7 +139,8 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
     """
     call = options.forward_call(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, window=window,
                                 dropout_p=dropout_p, seed=seed, block_layout=block_layout, precision=precision,
-                                num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod)
+                                num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                                dropout_origin=dropout_origin)
     p = call.problem
     if p.xp is np:
         return _forward_numpy(p, call.options, q.dtype)
@@ -150,14 +159,16 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
 
 
 def forward_in_accumulator(q, k, v, *, causal: Causal = False, scale: Optional[float] = None, bias: Any = None,
-                           mask: Any = None, window: Any = None, precision: str = "highest") -> Tuple[Any, Any]:
+                           mask: Any = None, window: Any = None, dropout_p: float = 0.0, seed: Optional[int] = None,
+                           dropout_origin: Tuple[int, int] = options.NO_ORIGIN,
+                           precision: str = "highest") -> Tuple[Any, Any]:
     """:func:`attention_forward` with ``out`` in the accumulator dtype (float32, float64 for float64;
     the NumPy path's float64): a partial result to be merged with others before any rounding to 16
     bits (cuflash.distributed). 16-bit calls run the Hopper forward's float32-output twin where the call
     takes that kernel without an EXTRA option (bias, mask, dropout, block layout), else the portable
     forward's split-KV kernel over one split; float32 and float64 calls are plain forwards."""
     call = options.forward_call(q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, window=window,
-                                precision=precision)
+                                dropout_p=dropout_p, seed=seed, dropout_origin=dropout_origin, precision=precision)
     p = call.problem
     if p.xp is np:
         out, lse = reference.attention_blocked(p.q, p.k, p.v, causal=p.reference_causal, scale=p.scale,
@@ -240,7 +251,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
                        seed: Optional[int] = None, window: Any = None,
                        block_layout: Optional[BlockLayout] = None, precision: str = "highest",
                        deterministic: bool = False, bias_grad: bool = True, score_mod=None,
-                       mask_mod=None) -> Tuple[Any, ...]:
+                       mask_mod=None, dropout_origin: Tuple[int, int] = options.NO_ORIGIN) -> Tuple[Any, ...]:
     """Gradients of ``sum(dout * attention(q, k, v))`` with respect to q, k, v (and the bias).
 
     The n x n probabilities are recomputed tile by tile from q, k and the saved
@@ -255,9 +266,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
     out, lse : arrays
         What :func:`attention_forward` returned for these inputs and options.
         ``lse`` may be any float dtype; it is read as float32 (float64 for float64).
-    causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision, score_mod, mask_mod
+    causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision, score_mod, mask_mod,
+    dropout_origin
         The options the forward pass used (they must match; with dropout, the
-        same seed). Each score modification needs its ``grad``.
+        same seed and origin). Each score modification needs its ``grad``.
     deterministic : bool
         False (default): dQ (and a bias gradient shared across batches or K/V
         heads) is summed with fp32/fp64 atomics, fast but the last bits may
@@ -283,7 +295,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
     """
     call = options.backward_call(dout, q, k, v, out, lse, causal=causal, scale=scale, bias=bias, mask=mask,
                                  window=window, dropout_p=dropout_p, seed=seed, block_layout=block_layout,
-                                 precision=precision, score_mod=score_mod, mask_mod=mask_mod)
+                                 precision=precision, score_mod=score_mod, mask_mod=mask_mod,
+                                 dropout_origin=dropout_origin)
     p, opts = call.problem, call.options
     dout4, out4, lse4 = call.backward_inputs
     trainable = opts.mods.trainable if opts.mods is not None else ()
@@ -332,8 +345,8 @@ def vjp(q, k, v, *, deterministic: bool = False, **kwargs):
     deterministic : bool
         Passed to :func:`attention_backward`.
     **kwargs
-        causal, scale, bias, mask, dropout_p, seed, window, block_layout, precision, score_mod,
-        mask_mod, and num_splits (the forward's only). With ``dropout_p > 0`` and no ``seed``, one is drawn;
+        causal, scale, bias, mask, dropout_p, seed, dropout_origin, window, block_layout, precision,
+        score_mod, mask_mod, and num_splits (the forward's only). With ``dropout_p > 0`` and no ``seed``, one is drawn;
         it is kept for the backward and readable as ``vjp_fn.seed``.
 
     Returns

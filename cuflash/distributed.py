@@ -7,6 +7,7 @@ step a rank attends its queries to the block it holds, in the accumulator precis
 partial result by its log-sum-exp (:func:`cuflash.merge_attention`'s rule), while the next block is
 already in flight. The backward sends the keys and values around again with their dK / dV
 accumulators, each rank adding its queries' share, and hands each accumulator back to its owner.
+Dropout draws the whole sequence's mask: each block pair is a call at its global (query, key) origin.
 
 The transport is a communicator with ``rank``, ``size``, ``exchange_async(arrays, shapes)`` (send to the
 next rank, receive the previous one's, whose shapes are ``shapes``: slices of odd lengths differ by a
@@ -21,8 +22,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import api
-from .merge import merge_into
+from . import api, reference
+from .merge import _to_acc, merge_into
 from .options import SUPPORTED_DTYPES, array_module, check_window
 from .semantics import acc_dtype
 
@@ -392,12 +393,13 @@ def _on_host(value):
 
 # ----------------------------------------------------------------------------- the ring
 
-def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice, slice, Any]]:
-    """(query slice, key slice, local window) for each pair of this rank's query pieces and a key
-    block's pieces that see each other: the slices (of the local arrays) cut to the queries that see
-    some key of the piece and the keys some of them see, and the band of global positions
+def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice, slice, Any, int, int]]:
+    """(query slice, key slice, local window, first query, first key) for each pair of this rank's query
+    pieces and a key block's pieces that see each other: the slices (of the local arrays) cut to the
+    queries that see some key of the piece and the keys some of them see, the band of global positions
     ``q - left <= k <= q + right`` (right 0 with ``causal``) moved to those slices' own (0, 0): a
-    top-left window with both sides >= 0, or None where every query sees every key of the slice."""
+    top-left window with both sides >= 0, or None where every query sees every key of the slice; and
+    the global positions of the slices' first query and key (dropout's origin)."""
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0
@@ -415,7 +417,7 @@ def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice
             right_ = None if right is None else qa - ka + right
             full = (left_ is None or left_ >= qb - qa - 1) and (right_ is None or right_ >= kb - ka - 1)
             yield (slice(q_sl.start + qa - qs, q_sl.start + qb - qs), slice(k_sl.start + ka - ks, k_sl.start + kb - ks),
-                   None if full else (left_, right_))
+                   None if full else (left_, right_), qa, ka)
 
 
 def _arriving_shapes(arrays, spans, source: int) -> List[Tuple[int, ...]]:
@@ -436,10 +438,11 @@ def _slices(spans) -> List[slice]:
 SIGNATURE_WORDS = 32
 
 
-def _agree(comm, q, k, v, causal, layout, length: Optional[int], window=None, scale: Optional[float] = None) -> int:
+def _agree(comm, q, k, v, causal, layout, length: Optional[int], window=None, scale: Optional[float] = None,
+           dropout_p: float = 0.0, seed: Optional[int] = None) -> int:
     """The whole sequence's length, once every rank is found to make the same call (shapes but the
-    sequence axis, dtype, options, ``length`` where given), else ValueError on every rank: one max and
-    one min all-reduce of the call's signature and a one-hot of this rank's slice length."""
+    sequence axis, dtype, options, dropout's p and seed, ``length`` where given), else ValueError on every
+    rank: one max and one min all-reduce of the call's signature and a one-hot of this rank's slice length."""
     xp = array_module(q)
     name = SUPPORTED_DTYPES.get(np.dtype(q.dtype))
     if name is None:
@@ -451,15 +454,16 @@ def _agree(comm, q, k, v, causal, layout, length: Optional[int], window=None, sc
              list(SUPPORTED_DTYPES.values()).index(name), int(bool(causal)), LAYOUTS.index(layout),
              -1 if length is None else int(length), int(window is None),
              *(-1 if w is None else int(w) for w in (window or (None, None))), int(scale is None),
-             int(np.float64(0.0 if scale is None else scale).view(np.int64))]
+             int(np.float64(0.0 if scale is None else scale).view(np.int64)),
+             int(np.float64(dropout_p).view(np.int64)), int(np.uint64(seed or 0).view(np.int64))]
     words = (words + [0] * SIGNATURE_WORDS)[:SIGNATURE_WORDS]
     slices = [0] * comm.size
     slices[comm.rank] = q.shape[-2]
     both = xp.asarray(np.asarray(words + slices, dtype=np.int64))
     high, low = comm.all_reduce(both, "max"), comm.all_reduce(both, "min")
     if not bool((high[:SIGNATURE_WORDS] == low[:SIGNATURE_WORDS]).all()):
-        raise ValueError("the ranks' calls differ (shapes, dtype, causal, window, scale, layout or sequence length): "
-                         "every rank must pass its slice of the same sequence with the same options")
+        raise ValueError("the ranks' calls differ (shapes, dtype, causal, window, scale, dropout, layout or sequence "
+                         "length): every rank must pass its slice of the same sequence with the same options")
     return int(high[SIGNATURE_WORDS:].sum()) if length is None else int(length)
 
 
@@ -471,7 +475,8 @@ def _layout_of(causal, layout):
 
 
 def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Optional[float] = None, window: Any = None,
-                           layout: Optional[str] = None, length: Optional[int] = None) -> Tuple[Any, Any]:
+                           layout: Optional[str] = None, length: Optional[int] = None, dropout_p: float = 0.0,
+                           seed: Optional[int] = None) -> Tuple[Any, Any]:
     """(out, lse) of attention over the whole sequence, for this rank's slice of it.
 
     Parameters
@@ -492,6 +497,11 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
         How the sequence is sharded (default "zigzag" when causal, else "contiguous").
     length : int, optional
         The whole sequence's length (default: the sum of the slices; needed only to check it).
+    dropout_p, seed : float, int
+        Dropout on the attention weights, the mask drawn at global positions: the ranks together drop
+        exactly what one call over the whole sequence with this seed drops (cuflash.attention's
+        ``dropout_origin``). Every rank passes the same seed; None draws one the ranks agree on (the
+        backward then needs it: :func:`ring_vjp` keeps it).
 
     Returns
     -------
@@ -502,7 +512,9 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     window = check_window(window)
     xp = array_module(q)
     local = q.shape[-2]
-    total = _agree(comm, q, k, v, causal, layout, length, window, scale)
+    if dropout_p and seed is None:
+        seed = _agreed_seed(comm, xp)
+    total = _agree(comm, q, k, v, causal, layout, length, window, scale, dropout_p, seed)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
     if sum(b - a for a, b in mine) != local:
@@ -515,9 +527,15 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     for step in range(comm.size):
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
-        for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
-            o, l_ = api.forward_in_accumulator(q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
-                                               window=band, scale=scale)
+        for on_kernels, q_sl, k_sl, band, q0, k0 in _step_calls(mine, spans[source], causal, window, bool(dropout_p)):
+            args = (q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :])
+            if on_kernels:
+                o, l_ = api.forward_in_accumulator(*args, window=band, scale=scale,
+                                                   **_dropout(dropout_p, seed, q0, k0))
+            else:   # at most 3 keys before an aligned one
+                o, l_ = reference.attention_blocked(*_reference_args(args, acc), window=band, scale=scale,
+                                                    dropout_p=dropout_p, seed=seed, dropout_origin=(0, q0, k0))
+                o, l_ = o.astype(acc), l_.astype(acc)
             merge_into(out[..., q_sl, :], lse[..., q_sl], o, l_)   # views of the accumulators: in place
         if arriving is not None:
             kv = arriving.wait()
@@ -525,8 +543,8 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = False, scale: Optional[float] = None,
-                            window: Any = None, layout: Optional[str] = None,
-                            deterministic: bool = False) -> Tuple[Any, Any, Any]:
+                            window: Any = None, layout: Optional[str] = None, dropout_p: float = 0.0,
+                            seed: Optional[int] = None, deterministic: bool = False) -> Tuple[Any, Any, Any]:
     """(dq, dk, dv) of this rank's slice, from the ring forward's ``out`` and ``lse`` (same options).
 
     The keys and values go around the ring again with float32 (float64) dK / dV accumulators; each
@@ -537,7 +555,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     layout = _layout_of(causal, layout)
     window = check_window(window)
     xp = array_module(q)
-    total = _agree(comm, q, k, v, causal, layout, None, window, scale)
+    if dropout_p and seed is None:
+        raise ValueError("dropout_p > 0 needs the forward's seed (ring_vjp keeps it)")
+    total = _agree(comm, q, k, v, causal, layout, None, window, scale, dropout_p, seed)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
     acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
@@ -548,10 +568,16 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
         source = (comm.rank - step) % comm.size
         arriving = comm.exchange_async(kv, _arriving_shapes(kv, spans, source)) if step < comm.size - 1 else None
         share = [xp.zeros(kv[0].shape, dtype=acc), xp.zeros(kv[1].shape, dtype=acc)]   # this rank's dK, dV part
-        for q_sl, k_sl, band in _block_pairs(mine, spans[source], causal, window):
-            g = api.attention_backward(dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :],
-                                       kv[1][..., k_sl, :], out[..., q_sl, :], lse[..., q_sl], window=band,
-                                       scale=scale, deterministic=deterministic)
+        for on_kernels, q_sl, k_sl, band, q0, k0 in _step_calls(mine, spans[source], causal, window, bool(dropout_p)):
+            args = (dout[..., q_sl, :], q[..., q_sl, :], kv[0][..., k_sl, :], kv[1][..., k_sl, :],
+                    out[..., q_sl, :], lse[..., q_sl])
+            if on_kernels:
+                g = api.attention_backward(*args, window=band, scale=scale, deterministic=deterministic,
+                                           **_dropout(dropout_p, seed, q0, k0))
+            else:   # at most 3 keys before an aligned one
+                g = reference.attention_backward_blocked(*_reference_args(args, acc), window=band, scale=scale,
+                                                         dropout_p=dropout_p, seed=seed, dropout_origin=(0, q0, k0))
+                g = [x.astype(acc) for x in g[:3]]
             dq[..., q_sl, :] += g[0]
             share[0][..., k_sl, :] += g[1]
             share[1][..., k_sl, :] += g[2]
@@ -566,6 +592,45 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype)
 
 
+def _dropout(dropout_p: float, seed: Optional[int], q0: int, k0: int) -> dict:
+    """A block pair's dropout options: the mask of the whole sequence at the pair's first query and key."""
+    return dict(dropout_p=dropout_p, seed=seed, dropout_origin=(q0, k0)) if dropout_p else {}
+
+
+def _step_calls(q_spans, k_spans, causal: bool, window, dropout: bool):
+    """(on_kernels, query slice, key slice, local window, first query, first key) for each call of a ring
+    step: :func:`_block_pairs`; under dropout a pair whose first key is not a multiple of 4 (the kernels
+    draw a Philox word group of four keys from an aligned origin) has its keys up to the next multiple of 4
+    (at most 3) attended by :mod:`cuflash.reference` on the arrays' device (``on_kernels`` False), the
+    rest, from an aligned key, by the kernels."""
+    for q_sl, k_sl, band, q0, k0 in _block_pairs(q_spans, k_spans, causal, window):
+        if not dropout or k0 % 4 == 0:
+            yield True, q_sl, k_sl, band, q0, k0
+            continue
+        q_end, k_end = q0 + q_sl.stop - q_sl.start, k0 + k_sl.stop - k_sl.start
+        aligned = min(k_end, k0 + (-k0) % 4)
+        for ka, kb in ((k0, aligned), (aligned, k_end)):
+            for qs, ks, band_, qg, kg in _block_pairs([(q0, q_end)], [(ka, kb)], causal, window):
+                # the queries that see some key of [ka, kb) start no later than those of the pair: a cut
+                # of the keys of [aligned, k_end) leaves them at `aligned`
+                assert ka == k0 or kg == aligned
+                yield (ka != k0, slice(q_sl.start + qs.start, q_sl.start + qs.stop),
+                       slice(k_sl.start + ka - k0 + ks.start, k_sl.start + ka - k0 + ks.stop), band_, qg, kg)
+
+
+def _reference_args(arrays, acc):
+    """Arrays for cuflash.reference on their own device, widened to ``acc`` (a CuPy bfloat16 by its bits)."""
+    return [_to_acc(array_module(x), x, acc) for x in arrays]
+
+
+def _agreed_seed(comm, xp) -> int:
+    """A dropout seed drawn on every rank, the largest one taken by all (one all-reduce)."""
+    import secrets
+
+    drawn = xp.asarray(np.asarray([secrets.randbits(63)], dtype=np.int64))
+    return int(comm.all_reduce(drawn, "max")[0])
+
+
 def ring_attention(q, k, v, comm, **kwargs):
     """The ring forward's output alone (:func:`ring_attention_forward`)."""
     return ring_attention_forward(q, k, v, comm, **kwargs)[0]
@@ -573,11 +638,15 @@ def ring_attention(q, k, v, comm, **kwargs):
 
 def ring_vjp(q, k, v, comm, *, deterministic: bool = False, **kwargs):
     """(out, vjp_fn) on this rank's slice: ``vjp_fn(dout) -> (dq, dk, dv)`` runs the ring backward
-    (every rank must call it, as the forward)."""
+    (every rank must call it, as the forward). With ``dropout_p > 0`` and no ``seed``, the ranks agree on
+    a drawn one, kept for the backward and readable as ``vjp_fn.seed``."""
+    if kwargs.get("dropout_p") and kwargs.get("seed") is None:
+        kwargs = dict(kwargs, seed=_agreed_seed(comm, array_module(q)))
     out, lse = ring_attention_forward(q, k, v, comm, **kwargs)
     kwargs.pop("length", None)
 
     def vjp_fn(dout):
         return ring_attention_backward(dout, q, k, v, out, lse, comm, deterministic=deterministic, **kwargs)
 
+    vjp_fn.seed = kwargs.get("seed")
     return out, vjp_fn

@@ -261,6 +261,7 @@ class Options:
     seed: Optional[int] = None
     block_layout: Optional[BlockLayout] = None
     mods: Optional[Mods] = None   # score and mask modifications (cuflash.mods)
+    dropout_origin: Tuple[int, int] = (0, 0)   # the mask's (query, key) of the call's (0, 0)
 
     @property
     def dropout(self) -> bool:
@@ -275,7 +276,8 @@ class Options:
 
     def reference_kwargs(self) -> dict:
         return dict(bias=self.bias, mask=self.mask, window=self.window, dropout_p=self.dropout_p, seed=self.seed,
-                    block_layout=self.block_layout, score_mod=self.mods.score if self.mods else None,
+                    dropout_origin=(0,) + self.dropout_origin, block_layout=self.block_layout,
+                    score_mod=self.mods.score if self.mods else None,
                     mask_mod=self.mods.mask if self.mods else None)
 
 
@@ -333,8 +335,34 @@ def check_mods(p: Problem, score_mod=None, mask_mod=None) -> Optional[Mods]:
     return mods
 
 
+NO_ORIGIN = (0, 0)
+"""The default ``dropout_origin``: a call draws the dropout mask from its own (0, 0)."""
+
+
+def check_dropout_origin(origin, p: Problem) -> Tuple[int, int]:
+    """``dropout_origin``: two ints >= 0 (query, key) with the call's extent still inside the kernels' 32-bit
+    coordinates; on the GPU the key a multiple of 4 (a Philox draw covers four keys from one)."""
+    try:
+        parts = tuple(origin)
+    except TypeError:
+        parts = ()
+    if len(parts) != 2 or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in parts):
+        raise TypeError(f"dropout_origin must be a (query, key) pair of ints, got {origin!r}")
+    parts = tuple(int(x) for x in parts)
+    if min(parts) < 0:
+        raise ValueError(f"dropout_origin must be non-negative, got {parts}")
+    for x, extent, name in zip(parts, (p.lq, p.lk), ("query", "key")):
+        if x + extent > 2**31 - 1:
+            raise ValueError(f"dropout_origin's {name} {x} plus the call's {extent} passes 2**31 - 1")
+    if p.xp is not np and parts[1] % 4:
+        raise ValueError(f"on the GPU dropout_origin's key is a multiple of 4 (a Philox draw covers keys 4c..4c+3), "
+                         f"got {parts[1]}")
+    return parts
+
+
 def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.0, seed=None,
-                  block_layout=None, need_seed: bool = True, score_mod=None, mask_mod=None) -> Options:
+                  block_layout=None, need_seed: bool = True, score_mod=None, mask_mod=None,
+                  dropout_origin=NO_ORIGIN) -> Options:
     """Validate the masking options of a call (clear TypeError / ValueError, nothing launched)."""
     shape = _score_shape(p)
     if bias is not None:
@@ -365,8 +393,9 @@ def check_options(p: Problem, *, bias=None, mask=None, window=None, dropout_p=0.
         bq, bk = block_layout.block_size
         _broadcastable(block_layout.layout, p.lead + (p.heads_q, *block_layout.blocks(p.lq, p.lk)),
                        f"block_layout (blocks of {bq} x {bk})")
+    origin = NO_ORIGIN if dropout_origin is NO_ORIGIN else check_dropout_origin(dropout_origin, p)
     return Options(check_window(window), bias, mask, dropout_p, None if seed is None else int(seed), block_layout,
-                   check_mods(p, score_mod, mask_mod))
+                   check_mods(p, score_mod, mask_mod), origin)
 
 
 def draw_seed() -> int:
@@ -397,11 +426,11 @@ of the signature, so a call seen before is not validated again."""
 MAX_SIGNATURES = 512
 
 
-def _plain(causal, scale, bias, mask, window, dropout_p, seed, block_layout) -> bool:
+def _plain(causal, scale, bias, mask, window, dropout_p, seed, block_layout, dropout_origin=NO_ORIGIN) -> bool:
     """Whether a call's options can be part of a signature: no masking option, and causal / scale of
     types a key may hold as they are (True == 1 and 1.0 == 1 as dict keys)."""
     return (bias is None and mask is None and window is None and block_layout is None and seed is None
-            and type(dropout_p) is float and dropout_p == 0.0
+            and type(dropout_p) is float and dropout_p == 0.0 and dropout_origin is NO_ORIGIN
             and (type(causal) is bool or type(causal) is str) and (scale is None or type(scale) is float))
 
 
@@ -454,11 +483,11 @@ def check_num_splits(num_splits) -> None:
 
 def forward_call(q, k, v, *, causal=False, scale=None, bias=None, mask=None, window=None, dropout_p=0.0,
                  seed=None, block_layout=None, precision="highest", num_splits=None, score_mod=None,
-                 mask_mod=None) -> Call:
+                 mask_mod=None, dropout_origin=NO_ORIGIN) -> Call:
     """Validate a forward call (TypeError / ValueError before anything is launched)."""
     signature = None
     if score_mod is None and mask_mod is None and _plain(causal, scale, bias, mask, window, dropout_p, seed,
-                                                         block_layout) and (
+                                                         block_layout, dropout_origin) and (
             num_splits is None or type(num_splits) is int):
         arrays = _arrays_signature((q, k, v))
         if arrays is not None:
@@ -470,7 +499,8 @@ def forward_call(q, k, v, *, causal=False, scale=None, bias=None, mask=None, win
     check_num_splits(num_splits)
     p = check_qkv(q, k, v, causal=causal, scale=scale)
     opts = check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
-                         block_layout=block_layout, score_mod=score_mod, mask_mod=mask_mod)
+                         block_layout=block_layout, score_mod=score_mod, mask_mod=mask_mod,
+                         dropout_origin=dropout_origin)
     if signature is not None:
         _memo(signature, p)
     return Call(p, opts, signature)
@@ -478,13 +508,13 @@ def forward_call(q, k, v, *, causal=False, scale=None, bias=None, mask=None, win
 
 def backward_call(dout, q, k, v, out, lse, *, causal=False, scale=None, bias=None, mask=None, window=None,
                   dropout_p=0.0, seed=None, block_layout=None, precision="highest", score_mod=None,
-                  mask_mod=None) -> Call:
+                  mask_mod=None, dropout_origin=NO_ORIGIN) -> Call:
     """Validate a backward call; ``Call.backward_inputs`` holds dout and out as 4-D views and lse as
     (B, Hq, Lq) in the accumulator dtype. A scale of zero takes no signature (0.0 == -0.0 as dict
     keys, but the gradients, multiplied by it, carry its sign)."""
     signature = None
     if score_mod is None and mask_mod is None and _plain(causal, scale, bias, mask, window, dropout_p, seed,
-                                                         block_layout) and scale != 0.0:
+                                                         block_layout, dropout_origin) and scale != 0.0:
         arrays = _arrays_signature((q, k, v, dout, out))
         cupy = _cupy()
         if arrays is not None and type(lse) is cupy.ndarray and lse.ndim == 3:
@@ -497,7 +527,8 @@ def backward_call(dout, q, k, v, out, lse, *, causal=False, scale=None, bias=Non
     check_precision(precision)
     p = check_qkv(q, k, v, causal=causal, scale=scale)
     opts = check_options(p, bias=bias, mask=mask, window=window, dropout_p=dropout_p, seed=seed,
-                         block_layout=block_layout, score_mod=score_mod, mask_mod=mask_mod)
+                         block_layout=block_layout, score_mod=score_mod, mask_mod=mask_mod,
+                         dropout_origin=dropout_origin)
     if opts.mods is not None and not opts.mods.has_grad:
         missing = ", ".join(m.name for m in opts.mods.score if m.grad is None)
         raise ValueError(f"the backward needs each score modification's derivative: give grad=... to {missing}")

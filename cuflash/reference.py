@@ -455,12 +455,14 @@ def _naive(q, k, v, dout, causal, scale, bias, mask, dtype, absolute=False, wind
 
 def _dropout_arg(dropout_p, seed, origin=(0, 0, 0)):
     """(p, seed, origin) when dropout is on, else None. ``origin``: the (batch, query row, key) that
-    the first element of the scores has in the mask's coordinates."""
+    the first element of the scores has in the mask's coordinates; a (query row, key) pair is batch 0's
+    (cuflash.attention's ``dropout_origin``)."""
     if not dropout_p:
         return None
     if seed is None:
         raise ValueError("dropout_p > 0 needs the seed that drew the mask")
-    b0, r0, c0 = (int(x) for x in origin)
+    origin = tuple(origin)
+    b0, r0, c0 = (int(x) for x in ((0,) + origin if len(origin) == 2 else origin))
     if min(b0, r0, c0) < 0:
         raise ValueError(f"dropout_origin must be non-negative, got {origin}")
     return float(dropout_p), int(seed), (b0, r0, c0)
@@ -473,7 +475,8 @@ def _result_dtype(dtype):
 def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, scale: Optional[float] = None,
                     bias: Optional[Array] = None, mask: Optional[Array] = None,
                     dtype: Any = None, window=None, dropout_p: float = 0.0, seed: Optional[int] = None,
-                    block_layout=None, score_mod=None, mask_mod=None) -> Tuple[Array, Array]:
+                    block_layout=None, score_mod=None, mask_mod=None,
+                    dropout_origin: Tuple[int, int, int] = (0, 0, 0)) -> Tuple[Array, Array]:
     """Attention with the full score matrix materialised: ``softmax(scale q k^T + bias) v``.
 
     Parameters
@@ -494,6 +497,8 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         (shifted by the causal alignment; see :func:`band_limits`).
     dropout_p, seed : float, int
         Dropout after the softmax with the kernels' Philox mask (:func:`dropout_keep`).
+    dropout_origin : (batch, row, key) or (row, key)
+        The mask's coordinates of the scores' first element (:func:`attention_blocked`).
     block_layout : cuflash.BlockLayout, optional
         Blocks that are off attend nothing.
     score_mod, mask_mod : cuflash.ScoreMod / cuflash.MaskMod or sequences of them, optional
@@ -517,8 +522,8 @@ def attention_naive(q: Array, k: Array, v: Array, *, causal: Causal = False, sca
         Natural-log logsumexp of the allowed scores (-inf for rows with nothing).
     """
     out, lse, _, _, squeeze, _ = _naive(q, k, v, None, causal, scale, bias, mask, dtype, window=window,
-                                        dropout=_dropout_arg(dropout_p, seed), block_layout=block_layout,
-                                        mods=_mods(score_mod, mask_mod))
+                                        dropout=_dropout_arg(dropout_p, seed, dropout_origin),
+                                        block_layout=block_layout, mods=_mods(score_mod, mask_mod))
     res = _result_dtype(dtype)
     return _squeeze(squeeze, out.astype(res), lse.astype(res))
 
@@ -688,7 +693,7 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
                              scale: Optional[float] = None, bias: Optional[Array] = None,
                              mask: Optional[Array] = None, dtype: Any = None, window=None, dropout_p: float = 0.0,
                              seed: Optional[int] = None, block_layout=None, score_mod=None,
-                             mask_mod=None) -> Tuple[Array, ...]:
+                             mask_mod=None, dropout_origin: Tuple[int, int, int] = (0, 0, 0)) -> Tuple[Array, ...]:
     """Gradients of ``sum(dout * out)`` with the score matrix materialised.
 
     ``P = softmax(S)``, ``O = P V``, ``dV = P^T dO``, ``dP = dO V^T``,
@@ -700,7 +705,8 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
     ----------
     dout : array ``(..., Hq, Lq, Dv)``
         Gradient with respect to ``out``.
-    q, k, v, causal, scale, bias, mask, dtype, window, dropout_p, seed, block_layout, score_mod, mask_mod
+    q, k, v, causal, scale, bias, mask, dtype, window, dropout_p, seed, block_layout, score_mod, mask_mod,
+    dropout_origin
         As :func:`attention_naive` (``dtype`` emulates the same naive framework:
         every matmul result and n x n intermediate rounded to ``dtype``).
 
@@ -711,7 +717,8 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
     dbias : ``bias.shape``, only when ``bias`` is given. float64 (long double for "longdouble").
     """
     _, _, (dq, dk, dv, ds), group, squeeze, bias = _naive(q, k, v, dout, causal, scale, bias, mask, dtype,
-                                                          window=window, dropout=_dropout_arg(dropout_p, seed),
+                                                          window=window,
+                                                          dropout=_dropout_arg(dropout_p, seed, dropout_origin),
                                                           block_layout=block_layout, mods=_mods(score_mod, mask_mod))
     dbias = None if bias is None else _reduce_to(_squeeze(squeeze, ds)[0], bias.shape)
     res = _result_dtype(dtype)
@@ -721,7 +728,8 @@ def attention_backward_naive(dout: Array, q: Array, k: Array, v: Array, *, causa
 def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = None, *, causal: Causal = False,
                         scale: Optional[float] = None, bias: Optional[Array] = None,
                         mask: Optional[Array] = None, window=None, dropout_p: float = 0.0,
-                        seed: Optional[int] = None, block_layout=None, score_mod=None, mask_mod=None):
+                        seed: Optional[int] = None, block_layout=None, score_mod=None, mask_mod=None,
+                        dropout_origin: Tuple[int, int, int] = (0, 0, 0)):
     """The naive computation with every product over absolute values, in float64.
 
     ``|P| |V|`` for the output; ``|P|^T |dO|``, ``P (|dP| + |Dsum|)``, ``|dS| |K|``, ...
@@ -733,7 +741,7 @@ def attention_magnitude(q: Array, k: Array, v: Array, dout: Optional[Array] = No
     out magnitude, or ``(out, (dq, dk, dv[, dbias]))`` magnitudes when ``dout`` is given.
     """
     out, _, grads, group, squeeze, _ = _naive(q, k, v, dout, causal, scale, bias, mask, None, absolute=True,
-                                              window=window, dropout=_dropout_arg(dropout_p, seed),
+                                              window=window, dropout=_dropout_arg(dropout_p, seed, dropout_origin),
                                               block_layout=block_layout, mods=_mods(score_mod, mask_mod))
     (out,) = _squeeze(squeeze, out)
     if grads is None:

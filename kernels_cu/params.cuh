@@ -55,6 +55,10 @@ struct MaskParams {
     ScoreTensor layout;        // EXTRA: int8 BlockState per (query block, key block); null = all BLOCK_ALL
     unsigned drop_threshold;   // EXTRA: dropout drops an element iff its Philox word < drop_threshold; 0 = off
     unsigned seed_lo, seed_hi;
+    // EXTRA: the (row, key) the call's element (0, 0) has in the dropout mask's coordinates (a slice of a
+    // longer sequence, e.g. a ring step's block, draws its own part of the whole mask); drop_col0 % 4 == 0:
+    // a Philox draw's four keys stay one draw
+    int drop_row0, drop_col0;
     double keep_scale;         // 1 / (1 - dropout_p)
     const int* key_lengths;    // split-KV forwards (ScoreMod's PER_SEQ): each batch entry's key count; null = Lk
     // A paged KV cache (the 16-bit split forward, flash_fwd_mma's PER_SEQ path): key j of batch entry b

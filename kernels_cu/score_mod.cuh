@@ -258,15 +258,16 @@ struct ScoreMod {
         return x;
     }
 
-    // Dropout's verdict for one element: keep_scale if kept, 0 if dropped.
+    // Dropout's verdict for one element: keep_scale if kept, 0 if dropped. Rows and keys in the call's
+    // coordinates; the params' origin (drop_row0, drop_col0: a multiple of 4) moves them into the mask's.
     __device__ __forceinline__ A keep(int row, int col) const {
-        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row + m.drop_row0, col + m.drop_col0);
         return r.word(col & 3) >= m.drop_threshold ? A(m.keep_scale) : A(0);
     }
 
     // The verdicts of two neighbouring keys col, col + 1 (col even): one Philox draw.
     __device__ __forceinline__ void keep2(int row, int col, A& keep0, A& keep1) const {
-        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row + m.drop_row0, col + m.drop_col0);
         keep0 = r.word(col & 3) >= m.drop_threshold ? A(m.keep_scale) : A(0);
         keep1 = r.word((col & 3) + 1) >= m.drop_threshold ? A(m.keep_scale) : A(0);
     }
@@ -274,7 +275,7 @@ struct ScoreMod {
     // The verdicts of the four keys col .. col + 3 (col a multiple of 4) of one row, one
     // Philox draw: bit k set iff key col + k is kept (keep() of each, as bits).
     __device__ __forceinline__ unsigned keep4_bits(int row, int col) const {
-        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row, col);
+        const PhiloxWords r = dropout_words(m.seed_lo, m.seed_hi, batch, head, row + m.drop_row0, col + m.drop_col0);
         const unsigned t = m.drop_threshold;
         return unsigned(r.w0 >= t) | unsigned(r.w1 >= t) << 1 | unsigned(r.w2 >= t) << 2 | unsigned(r.w3 >= t) << 3;
     }

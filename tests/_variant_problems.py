@@ -82,11 +82,12 @@ class Problem:
 def variant_options(seed: int, lk: int = LK, bias: bool = True) -> dict:
     """The EXTRA problems' options for ``lk`` keys: a bias shared by the batch (its gradient
     crosses CTAs: atomics, or turns when deterministic; left out where ``bias`` is False),
-    key padding, and dropout."""
+    key padding, and dropout drawn at a mask origin (query, key) that varies with the seed."""
     rng = np.random.default_rng(seed)
     mask = np.ones((BATCH, 1, 1, lk), dtype=bool)
     mask[0, :, :, lk - 40:] = False          # batch 0: the last 40 keys are padding (a whole 32-key tile too)
-    options = dict(bias=rng.standard_normal((1, HEADS_Q, LQ, lk)), mask=mask, dropout_p=0.125, seed=seed)
+    options = dict(bias=rng.standard_normal((1, HEADS_Q, LQ, lk)), mask=mask, dropout_p=0.125, seed=seed,
+                   dropout_origin=(7 * (seed % 5), 4 * (seed % 7)))
     if not bias:
         del options["bias"]
     return options

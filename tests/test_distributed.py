@@ -52,6 +52,58 @@ def test_ring_equals_one_shot_attention(size, causal, layout):
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("causal, layout, window", [(False, "contiguous", None), (True, "zigzag", None),
+                                                    (True, "zigzag", (5, None)), (False, "zigzag", (3, 6))])
+def test_ring_with_dropout_drops_what_one_call_over_the_sequence_drops(size, causal, layout, window):
+    """Each block pair draws the whole sequence's mask at its global (query, key) origin: odd lengths put
+    key origins at every residue mod 4 (a Philox draw covers four keys)."""
+    q, k, v, dout = _full(length=37 if size != 4 else 43)
+    opts = dict(causal=causal, window=window, dropout_p=0.3, seed=2024)
+    want_out, want_lse = cuflash.attention_forward(q, k, v, **opts)
+    want_grads = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, **opts)
+
+    def rank_work(comm):
+        mine = [dist.shard(x, comm.rank, comm.size, layout) for x in (q, k, v, dout)]
+        out, vjp_fn = dist.ring_vjp(*mine[:3], comm, layout=layout, **opts)
+        return out, vjp_fn(mine[3])
+
+    results = dist.ThreadRing.run(rank_work, dist.ThreadRing.create(size))
+    np.testing.assert_allclose(dist.unshard([r[0] for r in results], layout), want_out, rtol=1e-12, atol=1e-13)
+    for i, want in enumerate(want_grads):
+        got = dist.unshard([r[1][i] for r in results], layout)
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+    plain = cuflash.attention(q, k, v, causal=causal, window=window)
+    assert np.abs(want_out - plain).max() > 0.1   # the mask dropped something
+
+
+def test_ring_vjp_agrees_on_a_drawn_seed_and_keeps_it():
+    q, k, v, dout = _full(length=37)
+
+    def rank_work(comm):
+        mine = [dist.shard(x, comm.rank, comm.size, "zigzag") for x in (q, k, v, dout)]
+        out, vjp_fn = dist.ring_vjp(*mine[:3], comm, causal=True, dropout_p=0.2)
+        return vjp_fn.seed, out, vjp_fn(mine[3])
+
+    results = dist.ThreadRing.run(rank_work, dist.ThreadRing.create(3))
+    seed = results[0][0]
+    assert isinstance(seed, int) and all(r[0] == seed for r in results)
+    want = cuflash.attention(q, k, v, causal=True, dropout_p=0.2, seed=seed)
+    np.testing.assert_allclose(dist.unshard([r[1] for r in results], "zigzag"), want, rtol=1e-12, atol=1e-13)
+
+
+def test_ranks_with_different_dropout_seeds_are_refused():
+    q, k, v, _ = _full(length=32)
+
+    def rank_work(comm):
+        mine = [dist.shard(x, comm.rank, comm.size, "zigzag") for x in (q, k, v)]
+        with pytest.raises(ValueError, match="differ"):
+            dist.ring_attention(*mine, comm, causal=True, dropout_p=0.1, seed=comm.rank)
+        return True
+
+    assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
+
+
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag"), (False, "zigzag")])
 @pytest.mark.parametrize("window", [(3, 5), (0, 0), (None, 4), (6, None), (0, None), (40, 40)])
@@ -77,8 +129,8 @@ def test_block_pairs_cut_to_the_band():
     # window (2, 3): queries 0..9 reach keys up to 12, none of 20..29
     assert list(dist._block_pairs([(0, 10)], [(20, 30)], False, (2, 3))) == []
     # keys 10..19: only queries 7..9 see any (keys 10..12); the slices' own band gives the same mask
-    (q_sl, k_sl, band), = dist._block_pairs([(0, 10)], [(10, 20)], False, (2, 3))
-    assert (q_sl, k_sl) == (slice(7, 10), slice(0, 3))
+    (q_sl, k_sl, band, q0, k0), = dist._block_pairs([(0, 10)], [(10, 20)], False, (2, 3))
+    assert (q_sl, k_sl, q0, k0) == (slice(7, 10), slice(0, 3), 7, 10)   # q0, k0: global positions
     i, j = np.arange(7, 10)[:, None], np.arange(10, 13)[None, :]
     want = (j >= i - 2) & (j <= i + 3)
     li, lj = np.arange(3)[:, None], np.arange(3)[None, :]

@@ -2,7 +2,8 @@
 process a GPU started by cuflash.distributed.launch, every case of CASES in one launch; and the same cases
 with two ranks as threads of one process on one GPU. The result and the gradients of each within the
 dtype's error budget against the exact reference of the whole sequence (_errors.py), as one GPU's are: every dtype, causal (zigzag and contiguous) and not, sliding
-windows, GQA, odd lengths, head dims 64 and 128 (the 16-bit Hopper forward's float32-output twin)."""
+windows, GQA, odd lengths, head dims 64 and 128 (the 16-bit Hopper forward's float32-output twin), dropout drawn at
+global positions (the whole sequence's mask)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,16 +16,28 @@ pytestmark = pytest.mark.gpu
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 RANKS = 2
 
-# (dtype, causal, layout, window, length, head dim)
-CASES = [(dtype, causal, layout, None, 515 if dtype == "float64" else 2001, 64)   # (float64's reference: long double)
+# (dtype, causal, layout, window, length, head dim, dropout_p)
+# (float64's reference is long double: shorter)
+CASES = [(dtype, causal, layout, None, 515 if dtype == "float64" else 2001, 64, 0.0)
          for dtype in DTYPES for causal, layout in ((True, "zigzag"), (False, "contiguous"))]
-CASES += [("bfloat16", True, "zigzag", None, 4099, 128), ("float16", False, "contiguous", None, 2048, 128),
-          ("bfloat16", True, "contiguous", None, 2001, 64), ("bfloat16", True, "zigzag", (300, None), 2001, 64),
-          ("float16", False, "contiguous", (200, 150), 2001, 128), ("float32", True, "zigzag", (500, None), 2001, 64)]
+CASES += [("bfloat16", True, "zigzag", None, 4099, 128, 0.0), ("float16", False, "contiguous", None, 2048, 128, 0.0),
+          ("bfloat16", True, "contiguous", None, 2001, 64, 0.0),
+          ("bfloat16", True, "zigzag", (300, None), 2001, 64, 0.0),
+          ("float16", False, "contiguous", (200, 150), 2001, 128, 0.0),
+          ("float32", True, "zigzag", (500, None), 2001, 64, 0.0),
+          ("bfloat16", True, "zigzag", None, 2001, 128, 0.1), ("float32", False, "contiguous", None, 2001, 64, 0.1),
+          ("float64", True, "zigzag", (100, None), 515, 64, 0.2)]
 
 
 def _ids():
-    return [f"{d}-{'causal' if c else 'full'}-{lay}-w{w}-L{n}-d{h}" for d, c, lay, w, n, h in CASES]
+    return [f"{d}-{'causal' if c else 'full'}-{lay}-w{w}-L{n}-d{h}" + (f"-drop{p}" if p else "")
+            for d, c, lay, w, n, h, p in CASES]
+
+
+def _dropout(index):
+    """Case ``index``'s dropout options (one seed for every rank and the reference)."""
+    p = CASES[index][6]
+    return dict(dropout_p=p, seed=1000 + index) if p else {}
 
 
 def _gpus() -> int:
@@ -35,20 +48,20 @@ def _gpus() -> int:
 
 
 def _inputs(index):
-    dtype, _, _, _, length, d = CASES[index]
+    dtype, _, _, _, length, d, _ = CASES[index]
     rng = np.random.default_rng(index)
     shapes = ((1, 8, length, d), (1, 2, length, d), (1, 2, length, d), (1, 8, length, d))   # GQA: 8 / 2 heads
     return [rng.standard_normal(s).astype(DTYPES[dtype]) for s in shapes]
 
 
-def _ring_rank(comm, cases, inputs):
+def _ring_rank(comm, cases, inputs, dropouts):
     """One rank's ring forward and backward of every case (its slices of the whole inputs)."""
     from cuflash import distributed as dist
 
     results = []
-    for (dtype, causal, layout, window, _, _), arrays in zip(cases, inputs):
+    for (dtype, causal, layout, window, _, _, _), arrays, drop in zip(cases, inputs, dropouts):
         q, k, v, dout = (cp.asarray(dist.shard(x, comm.rank, comm.size, layout)) for x in arrays)
-        out, vjp_fn = dist.ring_vjp(q, k, v, comm, causal=causal, layout=layout, window=window)
+        out, vjp_fn = dist.ring_vjp(q, k, v, comm, causal=causal, layout=layout, window=window, **drop)
         results.append([out, *vjp_fn(dout)])
     return results
 
@@ -60,7 +73,8 @@ def ring_results():
     from cuflash import distributed as dist
 
     inputs = [_inputs(i) for i in range(len(CASES))]
-    return inputs, dist.launch(_ring_rank, RANKS, args=(CASES, inputs), timeout=900)
+    dropouts = [_dropout(i) for i in range(len(CASES))]
+    return inputs, dist.launch(_ring_rank, RANKS, args=(CASES, inputs, dropouts), timeout=900)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=_ids())
@@ -78,7 +92,7 @@ def test_two_thread_ranks_on_one_gpu_within_the_error_budget(index):
     from cuflash import distributed as dist
 
     arrays = _inputs(index)
-    results = dist.ThreadRing.run(lambda comm: _ring_rank(comm, [CASES[index]], [arrays])[0],
+    results = dist.ThreadRing.run(lambda comm: _ring_rank(comm, [CASES[index]], [arrays], [_dropout(index)])[0],
                                   dist.ThreadRing.create(RANKS))
     _check_case(index, arrays, [dist._on_host(r) for r in results])
 
@@ -87,12 +101,12 @@ def _check_case(index, arrays, rank_results):
     """Case ``index``'s ring result (``rank_results[r]``: rank r's out, dq, dk, dv) within the error budget."""
     from cuflash import distributed as dist
 
-    dtype, causal, layout, window, _, d = CASES[index]
+    dtype, causal, layout, window, _, d, _ = CASES[index]
     q, k, v, do = (x.astype(np.float64) for x in arrays)
     got = [dist.unshard([rank_results[r][i] for r in range(RANKS)], layout) for i in range(4)]
     for g, x in zip(got, (q, q, k, v)):
         assert g.dtype == np.dtype(DTYPES[dtype]) and g.shape == x.shape
-    opts = dict(causal=causal, scale=1 / np.sqrt(d), window=window)
+    opts = dict(causal=causal, scale=1 / np.sqrt(d), window=window, **_dropout(index))
     ref_out, ref = exact(q, k, v, do, dtype=dtype, **opts)
     naive_out, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)
     mag_out, mag = magnitude(q, k, v, do, **opts)

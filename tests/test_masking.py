@@ -227,6 +227,26 @@ def test_dropout_same_seed_same_result_and_vjp_keeps_it():
         np.testing.assert_allclose(g, r, atol=1e-11)
 
 
+def test_dropout_origin_places_a_slice_in_the_whole_calls_mask():
+    """Rows are independent: a call on queries r0.. with dropout_origin (r0, 0) gives exactly the whole
+    call's rows there, gradients too; a key origin moves the mask along the keys."""
+    q, k, v, do = _qkv(b=2, lq=21, lk=27)
+    opts = dict(dropout_p=0.4, seed=77)
+    whole = cuflash.attention(q, k, v, **opts)
+    np.testing.assert_array_equal(cuflash.attention(q[:, :, 5:], k, v, dropout_origin=(5, 0), **opts),
+                                  whole[:, :, 5:])
+    out, lse = cuflash.attention_forward(q, k, v, **opts)
+    dq = cuflash.attention_backward(do, q, k, v, out, lse, **opts)[0]
+    out_p, lse_p = cuflash.attention_forward(q[:, :, 5:], k, v, dropout_origin=(5, 0), **opts)
+    dq_p = cuflash.attention_backward(do[:, :, 5:], q[:, :, 5:], k, v, out_p, lse_p, dropout_origin=(5, 0),
+                                      **opts)[0]
+    np.testing.assert_allclose(dq_p, dq[:, :, 5:], rtol=1e-12, atol=1e-13)
+    shifted = cuflash.attention(q, k[..., 3:, :], v[..., 3:, :], dropout_origin=(0, 3), **opts)
+    ref = reference.attention_naive(q, k[..., 3:, :], v[..., 3:, :], dropout_origin=(0, 0, 3), **opts)[0]
+    np.testing.assert_allclose(shifted, ref, atol=1e-12)
+    assert not np.allclose(shifted, cuflash.attention(q, k[..., 3:, :], v[..., 3:, :], **opts))
+
+
 def test_window_equals_the_banded_mask():
     q, k, v, _ = _qkv(lq=30, lk=30)
     i, j = np.arange(30)[:, None], np.arange(30)[None, :]
@@ -270,6 +290,11 @@ def test_mask_summary_states():
     ({"mask": np.zeros((21, 27))}, TypeError, "bool"), ({"mask": np.ones((21, 5), bool)}, ValueError, "broadcast"),
     ({"dropout_p": 1.0, "seed": 1}, ValueError, "dropout_p"), ({"dropout_p": -0.1, "seed": 1}, ValueError, "dropout_p"),
     ({"dropout_p": 0.1, "seed": -1}, ValueError, "seed"), ({"dropout_p": 0.1, "seed": 2**64}, ValueError, "seed"),
+    ({"dropout_p": 0.1, "seed": 1, "dropout_origin": (0, 1, 2)}, TypeError, "dropout_origin"),
+    ({"dropout_p": 0.1, "seed": 1, "dropout_origin": (1.0, 2)}, TypeError, "dropout_origin"),
+    ({"dropout_p": 0.1, "seed": 1, "dropout_origin": 3}, TypeError, "dropout_origin"),
+    ({"dropout_p": 0.1, "seed": 1, "dropout_origin": (-1, 2)}, ValueError, "dropout_origin"),
+    ({"dropout_p": 0.1, "seed": 1, "dropout_origin": (0, 2**31 - 10)}, ValueError, "2\\*\\*31"),
     ({"block_layout": np.ones((2, 2), bool)}, TypeError, "BlockLayout"),
     ({"block_layout": cuflash.BlockLayout(np.ones((3, 3), bool), 16)}, ValueError, "block_layout"),
 ])

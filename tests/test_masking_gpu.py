@@ -179,6 +179,25 @@ def test_dropout_is_unbiased_in_expectation():
     assert bool((a == cuflash.attention(q, k, v, dropout_p=0.5, seed=9)).all())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_dropout_origin_draws_the_whole_calls_mask(dtype):
+    """A call on queries 40.. and keys 8.. with dropout_origin (40, 8) drops what the call over everything
+    drops there (against the reference at that origin, and the rows of a query slice against the whole
+    call's); a key origin that is not a multiple of 4 is refused before any launch."""
+    opts = dict(dropout_p=0.3, seed=11)
+    check_masked(dtype, B, HQ, HK, LQ - 40, LK - 8, 64, 64, False, 5, dict(opts, dropout_origin=(40, 8)))
+    rng = np.random.default_rng(2)
+    q, k, v = (cp.asarray(rng.standard_normal(s).astype(DTYPES[dtype]))
+               for s in ((B, HQ, LQ, 64), (B, HK, LK, 64), (B, HK, LK, 64)))
+    whole = cuflash.attention(q, k, v, causal=True, **opts).astype(cp.float64)
+    rows = cuflash.attention(q[:, :, 40:], k, v, window=(None, 40), dropout_origin=(40, 0),   # j <= 40 + i
+                             **opts).astype(cp.float64)
+    tol = {"bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    assert float(cp.abs(rows - whole[:, :, 40:]).max()) < tol * (1 + float(cp.abs(whole).max()))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cuflash.attention(q, k, v, dropout_origin=(0, 3), **opts)
+
+
 def test_float64_dbias_finite_differences():
     rng = np.random.default_rng(1)
     q, k, v, do = (cp.asarray(rng.standard_normal(s)) for s in ((2, 2, 33, 16), (2, 1, 41, 16), (2, 1, 41, 16),

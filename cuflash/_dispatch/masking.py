@@ -197,7 +197,9 @@ def kernel_masking(p: Problem, opts: Options, param_grads: bool = False) -> Kern
     values = {"band_lo": lo, "band_hi": hi, "block_q": block[0], "block_k": block[1], "bias": bias_view,
               "mask": mask_view, "layout": lay_view,
               "drop_threshold": dropout_threshold(opts.dropout_p) if opts.dropout else 0,
-              "seed_lo": seed_lo, "seed_hi": seed_hi, "keep_scale": 1.0 / (1.0 - opts.dropout_p), "key_lengths": 0,
+              "seed_lo": seed_lo, "seed_hi": seed_hi, "drop_row0": opts.dropout_origin[0],
+              "drop_col0": opts.dropout_origin[1],
+              "keep_scale": 1.0 / (1.0 - opts.dropout_p), "key_lengths": 0,
               "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
               "band_from_end": 0, "band_period": 0, "mod_args": words}
     return KernelMasking(band, opts.extra, values, tuple(keep), chunks, tuple(grads))

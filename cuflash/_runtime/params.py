@@ -23,7 +23,8 @@ _SCORE = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride
                    ("row_stride", np.int64), ("col_stride", np.int64)], align=True)
 _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.int32), ("block_k", np.int32),
                   ("bias", _SCORE), ("mask", _SCORE), ("layout", _SCORE), ("drop_threshold", np.uint32),
-                  ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("keep_scale", np.float64),
+                  ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("drop_row0", np.int32), ("drop_col0", np.int32),
+                  ("keep_scale", np.float64),
                   ("key_lengths", np.uint64), ("page_table", np.uint64), ("page_size", np.int32),
                   ("pages_per_seq", np.int32), ("num_pages", np.int32), ("packed_blocks", np.uint64),
                   ("band_from_end", np.int32), ("band_period", np.int32), ("mod_args", np.uint64, (16,))],
@@ -179,7 +180,8 @@ def view(x: Any) -> dict:
 
 
 MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_SCORE, "mask": NO_SCORE,
-            "layout": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "keep_scale": 1.0, "key_lengths": 0,
+            "layout": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "drop_row0": 0, "drop_col0": 0,
+            "keep_scale": 1.0, "key_lengths": 0,
             "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
             "band_from_end": 0, "band_period": 0, "mod_args": [0] * 16}
 """MaskParams with every piece off (kernels compiled without BAND / EXTRA ignore it)."""
