@@ -206,3 +206,34 @@ def test_the_thread_ring_checks_what_arrives_against_the_expected_shapes():
 
     assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
 
+
+
+@pytest.mark.parametrize("size, layout", [(2, "zigzag"), (3, "zigzag"), (4, "contiguous"), (3, "contiguous")])
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (5, None)), (False, (3, 6)),
+                                            (False, (0, 9)), (True, (13, None))])
+def test_dropout_step_calls_cover_each_visible_pair_once_from_aligned_keys(size, layout, causal, window):
+    """Under dropout the kernels take each pair's keys from a multiple of 4 and cuflash.reference at most 3
+    keys before it; together the calls attend each visible (query, key) of the sequence exactly once."""
+    length = 53
+    left, right = window if window is not None else (None, None)
+    right = 0 if causal else right
+    q_pos, k_pos = np.arange(length)[:, None], np.arange(length)[None, :]
+    visible = np.ones((length, length), bool)
+    if left is not None:
+        visible &= k_pos >= q_pos - left
+    if right is not None:
+        visible &= k_pos <= q_pos + right
+    seen = np.zeros((length, length), int)
+    spans = dist.segments(length, size, layout)
+    for mine in spans:
+        for theirs in spans:
+            for on_kernels, q_sl, k_sl, band, q0, k0 in dist._step_calls(mine, theirs, causal, window, True):
+                assert k0 % 4 == 0 if on_kernels else k_sl.stop - k_sl.start <= 3
+                rows = np.arange(q_sl.stop - q_sl.start)[:, None]
+                cols = np.arange(k_sl.stop - k_sl.start)[None, :]
+                local = np.ones((rows.size, cols.size), bool)
+                if band is not None:
+                    local &= (cols >= rows - (band[0] if band[0] is not None else rows.size + cols.size))
+                    local &= (cols <= rows + (band[1] if band[1] is not None else rows.size + cols.size))
+                seen[q0:q0 + rows.size, k0:k0 + cols.size] += local
+    np.testing.assert_array_equal(seen, visible.astype(int))
