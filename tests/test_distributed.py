@@ -153,4 +153,3 @@ def test_the_thread_ring_checks_what_arrives_against_the_expected_shapes():
         return True
 
     assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
-
