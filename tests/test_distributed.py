@@ -207,7 +207,6 @@ def test_the_thread_ring_checks_what_arrives_against_the_expected_shapes():
     assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
 
 
-
 @pytest.mark.parametrize("size, layout", [(2, "zigzag"), (3, "zigzag"), (4, "contiguous"), (3, "contiguous")])
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (5, None)), (False, (3, 6)),
                                             (False, (0, 9)), (True, (13, None))])
