@@ -108,7 +108,7 @@ def main(argv=None) -> None:
         opts = {}
         if masked:   # every EXTRA piece at once; the bias is shared by the batch (dbias atomics or turns)
             opts = dict(bias=cp.asarray(rng.standard_normal((1, 2, lq, lk)).astype(DTYPES[dtype])),
-                        mask=cp.asarray(mask), window=(60, 20), dropout_p=0.2, seed=11,
+                        mask=cp.asarray(mask), window=(60, 20), dropout_p=0.2, seed=11, dropout_origin=(5, 12),
                         block_layout=cuflash.BlockLayout.from_rule(lq, lk, 32, local=1, global_blocks=1))
         out, lse = cuflash.attention_forward(q, k, v, causal=causal, **opts)
         grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det, **opts)
