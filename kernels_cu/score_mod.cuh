@@ -64,7 +64,6 @@ __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b :
 // ends at its own last key. A packed sequence's block brings its own counts (the PackedBlock constructor).
 template <typename Flags, typename A, typename T = A, bool PER_SEQ = false>
 struct ScoreMod {
-    static constexpr bool BAND = Flags::BAND, EXTRA = Flags::EXTRA;
     int lq, lk;
     A scale_log2;
     int batch, head;   // whose scores these are (bias, mask, layout and dropout read them)
@@ -286,34 +285,23 @@ struct ScoreMod {
 // query block sees some key of the block, in order (query_tiles; or the given range of blocks, the
 // portable kernels' ordered dbias turns, which walk every block). The Hopper kernel's producer and
 // consumers walk the same list; the portable kernels walk it with a StepCursor.
-//
-// Without a band or EXTRA every key block walks every query block: block i's walk starts at its own
-// query block (n0 / BM, wrapped) as a causal walk does, so that the CTAs running together add their
-// dQ into different tiles rather than all into one (and read Q / dO a step apart, from L2). With EXTRA
-// the walk keeps its order (the ordered dbias turns, the bias loaders' running pointer).
 template <int BM>
 struct KeyBlockSteps {
     int first_head, begin, m_blocks, count;
-    int rotation = 0;   // the walk's first block index
 
     __device__ __forceinline__ KeyBlockSteps(const TileRange& queries, const KeyBlock& blk)
         : first_head(blk.first_head), begin(queries.begin), m_blocks(imax(0, queries.end - queries.begin)),
           count((blk.end_head - blk.first_head) * m_blocks) {}
     template <typename Mod>
     __device__ __forceinline__ KeyBlockSteps(const Mod& mod, const KeyBlock& blk)
-        : KeyBlockSteps(mod.query_tiles(blk.n0, blk.keys, BM), blk) {
-        if constexpr (!Mod::BAND && !Mod::EXTRA) rotation = m_blocks > 0 ? (blk.n0 / BM) % m_blocks : 0;
-    }
+        : KeyBlockSteps(mod.query_tiles(blk.n0, blk.keys, BM), blk) {}
     // The step after (head, block): the next query block, or the next head's first one. Counted
     // along rather than divided out of the step index (that cost the d=64 band consumer a spill,
     // and the portable kernels two integer divisions a step).
     __device__ __forceinline__ void advance(int& head, int& block) const {
         if (++block == m_blocks) block = 0, ++head;
     }
-    __device__ __forceinline__ int m0(int block) const {
-        const int turned = block + rotation;
-        return (begin + (turned >= m_blocks ? turned - m_blocks : turned)) * BM;
-    }
+    __device__ __forceinline__ int m0(int block) const { return (begin + block) * BM; }
     // EXTRA: whether the step at query block m0 of head mod.head sees none of the block's keys (a block
     // layout's TILE_SKIP). The Hopper kernel's consumers ask (its producer threads, 40 registers, which
     // classify's layout walk overflowed, load every step; the consumers give a hidden step's stage
