@@ -48,7 +48,8 @@ add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registe
 # Split-KV partial kernel (fwd_mma with KV_SPLIT, no EXTRA): a decoding call's rows are few (packed GQA: Lq x the
 # query heads of a K/V head), so a CTA's padded rows cost tensor-core time per key byte: one 16-row strip a warp
 # (64 rows) halves it against the prefill tiles' 128 and leaves K/V streaming the bound on paper (H200: ~2.3 of
-# ~4.5 TFLOP/s a SM at full HBM bandwidth, d=128). Not yet measured: benchmarks/bench_decode.py.
+# ~4.5 TFLOP/s a SM at full HBM bandwidth, d=128): 47-87% of the H200 HBM peak from 32768 keys, 16 query rows x 4
+# heads (benchmarks/bench_decode.py).
 add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 128, 4, 2, "one strip a warp: half the padded rows of 128x128"),
     split=True)
 add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: two CTAs an SM stream K/V", ctas=2),
@@ -59,7 +60,7 @@ add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: t
 # rows (benchmarks/bench_decode.py, benchmarks/stream_layout.py).
 add("fwd_decode", HALF_TYPES, [64], Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)",
                                          ctas=2), split=True)
-# float32 (3xTF32, rows padded by 4 floats): 16 keys a warp; not yet measured (benchmarks/bench_decode.py).
+# float32 (3xTF32, rows padded by 4 floats): 16 keys a warp; 61-63% of the H200 HBM peak at d=128 (bench_decode.py).
 add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: two CTAs an SM", ctas=2), split=True)
 add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"), split=True)
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)",
@@ -198,7 +199,7 @@ add("fwd_dmma", ["float64"], [128], Tile(128, 16, 8, 2, "mma.m16n8k16 (full-rate
                                           wide_k=16), arch="sm90")
 # Split twins for float64 decoding calls (a few packed query rows over many keys): 16-row tiles of two warps, where
 # the prefill tiles' 64 / 128 rows (for 4 useful ones) kept float64 decoding at 15-21% of the H200's HBM peak,
-# bound by padded fp64 MMAs; not yet measured (benchmarks/bench_decode.py's float64 rows).
+# bound by padded fp64 MMAs; these reach 31-35% at d=128 (benchmarks/bench_decode.py).
 add("fwd_dmma", ["float64"], [64], Tile(16, 32, 2, 2, "16 rows, 32-key tiles, 77 KB: two CTAs an SM",
                                         split_only=True), split=True)
 add("fwd_dmma", ["float64"], [128], Tile(16, 32, 2, 2, "16 rows, 32-key tiles, 151 KB", split_only=True),
