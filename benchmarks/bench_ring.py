@@ -2,9 +2,9 @@
 one host (needs N GPUs; one process a GPU, NCCL through CuPy).
 
     PYTHONPATH=. python benchmarks/bench_ring.py [--gpus 2] [--lengths 131072,262144,524288,1048576] [--dtype bfloat16]
-        [--heads 16] [--head-dim 128] [--repeat 3] [--long-from 524288] [--out DIR]
+        [--heads 16] [--head-dim 128] [--repeat 3] [--long-from 524288] [--causal-layouts zigzag,striped] [--out DIR]
 
-For each length, causal (zigzag) and not (contiguous): the median time of the forward and of the
+For each length, causal (each of --causal-layouts) and not (contiguous): the median time of the forward and of the
 forward+backward on 1 GPU (cuflash.attention_forward / attention_backward) and on N (the ring, every
 rank timed with CUDA events, the slowest rank's time), the speed-up and the scaling efficiency
 (1-GPU time / (N x N-GPU time)). Writes JSON and Markdown named by the device.
@@ -69,8 +69,7 @@ def _rank(comm, rows, heads, d, dtype):
     from cuflash import distributed as dist
 
     times = []
-    for length, causal, repeat, warm in rows:
-        layout = "zigzag" if causal else "contiguous"
+    for length, causal, layout, repeat, warm in rows:
         q, k, v, do = (cp.ascontiguousarray(dist.shard(x, comm.rank, comm.size, layout))
                        for x in _inputs(length, heads, d, dtype))
         cp.get_default_memory_pool().free_all_blocks()   # the whole sequence's inputs, made to be sharded
@@ -82,17 +81,18 @@ def _rank(comm, rows, heads, d, dtype):
 
         times.append((fwd, _timed(both, repeat, warm)))
         if comm.rank == 0:
-            print(f"rank 0: L={length} causal={causal} fwd {times[-1][0]:.2f} ms fwd+bwd {times[-1][1]:.2f} ms", flush=True)
+            print(f"rank 0: L={length} causal={causal} {layout} fwd {times[-1][0]:.2f} ms fwd+bwd {times[-1][1]:.2f} ms", flush=True)
         q = k = v = do = None   # freed before the next length's inputs
         cp.get_default_memory_pool().free_all_blocks()
     return times
 
 
-def _plan(lengths, repeat, long_from):
-    """(length, causal, repeat, warm) rows: each mode warmed up at the first length only (the kernels are the
-    same at every length), one timed call from ``long_from`` tokens on."""
-    return [(n, causal, repeat if n < long_from else 1, i == 0)
-            for i, n in enumerate(lengths) for causal in (True, False)]
+def _plan(lengths, repeat, long_from, causal_layouts=("zigzag",)):
+    """(length, causal, layout, repeat, warm) rows: each mode warmed up at the first length only (the kernels
+    are the same at every length), one timed call from ``long_from`` tokens on."""
+    modes = [(True, layout) for layout in causal_layouts] + [(False, "contiguous")]
+    return [(n, causal, layout, repeat if n < long_from else 1, i == 0)
+            for i, n in enumerate(lengths) for causal, layout in modes]
 
 
 def main(argv=None) -> int:
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--long-from", type=int, default=524288,
                         help="lengths from here on are timed once (seconds a call)")
+    parser.add_argument("--causal-layouts", default="zigzag",
+                        help="the ring's layouts for the causal rows, comma-separated (zigzag, striped, contiguous)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import cupy as cp
@@ -116,31 +118,35 @@ def main(argv=None) -> int:
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     from cuflash import distributed as dist
 
-    plan = _plan([int(x) for x in args.lengths.split(",")], args.repeat, args.long_from)
-    ones = []
-    for n, causal, repeat, warm in plan:
-        ones.append(one_gpu(n, args.heads, args.head_dim, args.dtype, causal, repeat, warm))
-        print(f"1 GPU: L={n} causal={causal} fwd {ones[-1][0]:.2f} ms fwd+bwd {ones[-1][1]:.2f} ms", flush=True)
+    plan = _plan([int(x) for x in args.lengths.split(",")], args.repeat, args.long_from,
+                 args.causal_layouts.split(","))
+    single = {}   # one GPU's times a (length, causal), shared by the layouts
+    for n, causal, _, repeat, warm in plan:
+        if (n, causal) not in single:
+            single[n, causal] = one_gpu(n, args.heads, args.head_dim, args.dtype, causal, repeat, warm)
+            print(f"1 GPU: L={n} causal={causal} fwd {single[n, causal][0]:.2f} ms "
+                  f"fwd+bwd {single[n, causal][1]:.2f} ms", flush=True)
+    ones = [single[n, causal] for n, causal, *_ in plan]
     cp.get_default_memory_pool().free_all_blocks()   # GPU 0 is rank 0's too
     per_rank = dist.launch(_rank, args.gpus, args=(plan, args.heads, args.head_dim, args.dtype))
     rows = []
-    for (length, causal, repeat, _), (f1, b1), *ranks in zip(plan, ones, *per_rank):
+    for (length, causal, layout, repeat, _), (f1, b1), *ranks in zip(plan, ones, *per_rank):
         fn, bn = max(t[0] for t in ranks), max(t[1] for t in ranks)   # the slowest rank's
-        row = {"L": length, "causal": causal, "layout": "zigzag" if causal else "contiguous", "gpus": args.gpus,
+        row = {"L": length, "causal": causal, "layout": layout, "gpus": args.gpus,
                "dtype": args.dtype, "H": args.heads, "D": args.head_dim, "repeat": repeat, "fwd_1gpu_ms": f1,
                "fwd_ngpu_ms": fn, "fwdbwd_1gpu_ms": b1, "fwdbwd_ngpu_ms": bn, "fwd_efficiency": f1 / (args.gpus * fn),
                "fwdbwd_efficiency": b1 / (args.gpus * bn)}
         rows.append(row)
-        print(f"L={length:8d} causal={causal!s:5} fwd {f1:9.2f} -> {fn:9.2f} ms ({row['fwd_efficiency']:.0%}) "
+        print(f"L={length:8d} causal={causal!s:5} {layout:10} fwd {f1:9.2f} -> {fn:9.2f} ms ({row['fwd_efficiency']:.0%}) "
               f"fwd+bwd {b1:9.2f} -> {bn:9.2f} ms ({row['fwdbwd_efficiency']:.0%})", flush=True)
     out = Path(args.out or f"cuflash-ring-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     stem = f"ring-{args.gpus}x-" + device.replace(" ", "_")
     (out / f"{stem}.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
     lines = [f"# Ring attention on {args.gpus} x {device}", "",
-             "| L | causal | fwd 1 GPU ms | fwd N GPUs ms | efficiency | fwd+bwd 1 GPU ms | fwd+bwd N GPUs ms | efficiency |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['L']} | {r['causal']} | {r['fwd_1gpu_ms']:.2f} | {r['fwd_ngpu_ms']:.2f} | {r['fwd_efficiency']:.0%} | "
+             "| L | causal | layout | fwd 1 GPU ms | fwd N GPUs ms | efficiency | fwd+bwd 1 GPU ms | fwd+bwd N GPUs ms "
+             "| efficiency |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['L']} | {r['causal']} | {r['layout']} | {r['fwd_1gpu_ms']:.2f} | {r['fwd_ngpu_ms']:.2f} | {r['fwd_efficiency']:.0%} | "
               f"{r['fwdbwd_1gpu_ms']:.2f} | {r['fwdbwd_ngpu_ms']:.2f} | {r['fwdbwd_efficiency']:.0%} |" for r in rows]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return 0

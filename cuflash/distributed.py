@@ -1,8 +1,10 @@
 """Ring attention (context parallelism): one sequence sharded over the ranks of a ring, exact.
 
 Each rank holds a slice of the sequence's queries, keys and values (its *segments*: one contiguous
-piece, or with ``layout="zigzag"`` two pieces, chunk ``r`` and chunk ``2 n - 1 - r`` of ``2 n``, which
-balances a causal mask's work over the ``n`` ranks). Keys and values travel around the ring; at each
+piece; with ``layout="zigzag"`` two pieces, chunk ``r`` and chunk ``2 n - 1 - r`` of ``2 n``; with
+``layout="striped"`` every ``n``-th position from ``r``). Zigzag and striped balance a causal mask's work over
+the ``n`` ranks: under striped each step is one causal call of the two slices (the diagonal kept when the keys
+come from a rank at or below this one), under zigzag six of its ten block pairs are calls without a mask. Keys and values travel around the ring; at each
 step a rank attends its queries to the block it holds, in the accumulator precision, and merges the
 partial result by its log-sum-exp (:func:`cuflash.merge_attention`'s rule), while the next block is
 already in flight. The backward sends the keys and values around again with their dK / dV
@@ -30,46 +32,46 @@ from .semantics import acc_dtype
 __all__ = ["segments", "shard", "unshard", "ring_attention", "ring_attention_forward", "ring_attention_backward",
            "ring_vjp", "ThreadRing", "NcclRing", "launch"]
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "striped")
 
 
 # ----------------------------------------------------------------------------- layouts
 
-def segments(length: int, size: int, layout: str = "zigzag") -> List[List[Tuple[int, int]]]:
-    """Each rank's pieces ``[(start, stop), ...]`` of a sequence of ``length`` positions over ``size``
-    ranks, in the order its local slice holds them. "contiguous": rank r the r-th of ``size`` near-equal
-    pieces; "zigzag": pieces r and ``2 size - 1 - r`` of ``2 size`` (equal causal work a rank)."""
+def segments(length: int, size: int, layout: str = "zigzag") -> List[List[range]]:
+    """Each rank's positions of a sequence of ``length`` over ``size`` ranks, as ranges in the order its
+    local slice holds them. "contiguous": rank r the r-th of ``size`` near-equal pieces; "zigzag": pieces
+    r and ``2 size - 1 - r`` of ``2 size``; "striped": ``range(r, length, size)``. Zigzag and striped give
+    the ranks equal causal work."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if size < 1 or length < 0:
         raise ValueError(f"need size >= 1 and length >= 0, got {size} and {length}")
+    if layout == "striped":
+        return [[range(r, length, size)] for r in range(size)]
     pieces = size if layout == "contiguous" else 2 * size
     bounds = [i * length // pieces for i in range(pieces + 1)]
-    spans = list(zip(bounds, bounds[1:]))
+    spans = [range(a, b) for a, b in zip(bounds, bounds[1:])]
     if layout == "contiguous":
         return [[spans[r]] for r in range(size)]
     return [[spans[r], spans[pieces - 1 - r]] for r in range(size)]
 
 
+def _positions(ranges: Sequence[range]) -> np.ndarray:
+    return np.concatenate([np.arange(rg.start, rg.stop, rg.step) for rg in ranges] or [np.zeros(0, int)])
+
+
 def shard(x, rank: int, size: int, layout: str = "zigzag", axis: int = -2):
     """Rank ``rank``'s slice of ``x`` along ``axis`` (the sequence axis of (..., L, D) arrays)."""
     xp = array_module(x)
-    parts = [x.take(xp.arange(a, b), axis=axis) for a, b in segments(x.shape[axis], size, layout)[rank]]
-    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=axis)
+    return x.take(xp.asarray(_positions(segments(x.shape[axis], size, layout)[rank])), axis=axis)
 
 
 def unshard(parts: Sequence[Any], layout: str = "zigzag", axis: int = -2):
     """The whole sequence from every rank's slice (``parts[r]`` from rank r), inverse of :func:`shard`."""
     xp = array_module(parts[0])
-    size = len(parts)
     length = sum(p.shape[axis] for p in parts)
-    pieces = []
-    for rank, spans in enumerate(segments(length, size, layout)):
-        offset = 0
-        for a, b in spans:
-            pieces.append((a, parts[rank].take(xp.arange(offset, offset + b - a), axis=axis)))
-            offset += b - a
-    return xp.concatenate([p for _, p in sorted(pieces, key=lambda item: item[0])], axis=axis)
+    held = np.concatenate([_positions(spans) for spans in segments(length, len(parts), layout)])
+    return xp.concatenate(list(parts), axis=axis).take(xp.asarray(np.argsort(held, kind="stable")), axis=axis)
 
 
 # ----------------------------------------------------------------------------- communicators
@@ -397,14 +399,17 @@ def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice
     """(query slice, key slice, local window, first query, first key) for each pair of this rank's query
     pieces and a key block's pieces that see each other: the slices (of the local arrays) cut to the
     queries that see some key of the piece and the keys some of them see, the band of global positions
-    ``q - left <= k <= q + right`` (right 0 with ``causal``) moved to those slices' own (0, 0): a
+    ``q - left <= k <= q + right`` (right 0 with ``causal``; a side may be negative if their sum is not)
+    moved to those slices' own (0, 0): a
     top-left window with both sides >= 0, or None where every query sees every key of the slice; and
     the global positions of the slices' first query and key (dropout's origin)."""
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0
-    for (qs, qe), q_sl in zip(q_spans, _slices(q_spans)):
-        for (ks, ke), k_sl in zip(k_spans, _slices(k_spans)):
+    if left is not None and right is not None and left + right < 0:
+        return   # an empty band (striped slices: the diagonal of other ranks' keys)
+    for (qs, qe), q_sl in zip(_bounds(q_spans), _slices(q_spans)):
+        for (ks, ke), k_sl in zip(_bounds(k_spans), _slices(k_spans)):
             qa = qs if right is None else max(qs, ks - right)    # the queries that see a key of [ks, ke)
             qb = qe if left is None else min(qe, ke + left)
             if qa >= qb:
@@ -423,16 +428,22 @@ def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice
 def _arriving_shapes(arrays, spans, source: int) -> List[Tuple[int, ...]]:
     """The shapes of ``arrays`` (blocks of rank ``source``'s positions) as the previous rank sends them: of
     rank ``source - 1``'s positions (slices of odd lengths differ by one)."""
-    rows = sum(b - a for a, b in spans[(source - 1) % len(spans)])
+    rows = sum(len(rg) for rg in spans[(source - 1) % len(spans)])
     return [tuple(a.shape[:-2]) + (rows, a.shape[-1]) for a in arrays]
 
 
 def _slices(spans) -> List[slice]:
+    """The local slice of each piece (a range of step 1 or a (start, stop) pair) of a rank's positions."""
     out, offset = [], 0
-    for a, b in spans:
-        out.append(slice(offset, offset + b - a))
-        offset += b - a
+    for start, stop in _bounds(spans):
+        out.append(slice(offset, offset + stop - start))
+        offset += stop - start
     return out
+
+
+def _bounds(spans) -> List[Tuple[int, int]]:
+    """(start, stop) of each piece: ranges of step 1 or (start, stop) pairs."""
+    return [(rg.start, rg.stop) if isinstance(rg, range) else tuple(rg) for rg in spans]
 
 
 SIGNATURE_WORDS = 32
@@ -467,10 +478,13 @@ def _agree(comm, q, k, v, causal, layout, length: Optional[int], window=None, sc
     return int(high[SIGNATURE_WORDS:].sum()) if length is None else int(length)
 
 
-def _layout_of(causal, layout):
+def _layout_of(causal, layout, dropout_p: float = 0.0):
     layout = layout or ("zigzag" if causal else "contiguous")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "striped" and dropout_p:
+        raise ValueError("dropout needs layout 'zigzag' or 'contiguous': the kernels draw the mask over positions "
+                         "of stride 1 from an origin, a striped slice's are n apart")
     return layout
 
 
@@ -493,8 +507,9 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
         Sliding window over global positions: query i sees keys ``i - left <= j <= i + right`` (None for
         an unbounded side; with ``causal`` the right side is 0). Each step attends only the slices of
         queries and keys that the band joins, so the work shrinks with the window.
-    layout : {"zigzag", "contiguous"}, optional
-        How the sequence is sharded (default "zigzag" when causal, else "contiguous").
+    layout : {"zigzag", "contiguous", "striped"}, optional
+        How the sequence is sharded (:func:`segments`; default "zigzag" when causal, else "contiguous").
+        "striped" (every n-th position a rank) makes each causal step one causal call; no dropout.
     length : int, optional
         The whole sequence's length (default: the sum of the slices; needed only to check it).
     dropout_p, seed : float, int
@@ -508,7 +523,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     out : array (B, Hq, L_local, Dv) in q's dtype; lse : (B, Hq, L_local) in the accumulator dtype.
     Partial results are merged in float32 (float64 for float64), rounded to q's dtype once.
     """
-    layout = _layout_of(causal, layout)
+    layout = _layout_of(causal, layout, dropout_p)
     window = check_window(window)
     xp = array_module(q)
     local = q.shape[-2]
@@ -517,9 +532,9 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, scale: Option
     total = _agree(comm, q, k, v, causal, layout, length, window, scale, dropout_p, seed)
     spans = segments(total, comm.size, layout)
     mine = spans[comm.rank]
-    if sum(b - a for a, b in mine) != local:
+    if sum(len(rg) for rg in mine) != local:
         raise ValueError(f"rank {comm.rank} holds {local} positions, but its {layout} share of {total} is "
-                         f"{sum(b - a for a, b in mine)}: shard the sequence with cuflash.distributed.shard")
+                         f"{sum(len(rg) for rg in mine)}: shard the sequence with cuflash.distributed.shard")
     acc = acc_dtype(SUPPORTED_DTYPES[np.dtype(q.dtype)])
     out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
     lse = xp.full(q.shape[:-1], -np.inf, dtype=acc)
@@ -552,7 +567,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal: bool = Fal
     key block) while the block's accumulators travel from the previous rank, adds them, and sends
     them on; after the last step they reach their owner.
     """
-    layout = _layout_of(causal, layout)
+    layout = _layout_of(causal, layout, dropout_p)
     window = check_window(window)
     xp = array_module(q)
     if dropout_p and seed is None:
@@ -602,7 +617,10 @@ def _step_calls(q_spans, k_spans, causal: bool, window, dropout: bool):
     step: :func:`_block_pairs`; under dropout a pair whose first key is not a multiple of 4 (the kernels
     draw a Philox word group of four keys from an aligned origin) has its keys up to the next multiple of 4
     (at most 3) attended by :mod:`cuflash.reference` on the arrays' device (``on_kernels`` False), the
-    rest, from an aligned key, by the kernels."""
+    rest, from an aligned key, by the kernels. Striped slices (no dropout) go to :func:`_striped_calls`."""
+    if any(rg.step != 1 for rg in q_spans + k_spans if isinstance(rg, range)):
+        yield from _striped_calls(q_spans[0], k_spans[0], causal, window)
+        return
     for q_sl, k_sl, band, q0, k0 in _block_pairs(q_spans, k_spans, causal, window):
         if not dropout or k0 % 4 == 0:
             yield True, q_sl, k_sl, band, q0, k0
@@ -616,6 +634,19 @@ def _step_calls(q_spans, k_spans, causal: bool, window, dropout: bool):
                 assert ka == k0 or kg == aligned
                 yield (ka != k0, slice(q_sl.start + qs.start, q_sl.start + qs.stop),
                        slice(k_sl.start + ka - k0 + ks.start, k_sl.start + ka - k0 + ks.stop), band_, qg, kg)
+
+
+def _striped_calls(mine: range, theirs: range, causal: bool, window):
+    """The one call of a striped step: local query i is global ``r + i n``, local key j is ``s + j n``
+    (``n`` ranks, queries of rank r, keys of rank s), so the global band ``q - left <= k <= q + right``
+    is the local band ``i - (left + s - r) // n <= j <= i + (r + right - s) // n``: a causal mask keeps
+    the diagonal for keys of ranks s <= r and drops it (one query and one key fewer) for s > r."""
+    n, r, s = mine.step, mine.start, theirs.start
+    left, right = window if window is not None else (None, None)
+    right = 0 if causal else right
+    band = (None if left is None else (left + s - r) // n, None if right is None else (r + right - s) // n)
+    for q_sl, k_sl, local, _, _ in _block_pairs([(0, len(mine))], [(0, len(theirs))], False, band):
+        yield True, q_sl, k_sl, local, None, None
 
 
 def _reference_args(arrays, acc):

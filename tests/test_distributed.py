@@ -15,25 +15,69 @@ def _full(seed=0, b=2, hq=4, hk=2, length=37, d=8, dtype=np.float64):
                                                            (b, hq, length, d))]
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 31])
 def test_shard_then_unshard_is_the_identity(layout, size):
     x = np.arange(2 * 3 * 29 * 5).reshape(2, 3, 29, 5)
     parts = [dist.shard(x, r, size, layout) for r in range(size)]
     assert sum(p.shape[2] for p in parts) == 29
+    np.testing.assert_array_equal(parts[min(1, size - 1)][0, 0, :, 0] // 5,
+                                  [j for rg in dist.segments(29, size, layout)[min(1, size - 1)] for j in rg])
     np.testing.assert_array_equal(dist.unshard(parts, layout), x)
 
 
 def test_zigzag_balances_causal_work():
     spans = dist.segments(64, 4, "zigzag")
-    assert spans[0] == [(0, 8), (56, 64)] and spans[3] == [(24, 32), (32, 40)]
-    work = [sum((a + b) * (b - a) // 2 for a, b in s) for s in spans]   # keys seen by the rank's queries
+    assert spans[0] == [range(0, 8), range(56, 64)] and spans[3] == [range(24, 32), range(32, 40)]
+    work = [sum(j + 1 for rg in s for j in rg) for s in spans]   # keys seen by the rank's queries
     assert max(work) - min(work) <= 64
+
+
+def test_striped_takes_every_nth_position_and_balances_causal_work():
+    spans = dist.segments(64, 4, "striped")
+    assert spans[1] == [range(1, 64, 4)]
+    work = [sum(j + 1 for rg in s for j in rg) for s in spans]
+    assert max(work) - min(work) <= 64
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, (5, None)), (False, (0, 0)), (False, (3, 6)),
+                                            (False, None), (True, (0, None))])
+def test_striped_steps_are_one_call_that_sees_the_visible_pairs(size, causal, window):
+    """Each striped step is at most one call, and the calls over all (query rank, key rank) pairs attend each
+    visible (query, key) of the sequence exactly once; under a plain causal mask every step is one call."""
+    length = 53
+    left, right = window if window is not None else (None, None)
+    right = 0 if causal else right
+    q_pos, k_pos = np.arange(length)[:, None], np.arange(length)[None, :]
+    visible = np.ones((length, length), bool)
+    if left is not None:
+        visible &= k_pos >= q_pos - left
+    if right is not None:
+        visible &= k_pos <= q_pos + right
+    seen = np.zeros((length, length), int)
+    spans = dist.segments(length, size, "striped")
+    for mine in spans:
+        for theirs in spans:
+            calls = list(dist._step_calls(mine, theirs, causal, window, False))
+            assert len(calls) <= 1 and (len(calls) == 1 or window is not None)
+            for on_kernels, q_sl, k_sl, band, _, _ in calls:
+                assert on_kernels and (band is None or min(b for b in band if b is not None) >= 0)
+                rows = np.arange(q_sl.stop - q_sl.start)[:, None]
+                cols = np.arange(k_sl.stop - k_sl.start)[None, :]
+                local = np.ones((rows.size, cols.size), bool)
+                if band is not None:
+                    local &= (cols >= rows - (band[0] if band[0] is not None else rows.size + cols.size))
+                    local &= (cols <= rows + (band[1] if band[1] is not None else rows.size + cols.size))
+                qg = np.asarray(mine[0])[q_sl][:, None]
+                kg = np.asarray(theirs[0])[k_sl][None, :]
+                np.add.at(seen, (np.broadcast_to(qg, local.shape)[local], np.broadcast_to(kg, local.shape)[local]), 1)
+    np.testing.assert_array_equal(seen, visible.astype(int))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag"), (True, "contiguous"),
-                                            (False, "zigzag")])
+                                            (False, "zigzag"), (True, "striped"), (False, "striped")])
 def test_ring_equals_one_shot_attention(size, causal, layout):
     q, k, v, dout = _full(length=37 if size != 4 else 41)
     want_out, want_lse = cuflash.attention_forward(q, k, v, causal=causal)
@@ -105,7 +149,8 @@ def test_ranks_with_different_dropout_seeds_are_refused():
 
 
 @pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag"), (False, "zigzag")])
+@pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag"), (False, "zigzag"),
+                                            (True, "striped"), (False, "striped")])
 @pytest.mark.parametrize("window", [(3, 5), (0, 0), (None, 4), (6, None), (0, None), (40, 40)])
 def test_ring_with_a_window_equals_one_shot_attention(size, causal, layout, window):
     q, k, v, dout = _full(length=37)
@@ -178,7 +223,19 @@ def test_a_slice_of_the_wrong_length_is_refused():
 
 def test_bad_layout():
     with pytest.raises(ValueError, match="layout"):
-        dist.segments(10, 2, "striped")
+        dist.segments(10, 2, "rows")
+
+
+def test_striped_refuses_dropout():
+    q, k, v, _ = _full(length=32)
+
+    def rank_work(comm):
+        mine = [dist.shard(x, comm.rank, comm.size, "striped") for x in (q, k, v)]
+        with pytest.raises(ValueError, match="dropout needs layout"):
+            dist.ring_attention(*mine, comm, causal=True, layout="striped", dropout_p=0.1, seed=1)
+        return True
+
+    assert all(dist.ThreadRing.run(rank_work, dist.ThreadRing.create(2)))
 
 
 def test_a_missing_nccl_is_a_clear_error():

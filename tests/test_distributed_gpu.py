@@ -1,7 +1,7 @@
 """Ring attention on the GPU (marker `gpu`): over NCCL on two GPUs of one host (skipped with fewer), one
 process a GPU started by cuflash.distributed.launch, every case of CASES in one launch; and the same cases
 with two ranks as threads of one process on one GPU. The result and the gradients of each within the
-dtype's error budget against the exact reference of the whole sequence (_errors.py), as one GPU's are: every dtype, causal (zigzag and contiguous) and not, sliding
+dtype's error budget against the exact reference of the whole sequence (_errors.py), as one GPU's are: every dtype, causal (zigzag, striped and contiguous) and not, sliding
 windows, GQA, odd lengths, head dims 64 and 128 (the 16-bit Hopper forward's float32-output twin), dropout drawn at
 global positions (the whole sequence's mask)."""
 import ml_dtypes
@@ -26,7 +26,9 @@ CASES += [("bfloat16", True, "zigzag", None, 4099, 128, 0.0), ("float16", False,
           ("float16", False, "contiguous", (200, 150), 2001, 128, 0.0),
           ("float32", True, "zigzag", (500, None), 2001, 64, 0.0),
           ("bfloat16", True, "zigzag", None, 2001, 128, 0.1), ("float32", False, "contiguous", None, 2001, 64, 0.1),
-          ("float64", True, "zigzag", (100, None), 515, 64, 0.2)]
+          ("float64", True, "zigzag", (100, None), 515, 64, 0.2),
+          ("bfloat16", True, "striped", None, 2001, 128, 0.0), ("float32", True, "striped", (300, None), 2001, 64, 0.0),
+          ("float16", False, "striped", None, 2048, 64, 0.0), ("float64", True, "striped", None, 515, 64, 0.0)]
 
 
 def _ids():
