@@ -226,8 +226,8 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
 // (SCHEDULE_ONE_A_BLOCK), or one CTA an SM, each walking blocks in turn (BlockWalk). A CTA's producer
 // and consumers walk the same blocks and tiles, so the stage ring and its parities simply run on
 // across blocks.
-// PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), a CTA a block,
-// without EXTRA: each with its sequence's own counts, its maps' rows counted from the packed tensor's
+// PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), entries x heads of
+// them (MaskParams::packed_count), a CTA a block or walked as the dense ones are, without EXTRA: each with its sequence's own counts, its maps' rows counted from the packed tensor's
 // first (TmaRows); O of a warpgroup's 64 rows goes out by the copy engine only where all 64 are the
 // sequence's (the maps clip at the packed tensor's end only).
 // ACC_OUT: O in float32, the accumulator's type, stored element pair by pair (no tensor map): a partial
@@ -238,8 +238,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA, SCHEDULE> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
-    static_assert(!PACKED || (SCHEDULE == SCHEDULE_ONE_A_BLOCK && !Flags::EXTRA),
-                  "packed sequences: a CTA a block, without EXTRA");
+    static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
     static_assert(!(PACKED && ACC_OUT), "packed sequences store O in their own type");
     // O staged for the copy engine: 16-bit rows only (an ACC_OUT row goes out from the registers).
     constexpr bool STAGE_O = Tr::TMA_STORE_O && !ACC_OUT;
@@ -252,23 +251,25 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
 
     const AttnDims& dims = p.dims;
     const int head_group = shared_scores_head_group<Flags::EXTRA>(p.mask);
-    // PACKED: the CTA's table entry, read where used (not held through the loops: the producer has 24-56
+    // PACKED: block idx's table entry, read where used (not held through the loops: the producer has 24-56
     // registers)
-    auto seq = [&]() { return PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{}; };
-    const int blocks = PACKED ? int(gridDim.x) : QueryBlock::count<BM>(dims);   // (PACKED: the table's, one a CTA)
+    auto seq = [&](int idx) { return PACKED ? PackedBlock::at(p.mask, idx, dims.heads_q) : PackedBlock{}; };
+    const int blocks = PACKED ? p.mask.packed_count : QueryBlock::count<BM>(dims);
     // SCHEDULE_ONE_A_BLOCK: the loops below end after their first pass (and a grid too small for
     // that is the host's bug, stopped here rather than leaving blocks unwritten).
     if (!Tr::PERSISTENT && int(gridDim.x) < blocks) __trap();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
     // Query block `idx`, its rows in the maps, its score modifier and visible key tiles.
     auto block_at = [&](int idx) {
-        return PACKED ? seq().query_block(dims, BM) : QueryBlock::from_index<BM>(dims, idx, head_group);
+        return PACKED ? seq(idx).query_block(dims, BM, idx) : QueryBlock::from_index<BM>(dims, idx, head_group);
     };
-    auto tma_rows = [&](const QueryBlock& blk) { return PACKED ? TmaRows::packed(seq()) : TmaRows::dense(blk.batch); };
+    auto tma_rows = [&](int idx, const QueryBlock& blk) {
+        return PACKED ? TmaRows::packed(seq(idx)) : TmaRows::dense(blk.batch);
+    };
     typedef ScoreMod<Flags, float, T, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
-    auto score_mod = [&](const QueryBlock& blk) {
+    auto score_mod = [&](int idx, const QueryBlock& blk) {
         const float scale_log2 = acc_param<float>(p.scale_log2, p.scale_log2_f);
-        if constexpr (PACKED) return Mod(p.mask, seq(), scale_log2, blk.head);
+        if constexpr (PACKED) return Mod(p.mask, seq(idx), scale_log2, blk.head);
         else return Mod(p.mask, dims, scale_log2, blk.batch, blk.head);
     };
 
@@ -310,12 +311,12 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             if constexpr (Tr::WALK_RING) walk.give(idx);   // (only thread 0 walks: no bias loaders)
             if (idx >= blocks) break;
             const QueryBlock blk = block_at(idx);
-            const auto mod = score_mod(blk);
+            const auto mod = score_mod(idx, blk);
             const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
             const int first = mod.next_key_tile(keys.begin, keys.end, blk.m0, blk.rows, BN);
             if (first >= keys.end) continue;
             if (threadIdx.x == 0) {
-                produce_tiles(sm, maps, mod, blk, tma_rows(blk), first, keys.end, t, q_round++);
+                produce_tiles(sm, maps, mod, blk, tma_rows(idx, blk), first, keys.end, t, q_round++);
             } else if constexpr (Flags::EXTRA) {
                 if (!mod.has_bias()) return;
                 produce_bias_tiles<T>(sm, p.mask.bias, mod, blk, first, keys.end, dims.lk, loader, t);
@@ -381,7 +382,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         if constexpr (Tr::WALK_RING) idx = walk.take();
         if (idx >= blocks) break;
         const QueryBlock blk = block_at(idx);
-        const auto mod = score_mod(blk);
+        const auto mod = score_mod(idx, blk);
         const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
         auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
         const float x_per_s = mod.x_per_score();
@@ -481,7 +482,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         // Epilogue: O = acc_o / l, lse per row; rows past lq and columns past dv are not written.
         // Through shared memory where O's tile is free: its own tile, or Q's once this block's
         // S = Q K^T are done (with no tiles, Q's may be receiving the next block's Q).
-        const TmaRows at = tma_rows(blk);
+        const TmaRows at = tma_rows(idx, blk);
         if (STAGE_O && (Tr::O_OWN_TILE || has_tiles) && (!PACKED || consumer * 64 + 64 <= blk.rows)) {
             // The warpgroup's 64 rows of O go, 16-bit and swizzled, into its 64 rows of the tile, and
             // one thread has the copy engine write them out, SLABS boxes of 64 x 64 (the tensor

@@ -73,6 +73,8 @@ struct MaskParams {
     // (causal="bottom_right").
     const int* packed_blocks;
     int band_from_end;
+    // The table's entries x heads: the blocks a persistent packed grid (the Hopper forward's walk) takes.
+    int packed_count;
     // Packed GQA rows under a band (the decoding kernel): a block's rows are its K/V head's query heads,
     // band_period positions each, and the band reads row % band_period; 0 = a row is its position.
     int band_period;

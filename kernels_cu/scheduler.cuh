@@ -208,16 +208,24 @@ struct PackedBlock {
     int first;              // the block's first query row (or key) within the sequence
     int lq, lk;             // the sequence's query and key counts
 
-    __device__ __forceinline__ static PackedBlock of_cta(const MaskParams& m, int heads) {
-        const int4* entry = reinterpret_cast<const int4*>(m.packed_blocks) + 2 * (int(blockIdx.x) / heads);
+    // The entry of block `idx` (entries x heads: entry idx / heads, for head idx % heads).
+    __device__ __forceinline__ static PackedBlock at(const MaskParams& m, int idx, int heads) {
+        const int4* entry = reinterpret_cast<const int4*>(m.packed_blocks) + 2 * (idx / heads);
         const int4 a = entry[0], b = entry[1];
         return {a.x, a.y, a.z, a.w, b.x};
     }
+    __device__ __forceinline__ static PackedBlock of_cta(const MaskParams& m, int heads) {
+        return at(m, int(blockIdx.x), heads);
+    }
 
-    // The query block of this CTA's query head (BM rows from `first`), its batch index the row start.
-    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm) const {
-        const int head = int(blockIdx.x) % dims.heads_q;
+    // The query block of block `idx`'s query head (BM rows from `first`), its batch index the row start.
+    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm, int idx) const {
+        const int head = idx % dims.heads_q;
         return {q_start, head, head / dims.group, first, imin(bm, lq - first)};
+    }
+    // ...of this CTA's (a CTA a block).
+    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm) const {
+        return query_block(dims, bm, int(blockIdx.x));
     }
 
     // The key block of this CTA's K/V head (BN keys from `first`; a key-major table, grid entries x Hk),

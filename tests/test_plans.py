@@ -889,9 +889,10 @@ def uploads(fake, monkeypatch):
 def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, monkeypatch, causal, window,
                                                                 band_from_end, hopper):
     """16-bit packed sequences: one PACKED launch (fwd_wgmma on Hopper, its tensor maps describing each packed
-    (total, H, D) array as (D, total, H, 1); fwd_mma elsewhere), (table entries) x (query heads) CTAs; q, k,
-    v, out and lse seen with a batch stride of one row; the band through (0, 0), moved per sequence where
-    aligned to the end; the table the host built, at the address the params hold."""
+    (total, H, D) array as (D, total, H, 1), one CTA an SM striding over the blocks at head dim 64; fwd_mma
+    elsewhere, (table entries) x (query heads) CTAs); the block count in the params; q, k, v, out and lse
+    seen with a batch stride of one row; the band through (0, 0), moved per sequence where aligned to the
+    end; the table the host built, at the address the params hold."""
     from cuflash import varlen
     from cuflash._dispatch import packed
     dev, launches = fake
@@ -906,7 +907,8 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     assert out.shape == (1400, hq, d) and lse.shape == (hq, 1400) and lse.dtype == np.float32
     [(variant, params, maps, grid)] = launches
     assert variant.packed and variant.family == ("fwd_wgmma" if hopper else "fwd_mma")
-    assert variant.band == (causal is not False or window is not None) and variant.schedule == "block"
+    assert variant.band == (causal is not False or window is not None)
+    assert variant.schedule == ("stride" if hopper else "block")   # (head dim 64: three consumer warpgroups)
     if hopper:   # the fake encoder's bytes: address, dims (D, rows, H, B), byte strides of rows, heads, batch
         for i, (x, rows, heads) in enumerate(((q, 1400, hq), (k, 1900, hk), (v, 1900, hk))):
             words = struct.unpack_from("=8Q", maps, 128 * i)
@@ -917,8 +919,9 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     [(table_ptr, table)] = uploads
     want = packed.block_table(cu_q, cu_k, variant.tile.block_m, "q", causal is not False)
     np.testing.assert_array_equal(table, want)
-    assert grid == len(want) * hq
+    assert grid == (min(len(want) * hq, device.sm_count()) if hopper else len(want) * hq)
     f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
+    assert int(f["mask"]["packed_count"]) == len(want) * hq and int(f["block_queue"]) == 0
     assert int(f["mask"]["packed_blocks"]) == table_ptr and int(f["mask"]["band_from_end"]) == band_from_end
     if window is not None:
         assert int(f["mask"]["band_lo"]) == -window[0]
@@ -929,6 +932,23 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
         assert int(f[name]["batch_stride"]) == int(f[name]["row_stride"]) == rows, name
     assert int(f["lse"]["batch_stride"]) == int(f["lse"]["row_stride"]) == 1 and int(f["lse"]["head_stride"]) == 1400
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["group"])) == (hq, hq // hk)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_hopper_forward_at_head_dim_128_takes_its_blocks_from_a_queue(fake, uploads, causal):
+    """Head dim 128's Hopper tile has the two-consumer block ring: one CTA an SM takes the table's blocks
+    from a zeroed counter of its own, longest sequence first."""
+    from cuflash import varlen
+    dev, launches = fake
+    cu = np.array([0, 700, 701, 3000], dtype=np.int32)
+    q = dev.empty((3000, 4, 128), np.float16)
+    varlen.attention_varlen_forward(q, q, q, cu, cu, causal=causal)
+    [(variant, params, _, grid)] = launches
+    assert variant.family == "fwd_wgmma" and variant.packed and variant.schedule == "queue"
+    [(table_ptr, table)] = uploads
+    f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
+    assert int(f["mask"]["packed_count"]) == len(table) * 4 and grid == min(len(table) * 4, device.sm_count())
+    assert int(f["mask"]["packed_blocks"]) == table_ptr and int(f["block_queue"]) not in (0, table_ptr)
 
 
 def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake):

@@ -201,7 +201,7 @@ def kernel_masking(p: Problem, opts: Options, param_grads: bool = False) -> Kern
               "drop_col0": opts.dropout_origin[1],
               "keep_scale": 1.0 / (1.0 - opts.dropout_p), "key_lengths": 0,
               "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
-              "band_from_end": 0, "band_period": 0, "mod_args": words}
+              "band_from_end": 0, "packed_count": 0, "band_period": 0, "mod_args": words}
     return KernelMasking(band, opts.extra, values, tuple(keep), chunks, tuple(grads))
 
 

@@ -454,8 +454,8 @@ class Variant:
     :data:`KV_SPLIT_FAMILIES`), its grid ``FwdParams::num_splits`` copies of the plain one, each over
     one range of key tiles, writing partial O and lse in the accumulator type. ``packed``: the forward
     over packed sequences of different lengths (cuflash.varlen), its grid the host's block table times
-    the query heads (K/V heads: dK/dV) (scheduler.cuh, PackedBlock); :data:`PACKED_FAMILIES` without EXTRA
-    (the forward on the split tiles). ``acc_out``: the 16-bit Hopper forward writing O in float32 (a
+    the query heads (K/V heads: dK/dV) (scheduler.cuh, PackedBlock), a CTA a block, or (the Hopper forward)
+    a persistent grid walking the table; :data:`PACKED_FAMILIES` without EXTRA (the forward on the split tiles). ``acc_out``: the 16-bit Hopper forward writing O in float32 (a
     partial result merged again later, cuflash.distributed), its last template parameter. ``prelude``: source placed before the kernel's, a call's user
     modifications (cuflash.mods, kernels_cu/user_mod.cuh) for an EXTRA variant; the name expression is
     the same, the build another.
@@ -505,10 +505,8 @@ class Variant:
                              "not on packed ones")
         if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
-        if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq
-                            or self.schedule != "block"):
-            raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, dQ apart, "
-                             "a CTA a block")
+        if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq):
+            raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, dQ apart")
         if self.acc_out and (self.family != "fwd_wgmma" or self.packed or self.extra or self.prelude):
             raise ValueError("acc_out: only for fwd_wgmma without EXTRA, packing or user modifications")
         if self.dq_tiled and self.family != "bwd_convert_dq":

@@ -410,6 +410,8 @@ key after a sequence's shift (kernels_cu/score_mod.cuh, the PackedBlock construc
 
 _FWD_PACKED_BLOCKS = (PACKERS["FwdParams"].offset("mask.packed_blocks"),)
 _BWD_PACKED_BLOCKS = (PACKERS["BwdParams"].offset("mask.packed_blocks"),)
+_PACKED_COUNT = {_FWD_PACKED_BLOCKS: PACKERS["FwdParams"].offset("mask.packed_count"),
+                 _BWD_PACKED_BLOCKS: PACKERS["BwdParams"].offset("mask.packed_count")}
 
 
 def _packed_mask(p, opts, *arrays) -> Optional[dict]:
@@ -450,17 +452,23 @@ def _packed_view(x):
 
 def _launch_packed(kernel, table: np.ndarray, heads: int, params: HostArg, offsets: tuple,
                    maps: Optional[HostArg] = None) -> None:
-    """Launch a PACKED kernel over a block table (entries x heads CTAs), the table's device copy's address
-    written into the params first (the driver copies them at the launch; CuPy's pool reuses the copy in
-    stream order after it), with its tensor maps where it reads some."""
+    """Launch a PACKED kernel over a block table (entries x heads blocks: a CTA a block, or one an SM walking
+    them, from a zeroed counter under the "queue" schedule), the table's device copy's address and the
+    block count written into the params first (the driver copies them at the launch; CuPy's pool reuses
+    the copies in stream order after it), with its tensor maps where it reads some."""
     cupy, _ = device.cupy_modules()
     if len(table) == 0:
         return
-    grid = len(table) * heads
-    if grid > MAX_GRID_X:
-        raise ValueError(f"{grid} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
-    blocks = cupy.asarray(table)
-    params.put_addresses(offsets, (blocks.data.ptr,))
+    blocks = len(table) * heads
+    if blocks > MAX_GRID_X:
+        raise ValueError(f"{blocks} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
+    entries = cupy.asarray(table)
+    params.put_addresses(offsets, (entries.data.ptr,))
+    params.put_int32((_PACKED_COUNT[offsets],), (blocks,))
+    if kernel.schedule == "queue":   # a zeroed counter a launch
+        queue = cupy.zeros(1, dtype=cupy.int32)
+        params.put_addresses(_FWD_QUEUE, (queue.data.ptr,))
+    grid = blocks if kernel.schedule == "block" else min(blocks, device.sm_count())
     run((KernelLaunch(kernel, grid, maps is not None),), params, maps)
 
 

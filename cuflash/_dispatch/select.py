@@ -414,16 +414,29 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     return replace(v, prelude=prelude)
 
 
+def packed_schedule(v: Variant) -> str:
+    """The schedule of the Hopper forward's PACKED twin: its blocks differ in work (each sequence its own key
+    count; a causal band), so a grid of one CTA an SM takes them from a queue, longest first as the table
+    lists them (each block to whichever CTA frees first), where the tile has the two-consumer ring; strides
+    over the table where it has three consumers (head dim 64); a CTA a block where the tile cannot walk
+    (head dim 256). A walk starts each block's Q and first K/V tiles during the previous block's last
+    tile and epilogue, which a CTA a block leaves bare (benchmarks/bench_varlen.py against the dense kernel)."""
+    if not HOPPER_FWD_PERSISTENT or not walkable(v):
+        return "block"
+    return "queue" if v.tile.warps == 12 else "stride"
+
+
 def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Optional[Variant]:
     """The forward over packed sequences (cuflash.varlen) for a call whose forward is ``variant`` and portable
-    forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin, a CTA a block on the
-    long-rows tile (a packed call's rows are not one sequence's), where ``variant`` is that kernel without
-    EXTRA; else the portable forward's PACKED twin on the split tile, for the 16-bit and float64 tensor-core
+    forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin on the long-rows tile (a
+    packed call's rows are not one sequence's), where ``variant`` is that kernel without EXTRA: one CTA an SM
+    walking the table where the tile can walk (:func:`packed_schedule`), else a CTA a block; else the portable forward's PACKED twin on the split tile, for the 16-bit and float64 tensor-core
     forwards without EXTRA; None for the others (their sequences run one dense launch each). The plan takes
     ``packed_variant(portable, portable, ...)`` where tensor maps cannot describe the arrays."""
     try:
         if variant.family == "fwd_wgmma" and not variant.extra:
-            return replace(variant, packed=True, schedule="block", short=False, tile=None).fitted(smem_limit)
+            packed = replace(variant, packed=True, schedule="block", short=False, tile=None).fitted(smem_limit)
+            return replace(packed, schedule=packed_schedule(packed))
         if portable.family not in ("fwd_mma", "fwd_dmma") or portable.extra:
             return None
         return replace(portable, packed=True, tile=None).fitted(smem_limit)

@@ -27,7 +27,7 @@ _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.i
                   ("keep_scale", np.float64),
                   ("key_lengths", np.uint64), ("page_table", np.uint64), ("page_size", np.int32),
                   ("pages_per_seq", np.int32), ("num_pages", np.int32), ("packed_blocks", np.uint64),
-                  ("band_from_end", np.int32), ("band_period", np.int32), ("mod_args", np.uint64, (16,))],
+                  ("band_from_end", np.int32), ("packed_count", np.int32), ("band_period", np.int32), ("mod_args", np.uint64, (16,))],
                  align=True)
 _DBIAS = np.dtype([("acc", _SCORE), ("order", np.uint64), ("mode", np.int32), ("rows_broadcast", np.int32),
                    ("tiles_b", np.int32), ("tiles_h", np.int32), ("tiles_i", np.int32), ("splits", np.int32),
@@ -118,6 +118,7 @@ class Packer:
 
 PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams", "MaskStatesParams")}
 _ADDRESS = struct.Struct("=Q")
+_INT32 = struct.Struct("=i")
 
 
 class HostArg:
@@ -149,6 +150,11 @@ class HostArg:
         """Write 64-bit ``addresses`` at byte ``offsets`` of the argument (a plan's array pointers)."""
         for offset, address in zip(offsets, addresses):
             _ADDRESS.pack_into(self._buffer, self._skip + offset, address)
+
+    def put_int32(self, offsets: tuple, values: tuple) -> None:
+        """Write 32-bit ``values`` at byte ``offsets`` (counts known at the launch: a packed grid's blocks)."""
+        for offset, value in zip(offsets, values):
+            _INT32.pack_into(self._buffer, self._skip + offset, value)
 
     @property
     def data(self) -> memoryview:
@@ -183,7 +189,7 @@ MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_S
             "layout": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "drop_row0": 0, "drop_col0": 0,
             "keep_scale": 1.0, "key_lengths": 0,
             "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
-            "band_from_end": 0, "band_period": 0, "mod_args": [0] * 16}
+            "band_from_end": 0, "packed_count": 0, "band_period": 0, "mod_args": [0] * 16}
 """MaskParams with every piece off (kernels compiled without BAND / EXTRA ignore it)."""
 DBIAS_OFF = {"acc": NO_SCORE, "order": 0, "mode": 0, "rows_broadcast": 0, "tiles_b": 1, "tiles_h": 1,
              "tiles_i": 1, "splits": 1, "split_stride": 0}
