@@ -710,7 +710,7 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     float* stats0 = reinterpret_cast<float*>(sm.at(sm.stats));
 
     const AttnDims& dims = p.dims;
-    // PACKED: the CTA's table entry (its K/V head: blockIdx.x % Hk)
+    // PACKED: the CTA's table entry and K/V head
     const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group) : PackedBlock{};
     const KeyBlock blk = PACKED ? seq.key_block(dims, BN)
                                 : KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask, DBIAS));

@@ -261,7 +261,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
     // Query block `idx`, its rows in the maps, its score modifier and visible key tiles.
     auto block_at = [&](int idx) {
-        return PACKED ? seq(idx).query_block(dims, BM, idx) : QueryBlock::from_index<BM>(dims, idx, head_group);
+        return PACKED ? seq(idx).query_block(dims, BM) : QueryBlock::from_index<BM>(dims, idx, head_group);
     };
     auto tma_rows = [&](int idx, const QueryBlock& blk) {
         return PACKED ? TmaRows::packed(seq(idx)) : TmaRows::dense(blk.batch);

@@ -196,43 +196,44 @@ struct KeyBlock {
 };
 
 
-// Packed sequences (cuflash.varlen; MaskParams::packed_blocks): the grid is (table entries) x (query
-// heads; K/V heads for the key-major dK/dV kernel) CTAs, CTA idx taking entry idx / heads for head idx % heads (the heads of one tile side by side:
-// in the packed (total, H, D) layout they read neighbouring rows). The host's table
-// (cuflash/_dispatch/packed.py) runs longest sequence first; an entry is eight int32, two 16-byte loads:
-// {q_start, k_start, first, lq, lk, seq, -, -}. The views of q, out and lse (k and v) are given a batch
-// stride of one row, so that a block whose batch index is its sequence's first row (q_start, or k_start
-// for K and V) addresses its rows as a dense kernel does: rows first.., counted from the sequence's start.
+// Packed sequences (cuflash.varlen; MaskParams::packed_blocks): the blocks are (table entries) x (query
+// heads; K/V heads for the key-major dK/dV kernel), MaskParams::packed_count of them. The host's table
+// (cuflash/_dispatch/packed.py) lists each sequence's tiles together, longest sequence first; an entry is
+// eight int32, two 16-byte loads: {q_start, k_start, first, lq, lk, seq, seq_entry, seq_tiles}. The blocks of a
+// sequence of T tiles whose first entry is E are blocks heads x E .. heads x (E + T) - 1, a head's T tiles in a
+// row (block E x heads + h x T + t: head h, entry E + t), so that CTAs that run together share one head's
+// K / V (Q / dO for dK/dV) in L2, as a dense grid's tiles do. The views of q, out and lse (k and v) are given
+// a batch stride of one row, so that a block whose batch index is its sequence's first row (q_start, or
+// k_start for K and V) addresses its rows as a dense kernel does: rows first.., counted from the sequence's start.
 struct PackedBlock {
     int q_start, k_start;   // the sequence's first row in the packed q (out, lse) and k (v)
     int first;              // the block's first query row (or key) within the sequence
     int lq, lk;             // the sequence's query and key counts
+    int head;               // the block's query head (K/V head: key-major tables)
 
-    // The entry of block `idx` (entries x heads: entry idx / heads, for head idx % heads).
+    // Block `idx`: entry idx / heads lies in the block's sequence (E <= idx / heads < E + T) and names
+    // E and T; the block's own entry is E + (idx - heads x E) % T.
     __device__ __forceinline__ static PackedBlock at(const MaskParams& m, int idx, int heads) {
-        const int4* entry = reinterpret_cast<const int4*>(m.packed_blocks) + 2 * (idx / heads);
-        const int4 a = entry[0], b = entry[1];
-        return {a.x, a.y, a.z, a.w, b.x};
+        const int4* table = reinterpret_cast<const int4*>(m.packed_blocks);
+        const int4 seq = table[2 * (idx / heads) + 1];   // {lk, seq, seq_entry, seq_tiles}
+        const int in_seq = idx - heads * seq.z;
+        const int entry = seq.z + in_seq % seq.w;
+        const int4 a = table[2 * entry];
+        return {a.x, a.y, a.z, a.w, seq.x, in_seq / seq.w};
     }
     __device__ __forceinline__ static PackedBlock of_cta(const MaskParams& m, int heads) {
         return at(m, int(blockIdx.x), heads);
     }
 
-    // The query block of block `idx`'s query head (BM rows from `first`), its batch index the row start.
-    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm, int idx) const {
-        const int head = idx % dims.heads_q;
+    // The block's query rows (BM from `first`) of its query head, its batch index the row start.
+    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm) const {
         return {q_start, head, head / dims.group, first, imin(bm, lq - first)};
     }
-    // ...of this CTA's (a CTA a block).
-    __device__ __forceinline__ QueryBlock query_block(const AttnDims& dims, int bm) const {
-        return query_block(dims, bm, int(blockIdx.x));
-    }
 
-    // The key block of this CTA's K/V head (BN keys from `first`; a key-major table, grid entries x Hk),
-    // its batch index the sequence's first key (the query side's is q_start).
+    // The block's keys (BN from `first`; a key-major table, heads = Hk) of its K/V head, its batch
+    // index the sequence's first key (the query side's is q_start).
     __device__ __forceinline__ KeyBlock key_block(const AttnDims& dims, int bn) const {
-        const int kv_head = int(blockIdx.x) % (dims.heads_q / dims.group);
-        return {k_start, kv_head, first, imin(bn, lk - first), kv_head * dims.group, (kv_head + 1) * dims.group};
+        return {k_start, head, first, imin(bn, lk - first), head * dims.group, (head + 1) * dims.group};
     }
 };
 

@@ -1,5 +1,6 @@
 """The block tables of packed sequences (cuflash/_dispatch/packed.py): every row of every sequence in
-exactly one block, longest sequence first, a sequence's last block first under a causal mask (CPU)."""
+exactly one block, longest sequence first, a sequence's last block first under a causal mask; the kernels'
+block index -> (entry, head) map a bijection that runs a head's tiles of a sequence in a row (CPU)."""
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,3 +31,18 @@ def test_every_row_once_longest_first(lq, data, tile, axis, reverse):
     for s in runs:
         firsts = table[seqs == s, 2]
         assert list(firsts) == sorted(firsts, reverse=reverse)
+    heads = data.draw(st.integers(1, 5))
+    blocks = [_block_at(table, idx, heads) for idx in range(len(table) * heads)]
+    assert sorted(blocks) == [(e, h) for e in range(len(table)) for h in range(heads)]
+    for (e0, h0), (e1, h1) in zip(blocks, blocks[1:]):   # within a sequence: a head's tiles in a row
+        if table[e0, 5] == table[e1, 5] and h0 == h1:
+            assert e1 == e0 + 1
+        elif table[e0, 5] == table[e1, 5]:
+            assert h1 == h0 + 1
+
+
+def _block_at(table, idx, heads):
+    """(entry, head) of block ``idx``: kernels_cu/scheduler.cuh, PackedBlock::at."""
+    seq_entry, seq_tiles = table[idx // heads, 6], table[idx // heads, 7]
+    in_seq = idx - heads * seq_entry
+    return int(seq_entry + in_seq % seq_tiles), int(in_seq // seq_tiles)

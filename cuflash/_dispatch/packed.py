@@ -1,18 +1,19 @@
 """The block tables of packed sequences (cuflash.varlen): which sequence and which tile each CTA of a
 packed kernel works on.
 
-A packed kernel's grid is ``blocks x heads`` CTAs; CTA ``idx`` takes the table's entry ``idx // heads``
-for head ``idx % heads``, so the heads of one tile run side by side (in the packed layout
-(total, H, D) they read neighbouring memory). Entries run longest sequence first, so that one long
-sequence among many short ones starts at once and the short ones fill the SMs around it; under a
-causal mask a sequence's last tiles (the most keys) come first. An entry is eight int32
-(kernels_cu/scheduler.cuh, PackedBlock):
+A packed kernel has ``entries x heads`` blocks (a CTA each, or a persistent grid walking them): a
+sequence of ``T`` tiles whose first entry is ``E`` has blocks ``E * heads`` to ``(E + T) * heads - 1``, a
+head's ``T`` tiles in a row (so that CTAs running together share one head's K / V in L2). Entries run
+longest sequence first, so that one long sequence among many short ones starts at once and the short
+ones fill the SMs around it; under a causal mask a sequence's last tiles (the most keys) come first. An
+entry is eight int32 (kernels_cu/scheduler.cuh, PackedBlock):
 
     q_start, k_start   the sequence's first row in the packed q (out, lse) and k (v)
     first              the tile's first query row (query-major kernels) or key (key-major), in the sequence
     lq, lk             the sequence's query and key counts
     seq                the sequence's index
-    (two int32 of padding: an entry is two 16-byte loads)
+    seq_entry          the sequence's first entry E
+    seq_tiles          the sequence's tile count T
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def block_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, revers
     table[:, 3] = lq[seq]
     table[:, 4] = lk[seq]
     table[:, 5] = seq
+    table[:, 6] = starts
+    table[:, 7] = np.repeat(tiles, tiles)
     if table.size and table.max() >= 2**31:
         raise ValueError("packed sequences of 2**31 rows or more")
     return table.astype(np.int32)
