@@ -11,7 +11,8 @@ batch padded to its longest sequence (a (B, 1, 1, L) key mask without causal; ca
 right padding), PyTorch SDPA on nested jagged tensors (its flash path) and SDPA efficient on the padded
 batch (the key mask as a boolean attn_mask); a padded batch of more than 4x the packed tokens (case c:
 129 x 32768) is left out. Beside them, the yardsticks: cuflash dense on equal lengths of the mean
-(cases a and b: as many sequences of the mean length, its own FLOPs), and (case c) the long sequence
+(cases a and b: as many sequences of the mean length, its own FLOPs; as (B, H, L, D) arrays and as
+(B, L, H, D) ones seen as (B, H, L, D), whose rows lie H x D apart as packed rows do), and (case c) the long sequence
 alone plus the short ones alone (two dense calls, their times added). Forward, and forward+backward (the
 gradients of every input). Useful TFLOP/s counts each sequence's own FLOPs, 4 L^2 H D (halved when
 causal; forward+backward 3.5x the forward), over the time: the median of --repeat queued calls' mean,
@@ -65,9 +66,14 @@ def _padded(x, cu, lmax):
     return out.transpose(0, 2, 1, 3)
 
 
-def _dense_call(shape, dtype, causal: bool, with_bwd: bool):
-    """A cuflash dense call on new (B, H, L, D) arrays: forward, or forward and backward."""
-    q, k, v = (cp.ones(shape, dtype=dtype) for _ in range(3))
+def _dense_call(shape, dtype, causal: bool, with_bwd: bool, token_major: bool = False):
+    """A cuflash dense call on new (B, H, L, D) arrays (``token_major``: (B, L, H, D) arrays seen as (B, H, L,
+    D), the packed layout's row stride): forward, or forward and backward."""
+    if token_major:
+        b, h, n, d = shape
+        q, k, v = (cp.ones((b, n, h, d), dtype=dtype).transpose(0, 2, 1, 3) for _ in range(3))
+    else:
+        q, k, v = (cp.ones(shape, dtype=dtype) for _ in range(3))
     do = cp.ones_like(q)
 
     def call():
@@ -80,7 +86,7 @@ def _dense_call(shape, dtype, causal: bool, with_bwd: bool):
 
 def yardsticks(q, cu, causal: bool, with_bwd: bool, h: int, d: int) -> dict:
     """name -> (callable, note, FLOPs or None: the case's useful FLOPs): cuflash dense on equal lengths of
-    the mean (its own FLOPs), or where one sequence is at least half the tokens (case c), the long one alone
+    the mean (its own FLOPs), as (B, H, L, D) arrays and as (B, L, H, D) ones (the packed rows' stride), or where one sequence is at least half the tokens (case c), the long one alone
     plus the others alone (two dense calls of equal lengths each; the case's FLOPs)."""
     lengths = np.diff(cu)
     if lengths.max() * 2 >= lengths.sum():
@@ -95,8 +101,11 @@ def yardsticks(q, cu, causal: bool, with_bwd: bool, h: int, d: int) -> dict:
         return {"cuflash long + short alone": (parts, f"1 x {lengths.max()}, then {len(rest)} x {rest.max()}", None)}
     mean = int(round(lengths.mean()))
     flops = useful_flops([mean] * len(lengths), h, d, causal, with_bwd)
-    return {"cuflash dense, mean length": (_dense_call((len(lengths), h, mean, d), q.dtype, causal, with_bwd),
-                                          f"B={len(lengths)}, L={mean}", flops)}
+    shape = (len(lengths), h, mean, d)
+    return {"cuflash dense, mean length": (_dense_call(shape, q.dtype, causal, with_bwd),
+                                          f"B={len(lengths)}, L={mean}", flops),
+            "cuflash dense, mean length, (B, L, H, D)": (_dense_call(shape, q.dtype, causal, with_bwd, True),
+                                                         f"B={len(lengths)}, L={mean}", flops)}
 
 
 def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:

@@ -889,7 +889,8 @@ def uploads(fake, monkeypatch):
 def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, monkeypatch, causal, window,
                                                                 band_from_end, hopper):
     """16-bit packed sequences: one PACKED launch (fwd_wgmma on Hopper, its tensor maps describing each packed
-    (total, H, D) array as (D, total, H, 1), one CTA an SM striding over the blocks at head dim 64; fwd_mma
+    (total, H, D) array as (D, total, H, 1), one CTA an SM striding over the blocks at head dim 64 without a
+    band; fwd_mma
     elsewhere, (table entries) x (query heads) CTAs); the block count in the params; q, k, v, out and lse
     seen with a batch stride of one row; the band through (0, 0), moved per sequence where aligned to the
     end; the table the host built, at the address the params hold."""
@@ -908,7 +909,8 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     [(variant, params, maps, grid)] = launches
     assert variant.packed and variant.family == ("fwd_wgmma" if hopper else "fwd_mma")
     assert variant.band == (causal is not False or window is not None)
-    assert variant.schedule == ("stride" if hopper else "block")   # (head dim 64: three consumer warpgroups)
+    # head dim 64 (three consumer warpgroups): a stride over the table without a band, a CTA a block with one
+    assert variant.schedule == ("stride" if hopper and not variant.band else "block")
     if hopper:   # the fake encoder's bytes: address, dims (D, rows, H, B), byte strides of rows, heads, batch
         for i, (x, rows, heads) in enumerate(((q, 1400, hq), (k, 1900, hk), (v, 1900, hk))):
             words = struct.unpack_from("=8Q", maps, 128 * i)
@@ -919,7 +921,7 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     [(table_ptr, table)] = uploads
     want = packed.block_table(cu_q, cu_k, variant.tile.block_m, "q", causal is not False)
     np.testing.assert_array_equal(table, want)
-    assert grid == (min(len(want) * hq, device.sm_count()) if hopper else len(want) * hq)
+    assert grid == (len(want) * hq if variant.schedule == "block" else min(len(want) * hq, device.sm_count()))
     f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
     assert int(f["mask"]["packed_count"]) == len(want) * hq and int(f["block_queue"]) == 0
     assert int(f["mask"]["packed_blocks"]) == table_ptr and int(f["mask"]["band_from_end"]) == band_from_end

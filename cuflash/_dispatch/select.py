@@ -417,13 +417,16 @@ def with_mods(v: Variant, prelude: str) -> Variant:
 def packed_schedule(v: Variant) -> str:
     """The schedule of the Hopper forward's PACKED twin: its blocks differ in work (each sequence its own key
     count; a causal band), so a grid of one CTA an SM takes them from a queue, longest first as the table
-    lists them (each block to whichever CTA frees first), where the tile has the two-consumer ring; strides
-    over the table where it has three consumers (head dim 64); a CTA a block where the tile cannot walk
-    (head dim 256). A walk starts each block's Q and first K/V tiles during the previous block's last
-    tile and epilogue, which a CTA a block leaves bare (benchmarks/bench_varlen.py against the dense kernel)."""
+    lists them (each block to whichever CTA frees first), where the tile has the two-consumer ring; where it
+    has three consumers (head dim 64) strides over the table without a band and runs a CTA a block with one
+    (a stride over causal blocks of unequal work ran at 0.6x the block grid's TFLOP/s); a CTA a block where
+    the tile cannot walk (head dim 256). A walk starts each block's Q and first K/V tiles during the
+    previous block's last tile and epilogue, which a CTA a block leaves bare (benchmarks/bench_varlen.py)."""
     if not HOPPER_FWD_PERSISTENT or not walkable(v):
         return "block"
-    return "queue" if v.tile.warps == 12 else "stride"
+    if v.tile.warps == 12:
+        return "queue"
+    return "block" if v.band else "stride"
 
 
 def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Optional[Variant]:

@@ -1,0 +1,69 @@
+"""The packed forward (cuflash.varlen) against the dense kernel on the same tokens, on one GPU: bench_varlen.py's
+cases a (32 x 2048) and b (16 lengths 128..8192), bfloat16, H x D = 2048, 65536 tokens; the dense yardstick on
+equal lengths of the mean, once on the packed tokens viewed (B, L, H, D) -> (B, H, L, D) (the packed rows'
+stride) and once on a contiguous (B, H, L, D) copy. Useful TFLOP/s (each sequence's own FLOPs); a time is the
+median of 3 runs of 10 queued calls' mean (CUDA events).
+
+    PYTHONPATH=. python benchmarks/varlen_vs_dense.py [--dims 128,64]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_varlen as bv  # noqa: E402
+
+cp = bv.cp
+
+
+def timed(fn, calls: int = 10) -> float:
+    fn()
+    cp.cuda.Device().synchronize()
+    runs = []
+    for _ in range(3):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        runs.append(cp.cuda.get_elapsed_time(start, end) / calls)
+    return float(np.median(runs))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", default="128,64")
+    args = parser.parse_args(argv)
+    import cuflash
+    from cuflash import varlen
+
+    rng = np.random.default_rng(1)
+    for d in (int(x) for x in args.dims.split(",")):
+        h = 2048 // d
+        q, k, v = (cp.asarray(rng.standard_normal((bv.TOKENS, h, d), dtype=np.float32)).astype(bv.bench._cp_dtype("bfloat16"))
+                   for _ in range(3))
+        for case in "ab":
+            lengths = bv.lengths_of(case)
+            cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            b, mean = len(lengths), bv.TOKENS // len(lengths)
+            token_major = [x.reshape(b, mean, h, d).transpose(0, 2, 1, 3) for x in (q, k, v)]
+            contiguous = [cp.ascontiguousarray(x) for x in token_major]
+            for causal in (False, True):
+                times = [timed(lambda: varlen.attention_varlen_forward(q, k, v, cu, cu, causal=causal)),
+                         timed(lambda: cuflash.attention_forward(*token_major, causal=causal)),
+                         timed(lambda: cuflash.attention_forward(*contiguous, causal=causal))]
+                flops = [bv.useful_flops(lengths, h, d, causal, False)] + 2 * [bv.useful_flops([mean] * b, h, d, causal, False)]
+                tf = [f / t / 1e9 for f, t in zip(flops, times)]
+                print(f"D={d} {case} causal={causal!s:5} fwd TF/s varlen {tf[0]:6.1f} dense (B, L, H, D) {tf[1]:6.1f} "
+                      f"dense (B, H, L, D) {tf[2]:6.1f} | varlen / the two: {tf[0] / tf[1]:.3f} {tf[0] / tf[2]:.3f}",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
