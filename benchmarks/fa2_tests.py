@@ -7,7 +7,7 @@ The test file is not shipped here: take it from a FlashAttention-2 checkout. Thi
 (``flash_attn_func`` and its packed variants, ``flash_attn_with_kvcache``), with small padding helpers
 written here (``pad_input``, ``unpad_input``, ``index_first_axis``), and runs pytest on the file. A test
 that reaches a feature cuflash lacks (NotImplementedError: softcap, ALiBi, returned probabilities,
-rotary, paged caches, dropout over packed sequences on CUDA) is reported as skipped with the feature's name. ``--sample N``
+rotary, paged caches) is reported as skipped with the feature's name. ``--sample N``
 keeps every N-th collected test (deterministic), for a run of a few minutes.
 """
 from __future__ import annotations

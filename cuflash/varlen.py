@@ -11,10 +11,11 @@ between a list of (L, H, D) arrays and this layout.
 
 Options per sequence: ``causal`` (``"top_left"``: query i sees keys j <= i of its sequence;
 ``"bottom_right"``: j <= i + Lk_b - Lq_b), ``window`` (relative to each sequence's own diagonal),
-``scale``, grouped-query heads and ``precision``. Dropout's mask is a pure function of the packed
-positions: element (query row r, key c) of head h, counted in the packed arrays, is kept as
-:func:`cuflash.reference.dropout_keep` ``(seed, p, 0, h, r, c)`` says. Bias and boolean masks
-have no per-sequence form here and are not taken.
+``scale``, grouped-query heads and ``precision``. Dropout's mask is a pure function of the positions:
+element (query row r, counted in the packed q, key j, counted from its sequence's first) of head h is
+kept as :func:`cuflash.reference.dropout_keep` ``(seed, p, 0, h, r, j)`` says, so that every
+sequence's keys start a Philox group of four (the kernels draw four keys a word). Bias and boolean
+masks have no per-sequence form here and are not taken.
 
 The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` returns them) to avoid
 a device read; CuPy offsets are copied to the host once a call. On the GPU the float16, bfloat16 and
@@ -22,8 +23,8 @@ float64 forward without dropout runs one kernel over every sequence's blocks, lo
 (kernels_cu/scheduler.cuh, PackedBlock: the Hopper kernel on an H100 / H200 where the rows are 16-byte
 loads), and so does their backward at head dims up to 128: on Hopper, unless ``deterministic``, the
 Hopper dK/dV kernel adding dQ into an fp32 accumulator (16-bit rows at head dims 64 and 128), else dK/dV
-and dQ kernels of their own, deterministic by construction; other calls launch the dense kernels once a
-sequence.
+and dQ kernels of their own, deterministic by construction; other calls (float32, dropout) launch the dense
+kernels once a sequence, with dropout at the sequence's origin (``dropout_origin``).
 """
 from __future__ import annotations
 
@@ -141,14 +142,12 @@ class _Packed:
         for b in range(len(self.cu_q) - 1):
             yield b, slice(int(self.cu_q[b]), int(self.cu_q[b + 1])), slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
 
-    def dropout_kwargs(self, rows: slice, keys: slice) -> dict:
+    def dropout_kwargs(self, rows: slice) -> dict:
+        """A sequence's dropout options: the mask at its first packed query row and its first key."""
         if not self.opts.dropout:
             return {}
-        return dict(dropout_p=self.opts.dropout_p, seed=self.opts.seed, dropout_origin=(0, rows.start, keys.start))
-
-    def on_gpu_without_dropout(self, what: str) -> None:
-        if self.xp is not np and self.opts.dropout:
-            raise NotImplementedError(f"{what}: dropout over packed sequences runs on NumPy arrays only for now")
+        origin = (rows.start, 0) if self.xp is not np else (0, rows.start, 0)
+        return dict(dropout_p=self.opts.dropout_p, seed=self.opts.seed, dropout_origin=origin)
 
 
 def _heads_major(x):
@@ -183,7 +182,6 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
         Each query row's natural-log logsumexp over its sequence's keys; -inf where it sees none.
     """
     call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision)
-    call.on_gpu_without_dropout("attention_varlen_forward")
     xp, p = call.xp, call.p
     acc = acc_dtype(p.dtype)
     if xp is not np and p.lk > 0:
@@ -200,9 +198,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
             qb, kb, vb = (_heads_major(x) for x in (q[rows], k[keys], v[keys]))
             if xp is np:
                 o, l = reference.attention_blocked(qb, kb, vb, causal=p.reference_causal, scale=p.scale,
-                                                   window=call.opts.window, **call.dropout_kwargs(rows, keys))
+                                                   window=call.opts.window, **call.dropout_kwargs(rows))
             else:
-                o, l = api.attention_forward(qb[None], kb[None], vb[None], **call.kwargs)
+                o, l = api.attention_forward(qb[None], kb[None], vb[None], **call.kwargs, **call.dropout_kwargs(rows))
                 o, l = o[0], l[0]
             out[rows] = o.transpose(1, 0, 2).astype(q.dtype)
             lse[:, rows] = l.astype(acc)
@@ -243,7 +241,6 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         queries get 0.
     """
     call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision)
-    call.on_gpu_without_dropout("attention_varlen_backward")
     xp, p = call.xp, call.p
     for name, x, shape in (("dout", dout, (q.shape[0], p.heads_q, p.dv)), ("out", out, (q.shape[0], p.heads_q, p.dv)),
                            ("lse", lse, (p.heads_q, q.shape[0]))):
@@ -272,10 +269,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             if xp is np:
                 g = reference.attention_backward_blocked(dob, qb, kb, vb, ob, lb, causal=p.reference_causal,
                                                          scale=p.scale, window=call.opts.window,
-                                                         **call.dropout_kwargs(rows, keys))[:3]
+                                                         **call.dropout_kwargs(rows))[:3]
             else:
                 g = api.attention_backward(dob[None], qb[None], kb[None], vb[None], ob[None], lb[None],
-                                           deterministic=deterministic, **call.kwargs)
+                                           deterministic=deterministic, **call.kwargs, **call.dropout_kwargs(rows))
                 g = tuple(x[0] for x in g)
             for whole, part, span in zip(grads, g, (rows, keys, keys)):
                 whole[span] = part.transpose(1, 0, 2).astype(whole.dtype)

@@ -1,7 +1,7 @@
 """cuflash.varlen: packed sequences of different lengths against one dense call over the packed arrays
 with a block-diagonal mask (each sequence's queries see its own keys, causal and windows per
-sequence, dropout at the packed positions); pack / unpack; bad offsets refused. NumPy arrays, and
-with marker `gpu` CuPy arrays of every dtype."""
+sequence; dropout's mask at (packed query row, key of the sequence), written out); pack / unpack; bad
+offsets refused. NumPy arrays, and with marker `gpu` CuPy arrays of every dtype."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -41,8 +41,10 @@ def _block_diagonal(cu_q, cu_k, causal, window):
 
 
 def _dense(q, k, v, cu_q, cu_k, causal, window, dropout_p=0.0, seed=None, dout=None):
-    """The oracle: one (H, total, D) call with the block-diagonal mask; dropout at packed positions is
-    the dense call's own mask (batch 0, rows and keys counted in the packed arrays)."""
+    """The oracle: one (H, total, D) call with the block-diagonal mask; with dropout the same written out
+    (:func:`_written_out`)."""
+    if dropout_p:
+        return _written_out(q, k, v, cu_q, cu_k, causal, window, dropout_p, seed, dout)
     if q.shape[0] == 0 or k.shape[0] == 0:   # nothing attends anything (the naive reference needs keys)
         if dout is None:
             return np.zeros(q.shape[:2] + v.shape[2:]), np.full((q.shape[1], q.shape[0]), -np.inf)
@@ -55,6 +57,36 @@ def _dense(q, k, v, cu_q, cu_k, causal, window, dropout_p=0.0, seed=None, dout=N
     grads = reference.attention_backward_naive(np.asarray(dout, dtype=np.float64).transpose(1, 0, 2), qh, kh, vh,
                                                mask=mask, dropout_p=dropout_p, seed=seed)
     return tuple(g.transpose(1, 0, 2) for g in grads[:3])
+
+
+def _written_out(q, k, v, cu_q, cu_k, causal, window, p, seed, dout=None):
+    """Attention over the packed arrays with the block-diagonal mask and dropout's mask at (packed query row,
+    key counted from its sequence's first), written out in float64: (out, lse), or with ``dout`` the
+    gradients (P the softmax, M the keep factors: O = (P * M) V, dS = P * (dO V^T * M - rowsum(dO * O)))."""
+    hq, hk = q.shape[1], k.shape[1]
+    scale = 1 / np.sqrt(q.shape[2])
+    qh = np.asarray(q, np.float64).transpose(1, 0, 2)
+    kh, vh = (np.repeat(np.asarray(x, np.float64).transpose(1, 0, 2), hq // hk, axis=0) for x in (k, v))
+    allowed = _block_diagonal(cu_q, cu_k, causal, window)
+    key_seq = np.searchsorted(cu_k, np.arange(k.shape[0]), side="right") - 1
+    keep = reference.dropout_keep(seed, p, 0, np.arange(hq)[:, None, None], np.arange(q.shape[0])[None, :, None],
+                                  (np.arange(k.shape[0]) - np.asarray(cu_k)[key_seq])[None, None, :])
+    s = np.where(allowed, scale * qh @ kh.transpose(0, 2, 1), -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    total = e.sum(axis=-1, keepdims=True)
+    prob = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    out = (prob * keep) @ vh
+    if dout is None:
+        with np.errstate(divide="ignore"):
+            return out.transpose(1, 0, 2), (m + np.log(total))[..., 0]
+    do = np.asarray(dout, np.float64).transpose(1, 0, 2)
+    dv = (prob * keep).transpose(0, 2, 1) @ do
+    dp = (do @ vh.transpose(0, 2, 1)) * keep
+    ds = prob * (dp - (do * out).sum(axis=-1, keepdims=True))
+    dq, dk = scale * ds @ kh, scale * ds.transpose(0, 2, 1) @ qh
+    grouped = [x.reshape(hk, hq // hk, *x.shape[1:]).sum(axis=1) for x in (dk, dv)]
+    return tuple(x.transpose(1, 0, 2) for x in (dq, *grouped))
 
 
 lengths = st.lists(st.integers(0, 40), min_size=1, max_size=5)
@@ -166,8 +198,32 @@ def test_cupy_matches_numpy(dtype, causal):
     np.testing.assert_array_equal(np.isneginf(lse_d.get()), np.isneginf(lse))
     for g_d, g in zip(grads_d, grads):
         assert rel_error(g_d.get().astype(np.float64), g.astype(np.float64)) < 4 * tol
-    with pytest.raises(NotImplementedError, match="dropout"):
-        varlen.attention_varlen_forward(*dev, cu_q, cu_k, dropout_p=0.1, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_cupy_dropout_drops_what_numpy_drops(dtype, causal):
+    """Dropout on the GPU (the dense kernels a sequence, each at its sequence's origin): the NumPy path's
+    mask, sequences starting at keys of every residue mod 4; forward and backward within the dtype's
+    error budget of the float64 NumPy results, and the mask dropped something."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(5)
+    q, k, v, cu_q, cu_k = _packed(rng, [70, 0, 3, 130, 9], [93, 5, 2, 130, 11], hq=4, hk=2, d=64, dv=64,
+                                  dtype=DTYPES[dtype])
+    kw = dict(causal=causal, window=(40, None), dropout_p=0.2, seed=123)
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    dout = rng.standard_normal(out.shape).astype(DTYPES[dtype])
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **kw)
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    out_d, lse_d = varlen.attention_varlen_forward(*dev, cu_q, cu_k, **kw)
+    grads_d = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out_d, lse_d, cu_q, cu_k, **kw)
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    assert rel_error(out_d.get().astype(np.float64), out.astype(np.float64)) < tol
+    for g_d, g in zip(grads_d, grads):
+        assert rel_error(g_d.get().astype(np.float64), g.astype(np.float64)) < 4 * tol
+    plain = varlen.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, window=(40, None))
+    assert rel_error(out.astype(np.float64), plain.astype(np.float64)) > 0.05
 
 
 @pytest.mark.gpu
