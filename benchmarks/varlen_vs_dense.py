@@ -20,19 +20,10 @@ import bench_varlen as bv  # noqa: E402
 cp = bv.cp
 
 
-def timed(fn, calls: int = 10) -> float:
+def timed(fn) -> float:
     fn()
     cp.cuda.Device().synchronize()
-    runs = []
-    for _ in range(3):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        runs.append(cp.cuda.get_elapsed_time(start, end) / calls)
-    return float(np.median(runs))
+    return bv.bench._time_queued(fn, 10, runs=3)
 
 
 def main(argv=None) -> int:

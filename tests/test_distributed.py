@@ -40,13 +40,8 @@ def test_striped_takes_every_nth_position_and_balances_causal_work():
     assert max(work) - min(work) <= 64
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
-@pytest.mark.parametrize("causal, window", [(True, None), (True, (5, None)), (False, (0, 0)), (False, (3, 6)),
-                                            (False, None), (True, (0, None))])
-def test_striped_steps_are_one_call_that_sees_the_visible_pairs(size, causal, window):
-    """Each striped step is at most one call, and the calls over all (query rank, key rank) pairs attend each
-    visible (query, key) of the sequence exactly once; under a plain causal mask every step is one call."""
-    length = 53
+def _visible(length, causal, window):
+    """(length, length) bool: query i sees key j of the whole sequence."""
     left, right = window if window is not None else (None, None)
     right = 0 if causal else right
     q_pos, k_pos = np.arange(length)[:, None], np.arange(length)[None, :]
@@ -55,6 +50,27 @@ def test_striped_steps_are_one_call_that_sees_the_visible_pairs(size, causal, wi
         visible &= k_pos >= q_pos - left
     if right is not None:
         visible &= k_pos <= q_pos + right
+    return visible
+
+
+def _local_band(rows, cols, band):
+    """(rows, cols) bool: what a call's top-left ``band`` (left, right; None: every key) lets it see."""
+    i, j = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    local = np.ones((rows, cols), bool)
+    if band is not None:
+        local &= (j >= i - (band[0] if band[0] is not None else rows + cols))
+        local &= (j <= i + (band[1] if band[1] is not None else rows + cols))
+    return local
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, (5, None)), (False, (0, 0)), (False, (3, 6)),
+                                            (False, None), (True, (0, None))])
+def test_striped_steps_are_one_call_that_sees_the_visible_pairs(size, causal, window):
+    """Each striped step is at most one call, and the calls over all (query rank, key rank) pairs attend each
+    visible (query, key) of the sequence exactly once; under a plain causal mask every step is one call."""
+    length = 53
+    visible = _visible(length, causal, window)
     seen = np.zeros((length, length), int)
     spans = dist.segments(length, size, "striped")
     for mine in spans:
@@ -63,12 +79,7 @@ def test_striped_steps_are_one_call_that_sees_the_visible_pairs(size, causal, wi
             assert len(calls) <= 1 and (len(calls) == 1 or window is not None)
             for on_kernels, q_sl, k_sl, band, _, _ in calls:
                 assert on_kernels and (band is None or min(b for b in band if b is not None) >= 0)
-                rows = np.arange(q_sl.stop - q_sl.start)[:, None]
-                cols = np.arange(k_sl.stop - k_sl.start)[None, :]
-                local = np.ones((rows.size, cols.size), bool)
-                if band is not None:
-                    local &= (cols >= rows - (band[0] if band[0] is not None else rows.size + cols.size))
-                    local &= (cols <= rows + (band[1] if band[1] is not None else rows.size + cols.size))
+                local = _local_band(q_sl.stop - q_sl.start, k_sl.stop - k_sl.start, band)
                 qg = np.asarray(mine[0])[q_sl][:, None]
                 kg = np.asarray(theirs[0])[k_sl][None, :]
                 np.add.at(seen, (np.broadcast_to(qg, local.shape)[local], np.broadcast_to(kg, local.shape)[local]), 1)
@@ -271,25 +282,13 @@ def test_dropout_step_calls_cover_each_visible_pair_once_from_aligned_keys(size,
     """Under dropout the kernels take each pair's keys from a multiple of 4 and cuflash.reference at most 3
     keys before it; together the calls attend each visible (query, key) of the sequence exactly once."""
     length = 53
-    left, right = window if window is not None else (None, None)
-    right = 0 if causal else right
-    q_pos, k_pos = np.arange(length)[:, None], np.arange(length)[None, :]
-    visible = np.ones((length, length), bool)
-    if left is not None:
-        visible &= k_pos >= q_pos - left
-    if right is not None:
-        visible &= k_pos <= q_pos + right
+    visible = _visible(length, causal, window)
     seen = np.zeros((length, length), int)
     spans = dist.segments(length, size, layout)
     for mine in spans:
         for theirs in spans:
             for on_kernels, q_sl, k_sl, band, q0, k0 in dist._step_calls(mine, theirs, causal, window, True):
                 assert k0 % 4 == 0 if on_kernels else k_sl.stop - k_sl.start <= 3
-                rows = np.arange(q_sl.stop - q_sl.start)[:, None]
-                cols = np.arange(k_sl.stop - k_sl.start)[None, :]
-                local = np.ones((rows.size, cols.size), bool)
-                if band is not None:
-                    local &= (cols >= rows - (band[0] if band[0] is not None else rows.size + cols.size))
-                    local &= (cols <= rows + (band[1] if band[1] is not None else rows.size + cols.size))
-                seen[q0:q0 + rows.size, k0:k0 + cols.size] += local
+                local = _local_band(q_sl.stop - q_sl.start, k_sl.stop - k_sl.start, band)
+                seen[q0:q0 + local.shape[0], k0:k0 + local.shape[1]] += local
     np.testing.assert_array_equal(seen, visible.astype(int))
