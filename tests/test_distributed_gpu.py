@@ -4,6 +4,8 @@ with two ranks as threads of one process on one GPU. The result and the gradient
 dtype's error budget against the exact reference of the whole sequence (_errors.py), as one GPU's are: every dtype, causal (zigzag, striped and contiguous) and not, sliding
 windows, GQA, odd lengths, head dims 64 and 128 (the 16-bit Hopper forward's float32-output twin), dropout drawn at
 global positions (the whole sequence's mask)."""
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -104,15 +106,10 @@ def _check_case(index, arrays, rank_results):
     from cuflash import distributed as dist
 
     dtype, causal, layout, window, _, d, _ = CASES[index]
-    q, k, v, do = (x.astype(np.float64) for x in arrays)
     got = [dist.unshard([rank_results[r][i] for r in range(RANKS)], layout) for i in range(4)]
-    for g, x in zip(got, (q, q, k, v)):
+    for g, x in zip(got, (arrays[0], arrays[0], arrays[1], arrays[2])):
         assert g.dtype == np.dtype(DTYPES[dtype]) and g.shape == x.shape
-    opts = dict(causal=causal, scale=1 / np.sqrt(d), window=window, **_dropout(index))
-    ref_out, ref = exact(q, k, v, do, dtype=dtype, **opts)
-    naive_out, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)
-    mag_out, mag = magnitude(q, k, v, do, **opts)
-    logit_max = float(np.abs(np.matmul(q, np.repeat(k, 4, axis=1).swapaxes(-1, -2))).max()) / np.sqrt(d)
+    (ref_out, ref), (naive_out, naive), (mag_out, mag), logit_max = _references(index)
     for name, g, r, n, m, lm in (("out", got[0], ref_out, naive_out, mag_out, 0.0),
                                  *((f"d{x}", got[1 + i], ref[i], naive[i], mag[i], logit_max)
                                    for i, x in enumerate("qkv"))):
@@ -121,6 +118,18 @@ def _check_case(index, arrays, rank_results):
         ok, msg = within_budget(g, r, n, m, dtype, lm)
         assert ok, f"{name}: {msg}"
         assert rel_error(g, r) < 5e-2, f"{name}: {msg}"
+
+
+@functools.lru_cache(maxsize=None)
+def _references(index):
+    """Case ``index``'s exact result and gradients (long double for float64: the file's bulk of time), the naive
+    same-dtype ones, their magnitudes and the largest logit, computed once for both of its tests."""
+    dtype, causal, _, window, _, d, _ = CASES[index]
+    q, k, v, do = (x.astype(np.float64) for x in _inputs(index))
+    opts = dict(causal=causal, scale=1 / np.sqrt(d), window=window, **_dropout(index))
+    logit_max = float(np.abs(np.matmul(q, np.repeat(k, 4, axis=1).swapaxes(-1, -2))).max()) / np.sqrt(d)
+    return (exact(q, k, v, do, dtype=dtype, **opts), naive_same_dtype(q, k, v, do, dtype=dtype, **opts),
+            magnitude(q, k, v, do, **opts), logit_max)
 
 
 def _one_rank_ring(comm, q):
