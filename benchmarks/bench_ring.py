@@ -2,12 +2,15 @@
 one host (needs N GPUs; one process a GPU, NCCL through CuPy).
 
     PYTHONPATH=. python benchmarks/bench_ring.py [--gpus 2] [--lengths 131072,262144,524288,1048576] [--dtype bfloat16]
-        [--heads 16] [--head-dim 128] [--repeat 3] [--long-from 524288] [--causal-layouts zigzag,striped] [--out DIR]
+        [--heads 16] [--head-dim 128] [--repeat 3] [--long-from 524288] [--causal-layouts zigzag,striped]
+        [--single-from results.json] [--out DIR]
 
 For each length, causal (each of --causal-layouts) and not (contiguous): the median time of the forward and of the
 forward+backward on 1 GPU (cuflash.attention_forward / attention_backward) and on N (the ring, every
 rank timed with CUDA events, the slowest rank's time), the speed-up and the scaling efficiency
-(1-GPU time / (N x N-GPU time)). Writes JSON and Markdown named by the device.
+(1-GPU time / (N x N-GPU time)). Writes JSON and Markdown named by the device. ``--single-from``: the 1-GPU times
+of a results JSON of this script (same dtype, heads and head dim, same device) where it has the (length, causal)
+row, each row naming the file it took them from (they are the bulk of a run's time at 1M tokens).
 """
 from __future__ import annotations
 
@@ -95,6 +98,17 @@ def _plan(lengths, repeat, long_from, causal_layouts=("zigzag",)):
             for i, n in enumerate(lengths) for causal, layout in modes]
 
 
+def _single_times(path, device: str, dtype: str, heads: int, head_dim: int) -> dict:
+    """(length, causal) -> (forward ms, forward+backward ms) on one GPU from a results JSON of this script."""
+    if not path:
+        return {}
+    data = json.loads(Path(path).read_text())
+    if data.get("device") != device:
+        raise SystemExit(f"{path} was measured on {data.get('device')}, this is {device}")
+    return {(r["L"], r["causal"]): (r["fwd_1gpu_ms"], r["fwdbwd_1gpu_ms"]) for r in data["rows"]
+            if (r["dtype"], r["H"], r["D"]) == (dtype, heads, head_dim)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=2)
@@ -107,6 +121,8 @@ def main(argv=None) -> int:
                         help="lengths from here on are timed once (seconds a call)")
     parser.add_argument("--causal-layouts", default="zigzag",
                         help="the ring's layouts for the causal rows, comma-separated (zigzag, striped, contiguous)")
+    parser.add_argument("--single-from", default=None,
+                        help="a results JSON whose 1-GPU times to reuse (same dtype, heads, head dim and device)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import cupy as cp
@@ -121,7 +137,11 @@ def main(argv=None) -> int:
     plan = _plan([int(x) for x in args.lengths.split(",")], args.repeat, args.long_from,
                  args.causal_layouts.split(","))
     single = {}   # one GPU's times a (length, causal), shared by the layouts
+    reused = _single_times(args.single_from, device, args.dtype, args.heads, args.head_dim)
     for n, causal, _, repeat, warm in plan:
+        if (n, causal) in reused and (n, causal) not in single:
+            single[n, causal] = reused[n, causal]
+            print(f"1 GPU: L={n} causal={causal} from {args.single_from}", flush=True)
         if (n, causal) not in single:
             single[n, causal] = one_gpu(n, args.heads, args.head_dim, args.dtype, causal, repeat, warm)
             print(f"1 GPU: L={n} causal={causal} fwd {single[n, causal][0]:.2f} ms "
@@ -133,6 +153,7 @@ def main(argv=None) -> int:
     for (length, causal, layout, repeat, _), (f1, b1), *ranks in zip(plan, ones, *per_rank):
         fn, bn = max(t[0] for t in ranks), max(t[1] for t in ranks)   # the slowest rank's
         row = {"L": length, "causal": causal, "layout": layout, "gpus": args.gpus,
+               "single_from": args.single_from if (length, causal) in reused else None,
                "dtype": args.dtype, "H": args.heads, "D": args.head_dim, "repeat": repeat, "fwd_1gpu_ms": f1,
                "fwd_ngpu_ms": fn, "fwdbwd_1gpu_ms": b1, "fwdbwd_ngpu_ms": bn, "fwd_efficiency": f1 / (args.gpus * fn),
                "fwdbwd_efficiency": b1 / (args.gpus * bn)}
@@ -148,6 +169,9 @@ def main(argv=None) -> int:
              "| efficiency |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['L']} | {r['causal']} | {r['layout']} | {r['fwd_1gpu_ms']:.2f} | {r['fwd_ngpu_ms']:.2f} | {r['fwd_efficiency']:.0%} | "
               f"{r['fwdbwd_1gpu_ms']:.2f} | {r['fwdbwd_ngpu_ms']:.2f} | {r['fwdbwd_efficiency']:.0%} |" for r in rows]
+    taken = sorted({r["L"] for r in rows if r["single_from"]})
+    if taken:
+        lines += ["", f"1-GPU times at L = {', '.join(map(str, taken))} from {args.single_from}."]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return 0
 
