@@ -86,7 +86,8 @@ def _dense_call(shape, dtype, causal: bool, with_bwd: bool, token_major: bool = 
 
 def yardsticks(q, cu, causal: bool, with_bwd: bool, h: int, d: int) -> dict:
     """name -> (callable, note, FLOPs or None: the case's useful FLOPs): cuflash dense on equal lengths of
-    the mean (its own FLOPs), as (B, H, L, D) arrays and as (B, L, H, D) ones (the packed rows' stride), or where one sequence is at least half the tokens (case c), the long one alone
+    the mean (its own FLOPs), as (B, H, L, D) arrays and as (B, L, H, D) ones (the packed rows' stride), or
+    where one sequence is at least half the tokens (case c), the long one alone
     plus the others alone (two dense calls of equal lengths each; the case's FLOPs)."""
     lengths = np.diff(cu)
     if lengths.max() * 2 >= lengths.sum():

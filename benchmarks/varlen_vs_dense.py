@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(1)
     for d in (int(x) for x in args.dims.split(",")):
         h = 2048 // d
-        q, k, v = (cp.asarray(rng.standard_normal((bv.TOKENS, h, d), dtype=np.float32)).astype(bv.bench._cp_dtype("bfloat16"))
-                   for _ in range(3))
+        bf16 = bv.bench._cp_dtype("bfloat16")
+        q, k, v = (cp.asarray(rng.standard_normal((bv.TOKENS, h, d), dtype=np.float32)).astype(bf16) for _ in range(3))
         if "c" in args.cases:
             case_c(q, k, v, h, d)
         for case in args.cases.replace("c", ""):
@@ -52,7 +52,8 @@ def main(argv=None) -> int:
                 times = [timed(lambda: varlen.attention_varlen_forward(q, k, v, cu, cu, causal=causal)),
                          timed(lambda: cuflash.attention_forward(*token_major, causal=causal)),
                          timed(lambda: cuflash.attention_forward(*contiguous, causal=causal))]
-                flops = [bv.useful_flops(lengths, h, d, causal, False)] + 2 * [bv.useful_flops([mean] * b, h, d, causal, False)]
+                flops = [bv.useful_flops(lengths, h, d, causal, False)]
+                flops += 2 * [bv.useful_flops([mean] * b, h, d, causal, False)]
                 tf = [f / t / 1e9 for f, t in zip(flops, times)]
                 print(f"D={d} {case} causal={causal!s:5} fwd TF/s varlen {tf[0]:6.1f} dense (B, L, H, D) {tf[1]:6.1f} "
                       f"dense (B, H, L, D) {tf[2]:6.1f} | varlen / the two: {tf[0] / tf[1]:.3f} {tf[0] / tf[2]:.3f}",
@@ -79,7 +80,8 @@ def case_c(q, k, v, h: int, d: int) -> None:
                 line.append(f"whole packed {packed:.3f} ms")
                 continue
             n = seqs[0]
-            dense_args = [cp.ascontiguousarray(x.reshape(len(seqs), n, h, d).transpose(0, 2, 1, 3)) for x in (pq, pk, pv)]
+            dense_args = [cp.ascontiguousarray(x.reshape(len(seqs), n, h, d).transpose(0, 2, 1, 3))
+                          for x in (pq, pk, pv)]
             dense = timed(lambda: cuflash.attention_forward(*dense_args, causal=causal))
             line.append(f"{name} packed {packed:.3f} / dense {dense:.3f} ms")
         print(f"D={d} c causal={causal!s:5} " + " | ".join(line), flush=True)

@@ -4,8 +4,8 @@ Each rank holds a slice of the sequence's queries, keys and values (its *segment
 piece; with ``layout="zigzag"`` two pieces, chunk ``r`` and chunk ``2 n - 1 - r`` of ``2 n``; with
 ``layout="striped"`` every ``n``-th position from ``r``). Zigzag and striped balance a causal mask's work over
 the ``n`` ranks: under striped each step is one causal call of the two slices (the diagonal kept when the keys
-come from a rank at or below this one), under zigzag six of its ten block pairs are calls without a mask. Keys and values travel around the ring; at each
-step a rank attends its queries to the block it holds, in the accumulator precision, and merges the
+come from a rank at or below this one), under zigzag most block pairs are calls without a mask. Keys and
+values travel around the ring; at each step a rank attends its queries to the block it holds, in the accumulator precision, and merges the
 partial result by its log-sum-exp (:func:`cuflash.merge_attention`'s rule), while the next block is
 already in flight. The backward sends the keys and values around again with their dK / dV
 accumulators, each rank adding its queries' share, and hands each accumulator back to its owner.
@@ -400,8 +400,8 @@ def _block_pairs(q_spans, k_spans, causal: bool, window) -> Iterator[Tuple[slice
     pieces and a key block's pieces that see each other: the slices (of the local arrays) cut to the
     queries that see some key of the piece and the keys some of them see, the band of global positions
     ``q - left <= k <= q + right`` (right 0 with ``causal``; a side may be negative if their sum is not)
-    moved to those slices' own (0, 0): a
-    top-left window with both sides >= 0, or None where every query sees every key of the slice; and
+    moved to those slices' own (0, 0): a top-left window with both sides >= 0, or None where every query
+    sees every key of the slice; and
     the global positions of the slices' first query and key (dropout's origin)."""
     left, right = window if window is not None else (None, None)
     if causal:

@@ -455,7 +455,8 @@ class Variant:
     one range of key tiles, writing partial O and lse in the accumulator type. ``packed``: the forward
     over packed sequences of different lengths (cuflash.varlen), its grid the host's block table times
     the query heads (K/V heads: dK/dV) (scheduler.cuh, PackedBlock), a CTA a block, or (the Hopper forward)
-    a persistent grid walking the table; :data:`PACKED_FAMILIES` without EXTRA (the forward on the split tiles). ``acc_out``: the 16-bit Hopper forward writing O in float32 (a
+    a persistent grid walking the table; :data:`PACKED_FAMILIES` without EXTRA (the forward on the split
+    tiles). ``acc_out``: the 16-bit Hopper forward writing O in float32 (a
     partial result merged again later, cuflash.distributed), its last template parameter. ``prelude``: source placed before the kernel's, a call's user
     modifications (cuflash.mods, kernels_cu/user_mod.cuh) for an EXTRA variant; the name expression is
     the same, the build another.

@@ -433,8 +433,9 @@ def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Opti
     """The forward over packed sequences (cuflash.varlen) for a call whose forward is ``variant`` and portable
     forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin on the long-rows tile (a
     packed call's rows are not one sequence's), where ``variant`` is that kernel without EXTRA: one CTA an SM
-    walking the table where the tile can walk (:func:`packed_schedule`), else a CTA a block; else the portable forward's PACKED twin on the split tile, for the 16-bit and float64 tensor-core
-    forwards without EXTRA; None for the others (their sequences run one dense launch each). The plan takes
+    walking the table where the tile can walk (:func:`packed_schedule`), else a CTA a block; else the
+    portable forward's PACKED twin on the split tile, for the 16-bit and float64 tensor-core forwards without
+    EXTRA; None for the others (their sequences run one dense launch each). The plan takes
     ``packed_variant(portable, portable, ...)`` where tensor maps cannot describe the arrays."""
     try:
         if variant.family == "fwd_wgmma" and not variant.extra:

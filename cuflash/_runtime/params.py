@@ -27,7 +27,8 @@ _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.i
                   ("keep_scale", np.float64),
                   ("key_lengths", np.uint64), ("page_table", np.uint64), ("page_size", np.int32),
                   ("pages_per_seq", np.int32), ("num_pages", np.int32), ("packed_blocks", np.uint64),
-                  ("band_from_end", np.int32), ("packed_count", np.int32), ("band_period", np.int32), ("mod_args", np.uint64, (16,))],
+                  ("band_from_end", np.int32), ("packed_count", np.int32), ("band_period", np.int32),
+                  ("mod_args", np.uint64, (16,))],
                  align=True)
 _DBIAS = np.dtype([("acc", _SCORE), ("order", np.uint64), ("mode", np.int32), ("rows_broadcast", np.int32),
                    ("tiles_b", np.int32), ("tiles_h", np.int32), ("tiles_i", np.int32), ("splits", np.int32),
