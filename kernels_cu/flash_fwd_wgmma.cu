@@ -227,8 +227,8 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
 // and consumers walk the same blocks and tiles, so the stage ring and its parities simply run on
 // across blocks.
 // PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), entries x heads of
-// them (MaskParams::packed_count), a CTA a block or walked as the dense ones are, without EXTRA: each with its sequence's own counts, its maps' rows counted from the packed tensor's
-// first (TmaRows); O of a warpgroup's 64 rows goes out by the copy engine only where all 64 are the
+// them (MaskParams::packed_count), a CTA a block or walked as the dense ones are, without EXTRA: each with
+// its sequence's own counts, its maps' rows counted from the packed tensor's first (TmaRows); O of a warpgroup's 64 rows goes out by the copy engine only where all 64 are the
 // sequence's (the maps clip at the packed tensor's end only).
 // ACC_OUT: O in float32, the accumulator's type, stored element pair by pair (no tensor map): a partial
 // result that is merged with others before any rounding to 16 bits (cuflash.distributed's ring steps).

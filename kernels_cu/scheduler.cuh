@@ -198,13 +198,14 @@ struct KeyBlock {
 
 // Packed sequences (cuflash.varlen; MaskParams::packed_blocks): the blocks are (table entries) x (query
 // heads; K/V heads for the key-major dK/dV kernel), MaskParams::packed_count of them. The host's table
-// (cuflash/_dispatch/packed.py) lists each sequence's tiles together, longest sequence first; an entry is
-// eight int32, two 16-byte loads: {q_start, k_start, first, lq, lk, seq, seq_entry, seq_tiles}. The blocks of a
-// sequence of T tiles whose first entry is E are blocks heads x E .. heads x (E + T) - 1, a head's T tiles in a
-// row (block E x heads + h x T + t: head h, entry E + t), so that CTAs that run together share one head's
-// K / V (Q / dO for dK/dV) in L2, as a dense grid's tiles do. The views of q, out and lse (k and v) are given
-// a batch stride of one row, so that a block whose batch index is its sequence's first row (q_start, or
-// k_start for K and V) addresses its rows as a dense kernel does: rows first.., counted from the sequence's start.
+// (cuflash/_dispatch/packed.py) lists each sequence's tiles together, longest sequence first; an entry
+// is eight int32, two 16-byte loads: {q_start, k_start, first, lq, lk, seq, seq_entry, seq_tiles}. The
+// blocks of a sequence of T tiles whose first entry is E are blocks heads x E .. heads x (E + T) - 1, a
+// head's T tiles in a row (block E x heads + h x T + t: head h, entry E + t), so that CTAs that run
+// together share one head's K / V (Q / dO for dK/dV) in L2, as a dense grid's tiles do. The views of q,
+// out and lse (k and v) are given a batch stride of one row, so that a block whose batch index is its
+// sequence's first row (q_start, or k_start for K and V) addresses its rows as a dense kernel does: rows
+// first.., counted from the sequence's start.
 struct PackedBlock {
     int q_start, k_start;   // the sequence's first row in the packed q (out, lse) and k (v)
     int first;              // the block's first query row (or key) within the sequence
