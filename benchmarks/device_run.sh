@@ -15,6 +15,8 @@
 #   masking   benchmarks/bench_masking.py $MASK_ARGS into $OUT/masking
 #   decode    benchmarks/bench_decode.py $DECODE_ARGS (default --quick) into $OUT/decode
 #   ring      benchmarks/bench_ring.py $RING_ARGS (2 GPUs by default) into $OUT/ring
+#   varlen    benchmarks/varlen_vs_dense.py $VARLEN_ARGS (the packed forward against the dense kernel), then
+#             benchmarks/bench_varlen.py $VARLEN_BENCH_ARGS (default --quick) into $OUT/varlen
 #   ncu       ncu's summary sections for benchmarks/profile_case.py $NCU_CASES
 #   hot       ncu --set full per "$HOT_SPECS" entry case:kernel-regex:launch-skip:launch-count,
 #             then benchmarks/ncu_hot.py (stall reasons, hottest SASS lines)
@@ -88,6 +90,12 @@ fi
 if has ring; then
   python3 benchmarks/bench_ring.py ${RING_ARGS:-} --out "$OUT/ring" > "$OUT/ring.log" 2>&1
   { echo "== ring (exit $?) =="; cat "$OUT"/ring/*.md 2>/dev/null || tail -20 "$OUT/ring.log"; } >> "$summary"
+fi
+if has varlen; then
+  python3 benchmarks/varlen_vs_dense.py ${VARLEN_ARGS:-} > "$OUT/varlen_vs_dense.log" 2>&1
+  { echo "== varlen vs dense (exit $?) =="; grep "^D=" "$OUT/varlen_vs_dense.log" || tail -20 "$OUT/varlen_vs_dense.log"; } >> "$summary"
+  python3 benchmarks/bench_varlen.py ${VARLEN_BENCH_ARGS:---quick} --out "$OUT/varlen" > "$OUT/varlen.log" 2>&1
+  { echo "== varlen (exit $?) =="; cat "$OUT"/varlen/*.md 2>/dev/null || tail -20 "$OUT/varlen.log"; } >> "$summary"
 fi
 if has tune; then
   echo "== tune ==" >> "$summary"
