@@ -8,7 +8,8 @@ one host (needs N GPUs; one process a GPU, NCCL through CuPy).
 For each length, causal (each of --causal-layouts) and not (contiguous): the median time of the forward and of the
 forward+backward on 1 GPU (cuflash.attention_forward / attention_backward) and on N (the ring, every
 rank timed with CUDA events, the slowest rank's time), the speed-up and the scaling efficiency
-(1-GPU time / (N x N-GPU time)). Writes JSON and Markdown named by the device. ``--single-from``: the 1-GPU times
+(1-GPU time / (N x N-GPU time)), and each rank's time waiting for transfers a forward+backward (NcclRing's
+recorded waits: what the overlap did not hide). Writes JSON and Markdown named by the device. ``--single-from``: the 1-GPU times
 of a results JSON of this script (same dtype, heads and head dim, same device) where it has the (length, causal)
 row, each row naming the file it took them from (they are the bulk of a run's time at 1M tokens).
 """
@@ -66,7 +67,9 @@ def one_gpu(length, heads, d, dtype, causal, repeat, warm):
 
 
 def _rank(comm, rows, heads, d, dtype):
-    """One rank's (forward ms, forward+backward ms) of each row (length, causal, repeat, warm)."""
+    """One rank's (forward ms, forward+backward ms, forward+backward's wait ms) of each row (length, causal,
+    layout, repeat, warm): the wait, the time a call's compute stream stood waiting for transfers (NcclRing's
+    recorded waits, a call's mean)."""
     import cupy as cp
 
     from cuflash import distributed as dist
@@ -82,9 +85,12 @@ def _rank(comm, rows, heads, d, dtype):
             out, lse = dist.ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
             dist.ring_attention_backward(do, q, k, v, out, lse, comm, causal=causal, layout=layout)
 
-        times.append((fwd, _timed(both, repeat, warm)))
+        comm.waits.clear()
+        both_ms = _timed(both, repeat, warm)
+        times.append((fwd, both_ms, comm.wait_ms() / (repeat + int(warm))))
         if comm.rank == 0:
-            print(f"rank 0: L={length} causal={causal} {layout} fwd {times[-1][0]:.2f} ms fwd+bwd {times[-1][1]:.2f} ms", flush=True)
+            print(f"rank 0: L={length} causal={causal} {layout} fwd {fwd:.2f} ms fwd+bwd {both_ms:.2f} ms "
+                  f"(waiting {times[-1][2]:.2f} ms)", flush=True)
         q = k = v = do = None   # freed before the next length's inputs
         cp.get_default_memory_pool().free_all_blocks()
     return times
@@ -151,27 +157,31 @@ def main(argv=None) -> int:
                   f"fwd+bwd {single[n, causal][1]:.2f} ms", flush=True)
     ones = [single[n, causal] for n, causal, *_ in plan]
     cp.get_default_memory_pool().free_all_blocks()   # GPU 0 is rank 0's too
-    per_rank = dist.launch(_rank, args.gpus, args=(plan, args.heads, args.head_dim, args.dtype))
+    per_rank = dist.launch(_rank, args.gpus, args=(plan, args.heads, args.head_dim, args.dtype), timed=True)
     rows = []
     for (length, causal, layout, repeat, _), (f1, b1), *ranks in zip(plan, ones, *per_rank):
         fn, bn = max(t[0] for t in ranks), max(t[1] for t in ranks)   # the slowest rank's
         row = {"L": length, "causal": causal, "layout": layout, "gpus": args.gpus,
                "single_from": args.single_from if (length, causal) in reused else None,
                "dtype": args.dtype, "H": args.heads, "D": args.head_dim, "repeat": repeat, "fwd_1gpu_ms": f1,
-               "fwd_ngpu_ms": fn, "fwdbwd_1gpu_ms": b1, "fwdbwd_ngpu_ms": bn, "fwd_efficiency": f1 / (args.gpus * fn),
+               "fwd_ngpu_ms": fn, "fwdbwd_1gpu_ms": b1, "fwdbwd_ngpu_ms": bn,
+               "fwdbwd_wait_ms": [t[2] for t in ranks], "fwd_efficiency": f1 / (args.gpus * fn),
                "fwdbwd_efficiency": b1 / (args.gpus * bn)}
         rows.append(row)
-        print(f"L={length:8d} causal={causal!s:5} {layout:10} fwd {f1:9.2f} -> {fn:9.2f} ms ({row['fwd_efficiency']:.0%}) "
-              f"fwd+bwd {b1:9.2f} -> {bn:9.2f} ms ({row['fwdbwd_efficiency']:.0%})", flush=True)
+        waits = "/".join(f"{w:.1f}" for w in row["fwdbwd_wait_ms"])
+        print(f"L={length:8d} causal={causal!s:5} {layout:10} fwd {f1:9.2f} -> {fn:9.2f} ms "
+              f"({row['fwd_efficiency']:.0%}) fwd+bwd {b1:9.2f} -> {bn:9.2f} ms ({row['fwdbwd_efficiency']:.0%}), "
+              f"waiting {waits} ms a rank", flush=True)
     out = Path(args.out or f"cuflash-ring-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     stem = f"ring-{args.gpus}x-" + device.replace(" ", "_")
     (out / f"{stem}.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
     lines = [f"# Ring attention on {args.gpus} x {device}", "",
              "| L | causal | layout | fwd 1 GPU ms | fwd N GPUs ms | efficiency | fwd+bwd 1 GPU ms | fwd+bwd N GPUs ms "
-             "| efficiency |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['L']} | {r['causal']} | {r['layout']} | {r['fwd_1gpu_ms']:.2f} | {r['fwd_ngpu_ms']:.2f} | {r['fwd_efficiency']:.0%} | "
-              f"{r['fwdbwd_1gpu_ms']:.2f} | {r['fwdbwd_ngpu_ms']:.2f} | {r['fwdbwd_efficiency']:.0%} |" for r in rows]
+             "| efficiency | fwd+bwd waiting ms (a rank each) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['L']} | {r['causal']} | {r['layout']} | {r['fwd_1gpu_ms']:.2f} | {r['fwd_ngpu_ms']:.2f} | "
+              f"{r['fwd_efficiency']:.0%} | {r['fwdbwd_1gpu_ms']:.2f} | {r['fwdbwd_ngpu_ms']:.2f} | "
+              f"{r['fwdbwd_efficiency']:.0%} | {' / '.join(f'{w:.1f}' for w in r['fwdbwd_wait_ms'])} |" for r in rows]
     taken = sorted({r["L"] for r in rows if r["single_from"]})
     if taken:
         lines += ["", f"1-GPU times at L = {', '.join(map(str, taken))} from {args.single_from}."]

@@ -160,9 +160,11 @@ class NcclRing:
     stream of their own, ordered after the compute stream's work on the arrays they send, and the
     compute stream waits for what arrives only where it reads it.
 
-    ``NcclRing(rank, size, unique_id)``, or :meth:`from_env` under torchrun, mpirun or SLURM."""
+    ``NcclRing(rank, size, unique_id)``, or :meth:`from_env` under torchrun, mpirun or SLURM. With
+    ``timed=True`` the ring records CUDA events around each of the compute stream's waits (``waits``, a list
+    of (start, end) events; :meth:`wait_ms`): the time a transfer was not hidden behind the compute."""
 
-    def __init__(self, rank: int, size: int, unique_id, device: Optional[int] = None):
+    def __init__(self, rank: int, size: int, unique_id, device: Optional[int] = None, timed: bool = False):
         import cupy
 
         nccl = _nccl()
@@ -172,6 +174,16 @@ class NcclRing:
             cupy.cuda.Device(device).use()
         self._comm = nccl.NcclCommunicator(size, unique_id, rank)
         self._stream = cupy.cuda.Stream(non_blocking=True)
+        self.waits = [] if timed else None
+
+    def wait_ms(self) -> float:
+        """Milliseconds the compute stream stood waiting for arriving arrays over the waits recorded so far
+        (``waits.clear()`` starts again); waits for them to be measured."""
+        if self.waits is None:
+            raise RuntimeError("a ring made with timed=True records its waits")
+        for _, end in self.waits:
+            end.synchronize()
+        return float(sum(self._cupy.cuda.get_elapsed_time(start, end) for start, end in self.waits))
 
     @staticmethod
     def unique_id():
@@ -179,12 +191,12 @@ class NcclRing:
         return _nccl().get_unique_id()
 
     @classmethod
-    def from_env(cls, id_file: Optional[str] = None) -> "NcclRing":
+    def from_env(cls, id_file: Optional[str] = None, timed: bool = False) -> "NcclRing":
         """The ring of a launcher's processes: rank, size and local GPU from torchrun (RANK,
         WORLD_SIZE, LOCAL_RANK), Open MPI (OMPI_COMM_WORLD_*) or SLURM (SLURM_PROCID, SLURM_NTASKS,
         SLURM_LOCALID); rank 0's NCCL id passed through torch.distributed's TCP store (MASTER_ADDR,
         MASTER_PORT) when PyTorch is installed, else mpi4py when installed, else the file ``id_file``
-        (or $CUFLASH_NCCL_ID_FILE) on a path every process sees."""
+        (or $CUFLASH_NCCL_ID_FILE) on a path every process sees. ``timed``: the constructor's."""
         import os
 
         env = os.environ
@@ -199,7 +211,7 @@ class NcclRing:
             raise RuntimeError("no launcher environment: run under torchrun, mpirun or srun (RANK / WORLD_SIZE, "
                                "OMPI_COMM_WORLD_RANK / _SIZE or SLURM_PROCID / SLURM_NTASKS)")
         uid = _shared_unique_id(rank, size, id_file or env.get("CUFLASH_NCCL_ID_FILE"))
-        return cls(rank, size, uid, device=local)
+        return cls(rank, size, uid, device=local, timed=timed)
 
     def exchange_async(self, arrays: Sequence[Any], shapes: Sequence[Tuple[int, ...]]) -> _Arrived:
         """Send ``arrays`` to the next rank; ``.wait()`` gives the previous rank's (of ``shapes``, each with
@@ -218,7 +230,11 @@ class NcclRing:
         done = self._stream.record()
 
         def fetch():
-            cupy.cuda.get_current_stream().wait_event(done)
+            stream = cupy.cuda.get_current_stream()
+            start = stream.record() if self.waits is not None else None
+            stream.wait_event(done)
+            if start is not None:   # reached when the stream's earlier work ends, passed when the transfer does
+                self.waits.append((start, stream.record()))
             del sent[:]   # kept alive until the sends are ordered before the next use of their memory
             return received
 
@@ -290,7 +306,8 @@ def _shared_unique_id(rank: int, size: int, id_file: Optional[str]):
 
 # ----------------------------------------------------------------------------- local launcher
 
-def launch(fn, nprocs: Optional[int] = None, args: Sequence[Any] = (), timeout: Optional[float] = None) -> list:
+def launch(fn, nprocs: Optional[int] = None, args: Sequence[Any] = (), timeout: Optional[float] = None,
+           timed: bool = False) -> list:
     """``[fn(comm, *args) on rank r for r in range(nprocs)]``: one process a GPU of this host (multiprocessing's
     spawn), rank r on GPU r with ``comm`` its :class:`NcclRing`; the NCCL id travels with the arguments.
 
@@ -305,6 +322,8 @@ def launch(fn, nprocs: Optional[int] = None, args: Sequence[Any] = (), timeout: 
         Picklable arguments passed to every rank (NumPy arrays, numbers, strings).
     timeout : float, optional
         Seconds to wait for all ranks (default: no limit).
+    timed : bool
+        The rings record their waits (:class:`NcclRing`).
 
     Returns
     -------
@@ -332,8 +351,8 @@ def launch(fn, nprocs: Optional[int] = None, args: Sequence[Any] = (), timeout: 
     ctx = multiprocessing.get_context("spawn")
     uid = NcclRing.unique_id()
     pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
-    procs = [ctx.Process(target=_launched, args=(r, nprocs, uid, fn, tuple(args), pipes[r][1]), daemon=True)
-             for r in range(nprocs)]
+    procs = [ctx.Process(target=_launched, args=(r, nprocs, uid, fn, tuple(args), pipes[r][1], timed),
+                         daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()
     for _, sender in pipes:
@@ -365,12 +384,12 @@ def launch(fn, nprocs: Optional[int] = None, args: Sequence[Any] = (), timeout: 
     return results
 
 
-def _launched(rank: int, size: int, uid, fn, args: tuple, conn) -> None:
+def _launched(rank: int, size: int, uid, fn, args: tuple, conn, timed: bool = False) -> None:
     """A spawned rank of :func:`launch`: its ring, ``fn``'s result (or the traceback) sent back."""
     try:
         import cupy
 
-        comm = NcclRing(rank, size, uid, device=rank)
+        comm = NcclRing(rank, size, uid, device=rank, timed=timed)
         result = fn(comm, *args)
         cupy.cuda.get_current_stream().synchronize()
         conn.send(("ok", _on_host(result)))

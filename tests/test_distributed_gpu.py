@@ -1,9 +1,10 @@
 """Ring attention on the GPU (marker `gpu`): over NCCL on two GPUs of one host (skipped with fewer), one
 process a GPU started by cuflash.distributed.launch, every case of CASES in one launch; and the same cases
 with two ranks as threads of one process on one GPU. The result and the gradients of each within the
-dtype's error budget against the exact reference of the whole sequence (_errors.py), as one GPU's are: every dtype, causal (zigzag, striped and contiguous) and not, sliding
-windows, GQA, odd lengths, head dims 64 and 128 (the 16-bit Hopper forward's float32-output twin), dropout drawn at
-global positions (the whole sequence's mask)."""
+dtype's error budget against the exact reference of the whole sequence (_errors.py), as one GPU's are:
+every dtype, causal (zigzag, striped and contiguous) and not, sliding windows, GQA, odd lengths, head dims
+64 and 128 (the 16-bit Hopper forward's float32-output twin), dropout drawn at global positions (the whole
+sequence's mask). A timed NCCL ring's recorded waits."""
 import functools
 
 import ml_dtypes
@@ -157,3 +158,24 @@ def test_launch_returns_each_ranks_result_and_raises_its_error():
     np.testing.assert_allclose(result["out"][0].astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
     with pytest.raises(RuntimeError, match="rank 0 failed:(.|\n)*ValueError: rank 0 refuses"):
         dist.launch(_failing_rank, 1, timeout=300)
+
+
+def _timed_ring_waits(comm, q):
+    from cuflash import distributed as dist
+
+    mine = [cp.asarray(dist.shard(x, comm.rank, comm.size, "zigzag")) for x in (q, q, q)]
+    out, vjp_fn = dist.ring_vjp(*mine, comm, causal=True)
+    vjp_fn(cp.ones_like(out))
+    return len(comm.waits), comm.wait_ms()
+
+
+def test_nccl_rings_record_their_waits():
+    """A timed ring records a wait for each arrival the compute stream waits for: n - 1 in the forward, n - 1
+    key / value blocks and n accumulator arrivals in the backward, 3 (n - 1) + 1 a vjp; their time is >= 0."""
+    if _gpus() < RANKS:
+        pytest.skip(f"needs {RANKS} GPUs, this machine has {_gpus()}")
+    from cuflash import distributed as dist
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 1000, 64)).astype(np.float16)
+    for count, ms in dist.launch(_timed_ring_waits, RANKS, args=(q,), timeout=300, timed=True):
+        assert count == 3 * (RANKS - 1) + 1 and ms >= 0
