@@ -146,8 +146,7 @@ class _Packed:
         """A sequence's dropout options: the mask at its first packed query row and its first key."""
         if not self.opts.dropout:
             return {}
-        origin = (rows.start, 0) if self.xp is not np else (0, rows.start, 0)
-        return dict(dropout_p=self.opts.dropout_p, seed=self.opts.seed, dropout_origin=origin)
+        return dict(dropout_p=self.opts.dropout_p, seed=self.opts.seed, dropout_origin=(rows.start, 0))
 
 
 def _heads_major(x):
