@@ -185,7 +185,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
     acc = acc_dtype(p.dtype)
     if xp is not np and p.lk > 0:
         with _device_of(q):
-            plan = _plan.plan_packed_forward(q, k, v, p, call.opts, precision)
+            plan = _plan.plan_packed_forward(q, k, v, p, call.opts, precision, int(np.diff(call.cu_k).max()))
             if plan is not None:
                 return _plan.execute_packed_forward(plan, q, k, v, call.cu_q, call.cu_k)
     with _device_of(q):

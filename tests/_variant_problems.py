@@ -21,8 +21,10 @@ BATCH, HEADS_Q, HEADS_K, LQ, LK = 2, 2, 1, 97, 130
 SPLITS = 3   # a split-KV variant's problem: three key ranges, the last one shorter
 DECODE_LQ = 5   # the decoding partial kernel's problem: 5 query rows (10 with the two query heads packed)
 # A packed variant's problem: query and key counts of its sequences (one past a 64-row tile, an empty one, one
-# without keys, more keys than queries and fewer)
+# without keys, more keys than queries and fewer); the long form for the Hopper forward's long-rows tile, whose
+# longest sequence goes past the short-rows threshold (twice it under a band)
 PACKED_LENGTHS = ((LQ, 0, 1, 3, 70), (LK, 4, 0, 1, 33))
+PACKED_LENGTHS_LONG = ((LQ, 0, 1, 3, 70), (2 * HOPPER_FWD_SHORT_KEYS[64] + 18, 4, 0, 1, 33))
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class Problem:
     precision: str = "highest"    # float32: "tf32" the plain TF32 kernels, "fma" the FMA ones (FLOAT32_PRECISIONS)
     num_splits: int = 1           # > 1: the split-KV forward (the portable kernel's partial twin, then the combine)
     lq: int = LQ                  # query rows (DECODE_LQ: the decoding partial kernel's few rows)
-    packed: bool = False          # packed sequences (cuflash.varlen: PACKED_LENGTHS)
+    packed: bool = False          # packed sequences (cuflash.varlen) of these query and key counts:
+    packed_lengths: tuple = PACKED_LENGTHS
     accumulator: bool = False     # the forward in float32 (api.forward_in_accumulator: the Hopper forward's acc_out twin)
 
     @property
@@ -59,9 +62,9 @@ class Problem:
                               cc=self.cc, rows=row_class(head, self.lk, band), precision=self.precision,
                               wgmma=self.num_splits == 1)
         if self.packed:   # plan.plan_packed_forward's choice: the Hopper or the portable forward's PACKED twin
+            rows = row_class(head, max(self.packed_lengths[1]), band)   # the longest sequence's (plan_packed_forward)
             choose = functools.partial(forward_variant, self.dtype, head, band=band, extra=False, vec=self.vec,
-                                       smem_limit=self.smem_limit, cc=self.cc, rows=row_class(head, self.lk, band),
-                                       precision=self.precision)
+                                       smem_limit=self.smem_limit, cc=self.cc, rows=rows, precision=self.precision)
             fwd = [packed_variant(choose(), choose(wgmma=False), self.smem_limit)]
             if not self.backward:
                 return fwd
@@ -119,9 +122,10 @@ def problem_for(v: Variant) -> Problem:
         d = v.head if v.vec or v.arch == "sm90a" else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
         backward = not v.family.startswith("fwd")
-        for limit, cc, det in itertools.product(sorted(SMEM_LIMITS.values(), reverse=True), (80, 90),
-                                                (backward, False)):
-            p = Problem(v.dtype, d, d, causal, False, backward, det, limit, cc, packed=True)
+        for lengths, limit, cc, det in itertools.product((PACKED_LENGTHS, PACKED_LENGTHS_LONG),
+                                                         sorted(SMEM_LIMITS.values(), reverse=True), (80, 90),
+                                                         (backward, False)):
+            p = Problem(v.dtype, d, d, causal, False, backward, det, limit, cc, packed=True, packed_lengths=lengths)
             try:
                 if v in p.variants():
                     return p

@@ -889,8 +889,8 @@ def uploads(fake, monkeypatch):
 def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, monkeypatch, causal, window,
                                                                 band_from_end, hopper):
     """16-bit packed sequences: one PACKED launch (fwd_wgmma on Hopper, its tensor maps describing each packed
-    (total, H, D) array as (D, total, H, 1), one CTA an SM striding over the blocks at head dim 64 without a
-    band; fwd_mma
+    (total, H, D) array as (D, total, H, 1), on the short-rows tile a CTA a block: the longest sequence has
+    1000 keys; fwd_mma
     elsewhere, (table entries) x (query heads) CTAs); the block count in the params; q, k, v, out and lse
     seen with a batch stride of one row; the band through (0, 0), moved per sequence where aligned to the
     end; the table the host built, at the address the params hold."""
@@ -909,8 +909,7 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     [(variant, params, maps, grid)] = launches
     assert variant.packed and variant.family == ("fwd_wgmma" if hopper else "fwd_mma")
     assert variant.band == (causal is not False or window is not None)
-    # head dim 64 (three consumer warpgroups): a stride over the table without a band, a CTA a block with one
-    assert variant.schedule == ("stride" if hopper and not variant.band else "block")
+    assert variant.schedule == "block" and variant.short == hopper
     if hopper:   # the fake encoder's bytes: address, dims (D, rows, H, B), byte strides of rows, heads, batch
         for i, (x, rows, heads) in enumerate(((q, 1400, hq), (k, 1900, hk), (v, 1900, hk))):
             words = struct.unpack_from("=8Q", maps, 128 * i)
@@ -936,21 +935,26 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["group"])) == (hq, hq // hk)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_packed_hopper_forward_at_head_dim_128_takes_its_blocks_from_a_queue(fake, uploads, causal):
-    """Head dim 128's Hopper tile has the two-consumer block ring: one CTA an SM takes the table's blocks
-    from a zeroed counter of its own, longest sequence first."""
+@pytest.mark.parametrize("d, causal, schedule", [(128, False, "queue"), (128, True, "queue"), (64, False, "stride"),
+                                                (64, True, "block")])
+def test_packed_hopper_forward_walks_its_table_on_the_long_rows_tile(fake, uploads, d, causal, schedule):
+    """A sequence of 5000 keys: the long-rows tile. Head dim 128's has the two-consumer block ring: one CTA an
+    SM takes the table's blocks from a zeroed counter of its own, longest sequence first; head dim 64's (three
+    consumers) strides over them without a band and runs a CTA a block with one."""
     from cuflash import varlen
     dev, launches = fake
-    cu = np.array([0, 700, 701, 3000], dtype=np.int32)
-    q = dev.empty((3000, 4, 128), np.float16)
+    cu = np.array([0, 700, 701, 5701], dtype=np.int32)
+    q = dev.empty((5701, 4, d), np.float16)
     varlen.attention_varlen_forward(q, q, q, cu, cu, causal=causal)
     [(variant, params, _, grid)] = launches
-    assert variant.family == "fwd_wgmma" and variant.packed and variant.schedule == "queue"
+    assert variant.family == "fwd_wgmma" and variant.packed and not variant.short and variant.schedule == schedule
     [(table_ptr, table)] = uploads
     f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
-    assert int(f["mask"]["packed_count"]) == len(table) * 4 and grid == min(len(table) * 4, device.sm_count())
-    assert int(f["mask"]["packed_blocks"]) == table_ptr and int(f["block_queue"]) not in (0, table_ptr)
+    blocks = len(table) * 4
+    assert int(f["mask"]["packed_count"]) == blocks
+    assert grid == (blocks if schedule == "block" else min(blocks, device.sm_count()))
+    assert int(f["mask"]["packed_blocks"]) == table_ptr
+    assert (int(f["block_queue"]) not in (0, table_ptr)) == (schedule == "queue")
 
 
 def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake):

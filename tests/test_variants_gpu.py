@@ -20,7 +20,7 @@ from cuflash._runtime import device
 from _errors import rel_error
 from _gpu_checks import (DTYPES, check_backward, check_backward_tf32, check_forward, check_forward_tf32,
                          check_masked, check_packed, seed_of)
-from _variant_problems import BATCH, HEADS_K, HEADS_Q, PACKED_LENGTHS, problem_for, variant_options
+from _variant_problems import BATCH, HEADS_K, HEADS_Q, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
 
@@ -53,7 +53,7 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
         monkeypatch.setattr(cuflash, "attention_forward", in_accumulator)
     seed = seed_of(variant.name)
     if p.packed:
-        check_packed(p.dtype, HEADS_Q, HEADS_K, PACKED_LENGTHS, p.d, p.causal, seed, backward=p.backward,
+        check_packed(p.dtype, HEADS_Q, HEADS_K, p.packed_lengths, p.d, p.causal, seed, backward=p.backward,
                      deterministic=p.deterministic)
     elif p.precision == "tf32" and p.backward:   # the plain TF32 kernels: their own error bound (TF32_BWD_TOL)
         check_backward_tf32(BATCH, HEADS_Q, HEADS_K, p.lq, p.lk, p.d, p.dv, p.causal, seed,

@@ -489,20 +489,24 @@ class PackedForwardPlan:
     maps: Optional[_Maps] = None
 
 
-def plan_packed_forward(q, k, v, p, opts, precision: str) -> Optional[PackedForwardPlan]:
+def plan_packed_forward(q, k, v, p, opts, precision: str,
+                        longest_keys: Optional[int] = None) -> Optional[PackedForwardPlan]:
     """The forward plan of packed sequences (cuflash.varlen): ``q (total_q, Hq, D)``, ``k``, ``v``
     (total_k, Hk, D / Dv) CuPy arrays, ``p`` and ``opts`` their validated problem and options (the
     packed arrays seen as one batch entry). None where no packed kernel takes the call (:func:`_packed_mask`;
     the tensor-core forwards of float16, bfloat16 and float64 have one, :func:`select.packed_variant`):
     its sequences then run one dense launch each. The Hopper kernel reads its arrays through tensor maps
-    where they can describe them, else the portable one runs."""
+    where they can describe them, else the portable one runs; its tile is the one the dense forward takes for
+    ``longest_keys`` keys (the longest sequence's; default the packed total): the short-rows tile where every
+    sequence's query blocks visit few keys."""
     mask = _packed_mask(p, opts, q, k, v)
     if mask is None:
         return None
     head, band = head_bucket(max(p.d, p.dv)), mask.pop("band")
     smem_limit = device.smem_limit()
-    choice, portable = forward_choice(p.dtype, head, band, False, vec_loads_ok(p.d, p.dv, p.q, p.k, p.v),
-                                      row_class(head, p.lk, band), device.compute_capability(), smem_limit, precision)
+    rows = row_class(head, p.lk if longest_keys is None else longest_keys, band)
+    choice, portable = forward_choice(p.dtype, head, band, False, vec_loads_ok(p.d, p.dv, p.q, p.k, p.v), rows,
+                                      device.compute_capability(), smem_limit, precision)
     variant, maps = packed_variant(choice, portable, smem_limit), None
     if variant is not None and variant.arch == "sm90a":
         if tma.tma_ok(*(_packed_view(x) for x in (q, k, v))) and tma.can_encode():

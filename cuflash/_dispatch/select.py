@@ -431,15 +431,16 @@ def packed_schedule(v: Variant) -> str:
 
 def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Optional[Variant]:
     """The forward over packed sequences (cuflash.varlen) for a call whose forward is ``variant`` and portable
-    forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin on the long-rows tile (a
-    packed call's rows are not one sequence's), where ``variant`` is that kernel without EXTRA: one CTA an SM
-    walking the table where the tile can walk (:func:`packed_schedule`), else a CTA a block; else the
-    portable forward's PACKED twin on the split tile, for the 16-bit and float64 tensor-core forwards without
-    EXTRA; None for the others (their sequences run one dense launch each). The plan takes
+    forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin on ``variant``'s tile (the
+    short-rows tile where the longest sequence's rows are short: plan.plan_packed_forward), where ``variant``
+    is that kernel without EXTRA: one CTA an SM walking the table where the tile can walk
+    (:func:`packed_schedule`), else a CTA a block; else the portable forward's PACKED twin on the split tile,
+    for the 16-bit and float64 tensor-core forwards without EXTRA; None for the others (their sequences run
+    one dense launch each). The plan takes
     ``packed_variant(portable, portable, ...)`` where tensor maps cannot describe the arrays."""
     try:
         if variant.family == "fwd_wgmma" and not variant.extra:
-            packed = replace(variant, packed=True, schedule="block", short=False, tile=None).fitted(smem_limit)
+            packed = replace(variant, packed=True, schedule="block", tile=None).fitted(smem_limit)
             return replace(packed, schedule=packed_schedule(packed))
         if portable.family not in ("fwd_mma", "fwd_dmma") or portable.extra:
             return None
@@ -527,12 +528,13 @@ def all_variants() -> List[Variant]:
             if portable.family in KV_SPLIT_FAMILIES:
                 for rows in (DECODE_ROWS, DECODE_ROWS + 1):   # the decoding kernel, the portable twin
                     seen[split_variants(portable, head, limit, rows)[0]] = None
-            if not extra:   # the packed forward a call takes (the Hopper one where it has one)
-                choice = portable if cc != HOPPER_CC else forward_variant(
-                    dtype, head, band=band, vec=vec, smem_limit=limit, cc=cc, precision=precision)
-                packed = packed_variant(choice, portable, limit)
-                if packed is not None:
-                    seen[packed] = None
+            if not extra:   # the packed forward a call takes (the Hopper one where it has one, by row class)
+                for rows in ROWS:
+                    choice = portable if cc != HOPPER_CC else forward_variant(
+                        dtype, head, band=band, vec=vec, smem_limit=limit, cc=cc, precision=precision, rows=rows)
+                    packed = packed_variant(choice, portable, limit)
+                    if packed is not None:
+                        seen[packed] = None
             if not extra and precision == "highest":   # the packed backward (Hopper's: atomic dQ)
                 for v in packed_backward_variants(dtype, head, band, vec, limit, cc, deterministic=cc == 80) or ():
                     seen[v] = None
