@@ -185,7 +185,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
     acc = acc_dtype(p.dtype)
     if xp is not np and p.lk > 0:
         with _device_of(q):
-            plan = _plan.plan_packed_forward(q, k, v, p, call.opts, precision, int(np.diff(call.cu_k).max()))
+            plan = _plan.packed_forward(q, k, v, p, call.opts, precision, int(np.diff(call.cu_k).max()))
             if plan is not None:
                 return _plan.execute_packed_forward(plan, q, k, v, call.cu_q, call.cu_k)
     with _device_of(q):
@@ -254,7 +254,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
     if xp is not np and p.lk > 0:
         with _device_of(q):
-            plan = _plan.plan_packed_backward(q, k, v, dout, out, p, call.opts, precision, deterministic)
+            plan = _plan.packed_backward(q, k, v, dout, out, p, call.opts, precision, deterministic)
             if plan is not None:
                 lse_acc = xp.ascontiguousarray(lse.astype(acc_dtype(p.dtype), copy=False))
                 return _plan.execute_packed_backward(plan, dout, q, k, v, out, lse_acc, call.cu_q, call.cu_k)

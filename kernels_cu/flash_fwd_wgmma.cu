@@ -228,8 +228,9 @@ __device__ __forceinline__ void produce_bias_tiles(const WgmmaSmem<Tr>& sm, cons
 // across blocks.
 // PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), entries x heads of
 // them (MaskParams::packed_count), a CTA a block or walked as the dense ones are, without EXTRA: each with
-// its sequence's own counts, its maps' rows counted from the packed tensor's first (TmaRows); O of a warpgroup's 64 rows goes out by the copy engine only where all 64 are the
-// sequence's (the maps clip at the packed tensor's end only).
+// its sequence's own counts, its maps' rows counted from the packed tensor's first (TmaRows); O goes out by
+// the copy engine only where all the block's rows are the sequence's (the maps clip at the packed tensor's
+// end only).
 // ACC_OUT: O in float32, the accumulator's type, stored element pair by pair (no tensor map): a partial
 // result that is merged with others before any rounding to 16 bits (cuflash.distributed's ring steps).
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
@@ -483,7 +484,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         // Through shared memory where O's tile is free: its own tile, or Q's once this block's
         // S = Q K^T are done (with no tiles, Q's may be receiving the next block's Q).
         const TmaRows at = tma_rows(idx, blk);
-        if (STAGE_O && (Tr::O_OWN_TILE || has_tiles) && (!PACKED || consumer * 64 + 64 <= blk.rows)) {
+        // PACKED: only where the whole block's rows are the sequence's, a test the same for both warpgroups:
+        // one on the warpgroup's own rows (threadIdx, to ptxas not warp-uniform) moved the tile counter t off
+        // the uniform datapath, adding ~30 vector instructions a key tile (benchmarks/sass.py).
+        if (STAGE_O && (Tr::O_OWN_TILE || has_tiles) && (!PACKED || blk.rows == BM)) {
             // The warpgroup's 64 rows of O go, 16-bit and swizzled, into its 64 rows of the tile, and
             // one thread has the copy engine write them out, SLABS boxes of 64 x 64 (the tensor
             // map's bounds clip rows and columns).

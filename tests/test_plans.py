@@ -20,6 +20,7 @@ import cuflash  # noqa: E402
 from cuflash import options  # noqa: E402
 from cuflash._dispatch import masking as _masking  # noqa: E402
 from cuflash._dispatch import model, plan, select  # noqa: E402
+from cuflash._dispatch import packed as packed_  # noqa: E402
 from cuflash._runtime import device, launch  # noqa: E402
 from cuflash._runtime import params as _params  # noqa: E402
 from cuflash._runtime import tma as _tma  # noqa: E402
@@ -42,6 +43,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cp.cuda, "alloc", dev.alloc)   # the split forward's partials
     monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: host_cpu._Stream)   # the split counters' key
     monkeypatch.setattr(plan, "_COUNTERS", {})
+    monkeypatch.setattr(packed_, "_TABLES", {})   # packed block tables: uploaded again in every test
     monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(device, "device_facts", lambda device_id: (90, 232448, "H100 (fake)", 132))
 
@@ -955,6 +957,39 @@ def test_packed_hopper_forward_walks_its_table_on_the_long_rows_tile(fake, uploa
     assert grid == (blocks if schedule == "block" else min(blocks, device.sm_count()))
     assert int(f["mask"]["packed_blocks"]) == table_ptr
     assert (int(f["block_queue"]) not in (0, table_ptr)) == (schedule == "queue")
+
+
+def test_packed_calls_reuse_their_plan_and_table(fake, uploads, monkeypatch):
+    """A packed call repeated with the same offsets (a model's layers) plans once and uploads its block table
+    once; new offsets upload a new table, and a longest sequence of another row class picks another tile
+    (the plan's key holds the class, not the length); a new stream uploads the table again."""
+    from cuflash import varlen
+    dev, launches = fake
+    planned = []
+    plan_once = plan.plan_packed_forward
+    monkeypatch.setattr(plan, "plan_packed_forward", lambda *a: planned.append(a[-1]) or plan_once(*a))
+    q = dev.empty((6000, 4, 64), np.float16)
+    same, other, longer = (np.array(c, dtype=np.int32) for c in ([0, 700, 6000], [0, 1000, 6000], [0, 1, 6000]))
+    shorter = np.array([0] + [500 * i for i in range(1, 12)] + [6000], dtype=np.int32)
+    for cu in (shorter, shorter, shorter):
+        varlen.attention_varlen_forward(q, q, q, cu, cu)
+    assert len(planned) == 1 and len(uploads) == 1
+    assert len({int(np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]["mask"]["packed_blocks"])
+                for _, params, _, _ in launches}) == 1
+    for cu in (same, other, longer):   # one row class (long), three tables
+        varlen.attention_varlen_forward(q, q, q, cu, cu)
+    assert len(planned) == 2 and len(uploads) == 4
+    assert launches[0][0].short and not launches[-1][0].short
+    tables = [int(np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]["mask"]["packed_blocks"])
+              for _, params, _, _ in launches]
+    assert tables[3:] == [ptr for ptr, _ in uploads[1:]]
+
+    class Other:
+        ptr = 1
+
+    monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: Other)
+    varlen.attention_varlen_forward(q, q, q, shorter, shorter)
+    assert len(planned) == 2 and len(uploads) == 5
 
 
 def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake):

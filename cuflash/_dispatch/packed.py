@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._runtime import device
+
 ENTRY_INTS = 8
+
+MAX_TABLES = 64
+"""Device tables kept (:func:`device_table`); past this the cache starts over."""
+
+_TABLES: dict = {}
 
 
 def block_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, reverse: bool) -> np.ndarray:
@@ -51,3 +58,19 @@ def block_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, revers
     if table.size and table.max() >= 2**31:
         raise ValueError("packed sequences of 2**31 rows or more")
     return table.astype(np.int32)
+
+
+def device_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, reverse: bool):
+    """:func:`block_table` as an int32 CuPy array on the current device, kept per (offsets, tile, order,
+    device, stream): a model's layers repeat one batch's offsets, and a table is only ever read, so the
+    later calls launch with no host work or copy for it. The stream is part of the key because the copy
+    that fills a table is ordered on the stream of the call that built it."""
+    cupy, _ = device.cupy_modules()
+    key = (cu_q.tobytes(), cu_k.tobytes(), tile, axis, reverse, cupy.cuda.runtime.getDevice(),
+           cupy.cuda.get_current_stream().ptr)
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= MAX_TABLES:
+            _TABLES.clear()
+        table = _TABLES[key] = cupy.asarray(block_table(cu_q, cu_k, tile, axis, reverse))
+    return table

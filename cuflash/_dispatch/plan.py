@@ -28,7 +28,7 @@ from .._runtime.params import DBIAS_OFF, MASK_OFF, PACKERS, HostArg, as_float32,
 from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
 from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket
-from .packed import block_table
+from .packed import device_table
 from .select import (CACHES_OF_CHOICES, DECODE_ROWS, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
                      forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS,
                      split_count, split_variants, takes_plain_mods, vec_chunk, with_mods)
@@ -450,20 +450,19 @@ def _packed_view(x):
     return x.transpose(1, 0, 2)[None]
 
 
-def _launch_packed(kernel, table: np.ndarray, heads: int, params: HostArg, offsets: tuple,
+def _launch_packed(kernel, table, heads: int, params: HostArg, offsets: tuple,
                    maps: Optional[HostArg] = None) -> None:
-    """Launch a PACKED kernel over a block table (entries x heads blocks: a CTA a block, or one an SM walking
-    them, from a zeroed counter under the "queue" schedule), the table's device copy's address and the
-    block count written into the params first (the driver copies them at the launch; CuPy's pool reuses
-    the copies in stream order after it), with its tensor maps where it reads some."""
+    """Launch a PACKED kernel over a block table on the device (:func:`packed.device_table`; entries x heads
+    blocks: a CTA a block, or one an SM walking them, from a zeroed counter under the "queue" schedule), the
+    table's address and the block count written into the params first (the driver copies them at the
+    launch), with its tensor maps where it reads some."""
     cupy, _ = device.cupy_modules()
     if len(table) == 0:
         return
     blocks = len(table) * heads
     if blocks > MAX_GRID_X:
         raise ValueError(f"{blocks} thread blocks exceed the grid limit {MAX_GRID_X}: fewer packed rows a call")
-    entries = cupy.asarray(table)
-    params.put_addresses(offsets, (entries.data.ptr,))
+    params.put_addresses(offsets, (table.data.ptr,))
     params.put_int32((_PACKED_COUNT[offsets],), (blocks,))
     if kernel.schedule == "queue":   # a zeroed counter a launch
         queue = cupy.zeros(1, dtype=cupy.int32)
@@ -529,8 +528,8 @@ def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, c
     offsets ``cu_q``, ``cu_k`` (checked). Every query row is written: a sequence without keys gets 0 and
     -inf from its blocks, whose key range is empty."""
     cupy, _ = device.cupy_modules()
-    table = block_table(cu_q, cu_k, plan.variant.tile.block_m, "q", plan.reverse)
     with device.on_device(plan.device):
+        table = device_table(cu_q, cu_k, plan.variant.tile.block_m, "q", plan.reverse)
         out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
         lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
         params = HostArg(plan.params)
@@ -613,13 +612,13 @@ def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, c
                  dq_acc=dq_acc[..., :q.shape[2]]))
         if tq:
             run((KernelLaunch(dsum_kernel, dsum_kernel.grid(1, hq, hq // hk, tq, tk)),), params)
-        _launch_packed(dkdv, block_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params, _BWD_PACKED_BLOCKS,
+        _launch_packed(dkdv, device_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params, _BWD_PACKED_BLOCKS,
                        maps)
         if last.family == "bwd_convert_dq":
             if tq:
                 run((KernelLaunch(last, last.grid(1, hq, hq // hk, tq, tk)),), params)
         else:
-            _launch_packed(last, block_table(cu_q, cu_k, last.tile.block_m, "q", plan.reverse), hq, params,
+            _launch_packed(last, device_table(cu_q, cu_k, last.tile.block_m, "q", plan.reverse), hq, params,
                            _BWD_PACKED_BLOCKS)
     return dq, dk, dv
 
@@ -772,9 +771,40 @@ def clear_plans() -> None:
     """Forget every forward and backward plan (a table or a hook they were chosen by changed)."""
     _FORWARD_PLANS.clear()
     _BACKWARD_PLANS.clear()
+    _PACKED_PLANS.clear()
 
 
 CACHES_OF_CHOICES.append(clear_plans)
+
+
+_PACKED_PLANS: dict = {}
+
+
+def _packed_key(arrays, p, opts, precision: str, *rest) -> tuple:
+    """The memo key of a packed plan: the packed arrays' layouts (shape, strides, dtype, device, 16-byte
+    alignment), the validated options the choice reads, and the hooks."""
+    layouts = tuple((x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr & 15) for x in arrays)
+    return (layouts, p.causal, p.scale, opts.extra, opts.window, precision, *rest, _hooks())
+
+
+def packed_forward(q, k, v, p, opts, precision: str, longest_keys: int) -> Optional[PackedForwardPlan]:
+    """:func:`plan_packed_forward`, memoised: a batch's longest sequence enters the key only through the
+    row class it selects the tile by (select.row_class), so batches of other lengths share the plan."""
+    mask = _packed_mask(p, opts, q, k, v)
+    rows = None if mask is None else row_class(head_bucket(max(p.d, p.dv)), longest_keys, mask["band"])
+    key = _packed_key((q, k, v), p, opts, precision, "fwd", rows)
+    if key not in _PACKED_PLANS:
+        _remember(_PACKED_PLANS, key, plan_packed_forward(q, k, v, p, opts, precision, longest_keys))
+    return _PACKED_PLANS[key]
+
+
+def packed_backward(q, k, v, dout, out, p, opts, precision: str,
+                    deterministic: bool) -> Optional[PackedBackwardPlan]:
+    """:func:`plan_packed_backward`, memoised."""
+    key = _packed_key((q, k, v, dout, out), p, opts, precision, "bwd", deterministic)
+    if key not in _PACKED_PLANS:
+        _remember(_PACKED_PLANS, key, plan_packed_backward(q, k, v, dout, out, p, opts, precision, deterministic))
+    return _PACKED_PLANS[key]
 
 
 def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
