@@ -287,18 +287,10 @@ __device__ __forceinline__ void store_frags_t(unsigned char* tile, const unsigne
             *reinterpret_cast<unsigned*>(tile + t_frag_offset<Tr>(kk, i, key_row, lane)) = frags16[kk][i];
 }
 
-// scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from warp_row0,
-// columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
-// rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
-// An 8-byte store is served a half-warp (rows g = 0-3 or 4-7) at a time; in the accumulator's
-// order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
-// counts as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
-// the half-warp's four rows then cover the row's four chunk pairs (n % 4) ^ 2 (g & 1) ^ (g >> 1)
-// once each, one wavefront a half. BOUNDED (packed sequences): rows from `rows` on are staged as 0
-// (the next sequence's rows, which the addition reaches: dS is 0 there, but 0 x an infinite K is NaN).
-template <bool BOUNDED = false>
-__device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
-                                               float scale, int lane, int rows = 64) {
+// stage_dq_block's stores (below), with or without the row test.
+template <bool BOUNDED>
+__device__ __forceinline__ void stage_dq_rows(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
+                                              float scale, int lane, int rows) {
     const bool odd_g = (lane / 4) & 1;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -312,6 +304,23 @@ __device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float
             const bool past = BOUNDED && row >= rows;   // a select: NaN x 0 is NaN
             *reinterpret_cast<float2*>(at) = past ? make_float2(0.0f, 0.0f) : make_float2(v0 * scale, v1 * scale);
         }
+}
+
+// scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from warp_row0,
+// columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
+// rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
+// An 8-byte store is served a half-warp (rows g = 0-3 or 4-7) at a time; in the accumulator's
+// order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
+// counts as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
+// the half-warp's four rows then cover the row's four chunk pairs (n % 4) ^ 2 (g & 1) ^ (g >> 1)
+// once each, one wavefront a half. BOUNDED (packed sequences): rows from `rows` on are staged as 0
+// (the next sequence's rows, which the addition reaches: dS is 0 there, but 0 x an infinite K is NaN);
+// the selects run only in a block that has such rows (a sequence's last query block), not in every step.
+template <bool BOUNDED = false>
+__device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
+                                               float scale, int lane, int rows = 64) {
+    if (BOUNDED && rows < 64) stage_dq_rows<true>(stage, dq, warp_row0, scale, lane, rows);
+    else stage_dq_rows<false>(stage, dq, warp_row0, scale, lane, rows);
 }
 
 // dK = scale * acc_dk and dV = acc_dv of this warp's 16 keys (key_row.. within the block) and
