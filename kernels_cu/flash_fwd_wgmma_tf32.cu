@@ -126,22 +126,29 @@ __device__ __forceinline__ unsigned release_parity(int t) { return tile_parity(t
 constexpr int TF32_PRODUCER_BAR = 1;   // named barrier of the producer warpgroup; 2 + c: consumer c's
 
 // The producer warpgroup (`thread` 0..127): Q once, then every visible tile's K and V, as the
-// file's head says. `first`: the first visible tile (< end).
-template <typename Tr, int SPLIT, typename Mod>
+// file's head says. `first`: the first visible tile (< end); `at`: the block's rows in the maps
+// (TmaRows, scheduler.cuh). PACKED: a sequence's last tile holds the next sequence's rows past its
+// last key (the copy engine fills zeros past the packed tensor only); their P is 0, but 0 x inf is
+// NaN, so V's raw rows there are zeroed before V^T is formed (`smem`: the generic pointer of shared
+// address `base`).
+template <typename Tr, int SPLIT, bool PACKED, typename Mod>
 __device__ __forceinline__ void produce_tf32(const Tf32Smem<Tr>& sm, const FwdTensorMaps& maps, const Mod& mod,
-                                             const QueryBlock& blk, int first, int end, int thread) {
+                                             const QueryBlock& blk, const TmaRows& at, int first, int end,
+                                             int thread, unsigned char* smem, unsigned base) {
     constexpr int BN = Tr::BN, SLABS = Tr::SLABS;
     auto copy_k = [&](int stage, int j) {
         mbar_arrive_expect_tx(sm.k_full(stage), Tr::KV_BYTES);
-        tma_load_tile<BN, SLABS, 32>(sm.k_big(stage), &maps.k, sm.k_full(stage), j * BN, blk.kv_head, blk.batch);
+        tma_load_tile<BN, SLABS, 32>(sm.k_big(stage), &maps.k, sm.k_full(stage), at.k0 + j * BN, blk.kv_head,
+                                     at.batch);
     };
     auto copy_v = [&](int stage, int j) {
         mbar_arrive_expect_tx(sm.v_full(stage), Tr::KV_BYTES);
-        tma_load_tile<BN, SLABS, 32>(sm.v_raw(stage), &maps.v, sm.v_full(stage), j * BN, blk.kv_head, blk.batch);
+        tma_load_tile<BN, SLABS, 32>(sm.v_raw(stage), &maps.v, sm.v_full(stage), at.k0 + j * BN, blk.kv_head,
+                                     at.batch);
     };
     if (thread == 0) {
         mbar_arrive_expect_tx(sm.q_full(), Tr::Q_BYTES);
-        tma_load_tile<Tr::BM, SLABS, 32>(sm.q, &maps.q, sm.q_full(), blk.m0, blk.head, blk.batch);
+        tma_load_tile<Tr::BM, SLABS, 32>(sm.q, &maps.q, sm.q_full(), at.q0 + blk.m0, blk.head, at.batch);
         copy_k(0, first);
         copy_v(0, first);
     }
@@ -166,6 +173,10 @@ __device__ __forceinline__ void produce_tf32(const Tf32Smem<Tr>& sm, const FwdTe
         // V_t^T, once the consumers' O += P V of tile t - 2 no longer reads the stage's V^T.
         mbar_wait(sm.v_full(stage), tile_parity(t));
         mbar_wait(sm.v_empty(stage), release_parity(t));
+        if (PACKED && mod.lk - j * BN < BN) {   // every producer thread's zeros before any reads them
+            zero_tile_rows<BN, SLABS, 128>(smem + (sm.v_raw(stage) - base), mod.lk - j * BN, thread);
+            named_bar_sync(TF32_PRODUCER_BAR, 128);
+        }
         transpose_v_tile<SPLIT, BN, Tr::HEAD, 4>(sm.v_raw(stage), sm.vt_big(stage), sm.vt_small(stage), thread / 32,
                                                  thread % 32);
         fence_proxy_async_smem();
@@ -180,20 +191,30 @@ __device__ __forceinline__ void produce_tf32(const Tf32Smem<Tr>& sm, const FwdTe
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
 // The host checked what the tensor maps need: 16-byte aligned bases and strides (cuflash/_runtime/tma.py).
-template <typename T, typename Cfg, typename Flags, int SPLIT>
+// PACKED: a CTA for each block of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), without
+// EXTRA: each with its sequence's own counts, its maps' rows counted from the packed tensor's first (TmaRows).
+template <typename T, typename Cfg, typename Flags, int SPLIT, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, 1)
 flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     static_assert(sizeof(T) == sizeof(float), "float32 data on TF32 tensor cores");
     typedef FwdWgmmaTf32Traits<Cfg, SPLIT> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
     constexpr int PV_N = Tr::PV_N, PIECES = Tr::PV_PIECES;
+    static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const Tf32Smem<Tr> sm(align_1024(smem_addr(smem_raw)));
+    const unsigned base = smem_addr(smem_raw);
+    const Tf32Smem<Tr> sm(align_1024(base));
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{};
+    const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
+                                  : QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warpgroup = warp / 4;
-    const ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
+    typedef ScoreMod<Flags, float, float, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
+    const Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2_f, blk.head);
+        else return Mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
+    }();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
     auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
 
@@ -214,7 +235,9 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
     if (warpgroup == 0) {
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
         const int first = next_tile(keys.begin);
-        if (first < keys.end) produce_tf32<Tr, SPLIT>(sm, maps, mod, blk, first, keys.end, threadIdx.x);
+        const TmaRows at = PACKED ? TmaRows::packed(seq) : TmaRows::dense(blk.batch);
+        if (first < keys.end)
+            produce_tf32<Tr, SPLIT, PACKED>(sm, maps, mod, blk, at, first, keys.end, threadIdx.x, smem_raw, base);
         return;
     }
     setmaxnreg_inc<Tr::CONSUMER_REGS>();

@@ -992,19 +992,53 @@ def test_packed_calls_reuse_their_plan_and_table(fake, uploads, monkeypatch):
     assert len(planned) == 2 and len(uploads) == 5
 
 
-def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake):
-    """float32 (no packed kernel), a negative scale (the EXTRA kernels) and rows that are not unit-stride
-    (validation's copies are not the arrays a packed plan would address) take no packed plan; at head dim
-    256 (the FMA backward) there is a packed forward but no packed backward."""
+@pytest.mark.parametrize("d, causal", [(64, False), (128, "bottom_right")])
+def test_packed_float32_forward_runs_the_3xtf32_kernel_a_cta_a_block(fake, uploads, d, causal):
+    """float32 ("highest") on Hopper: the 3xTF32 forward's PACKED twin, a CTA a table block and query head,
+    its maps describing the packed (total, H, D) float32 arrays as (D, total, H, 1) and O's map left as zeros
+    (O is stored from the registers); the band moved per sequence where aligned to the end."""
+    from cuflash import varlen
+    dev, launches = fake
+    cu_q = np.array([0, 300, 301, 1400], dtype=np.int32)
+    cu_k = np.array([0, 500, 700, 1900], dtype=np.int32)
+    q = dev.empty((1400, 4, d), np.float32)
+    k, v = (dev.empty((1900, 2, d), np.float32) for _ in range(2))
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    [(variant, params, maps, grid)] = launches
+    assert variant.family == "fwd_wgmma_tf32x3" and variant.packed and variant.schedule == "block"
+    [(table_ptr, table)] = uploads
+    assert grid == len(table) * 4
+    for i, (x, rows, heads) in enumerate(((q, 1400, 4), (k, 1900, 2), (v, 1900, 2))):
+        words = struct.unpack_from("=8Q", maps, 128 * i)
+        assert words == (x.data.ptr, d, rows, heads, 1, heads * d * 4, d * 4, heads * d * 4)
+    assert not any(maps[384:])
+    f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
+    assert int(f["mask"]["packed_count"]) == len(table) * 4 and int(f["mask"]["packed_blocks"]) == table_ptr
+    assert int(f["mask"]["band_from_end"]) == (causal == "bottom_right")
+
+
+def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake, monkeypatch):
+    """float32 at precision "tf32" (no packed kernel), a negative scale (the EXTRA kernels) and rows that are
+    not unit-stride (validation's copies are not the arrays a packed plan would address) take no packed plan;
+    at head dim 256 (the FMA backward), and for float32 "highest" on Hopper (the 3xTF32 forward), there is a
+    packed forward but no packed backward; float32 below Hopper has neither."""
     from cuflash import varlen
     from cuflash._dispatch import plan as plan_
     dev, _ = fake
     cu = np.array([0, 64, 200], dtype=np.int32)
-    for dtype, scale in ((np.float32, None), (np.float16, -0.5)):
+    for dtype, scale, precision in ((np.float32, None, "tf32"), (np.float16, -0.5, "highest")):
         q = dev.empty((200, 2, 64), dtype)
-        call = varlen._Packed(q, q, q, cu, cu, False, scale, None, 0.0, None, "highest")
+        call = varlen._Packed(q, q, q, cu, cu, False, scale, None, 0.0, None, precision)
+        assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, precision) is None
+        assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, precision) is None
+    q = dev.empty((200, 2, 64), np.float32)
+    call = varlen._Packed(q, q, q, cu, cu, False, None, None, 0.0, None, "highest")
+    assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest").variant.family == "fwd_wgmma_tf32x3"
+    assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is None
+    with monkeypatch.context() as m:
+        m.setattr(device, "compute_capability", lambda: 80)
         assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is None
-        assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is None
     q = dev.empty((200, 2, 64), np.float16)
     call = varlen._Packed(q, q, q, cu, cu, False, None, None, 0.0, None, "highest")
     strided = dev.empty((200, 2, 128), np.float16)[..., ::2]

@@ -254,7 +254,7 @@ def test_packed_kernel_matches_the_reference(dtype, d, causal, window, launches)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_neighbours_non_finite_rows_stay_out(dtype, d):
     """A tile of a sequence's queries or keys that runs past its end holds the next sequence's rows (the
@@ -272,7 +272,7 @@ def test_a_neighbours_non_finite_rows_stay_out(dtype, d):
     dev = [cp.asarray(x) for x in (q, k, v)]
     out, lse = varlen.attention_varlen_forward(*dev, cu_q, cu_k)
     grads = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k)
-    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float64": 1e-12}[dtype]
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
     for b in (0, 2):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         got = out.get()[rows].astype(np.float64)

@@ -509,7 +509,8 @@ def plan_packed_forward(q, k, v, p, opts, precision: str,
     variant, maps = packed_variant(choice, portable, smem_limit), None
     if variant is not None and variant.arch == "sm90a":
         if tma.tma_ok(*(_packed_view(x) for x in (q, k, v))) and tma.can_encode():
-            maps = _Maps(tma.fwd_map_specs(variant.tile.block_m, variant.tile.block_n, head >= TMA_STORE_O_HEAD))
+            store_out = variant.family == "fwd_wgmma" and head >= TMA_STORE_O_HEAD
+            maps = _Maps(tma.fwd_map_specs(variant.tile.block_m, variant.tile.block_n, store_out))
         else:
             variant = packed_variant(portable, portable, smem_limit)
     if variant is None:

@@ -434,14 +434,16 @@ def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Opti
     forward ``portable`` (:func:`forward_choice`): the Hopper forward's PACKED twin on ``variant``'s tile (the
     short-rows tile where the longest sequence's rows are short: plan.plan_packed_forward), where ``variant``
     is that kernel without EXTRA: one CTA an SM walking the table where the tile can walk
-    (:func:`packed_schedule`), else a CTA a block; else the portable forward's PACKED twin on the split tile,
-    for the 16-bit and float64 tensor-core forwards without EXTRA; None for the others (their sequences run
-    one dense launch each). The plan takes
-    ``packed_variant(portable, portable, ...)`` where tensor maps cannot describe the arrays."""
+    (:func:`packed_schedule`), else a CTA a block; the float32 Hopper forward's (3xTF32) PACKED twin, a CTA
+    a block; else the portable forward's PACKED twin on the split tile, for the 16-bit and float64
+    tensor-core forwards without EXTRA; None for the others (their sequences run one dense launch each).
+    The plan takes ``packed_variant(portable, portable, ...)`` where tensor maps cannot describe the arrays."""
     try:
         if variant.family == "fwd_wgmma" and not variant.extra:
             packed = replace(variant, packed=True, schedule="block", tile=None).fitted(smem_limit)
             return replace(packed, schedule=packed_schedule(packed))
+        if variant.family == "fwd_wgmma_tf32x3" and not variant.extra:
+            return replace(variant, packed=True, tile=None).fitted(smem_limit)
         if portable.family not in ("fwd_mma", "fwd_dmma") or portable.extra:
             return None
         return replace(portable, packed=True, tile=None).fitted(smem_limit)
