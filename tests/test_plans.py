@@ -7,6 +7,7 @@ import ctypes
 import functools
 import importlib.util
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -962,7 +963,9 @@ def test_packed_hopper_forward_walks_its_table_on_the_long_rows_tile(fake, uploa
 def test_packed_calls_reuse_their_plan_and_table(fake, uploads, monkeypatch):
     """A packed call repeated with the same offsets (a model's layers) plans once and uploads its block table
     once; new offsets upload a new table, and a longest sequence of another row class picks another tile
-    (the plan's key holds the class, not the length); a new stream uploads the table again."""
+    (the plan's key holds the class, not the length); another stream, another host thread on the per-thread
+    default stream, or a new stream object behind a known handle uploads the table again, and the launch
+    reads the table uploaded for it."""
     from cuflash import varlen
     dev, launches = fake
     planned = []
@@ -984,12 +987,32 @@ def test_packed_calls_reuse_their_plan_and_table(fake, uploads, monkeypatch):
               for _, params, _, _ in launches]
     assert tables[3:] == [ptr for ptr, _ in uploads[1:]]
 
+    def table_of(launch):
+        return int(np.frombuffer(launch[1], dtype=_params.STRUCTS["FwdParams"])[0]["mask"]["packed_blocks"])
+
     class Other:
         ptr = 1
 
-    monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: Other)
+    class PerThread:   # the per-thread default stream: one handle, a table a host thread
+        ptr = 2
+
+    for stream, uploaded in ((Other, 5), (Other, 5), (PerThread, 6), (PerThread, 6)):
+        monkeypatch.setattr(cp.cuda, "get_current_stream", lambda stream=stream: stream)
+        varlen.attention_varlen_forward(q, q, q, shorter, shorter)
+        assert len(planned) == 2 and len(uploads) == uploaded and table_of(launches[-1]) == uploads[-1][0]
+    other_thread = []
+    worker = threading.Thread(target=lambda: other_thread.append(varlen.attention_varlen_forward(q, q, q, shorter,
+                                                                                                shorter)))
+    worker.start()
+    worker.join()
+    assert other_thread and len(uploads) == 7 and table_of(launches[-1]) == uploads[-1][0]
+
+    class Replaced:   # a new stream object behind a handle seen before: the table is uploaded again
+        ptr = 1
+
+    monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: Replaced)
     varlen.attention_varlen_forward(q, q, q, shorter, shorter)
-    assert len(planned) == 2 and len(uploads) == 5
+    assert len(uploads) == 8 and table_of(launches[-1]) == uploads[-1][0]
 
 
 @pytest.mark.parametrize("d, causal", [(64, False), (128, "bottom_right")])

@@ -227,14 +227,16 @@ def test_cupy_dropout_drops_what_numpy_drops(dtype, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), ("bottom_right", None), (False, (100, 20)),
                                            ("bottom_right", (64, None))])
 def test_packed_kernel_matches_the_reference(dtype, d, causal, window, launches):
-    """The 16-bit forward's one kernel over every sequence (PACKED fwd_wgmma on Hopper at head dims 64-256,
-    else fwd_mma): one long sequence among short ones, empty and one-row sequences, sequences with no keys,
-    more keys than queries and fewer, GQA; every row against the float64 block-diagonal reference."""
+    """The forward's one kernel over every sequence (16-bit: PACKED fwd_wgmma on Hopper at head dims 64-256,
+    else fwd_mma; float32: PACKED fwd_wgmma_tf32x3 on Hopper at head dims 64 and 128, else a dense launch a
+    sequence): one long sequence among short ones, empty and one-row sequences, sequences with no keys, more
+    keys than queries and fewer, GQA; every row against the float64 block-diagonal reference."""
+    from cuflash._runtime import device
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(d)
     lq = [700, 1, 0, 33, 64, 65, 5, 130]
@@ -242,9 +244,14 @@ def test_packed_kernel_matches_the_reference(dtype, d, causal, window, launches)
     q, k, v, cu_q, cu_k = _packed(rng, lq, lk, hq=6, hk=2, d=d, dv=d, dtype=DTYPES[dtype])
     out, lse = varlen.attention_varlen_forward(*(cp.asarray(x) for x in (q, k, v)), cu_q, cp.asarray(cu_k),
                                                causal=causal, window=window)
-    assert [x.packed for x in launches] == [True]
+    if dtype != "float32":
+        assert [x.packed for x in launches] == [True]
+    elif d in (64, 128) and device.compute_capability() == 90:
+        assert [(x.family, x.packed) for x in launches] == [("fwd_wgmma_tf32x3", True)]
+    else:
+        assert launches and not any(x.packed for x in launches)
     ref_out, ref_lse = _dense(q, k, v, cu_q, cu_k, causal, window)
-    tol = {"float16": 4e-3, "bfloat16": 3e-2}[dtype]
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5}[dtype]
     got = out.get().astype(np.float64)
     assert np.isfinite(got).all()
     assert rel_error(got, ref_out) < tol

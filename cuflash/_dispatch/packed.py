@@ -17,6 +17,8 @@ entry is eight int32 (kernels_cu/scheduler.cuh, PackedBlock):
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .._runtime import device
@@ -27,6 +29,9 @@ MAX_TABLES = 64
 """Device tables kept (:func:`device_table`); past this the cache starts over."""
 
 _TABLES: dict = {}
+
+_PER_THREAD_STREAM = 2
+"""cudaStreamPerThread's handle (CuPy's ``Stream.ptds``)."""
 
 
 def block_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, reverse: bool) -> np.ndarray:
@@ -63,14 +68,17 @@ def block_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, revers
 def device_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, reverse: bool):
     """:func:`block_table` as an int32 CuPy array on the current device, kept per (offsets, tile, order,
     device, stream): a model's layers repeat one batch's offsets, and a table is only ever read, so the
-    later calls launch with no host work or copy for it. The stream is part of the key because the copy
-    that fills a table is ordered on the stream of the call that built it."""
+    later calls launch with no host work or copy for it. The copy that fills a table is ordered on the
+    stream of the call that built it, so a table is reused on that stream only: the entry holds the
+    stream object (which keeps it alive, so that its handle cannot pass to a new stream), and the
+    per-thread default stream, one handle for every host thread, is keyed by thread too."""
     cupy, _ = device.cupy_modules()
-    key = (cu_q.tobytes(), cu_k.tobytes(), tile, axis, reverse, cupy.cuda.runtime.getDevice(),
-           cupy.cuda.get_current_stream().ptr)
-    table = _TABLES.get(key)
-    if table is None:
+    stream = cupy.cuda.get_current_stream()
+    thread = threading.get_ident() if stream.ptr == _PER_THREAD_STREAM else None
+    key = (cu_q.tobytes(), cu_k.tobytes(), tile, axis, reverse, cupy.cuda.runtime.getDevice(), stream.ptr, thread)
+    entry = _TABLES.get(key)
+    if entry is None or entry[0] is not stream:
         if len(_TABLES) >= MAX_TABLES:
             _TABLES.clear()
-        table = _TABLES[key] = cupy.asarray(block_table(cu_q, cu_k, tile, axis, reverse))
-    return table
+        entry = _TABLES[key] = (stream, cupy.asarray(block_table(cu_q, cu_k, tile, axis, reverse)))
+    return entry[1]
