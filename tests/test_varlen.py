@@ -176,6 +176,22 @@ def test_bad_packed_arrays_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@settings(max_examples=6, deadline=None)
+@given(lq=st.lists(st.integers(0, 300), min_size=1, max_size=6), data=st.data(), d=st.sampled_from([32, 64, 128]),
+       causal=st.sampled_from([False, True, "bottom_right"]), deterministic=st.booleans())
+def test_gpu_sequences_match_each_sequence_alone(dtype, lq, data, d, causal, deterministic):
+    """Drawn length lists (0 and 1 included, keys as many as queries or not): every packed sequence's rows
+    and gradients on the GPU within the dtype's error budget of that sequence's exact attention alone, 0 and
+    lse -inf where a row sees no key, 0 for keys no query sees, and bitwise equal gradients run to run
+    where deterministic (_gpu_checks.check_packed)."""
+    from _gpu_checks import check_packed
+    lk = data.draw(st.lists(st.integers(0, 300), min_size=len(lq), max_size=len(lq)))
+    check_packed(dtype, 4, 2, (lq, lk), d, causal, seed=sum(lq) + 3 * sum(lk) + d, backward=True,
+                 deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 def test_cupy_matches_numpy(dtype, causal):
     """Every dtype on the GPU, with GQA, a window, empty and one-row sequences, CuPy offsets: forward and
