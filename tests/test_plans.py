@@ -971,24 +971,22 @@ def test_packed_calls_reuse_their_plan_and_table(fake, uploads, monkeypatch):
     planned = []
     plan_once = plan.plan_packed_forward
     monkeypatch.setattr(plan, "plan_packed_forward", lambda *a: planned.append(a[-1]) or plan_once(*a))
+
+    def table_of(launch):   # the table address a launch's params hold
+        return int(np.frombuffer(launch[1], dtype=_params.STRUCTS["FwdParams"])[0]["mask"]["packed_blocks"])
+
     q = dev.empty((6000, 4, 64), np.float16)
     same, other, longer = (np.array(c, dtype=np.int32) for c in ([0, 700, 6000], [0, 1000, 6000], [0, 1, 6000]))
     shorter = np.array([0] + [500 * i for i in range(1, 12)] + [6000], dtype=np.int32)
     for cu in (shorter, shorter, shorter):
         varlen.attention_varlen_forward(q, q, q, cu, cu)
     assert len(planned) == 1 and len(uploads) == 1
-    assert len({int(np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]["mask"]["packed_blocks"])
-                for _, params, _, _ in launches}) == 1
+    assert len({table_of(launch) for launch in launches}) == 1
     for cu in (same, other, longer):   # one row class (long), three tables
         varlen.attention_varlen_forward(q, q, q, cu, cu)
     assert len(planned) == 2 and len(uploads) == 4
     assert launches[0][0].short and not launches[-1][0].short
-    tables = [int(np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]["mask"]["packed_blocks"])
-              for _, params, _, _ in launches]
-    assert tables[3:] == [ptr for ptr, _ in uploads[1:]]
-
-    def table_of(launch):
-        return int(np.frombuffer(launch[1], dtype=_params.STRUCTS["FwdParams"])[0]["mask"]["packed_blocks"])
+    assert [table_of(launch) for launch in launches[3:]] == [ptr for ptr, _ in uploads[1:]]
 
     class Other:
         ptr = 1
