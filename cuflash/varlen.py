@@ -23,10 +23,10 @@ float64 forward without dropout runs one kernel over every sequence's blocks, lo
 (kernels_cu/scheduler.cuh, PackedBlock: the Hopper kernel on an H100 / H200 where the rows are 16-byte
 loads), and so does their backward at head dims up to 128: on Hopper, unless ``deterministic``, the
 Hopper dK/dV kernel adding dQ into an fp32 accumulator (16-bit rows at head dims 64 and 128), else dK/dV
-and dQ kernels of their own, deterministic by construction. A float32 forward at precision "highest" on
-Hopper runs the 3xTF32 kernel's packed twin (a CTA a block); other calls (float32 backward, float32 below
-Hopper or at other precisions, dropout) launch the dense kernels once a sequence, with dropout at the
-sequence's origin (``dropout_origin``).
+and dQ kernels of their own, deterministic by construction. float32 at precision "highest" runs the 3xTF32
+kernels' packed twins: the forward (Hopper's, a CTA a block, or the portable one) and the dK/dV (one pass,
+or dV then dK at head dim 128) and dQ kernels; other calls (float32 at other precisions, dropout) launch
+the dense kernels once a sequence, with dropout at the sequence's origin (``dropout_origin``).
 """
 from __future__ import annotations
 

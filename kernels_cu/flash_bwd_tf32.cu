@@ -129,9 +129,11 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
 }
 
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each recomputing S^T
-// (the variant table's tiles all take one pass today: cuflash/_dispatch/tables.py).
+// (the variant table splits the passes where one pass's tile does not fit: cuflash/_dispatch/tables.py).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
-template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT>
+// PACKED: the key blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), each with its
+// sequence's own query and key counts; without EXTRA or dQ atomics.
+template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_tf32(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
@@ -151,13 +153,22 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     float* stat_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [lse | Dsum] of BM rows, raw
 
     const AttnDims& dims = p.dims;
+    static_assert(!PACKED || !(Flags::EXTRA || ATOMIC_DQ), "packed sequences: the plain kernel, dQ apart");
     const bool key_major = Flags::EXTRA && DO_DK && p.dbias.mode == DBIAS_KEY_MAJOR;
-    const KeyBlock blk = KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask, key_major));
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group) : PackedBlock{};
+    const KeyBlock blk = PACKED ? seq.key_block(dims, BN)
+                                : KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask, key_major));
     const int n0 = blk.n0, batch = blk.batch, keys_valid = blk.keys;
+    const int q_batch = PACKED ? seq.q_start : batch;   // the query side's batch index (packed: its first row)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int key0 = warp * 16;                                   // this warp's first key within the block
     const float scale = float(p.scale);
-    ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, batch, blk.first_head);
+    typedef ScoreMod<Flags, float, float, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
+    Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2_f, blk.first_head);
+        else return Mod(p.mask, dims, p.scale_log2_f, batch, blk.first_head);
+    }();
+    const int lq = PACKED ? mod.lq : dims.lq;                     // the sequence's own count if packed
     const float x_per_s = mod.x_per_score();
     const bool dbias = Flags::EXTRA && DO_DK && p.dbias.mode != DBIAS_NONE;
     const bool ordered = dbias && p.dbias.mode == DBIAS_ORDERED;
@@ -177,22 +188,22 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     // Steps walk (query head of the group, query block) pairs over the query blocks that can see
     // this key block; every block when dbias contributions take turns (DBIAS_ORDERED: each step
     // passes its turn; a tile nothing sees adds zeros).
-    const int q_blocks = ceil_div(dims.lq, BM);
+    const int q_blocks = ceil_div(lq, BM);
     const KeyBlockSteps<BM> steps(ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM), blk);
     auto issue_query_block = [&](const StepCursor& at, int stage) {
         const int head = at.head, m0 = steps.m0(at.block);
-        const int rows = imin(BM, dims.lq - m0);
+        const int rows = imin(BM, lq - m0);
         load_tile_fixed_col<float, BM, HEAD, P, Tr::THREADS, VEC>(q_stages + stage * Tr::QD_ELEMS,
-                                                                  p.q.at<const float>(batch, head, m0),
+                                                                  p.q.at<const float>(q_batch, head, m0),
                                                                   p.q.row_stride, rows, dims.d);
         load_tile_fixed_col<float, BM, HEAD, P, Tr::THREADS, VEC>(do_stages + stage * Tr::QD_ELEMS,
-                                                                  p.dout.at<const float>(batch, head, m0),
+                                                                  p.dout.at<const float>(q_batch, head, m0),
                                                                   p.dout.row_stride, rows, dims.dv);
         if (mod.has_bias())   // (mod.head is the current step's here, not this one's: head is passed on)
             load_score_tile<float, BM, BN, Tr::BIAS_PITCH, Tr::THREADS>(bias_stages + stage * Tr::BIAS_ELEMS,
                                                                        p.mask.bias, batch, head, m0, n0, rows,
                                                                        keys_valid);
-        copy_row_stats_async<BM, Tr::THREADS>(stat_stages + stage * 2 * BM, p.lse, p.dsum, batch, head, m0, rows);
+        copy_row_stats_async<BM, Tr::THREADS>(stat_stages + stage * 2 * BM, p.lse, p.dsum, q_batch, head, m0, rows);
         cp_async_commit();
     };
     StepCursor cur = StepCursor::first(steps).next_visible(steps, mod, blk, !ordered);
@@ -207,7 +218,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     for (int stage = 0; cur.t < steps.count;) {
         const StepCursor next = cur.after(steps).next_visible(steps, mod, blk, !ordered);
         const int head = cur.head, q_block = steps.begin + cur.block, m0 = q_block * BM;
-        const int rows_valid = imin(BM, dims.lq - m0);
+        const int rows_valid = imin(BM, lq - m0);
         mod.head = head;
         prefetch_next_step<Tr::STAGES>(next.t, steps.count, stage,   // the next block meanwhile
                                        [&](int, int into) { issue_query_block(next, into); });
@@ -323,7 +334,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
 }
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first.
-template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT>
+// PACKED: the query blocks of packed sequences (PackedBlock), without EXTRA.
+template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_tf32(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
@@ -339,16 +351,25 @@ flash_bwd_dq_tf32(const BwdParams p) {
     float* bias_s = v_s + 2 * Tr::KV_ELEMS;                       // stage i at bias_s + i * BIAS_ELEMS (EXTRA)
 
     const AttnDims& dims = p.dims;
-    const QueryBlock blk = QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !Flags::EXTRA, "packed sequences: the plain kernel");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{};
+    const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
+                                  : QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int row0 = warp * 16;                                   // this warp's first row within the block
-    const ScoreMod<Flags, float, float> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
+    typedef ScoreMod<Flags, float, float, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
+    const Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2_f, blk.head);
+        else return Mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
+    }();
     const float x_per_s = mod.x_per_score();
     const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
 
     auto load_kv = [&](int j, int stage) {
-        load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
-            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN, dims.lk);
+        QueryBlock kv_block = blk;
+        if constexpr (PACKED) kv_block.batch = seq.k_start;   // K and V rows from the sequence's first key
+        load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS, false,
+                     PACKED>(k_s, v_s, bias_s, stage, p, kv_block, mod.has_bias(), j * BN, PACKED ? mod.lk : dims.lk);
         cp_async_commit();
     };
     auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };

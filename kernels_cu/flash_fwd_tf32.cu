@@ -53,7 +53,9 @@ struct FwdTf32Traits {
 
 // Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first;
 // KV_SPLIT: that many times FwdParams::num_splits, each copy over its split's key tiles (KeySplit).
-template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT, bool KV_SPLIT = false>
+// PACKED: the blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), each with its
+// sequence's own query and key counts; without EXTRA or KV_SPLIT.
+template <typename T, typename Cfg, typename Flags, bool VEC, int SPLIT, bool KV_SPLIT = false, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_tf32(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
@@ -68,26 +70,41 @@ flash_fwd_tf32(const FwdParams p) {
 
     const AttnDims& dims = p.dims;
     typedef KeySplit<BM, KV_SPLIT> Split;
-    const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
+    static_assert(!PACKED || !(KV_SPLIT || Flags::EXTRA), "packed sequences: the plain kernel, unsplit");
+    const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q) : PackedBlock{};
+    const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
+                                  : Split::query_block(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    // a KV cache's per-sequence key counts (MaskParams::key_lengths): the split kernels without EXTRA
-    constexpr bool PER_SEQ = KV_SPLIT && !Flags::EXTRA;
-    const ScoreMod<Flags, float, float, PER_SEQ> mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
+    // per-sequence key counts: a KV cache's (MaskParams::key_lengths: the split kernels without EXTRA) or
+    // a packed sequence's
+    constexpr bool PER_SEQ = (KV_SPLIT || PACKED) && !Flags::EXTRA;
+    typedef ScoreMod<Flags, float, float, PER_SEQ> Mod;
+    const Mod mod = [&]() {
+        if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2_f, blk.head);
+        else return Mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
+    }();
     const float x_per_s = mod.x_per_score();
     const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
     // PER_SEQ: the sequence's key count, where V's copies stop (load_kv_tile), parked in the padding of
     // Q's first row (columns HEAD.., which no copy, split or fragment load touches) and read back a tile:
     // held in a register through the loop it spilled the 128x32 tile (24 bytes). Not a static __shared__
     // variable: it would add to the dynamic size, which fills the 99 KB GPUs' limit at head dim 128.
+    // PACKED: the sequence's first key row beside it (held through the loop it spilled the same tile).
     int* parked_keys = reinterpret_cast<int*>(q_s + HEAD);
     if constexpr (PER_SEQ) {
-        if (threadIdx.x == 0) *parked_keys = mod.lk;
+        if (threadIdx.x == 0) {
+            parked_keys[0] = mod.lk;
+            if (PACKED) parked_keys[1] = seq.k_start;
+        }
         __syncthreads();
     }
 
     auto load_kv = [&](int j, int stage) {
-        load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS>(
-            k_s, v_s, bias_s, stage, p, blk, mod.has_bias(), j * BN, PER_SEQ ? *parked_keys : dims.lk);
+        QueryBlock kv_block = blk;
+        if constexpr (PACKED) kv_block.batch = parked_keys[1];   // K and V rows from the sequence's first key
+        load_kv_tile<float, BM, BN, HEAD, P, Tr::BIAS_PITCH, Tr::THREADS, VEC, Tr::KV_ELEMS, Tr::BIAS_ELEMS, false,
+                     PACKED>(k_s, v_s, bias_s, stage, p, kv_block, mod.has_bias(), j * BN,
+                             PER_SEQ ? *parked_keys : dims.lk);
         cp_async_commit();
     };
     // The visible key tiles in order (block sparsity and mask summaries skip some).

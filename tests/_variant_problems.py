@@ -69,7 +69,7 @@ class Problem:
             if not self.backward:
                 return fwd
             return fwd + (packed_backward_variants(self.dtype, head, band, self.vec, self.smem_limit, self.cc,
-                                                   self.deterministic) or [])
+                                                   self.deterministic, self.precision) or [])
         if self.accumulator and fwd.family == "fwd_wgmma" and not self.extra:   # plan_forward's accumulator_out
             fwd = replace(fwd, acc_out=True)
         if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks

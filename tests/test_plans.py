@@ -1042,8 +1042,9 @@ def test_packed_float32_forward_runs_the_3xtf32_kernel_a_cta_a_block(fake, uploa
 def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake, monkeypatch):
     """float32 at precision "tf32" (no packed kernel), a negative scale (the EXTRA kernels) and rows that are
     not unit-stride (validation's copies are not the arrays a packed plan would address) take no packed plan;
-    at head dim 256 (the FMA backward), and for float32 "highest" on Hopper (the 3xTF32 forward), there is a
-    packed forward but no packed backward; float32 below Hopper has neither."""
+    at head dim 256 (the FMA backward) there is a packed forward but no packed backward; float32 "highest"
+    has packed 3xTF32 kernels: the Hopper forward on Hopper, the portable one below it, the portable
+    backward everywhere."""
     from cuflash import varlen
     from cuflash._dispatch import plan as plan_
     dev, _ = fake
@@ -1056,10 +1057,14 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake,
     q = dev.empty((200, 2, 64), np.float32)
     call = varlen._Packed(q, q, q, cu, cu, False, None, None, 0.0, None, "highest")
     assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest").variant.family == "fwd_wgmma_tf32x3"
-    assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is None
-    with monkeypatch.context() as m:
+    for deterministic in (False, True):   # float32 has no Hopper backward: the portable 3xTF32 list either way
+        packed_bwd = plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest", deterministic)
+        assert [v.family for v in packed_bwd.kernels] == ["bwd_dsum", "bwd_dkdv_tf32x3", "bwd_dq_tf32x3"]
+    with monkeypatch.context() as m:   # below Hopper: the portable 3xTF32 forward's PACKED twin
         m.setattr(device, "compute_capability", lambda: 80)
-        assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest") is None
+        fwd = plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest")
+        assert fwd.variant.family == "fwd_tf32x3" and fwd.variant.packed and fwd.maps is None
+        assert plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is not None
     q = dev.empty((200, 2, 64), np.float16)
     call = varlen._Packed(q, q, q, cu, cu, False, None, None, 0.0, None, "highest")
     strided = dev.empty((200, 2, 128), np.float16)[..., ::2]
@@ -1073,11 +1078,14 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake,
         assert (plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest") is not None) == backward
 
 
+@pytest.mark.parametrize("dtype, families", [(np.float16, ("bwd_dkdv_mma", "bwd_dq_mma")),
+                                             (np.float32, ("bwd_dkdv_tf32x3", "bwd_dq_tf32x3"))])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
-def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake, uploads, monkeypatch, causal):
-    """16-bit packed sequences' deterministic backward: dsum over every packed row, the PACKED dK/dV kernel
-    over a key-major table (x Hk CTAs), the PACKED dQ kernel over a query-major one (x Hq), each table at the
-    address its launch's params hold; the gradients' views with a batch stride of one row."""
+def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake, uploads, monkeypatch, causal, dtype,
+                                                                         families):
+    """16-bit and float32 packed sequences' deterministic backward: dsum over every packed row, the PACKED dK/dV
+    kernel over a key-major table (x Hk CTAs), the PACKED dQ kernel over a query-major one (x Hq), each table at
+    the address its launch's params hold; the gradients' views with a batch stride of one row."""
     from cuflash import varlen
     from cuflash._dispatch import packed
     dev, launches = fake
@@ -1085,21 +1093,24 @@ def test_packed_backward_launches_dsum_then_the_packed_dkdv_and_dq_kernels(fake,
     hq, hk, d = 8, 2, 128
     cu_q = np.array([0, 300, 300, 1400], dtype=np.int32)
     cu_k = np.array([0, 500, 900, 1900], dtype=np.int32)
-    q, dout = (dev.empty((1400, hq, d), np.float16) for _ in range(2))
-    k, v = (dev.empty((1900, hk, d), np.float16) for _ in range(2))
-    out = dev.empty((1400, hq, d), np.float16)
+    q, dout = (dev.empty((1400, hq, d), dtype) for _ in range(2))
+    k, v = (dev.empty((1900, hk, d), dtype) for _ in range(2))
+    out = dev.empty((1400, hq, d), dtype)
     lse = dev.empty((hq, 1400), np.float32)
     dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal,
                                                   deterministic=True)
     assert [(x.shape, x.dtype) for x in (dq, dk, dv)] == [(x.shape, x.dtype) for x in (q, k, v)]
-    (dsum, _, _, dsum_grid), (dkdv, p_kv, _, grid_kv), (dq_k, p_q, _, grid_q) = launches
-    assert dsum.family == "bwd_dsum" and dkdv.family == "bwd_dkdv_mma" and dq_k.family == "bwd_dq_mma"
+    (dsum, _, _, dsum_grid), *kv_launches, (dq_k, p_q, _, grid_q) = launches
+    (dkdv, p_kv, _, grid_kv) = kv_launches[0]
+    assert dsum.family == "bwd_dsum" and (dkdv.family, dq_k.family) == families
     assert dkdv.packed and dq_k.packed and not dkdv.atomic_dq
+    # one dK/dV pass, or (float32 at head dim 128) dV then dK over the same table
+    assert [v.pass_ for v, *_ in kv_launches] in ([0], [1, 2]) and all(g == grid_kv for *_, g in kv_launches)
     (ptr_kv, table_kv), (ptr_q, table_q) = uploads
     np.testing.assert_array_equal(table_kv, packed.block_table(cu_q, cu_k, dkdv.tile.block_n, "k", False))
     np.testing.assert_array_equal(table_q, packed.block_table(cu_q, cu_k, dq_k.tile.block_m, "q", causal is not False))
     assert grid_kv == len(table_kv) * hk and grid_q == len(table_q) * hq
-    for params, ptr in ((p_kv, ptr_kv), (p_q, ptr_q)):
+    for params, ptr in [(params, ptr_kv) for _, params, _, _ in kv_launches] + [(p_q, ptr_q)]:
         f = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"])[0]
         assert int(f["mask"]["packed_blocks"]) == ptr
         assert int(f["mask"]["band_from_end"]) == int(causal == "bottom_right")

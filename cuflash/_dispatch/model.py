@@ -413,8 +413,8 @@ KV_SPLIT_FAMILIES = ("fwd_mma", "fwd_tf32x3", "fwd_tf32", "fwd_dmma", "fwd_fma",
 """The forwards that take KV_SPLIT (their last template parameter): the split-KV forward's partial
 kernels (kernels_cu/scheduler.cuh, KeySplit), merged by ``fwd_combine``."""
 
-PACKED_FAMILIES = ("fwd_wgmma", "fwd_wgmma_tf32x3", "fwd_mma", "fwd_dmma", "bwd_dkdv_wgmma", "bwd_dkdv_mma",
-                   "bwd_dq_mma", "bwd_dkdv_dmma", "bwd_dq_dmma")
+PACKED_FAMILIES = ("fwd_wgmma", "fwd_wgmma_tf32x3", "fwd_mma", "fwd_tf32x3", "fwd_dmma", "bwd_dkdv_wgmma", "bwd_dkdv_mma",
+                   "bwd_dq_mma", "bwd_dkdv_dmma", "bwd_dq_dmma", "bwd_dkdv_tf32x3", "bwd_dq_tf32x3")
 """The kernels that take PACKED (their last template parameter): packed sequences (cuflash.varlen), each
 block with its sequence's own counts from the host's block table (kernels_cu/scheduler.cuh, PackedBlock)."""
 

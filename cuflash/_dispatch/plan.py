@@ -493,7 +493,8 @@ def plan_packed_forward(q, k, v, p, opts, precision: str,
     """The forward plan of packed sequences (cuflash.varlen): ``q (total_q, Hq, D)``, ``k``, ``v``
     (total_k, Hk, D / Dv) CuPy arrays, ``p`` and ``opts`` their validated problem and options (the
     packed arrays seen as one batch entry). None where no packed kernel takes the call (:func:`_packed_mask`;
-    the tensor-core forwards of float16, bfloat16 and float64 have one, :func:`select.packed_variant`):
+    the tensor-core forwards of float16, bfloat16, float64 and float32 (3xTF32) have one,
+    :func:`select.packed_variant`):
     its sequences then run one dense launch each. The Hopper kernel reads its arrays through tensor maps
     where they can describe them, else the portable one runs; its tile is the one the dense forward takes for
     ``longest_keys`` keys (the longest sequence's; default the packed total): the short-rows tile where every
@@ -543,13 +544,14 @@ def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, c
 
 @dataclass
 class PackedBackwardPlan:
-    """A backward over packed sequences: dsum, then the PACKED dK/dV kernel over a key-major block table
-    and either the PACKED dQ kernel over a query-major one (each its own tile), or (the Hopper dK/dV
+    """A backward over packed sequences: dsum, then the PACKED dK/dV kernel over a key-major block table (or
+    its two passes, dV then dK, over one table) and either the PACKED dQ kernel over a query-major one (each
+    its own tile), or (the Hopper dK/dV
     kernel, which adds dQ into an fp32 accumulator through its tensor maps) the convert kernel; the params
     without addresses, and the accumulator's shape and the maps where there is one."""
 
     device: int
-    kernels: Tuple[object, ...]   # (dsum, dK/dV, dQ or convert) variants
+    kernels: Tuple[object, ...]   # (dsum, the dK/dV pass(es), dQ or convert) variants
     params: bytes
     acc_dtype: object
     reverse: bool
@@ -561,16 +563,16 @@ def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str,
                          deterministic: bool = True) -> Optional[PackedBackwardPlan]:
     """The backward plan of packed sequences (cuflash.varlen) of CuPy arrays ``q``, ``k``, ``v``, ``dout``
     and ``out`` (packed (total, H, D)); None where no packed kernels take it (:func:`_packed_mask`;
-    select.packed_backward_variants: the tensor-core kernels of float16, bfloat16 and float64 at head
-    dims up to 128; on Hopper, not ``deterministic``, the wgmma dK/dV kernel where tensor maps describe
-    the arrays)."""
+    select.packed_backward_variants: the tensor-core kernels of float16, bfloat16, float64 and float32
+    (3xTF32) at head dims up to 128 where they fit the GPU's shared memory; on Hopper, not ``deterministic``,
+    the 16-bit wgmma dK/dV kernel where tensor maps describe the arrays)."""
     mask = _packed_mask(p, opts, q, k, v, dout, out)
     if mask is None:
         return None
     band = mask.pop("band")
     vec = vec_loads_ok(p.d, p.dv, p.q, p.k, p.v) and vec_loads_ok(p.d, p.dv, dout.transpose(1, 0, 2)[None])
     choose = functools.partial(packed_backward_variants, p.dtype, head_bucket(max(p.d, p.dv)), band, vec,
-                               device.smem_limit(), deterministic=deterministic)
+                               device.smem_limit(), deterministic=deterministic, precision=precision)
     kernels, maps, dq_acc_shape = choose(cc=device.compute_capability()), None, None
     acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
     hopper = next((v_ for v_ in kernels or () if v_.family == "bwd_dkdv_wgmma"), None)
@@ -598,7 +600,7 @@ def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, c
     the host offsets. Every row is written: keys of a sequence without queries, and queries of one without
     keys, get 0 from their blocks, which see nothing (the Hopper plan's dq: its zeroed accumulator)."""
     cupy, _ = device.cupy_modules()
-    dsum_kernel, dkdv, last = plan.kernels
+    dsum_kernel, *dkdv_passes, last = plan.kernels
     hq, hk, tq, tk = q.shape[1], k.shape[1], q.shape[0], k.shape[0]
     with device.on_device(plan.device):
         dsum = cupy.empty((hq, tq), dtype=plan.acc_dtype)
@@ -613,8 +615,9 @@ def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, c
                  dq_acc=dq_acc[..., :q.shape[2]]))
         if tq:
             run((KernelLaunch(dsum_kernel, dsum_kernel.grid(1, hq, hq // hk, tq, tk)),), params)
-        _launch_packed(dkdv, device_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params, _BWD_PACKED_BLOCKS,
-                       maps)
+        for dkdv in dkdv_passes:   # one pass (dK and dV), or dV then dK: one key-major table
+            _launch_packed(dkdv, device_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params,
+                           _BWD_PACKED_BLOCKS, maps)
         if last.family == "bwd_convert_dq":
             if tq:
                 run((KernelLaunch(last, last.grid(1, hq, hq // hk, tq, tk)),), params)

@@ -435,8 +435,9 @@ def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Opti
     short-rows tile where the longest sequence's rows are short: plan.plan_packed_forward), where ``variant``
     is that kernel without EXTRA: one CTA an SM walking the table where the tile can walk
     (:func:`packed_schedule`), else a CTA a block; the float32 Hopper forward's (3xTF32) PACKED twin, a CTA
-    a block; else the portable forward's PACKED twin on the split tile, for the 16-bit and float64
-    tensor-core forwards without EXTRA; None for the others (their sequences run one dense launch each).
+    a block; else the portable forward's PACKED twin on the split tile, for the 16-bit, float32 (3xTF32) and
+    float64 tensor-core forwards without EXTRA; None for the others (their sequences run one dense launch
+    each).
     The plan takes ``packed_variant(portable, portable, ...)`` where tensor maps cannot describe the arrays."""
     try:
         if variant.family == "fwd_wgmma" and not variant.extra:
@@ -444,7 +445,7 @@ def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Opti
             return replace(packed, schedule=packed_schedule(packed))
         if variant.family == "fwd_wgmma_tf32x3" and not variant.extra:
             return replace(variant, packed=True, tile=None).fitted(smem_limit)
-        if portable.family not in ("fwd_mma", "fwd_dmma") or portable.extra:
+        if portable.family not in ("fwd_mma", "fwd_tf32x3", "fwd_dmma") or portable.extra:
             return None
         return replace(portable, packed=True, tile=None).fitted(smem_limit)
     except ValueError:
@@ -452,14 +453,15 @@ def packed_variant(variant: Variant, portable: Variant, smem_limit: int) -> Opti
 
 
 def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_limit: int, cc: int = 80,
-                             deterministic: bool = True) -> Optional[list]:
+                             deterministic: bool = True, precision: str = "highest") -> Optional[list]:
     """The backward over packed sequences (cuflash.varlen). On Hopper (``cc`` 90), not ``deterministic``,
     16-bit rows of 16-byte loads at head dims 64 and 128: the Hopper list (dsum, the wgmma dK/dV kernel's
     PACKED twin adding dQ into its fp32 accumulator, the convert kernel). Otherwise the deterministic
     portable list (dsum, dK/dV without dQ atomics, dQ) with its dK/dV and dQ kernels' PACKED twins (dsum and
-    the convert kernel read rows alike, packed or not), for the 16-bit and float64 tensor-core kernels;
-    None where that list has other kernels (the FMA ones at head dim 256, float32). The plan takes the
-    portable list where tensor maps cannot describe the arrays (``cc`` 80)."""
+    the convert kernel read rows alike, packed or not), for the 16-bit, float64 and float32 (3xTF32, precision
+    "highest") tensor-core kernels; None where that list has other kernels (the FMA ones at head dim 256,
+    float32's plain TF32 and FMA ones). The plan takes the portable list where tensor maps cannot describe
+    the arrays (``cc`` 80)."""
     if cc == HOPPER_CC and not deterministic and head in (64, 128):
         with contextlib.suppress(ValueError):
             hopper = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
@@ -468,13 +470,15 @@ def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_
                 return [v if v.family != "bwd_dkdv_wgmma" else replace(v, packed=True) for v in hopper]
     try:
         variants = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=True,
-                                     smem_limit=smem_limit, cc=80)
+                                     smem_limit=smem_limit, cc=80, precision=precision)
     except ValueError:
         return None
     families = [v.family for v in variants]
-    if families not in (["bwd_dsum", "bwd_dkdv_mma", "bwd_dq_mma"], ["bwd_dsum", "bwd_dkdv_dmma", "bwd_dq_dmma"]) \
-            or variants[1].pass_ != 0:
-        return None   # (execute_packed_backward launches exactly dsum, one dK/dV pass, dQ)
+    one_pass = (["bwd_dsum", "bwd_dkdv_mma", "bwd_dq_mma"], ["bwd_dsum", "bwd_dkdv_dmma", "bwd_dq_dmma"],
+                ["bwd_dsum", "bwd_dkdv_tf32x3", "bwd_dq_tf32x3"])
+    two_passes = (["bwd_dsum", "bwd_dkdv_tf32x3", "bwd_dkdv_tf32x3", "bwd_dq_tf32x3"],)   # dV, then dK
+    if not ((families in one_pass and variants[1].pass_ == 0) or families in two_passes):
+        return None   # (execute_packed_backward launches dsum, the dK/dV passes over one table, dQ)
     return [v if v.family == "bwd_dsum" else replace(v, packed=True) for v in variants]
 
 
@@ -538,7 +542,8 @@ def all_variants() -> List[Variant]:
                     if packed is not None:
                         seen[packed] = None
             if not extra and precision == "highest":   # the packed backward (Hopper's: atomic dQ)
-                for v in packed_backward_variants(dtype, head, band, vec, limit, cc, deterministic=cc == 80) or ():
+                for v in packed_backward_variants(dtype, head, band, vec, limit, cc, deterministic=cc == 80,
+                                                  precision=precision) or ():
                     seen[v] = None
     for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
         seen[Variant("fwd_combine", dtype, head)] = None
