@@ -142,7 +142,8 @@ __device__ __forceinline__ void add_dbias_frags_t(const DbiasParams& g, const do
 // WIDE_K (sm_90+): 0 runs every GEMM on m8n8k4, 4 / 8 / 16 on m16n8kWIDE_K over pairs of
 // 8-row tiles (warp_gemm_f64.cuh): this warp's key tiles, and with ATOMIC_DQ the query tiles.
 // PACKED: the key blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), each with its
-// sequence's own counts; without EXTRA or dQ atomics.
+// sequence's own counts; without EXTRA. ATOMIC_DQ adds into the packed rows' accumulator (batch index:
+// the sequence's first query row, the accumulator's batch stride one row).
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int WIDE_K = 0,
           bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
@@ -163,7 +164,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
     double* dsum_s = lse_s + BM;
 
     const AttnDims& dims = p.dims;
-    static_assert(!PACKED || !(Flags::EXTRA || ATOMIC_DQ), "packed sequences: the plain kernel, dQ apart");
+    static_assert(!PACKED || !Flags::EXTRA, "packed sequences: the plain kernel");
     const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group) : PackedBlock{};
     const KeyBlock blk = PACKED ? seq.key_block(dims, BN)
                                 : KeyBlock::from_grid<BN>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
@@ -270,7 +271,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
             for (int r = 0; r < QT; ++r) {
                 const int row = 8 * r + frag_row_f64(lane);
                 if (row >= rows_valid) continue;
-                double* dq_row = p.dq_acc.at<double>(batch, head, m0 + row);
+                double* dq_row = p.dq_acc.at<double>(q_batch, head, m0 + row);
 #pragma unroll
                 for (int n = 0; n < Tr::DQ_TILES; ++n)
 #pragma unroll

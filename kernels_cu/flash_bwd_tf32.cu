@@ -132,7 +132,8 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
 // (the variant table splits the passes where one pass's tile does not fit: cuflash/_dispatch/tables.py).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 // PACKED: the key blocks of packed sequences (cuflash.varlen; PackedBlock, scheduler.cuh), each with its
-// sequence's own query and key counts; without EXTRA or dQ atomics.
+// sequence's own query and key counts; without EXTRA. ATOMIC_DQ adds into the packed rows' accumulator
+// (batch index: the sequence's first query row, the accumulator's batch stride one row).
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int SPLIT, bool PACKED = false>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_tf32(const BwdParams p) {
@@ -153,7 +154,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     float* stat_stages = ds_s + Tr::DS_ELEMS;                     // STAGES x [lse | Dsum] of BM rows, raw
 
     const AttnDims& dims = p.dims;
-    static_assert(!PACKED || !(Flags::EXTRA || ATOMIC_DQ), "packed sequences: the plain kernel, dQ apart");
+    static_assert(!PACKED || !Flags::EXTRA, "packed sequences: the plain kernel");
     const bool key_major = Flags::EXTRA && DO_DK && p.dbias.mode == DBIAS_KEY_MAJOR;
     const PackedBlock seq = PACKED ? PackedBlock::of_cta(p.mask, dims.heads_q / dims.group) : PackedBlock{};
     const KeyBlock blk = PACKED ? seq.key_block(dims, BN)
@@ -287,8 +288,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             __syncthreads();
             const int strip = warp / Tr::Q_SPLIT;
             const int row_a = strip * 16 + lane / 4, row_b = row_a + 8;   // this lane's C-fragment rows
-            float* dq_a = p.dq_acc.at<float>(batch, head, m0 + row_a);
-            float* dq_b = p.dq_acc.at<float>(batch, head, m0 + row_b);
+            float* dq_a = p.dq_acc.at<float>(q_batch, head, m0 + row_a);
+            float* dq_b = p.dq_acc.at<float>(q_batch, head, m0 + row_b);
 #pragma unroll
             for (int c = 0; c < Tr::DQ_COLS / Tr::DQ_CHUNK; ++c) {
                 const int col0 = (warp % Tr::Q_SPLIT) * Tr::DQ_COLS + c * Tr::DQ_CHUNK;

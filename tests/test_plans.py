@@ -1057,9 +1057,9 @@ def test_packed_forward_leaves_what_it_has_no_kernel_for_to_dense_launches(fake,
     q = dev.empty((200, 2, 64), np.float32)
     call = varlen._Packed(q, q, q, cu, cu, False, None, None, 0.0, None, "highest")
     assert plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest").variant.family == "fwd_wgmma_tf32x3"
-    for deterministic in (False, True):   # float32 has no Hopper backward: the portable 3xTF32 list either way
+    for deterministic, last in ((False, "bwd_convert_dq"), (True, "bwd_dq_tf32x3")):   # the portable 3xTF32 lists
         packed_bwd = plan_.plan_packed_backward(q, q, q, q, q, call.p, call.opts, "highest", deterministic)
-        assert [v.family for v in packed_bwd.kernels] == ["bwd_dsum", "bwd_dkdv_tf32x3", "bwd_dq_tf32x3"]
+        assert [v.family for v in packed_bwd.kernels] == ["bwd_dsum", "bwd_dkdv_tf32x3", last]
     with monkeypatch.context() as m:   # below Hopper: the portable 3xTF32 forward's PACKED twin
         m.setattr(device, "compute_capability", lambda: 80)
         fwd = plan_.plan_packed_forward(q, q, q, call.p, call.opts, "highest")
@@ -1153,6 +1153,44 @@ def test_packed_backward_on_hopper_adds_dq_through_the_wgmma_kernel(fake, upload
     assert acc[0] == int(f["dq_acc"]["ptr"]) and acc[1:5] == (d, 1400, hq, 1) and acc[5:7] == (d * 4, 1400 * d * 4)
     assert int(f["dq_acc"]["row_stride"]) == d and int(f["dq_acc"]["head_stride"]) == 1400 * d
     assert int(f["dq"]["ptr"]) == dq.data.ptr and int(f["dq"]["batch_stride"]) == int(f["dq"]["row_stride"]) == hq * d
+
+
+@pytest.mark.parametrize("dtype, d, passes", [(np.float32, 64, [(0, True)]), (np.float32, 128, [(1, False), (2, True)]),
+                                               (np.float64, 64, [(0, True)])])
+@pytest.mark.parametrize("cc", [80, 90])
+def test_packed_backward_of_float32_and_float64_adds_dq_with_atomics(fake, uploads, monkeypatch, dtype, d, passes,
+                                                                   cc):
+    """Not deterministic, float32 (3xTF32) and float64 on any GPU: dsum, the PACKED dK/dV pass or passes over one
+    key-major table, the last adding dQ with atomics into the zeroed accumulator, whose params view has a batch
+    stride of one row (a block adds from its sequence's first query row), then the convert kernel over every
+    packed row into dq: no dQ kernel."""
+    from cuflash import varlen
+    from cuflash._dispatch import packed
+    dev, launches = fake
+    monkeypatch.setattr(cp, "ascontiguousarray", lambda x: x)
+    monkeypatch.setattr(device, "compute_capability", lambda: cc)
+    hq, hk = 8, 2
+    cu_q = np.array([0, 300, 300, 1400], dtype=np.int32)
+    cu_k = np.array([0, 500, 900, 1900], dtype=np.int32)
+    q, dout, out = (dev.empty((1400, hq, d), dtype) for _ in range(3))
+    k, v = (dev.empty((1900, hk, d), dtype) for _ in range(2))
+    lse = dev.empty((hq, 1400), dtype)
+    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
+    (dsum, _, _, _), *kv_launches, (convert, p_c, _, grid_c) = launches
+    assert dsum.family == "bwd_dsum" and convert.family == "bwd_convert_dq" and not convert.dq_tiled
+    assert [(v_.pass_, v_.atomic_dq) for v_, *_ in kv_launches] == passes
+    assert all(v_.packed and v_.band for v_, *_ in kv_launches)
+    [(ptr_kv, table_kv)] = uploads
+    block_n = kv_launches[0][0].tile.block_n
+    np.testing.assert_array_equal(table_kv, packed.block_table(cu_q, cu_k, block_n, "k", False))
+    assert all(g == len(table_kv) * hk for *_, g in kv_launches)
+    assert grid_c == convert.grid(1, hq, hq // hk, 1400, 1900)
+    for _, params, _, _ in kv_launches + [launches[-1]]:
+        f = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"])[0]
+        acc = f["dq_acc"]
+        assert int(acc["ptr"]) != 0 and int(acc["row_stride"]) == int(acc["batch_stride"]) == d
+        assert int(acc["head_stride"]) == 1400 * d
+        assert int(f["dq"]["ptr"]) == dq.data.ptr and int(f["dq"]["batch_stride"]) == hq * d
 
 
 def _words(params: bytes, struct_name: str = "FwdParams") -> list:

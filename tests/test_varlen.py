@@ -317,10 +317,10 @@ def test_a_neighbours_non_finite_rows_stay_out(dtype, d):
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_packed_backward_matches_the_reference(dtype, d, causal, window, deterministic, launches):
     """The packed backward kernels: dsum, PACKED dK/dV (float32 at head dim 128: its dV and dK passes) and
-    PACKED dQ (tensor cores: 16 bits, float32's 3xTF32, float64), or on Hopper, not deterministic, 16-bit
-    rows at head dims 64 and 128, the PACKED wgmma dK/dV kernel and
-    the convert kernel: gradients of every packed row against the float64 block-diagonal reference, 0 for
-    keys no query sees, bitwise equal run to run where deterministic."""
+    PACKED dQ (tensor cores: 16 bits, float32's 3xTF32, float64); not deterministic, float32's and float64's
+    PACKED dK/dV adding dQ with atomics and the convert kernel, and on Hopper, 16-bit rows at head dims 64 and
+    128, the PACKED wgmma dK/dV kernel and the convert kernel: gradients of every packed row against the
+    float64 block-diagonal reference, 0 for keys no query sees, bitwise equal run to run where deterministic."""
     from cuflash._runtime import device
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(d + 1)
@@ -343,8 +343,11 @@ def test_packed_backward_matches_the_reference(dtype, d, causal, window, determi
         else:   # float32 at head dim 128: the dK/dV kernel in one pass or two (dV, then dK), by the GPU's tile
             passes = len(launches) - 2 if dtype == "float32" and d == 128 else 1
             assert passes in (1, 2)
-            assert [x.family for x in launches] == ["bwd_dsum"] + passes * [f"bwd_dkdv_{kind}"] + [f"bwd_dq_{kind}"]
-            assert all(x.packed for x in launches[1:])
+            atomic = not deterministic and dtype in ("float32", "float64")   # dK/dV adds dQ, convert writes it
+            last = "bwd_convert_dq" if atomic else f"bwd_dq_{kind}"
+            assert [x.family for x in launches] == ["bwd_dsum"] + passes * [f"bwd_dkdv_{kind}"] + [last]
+            assert all(x.packed for x in launches[1:1 + passes]) and launches[-1].packed != atomic
+            assert launches[passes].atomic_dq == atomic
     if deterministic:
         again = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out, lse, cu_q, cu_k, causal=causal,
                                                  window=window, deterministic=True)

@@ -418,6 +418,11 @@ PACKED_FAMILIES = ("fwd_wgmma", "fwd_wgmma_tf32x3", "fwd_mma", "fwd_tf32x3", "fw
 """The kernels that take PACKED (their last template parameter): packed sequences (cuflash.varlen), each
 block with its sequence's own counts from the host's block table (kernels_cu/scheduler.cuh, PackedBlock)."""
 
+PACKED_ATOMIC_DQ_FAMILIES = ("bwd_dkdv_tf32x3", "bwd_dkdv_dmma")
+"""The packed dK/dV kernels that also add dQ with atomics (``atomic_dq``): into a row-major accumulator, whose
+rows a packed block addresses from its sequence's first row. bwd_dkdv_mma adds into fragment tiles of whole
+query blocks, which the blocks of neighbouring packed sequences would share: it leaves dQ to its dQ kernel."""
+
 WIDE_K_FAMILIES = ("fwd_dmma", "bwd_dkdv_dmma", "bwd_dq_dmma")
 """Families whose kernels take ``WIDE_K`` (Variant.wide_k) as their last template parameter."""
 
@@ -506,8 +511,10 @@ class Variant:
                              "not on packed ones")
         if self.kv_split and self.family not in KV_SPLIT_FAMILIES:
             raise ValueError(f"kv_split: only for {', '.join(KV_SPLIT_FAMILIES)}")
-        if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split or self.atomic_dq):
-            raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, dQ apart")
+        if self.packed and (self.family not in PACKED_FAMILIES or self.extra or self.kv_split
+                            or (self.atomic_dq and self.family not in PACKED_ATOMIC_DQ_FAMILIES)):
+            raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, and with "
+                             f"atomic_dq only for {', '.join(PACKED_ATOMIC_DQ_FAMILIES)}")
         if self.acc_out and (self.family != "fwd_wgmma" or self.packed or self.extra or self.prelude):
             raise ValueError("acc_out: only for fwd_wgmma without EXTRA, packing or user modifications")
         if self.dq_tiled and self.family != "bwd_convert_dq":

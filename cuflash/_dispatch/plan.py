@@ -444,6 +444,13 @@ def _packed_rows_vector(heads: int, rows: int, dtype) -> "_Strided":
     return _Strided((1, heads, rows), (it, rows * it, it), it)
 
 
+def _packed_accumulator(heads: int, rows: int, cols: int, dtype) -> "_Strided":
+    """The contiguous (1, H, total, cols) dQ accumulator as the view whose batch stride is one row (the portable
+    dK/dV kernels address a packed block's rows from its sequence's first; the convert kernel reads batch 0)."""
+    it = np.dtype(dtype).itemsize
+    return _Strided((1, heads, rows, cols), (cols * it, rows * cols * it, cols * it, it), it)
+
+
 def _packed_view(x):
     """A packed (total, H, D) array as the (1, H, total, D) view whose tensor map the Hopper kernels read
     (kernels_cu/scheduler.cuh, TmaRows: rows counted from the packed tensor's first)."""
@@ -564,8 +571,9 @@ def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str,
     """The backward plan of packed sequences (cuflash.varlen) of CuPy arrays ``q``, ``k``, ``v``, ``dout``
     and ``out`` (packed (total, H, D)); None where no packed kernels take it (:func:`_packed_mask`;
     select.packed_backward_variants: the tensor-core kernels of float16, bfloat16, float64 and float32
-    (3xTF32) at head dims up to 128 where they fit the GPU's shared memory; on Hopper, not ``deterministic``,
-    the 16-bit wgmma dK/dV kernel where tensor maps describe the arrays)."""
+    (3xTF32) at head dims up to 128 where they fit the GPU's shared memory; not ``deterministic``, the 16-bit
+    Hopper wgmma dK/dV kernel where tensor maps describe the arrays, and float32's and float64's dK/dV kernels,
+    each adding dQ into an fp32 / fp64 accumulator with atomics)."""
     mask = _packed_mask(p, opts, q, k, v, dout, out)
     if mask is None:
         return None
@@ -573,19 +581,21 @@ def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str,
     vec = vec_loads_ok(p.d, p.dv, p.q, p.k, p.v) and vec_loads_ok(p.d, p.dv, dout.transpose(1, 0, 2)[None])
     choose = functools.partial(packed_backward_variants, p.dtype, head_bucket(max(p.d, p.dv)), band, vec,
                                device.smem_limit(), deterministic=deterministic, precision=precision)
-    kernels, maps, dq_acc_shape = choose(cc=device.compute_capability()), None, None
+    kernels, maps = choose(cc=device.compute_capability()), None
     acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
     hopper = next((v_ for v_ in kernels or () if v_.family == "bwd_dkdv_wgmma"), None)
     if hopper is not None:
         if tma.tma_ok(*(_packed_view(x) for x in (q, dout, k, v))) and tma.can_encode():
             maps = _Maps(tma.bwd_map_specs(hopper.tile.block_m, hopper.tile.block_n))
-            dq_acc_shape = dq_accumulator_shape(kernels, 1, hq, tq, p.d)
         else:
             kernels = choose(cc=device.MIN_COMPUTE_CAPABILITY)
     if kernels is None:
         return None
     rows = _packed_rows_vector(hq, tq, acc)   # lse and dsum
-    dq_acc = None if dq_acc_shape is None else _Strided.contiguous(dq_acc_shape, acc)
+    dq_acc_shape, dq_acc = None, None
+    if kernels[-1].family == "bwd_convert_dq":   # dQ added with atomics: the (1, Hq, total, D) accumulator
+        dq_acc_shape = dq_accumulator_shape(kernels, 1, hq, tq, p.d)
+        dq_acc = _packed_accumulator(hq, tq, dq_acc_shape[-1], acc)
     params = bwd_params(_packed_layout(tq, hq, p.d, it, q.strides), _packed_layout(tk, hk, p.d, it, k.strides),
                         _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it, out.strides),
                         _packed_layout(tq, hq, p.dv, it, dout.strides), rows, rows, dq_acc,

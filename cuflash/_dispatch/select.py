@@ -10,8 +10,8 @@ import math
 from dataclasses import replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, SCORING_FAMILIES, SMEM_LIMITS,
-                    SMEM_MAX, TABLES, Tile, Variant, fits_resident, head_bucket, walkable)
+from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD_MAX_HEAD, PACKED_ATOMIC_DQ_FAMILIES,
+                    SCORING_FAMILIES, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant, fits_resident, head_bucket, walkable)
 
 
 def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
@@ -456,18 +456,30 @@ def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_
                              deterministic: bool = True, precision: str = "highest") -> Optional[list]:
     """The backward over packed sequences (cuflash.varlen). On Hopper (``cc`` 90), not ``deterministic``,
     16-bit rows of 16-byte loads at head dims 64 and 128: the Hopper list (dsum, the wgmma dK/dV kernel's
-    PACKED twin adding dQ into its fp32 accumulator, the convert kernel). Otherwise the deterministic
-    portable list (dsum, dK/dV without dQ atomics, dQ) with its dK/dV and dQ kernels' PACKED twins (dsum and
-    the convert kernel read rows alike, packed or not), for the 16-bit, float64 and float32 (3xTF32, precision
-    "highest") tensor-core kernels; None where that list has other kernels (the FMA ones at head dim 256,
-    float32's plain TF32 and FMA ones). The plan takes the portable list where tensor maps cannot describe
-    the arrays (``cc`` 80)."""
+    PACKED twin adding dQ into its fp32 accumulator, the convert kernel). Else, not ``deterministic``, where
+    the portable dK/dV kernel adds dQ into a row-major accumulator (:data:`PACKED_ATOMIC_DQ_FAMILIES`:
+    float32's 3xTF32 kernel, float64's): the portable atomic list (dsum, the dK/dV pass or passes, the last
+    adding dQ, the convert kernel), as a dense call runs it. Otherwise the deterministic portable list (dsum,
+    dK/dV without dQ atomics, dQ) with its dK/dV and dQ kernels' PACKED twins (dsum and the convert kernel read
+    rows alike, packed or not), for the 16-bit, float64 and float32 (3xTF32, precision "highest") tensor-core
+    kernels; None where that list has other kernels (the FMA ones at head dim 256, float32's plain TF32 and
+    FMA ones). The plan takes the portable lists where tensor maps cannot describe the arrays (``cc`` 80)."""
     if cc == HOPPER_CC and not deterministic and head in (64, 128):
         with contextlib.suppress(ValueError):
             hopper = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
                                        smem_limit=smem_limit, cc=cc)
             if [v.family for v in hopper] == ["bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq"]:
                 return [v if v.family != "bwd_dkdv_wgmma" else replace(v, packed=True) for v in hopper]
+    if not deterministic:
+        with contextlib.suppress(ValueError):
+            atomic = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
+                                       smem_limit=smem_limit, cc=80, precision=precision)
+            dsum, *dkdv, last = atomic
+            passes = [(v.pass_, v.atomic_dq) for v in dkdv]
+            if (dsum.family == "bwd_dsum" and last.family == "bwd_convert_dq" and not last.dq_tiled
+                    and passes in ([(0, True)], [(1, False), (2, True)])
+                    and all(v.family in PACKED_ATOMIC_DQ_FAMILIES for v in dkdv)):
+                return [dsum] + [replace(v, packed=True) for v in dkdv] + [last]
     try:
         variants = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=True,
                                      smem_limit=smem_limit, cc=80, precision=precision)
@@ -541,10 +553,11 @@ def all_variants() -> List[Variant]:
                     packed = packed_variant(choice, portable, limit)
                     if packed is not None:
                         seen[packed] = None
-            if not extra and precision == "highest":   # the packed backward (Hopper's: atomic dQ)
-                for v in packed_backward_variants(dtype, head, band, vec, limit, cc, deterministic=cc == 80,
-                                                  precision=precision) or ():
-                    seen[v] = None
+            if not extra and precision == "highest":   # the packed backward, atomic dQ and deterministic
+                for det in (False, True):
+                    for v in packed_backward_variants(dtype, head, band, vec, limit, cc, deterministic=det,
+                                                      precision=precision) or ():
+                        seen[v] = None
     for dtype, head in itertools.product(DTYPES, HEAD_BUCKETS):
         seen[Variant("fwd_combine", dtype, head)] = None
     return list(seen)
