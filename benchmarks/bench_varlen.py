@@ -1,6 +1,7 @@
 """Packed sequences of different lengths (cuflash.varlen) against padding, on one GPU.
 
-    PYTHONPATH=. python benchmarks/bench_varlen.py [--quick] [--out DIR] [--repeat 10]
+    PYTHONPATH=. python benchmarks/bench_varlen.py [--quick] [--dtypes bfloat16,float32] [--dims 64,128]
+                                                   [--out DIR] [--repeat 10]
     python -m cuflash bench --varlen [--quick]
 
 Each case packs 65536 tokens: (a) 32 sequences of 2048, (b) lengths drawn uniformly from 128..8192
@@ -16,7 +17,8 @@ batch (the key mask as a boolean attn_mask); a padded batch of more than 4x the 
 alone plus the short ones alone (two dense calls, their times added). Forward, and forward+backward (the
 gradients of every input). Useful TFLOP/s counts each sequence's own FLOPs, 4 L^2 H D (halved when
 causal; forward+backward 3.5x the forward), over the time: the median of --repeat queued calls' mean,
-5 runs (CUDA events).
+5 runs (CUDA events). Every contender reads random normal data (queries, keys, values and the output's
+gradient).
 Writes JSON and Markdown named by the device into --out (default ./cuflash-varlen-<time>/).
 """
 from __future__ import annotations
@@ -66,15 +68,20 @@ def _padded(x, cu, lmax):
     return out.transpose(0, 2, 1, 3)
 
 
+def normal(shape, dtype, seed: int):
+    """A new CuPy array of standard normal values in ``dtype``. Every contender reads random data: on constant
+    data (all ones) the tensor cores switch fewer bits, draw less power and the GPU holds a higher clock."""
+    return cp.random.default_rng(seed).standard_normal(shape, dtype=cp.float32).astype(dtype)
+
+
 def _dense_call(shape, dtype, causal: bool, with_bwd: bool, token_major: bool = False):
-    """A cuflash dense call on new (B, H, L, D) arrays (``token_major``: (B, L, H, D) arrays seen as (B, H, L,
-    D), the packed layout's row stride): forward, or forward and backward."""
+    """A cuflash dense call on new random (B, H, L, D) arrays (``token_major``: (B, L, H, D) arrays seen as (B,
+    H, L, D), the packed layout's row stride): forward, or forward and backward."""
+    b, h, n, d = shape
     if token_major:
-        b, h, n, d = shape
-        q, k, v = (cp.ones((b, n, h, d), dtype=dtype).transpose(0, 2, 1, 3) for _ in range(3))
+        q, k, v, do = (normal((b, n, h, d), dtype, seed).transpose(0, 2, 1, 3) for seed in range(4))
     else:
-        q, k, v = (cp.ones(shape, dtype=dtype) for _ in range(3))
-    do = cp.ones_like(q)
+        q, k, v, do = (normal(shape, dtype, seed) for seed in range(4))
 
     def call():
         if not with_bwd:
@@ -113,7 +120,7 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
     """name -> (callable or None, note)."""
     lengths = np.diff(cu)
     lmax = int(lengths.max())
-    do = cp.ones_like(q)
+    do = normal(q.shape, q.dtype, 4)
 
     def cuflash_varlen():
         if not with_bwd:
@@ -127,8 +134,7 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
         left_out = (None, f"left out: padded to {len(lengths)} x {lmax}, {padding:.0f}x the tokens")
         out["cuflash padded"] = left_out
     else:
-        pq, pk, pv = (_padded(x, cu, lmax) for x in (q, k, v))
-        pdo = cp.ones_like(pq)
+        pq, pk, pv, pdo = (_padded(x, cu, lmax) for x in (q, k, v, do))
         keys = cp.asarray(np.arange(lmax)[None, :] < lengths[:, None]).reshape(len(lengths), 1, 1, lmax)
         kw = dict(causal=True) if causal else dict(mask=keys)
 
@@ -144,13 +150,14 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
     F, SDPBackend, sdpa_kernel = bench.F, bench.SDPBackend, bench.sdpa_kernel
     offsets = torch.as_tensor(cu.astype(np.int64), device="cuda")
     tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_(with_bwd) for x in (q, k, v))
+    tdo = torch.from_dlpack(do)
 
     def nested():
         nq, nk, nv = (torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in (tq, tk, tv))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             o = F.scaled_dot_product_attention(nq, nk, nv, is_causal=causal)
         if with_bwd:
-            o.values().backward(torch.ones_like(o.values()))
+            o.values().backward(tdo)
         return o
 
     try:
@@ -162,6 +169,7 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
         out["torch efficient padded"] = left_out
         return out
     ptq, ptk, ptv = (torch.from_dlpack(x).detach().requires_grad_(with_bwd) for x in (pq, pk, pv))
+    ptdo = torch.from_dlpack(pdo)
     tkeys = torch.from_dlpack(keys)
 
     def efficient():
@@ -169,7 +177,7 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
             o = (F.scaled_dot_product_attention(ptq, ptk, ptv, is_causal=True) if causal
                  else F.scaled_dot_product_attention(ptq, ptk, ptv, attn_mask=tkeys))
         if with_bwd:
-            o.backward(torch.ones_like(o))
+            o.backward(ptdo)
         return o
 
     try:
@@ -212,19 +220,28 @@ def markdown(results, device) -> str:
     return "\n".join(lines) + "\n"
 
 
-def configurations(quick: bool) -> list:
-    dtypes = ("bfloat16",) if quick else ("bfloat16", "float16", "float32")
-    heads = (128,) if quick else (64, 128)
+def configurations(quick: bool, dtypes=None, dims=None) -> list:
+    """(dtype, case, D, causal, forward+backward) of every row: --quick's, or the given dtypes and head dims
+    (default all: bfloat16, float16 and float32 at 64 and 128)."""
+    dtypes = dtypes or (("bfloat16",) if quick else ("bfloat16", "float16", "float32"))
+    heads = dims or ((128,) if quick else (64, 128))
     return [(dtype, case, d, causal, with_bwd) for dtype in dtypes for d in heads for case in "abc"
             for causal in (False, True) for with_bwd in (False, True)]
 
 
 def main(argv=None) -> int:
-    parsed = bench.side_args(argv, __doc__, "varlen", "bfloat16 at head dim 128 only", 10, "'torch efficient padded'")
+    def more(parser):
+        parser.add_argument("--dtypes", default="", help="comma-separated, e.g. bfloat16,float32 (default: all)")
+        parser.add_argument("--dims", default="", help="head dims, e.g. 64,128 (default: both)")
+
+    parsed = bench.side_args(argv, __doc__, "varlen", "bfloat16 at head dim 128 only", 10, "'torch efficient padded'",
+                             more=more)
     if parsed is None:
         return 2
     args, device, skip = parsed
-    rows = (run_case(*config, args.repeat, skip) for config in configurations(args.quick))
+    dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
+    dims = tuple(int(x) for x in args.dims.split(",") if x.strip())
+    rows = (run_case(*config, args.repeat, skip) for config in configurations(args.quick, dtypes, dims))
     return bench.side_report(rows, markdown, device, args.out, "varlen")
 
 
