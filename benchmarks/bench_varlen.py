@@ -152,12 +152,17 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
     tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_(with_bwd) for x in (q, k, v))
     tdo = torch.from_dlpack(do)
 
+    grad = []   # the output's gradient: tdo's values in the layout of the output's values (made once)
+
     def nested():
         nq, nk, nv = (torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in (tq, tk, tv))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             o = F.scaled_dot_product_attention(nq, nk, nv, is_causal=causal)
         if with_bwd:
-            o.values().backward(tdo)
+            values = o.values()
+            if not grad:
+                grad.append(torch.empty_like(values).copy_(tdo.reshape(values.shape)))
+            values.backward(grad[0])
         return o
 
     try:
