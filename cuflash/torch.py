@@ -219,13 +219,16 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     (contiguous, as FlashAttention's). ``causal`` aligns the diagonal to the bottom right (query
     i sees keys j <= i + Lk - Lq); ``window_size=(left, right)``, -1 for an unbounded side;
     ``deterministic`` for the backward. ``softcap``, ``alibi_slopes`` and ``return_attn_probs``
-    raise NotImplementedError: cuflash has no score modifications yet, and stores no probabilities.
+    raise NotImplementedError: this adapter passes no score modifications (``cuflash.attention`` takes
+    ``score_mod=cuflash.softcap(cap)`` or ``cuflash.alibi(slopes)`` on CuPy arrays), and cuflash stores no
+    probabilities.
     """
     if softcap:
-        raise NotImplementedError("softcap: cuflash has no score modifications yet")
+        raise NotImplementedError("softcap: this adapter passes no score modifications; on CuPy arrays "
+                                  "cuflash.attention(..., score_mod=cuflash.softcap(cap)) has it")
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: cuflash has no score modifications yet (ALiBi as a 16-bit bias "
-                                  "would lose its precision)")
+        raise NotImplementedError("alibi_slopes: this adapter passes no score modifications; on CuPy arrays "
+                                  "cuflash.attention(..., score_mod=cuflash.alibi(slopes)) has it")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: cuflash never stores the attention probabilities")
     left, right = (int(w) for w in window_size)
@@ -306,9 +309,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``return_attn_probs`` and ``block_table`` raise NotImplementedError naming what is missing.
     """
     if softcap:
-        raise NotImplementedError("softcap: cuflash has no score modifications yet")
+        raise NotImplementedError("softcap: cuflash.varlen takes no score modifications")
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: cuflash has no score modifications yet")
+        raise NotImplementedError("alibi_slopes: cuflash.varlen takes no score modifications")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: cuflash never stores the attention probabilities")
     if block_table is not None:
@@ -371,7 +374,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if value is not None:
             raise NotImplementedError(f"{name}: not in cuflash yet")
     if softcap:
-        raise NotImplementedError("softcap: cuflash has no score modifications yet")
+        raise NotImplementedError("softcap: cuflash.attention_with_kvcache takes no score modifications")
     if cache_seqlens is None:
         cache_seqlens = 0
     if not isinstance(cache_seqlens, torch.Tensor):
