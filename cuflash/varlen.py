@@ -21,12 +21,14 @@ The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` ret
 a device read; CuPy offsets are copied to the host once a call. On the GPU the float16, bfloat16 and
 float64 forward without dropout runs one kernel over every sequence's blocks, longest sequence first
 (kernels_cu/scheduler.cuh, PackedBlock: the Hopper kernel on an H100 / H200 where the rows are 16-byte
-loads), and so does their backward at head dims up to 128: on Hopper, unless ``deterministic``, the
-Hopper dK/dV kernel adding dQ into an fp32 accumulator (16-bit rows at head dims 64 and 128), else dK/dV
-and dQ kernels of their own, deterministic by construction. float32 at precision "highest" runs the 3xTF32
-kernels' packed twins: the forward (Hopper's, a CTA a block, or the portable one) and the dK/dV (one pass,
-or dV then dK at head dim 128) and dQ kernels; other calls (float32 at other precisions, dropout) launch
-the dense kernels once a sequence, with dropout at the sequence's origin (``dropout_origin``).
+loads), and so does their backward at head dims up to 128: unless ``deterministic``, a dK/dV kernel
+adding dQ into an accumulator with atomics, then the convert kernel (on Hopper the Hopper dK/dV kernel for
+16-bit rows at head dims 64 and 128; float64's own), else dK/dV and dQ kernels of their own, deterministic by
+construction (the 16-bit portable kernels always). float32 at precision "highest" runs the 3xTF32 kernels'
+packed twins: the forward (Hopper's, a CTA a block, or the portable one) and the dK/dV kernel (one pass, or
+dV then dK at head dim 128) with dQ by atomics or, ``deterministic``, its dQ kernel; other calls (float32
+at other precisions, dropout) launch the dense kernels once a sequence, with dropout at the sequence's
+origin (``dropout_origin``).
 """
 from __future__ import annotations
 
