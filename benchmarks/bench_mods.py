@@ -17,6 +17,7 @@ by the device into --out (default ./cuflash-mods-<time>/).
 """
 from __future__ import annotations
 
+import copy
 import sys
 import time
 import uuid
@@ -50,11 +51,9 @@ def _fresh(mod):
     """``mod`` with a source never compiled before (a comment of its own): its first call builds."""
     if mod is None:
         return None
-    tag = f"/* {uuid.uuid4().hex} */ "
-    if isinstance(mod, cuflash.MaskMod):
-        return cuflash.MaskMod(tag + mod.source, params=mod.params, python=mod.python, name=mod.name)
-    return cuflash.ScoreMod(tag + mod.source, grad=mod.grad, params=mod.params, param_grads=mod.param_grads,
-                            python=mod.python, python_grad=mod.python_grad, name=mod.name)
+    fresh = copy.copy(mod)   # every field (params, consts, units, twins) kept
+    fresh.source = f"/* {uuid.uuid4().hex} */ " + mod.source
+    return fresh
 
 
 def cuflash_mods(kind: str, n: int):

@@ -15,7 +15,9 @@ The source sees ``score`` (type ``acc_t``: float, double for float64 inputs), th
 entry ``b``, query head ``h``, query row ``q_idx`` and key ``kv_idx`` (int), and each parameter by
 its name. It is an expression, or a body with ``return``. Parameters are Python numbers (floats
 arrive as ``acc_t``, ints as ``int``) or C-contiguous arrays on the inputs' device, indexed flat
-(``const float* slopes``: ``slopes[h]``). ``cuf_tanh(x)`` is tanh (the special-function unit's
+(``const float* slopes``: ``slopes[h]``); ``consts`` are numbers compiled into the source (one build a
+value, nothing read in the kernel's loop). ``log2_units=True`` gives a score modification scores in log2
+units (``score * log2(e)``, the kernels' own) and saves two multiplies an element. ``cuf_tanh(x)`` is tanh (the special-function unit's
 approximation for float16 / bfloat16 inputs, where its 2^-11 relative error is below their rounding).
 
 Several score modifications apply in order (``score_mod=(a, b)``: b(a(score))); several mask
@@ -51,6 +53,8 @@ __all__ = ["ScoreMod", "MaskMod", "softcap", "alibi", "relative_position_bias", 
 MAX_PARAM_SLOTS = 16
 """Parameter words a call's modifications may use together (MaskParams::mod_args): one a number or
 an array, two a trainable array (it and its gradient)."""
+
+_LN2, _LOG2E = math.log(2.0), 1.0 / math.log(2.0)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = {"score", "b", "h", "q_idx", "kv_idx", "acc_t", "cuf_args"}
@@ -108,6 +112,27 @@ def _check_params(params) -> Dict[str, Any]:
     return out
 
 
+def _check_consts(consts, params) -> Dict[str, Any]:
+    """Compile-time numbers: name -> int (32 bits) or finite float, names usable as parameters' are and not
+    taken by a parameter."""
+    if consts is None:
+        return {}
+    if not isinstance(consts, dict):
+        raise TypeError(f"consts must be a dict of name -> number, got {type(consts).__name__}")
+    out = _check_params(consts)
+    for name, value in out.items():
+        if _is_array(value):
+            raise TypeError(f"const {name!r} must be a Python number (arrays are params)")
+        if name in params:
+            raise ValueError(f"{name!r} is both a parameter and a const")
+    return out
+
+
+def _literal(value) -> str:
+    """A C++ literal of an int or a finite float, exact (repr round-trips a double)."""
+    return str(value) if isinstance(value, int) else repr(float(value))
+
+
 def _is_array(x) -> bool:
     return hasattr(x, "dtype") and hasattr(x, "shape")
 
@@ -117,19 +142,20 @@ class _Mod:
 
     kind = ""
 
-    def __init__(self, source: str, params, python, name: Optional[str]):
+    def __init__(self, source: str, params, python, name: Optional[str], consts=None):
         self.source = _check_source(source, f"{self.kind} source")
         self.params = _check_params(params)
+        self.consts = _check_consts(consts, self.params)
         if python is not None and not callable(python):
             raise TypeError(f"python must be a callable NumPy twin, got {type(python).__name__}")
         self.python = python
         self.name = name or self.kind
 
     def _signature(self) -> tuple:
-        """What the generated source depends on: sources and parameter kinds (not values)."""
+        """What the generated source depends on: sources, parameter kinds (not values) and the consts' values."""
         kinds = tuple((n, str(np.dtype(v.dtype)) if _is_array(v) else type(v).__name__)
                       for n, v in self.params.items())
-        return (type(self).__name__, self.source, kinds)
+        return (type(self).__name__, self.source, kinds, tuple((n, _literal(v)) for n, v in self.consts.items()))
 
     def _locals(self, slot0: int, grads: dict) -> Tuple[str, int]:
         """The C declarations of this modification's parameters from the words at ``slot0``, and the
@@ -149,7 +175,10 @@ class _Mod:
             else:
                 lines.append(f"const acc_t {name} = cuf_scalar<acc_t>(cuf_args[{slot}]);")
                 slot += 1
-        lines += [f"(void){n};" for n in self.params]   # parameters the source does not use
+        for name, value in self.consts.items():   # compiled in: no parameter word, no register to hold it
+            ctype = "int" if isinstance(value, int) else "acc_t"
+            lines.append(f"constexpr {ctype} {name} = {ctype}({_literal(value)});")
+        lines += [f"(void){n};" for n in list(self.params) + list(self.consts)]   # names the source does not use
         return "\n    ".join(lines), slot - slot0
 
     def on(self, xp):
@@ -161,8 +190,8 @@ class _Mod:
         return other
 
     def twin_args(self, xp) -> dict:
-        """The parameters for the NumPy twin, as arrays of ``xp``."""
-        out = {}
+        """The parameters for the NumPy twin, as arrays of ``xp``, and the consts."""
+        out = dict(self.consts)
         for name, value in self.params.items():
             if _is_array(value):
                 value = value.get() if xp is np and hasattr(value, "get") else xp.asarray(value)
@@ -189,12 +218,21 @@ class ScoreMod(_Mod):
     params : dict, optional
         name -> Python number or C-contiguous array (float32, float64, int32, int64, int8, uint8,
         bool) on the inputs' device.
+    consts : dict, optional
+        name -> Python number compiled into the source as a literal (``acc_t`` for a float, ``int``):
+        no parameter word and no register to hold it, and the compiler folds it, at the cost of one build
+        per value (where a value changes from call to call, make it a parameter).
+    log2_units : bool, optional
+        The source (and ``grad``, ``param_grads`` and the NumPy twins) sees and returns scores in log2 units,
+        ``score * log2(e)``, as the kernels hold them: no conversion a score around this modification.
+        ``grad`` is the same in either unit; a trainable parameter's derivative is that of the log2-unit
+        value.
     param_grads : dict, optional
         name of a float32 / float64 array parameter -> (index, derivative): C expressions (same
         variables) of the flat index of the element the score depends on and the derivative of the
         modification with respect to it. The backward returns the gradient of such parameters.
     python, python_grad : callable, optional
-        NumPy twins of ``source`` and ``grad``: ``f(score, b, h, q_idx, kv_idx, **params)``.
+        NumPy twins of ``source`` and ``grad``: ``f(score, b, h, q_idx, kv_idx, **params, **consts)``.
     python_param_grads : dict, optional
         name -> NumPy twin returning (flat index, derivative) arrays.
     name : str, optional
@@ -206,8 +244,11 @@ class ScoreMod(_Mod):
     def __init__(self, source: str, *, grad: Optional[str] = None, params: Optional[dict] = None,
                  param_grads: Optional[dict] = None, python: Optional[Callable] = None,
                  python_grad: Optional[Callable] = None, python_param_grads: Optional[dict] = None,
-                 name: Optional[str] = None):
-        super().__init__(source, params, python, name)
+                 name: Optional[str] = None, consts: Optional[dict] = None, log2_units: bool = False):
+        super().__init__(source, params, python, name, consts)
+        if not isinstance(log2_units, (bool, np.bool_)):
+            raise TypeError(f"log2_units must be a bool, got {type(log2_units).__name__}")
+        self.log2_units = bool(log2_units)
         self.grad = None if grad is None else _check_source(grad, "score_mod grad")
         self.param_grads = {}
         for pname, spec in (param_grads or {}).items():
@@ -228,7 +269,7 @@ class ScoreMod(_Mod):
         return len(self.params) + len(self.param_grads)
 
     def _signature(self) -> tuple:
-        return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())))
+        return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())), self.log2_units)
 
     def cuda(self, i: int, slot0: int) -> str:
         """The device functions of modification ``i`` (its value, derivative, parameter gradients)."""
@@ -250,24 +291,39 @@ class ScoreMod(_Mod):
         return "".join(parts)
 
     def apply_numpy(self, s, b, h, q, kv, xp):
+        """The NumPy twin at natural-unit scores ``s`` (with ``log2_units`` the twin's units on either side)."""
+        if self.log2_units:
+            return self._twin()(s * _LOG2E, b, h, q, kv, **self.twin_args(xp)) * _LN2
         return self._twin()(s, b, h, q, kv, **self.twin_args(xp))
 
     def grad_numpy(self, s, b, h, q, kv, xp):
+        """The derivative's twin at natural-unit scores ``s`` (a ratio of scores: the same in either unit)."""
         if self.python_grad is None:
             raise ValueError(f"{self.name}: the backward of NumPy inputs needs python_grad")
-        return self.python_grad(s, b, h, q, kv, **self.twin_args(xp))
+        return self.python_grad(s * _LOG2E if self.log2_units else s, b, h, q, kv, **self.twin_args(xp))
+
+    def param_grad_numpy(self, name: str, s, b, h, q, kv, xp):
+        """(flat index, derivative of the natural-unit modified score) of trainable ``name`` at natural-unit
+        scores ``s``, from its twin."""
+        twin = self.python_param_grads.get(name)
+        if twin is None:
+            raise ValueError(f"{self.name}: the backward of NumPy inputs needs python_param_grads[{name!r}]")
+        if self.log2_units:
+            index, deriv = twin(s * _LOG2E, b, h, q, kv, **self.twin_args(xp))
+            return index, deriv * _LN2
+        return twin(s, b, h, q, kv, **self.twin_args(xp))
 
 
 class MaskMod(_Mod):
     """Which keys a query sees, in CUDA source: a bool expression (or body) over ``b``, ``h``,
-    ``q_idx``, ``kv_idx`` and the parameters; true = attend. ``python``: its NumPy twin
-    ``f(b, h, q_idx, kv_idx, **params)`` over broadcast index arrays."""
+    ``q_idx``, ``kv_idx``, the parameters and the consts (as :class:`ScoreMod`'s); true = attend.
+    ``python``: its NumPy twin ``f(b, h, q_idx, kv_idx, **params, **consts)`` over broadcast index arrays."""
 
     kind = "mask_mod"
 
     def __init__(self, source: str, *, params: Optional[dict] = None, python: Optional[Callable] = None,
-                 name: Optional[str] = None):
-        super().__init__(source, params, python, name)
+                 name: Optional[str] = None, consts: Optional[dict] = None):
+        super().__init__(source, params, python, name, consts)
 
     @property
     def slots(self) -> int:
@@ -306,6 +362,11 @@ __device__ __forceinline__ float cuf_tanh(float x) {
 #endif
 }
 __device__ __forceinline__ double cuf_tanh(double x) { return tanh(x); }
+// A score between log2 units (x = s log2 e, as the kernels hold scores) and natural units (s).
+#define CUF_LN2 0.6931471805599453094
+#define CUF_LOG2E 1.4426950408889634074
+template <typename A> __device__ __forceinline__ A cuf_to_natural(A x) { return x * A(CUF_LN2); }
+template <typename A> __device__ __forceinline__ A cuf_to_log2(A s) { return s * A(CUF_LOG2E); }
 // A trainable parameter's gradient: the lanes of a warp adding into one element sum their parts first and
 // one of them adds (T5's buckets: most lanes of a far-off tile share one).
 template <typename A>
@@ -383,27 +444,44 @@ class Mods:
         lines.append('#line 1 "cuflash"')
         args = "int b, int h, int q_idx, int kv_idx, const unsigned long long* cuf_args"
         call = "b, h, q_idx, kv_idx, cuf_args"
-        chain = "".join(f"    score = cuf_score_{i}<A>(score, {call});\n" for i in range(len(self.score)))
+        # The chain takes and returns scores in log2 units (as the kernels hold them) and converts only where
+        # the next modification's units differ from the score's (natural units unless log2_units).
+        into = self._conversions()
+        chain = "".join(f"    score = cuf_score_{i}<A>({into[i]}(score), {call});\n" for i in range(len(self.score)))
         lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score(A score, {args}) {{\n"
-                     f"{chain}    return score;\n}}\n")
-        # value and derivative (chain rule: each step's derivative at its own input)
-        steps = "".join(f"    grad *= cuf_grad_{i}<A>(score, {call});\n    score = cuf_score_{i}<A>(score, {call});\n"
-                        for i in range(len(self.score)))
+                     f"{chain}    return {into[-1]}(score);\n}}\n")
+        # value and derivative (chain rule: each step's derivative at its own input; a ratio of scores, the
+        # same in either unit)
+        steps = "".join(f"    score = {into[i]}(score);\n    grad *= cuf_grad_{i}<A>(score, {call});\n"
+                        f"    score = cuf_score_{i}<A>(score, {call});\n" for i in range(len(self.score)))
         lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score_grad(A score, {args}, "
-                     f"A& grad) {{\n    grad = A(1);\n{steps}    return score;\n}}\n")
-        # parameter gradients: the inputs of every step again, then upstream gradients from the last step back
+                     f"A& grad) {{\n    grad = A(1);\n{steps}    return {into[-1]}(score);\n}}\n")
+        # parameter gradients: the inputs of every step again, then upstream gradients (d loss / d the natural
+        # value of each step's output) from the last step back; a log2-unit step's derivatives are log2 e times
+        # the natural ones
         n = len(self.score)
         body = [f"    A in[{max(n, 1)}], d[{max(n, 1)}];"]
         for i in range(n):
-            body.append(f"    in[{i}] = score; d[{i}] = cuf_grad_{i}<A>(score, {call}); "
-                        f"score = cuf_score_{i}<A>(score, {call});")
+            body.append(f"    in[{i}] = {into[i]}(score); d[{i}] = cuf_grad_{i}<A>(in[{i}], {call}); "
+                        f"score = cuf_score_{i}<A>(in[{i}], {call});")
         for i in reversed(range(n)):
-            body.append(f"    cuf_param_grads_{i}<A>(in[{i}], {call}, upstream); upstream *= d[{i}];")
+            factor = " * A(CUF_LN2)" if self.score[i].log2_units else ""
+            body.append(f"    cuf_param_grads_{i}<A>(in[{i}], {call}, upstream{factor}); upstream *= d[{i}];")
         lines.append(f"template <typename A>\n__device__ __forceinline__ void cuf_user_param_grads(A score, {args}, "
                      f"A upstream) {{\n" + "\n".join(body) + "\n}\n")
         masks = " && ".join(f"cuf_mask_{i}({call})" for i in range(len(self.mask))) or "true"
         lines.append(f"__device__ __forceinline__ bool cuf_user_mask({args}) {{ return {masks}; }}\n")
         return "\n".join(lines) + "\n"
+
+    def _conversions(self) -> list:
+        """The conversion (a C function name, or "" for none) taking the chain's score into each score
+        modification's units, and (last) the one back to log2 units."""
+        out, log2 = [], True
+        for m in self.score:
+            out.append("" if m.log2_units == log2 else ("cuf_to_log2" if m.log2_units else "cuf_to_natural"))
+            log2 = m.log2_units
+        out.append("" if log2 else "cuf_to_log2")
+        return out
 
     def words(self, acc, with_grads: bool = True) -> Tuple[list, list]:
         """The parameter words (MaskParams::mod_args, MAX_PARAM_SLOTS of them) for inputs whose
@@ -472,10 +550,7 @@ class Mods:
         with np.errstate(all="ignore"):
             for m, s_in in reversed(list(zip(self.score, inputs))):
                 for name in m.param_grads:
-                    twin = m.python_param_grads.get(name)
-                    if twin is None:
-                        raise ValueError(f"{m.name}: the backward of NumPy inputs needs python_param_grads[{name!r}]")
-                    index, deriv = twin(s_in, b, h, q, kv, **m.twin_args(xp))
+                    index, deriv = m.param_grad_numpy(name, s_in, b, h, q, kv, xp)
                     shape = m.params[name].shape
                     acc = xp.zeros(int(np.prod(shape)), dtype=np.float64)
                     seen = upstream != 0   # masked elements: no contribution (their derivative may be NaN)
@@ -512,14 +587,18 @@ def resolve(score_mod=None, mask_mod=None) -> Optional[Mods]:
 # --------------------------------------------------------------------------- library modifications
 
 def softcap(cap: float) -> ScoreMod:
-    """``cap * tanh(score / cap)``: scores squashed into (-cap, cap) (Gemma 2, Grok)."""
+    """``cap * tanh(score / cap)``: scores squashed into (-cap, cap) (Gemma 2, Grok). Written in log2 units
+    with the cap compiled in (``cap tanh(s / cap)`` is ``c tanh(x / c) ln 2`` for ``x = s log2 e`` and ``c =
+    cap log2 e``): a multiply, a tanh and a multiply an element, no parameter word read and no division in the
+    key loop; one build per cap value."""
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
-    return ScoreMod("cap * cuf_tanh(score / cap)",
-                    grad="{ const acc_t t = cuf_tanh(score / cap); return acc_t(1) - t * t; }",
-                    params={"cap": float(cap)}, name="softcap",
-                    python=lambda s, b, h, q, kv, cap: cap * np.tanh(s / cap),
-                    python_grad=lambda s, b, h, q, kv, cap: 1.0 - np.tanh(s / cap) ** 2)
+    cap_log2 = float(cap) * _LOG2E
+    return ScoreMod("cap * cuf_tanh(score * inv_cap)",
+                    grad="{ const acc_t t = cuf_tanh(score * inv_cap); return acc_t(1) - t * t; }",
+                    consts={"cap": cap_log2, "inv_cap": 1.0 / cap_log2}, log2_units=True, name="softcap",
+                    python=lambda s, b, h, q, kv, cap, inv_cap: cap * np.tanh(s * inv_cap),
+                    python_grad=lambda s, b, h, q, kv, cap, inv_cap: 1.0 - np.tanh(s * inv_cap) ** 2)
 
 
 def alibi(slopes) -> ScoreMod:

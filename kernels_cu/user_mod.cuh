@@ -2,7 +2,8 @@
 //
 // The host compiles a call's modifications by placing their generated source before a kernel's
 // (cuflash/mods.py, Mods.prelude). That source defines the switches below and the functions they
-// guard, each over one element (natural units, b, h, q_idx, kv_idx, the parameter words):
+// guard, each over one element (a score in log2 units as the kernels hold it, x = s log2 e; b, h, q_idx,
+// kv_idx; the parameter words; the generated chain converts to each modification's own units):
 //     cuf_user_score(s, ...)              the score modifications in order
 //     cuf_user_score_grad(s, ..., g)      the same, and g = d modified / d s (chain rule)
 //     cuf_user_param_grads(s, ..., ds')   the trainable parameters' gradients from ds' = dL / d modified
@@ -25,13 +26,13 @@
 constexpr bool USER_SCORE = CUF_USER_SCORE;
 constexpr bool USER_MASK = CUF_USER_MASK;
 
-// The score modifications of x, a score in log2 units as the EXTRA kernels hold it (x = s log2 e):
-// modified in natural units, back in log2 units. A masked score (-inf) stays masked.
+// The score modifications of x, a score in log2 units as the EXTRA kernels hold it (x = s log2 e), in
+// log2 units. A masked score (-inf) stays masked.
 template <typename A>
 __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, const unsigned long long* args) {
 #if CUF_USER_SCORE
     if (x == neg_inf<A>()) return x;
-    return cuf_user_score<A>(x * A(LN2), b, h, row, col, args) * A(LOG2E);
+    return cuf_user_score<A>(x, b, h, row, col, args);
 #else
     (void)b, (void)h, (void)row, (void)col, (void)args;
     return x;
@@ -48,7 +49,7 @@ __device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row
         grad = A(0);
         return x;
     }
-    return cuf_user_score_grad<A>(x * A(LN2), b, h, row, col, args, grad) * A(LOG2E);
+    return cuf_user_score_grad<A>(x, b, h, row, col, args, grad);
 #else
     (void)b, (void)h, (void)row, (void)col, (void)args;
     grad = A(1);
@@ -60,7 +61,7 @@ template <typename A>
 __device__ __forceinline__ void user_param_grads(A x, int b, int h, int row, int col, const unsigned long long* args,
                                                  A ds_mod) {
 #if CUF_USER_PARAM_GRADS
-    if (ds_mod != A(0)) cuf_user_param_grads<A>(x * A(LN2), b, h, row, col, args, ds_mod);
+    if (ds_mod != A(0)) cuf_user_param_grads<A>(x, b, h, row, col, args, ds_mod);
 #else
     (void)x, (void)b, (void)h, (void)row, (void)col, (void)args, (void)ds_mod;
 #endif

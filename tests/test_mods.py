@@ -58,6 +58,12 @@ def _library(h=H, b=B, length=L):
      TypeError, "index source"),
     (lambda: cuflash.ScoreMod("score", python=3), TypeError, "callable"),
     (lambda: cuflash.softcap(0.0), ValueError, "cap"),
+    (lambda: cuflash.ScoreMod("score", consts={"c": np.ones(2, np.float32)}), TypeError, "Python number"),
+    (lambda: cuflash.ScoreMod("score", consts={"c": float("inf")}), ValueError, "finite"),
+    (lambda: cuflash.ScoreMod("score", consts={"c": 1.0}, params={"c": 2.0}), ValueError, "both"),
+    (lambda: cuflash.ScoreMod("score", consts=[1.0]), TypeError, "dict"),
+    (lambda: cuflash.MaskMod("true", consts={"q_idx": 1}), ValueError, "not usable"),
+    (lambda: cuflash.ScoreMod("score", log2_units=1), TypeError, "bool"),
     (lambda: cuflash.alibi(np.ones(3)), TypeError, "float32"),
     (lambda: cuflash.relative_position_bias(np.ones((8, 3), np.float32)), ValueError, "32 buckets"),
     (lambda: cuflash.document_mask(np.ones(3, np.int32)), TypeError, "int32 array"),
@@ -94,14 +100,75 @@ def test_prelude_switches_and_slots():
     for switch in ("CUF_USER_SCORE 1", "CUF_USER_MASK 1", "CUF_USER_PARAM_GRADS 1", "CUF_FAST_SPECIAL 1"):
         assert f"#define {switch}" in text
     assert "#define CUF_FAST_SPECIAL 0" in mods.prelude(False)
-    # alibi (slopes), softcap (cap), t5 (table + its gradient, bucket_of), document (doc), prefix (prefix)
-    assert mods.slots == 7
+    # alibi (slopes), t5 (table + its gradient, bucket_of), document (doc), prefix (prefix); softcap's cap is
+    # compiled in
+    assert mods.slots == 6
     slots = [int(re.search(r"cuf_args\[(\d+)\]", line).group(1)) for line in text.splitlines()
              if "cuf_args[" in line and "=" in line]
-    assert list(dict.fromkeys(slots)) == list(range(7))   # each function of a modification reads its own
+    assert list(dict.fromkeys(slots)) == list(range(6))   # each function of a modification reads its own
+    assert "constexpr acc_t cap = acc_t(" in text and "constexpr acc_t inv_cap = acc_t(" in text
     assert mods.key() == M.resolve(*_as_pair(mods)).key()   # the same modifications, the same builds
     plain = M.resolve(None, _library()["prefix"]["mask_mod"]).prelude(False)
     assert "CUF_USER_SCORE" not in plain and "CUF_USER_MASK 1" in plain
+
+
+def test_consts_are_compiled_in_and_reach_the_twins():
+    """A const is a literal in the source (exact: the double's repr), takes no parameter word, enters the
+    builds' key by value, and is passed to the NumPy twins by name."""
+    def scaled(c):
+        return cuflash.ScoreMod("score * c + n", grad="c", consts={"c": c, "n": 3},
+                                python=lambda s, b, h, q, kv, c, n: s * c + n, python_grad=lambda s, *a, c, n: c)
+    mods = M.resolve(scaled(0.1))
+    text = mods.prelude(True)
+    assert "constexpr acc_t c = acc_t(0.1);" in text and "constexpr int n = int(3);" in text
+    assert mods.slots == 0 and "cuf_args[" not in text.split('#line 1 "cuflash"')[0].split("cuf_tanh")[-1]
+    assert mods.key() != M.resolve(scaled(0.2)).key() and mods.key() == M.resolve(scaled(0.1)).key()
+    q, k, v, _ = _inputs()
+    np.testing.assert_allclose(cuflash.attention(q, k, v, score_mod=scaled(0.5)),
+                               cuflash.attention(q, k, v, scale=0.5 / np.sqrt(D)), rtol=1e-12)
+
+
+def test_log2_units_convert_only_where_the_units_change():
+    """The generated chain holds scores in log2 units and converts into each modification's units only where
+    they differ from the score's, and back at the end."""
+    nat = cuflash.ScoreMod("score + acc_t(1)", grad="acc_t(1)", python=lambda s, *a: s + 1)
+    log2 = cuflash.ScoreMod("score * acc_t(2)", grad="acc_t(2)", log2_units=True, python=lambda s, *a: s * 2)
+    text = M.resolve((nat, nat, log2, nat)).prelude(True)
+    chain = text[text.index("cuf_user_score(A score"):].split("}")[0]
+    assert re.findall(r"score = cuf_score_(\d)<A>\((\w*)\(score\)", chain) == [
+        ("0", "cuf_to_natural"), ("1", ""), ("2", "cuf_to_log2"), ("3", "cuf_to_natural")]
+    assert "return cuf_to_log2(score);" in chain
+    only_log2 = M.resolve(log2).prelude(True)
+    chain = only_log2[only_log2.index("cuf_user_score(A score"):].split("}")[0]
+    assert "cuf_to_" not in chain
+
+
+def test_a_log2_unit_modification_equals_its_natural_twin():
+    """softcap in log2 units with its cap compiled in, and a trainable per-head offset written in log2 units,
+    against the same modifications in natural units: outputs and every gradient (the parameter's through the
+    log2 chain's factor ln 2) on the NumPy path."""
+    q, k, v, do = _inputs(7)
+    cap = 2.0
+    natural_cap = cuflash.ScoreMod("cap * cuf_tanh(score / cap)", grad="acc_t(1)", params={"cap": cap},
+                                   python=lambda s, b, h, q_, kv, cap: cap * np.tanh(s / cap),
+                                   python_grad=lambda s, b, h, q_, kv, cap: 1 - np.tanh(s / cap) ** 2)
+    w = np.linspace(-0.5, 0.5, H)
+
+    def offset(log2):
+        f = M._LOG2E if log2 else 1.0   # the offset w[h] of natural scores in the modification's units
+        return cuflash.ScoreMod("score + w[h] * f", grad="acc_t(1)", params={"w": w}, consts={"f": f},
+                                param_grads={"w": ("h", "f")}, log2_units=log2,
+                                python=lambda s, b, h, q_, kv, w, f: s + w[h] * f,
+                                python_grad=lambda s, *a, w, f: np.ones_like(s),
+                                python_param_grads={"w": lambda s, b, h, q_, kv, w, f: (h + 0 * s, f + 0 * s)})
+    want = cuflash.vjp(q, k, v, causal=True, score_mod=(offset(False), natural_cap))
+    got = cuflash.vjp(q, k, v, causal=True, score_mod=(offset(True), cuflash.softcap(cap)))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-13)
+    for g, w_ in zip(got[1](do), want[1](do)):
+        if isinstance(g, dict):
+            np.testing.assert_allclose(g["w"], w_["w"], rtol=1e-10, atol=1e-12)
+        else:
+            np.testing.assert_allclose(g, w_, rtol=1e-10, atol=1e-12)
 
 
 def _as_pair(mods):
