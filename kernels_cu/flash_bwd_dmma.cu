@@ -101,7 +101,7 @@ __device__ __forceinline__ void prob_and_dscore_t(double (&st)[N][2], double (&d
                 mod.template prob_and_dscore_at<true>(st[n][i], dpt[n][i], i ? lse1 : lse0, i ? dsum1 : dsum0, k, x_per_s,
                                                       row, col);
             else if (USER_SCORE)
-                st[n][i] = fast_exp2(mod.user_score(st[n][i], row, col, x_per_s, 1.0) - (i ? lse1 : lse0)) * k;
+                st[n][i] = fast_exp2(mod.user_score(st[n][i], row, col, x_per_s) - (i ? lse1 : lse0)) * k;
             else
                 st[n][i] = fast_exp2(st[n][i] * x_per_s - (i ? lse1 : lse0)) * k;
         }

@@ -163,7 +163,7 @@ flash_fwd_dmma(const FwdParams p) {
                                                                       lane, mod.scale_log2);
             apply_score_mod(s[m], mod, partial, coord);
             apply_user_score(s[m], mod, coord, mod.x_per_score());
-            warp_softmax_update_f64<Tr>(s[m], acc_o[m], row_max[m], row_sum[m], mod.x_per_score());
+            warp_softmax_update_f64<Tr>(s[m], acc_o[m], row_max[m], row_sum[m], softmax_x_per_s(mod.x_per_score()));
             apply_dropout<true>(s[m], mod, coord);   // after the statistics: row_sum counts every key
         }
         warp_gemm_rn_f64<M, Tr::O_TILES, Tr::S_TILES, Tr::V_PITCH, WIDE_K>(acc_o, s, v_s + stage * Tr::V_ELEMS, lane);   // O += P V

@@ -192,7 +192,7 @@ flash_fwd_mma(const FwdParams p) {
         if constexpr (Flags::EXTRA) {
             // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key),
             // then P is rounded to 16 bits.
-            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, softmax_x_per_s(x_per_s), [&](int m, int n, int r, float p0, float p1) {
                 s[m][n][2 * r] = p0;
                 s[m][n][2 * r + 1] = p1;
             });
@@ -202,7 +202,7 @@ flash_fwd_mma(const FwdParams p) {
                 pack_frags<T>(p16[m], s[m]);
             }
         } else {
-            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, softmax_x_per_s(x_per_s), [&](int m, int n, int r, float p0, float p1) {
                 p16[m][n][r] = pack2<T>(p0, p1);
             });
         }

@@ -166,7 +166,7 @@ flash_fwd_tf32(const FwdParams p) {
             apply_user_score(s[m], mod, strip_coord(m), x_per_s);
         }
         // P = 2^(x - m_new) in place, in fp32 (row_sum takes the same values).
-        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
+        warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, softmax_x_per_s(x_per_s), [&](int m, int n, int r, float p0, float p1) {
             s[m][n][2 * r] = p0;
             s[m][n][2 * r + 1] = p1;
         });

@@ -447,10 +447,11 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             } else {
                 apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
             }
-            apply_user_score(s[0], mod, coord, x_per_s);
+            // a plain kernel's full tile has no masked score
+            apply_user_score(s[0], mod, coord, x_per_s, Flags::EXTRA || kind != TILE_FULL);
             // acc_o is still being written: its correction waits for the P V product.
             float correction[2];
-            const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
+            const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, softmax_x_per_s(x_per_s),
                                                      [&](int, int r, float c) { correction[r] = c; });
             // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
             if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);

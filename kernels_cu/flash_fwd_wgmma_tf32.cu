@@ -318,7 +318,7 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
         }
         apply_user_score(s[0], mod, coord, x_per_s);
         // P = 2^(x - m_new) in s; acc_o is not in flight, so a moved reference rescales it at once.
-        warp_softmax_step<Tr>(s, row_max, row_sum, x_per_s,
+        warp_softmax_step<Tr>(s, row_max, row_sum, softmax_x_per_s(x_per_s),
                               [&](int, int r, float c) { rescale_acc_row(acc_o, 0, r, c); });
         // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
         if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);

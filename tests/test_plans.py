@@ -1202,11 +1202,12 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     """User modifications (cuflash.mods): the mask modification's block states computed first (once: the
     backward finds them cached), every scoring kernel built with the modifications' source (the Hopper
     forward on two consumer warpgroups at head dim 64), the parameter words in slot order: numbers' bits,
-    arrays' addresses, and in the backward the trainable parameter's fresh gradient accumulator."""
+    arrays' addresses, and in the backward the trainable parameter's fresh gradient accumulator (softcap's cap
+    is compiled in: no word)."""
     dev, launches = fake
     q, k, v = _qkv(dev, (2, 4, 1100, d))
     doc, weights = dev.empty((2, 1100), np.int32), dev.empty((4,), np.float32)
-    scaled = cuflash.ScoreMod("score + acc_t(w[h])", grad="acc_t(1)", params={"w": weights},
+    scaled = cuflash.ScoreMod("score * k + acc_t(w[h])", grad="k", params={"k": 0.5, "w": weights},
                               param_grads={"w": ("h", "acc_t(1)")})
     mods = dict(score_mod=(cuflash.softcap(30.0), scaled), mask_mod=cuflash.document_mask(doc))
     out, lse = cuflash.attention_forward(q, k, v, causal=True, **mods)
@@ -1215,8 +1216,9 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     assert states_grid == 2 * 1 * 18 * 18   # B x heads (the mask reads b, not h) x 64-row blocks x 64-key blocks
     assert fwd.extra and fwd.prelude == cuflash.mods.resolve(*[mods["score_mod"]], mods["mask_mod"]).prelude(True)
     assert fwd.family == "fwd_wgmma" and (fwd.tile.warps == 12 if d == 64 else True)
-    cap_bits = struct.unpack("<I", struct.pack("<f", 30.0))[0]
-    assert _words(fwd_params)[:4] == [cap_bits, weights.data.ptr, 0, doc.data.ptr]   # no gradient in a forward
+    # softcap's cap is compiled in (no word); k's bits, the table, its gradient (none in a forward), the ids
+    k_bits = struct.unpack("<I", struct.pack("<f", 0.5))[0]
+    assert _words(fwd_params)[:5] == [k_bits, weights.data.ptr, 0, doc.data.ptr, 0]
     launches.clear()
     dout = dev.empty(out.shape, out.dtype)
     dq, dk, dv, grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **mods)
@@ -1226,7 +1228,7 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     assert not any(var.name == "mask_mod_states" for var, *_ in launches)   # cached by the forward
     assert all(not var.prelude for var, *_ in launches if not var.extra)   # dsum, convert: as they are
     for _, params in scoring:
-        assert _words(params, "BwdParams")[:4] == [cap_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr]
+        assert _words(params, "BwdParams")[:5] == [k_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr, 0]
 
 
 def test_score_modifications_alone_run_on_the_plain_kernels(fake):
