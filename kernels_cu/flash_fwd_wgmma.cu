@@ -447,8 +447,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             } else {
                 apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
             }
-            // a plain kernel's full tile has no masked score
-            apply_user_score(s[0], mod, coord, x_per_s, Flags::EXTRA || kind != TILE_FULL);
+            apply_user_score(s[0], mod, coord, x_per_s);
             // acc_o is still being written: its correction waits for the P V product.
             float correction[2];
             const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, softmax_x_per_s(x_per_s),

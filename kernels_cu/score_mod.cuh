@@ -135,9 +135,8 @@ struct ScoreMod {
     // The user score modifications of a visible score s as a kernel holds it, x / x_per_s (x in log2 units:
     // x_per_s 1 where the kernel formed x, the scale where its scores stay raw dot products), returned as
     // the modified x (the softmax then takes x_per_s 1: softmax_x_per_s).
-    template <bool MAYBE_MASKED = true>
     __device__ __forceinline__ A user_score(A s, int row, int col, A x_per_s) const {
-        return user_modified_score<A, MAYBE_MASKED>(s * x_per_s, batch, head, row, col, m.mod_args);
+        return user_modified_score<A>(s * x_per_s, batch, head, row, col, m.mod_args);
     }
 
     // prob_and_dscore (softmax.cuh) of the score x at (row, col). With user score modifications P is
@@ -470,26 +469,18 @@ __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod
 // The user score modifications (user_mod.cuh) over a register tile of scores after the mask, held as x /
 // x_per_s, leaving the modified x (ScoreMod::user_score): the forward's (the backward's prob_and_dscore_at
 // applies them itself). coord as apply_score_mod's; s[I][J] or the C fragments s[N][4] with
-// coord(n, i, row, col). maybe_masked false (uniform): no score of the tile is masked, and the elements
-// skip the masked-score test (two instructions an element).
-template <bool MAYBE_MASKED, typename Mod, typename A, int I, int J, typename Coord>
-__device__ __forceinline__ void user_score_tile(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s) {
-#pragma unroll
-    for (int i = 0; i < I; ++i)
-#pragma unroll
-        for (int j = 0; j < J; ++j) {
-            int row, col;
-            coord(i, j, row, col);
-            s[i][j] = mod.template user_score<MAYBE_MASKED>(s[i][j], row, col, x_per_s);
-        }
-}
-
+// coord(n, i, row, col).
 template <typename Mod, typename A, int I, int J, typename Coord>
-__device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s,
-                                                 bool maybe_masked = true) {
+__device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s) {
     if constexpr (USER_SCORE) {
-        if (maybe_masked) user_score_tile<true>(s, mod, coord, x_per_s);
-        else user_score_tile<false>(s, mod, coord, x_per_s);
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                int row, col;
+                coord(i, j, row, col);
+                s[i][j] = mod.user_score(s[i][j], row, col, x_per_s);
+            }
     }
 }
 

@@ -27,12 +27,11 @@ constexpr bool USER_SCORE = CUF_USER_SCORE;
 constexpr bool USER_MASK = CUF_USER_MASK;
 
 // The score modifications of x, a score in log2 units as the EXTRA kernels hold it (x = s log2 e), in
-// log2 units. A masked score (-inf) stays masked; MAYBE_MASKED false: the caller knows no score is masked
-// (a plain kernel's full tile), and the test is left out.
-template <typename A, bool MAYBE_MASKED = true>
+// log2 units. A masked score (-inf) stays masked.
+template <typename A>
 __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, const unsigned long long* args) {
 #if CUF_USER_SCORE
-    if (MAYBE_MASKED && x == neg_inf<A>()) return x;
+    if (x == neg_inf<A>()) return x;
     return cuf_user_score<A>(x, b, h, row, col, args);
 #else
     (void)b, (void)h, (void)row, (void)col, (void)args;
