@@ -229,17 +229,12 @@ def test_library_modifications_compile_without_spills(arch, family, dtype, extra
 @pytest.mark.parametrize("dtype, family", sorted({(v.dtype, v.family) for v in all_variants()
                                                   if v.family in SCORING_FAMILIES}))
 def test_every_scoring_variant_compiles_with_modifications(dtype, family):
-    """Every scoring variant that takes modifications with the composed library modifications compiled in
-    (ALiBi then softcap, a document and a prefix-LM mask; the plain ones of PLAIN_MODS_FAMILIES: the score
-    modifications alone), for the architecture its table row is tuned for (sm_90 for the sm90 rows and
-    Hopper's own, sm_80 for the others): zero spills. Head dim 256's Hopper backward takes none. (T5's table
-    joins them in test_library_modifications_compile_without_spills; all three score modifications at once
-    spill 116-136 bytes in the head-dim-128 Hopper forward that walks a queue: benchmarks/NOTES.md.)"""
-    lib = _library()
-    composed = M.resolve(lib["composed"]["score_mod"], lib["composed"]["mask_mod"])
-    alone = M.resolve(lib["composed"]["score_mod"])
+    """Every scoring variant that takes modifications with every library modification compiled in (the plain
+    ones of PLAIN_MODS_FAMILIES: the score modifications alone), for the architecture its table row is tuned
+    for (sm_90 for the sm90 rows and Hopper's own, sm_80 for the others): zero spills. Head dim 256's Hopper
+    backward takes none."""
     bad = []
-    for v in {with_mods(v, (composed if v.extra else alone).prelude(dtype in ("float16", "bfloat16")))
+    for v in {with_mods(v, _every_library_mod(masks=v.extra).prelude(dtype in ("float16", "bfloat16")))
               for v in all_variants() if v.dtype == dtype and v.family == family and not v.packed
               and (v.extra or takes_plain_mods(v)) and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)}:
         arch = "sm_80" if v.arch == "sm80" else "sm_90"
