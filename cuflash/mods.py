@@ -10,7 +10,8 @@ a new sequence length never recompiles)::
                                python=lambda score, b, h, q_idx, kv_idx, cap: cap * np.tanh(score / cap))
     out = cuflash.attention(q, k, v, causal=True, score_mod=softcap)
 
-Scores are in natural units: ``score = scale * q . k + bias`` (the number softmax exponentiates).
+Scores are in natural units (unless ``log2_units``): ``score = scale * q . k + bias`` (the number softmax
+exponentiates).
 The source sees ``score`` (type ``acc_t``: float, double for float64 inputs), the element's batch
 entry ``b``, query head ``h``, query row ``q_idx`` and key ``kv_idx`` (int), and each parameter by
 its name. It is an expression, or a body with ``return``. Parameters are Python numbers (floats
@@ -55,6 +56,7 @@ MAX_PARAM_SLOTS = 16
 an array, two a trainable array (it and its gradient)."""
 
 _LN2, _LOG2E = math.log(2.0), 1.0 / math.log(2.0)
+_FLOAT_MIN, _FLOAT_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = {"score", "b", "h", "q_idx", "kv_idx", "acc_t", "cuf_args"}
@@ -79,7 +81,7 @@ def _check_source(source, what: str) -> str:
     return source
 
 
-def _check_params(params) -> Dict[str, Any]:
+def _check_params(params, what: str = "parameter") -> Dict[str, Any]:
     if params is None:
         return {}
     if not isinstance(params, dict):
@@ -87,18 +89,18 @@ def _check_params(params) -> Dict[str, Any]:
     out = {}
     for name, value in params.items():
         if not isinstance(name, str) or not _IDENT.match(name) or keyword.iskeyword(name) or name in _RESERVED \
-                or name.startswith("cuf_"):
-            raise ValueError(f"parameter name {name!r} is not usable: a C identifier, not one of "
+                or name.lower().startswith("cuf_"):
+            raise ValueError(f"{what} name {name!r} is not usable: a C identifier, not one of "
                              f"{sorted(_RESERVED)}, not starting with cuf_")
         if isinstance(value, (bool, np.bool_)):
             value = int(value)
         if isinstance(value, numbers.Integral):
             if not -2**31 <= int(value) < 2**31:
-                raise ValueError(f"parameter {name!r}: an int parameter must fit in 32 bits, got {value}")
+                raise ValueError(f"{what} {name!r}: an int {what} must fit in 32 bits, got {value}")
             out[name] = int(value)
         elif isinstance(value, numbers.Real):
             if not math.isfinite(float(value)):
-                raise ValueError(f"parameter {name!r} must be finite, got {value}")
+                raise ValueError(f"{what} {name!r} must be finite, got {value}")
             out[name] = float(value)
         elif hasattr(value, "dtype") and hasattr(value, "shape"):
             if np.dtype(value.dtype) not in _ARRAY_TYPES:
@@ -108,7 +110,7 @@ def _check_params(params) -> Dict[str, Any]:
                 raise ValueError(f"parameter {name!r} must be C-contiguous (the source indexes it flat)")
             out[name] = value
         else:
-            raise TypeError(f"parameter {name!r} must be a number or an array, got {type(value).__name__}")
+            raise TypeError(f"{what} {name!r} must be a number or an array, got {type(value).__name__}")
     return out
 
 
@@ -119,12 +121,15 @@ def _check_consts(consts, params) -> Dict[str, Any]:
         return {}
     if not isinstance(consts, dict):
         raise TypeError(f"consts must be a dict of name -> number, got {type(consts).__name__}")
-    out = _check_params(consts)
+    out = _check_params(consts, "const")
     for name, value in out.items():
         if _is_array(value):
             raise TypeError(f"const {name!r} must be a Python number (arrays are params)")
         if name in params:
             raise ValueError(f"{name!r} is both a parameter and a const")
+        if isinstance(value, float) and value != 0 and not _FLOAT_MIN <= abs(value) <= _FLOAT_MAX:
+            raise ValueError(f"const {name!r} = {value!r} does not fit a float (the source's acc_t for 16-bit and "
+                             f"float32 inputs): 0 or {_FLOAT_MIN:.3g} <= |value| <= {_FLOAT_MAX:.3g}")
     return out
 
 
@@ -211,7 +216,8 @@ class ScoreMod(_Mod):
     Parameters
     ----------
     source : str
-        An expression (or a body with ``return``) of type ``acc_t`` over ``score`` (natural units),
+        An expression (or a body with ``return``) of type ``acc_t`` over ``score`` (natural units, or log2
+        units with ``log2_units``),
         ``b``, ``h``, ``q_idx``, ``kv_idx`` and the parameters. ``-inf`` masks the element.
     grad : str, optional
         Its derivative with respect to ``score``, same variables; needed by the backward.
