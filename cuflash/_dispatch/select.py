@@ -397,7 +397,7 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     """``v`` with a call's user modifications (cuflash.mods: their generated ``prelude``) compiled in: the
     variants that score (:data:`SCORING_FAMILIES`; plain ones only of :data:`PLAIN_MODS_FAMILIES`), on
     :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has three consumer warpgroups or two CTAs an
-    SM, a CTA a block (no walk), and on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill;
+    SM, a CTA a block for its band, and on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill;
     the others (dsum, convert, combine) as they are."""
     if not prelude or v.family not in SCORING_FAMILIES or v.packed or v.acc_out:
         return v
@@ -405,10 +405,9 @@ def with_mods(v: Variant, prelude: str) -> Variant:
         raise ValueError(f"{v.family}: user modifications run on its EXTRA variants (PLAIN_MODS_FAMILIES)")
     if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
         v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
-    if v.family == "fwd_wgmma" and v.schedule != "block":
-        # a walking CTA holds more registers a consumer thread (224-232 in the band forward): with every library
-        # modification, 228 bytes spill in the band forward and 116-136 in the head-dim-128 one that walks a
-        # queue (NVRTC 12.9); a CTA a block spills none
+    if v.family == "fwd_wgmma" and v.band and v.schedule != "block":
+        # a walking CTA's band forward holds 224-232 registers a consumer thread: 228 bytes spill with
+        # modifications (NVRTC 12.9); a CTA a block keeps 232 and spills none
         v = replace(v, schedule="block")
     elif v.family == "fwd_tf32" and v.extra and (v.tile.block_m, v.tile.block_n) == (128, 64):
         v = replace(v, tile=MODS_FWD_TF32_TILE)
