@@ -287,27 +287,48 @@ __device__ __forceinline__ void store_frags_t(unsigned char* tile, const unsigne
             *reinterpret_cast<unsigned*>(tile + t_frag_offset<Tr>(kk, i, key_row, lane)) = frags16[kk][i];
 }
 
+// Where a lane's dQ values go in a staging tile (stage_dq_block): the byte offsets of its row g
+// (warp_row0 + lane / 4) for fragment j % 4 of a box (fragment j / 4 adds a box, row g + 8 adds 8
+// rows), its row and whether it stores the swapped fragment (odd g). The same every step: made once
+// before the key block's loop, they leave a step's stores waiting on their values only (made in the
+// step, the address arithmetic ran behind the wait for the dQ product).
+struct DqStageLanes {
+    int offset[4];
+    int row;
+    bool odd_g;
+
+    __device__ __forceinline__ static DqStageLanes of(int warp_row0, int lane) {
+        DqStageLanes s;
+        const int g = lane / 4, half = (lane / 2) % 2;
+        s.row = warp_row0 + g;
+        s.odd_g = g & 1;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {   // n % 4 = m, or m ^ 2 for odd g; 16-byte chunk (col / 4) ^ (row % 8)
+            const int n = s.odd_g ? m ^ 2 : m;
+            s.offset[m] = s.row * 128 + ((2 * n + half) ^ g) * 16 + (lane % 2) * 8;
+        }
+        return s;
+    }
+};
+
 // stage_dq_block's stores (below), with or without the row test.
 template <bool BOUNDED>
-__device__ __forceinline__ void stage_dq_rows(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
-                                              float scale, int lane, int rows) {
-    const bool odd_g = (lane / 4) & 1;
+__device__ __forceinline__ void stage_dq_rows(unsigned char* stage, const DqStageLanes& lanes, const float (&dq)[8][4],
+                                              float scale, int rows) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int n = odd_g ? j ^ 2 : j;   // (j ^ 2 stays in j's box of four)
-            const float v0 = odd_g ? dq[j ^ 2][2 * r] : dq[j][2 * r];
-            const float v1 = odd_g ? dq[j ^ 2][2 * r + 1] : dq[j][2 * r + 1];
-            const int row = warp_row0 + lane / 4 + 8 * r, col = 8 * (n % 4) + 2 * (lane % 4);   // col in the box
-            unsigned char* at = stage + (n / 4) * 64 * 128 + row * 128 + ((col / 4) ^ (row % 8)) * 16 + (col % 4) * 4;
-            const bool past = BOUNDED && row >= rows;   // a select: NaN x 0 is NaN
+            const float v0 = lanes.odd_g ? dq[j ^ 2][2 * r] : dq[j][2 * r];   // (j ^ 2 stays in j's box of four)
+            const float v1 = lanes.odd_g ? dq[j ^ 2][2 * r + 1] : dq[j][2 * r + 1];
+            unsigned char* at = stage + (j / 4) * 64 * 128 + r * 8 * 128 + lanes.offset[j % 4];
+            const bool past = BOUNDED && lanes.row + 8 * r >= rows;   // a select: NaN x 0 is NaN
             *reinterpret_cast<float2*>(at) = past ? make_float2(0.0f, 0.0f) : make_float2(v0 * scale, v1 * scale);
         }
 }
 
-// scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from warp_row0,
-// columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
+// scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from the lanes'
+// warp_row0, columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
 // rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
 // An 8-byte store is served a half-warp (rows g = 0-3 or 4-7) at a time; in the accumulator's
 // order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
@@ -317,10 +338,10 @@ __device__ __forceinline__ void stage_dq_rows(unsigned char* stage, const float 
 // (the next sequence's rows, which the addition reaches: dS is 0 there, but 0 x an infinite K is NaN);
 // the selects run only in a block that has such rows (a sequence's last query block), not in every step.
 template <bool BOUNDED = false>
-__device__ __forceinline__ void stage_dq_block(unsigned char* stage, const float (&dq)[8][4], int warp_row0,
-                                               float scale, int lane, int rows = 64) {
-    if (BOUNDED && rows < 64) stage_dq_rows<true>(stage, dq, warp_row0, scale, lane, rows);
-    else stage_dq_rows<false>(stage, dq, warp_row0, scale, lane, rows);
+__device__ __forceinline__ void stage_dq_block(unsigned char* stage, const DqStageLanes& lanes, const float (&dq)[8][4],
+                                               float scale, int rows = 64) {
+    if (BOUNDED && rows < 64) stage_dq_rows<true>(stage, lanes, dq, scale, rows);
+    else stage_dq_rows<false>(stage, lanes, dq, scale, rows);
 }
 
 // dK = scale * acc_dk and dV = acc_dv of this warp's 16 keys (key_row.. within the block) and
@@ -389,6 +410,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
     const int dq_col0 = Tr::DQ_SPLIT_ROWS || Tr::DQ_SPLIT_KEYS ? 0 : 64 * consumer;
     constexpr int DQ_K_STEPS = Tr::DQ_SPLIT_KEYS ? 64 / 16 : BN / 16;
     const int kk0 = Tr::DQ_SPLIT_KEYS ? 4 * consumer : 0;
+    const DqStageLanes dq_lanes = DqStageLanes::of(16 * cwarp, lane);
 
     float acc_dk[HEAD / 8][4], acc_dv[HEAD / 8][4];   // rows: this warp's 16 keys
     zero_frags(acc_dk);
@@ -520,7 +542,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
         // dQ += scale dS K: the block goes through shared memory, and one thread of the warpgroup has
         // the copy engine add it to the accumulator (rows past lq, columns past d are dropped there).
         const unsigned dq_stage = sm.dq_stage(consumer);
-        stage_dq_block<PACKED>(sm.at(dq_stage), dq, 16 * cwarp, scale, lane, mod.lq - m0 - dq_row0);
+        stage_dq_block<PACKED>(sm.at(dq_stage), dq_lanes, dq, scale, mod.lq - m0 - dq_row0);
         fence_proxy_async_smem();
         named_bar_sync(BAR_DQ_STAGED + consumer, 128);
         if (wg_leader) {
@@ -577,6 +599,7 @@ __device__ __forceinline__ void consume_head_halves(const BwdParams& p, const Bw
     const int key_row = 16 * cwarp;                           // this warp's first key within the block
     const int slab0 = consumer * COLS / 64;                   // the warpgroup's first 64-column slab (of 4)
     const float x_per_s = mod.x_per_score(), scale = float(p.scale);
+    const DqStageLanes dq_lanes = DqStageLanes::of(16 * cwarp, lane);
 
     float acc_dk[COLS / 8][4], acc_dv[COLS / 8][4];   // rows: this warp's 16 keys; columns 64 slab0..
     zero_frags(acc_dk);
@@ -666,7 +689,7 @@ __device__ __forceinline__ void consume_head_halves(const BwdParams& p, const Bw
         // slab0, slab0 + 1 of Q (j = 0) or dO (j = 1), which nothing reads any more this step.
         const unsigned staging[2] = {q_tile + slab0 * SLAB_BYTES, do_tile + slab0 * SLAB_BYTES};
 #pragma unroll
-        for (int j = 0; j < 2; ++j) stage_dq_block(sm.at(staging[j]), dq[j], 16 * cwarp, scale, lane);
+        for (int j = 0; j < 2; ++j) stage_dq_block(sm.at(staging[j]), dq_lanes, dq[j], scale);
         fence_proxy_async_smem();
         named_bar_sync(BAR_DQ_STAGED + consumer, 128);
         if (wg_leader) {
