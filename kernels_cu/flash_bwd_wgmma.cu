@@ -311,22 +311,6 @@ struct DqStageLanes {
     }
 };
 
-// stage_dq_block's stores (below), with or without the row test.
-template <bool BOUNDED>
-__device__ __forceinline__ void stage_dq_rows(unsigned char* stage, const DqStageLanes& lanes, const float (&dq)[8][4],
-                                              float scale, int rows) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float v0 = lanes.odd_g ? dq[j ^ 2][2 * r] : dq[j][2 * r];   // (j ^ 2 stays in j's box of four)
-            const float v1 = lanes.odd_g ? dq[j ^ 2][2 * r + 1] : dq[j][2 * r + 1];
-            unsigned char* at = stage + (j / 4) * 64 * 128 + r * 8 * 128 + lanes.offset[j % 4];
-            const bool past = BOUNDED && lanes.row + 8 * r >= rows;   // a select: NaN x 0 is NaN
-            *reinterpret_cast<float2*>(at) = past ? make_float2(0.0f, 0.0f) : make_float2(v0 * scale, v1 * scale);
-        }
-}
-
 // scale * this warp's 16 x 64 block of dQ (the wgmma accumulator: rows g, g + 8 from the lanes'
 // warp_row0, columns 8n + 2t, + 1) into its warpgroup's staging tile: two boxes of 32 fp32 columns x 64
 // rows, 128-byte swizzled as the copy engine reads them (16-byte chunk c of row r at c ^ (r % 8)).
@@ -334,14 +318,31 @@ __device__ __forceinline__ void stage_dq_rows(unsigned char* stage, const DqStag
 // order rows g and g ^ 1 would hit the same two chunks (two wavefronts a half-warp, which ncu
 // counts as 34 M conflicts). So lanes of odd g store fragment n ^ 2 while the others store n:
 // the half-warp's four rows then cover the row's four chunk pairs (n % 4) ^ 2 (g & 1) ^ (g >> 1)
-// once each, one wavefront a half. BOUNDED (packed sequences): rows from `rows` on are staged as 0
-// (the next sequence's rows, which the addition reaches: dS is 0 there, but 0 x an infinite K is NaN);
-// the selects run only in a block that has such rows (a sequence's last query block), not in every step.
+// once each, one wavefront a half. BOUNDED (packed sequences): rows from `rows` on are then
+// overwritten with 0 (the next sequence's rows, which the addition reaches: dS is 0 there, but 0 x an
+// infinite K is NaN), by the lanes that stored them, only in a block that has such rows (a sequence's
+// last query block): every step's stores stay straight-line code the scheduler can place early.
 template <bool BOUNDED = false>
 __device__ __forceinline__ void stage_dq_block(unsigned char* stage, const DqStageLanes& lanes, const float (&dq)[8][4],
                                                float scale, int rows = 64) {
-    if (BOUNDED && rows < 64) stage_dq_rows<true>(stage, lanes, dq, scale, rows);
-    else stage_dq_rows<false>(stage, lanes, dq, scale, rows);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float v0 = lanes.odd_g ? dq[j ^ 2][2 * r] : dq[j][2 * r];   // (j ^ 2 stays in j's box of four)
+            const float v1 = lanes.odd_g ? dq[j ^ 2][2 * r + 1] : dq[j][2 * r + 1];
+            unsigned char* at = stage + (j / 4) * 64 * 128 + r * 8 * 128 + lanes.offset[j % 4];
+            *reinterpret_cast<float2*>(at) = make_float2(v0 * scale, v1 * scale);
+        }
+    if (BOUNDED && rows < 64) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                unsigned char* at = stage + (j / 4) * 64 * 128 + r * 8 * 128 + lanes.offset[j % 4];
+                if (lanes.row + 8 * r >= rows) *reinterpret_cast<float2*>(at) = make_float2(0.0f, 0.0f);
+            }
+    }
 }
 
 // dK = scale * acc_dk and dV = acc_dv of this warp's 16 keys (key_row.. within the block) and
