@@ -18,8 +18,9 @@ its name. It is an expression, or a body with ``return``. Parameters are Python 
 arrive as ``acc_t``, ints as ``int``) or C-contiguous arrays on the inputs' device, indexed flat
 (``const float* slopes``: ``slopes[h]``); ``consts`` are numbers compiled into the source (one build a
 value, nothing read in the kernel's loop). ``log2_units=True`` gives a score modification scores in log2
-units (``score * log2(e)``, the kernels' own) and saves two multiplies an element. ``cuf_tanh(x)`` is tanh (the special-function unit's
-approximation for float16 / bfloat16 inputs, where its 2^-11 relative error is below their rounding).
+units (``score * log2(e)``, the kernels' own) and saves two multiplies an element. ``cuf_tanh(x)`` is tanh
+(the special-function unit's approximation for float16 / bfloat16 inputs, where its 2^-11 relative error is
+below their rounding).
 
 Several score modifications apply in order (``score_mod=(a, b)``: b(a(score))); several mask
 modifications all have to allow a key. A score modification may return ``-inf`` to mask; a mask
