@@ -24,7 +24,8 @@ a KV cache of ragged lengths (0 included) with an append, contiguous and as shuf
 (``--kvcache``: that cache part alone). ``--varlen``: packed sequences (cuflash.varlen: empty, one-row and
 keyless sequences, more keys than queries and fewer), the forward's packed kernel (the Hopper one for 16-bit
 rows at head dims 40-256) for every causal mode and a window, and a backward. ``--mods``: user score and
-mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, document and
+mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, a modification
+evaluated everywhere that reads arrays by position, document and
 prefix-LM masks, composed with a bias, a window and dropout), forward and backward, Hopper and portable.
 ``--partials``: the forward in float32 (cuflash.api.forward_in_accumulator: the 16-bit Hopper forward's
 float32-output twin at head dims 64, 128 and 256) and a two-rank ring over threads on one GPU
@@ -279,7 +280,11 @@ def modifications(dtypes, dims) -> None:
     lq, lk, hq = 97, 130, 4
     doc = cp.asarray(np.sort(rng.integers(0, 3, (2, lk)), axis=1).astype(np.int32))
     slopes = cp.asarray(np.geomspace(0.5, 0.05, hq).astype(np.float32))
-    for dtype, d, det, kind in itertools.product(dtypes, dims, (False, True), ("score", "mask", "every")):
+    # "positions": arrays of exactly lq / lk elements indexed by the position, evaluated everywhere
+    positions = cuflash.ScoreMod("score + acc_t(row_bias[q_idx]) - acc_t(key_bias[kv_idx])", grad="acc_t(1)",
+                                 everywhere=True, params={"row_bias": cp.ones(lq, cp.float32),
+                                                          "key_bias": cp.ones(lk, cp.float32)})
+    for dtype, d, det, kind in itertools.product(dtypes, dims, (False, True), ("score", "mask", "every", "positions")):
         table = cp.asarray(rng.standard_normal((32, hq)).astype(np.float64 if dtype == "float64" else np.float32))
         q, do = (cp.asarray(rng.standard_normal((2, hq, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
         k, v = (cp.asarray(rng.standard_normal((2, 2, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
@@ -287,14 +292,15 @@ def modifications(dtypes, dims) -> None:
                 "mask": dict(mask_mod=(cuflash.document_mask(doc), cuflash.prefix_lm_mask(cp.asarray([9, 50], cp.int32)))),
                 "every": dict(score_mod=(cuflash.alibi(slopes), cuflash.softcap(5.0)), mask_mod=cuflash.document_mask(doc),
                               bias=cp.asarray(rng.standard_normal((1, hq, lq, lk)).astype(DTYPES[dtype])),
-                              window=(60, 20), dropout_p=0.2, seed=11)}[kind]
+                              window=(60, 20), dropout_p=0.2, seed=11),
+                "positions": dict(score_mod=positions)}[kind]
         launched.clear()
         out, lse = cuflash.attention_forward(q, k, v, causal=kind != "mask", **opts)
         grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=kind != "mask", deterministic=det, **opts)
         cp.cuda.Device().synchronize()
         arrays = (out,) + tuple(g for g in grads if not isinstance(g, dict)) + tuple(
             x for g in grads if isinstance(g, dict) for x in g.values())
-        print(f"{dtype:8} d={d:3} deterministic={det!s:5} {kind:5} {','.join(dict.fromkeys(launched))} "
+        print(f"{dtype:8} d={d:3} deterministic={det!s:5} {kind:9} {','.join(dict.fromkeys(launched))} "
               f"finite={_all_finite(arrays)}", flush=True)
 
 

@@ -18,9 +18,11 @@ its name. It is an expression, or a body with ``return``. Parameters are Python 
 arrive as ``acc_t``, ints as ``int``) or C-contiguous arrays on the inputs' device, indexed flat
 (``const float* slopes``: ``slopes[h]``); ``consts`` are numbers compiled into the source (one build a
 value, nothing read in the kernel's loop). ``log2_units=True`` gives a score modification scores in log2
-units (``score * log2(e)``, the kernels' own) and saves two multiplies an element. ``cuf_tanh(x)`` is tanh
-(the special-function unit's approximation for float16 / bfloat16 inputs, where its 2^-11 relative error is
-below their rounding).
+units (``score * log2(e)``, the kernels' own) and saves two multiplies an element. ``everywhere=True`` says
+the source may run at masked positions too: the forwards without per-element tests then evaluate it with no
+branch an element, and a value of ``b`` and ``h`` alone (``slopes[h]``) is read once a tile, not once an
+element. ``cuf_tanh(x)`` is tanh (the special-function unit's approximation for float16 / bfloat16 inputs,
+where its 2^-11 relative error is below their rounding).
 
 Several score modifications apply in order (``score_mod=(a, b)``: b(a(score))); several mask
 modifications all have to allow a key. A score modification may return ``-inf`` to mask; a mask
@@ -234,6 +236,17 @@ class ScoreMod(_Mod):
         ``score * log2(e)``, as the kernels hold them: no conversion a score around this modification.
         ``grad`` is the same in either unit; a trainable parameter's derivative is that of the log2-unit
         value.
+    everywhere : bool, optional
+        The source (and ``grad``) may run at every position of a tile a kernel forms, masked ones included;
+        their results are dropped there, and ``q_idx`` / ``kv_idx`` are clamped into the sequences (a tile's
+        rows and keys past the end take the last one). The kernels then evaluate it without a branch an
+        element, so that a value that depends on ``b`` and ``h`` only (``slopes[h]``) is read once a tile, not
+        once an element. Give it to a source that reads nothing out of bounds for any (q_idx, kv_idx) pair in
+        the sequences. It takes effect where every score modification of a call has it, in the forwards without
+        per-element mask tests (score modifications alone; the backwards keep a branch an element, where the
+        unconditional derivative chain spilled registers). A source whose loads depend on the position
+        (a table looked up by distance) gains nothing from it: its loads stay one an element, and
+        unconditional ones hold more registers.
     param_grads : dict, optional
         name of a float32 / float64 array parameter -> (index, derivative): C expressions (same
         variables) of the flat index of the element the score depends on and the derivative of the
@@ -251,11 +264,14 @@ class ScoreMod(_Mod):
     def __init__(self, source: str, *, grad: Optional[str] = None, params: Optional[dict] = None,
                  param_grads: Optional[dict] = None, python: Optional[Callable] = None,
                  python_grad: Optional[Callable] = None, python_param_grads: Optional[dict] = None,
-                 name: Optional[str] = None, consts: Optional[dict] = None, log2_units: bool = False):
+                 name: Optional[str] = None, consts: Optional[dict] = None, log2_units: bool = False,
+                 everywhere: bool = False):
         super().__init__(source, params, python, name, consts)
-        if not isinstance(log2_units, (bool, np.bool_)):
-            raise TypeError(f"log2_units must be a bool, got {type(log2_units).__name__}")
+        for flag, value in (("log2_units", log2_units), ("everywhere", everywhere)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
         self.log2_units = bool(log2_units)
+        self.everywhere = bool(everywhere)
         self.grad = None if grad is None else _check_source(grad, "score_mod grad")
         self.param_grads = {}
         for pname, spec in (param_grads or {}).items():
@@ -276,7 +292,8 @@ class ScoreMod(_Mod):
         return len(self.params) + len(self.param_grads)
 
     def _signature(self) -> tuple:
-        return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())), self.log2_units)
+        return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())), self.log2_units,
+                                       self.everywhere)
 
     def cuda(self, i: int, slot0: int) -> str:
         """The device functions of modification ``i`` (its value, derivative, parameter gradients)."""
@@ -434,6 +451,8 @@ class Mods:
         lines = [f"// cuflash user modifications {self.key()}", f"#define CUF_FAST_SPECIAL {int(fast_special)}"]
         if self.score:
             lines.append("#define CUF_USER_SCORE 1")
+            if all(m.everywhere for m in self.score):
+                lines.append("#define CUF_USER_SCORE_EVERYWHERE 1")
         if self.mask:
             lines.append("#define CUF_USER_MASK 1")
         if self.trainable:
@@ -603,19 +622,21 @@ def softcap(cap: float) -> ScoreMod:
     cap_log2 = float(cap) * _LOG2E
     return ScoreMod("cap * cuf_tanh(score * inv_cap)",
                     grad="{ const acc_t t = cuf_tanh(score * inv_cap); return acc_t(1) - t * t; }",
-                    consts={"cap": cap_log2, "inv_cap": 1.0 / cap_log2}, log2_units=True, name="softcap",
+                    consts={"cap": cap_log2, "inv_cap": 1.0 / cap_log2}, log2_units=True, everywhere=True,
+                    name="softcap",
                     python=lambda s, b, h, q, kv, cap, inv_cap: cap * np.tanh(s * inv_cap),
                     python_grad=lambda s, b, h, q, kv, cap, inv_cap: 1.0 - np.tanh(s * inv_cap) ** 2)
 
 
 def alibi(slopes) -> ScoreMod:
     """ALiBi: ``score - slopes[h] * |q_idx - kv_idx|`` (Press et al.; FlashAttention's ``alibi_slopes``
-    with queries and keys aligned at the start). ``slopes``: float32 array (Hq,) on the inputs' device."""
+    with queries and keys aligned at the start). ``slopes``: float32 array (Hq,) on the inputs' device.
+    Written in log2 units and evaluated everywhere (``slopes[h]`` read once a tile)."""
     if not _is_array(slopes) or slopes.ndim != 1 or np.dtype(slopes.dtype) != np.float32:
         raise TypeError("alibi: slopes must be a float32 array of shape (Hq,)")
-    return ScoreMod("score - acc_t(slopes[h]) * acc_t(abs(q_idx - kv_idx))", grad="acc_t(1)",
-                    params={"slopes": slopes}, name="alibi",
-                    python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * abs(q - kv),
+    return ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * acc_t(abs(q_idx - kv_idx))",
+                    grad="acc_t(1)", params={"slopes": slopes}, name="alibi", log2_units=True, everywhere=True,
+                    python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * _LOG2E * abs(q - kv),
                     python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))
 
 

@@ -135,8 +135,25 @@ struct ScoreMod {
     // The user score modifications of a visible score s as a kernel holds it, x / x_per_s (x in log2 units:
     // x_per_s 1 where the kernel formed x, the scale where its scores stay raw dot products), returned as
     // the modified x (the softmax then takes x_per_s 1: softmax_x_per_s).
+    // The forwards' form of the user modifications (user_modified_score): evaluated everywhere and -inf
+    // selected after where they allow it, in the plain kernels (score modifications alone, the fast path); the
+    // EXTRA kernels' registers hold their per-element tests, and the unconditional chain spilled there: a
+    // branch. (The backwards keep the branch: their unconditional derivative chain spilled 20-120 bytes.)
+    static constexpr bool SELECT_USER = USER_SCORE_EVERYWHERE && !Flags::EXTRA;
+
     __device__ __forceinline__ A user_score(A s, int row, int col, A x_per_s) const {
-        return user_modified_score<A>(s * x_per_s, batch, head, row, col, m.mod_args);
+        clamp_for_user<SELECT_USER>(row, col);
+        return user_modified_score<SELECT_USER>(s * x_per_s, batch, head, row, col, m.mod_args);
+    }
+
+    // A tile's rows and keys past the sequences' ends as the last ones, where the user modifications would
+    // see them: a plain kernel has no per-element row test and forms the rows past lq (their scores are not
+    // -inf), and modifications evaluated everywhere (SELECT) see the keys past lk too. The clamped indices
+    // read only where a visible element would. (The EXTRA kernels mask both.)
+    template <bool SELECT>
+    __device__ __forceinline__ void clamp_for_user(int& row, int& col) const {
+        if (!Flags::EXTRA) row = imin(row, lq - 1);
+        if (SELECT) col = imin(col, lk - 1);
     }
 
     // prob_and_dscore (softmax.cuh) of the score x at (row, col). With user score modifications P is
@@ -152,7 +169,8 @@ struct ScoreMod {
         } else {
             const A x = s_to_p * x_per_s;
             A grad;
-            s_to_p = user_modified_score_grad<A>(x, batch, head, row, col, m.mod_args, grad);
+            clamp_for_user<false>(row, col);
+            s_to_p = user_modified_score_grad(x, batch, head, row, col, m.mod_args, grad);
             prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep);
             if constexpr (PARAM_GRADS) user_param_grads<A>(x, batch, head, row, col, m.mod_args, dp_to_ds);
             dp_to_ds = dp_to_ds == A(0) ? A(0) : dp_to_ds * grad;   // P = 0 (masked): 0, whatever grad is there

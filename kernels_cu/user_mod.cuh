@@ -19,18 +19,30 @@
 #ifndef CUF_USER_MASK
 #define CUF_USER_MASK 0
 #endif
+#ifndef CUF_USER_SCORE_EVERYWHERE
+#define CUF_USER_SCORE_EVERYWHERE 0
+#endif
 #ifndef CUF_USER_PARAM_GRADS
 #define CUF_USER_PARAM_GRADS 0
 #endif
 
 constexpr bool USER_SCORE = CUF_USER_SCORE;
 constexpr bool USER_MASK = CUF_USER_MASK;
+// Every score modification may run at masked positions (ScoreMod everywhere=True): the kernels evaluate
+// them without a branch an element and select -inf after. A value of (b, h) alone is then one load a
+// tile: the compiler merges the elements' loads of one address, which a branch an element keeps apart.
+constexpr bool USER_SCORE_EVERYWHERE = CUF_USER_SCORE_EVERYWHERE;
 
 // The score modifications of x, a score in log2 units as the EXTRA kernels hold it (x = s log2 e), in
-// log2 units. A masked score (-inf) stays masked.
-template <typename A>
+// log2 units. A masked score (-inf) stays masked. SELECT: evaluated at every element, -inf selected after
+// (USER_SCORE_EVERYWHERE; ScoreMod::SELECT_USER says which kernels).
+template <bool SELECT = USER_SCORE_EVERYWHERE, typename A>
 __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, const unsigned long long* args) {
 #if CUF_USER_SCORE
+    if constexpr (SELECT) {
+        const A y = cuf_user_score<A>(x, b, h, row, col, args);
+        return x == neg_inf<A>() ? x : y;
+    }
     if (x == neg_inf<A>()) return x;
     return cuf_user_score<A>(x, b, h, row, col, args);
 #else

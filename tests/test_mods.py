@@ -10,8 +10,8 @@ import pytest
 import cuflash
 from cuflash import CompileError, mods as M, reference
 from cuflash._dispatch.model import SCORING_FAMILIES
-from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, takes_plain_mods,
-                                      with_mods)
+from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, schedule_for,
+                                      takes_plain_mods, with_mods)
 from cuflash._runtime.build import compile_offline
 
 from _nvrtc import needs_nvrtc
@@ -64,6 +64,7 @@ def _library(h=H, b=B, length=L):
     (lambda: cuflash.ScoreMod("score", consts=[1.0]), TypeError, "dict"),
     (lambda: cuflash.MaskMod("true", consts={"q_idx": 1}), ValueError, "not usable"),
     (lambda: cuflash.ScoreMod("score", log2_units=1), TypeError, "bool"),
+    (lambda: cuflash.ScoreMod("score", everywhere="yes"), TypeError, "everywhere must be a bool"),
     (lambda: cuflash.ScoreMod("score", consts={"c": 1e39}), ValueError, "does not fit a float"),
     (lambda: cuflash.ScoreMod("score", consts={"c": 1e-50}), ValueError, "does not fit a float"),
     (lambda: cuflash.ScoreMod("score", params={"CUF_LN2": 1.0}), ValueError, "not usable"),
@@ -146,6 +147,21 @@ def test_log2_units_convert_only_where_the_units_change():
     assert "cuf_to_" not in chain
 
 
+def test_everywhere_selects_only_when_every_score_modification_has_it():
+    """The prelude's switch for the branch-free form (USER_SCORE_EVERYWHERE) is set only where every score
+    modification of the call allows evaluation at masked positions; the library's score modifications do."""
+    anywhere = cuflash.ScoreMod("score + acc_t(1)", grad="acc_t(1)", everywhere=True, python=lambda s, *a: s + 1)
+    guarded = cuflash.ScoreMod("score + acc_t(1)", grad="acc_t(1)", python=lambda s, *a: s + 1)
+    switch = "#define CUF_USER_SCORE_EVERYWHERE 1"
+    assert switch in M.resolve(anywhere).prelude(True)
+    assert switch not in M.resolve((anywhere, guarded)).prelude(True)
+    assert switch not in M.resolve(guarded).prelude(True)
+    assert switch in M.resolve((cuflash.softcap(30.0), cuflash.alibi(np.ones(H, np.float32)))).prelude(True)
+    t5 = cuflash.relative_position_bias(np.zeros((32, H), np.float32))   # a load an element: kept behind a branch
+    assert switch not in M.resolve((cuflash.softcap(30.0), t5)).prelude(True)
+    assert M.resolve(anywhere).key() != M.resolve(guarded).key()   # another source: another build
+
+
 def test_a_log2_unit_modification_equals_its_natural_twin():
     """softcap in log2 units with its cap compiled in, and a trainable per-head offset written in log2 units,
     against the same modifications in natural units: outputs and every gradient (the parameter's through the
@@ -178,8 +194,13 @@ def _as_pair(mods):
     return mods.score, mods.mask
 
 
-def test_modifications_go_on_the_scoring_variants_only():
-    prelude = M.resolve(cuflash.softcap(30.0)).prelude(True)
+@pytest.mark.parametrize("everywhere", [True, False])
+def test_modifications_go_on_the_scoring_variants_only(everywhere):
+    """Where modifications go, and the Hopper forward's tile and schedule with them: walking as the table's where
+    they all run everywhere (softcap), a CTA a block for a band where they run behind a branch."""
+    cap = cuflash.softcap(30.0)
+    mod = cap if everywhere else cuflash.ScoreMod(cap.source, grad=cap.grad, consts=cap.consts, log2_units=True)
+    prelude = M.resolve(mod).prelude(True)
     for v in all_variants():
         if not v.extra and v.family in SCORING_FAMILIES and not v.packed and not takes_plain_mods(v):
             with pytest.raises(ValueError, match="EXTRA variants"):
@@ -192,8 +213,10 @@ def test_modifications_go_on_the_scoring_variants_only():
         assert w.prelude == prelude and w.name.split("<")[0] == v.name.split("<")[0]
         if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
             assert w.tile == MODS_FWD_WGMMA_TILE
-        if v.family == "fwd_wgmma" and v.band:
+        if v.family == "fwd_wgmma" and v.band and not everywhere:
             assert w.schedule == "block"
+        if v.family == "fwd_wgmma" and everywhere:
+            assert w.schedule == schedule_for(w) and (w.tile == v.tile or w.tile == MODS_FWD_WGMMA_TILE)
     for family in ("fwd_decode", "bwd_dsum"):
         with pytest.raises(ValueError, match="scoring kernels"):
             replace(next(v for v in all_variants() if v.family == family), prelude=prelude)
@@ -233,13 +256,20 @@ def test_library_modifications_compile_without_spills(arch, family, dtype, extra
                                                   if v.family in SCORING_FAMILIES}))
 def test_every_scoring_variant_compiles_with_modifications(dtype, family):
     """Every scoring variant that takes modifications with every library modification compiled in (the plain
-    ones of PLAIN_MODS_FAMILIES: the score modifications alone), for the architecture its table row is tuned
-    for (sm_90 for the sm90 rows and Hopper's own, sm_80 for the others): zero spills. Head dim 256's Hopper
-    backward takes none."""
+    ones of PLAIN_MODS_FAMILIES: the score modifications alone), and the plain ones also with those evaluated
+    everywhere (ALiBi and softcap: no branch an element, the walking Hopper forwards on their own tiles), for
+    the architecture its table row is tuned for (sm_90 for the sm90 rows and Hopper's own, sm_80 for the
+    others): zero spills. Head dim 256's Hopper backward takes none."""
     bad = []
-    for v in {with_mods(v, _every_library_mod(masks=v.extra).prelude(dtype in ("float16", "bfloat16")))
+    fast = dtype in ("float16", "bfloat16")
+    lib = _library()
+    everywhere = M.resolve(lib["composed"]["score_mod"]).prelude(fast)   # ALiBi and softcap
+    assert "CUF_USER_SCORE_EVERYWHERE 1" in everywhere
+    for v in {with_mods(v, prelude)
               for v in all_variants() if v.dtype == dtype and v.family == family and not v.packed
-              and (v.extra or takes_plain_mods(v)) and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)}:
+              and (v.extra or takes_plain_mods(v)) and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)
+              for prelude in ((_every_library_mod(masks=v.extra).prelude(fast),) if v.extra
+                              else (_every_library_mod(masks=False).prelude(fast), everywhere))}:
         arch = "sm_80" if v.arch == "sm80" else "sm_90"
         build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
         if build.spills or build.stack_frame:

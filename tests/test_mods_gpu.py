@@ -37,14 +37,23 @@ def _options(kind: str, seed: int) -> dict:
             params={"scale_h": np.linspace(0.5, 1.5, HQ).astype(np.float32)},
             python=lambda s, b, h, q, kv, scale_h: s * scale_h[h] + 0.01 * (kv % 7),
             python_grad=lambda s, b, h, q, kv, scale_h: np.broadcast_to(scale_h[h], s.shape))),
+        "positions everywhere": dict(score_mod=cuflash.ScoreMod(
+            "score + acc_t(row_bias[q_idx]) - acc_t(key_bias[kv_idx])", grad="acc_t(1)", everywhere=True,
+            params={"row_bias": rng.standard_normal(LQ).astype(np.float32),
+                    "key_bias": rng.standard_normal(LK).astype(np.float32)},
+            python=lambda s, b, h, q, kv, row_bias, key_bias: s + row_bias[q] - key_bias[kv],
+            python_grad=lambda s, b, h, q, kv, row_bias, key_bias: np.ones_like(s))),
         "with every option": dict(score_mod=(alibi, softcap), mask_mod=cuflash.document_mask(doc),
                                   bias=rng.standard_normal((1, HQ, LQ, LK)), window=(70, 10), dropout_p=0.1, seed=3,
                                   block_layout=cuflash.BlockLayout.from_rule(LQ, LK, 32, local=2, global_blocks=1)),
     }[kind]
 
 
+# "positions everywhere": arrays of exactly LQ / LK elements indexed by the position under everywhere=True
+# (evaluated at masked elements and at the tiles' rows and keys past the end, indices clamped): the values
+# here, and memcheck on sanitize_workload.py --mods, check that it reads nothing past them.
 KINDS = ["softcap", "softcap tight", "alibi", "relative position", "document", "prefix lm", "custom",
-         "with every option"]
+         "positions everywhere", "with every option"]
 CASES = sampled([(dt, c) for dt in DTYPES for c in (False, "bottom_right")],
                 [("float16", False), ("bfloat16", "bottom_right"), ("float32", "bottom_right"), ("float64", False)],
                 multi=True)

@@ -1232,8 +1232,9 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
 
 
 def test_score_modifications_alone_run_on_the_plain_kernels(fake):
-    """Score modifications alone take the plain Hopper kernels (their hooks on scores as held; the band forward a
-    CTA a block) and the portable forward's EXTRA variant (its plain ones spill with them); not the decoding
+    """Score modifications alone take the plain Hopper kernels (their hooks on scores as held; the band forward
+    walking its blocks from the queue with softcap, which runs everywhere, a CTA a block with one behind a branch)
+    and the portable forward's EXTRA variant (its plain ones spill with them); not the decoding
     kernel (its split twin) nor packed GQA rows for few query rows; and at head dim 256 the portable backward
     (the Hopper one forms dS from a 16-bit P in another warpgroup)."""
     dev, launches = fake
@@ -1241,7 +1242,12 @@ def test_score_modifications_alone_run_on_the_plain_kernels(fake):
     q, k, v = _qkv(dev, (2, 4, 1100, 128))
     out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=softcap)
     [(fwd, _, _, grid)] = launches
-    assert fwd.family == "fwd_wgmma" and not fwd.extra and fwd.prelude and fwd.schedule == "block" and grid == 2 * 4 * 9
+    assert fwd.family == "fwd_wgmma" and not fwd.extra and fwd.prelude and fwd.schedule == "queue"
+    launches.clear()
+    guarded = cuflash.ScoreMod(softcap.source, grad=softcap.grad, consts=softcap.consts, log2_units=True)
+    cuflash.attention_forward(q, k, v, causal=True, score_mod=guarded)
+    [(fwd, _, _, grid)] = launches
+    assert fwd.family == "fwd_wgmma" and fwd.schedule == "block" and grid == 2 * 4 * 9
     launches.clear()
     cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
     families = [var.family for var, *_ in launches]

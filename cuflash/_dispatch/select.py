@@ -375,11 +375,12 @@ MODS_FWD_WGMMA_TILE = Tile(128, 128, 12, 2, "user modifications at head dim 64: 
                            "and 8 with a mask modification (NVRTC 13, benchmarks/sass.py)")
 """The 16-bit Hopper forward's tile where a call's user modifications are compiled in and the table's has
 three consumer warpgroups."""
-MODS_FWD_WGMMA_WALK_TILE_128 = Tile(128, 64, 12, 2, "user modifications at head dim 128 on a walking CTA: 64-key "
-                                    "tiles; the 128-key tile spills 120 bytes with every library score modification "
-                                    "at once (NVRTC 12.9)")
+MODS_FWD_WGMMA_TILE_128 = Tile(128, 64, 12, 2, "user modifications at head dim 128 on a walking CTA, or behind a "
+                               "branch an element with a band: 64-key tiles; the 128-key tile spills 120 bytes (walking) "
+                               "and 100 (a CTA a block, a band) with every library score modification at once "
+                               "(NVRTC 12.9)")
 """The 16-bit Hopper forward's tile at head dim 128 where a call's user modifications are compiled in and its CTAs
-walk the blocks (no band)."""
+walk the blocks (no band), or where they have a band and are not evaluated everywhere (ScoreMod everywhere)."""
 MODS_FWD_TF32_TILE = Tile(128, 32, 4, 2, "user modifications with masks in the TF32 forward at head dim 64: 32-key "
                           "tiles; the table's 64-key tile spills 16-40 bytes with every library modification "
                           "(NVRTC 12.9)")
@@ -402,21 +403,30 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     """``v`` with a call's user modifications (cuflash.mods: their generated ``prelude``) compiled in: the
     variants that score (:data:`SCORING_FAMILIES`; plain ones only of :data:`PLAIN_MODS_FAMILIES`), on
     :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has three consumer warpgroups or two CTAs an
-    SM, a CTA a block for its band, :data:`MODS_FWD_WGMMA_WALK_TILE_128` where its CTAs walk at head dim 128,
-    and on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill;
-    the others (dsum, convert, combine) as they are."""
+    SM (walking where the modifications all run everywhere, ``ScoreMod(everywhere=True)``); where they do not,
+    a CTA a block for its band and :data:`MODS_FWD_WGMMA_TILE_128` at head dim 128 where its CTAs walk or
+    have a band; on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill; the others (dsum,
+    convert, combine) as they are."""
     if not prelude or v.family not in SCORING_FAMILIES or v.packed or v.acc_out:
         return v
     if not v.extra and not takes_plain_mods(v):
         raise ValueError(f"{v.family}: user modifications run on its EXTRA variants (PLAIN_MODS_FAMILIES)")
+    # Score modifications evaluated everywhere (ScoreMod everywhere: softcap, ALiBi) are light: the walking
+    # Hopper forwards keep their schedule and tile with them (0 spills, every such library modification at
+    # once, NVRTC 12.9); the others run behind a branch an element and take the fallbacks below.
+    everywhere = "#define CUF_USER_SCORE_EVERYWHERE 1" in prelude
     if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
         v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
-    if v.family == "fwd_wgmma" and v.band and v.schedule != "block":
+        if everywhere:
+            v = replace(v, schedule=schedule_for(v))   # one CTA an SM: it can walk
+    if v.family == "fwd_wgmma" and v.band and v.schedule != "block" and not everywhere:
         # a walking CTA's band forward holds 224-232 registers a consumer thread: 228 bytes spill with
         # modifications (NVRTC 12.9); a CTA a block keeps 232 and spills none
         v = replace(v, schedule="block")
-    elif v.family == "fwd_wgmma" and v.head == 128 and v.schedule != "block":
-        v = replace(v, tile=MODS_FWD_WGMMA_WALK_TILE_128, short=False)
+    elif v.family == "fwd_wgmma" and v.head == 128 and v.schedule != "block" and not everywhere:
+        v = replace(v, tile=MODS_FWD_WGMMA_TILE_128, short=False)
+    if v.family == "fwd_wgmma" and v.head == 128 and v.band and not everywhere:
+        v = replace(v, tile=MODS_FWD_WGMMA_TILE_128, short=False)
     elif v.family == "fwd_tf32" and v.extra and (v.tile.block_m, v.tile.block_n) == (128, 64):
         v = replace(v, tile=MODS_FWD_TF32_TILE)
     return replace(v, prelude=prelude)
