@@ -192,7 +192,8 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
     // that can see this key block; every block when dbias contributions take turns
     // (DBIAS_ORDERED: each step passes its turn; a tile nothing sees adds zeros).
     const int q_blocks = ceil_div(dims.lq, BM);
-    const KeyBlockSteps<BM> steps(ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM), blk);
+    const KeyBlockSteps<BM> steps(ordered ? TileRange{0, q_blocks}
+                                          : mod.query_tiles(n0, keys_valid, BM, blk.end_head - blk.first_head), blk);
     auto issue_query_block = [&](const StepCursor& at, int stage) {
         const int head = at.head, m0 = steps.m0(at.block), rows = imin(BM, (PACKED ? mod.lq : dims.lq) - m0);
         load_row_tiles_swz<BM, HEAD, Tr::THREADS, VEC>(q_stages + stage * Tr::QD_ELEMS, p.q, dims.d,

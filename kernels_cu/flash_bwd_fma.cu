@@ -233,7 +233,8 @@ flash_bwd_dkdv_fma(const BwdParams p) {
     const bool ordered = dbias && p.dbias.mode == DBIAS_ORDERED;
     // Every query block when dbias contributions take turns: each step passes its turn, visible or not.
     const int q_blocks = ceil_div(dims.lq, Tr::BM);
-    const TileRange queries = ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, blk.keys, Tr::BM);
+    const TileRange queries = ordered ? TileRange{0, q_blocks}
+                                      : mod.query_tiles(n0, blk.keys, Tr::BM, blk.end_head - blk.first_head);
 
     load_row_tiles<T, Tr::BN, Tr::HEAD, Tr::PITCH, Tr::THREADS, false>(sm.k, p.k, dims.d, sm.v, p.v, dims.dv, batch,
                                                                        blk.kv_head, n0, blk.keys);

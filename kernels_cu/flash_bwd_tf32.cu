@@ -190,7 +190,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     // this key block; every block when dbias contributions take turns (DBIAS_ORDERED: each step
     // passes its turn; a tile nothing sees adds zeros).
     const int q_blocks = ceil_div(lq, BM);
-    const KeyBlockSteps<BM> steps(ordered ? TileRange{0, q_blocks} : mod.query_tiles(n0, keys_valid, BM), blk);
+    const KeyBlockSteps<BM> steps(ordered ? TileRange{0, q_blocks}
+                                          : mod.query_tiles(n0, keys_valid, BM, blk.end_head - blk.first_head), blk);
     auto issue_query_block = [&](const StepCursor& at, int stage) {
         const int head = at.head, m0 = steps.m0(at.block);
         const int rows = imin(BM, lq - m0);

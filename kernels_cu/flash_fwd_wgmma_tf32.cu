@@ -215,7 +215,9 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
         if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2_f, blk.head);
         else return Mod(p.mask, dims, p.scale_log2_f, blk.batch, blk.head);
     }();
-    const TileRange keys = mod.key_tiles(blk.m0, blk.rows, BN);
+    // no layout spans: with every library modification the EXTRA band variant at head dim 128 spilled 208
+    // bytes with their loads (NVRTC 12.9); it walks the layout tile by tile
+    const TileRange keys = mod.template key_tiles<false>(blk.m0, blk.rows, BN);
     auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
 
     if (threadIdx.x == 0) {

@@ -53,6 +53,10 @@ struct MaskParams {
     ScoreTensor bias;          // EXTRA: input dtype, added to the scaled scores (natural-log units)
     ScoreTensor mask;          // EXTRA: bool (one byte), false = does not attend
     ScoreTensor layout;        // EXTRA: int8 BlockState per (query block, key block); null = all BLOCK_ALL
+    // EXTRA with a layout: its spans, int32 pairs (first, last) of the blocks not BLOCK_OFF (first > last:
+    // none), per query block along the key blocks (layout_rows, "row" = query block) and per key block along
+    // the query blocks (layout_cols, "row" = key block); null = not given (the kernels walk the layout)
+    ScoreTensor layout_rows, layout_cols;
     unsigned drop_threshold;   // EXTRA: dropout drops an element iff its Philox word < drop_threshold; 0 = off
     unsigned seed_lo, seed_hi;
     // EXTRA: the (row, key) the call's element (0, 0) has in the dropout mask's coordinates (a slice of a
@@ -90,6 +94,17 @@ struct MaskStatesParams {
     long long first;               // this launch's first block (a launch is at most 2^30 CTAs)
     int heads, q_blocks, k_blocks;
     int lq, lk, block_q, block_k;
+};
+
+// The spans kernel of a block layout (layout_spans.cu): states (pairs, q_blocks, k_blocks), row-major, of a
+// call with call_q_blocks x call_k_blocks blocks (an axis of one block may be broadcast); rows (pairs,
+// q_blocks, 2) and cols (pairs, k_blocks, 2) int32, the first and last block not BLOCK_OFF.
+struct LayoutSpansParams {
+    const signed char* states;
+    int* rows;
+    int* cols;
+    int pairs, q_blocks, k_blocks;
+    int call_q_blocks, call_k_blocks;
 };
 
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own

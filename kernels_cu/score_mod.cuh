@@ -207,7 +207,9 @@ struct ScoreMod {
         return {ceil_div(key_begin, block_n), key_end < 0 ? 0 : key_end / block_n};
     }
 
-    // Key tiles of width block_n that any of the query rows [row0, row0 + rows) may see.
+    // Key tiles of width block_n that any of the query rows [row0, row0 + rows) may see. SPANS: narrowed to a
+    // block layout's spans (within_span; a kernel whose registers those loads overflow walks instead).
+    template <bool SPANS = true>
     __device__ __forceinline__ TileRange key_tiles(int row0, int rows, int block_n) const {
         int begin = 0, end = ceil_div(lk, block_n);
         if (Flags::BAND) {
@@ -215,18 +217,53 @@ struct ScoreMod {
             end = last_key < 0 ? 0 : imin(end, last_key / block_n + 1);
             begin = imax(0, first_key) / block_n;
         }
+        if constexpr (Flags::EXTRA && SPANS) {
+            // (not packed GQA rows, band_period > 0: a block's rows are several heads' positions)
+            if (m.layout_rows.ptr && m.band_period == 0 && imin(row0 + rows, lq) > row0)
+                return within_span(TileRange{begin, end}, m.layout_rows, head, 1, row0 / m.block_q,
+                                   (imin(row0 + rows, lq) - 1) / m.block_q, m.block_k, block_n);
+        }
         return {begin, end};
     }
 
-    // Query tiles of height block_m in which some row may see one of the keys [col0, col0 + cols).
-    __device__ __forceinline__ TileRange query_tiles(int col0, int cols, int block_m) const {
+    // Query tiles of height block_m in which some row may see one of the keys [col0, col0 + cols), of the
+    // query heads head .. head + heads - 1.
+    __device__ __forceinline__ TileRange query_tiles(int col0, int cols, int block_m, int heads = 1) const {
         int begin = 0, end = ceil_div(lq, block_m);
         if (Flags::BAND) {
             const int first_row = col0 - band_hi(), last_row = col0 + cols - 1 - band_lo();
             begin = imax(0, first_row) / block_m;
             end = last_row < 0 ? 0 : imin(end, last_row / block_m + 1);
         }
+        if constexpr (Flags::EXTRA) {
+            if (m.layout_cols.ptr && imin(col0 + cols, lk) > col0)
+                return within_span(TileRange{begin, end}, m.layout_cols, head, heads, col0 / m.block_k,
+                                   (imin(col0 + cols, lk) - 1) / m.block_k, m.block_q, block_m);
+        }
         return {begin, end};
+    }
+
+    // EXTRA with a block layout: tiles of `tile` rows (keys, or queries) narrowed to the union of the
+    // layout's spans (MaskParams::layout_rows / layout_cols: the first and last block not BLOCK_OFF, in
+    // blocks of `block` along the tiles' axis) of blocks first .. last on the other axis, heads head ..
+    // head + heads - 1: the tiles before the first visible block and after the last are not walked one
+    // classify at a time (a document mask's earlier documents, a window's far keys). A few loads, all at once.
+    __device__ __forceinline__ static TileRange span_tiles(TileRange r, int first, int last, int block, int tile) {
+        if (last < first) return {r.begin, r.begin};   // nothing visible
+        return {imax(r.begin, first * block / tile), imin(r.end, ((last + 1) * block - 1) / tile + 1)};
+    }
+    __device__ __forceinline__ TileRange within_span(TileRange r, const ScoreTensor& spans, int head0, int heads,
+                                                     int first, int last, int block, int tile) const {
+        int lo = 0x7fffffff, hi = -1;
+#pragma unroll 1
+        for (int h = head0; h < head0 + heads; ++h)
+#pragma unroll 1
+            for (int i = first; i <= last; ++i) {
+                const int2 span = *reinterpret_cast<const int2*>(spans.at<int>(batch, h, i, 0));   // 8-byte pairs
+                lo = imin(lo, span.x);
+                hi = imax(hi, span.y);
+            }
+        return span_tiles(r, lo, hi, block, tile);
     }
 
     // What the tile (rows [row0, row0 + rows), keys [col0, col0 + cols)) needs.
@@ -312,7 +349,7 @@ struct KeyBlockSteps {
           count((blk.end_head - blk.first_head) * m_blocks) {}
     template <typename Mod>
     __device__ __forceinline__ KeyBlockSteps(const Mod& mod, const KeyBlock& blk)
-        : KeyBlockSteps(mod.query_tiles(blk.n0, blk.keys, BM), blk) {}
+        : KeyBlockSteps(mod.query_tiles(blk.n0, blk.keys, BM, blk.end_head - blk.first_head), blk) {}
     // The step after (head, block): the next query block, or the next head's first one. Counted
     // along rather than divided out of the step index (that cost the d=64 band consumer a spill,
     // and the portable kernels two integer divisions a step).

@@ -672,3 +672,34 @@ def test_float32_dbias_key_major(shape, d, causal, monkeypatch):
     plans.clear()
     cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=causal, deterministic=True, **dev)
     assert plans == [masking.DBIAS_ORDERED if shared else masking.DBIAS_ADD]
+
+
+@pytest.mark.parametrize("shape, call_blocks", [((2, 3, 7, 9), (7, 9)), ((1, 1, 1, 9), (7, 9)),
+                                                ((1, 2, 7, 1), (7, 9)), ((1, 1, 5, 5), (5, 5))])
+def test_layout_spans_are_the_first_and_last_visible_blocks(shape, call_blocks):
+    """The spans kernel (kernels_cu/layout_spans.cu) against NumPy: per query block the first and last key block
+    not BLOCK_OFF and per key block the first and last query block (none: n and -1), an axis the states broadcast
+    spanning the call's blocks; states with empty rows and columns, and all-hidden ones."""
+    from cuflash._dispatch import masking
+
+    rng = np.random.default_rng(sum(shape))
+    states = rng.choice(np.array([0, 0, 1, 2], np.int8), size=shape)
+    states[..., 0, :] = 0   # an empty row and column where there is more than one
+    states[..., :, -1] = 0 if shape[3] > 1 else states[..., :, -1]
+    nq, nk = call_blocks
+    rows, cols = masking.layout_spans(cp.asarray(states), cp, nq, nk)
+
+    def want(visible, blocks):   # spans along the last axis of visible (..., n), n 1 = broadcast over blocks
+        n = visible.shape[-1]
+        out = np.empty(visible.shape[:-1] + (2,), np.int32)
+        for idx in np.ndindex(visible.shape[:-1]):
+            where = np.flatnonzero(visible[idx])
+            if len(where) == 0:
+                out[idx] = (blocks, -1)
+            else:
+                out[idx] = (0, blocks - 1) if n == 1 and blocks > 1 else (where[0], where[-1])
+        return out
+
+    visible = states != 0
+    np.testing.assert_array_equal(cp.asnumpy(rows), want(visible, nk))
+    np.testing.assert_array_equal(cp.asnumpy(cols), want(np.swapaxes(visible, 2, 3), nq))

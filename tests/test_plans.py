@@ -1211,9 +1211,10 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
                               param_grads={"w": ("h", "acc_t(1)")})
     mods = dict(score_mod=(cuflash.softcap(30.0), scaled), mask_mod=cuflash.document_mask(doc))
     out, lse = cuflash.attention_forward(q, k, v, causal=True, **mods)
-    (states, states_params, _, states_grid), (fwd, fwd_params, _, _) = launches
+    (states, states_params, _, states_grid), (spans, _, _, spans_grid), (fwd, fwd_params, _, _) = launches
     assert states.name == "mask_mod_states" and "CUF_USER_MASK 1" in states.prelude
     assert states_grid == 2 * 1 * 18 * 18   # B x heads (the mask reads b, not h) x 64-row blocks x 64-key blocks
+    assert spans.name == "layout_spans" and spans_grid == 1   # a thread a line: 2 x 1 x (18 + 18) lines
     assert fwd.extra and fwd.prelude == cuflash.mods.resolve(*[mods["score_mod"]], mods["mask_mod"]).prelude(True)
     assert fwd.family == "fwd_wgmma" and (fwd.tile.warps == 12 if d == 64 else True)
     # softcap's cap is compiled in (no word); k's bits, the table, its gradient (none in a forward), the ids
@@ -1225,7 +1226,7 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     assert set(grads) == {"w"} and grads["w"].shape == (4,) and grads["w"].dtype == np.float32
     scoring = [(var, params) for var, params, _, _ in launches if var.extra]
     assert scoring and all(var.prelude == fwd.prelude for var, _ in scoring)
-    assert not any(var.name == "mask_mod_states" for var, *_ in launches)   # cached by the forward
+    assert not any(var.name in ("mask_mod_states", "layout_spans") for var, *_ in launches)   # cached by the forward
     assert all(not var.prelude for var, *_ in launches if not var.extra)   # dsum, convert: as they are
     for _, params in scoring:
         assert _words(params, "BwdParams")[:5] == [k_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr, 0]

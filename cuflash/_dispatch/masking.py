@@ -142,6 +142,56 @@ def layout_view(states, p: Problem, block: Tuple[int, int]) -> dict:
     return _broadcast_view(states, (p.batch, p.heads_q, -(-p.lq // block[0]), -(-p.lk // block[1])))
 
 
+@dataclass(frozen=True)
+class _SpansKernel:
+    """The layout spans kernel (kernels_cu/layout_spans.cu) as the launcher takes a variant."""
+
+    prelude: str = ""
+    entry: str = "layout_spans.cu"
+    name: str = "layout_spans"
+    smem_bytes: int = 0
+    nvrtc_arch: Optional[str] = None
+    threads: int = 256
+
+
+_SPANS: dict = {}
+"""Spans of block states (:func:`layout_spans`), per states array: a mask modification's cached states
+(the backward's, a model's layers) take no second launch."""
+
+
+def layout_spans(states, xp, q_blocks: int, k_blocks: int):
+    """(rows, cols) of block states (own shape (b, h, nq, nk), int8, of a call with ``q_blocks`` x ``k_blocks``
+    blocks; an axis of one block may be broadcast): int32 (b, h, nq, 2) and (b, h, nk, 2), the first and last
+    block not BLOCK_OFF along the key blocks of each query block and along the query blocks of each key block
+    (first n and last -1 where there is none; a broadcast axis spans all its blocks), by one small kernel
+    (kernels_cu/layout_spans.cu). The kernels start and end a block's walk over the layout there
+    (MaskParams::layout_rows, layout_cols)."""
+    from .._runtime import device
+    from .._runtime.launch import launch_kernel
+
+    key = (id(states), states.data.ptr, states.shape, q_blocks, k_blocks)
+    known = _SPANS.get(key)
+    if known is not None and known[0] is states:
+        return known[1], known[2]
+    b, h, nq, nk = states.shape
+    rows = xp.empty((b, h, nq, 2), dtype=np.int32)
+    cols = xp.empty((b, h, nk, 2), dtype=np.int32)
+    params = PACKERS["LayoutSpansParams"].pack({
+        "states": states.data.ptr, "rows": rows.data.ptr, "cols": cols.data.ptr, "pairs": b * h, "q_blocks": nq,
+        "k_blocks": nk, "call_q_blocks": q_blocks, "call_k_blocks": k_blocks})
+    with device.on_device(states.data.device_id):
+        launch_kernel(_SpansKernel(), params, -(-(b * h * (nq + nk)) // _SpansKernel.threads))
+    if len(_SPANS) >= MAX_MOD_STATES:
+        _SPANS.clear()
+    _SPANS[key] = (states, rows, cols)   # the states too: their id stays theirs while cached
+    return rows, cols
+
+
+def span_view(spans, p: Problem, blocks: int) -> dict:
+    """Spans (:func:`layout_spans`, own shape (b, h, n, 2)) seen as (B, Hq, n, 2)."""
+    return _broadcast_view(spans, (p.batch, p.heads_q, blocks, 2))
+
+
 def rows_in_chunks(view: dict, itemsize: int) -> bool:
     """Whether a score view (:func:`score_view`, strides in elements) is rows of whole
     16-byte chunks at every (batch, head, row): unit key stride, a 16-byte aligned start and
@@ -171,7 +221,7 @@ def kernel_masking(p: Problem, opts: Options, param_grads: bool = False) -> Kern
     the trainable parameters' gradients into."""
     band = band_limits(p.reference_causal, opts.window, p.lq, p.lk)
     keep = []
-    bias_view = mask_view = lay_view = NO_SCORE
+    bias_view = mask_view = lay_view = rows_view = cols_view = NO_SCORE
     block = (1, 1)
     chunks = True
     if opts.bias is not None:
@@ -188,6 +238,11 @@ def kernel_masking(p: Problem, opts: Options, param_grads: bool = False) -> Kern
         keep.append(states)
         block = blk
         lay_view = layout_view(states, p, blk)
+        if p.xp is not np:   # (the kernels' spans; NumPy arrays stand in for device ones in some tests)
+            nq, nk = -(-p.lq // blk[0]), -(-p.lk // blk[1])
+            rows, cols = layout_spans(states, p.xp, nq, nk)
+            keep += [rows, cols]
+            rows_view, cols_view = span_view(rows, p, nq), span_view(cols, p, nk)   # broadcast as the states
     words, grads = [0] * MAX_PARAM_SLOTS, ()
     if opts.mods is not None:
         words, grads = opts.mods.words(acc_dtype(p.dtype), with_grads=param_grads)
@@ -195,7 +250,7 @@ def kernel_masking(p: Problem, opts: Options, param_grads: bool = False) -> Kern
     seed_lo, seed_hi = dropout_key(opts.seed or 0)
     lo, hi = band if band is not None else (0, 0)
     values = {"band_lo": lo, "band_hi": hi, "block_q": block[0], "block_k": block[1], "bias": bias_view,
-              "mask": mask_view, "layout": lay_view,
+              "mask": mask_view, "layout": lay_view, "layout_rows": rows_view, "layout_cols": cols_view,
               "drop_threshold": dropout_threshold(opts.dropout_p) if opts.dropout else 0,
               "seed_lo": seed_lo, "seed_hi": seed_hi, "drop_row0": opts.dropout_origin[0],
               "drop_col0": opts.dropout_origin[1],

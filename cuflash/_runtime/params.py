@@ -22,7 +22,8 @@ _DIMS = np.dtype([(name, np.int32) for name in ("batch", "heads_q", "group", "lq
 _SCORE = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride", np.int64),
                    ("row_stride", np.int64), ("col_stride", np.int64)], align=True)
 _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.int32), ("block_k", np.int32),
-                  ("bias", _SCORE), ("mask", _SCORE), ("layout", _SCORE), ("drop_threshold", np.uint32),
+                  ("bias", _SCORE), ("mask", _SCORE), ("layout", _SCORE), ("layout_rows", _SCORE),
+                  ("layout_cols", _SCORE), ("drop_threshold", np.uint32),
                   ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("drop_row0", np.int32), ("drop_col0", np.int32),
                   ("keep_scale", np.float64),
                   ("key_lengths", np.uint64), ("page_table", np.uint64), ("page_size", np.int32),
@@ -43,6 +44,9 @@ STRUCTS: Dict[str, np.dtype] = {
     "MaskStatesParams": np.dtype([("states", np.uint64), ("args", np.uint64, (16,)), ("first", np.int64)]
                                  + [(n, np.int32) for n in ("heads", "q_blocks", "k_blocks", "lq", "lk", "block_q",
                                                             "block_k")], align=True),
+    "LayoutSpansParams": np.dtype([("states", np.uint64), ("rows", np.uint64), ("cols", np.uint64)]
+                                  + [(n, np.int32) for n in ("pairs", "q_blocks", "k_blocks", "call_q_blocks",
+                                                             "call_k_blocks")], align=True),
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64),
                            ("scale_log2_f", np.float32), ("num_splits", np.int32), ("split_tiles", np.int32),
@@ -117,7 +121,7 @@ class Packer:
         return self.fields[path]
 
 
-PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams", "MaskStatesParams")}
+PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams", "MaskStatesParams", "LayoutSpansParams")}
 _ADDRESS = struct.Struct("=Q")
 _INT32 = struct.Struct("=i")
 
@@ -187,7 +191,7 @@ def view(x: Any) -> dict:
 
 
 MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_SCORE, "mask": NO_SCORE,
-            "layout": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "drop_row0": 0, "drop_col0": 0,
+            "layout": NO_SCORE, "layout_rows": NO_SCORE, "layout_cols": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "drop_row0": 0, "drop_col0": 0,
             "keep_scale": 1.0, "key_lengths": 0,
             "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
             "band_from_end": 0, "packed_count": 0, "band_period": 0, "mod_args": [0] * 16}
