@@ -119,12 +119,21 @@ def main(argv=None) -> None:
               flush=True)
 
 
-def _record(entry):
-    """Record what each launch ran (``entry(variant, grid)``) through cuflash's one launch function."""
+def _record(entry, helpers: list = None):
+    """Record what each launch ran (``entry(variant, grid)``) through cuflash's one launch function. The
+    helper kernels that make block states and layout spans are not variants: their names go to ``helpers``."""
     from cuflash._runtime import launch
 
     real = launch.launch_kernel
-    launch.launch_kernel = lambda variant, params, grid, *a: (entry(variant, grid), real(variant, params, grid, *a))
+
+    def record(variant, params, grid, *a):
+        if hasattr(variant, "family"):
+            entry(variant, grid)
+        elif helpers is not None:
+            helpers.append(variant.name)
+        real(variant, params, grid, *a)
+
+    launch.launch_kernel = record
 
 
 def hopper_extra(dtypes) -> None:
@@ -275,7 +284,7 @@ def modifications(dtypes, dims) -> None:
     """User modifications (cuflash.mods) through every scoring kernel: forward and backward (both dQ
     strategies), the mask modification's block-state kernel, the trainable table's atomics."""
     launched = []
-    _record(lambda variant, grid: launched.append(variant.family if variant.name != "mask_mod_states" else "states"))
+    _record(lambda variant, grid: launched.append(variant.family), helpers=launched)
     rng = np.random.default_rng(3)
     lq, lk, hq = 97, 130, 4
     doc = cp.asarray(np.sort(rng.integers(0, 3, (2, lk)), axis=1).astype(np.int32))
