@@ -199,7 +199,7 @@ struct KeyBlock {
 // Packed sequences (cuflash.varlen; MaskParams::packed_blocks): the blocks are (table entries) x (query
 // heads; K/V heads for the key-major dK/dV kernel), MaskParams::packed_count of them. The host's table
 // (cuflash/_dispatch/packed.py) lists each sequence's tiles together, longest sequence first; an entry
-// is eight int32, two 16-byte loads: {q_start, k_start, first, lq, lk, step, seq_entry, seq_tiles}. The
+// is eight int32, two 16-byte loads: {q_start, k_start, first, lq, lk, seq, seq_entry, seq_tiles}. The
 // blocks of a sequence of T tiles whose first entry is E are blocks heads x E .. heads x (E + T) - 1, a
 // head's T tiles in a row (block E x heads + h x T + t: head h, entry E + t), so that CTAs that run
 // together share one head's K / V (Q / dO for dK/dV) in L2, as a dense grid's tiles do. The views of q,
@@ -212,18 +212,15 @@ struct PackedBlock {
     int lq, lk;             // the sequence's query and key counts
     int head;               // the block's query head (K/V head: key-major tables)
 
-    // Block `idx`: entry r = idx / heads lies in the block's sequence (E <= r < E + T) and names E and T;
-    // the block's own entry is e = E + (idx - heads x E) % T. Every field but `first` is the sequence's,
-    // so entry r gives them, and e's first is r's moved by e - r tiles (`step`: + or - a tile, the
-    // table's order): the CTA's two loads go out together, not one behind the other.
+    // Block `idx`: entry idx / heads lies in the block's sequence (E <= idx / heads < E + T) and names
+    // E and T; the block's own entry is E + (idx - heads x E) % T.
     __device__ __forceinline__ static PackedBlock at(const MaskParams& m, int idx, int heads) {
         const int4* table = reinterpret_cast<const int4*>(m.packed_blocks);
-        const int row = idx / heads;
-        const int4 a = table[2 * row];       // {q_start, k_start, first, lq}
-        const int4 seq = table[2 * row + 1];   // {lk, step, seq_entry, seq_tiles}
+        const int4 seq = table[2 * (idx / heads) + 1];   // {lk, seq, seq_entry, seq_tiles}
         const int in_seq = idx - heads * seq.z;
         const int entry = seq.z + in_seq % seq.w;
-        return {a.x, a.y, a.z + (entry - row) * seq.y, a.w, seq.x, in_seq / seq.w};
+        const int4 a = table[2 * entry];
+        return {a.x, a.y, a.z, a.w, seq.x, in_seq / seq.w};
     }
     __device__ __forceinline__ static PackedBlock of_cta(const MaskParams& m, int heads) {
         return at(m, int(blockIdx.x), heads);

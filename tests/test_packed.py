@@ -18,14 +18,13 @@ def test_every_row_once_longest_first(lq, data, tile, axis, reverse):
     assert table.dtype == np.int32 and table.shape[1:] == (ENTRY_INTS,)
     own = lq if axis == "q" else lk
     covered = {b: [] for b in range(len(lq))}
-    seqs = _sequences(table, cu_q, cu_k, own)
-    for (q_start, k_start, first, n_q, n_k, step, _, _), seq in zip(table, seqs):
+    for q_start, k_start, first, n_q, n_k, seq, _, _ in table:
         assert (q_start, k_start, n_q, n_k) == (cu_q[seq], cu_k[seq], lq[seq], lk[seq])
-        assert first % tile == 0 and 0 <= first < own[seq] and step == (-tile if reverse else tile)
+        assert first % tile == 0 and 0 <= first < own[seq]
         covered[seq].append(first)
     for b, firsts in covered.items():
         assert sorted(firsts) == list(range(0, own[b], tile))   # each row in one block, no empty blocks
-    seqs = np.asarray(seqs)
+    seqs = table[:, 5]
     runs = [s for i, s in enumerate(seqs) if i == 0 or seqs[i - 1] != s]
     assert len(runs) == len(set(runs))                      # a sequence's blocks side by side
     assert [own[s] for s in runs] == sorted((own[s] for s in runs), reverse=True)   # longest first
@@ -34,26 +33,16 @@ def test_every_row_once_longest_first(lq, data, tile, axis, reverse):
         assert list(firsts) == sorted(firsts, reverse=reverse)
     heads = data.draw(st.integers(1, 5))
     blocks = [_block_at(table, idx, heads) for idx in range(len(table) * heads)]
-    assert sorted((e, h) for e, h, _ in blocks) == [(e, h) for e in range(len(table)) for h in range(heads)]
-    assert all(first == table[e, 2] for e, _, first in blocks)   # the entry's first, from entry idx // heads
-    for (e0, h0, _), (e1, h1, _) in zip(blocks, blocks[1:]):   # within a sequence: a head's tiles in a row
-        if seqs[e0] == seqs[e1] and h0 == h1:
+    assert sorted(blocks) == [(e, h) for e in range(len(table)) for h in range(heads)]
+    for (e0, h0), (e1, h1) in zip(blocks, blocks[1:]):   # within a sequence: a head's tiles in a row
+        if table[e0, 5] == table[e1, 5] and h0 == h1:
             assert e1 == e0 + 1
-        elif seqs[e0] == seqs[e1]:
+        elif table[e0, 5] == table[e1, 5]:
             assert h1 == h0 + 1
 
 
-def _sequences(table, cu_q, cu_k, own):
-    """The sequence of each entry: the one with the entry's row starts among those with rows on the axis."""
-    index = {(int(cu_q[b]), int(cu_k[b])): b for b in range(len(own)) if own[b] > 0}
-    return [index[(int(q0), int(k0))] for q0, k0 in table[:, :2]]
-
-
 def _block_at(table, idx, heads):
-    """(entry, head, first) of block ``idx``: kernels_cu/scheduler.cuh, PackedBlock::at (entry idx // heads
-    read, the block's first moved from that entry's by its step)."""
-    row = idx // heads
-    step, seq_entry, seq_tiles = table[row, 5], table[row, 6], table[row, 7]
+    """(entry, head) of block ``idx``: kernels_cu/scheduler.cuh, PackedBlock::at."""
+    seq_entry, seq_tiles = table[idx // heads, 6], table[idx // heads, 7]
     in_seq = idx - heads * seq_entry
-    entry = int(seq_entry + in_seq % seq_tiles)
-    return entry, int(in_seq // seq_tiles), int(table[row, 2] + (entry - row) * step)
+    return int(seq_entry + in_seq % seq_tiles), int(in_seq // seq_tiles)

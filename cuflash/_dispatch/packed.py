@@ -11,13 +11,9 @@ entry is eight int32 (kernels_cu/scheduler.cuh, PackedBlock):
     q_start, k_start   the sequence's first row in the packed q (out, lse) and k (v)
     first              the tile's first query row (query-major kernels) or key (key-major), in the sequence
     lq, lk             the sequence's query and key counts
-    step               first of the next entry of the sequence minus this one's: the tile, or minus it
-                       (a sequence's last tile first)
+    seq                the sequence's index
     seq_entry          the sequence's first entry E
     seq_tiles          the sequence's tile count T
-
-A kernel reads the entry ``idx // heads`` of block ``idx`` (in its sequence) and moves its ``first`` by
-``step`` to the block's own entry: one round trip to memory a CTA.
 """
 from __future__ import annotations
 
@@ -61,7 +57,7 @@ def block_table(cu_q: np.ndarray, cu_k: np.ndarray, tile: int, axis: str, revers
     table[:, 2] = local * tile
     table[:, 3] = lq[seq]
     table[:, 4] = lk[seq]
-    table[:, 5] = -tile if reverse else tile
+    table[:, 5] = seq
     table[:, 6] = starts
     table[:, 7] = np.repeat(tiles, tiles)
     if table.size and table.max() >= 2**31:
