@@ -52,15 +52,19 @@ def score_view(x4, p: Problem) -> dict:
 
 
 @dataclass(frozen=True)
-class _StatesKernel:
-    """The mask modifications' block-state kernel as the launcher takes a variant."""
+class _HelperKernel:
+    """A small helper kernel of the masking as the launcher takes a variant: the mask modifications'
+    block states (mask_mod_states.cu, with their prelude) and a layout's spans (layout_spans.cu)."""
 
-    prelude: str
-    entry: str = "mask_mod_states.cu"
-    name: str = "mask_mod_states"
+    entry: str
+    name: str
+    prelude: str = ""
     smem_bytes: int = 0
     nvrtc_arch: Optional[str] = None
     threads: int = 256
+
+
+_SPANS_KERNEL = _HelperKernel("layout_spans.cu", "layout_spans")
 
 
 MAX_STATES_GRID = 2**30
@@ -92,7 +96,7 @@ def mod_states(p: Problem, mods: Mods, block: Tuple[int, int]):
         return cached[1]
     words, _ = mods.words(np.float32, with_grads=False)
     states = cupy.empty((batches, heads, nq, nk), dtype=np.int8)
-    kernel = _StatesKernel(mods.prelude(False))
+    kernel = _HelperKernel("mask_mod_states.cu", "mask_mod_states", mods.prelude(False))
     total = batches * heads * nq * nk
     with device.on_device(p.q.data.device_id):
         for first in range(0, total, MAX_STATES_GRID):
@@ -142,18 +146,6 @@ def layout_view(states, p: Problem, block: Tuple[int, int]) -> dict:
     return _broadcast_view(states, (p.batch, p.heads_q, -(-p.lq // block[0]), -(-p.lk // block[1])))
 
 
-@dataclass(frozen=True)
-class _SpansKernel:
-    """The layout spans kernel (kernels_cu/layout_spans.cu) as the launcher takes a variant."""
-
-    prelude: str = ""
-    entry: str = "layout_spans.cu"
-    name: str = "layout_spans"
-    smem_bytes: int = 0
-    nvrtc_arch: Optional[str] = None
-    threads: int = 256
-
-
 _SPANS: dict = {}
 """Spans of block states (:func:`layout_spans`), per states array: a mask modification's cached states
 (the backward's, a model's layers) take no second launch."""
@@ -180,7 +172,7 @@ def layout_spans(states, xp, q_blocks: int, k_blocks: int):
         "states": states.data.ptr, "rows": rows.data.ptr, "cols": cols.data.ptr, "pairs": b * h, "q_blocks": nq,
         "k_blocks": nk, "call_q_blocks": q_blocks, "call_k_blocks": k_blocks})
     with device.on_device(states.data.device_id):
-        launch_kernel(_SpansKernel(), params, -(-(b * h * (nq + nk)) // _SpansKernel.threads))
+        launch_kernel(_SPANS_KERNEL, params, -(-(b * h * (nq + nk)) // _SPANS_KERNEL.threads))
     if len(_SPANS) >= MAX_MOD_STATES:
         _SPANS.clear()
     _SPANS[key] = (states, rows, cols)   # the states too: their id stays theirs while cached

@@ -419,14 +419,13 @@ def with_mods(v: Variant, prelude: str) -> Variant:
         v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
         if everywhere:
             v = replace(v, schedule=schedule_for(v))   # one CTA an SM: it can walk
-    if v.family == "fwd_wgmma" and v.band and v.schedule != "block" and not everywhere:
-        # a walking CTA's band forward holds 224-232 registers a consumer thread: 228 bytes spill with
-        # modifications (NVRTC 12.9); a CTA a block keeps 232 and spills none
-        v = replace(v, schedule="block")
-    elif v.family == "fwd_wgmma" and v.head == 128 and v.schedule != "block" and not everywhere:
-        v = replace(v, tile=MODS_FWD_WGMMA_TILE_128, short=False)
-    if v.family == "fwd_wgmma" and v.head == 128 and v.band and not everywhere:
-        v = replace(v, tile=MODS_FWD_WGMMA_TILE_128, short=False)
+    if v.family == "fwd_wgmma" and not everywhere:
+        if v.band and v.schedule != "block":
+            # a walking CTA's band forward holds 224-232 registers a consumer thread: 228 bytes spill with
+            # modifications (NVRTC 12.9); a CTA a block keeps 232 and spills none
+            v = replace(v, schedule="block")
+        if v.head == 128 and (v.band or v.schedule != "block"):
+            v = replace(v, tile=MODS_FWD_WGMMA_TILE_128, short=False)
     elif v.family == "fwd_tf32" and v.extra and (v.tile.block_m, v.tile.block_n) == (128, 64):
         v = replace(v, tile=MODS_FWD_TF32_TILE)
     return replace(v, prelude=prelude)

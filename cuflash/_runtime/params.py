@@ -191,7 +191,8 @@ def view(x: Any) -> dict:
 
 
 MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_SCORE, "mask": NO_SCORE,
-            "layout": NO_SCORE, "layout_rows": NO_SCORE, "layout_cols": NO_SCORE, "drop_threshold": 0, "seed_lo": 0, "seed_hi": 0, "drop_row0": 0, "drop_col0": 0,
+            "layout": NO_SCORE, "layout_rows": NO_SCORE, "layout_cols": NO_SCORE, "drop_threshold": 0, "seed_lo": 0,
+            "seed_hi": 0, "drop_row0": 0, "drop_col0": 0,
             "keep_scale": 1.0, "key_lengths": 0,
             "page_table": 0, "page_size": 1, "pages_per_seq": 0, "num_pages": 0, "packed_blocks": 0,
             "band_from_end": 0, "packed_count": 0, "band_period": 0, "mod_args": [0] * 16}
