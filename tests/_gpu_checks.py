@@ -8,7 +8,7 @@ import numpy as np
 import cuflash
 from cuflash import reference
 
-from _errors import exact, magnitude, naive_same_dtype, rel_error, within_budget
+from _errors import exact, lse_bound, magnitude, naive_same_dtype, rel_error, within_budget
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
           "float64": np.float64}
@@ -111,9 +111,9 @@ def check_packed(dtype, hq, hk, lengths, d, causal, seed, backward=False, determ
         ref_out, ref_grads = exact(qb, kb, vb, dob, causal=causal, scale=scale, dtype=dtype)
         naive_grads = naive_same_dtype(qb, kb, vb, dob, causal=causal, scale=scale, dtype=dtype)[1]
         mag = magnitude(qb, kb, vb, dob, causal=causal, scale=scale)[1]
-        logit_max = float(np.abs(np.matmul(qb, np.repeat(kb, hq // hk, axis=1).swapaxes(-1, -2))).max()) * scale
+        lse_max = lse_bound(qb, kb, scale)
         for name, g, span, r, n, m in zip(("dq", "dk", "dv"), grads, (rows, keys, keys), ref_grads, naive_grads, mag):
-            ok, msg = within_budget(g[span].transpose(1, 0, 2)[None], r, n, m, dtype, logit_max)
+            ok, msg = within_budget(g[span].transpose(1, 0, 2)[None], r, n, m, dtype, lse_max)
             assert ok, f"sequence {b} {name}: {msg}"
     if grads is not None:   # keys of sequences without queries: no gradient
         assert not grads[1][~seen_keys].any() and not grads[2][~seen_keys].any()
@@ -141,12 +141,12 @@ def check_backward(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, deterministic=
     _, ref = exact(q, k, v, do, dtype=dtype, **opts)
     _, naive = naive_same_dtype(q, k, v, do, dtype=dtype, **opts)
     _, mag = magnitude(q, k, v, do, **opts)
-    logit_max = float(np.abs(np.matmul(q, np.repeat(k, hq // hk, axis=1).swapaxes(-1, -2))).max()) / np.sqrt(d)
+    lse_max = lse_bound(q, k, 1 / np.sqrt(d))
     for name, g, x, r, n, m in zip("qkv", grads, (qd, kd, vd), ref, naive, mag):
         assert g.shape == x.shape and g.dtype == x.dtype, name
         got = _cupy().asnumpy(g).astype(np.float64)
         assert np.isfinite(got).all(), f"d{name} has NaN/inf"
-        ok, msg = within_budget(got, r, n, m, dtype, logit_max)
+        ok, msg = within_budget(got, r, n, m, dtype, lse_max)
         assert ok, f"d{name}: {msg}"
         if logit_scale == 1.0 and np.linalg.norm(r) > 0.1 * np.linalg.norm(m):
             assert rel_error(got, r) < 5e-2, f"d{name}: {msg}"   # absolutely small too
@@ -219,12 +219,12 @@ def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, determi
     if isinstance(grads[-1], dict):   # trainable parameters of user modifications: test_mods_gpu.py checks them
         grads = grads[:-1]
     assert len(grads) == len(names)
-    logit_max = float(np.abs(ref_lse[seen]).max()) if seen.any() else 0.0
+    lse_max = float(np.abs(ref_lse[seen]).max()) if seen.any() else 0.0
     for name, g, r, n, m in zip(names, grads, ref, naive, mag):
         got = cp.asnumpy(g).astype(np.float64)
         assert got.shape == r.shape, (name, got.shape, r.shape)
         assert np.isfinite(got).all(), f"{name} has NaN/inf"
-        ok, msg = within_budget(got, r, n, m, dtype, logit_max)
+        ok, msg = within_budget(got, r, n, m, dtype, lse_max)
         assert ok, f"{name}: {msg}"
     return out, grads
 
