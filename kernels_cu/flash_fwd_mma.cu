@@ -74,6 +74,7 @@ flash_fwd_mma(const FwdParams p) {
                            && (Cfg::THREADS / (Cfg::HEAD / 8)) % 8 == 0;
     typedef FwdMmaTraits<T, Cfg, Flags::EXTRA, SW_KV> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, KP = Tr::KV_PITCH;
+    constexpr bool MODS_FIRST = true;   // everywhere modifications before the mask (mask_and_modify)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
     T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
@@ -178,15 +179,16 @@ flash_fwd_mma(const FwdParams p) {
         // partial tiles only, two bounds a fragment row.
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            if constexpr (Flags::EXTRA) {
-                if (mod.has_bias())
-                    scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
-                                                                       mod.scale_log2);
-                apply_score_mod(s[m], mod, partial, strip_coord(m));
-            } else if (partial) {
-                mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
-            }
-            apply_user_score(s[m], mod, strip_coord(m), x_per_s);
+            mask_and_modify<MODS_FIRST>(s[m], mod, strip_coord(m), x_per_s, [&] {
+                if constexpr (Flags::EXTRA) {
+                    if (mod.has_bias())
+                        scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH,
+                                                                           lane, mod.scale_log2);
+                    apply_score_mod(s[m], mod, partial, strip_coord(m));
+                } else if (partial) {
+                    mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
+                }
+            });
         }
         unsigned p16[M][Tr::S_TILES][2];   // P in 16 bits (pack_frags' layout), the A operand of O += P V
         if constexpr (Flags::EXTRA) {

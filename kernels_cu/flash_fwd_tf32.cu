@@ -61,6 +61,7 @@ flash_fwd_tf32(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
     typedef FwdTf32Traits<Cfg, Flags::EXTRA, SPLIT> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, M = Tr::STRIPS;
+    constexpr bool MODS_FIRST = true;   // everywhere modifications before the mask (mask_and_modify)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* q_s = reinterpret_cast<float*>(smem_raw);     // Q, then its big part
     float* q_small_s = q_s + Tr::Q_ELEMS;                 // SPLIT: Q's small part
@@ -155,15 +156,16 @@ flash_fwd_tf32(const FwdParams p) {
         // partial tiles only, two bounds a fragment row.
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            if constexpr (Flags::EXTRA) {
-                if (mod.has_bias())
-                    scale_add_bias_frags_f32<BN, Tr::BIAS_PITCH>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
-                                                                 mod.scale_log2);
-                apply_score_mod(s[m], mod, partial, strip_coord(m));
-            } else if (partial) {
-                mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
-            }
-            apply_user_score(s[m], mod, strip_coord(m), x_per_s);
+            mask_and_modify<MODS_FIRST>(s[m], mod, strip_coord(m), x_per_s, [&] {
+                if constexpr (Flags::EXTRA) {
+                    if (mod.has_bias())
+                        scale_add_bias_frags_f32<BN, Tr::BIAS_PITCH>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,
+                                                                     mod.scale_log2);
+                    apply_score_mod(s[m], mod, partial, strip_coord(m));
+                } else if (partial) {
+                    mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
+                }
+            });
         }
         // P = 2^(x - m_new) in place, in fp32 (row_sum takes the same values).
         warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, softmax_x_per_s(x_per_s), [&](int m, int n, int r, float p0, float p1) {

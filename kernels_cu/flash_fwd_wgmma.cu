@@ -239,6 +239,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA, SCHEDULE> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
+    // Everywhere modifications before the mask (mask_and_modify), but in the band kernels past head dim 64: the
+    // causal D = 128 kernel with ALiBi spilled 160 bytes that way (NVRTC 12.9).
+    constexpr bool MODS_FIRST = !(Flags::BAND && HEAD > 64);
     static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
     static_assert(!(PACKED && ACC_OUT), "packed sequences store O in their own type");
     // O staged for the copy engine: 16-bit rows only (an ACC_OUT row goes out from the registers).
@@ -435,19 +438,20 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 row = warp_row0 + frag_row(lane, i);
                 col = n0 + frag_col(lane, n, i);
             };
-            if constexpr (Flags::EXTRA) {
-                if (mod.has_bias()) {   // x = s * scale + bias * log2(e), the warp's 16 bias rows by ldmatrix
-                    mbar_wait(sm.bias_full(stage), full_parity);
-                    scale_add_bias_frags_sw<T, BN>(s[0], sm.bias_tile(stage) + cwarp * 16 * BN * int(sizeof(T)), lane,
-                                                   mod.scale_log2);
-                    mbar_arrive(sm.bias_empty(stage));
+            mask_and_modify<MODS_FIRST>(s[0], mod, coord, x_per_s, [&] {
+                if constexpr (Flags::EXTRA) {
+                    if (mod.has_bias()) {   // x = s * scale + bias * log2(e), the warp's 16 bias rows by ldmatrix
+                        mbar_wait(sm.bias_full(stage), full_parity);
+                        scale_add_bias_frags_sw<T, BN>(s[0], sm.bias_tile(stage) + cwarp * 16 * BN * int(sizeof(T)),
+                                                       lane, mod.scale_log2);
+                        mbar_arrive(sm.bias_empty(stage));
+                    }
+                    // the per-element tests in a loop (registers), none where the warp sees nothing
+                    apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
+                } else {
+                    apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
                 }
-                // the per-element tests in a loop (registers), none where the warp sees nothing
-                apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
-            } else {
-                apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
-            }
-            apply_user_score(s[0], mod, coord, x_per_s);
+            });
             // acc_o is still being written: its correction waits for the P V product.
             float correction[2];
             const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, softmax_x_per_s(x_per_s),

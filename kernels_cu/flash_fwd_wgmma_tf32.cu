@@ -199,6 +199,7 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
     static_assert(sizeof(T) == sizeof(float), "float32 data on TF32 tensor cores");
     typedef FwdWgmmaTf32Traits<Cfg, SPLIT> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
+    constexpr bool MODS_FIRST = true;   // everywhere modifications before the mask (mask_and_modify)
     constexpr int PV_N = Tr::PV_N, PIECES = Tr::PV_PIECES;
     static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -311,14 +312,15 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
             row = warp_row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        if constexpr (Flags::EXTRA) {
-            if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);   // x = s scale + bias log2(e)
-            // the per-element tests in a loop (registers), none where the warp sees nothing
-            apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
-        } else {
-            apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
-        }
-        apply_user_score(s[0], mod, coord, x_per_s);
+        mask_and_modify<MODS_FIRST>(s[0], mod, coord, x_per_s, [&] {
+            if constexpr (Flags::EXTRA) {
+                if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);   // x = s scale + bias log2(e)
+                // the per-element tests in a loop (registers), none where the warp sees nothing
+                apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
+            } else {
+                apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
+            }
+        });
         // P = 2^(x - m_new) in s; acc_o is not in flight, so a moved reference rescales it at once.
         warp_softmax_step<Tr>(s, row_max, row_sum, softmax_x_per_s(x_per_s),
                               [&](int, int r, float c) { rescale_acc_row(acc_o, 0, r, c); });

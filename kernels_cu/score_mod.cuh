@@ -135,15 +135,23 @@ struct ScoreMod {
     // The user score modifications of a visible score s as a kernel holds it, x / x_per_s (x in log2 units:
     // x_per_s 1 where the kernel formed x, the scale where its scores stay raw dot products), returned as
     // the modified x (the softmax then takes x_per_s 1: softmax_x_per_s).
-    // The forwards' form of the user modifications (user_modified_score): evaluated everywhere and -inf
-    // selected after where they allow it, in the plain kernels (score modifications alone, the fast path); the
-    // EXTRA kernels' registers hold their per-element tests, and the unconditional chain spilled there: a
-    // branch. (The backwards keep the branch: their unconditional derivative chain spilled 20-120 bytes.)
+    // SELECT_USER: the user modifications are evaluated everywhere (ScoreMod everywhere=True) in the plain
+    // kernels (score modifications alone, the fast path): -inf selected after them, or (mask_and_modify
+    // MODS_FIRST) the kernel's mask applied after them. The EXTRA kernels' registers hold their
+    // per-element tests, and the unconditional chain spilled there: a branch. (The backwards keep the branch:
+    // their unconditional derivative chain spilled 20-120 bytes.)
     static constexpr bool SELECT_USER = USER_SCORE_EVERYWHERE && !Flags::EXTRA;
 
     __device__ __forceinline__ A user_score(A s, int row, int col, A x_per_s) const {
         clamp_for_user<SELECT_USER>(row, col);
-        return user_modified_score<SELECT_USER>(s * x_per_s, batch, head, row, col, m.mod_args);
+        return user_modified_score<SELECT_USER ? USER_SELECT : USER_BRANCH>(s * x_per_s, batch, head, row, col,
+                                                                            m.mod_args);
+    }
+    // The same of a raw score before the mask (SELECT_USER kernels: mask_and_modify): no test of x.
+    __device__ __forceinline__ A user_score_before_mask(A s, int row, int col, A x_per_s) const {
+        static_assert(SELECT_USER, "before the mask: modifications evaluated everywhere, in the plain kernels");
+        clamp_for_user<true>(row, col);
+        return user_modified_score<USER_BEFORE_MASK>(s * x_per_s, batch, head, row, col, m.mod_args);
     }
 
     // A tile's rows and keys past the sequences' ends as the last ones, where the user modifications would
@@ -536,6 +544,30 @@ __device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, C
                 coord(i, j, row, col);
                 s[i][j] = mod.user_score(s[i][j], row, col, x_per_s);
             }
+    }
+}
+
+// A forward's mask and user score modifications over a tile of scores (raw, x / x_per_s, in the plain kernels),
+// leaving the modified x, or -inf where masked. `mask()`: the kernel's own mask of the tile (which only writes
+// -inf in a plain kernel). MODS_FIRST, with modifications evaluated everywhere (ScoreMod::SELECT_USER): they
+// run first, at every element, and the mask overwrites what they gave masked elements (no compare and select
+// an element after them). Else the mask first and the modifications behind a branch (or a select) an element
+// (apply_user_score). s[I][J] or the C fragments s[N][4] with coord(n, i, row, col).
+template <bool MODS_FIRST, typename Mod, typename A, int I, int J, typename Coord, typename Mask>
+__device__ __forceinline__ void mask_and_modify(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s, Mask mask) {
+    if constexpr (MODS_FIRST && USER_SCORE && Mod::SELECT_USER) {
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                int row, col;
+                coord(i, j, row, col);
+                s[i][j] = mod.user_score_before_mask(s[i][j], row, col, x_per_s);
+            }
+        mask();
+    } else {
+        mask();
+        apply_user_score(s, mod, coord, x_per_s);
     }
 }
 

@@ -29,22 +29,29 @@
 constexpr bool USER_SCORE = CUF_USER_SCORE;
 constexpr bool USER_MASK = CUF_USER_MASK;
 // Every score modification may run at masked positions (ScoreMod everywhere=True): the kernels evaluate
-// them without a branch an element and select -inf after. A value of (b, h) alone is then one load a
+// them without a branch an element and select -inf after (or run them before the mask: mask_and_modify). A value of (b, h) alone is then one load a
 // tile: the compiler merges the elements' loads of one address, which a branch an element keeps apart.
 constexpr bool USER_SCORE_EVERYWHERE = CUF_USER_SCORE_EVERYWHERE;
 
-// The score modifications of x, a score in log2 units as the EXTRA kernels hold it (x = s log2 e), in
-// log2 units. A masked score (-inf) stays masked. SELECT: evaluated at every element, -inf selected after
-// (USER_SCORE_EVERYWHERE; ScoreMod::SELECT_USER says which kernels).
-template <bool SELECT = USER_SCORE_EVERYWHERE, typename A>
+// How a kernel evaluates the score modifications of a score x: behind a branch on x being masked (-inf,
+// which stays masked); at every element with -inf selected after (USER_SELECT); or at every element of raw
+// scores before the kernel's mask, which then overwrites masked elements with -inf (USER_BEFORE_MASK;
+// mask_and_modify, score_mod.cuh).
+enum UserScoreForm { USER_BRANCH, USER_SELECT, USER_BEFORE_MASK };
+
+// The score modifications of x, a score in log2 units as the kernels hold it (x = s log2 e), in log2 units.
+template <UserScoreForm FORM, typename A>
 __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, const unsigned long long* args) {
 #if CUF_USER_SCORE
-    if constexpr (SELECT) {
+    if constexpr (FORM == USER_BEFORE_MASK) {
+        return cuf_user_score<A>(x, b, h, row, col, args);
+    } else if constexpr (FORM == USER_SELECT) {
         const A y = cuf_user_score<A>(x, b, h, row, col, args);
         return x == neg_inf<A>() ? x : y;
+    } else {
+        if (x == neg_inf<A>()) return x;
+        return cuf_user_score<A>(x, b, h, row, col, args);
     }
-    if (x == neg_inf<A>()) return x;
-    return cuf_user_score<A>(x, b, h, row, col, args);
 #else
     (void)b, (void)h, (void)row, (void)col, (void)args;
     return x;
