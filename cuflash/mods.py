@@ -136,6 +136,25 @@ def _check_consts(consts, params) -> Dict[str, Any]:
     return out
 
 
+def _check_scales(scales) -> Optional[Tuple[float, float]]:
+    """ScoreMod's ``scales`` as two floats, or None."""
+    if scales is None:
+        return None
+    try:
+        a, c = scales
+    except (TypeError, ValueError):
+        raise TypeError(f"scales must be a pair (a, c) of numbers, got {scales!r}") from None
+    for name, v in (("a", a), ("c", c)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
+            raise ValueError(f"scales: {name} must be a finite number > 0, got {v!r}")
+    return float(a), float(c)
+
+
+def _scaled(factor: float, expr: str) -> str:
+    """C source of ``factor * expr`` (``expr`` where the factor is 1)."""
+    return expr if factor == 1.0 else f"A({_literal(factor)}) * {expr}"
+
+
 def _literal(value) -> str:
     """A C++ literal of an int or a finite float, exact (repr round-trips a double)."""
     return str(value) if isinstance(value, int) else repr(float(value))
@@ -247,6 +266,12 @@ class ScoreMod(_Mod):
         unconditional derivative chain spilled registers). A source whose loads depend on the position
         (a table looked up by distance) gains nothing from it: its loads stay one an element, and
         unconditional ones hold more registers.
+    scales : (float, float), optional
+        ``(a, c)``, both finite and > 0: the modification is ``c * f(a * score)`` where ``source`` is ``f``
+        (and ``grad`` its derivative ``f'``, the twins ``f`` and ``f'``, at f's own input ``a * score``).
+        The forwards fold ``a`` into the scale they already multiply each score by and hand ``c`` to the
+        softmax's exponential (for the first and the last modification of a call), two multiplies an element
+        fewer: ``softcap`` is ``cuf_tanh`` with ``scales=(1 / c, c)``. Not with ``param_grads``.
     param_grads : dict, optional
         name of a float32 / float64 array parameter -> (index, derivative): C expressions (same
         variables) of the flat index of the element the score depends on and the derivative of the
@@ -265,8 +290,11 @@ class ScoreMod(_Mod):
                  param_grads: Optional[dict] = None, python: Optional[Callable] = None,
                  python_grad: Optional[Callable] = None, python_param_grads: Optional[dict] = None,
                  name: Optional[str] = None, consts: Optional[dict] = None, log2_units: bool = False,
-                 everywhere: bool = False):
+                 everywhere: bool = False, scales: Optional[Tuple[float, float]] = None):
         super().__init__(source, params, python, name, consts)
+        self.scales = _check_scales(scales)
+        if self.scales is not None and param_grads:
+            raise ValueError(f"{self.name}: scales do not combine with param_grads")
         for flag, value in (("log2_units", log2_units), ("everywhere", everywhere)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
@@ -293,7 +321,7 @@ class ScoreMod(_Mod):
 
     def _signature(self) -> tuple:
         return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())), self.log2_units,
-                                       self.everywhere)
+                                       self.everywhere, self.scales)
 
     def cuda(self, i: int, slot0: int) -> str:
         """The device functions of modification ``i`` (its value, derivative, parameter gradients)."""
@@ -315,16 +343,20 @@ class ScoreMod(_Mod):
         return "".join(parts)
 
     def apply_numpy(self, s, b, h, q, kv, xp):
-        """The NumPy twin at natural-unit scores ``s`` (with ``log2_units`` the twin's units on either side)."""
+        """The NumPy twin at natural-unit scores ``s`` (with ``log2_units`` the twin's units on either side;
+        with ``scales`` (a, c), c times the twin at a times the score)."""
+        a, c = self.scales or (1.0, 1.0)
         if self.log2_units:
-            return self._twin()(s * _LOG2E, b, h, q, kv, **self.twin_args(xp)) * _LN2
-        return self._twin()(s, b, h, q, kv, **self.twin_args(xp))
+            return c * self._twin()(a * (s * _LOG2E), b, h, q, kv, **self.twin_args(xp)) * _LN2
+        return c * self._twin()(a * s, b, h, q, kv, **self.twin_args(xp))
 
     def grad_numpy(self, s, b, h, q, kv, xp):
         """The derivative's twin at natural-unit scores ``s`` (a ratio of scores: the same in either unit)."""
         if self.python_grad is None:
             raise ValueError(f"{self.name}: the backward of NumPy inputs needs python_grad")
-        return self.python_grad(s * _LOG2E if self.log2_units else s, b, h, q, kv, **self.twin_args(xp))
+        a, c = self.scales or (1.0, 1.0)
+        return a * c * self.python_grad(a * (s * _LOG2E if self.log2_units else s), b, h, q, kv,
+                                        **self.twin_args(xp))
 
     def param_grad_numpy(self, name: str, s, b, h, q, kv, xp):
         """(flat index, derivative of the natural-unit modified score) of trainable ``name`` at natural-unit
@@ -402,6 +434,8 @@ __device__ __forceinline__ void cuf_atomic_add(A* at, A x) {
     if (int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(at, sum);
 }
 """
+# The factor each conversion of the chain (Mods._conversions) multiplies a score by.
+_UNIT_FACTORS = {"": 1.0, "cuf_to_natural": _LN2, "cuf_to_log2": _LOG2E}
 
 
 _PRELUDES: dict = {}
@@ -471,25 +505,47 @@ class Mods:
         args = "int b, int h, int q_idx, int kv_idx, const unsigned long long* cuf_args"
         call = "b, h, q_idx, kv_idx, cuf_args"
         # The chain takes and returns scores in log2 units (as the kernels hold them) and converts only where
-        # the next modification's units differ from the score's (natural units unless log2_units).
+        # the next modification's units differ from the score's (natural units unless log2_units); a step with
+        # scales (a, c) is c f(a z).
         into = self._conversions()
-        chain = "".join(f"    score = cuf_score_{i}<A>({into[i]}(score), {call});\n" for i in range(len(self.score)))
+        n = len(self.score)
+        scales = [m.scales or (1.0, 1.0) for m in self.score]
+
+        def step(i: int, z: str, fold_in: bool = False, fold_out: bool = False) -> str:
+            a, c = scales[i]
+            value = f"cuf_score_{i}<A>({z if fold_in else _scaled(a, z)}, {call})"
+            return value if fold_out else _scaled(c, value)
+
+        chain = "".join(f"    score = {step(i, f'{into[i]}(score)')};\n" for i in range(n))
         lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score(A score, {args}) {{\n"
                      f"{chain}    return {into[-1]}(score);\n}}\n")
-        # value and derivative (chain rule: each step's derivative at its own input; a ratio of scores, the
-        # same in either unit)
-        steps = "".join(f"    score = {into[i]}(score);\n    grad *= cuf_grad_{i}<A>(score, {call});\n"
-                        f"    score = cuf_score_{i}<A>(score, {call});\n" for i in range(len(self.score)))
+        # The forwards' folded chain (the plain kernels' mask_and_modify): the first step's conversion and
+        # input factor a are the kernel's, in the scale it multiplies the score by (CUF_USER_IN_SCALE), the
+        # last step's c and conversion back the softmax's (CUF_USER_OUT_SCALE, its x_per_s).
+        fin = _UNIT_FACTORS[into[0]] * scales[0][0] if n else 1.0
+        fout = scales[-1][1] * _UNIT_FACTORS[into[-1]] if n else 1.0
+        lines.append(f"#define CUF_USER_IN_SCALE {_literal(fin)}\n#define CUF_USER_OUT_SCALE {_literal(fout)}")
+        folded = "".join(f"    score = {step(i, 'score' if i == 0 else f'{into[i]}(score)', i == 0, i == n - 1)};\n"
+                         for i in range(n))
+        lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score_folded(A score, {args}) {{\n"
+                     f"{folded}    return score;\n}}\n")
+        # value and derivative (chain rule: each step's derivative at its own input, a c f'(a z); a ratio of
+        # scores, the same in either unit)
+        def derivative(i: int, z: str) -> str:
+            a, c = scales[i]
+            return _scaled(a * c, f"cuf_grad_{i}<A>({_scaled(a, z)}, {call})")
+
+        steps = "".join(f"    score = {into[i]}(score);\n    grad *= {derivative(i, 'score')};\n"
+                        f"    score = {step(i, 'score')};\n" for i in range(n))
         lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score_grad(A score, {args}, "
                      f"A& grad) {{\n    grad = A(1);\n{steps}    return {into[-1]}(score);\n}}\n")
         # parameter gradients: the inputs of every step again, then upstream gradients (d loss / d the natural
         # value of each step's output) from the last step back; a log2-unit step's derivatives are log2 e times
         # the natural ones
-        n = len(self.score)
         body = [f"    A in[{max(n, 1)}], d[{max(n, 1)}];"]
         for i in range(n):
-            body.append(f"    in[{i}] = {into[i]}(score); d[{i}] = cuf_grad_{i}<A>(in[{i}], {call}); "
-                        f"score = cuf_score_{i}<A>(in[{i}], {call});")
+            z = f"in[{i}]"
+            body.append(f"    {z} = {into[i]}(score); d[{i}] = {derivative(i, z)}; score = {step(i, z)};")
         for i in reversed(range(n)):
             factor = " * A(CUF_LN2)" if self.score[i].log2_units else ""
             body.append(f"    cuf_param_grads_{i}<A>(in[{i}], {call}, upstream{factor}); upstream *= d[{i}];")
@@ -615,17 +671,15 @@ def resolve(score_mod=None, mask_mod=None) -> Optional[Mods]:
 def softcap(cap: float) -> ScoreMod:
     """``cap * tanh(score / cap)``: scores squashed into (-cap, cap) (Gemma 2, Grok). Written in log2 units
     with the cap compiled in (``cap tanh(s / cap)`` is ``c tanh(x / c) ln 2`` for ``x = s log2 e`` and ``c =
-    cap log2 e``): a multiply, a tanh and a multiply an element, no parameter word read and no division in the
-    key loop; one build per cap value."""
+    cap log2 e``) as ``tanh`` with ``scales=(1 / c, c)``: the forwards fold 1 / c into the scale and c into the
+    exponential, a tanh an element beyond plain attention; one build per cap value."""
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
     cap_log2 = float(cap) * _LOG2E
-    return ScoreMod("cap * cuf_tanh(score * inv_cap)",
-                    grad="{ const acc_t t = cuf_tanh(score * inv_cap); return acc_t(1) - t * t; }",
-                    consts={"cap": cap_log2, "inv_cap": 1.0 / cap_log2}, log2_units=True, everywhere=True,
-                    name="softcap",
-                    python=lambda s, b, h, q, kv, cap, inv_cap: cap * np.tanh(s * inv_cap),
-                    python_grad=lambda s, b, h, q, kv, cap, inv_cap: 1.0 - np.tanh(s * inv_cap) ** 2)
+    return ScoreMod("cuf_tanh(score)", grad="{ const acc_t t = cuf_tanh(score); return acc_t(1) - t * t; }",
+                    scales=(1.0 / cap_log2, cap_log2), log2_units=True, everywhere=True, name="softcap",
+                    python=lambda t, b, h, q, kv: np.tanh(t),
+                    python_grad=lambda t, b, h, q, kv: 1.0 - np.tanh(t) ** 2)
 
 
 def alibi(slopes) -> ScoreMod:

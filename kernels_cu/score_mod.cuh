@@ -142,16 +142,21 @@ struct ScoreMod {
     // their unconditional derivative chain spilled 20-120 bytes.)
     static constexpr bool SELECT_USER = USER_SCORE_EVERYWHERE && !Flags::EXTRA;
 
+    // FOLDED: the plain forwards' form (mask_and_modify), whose softmax takes CUF_USER_OUT_SCALE as its x_per_s
+    // (softmax_x_per_s): the first modification's input factor joins x_per_s (one multiply an element), the
+    // last one's output factor is left to the softmax's exponential.
+    template <bool FOLDED = false>
     __device__ __forceinline__ A user_score(A s, int row, int col, A x_per_s) const {
         clamp_for_user<SELECT_USER>(row, col);
-        return user_modified_score<SELECT_USER ? USER_SELECT : USER_BRANCH>(s * x_per_s, batch, head, row, col,
-                                                                            m.mod_args);
+        return user_modified_score<SELECT_USER ? USER_SELECT : USER_BRANCH, FOLDED>(
+            s * (FOLDED ? x_per_s * A(CUF_USER_IN_SCALE) : x_per_s), batch, head, row, col, m.mod_args);
     }
-    // The same of a raw score before the mask (SELECT_USER kernels: mask_and_modify): no test of x.
+    // The folded form of a raw score before the mask (SELECT_USER kernels: mask_and_modify): no test of x.
     __device__ __forceinline__ A user_score_before_mask(A s, int row, int col, A x_per_s) const {
         static_assert(SELECT_USER, "before the mask: modifications evaluated everywhere, in the plain kernels");
         clamp_for_user<true>(row, col);
-        return user_modified_score<USER_BEFORE_MASK>(s * x_per_s, batch, head, row, col, m.mod_args);
+        return user_modified_score<USER_BEFORE_MASK, true>(s * (x_per_s * A(CUF_USER_IN_SCALE)), batch, head, row,
+                                                           col, m.mod_args);
     }
 
     // A tile's rows and keys past the sequences' ends as the last ones, where the user modifications would
@@ -530,10 +535,10 @@ __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod
 }
 
 // The user score modifications (user_mod.cuh) over a register tile of scores after the mask, held as x /
-// x_per_s, leaving the modified x (ScoreMod::user_score): the forward's (the backward's prob_and_dscore_at
-// applies them itself). coord as apply_score_mod's; s[I][J] or the C fragments s[N][4] with
-// coord(n, i, row, col).
-template <typename Mod, typename A, int I, int J, typename Coord>
+// x_per_s, leaving the modified x (ScoreMod::user_score; FOLDED: over CUF_USER_OUT_SCALE): the forward's (the
+// backward's prob_and_dscore_at applies them itself). coord as apply_score_mod's; s[I][J] or the C fragments
+// s[N][4] with coord(n, i, row, col).
+template <bool FOLDED = false, typename Mod, typename A, int I, int J, typename Coord>
 __device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s) {
     if constexpr (USER_SCORE) {
 #pragma unroll
@@ -542,13 +547,13 @@ __device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, C
             for (int j = 0; j < J; ++j) {
                 int row, col;
                 coord(i, j, row, col);
-                s[i][j] = mod.user_score(s[i][j], row, col, x_per_s);
+                s[i][j] = mod.template user_score<FOLDED>(s[i][j], row, col, x_per_s);
             }
     }
 }
 
 // A forward's mask and user score modifications over a tile of scores (raw, x / x_per_s, in the plain kernels),
-// leaving the modified x, or -inf where masked. `mask()`: the kernel's own mask of the tile (which only writes
+// leaving the modified x over CUF_USER_OUT_SCALE (the softmax's x_per_s: softmax_x_per_s), or -inf where masked. `mask()`: the kernel's own mask of the tile (which only writes
 // -inf in a plain kernel). MODS_FIRST, with modifications evaluated everywhere (ScoreMod::SELECT_USER): they
 // run first, at every element, and the mask overwrites what they gave masked elements (no compare and select
 // an element after them). Else the mask first and the modifications behind a branch (or a select) an element
@@ -567,15 +572,16 @@ __device__ __forceinline__ void mask_and_modify(A (&s)[I][J], const Mod& mod, Co
         mask();
     } else {
         mask();
-        apply_user_score(s, mod, coord, x_per_s);
+        apply_user_score<true>(s, mod, coord, x_per_s);
     }
 }
 
-// The x_per_s the softmax takes after apply_user_score: 1 with user score modifications (the scores are x
-// then, not raw dot products: no multiply back to x / x_per_s and out again), else the kernel's own.
+// The x_per_s the softmax takes after mask_and_modify: the last score modification's output factor with
+// user score modifications (the scores are the modified x over it then, not raw dot products: no multiply
+// back to x / x_per_s and out again), else the kernel's own.
 template <typename A>
 __device__ __forceinline__ A softmax_x_per_s(A x_per_s) {
-    return USER_SCORE ? A(1) : x_per_s;
+    return USER_SCORE ? A(CUF_USER_OUT_SCALE) : x_per_s;
 }
 
 // apply_dropout<true>'s verdicts on the C fragments, half a Philox draw an element pair

@@ -25,6 +25,16 @@
 #ifndef CUF_USER_PARAM_GRADS
 #define CUF_USER_PARAM_GRADS 0
 #endif
+// The factors the plain forwards fold around the score modifications (cuflash/mods.py, Mods._generate): the
+// first one's input factor (and unit conversion), into the scale a score is multiplied by, and the last one's
+// output factor (and conversion back), into the softmax's exponential (its x_per_s); cuf_user_score_folded is
+// the chain without them.
+#ifndef CUF_USER_IN_SCALE
+#define CUF_USER_IN_SCALE 1
+#endif
+#ifndef CUF_USER_OUT_SCALE
+#define CUF_USER_OUT_SCALE 1
+#endif
 
 constexpr bool USER_SCORE = CUF_USER_SCORE;
 constexpr bool USER_MASK = CUF_USER_MASK;
@@ -40,17 +50,22 @@ constexpr bool USER_SCORE_EVERYWHERE = CUF_USER_SCORE_EVERYWHERE;
 enum UserScoreForm { USER_BRANCH, USER_SELECT, USER_BEFORE_MASK };
 
 // The score modifications of x, a score in log2 units as the kernels hold it (x = s log2 e), in log2 units.
-template <UserScoreForm FORM, typename A>
+// FOLDED: x is CUF_USER_IN_SCALE times that, and the result is the modified score over CUF_USER_OUT_SCALE.
+template <UserScoreForm FORM, bool FOLDED = false, typename A>
 __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, const unsigned long long* args) {
 #if CUF_USER_SCORE
+    auto chain = [&]() {
+        if constexpr (FOLDED) return cuf_user_score_folded<A>(x, b, h, row, col, args);
+        else return cuf_user_score<A>(x, b, h, row, col, args);
+    };
     if constexpr (FORM == USER_BEFORE_MASK) {
-        return cuf_user_score<A>(x, b, h, row, col, args);
+        return chain();
     } else if constexpr (FORM == USER_SELECT) {
-        const A y = cuf_user_score<A>(x, b, h, row, col, args);
+        const A y = chain();
         return x == neg_inf<A>() ? x : y;
     } else {
         if (x == neg_inf<A>()) return x;
-        return cuf_user_score<A>(x, b, h, row, col, args);
+        return chain();
     }
 #else
     (void)b, (void)h, (void)row, (void)col, (void)args;

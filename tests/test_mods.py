@@ -57,6 +57,12 @@ def _library(h=H, b=B, length=L):
     (lambda: cuflash.ScoreMod("score", params={"t": np.zeros(3, np.float32)}, param_grads={"t": "0"}),
      TypeError, "index source"),
     (lambda: cuflash.ScoreMod("score", python=3), TypeError, "callable"),
+    (lambda: cuflash.ScoreMod("score", scales=2.0), TypeError, "pair"),
+    (lambda: cuflash.ScoreMod("score", scales=(1.0, 0.0)), ValueError, "> 0"),
+    (lambda: cuflash.ScoreMod("score", scales=(float("inf"), 1.0)), ValueError, "> 0"),
+    (lambda: cuflash.ScoreMod("score", scales=(True, 1.0)), ValueError, "> 0"),
+    (lambda: cuflash.ScoreMod("score", params={"t": np.zeros(3, np.float32)}, param_grads={"t": ("0", "1")},
+                              scales=(1.0, 2.0)), ValueError, "param_grads"),
     (lambda: cuflash.softcap(0.0), ValueError, "cap"),
     (lambda: cuflash.ScoreMod("score", consts={"c": np.ones(2, np.float32)}), TypeError, "Python number"),
     (lambda: cuflash.ScoreMod("score", consts={"c": float("inf")}), ValueError, "finite"),
@@ -110,7 +116,8 @@ def test_prelude_switches_and_slots():
     slots = [int(re.search(r"cuf_args\[(\d+)\]", line).group(1)) for line in text.splitlines()
              if "cuf_args[" in line and "=" in line]
     assert list(dict.fromkeys(slots)) == list(range(6))   # each function of a modification reads its own
-    assert "constexpr acc_t cap = acc_t(" in text and "constexpr acc_t inv_cap = acc_t(" in text
+    cap = 2.0 * M._LOG2E   # softcap(2.0) in log2 units: its scales (1 / c, c), literals in the chain
+    assert f"A({cap!r}) * cuf_score_1<A>(A({1 / cap!r}) * " in text
     assert mods.key() == M.resolve(*_as_pair(mods)).key()   # the same modifications, the same builds
     plain = M.resolve(None, _library()["prefix"]["mask_mod"]).prelude(False)
     assert "CUF_USER_SCORE" not in plain and "CUF_USER_MASK 1" in plain
@@ -130,6 +137,39 @@ def test_consts_are_compiled_in_and_reach_the_twins():
     q, k, v, _ = _inputs()
     np.testing.assert_allclose(cuflash.attention(q, k, v, score_mod=scaled(0.5)),
                                cuflash.attention(q, k, v, scale=0.5 / np.sqrt(D)), rtol=1e-12)
+
+
+def test_scales_are_the_twins_factors_and_the_forwards_fold_the_outer_ones():
+    """scales=(a, c) is c f(a score): the NumPy twins take it so (the same attention as the spelled-out form,
+    value and gradient), the full chain carries both factors, and the forwards' folded chain leaves the first
+    modification's a (with its unit conversion) to CUF_USER_IN_SCALE and the last one's c (with the conversion
+    back) to CUF_USER_OUT_SCALE."""
+    a, c = 0.3, 1.7
+    inner = cuflash.ScoreMod("score * score * acc_t(0.1) + score", grad="score * acc_t(0.2) + acc_t(1)", scales=(a, c),
+                             python=lambda t, *r: 0.1 * t * t + t, python_grad=lambda t, *r: 0.2 * t + 1)
+    spelled = cuflash.ScoreMod("score", grad="acc_t(1)", python=lambda s, *r: c * (0.1 * (a * s) ** 2 + a * s),
+                               python_grad=lambda s, *r: c * a * (0.2 * a * s + 1))
+    q, k, v, do = _inputs()
+    for causal in (False, True):
+        out, vjp = cuflash.vjp(q, k, v, causal=causal, score_mod=inner)
+        out_ref, vjp_ref = cuflash.vjp(q, k, v, causal=causal, score_mod=spelled)
+        np.testing.assert_allclose(out, out_ref, rtol=1e-12, atol=1e-13)
+        for g, g_ref in zip(vjp(do)[:3], vjp_ref(do)[:3]):
+            np.testing.assert_allclose(g, g_ref, rtol=1e-10, atol=1e-12)
+    text = M.resolve(inner).prelude(True)   # natural units: IN = ln 2 a, OUT = c log2 e
+    assert f"#define CUF_USER_IN_SCALE {M._LN2 * a!r}" in text
+    assert f"#define CUF_USER_OUT_SCALE {c * M._LOG2E!r}" in text
+    folded = text[text.index("cuf_user_score_folded(A score"):].split("}")[0]
+    assert "score = cuf_score_0<A>(score, " in folded and "return score;" in folded
+    full = text[text.index("cuf_user_score(A score"):].split("}")[0]
+    assert f"A({c!r}) * cuf_score_0<A>(A({a!r}) * cuf_to_natural(score)" in full
+    cap = 3.0 * M._LOG2E
+    composed = M.resolve((cuflash.alibi(np.ones(H, np.float32)), cuflash.softcap(3.0))).prelude(True)
+    assert "#define CUF_USER_IN_SCALE 1.0" in composed and f"#define CUF_USER_OUT_SCALE {cap!r}" in composed
+    folded = composed[composed.index("cuf_user_score_folded(A score"):].split("}")[0]
+    assert f"cuf_score_1<A>(A({1 / cap!r}) * (score)" in folded and f"A({cap!r})" not in folded
+    masks_only = M.resolve(None, cuflash.prefix_lm_mask(np.array([5, 11][:B], np.int32))).prelude(True)
+    assert "#define CUF_USER_IN_SCALE 1.0" in masks_only and "#define CUF_USER_OUT_SCALE 1.0" in masks_only
 
 
 def test_log2_units_convert_only_where_the_units_change():

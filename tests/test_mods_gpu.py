@@ -43,6 +43,10 @@ def _options(kind: str, seed: int) -> dict:
                     "key_bias": rng.standard_normal(LK).astype(np.float32)},
             python=lambda s, b, h, q, kv, row_bias, key_bias: s + row_bias[q] - key_bias[kv],
             python_grad=lambda s, b, h, q, kv, row_bias, key_bias: np.ones_like(s))),
+        # scales: folded around the chain (natural units: with the conversions), kept inside it (the first's c)
+        "scaled, composed": dict(score_mod=(cuflash.ScoreMod(
+            "score + acc_t(0.05) * acc_t(kv_idx % 5)", grad="acc_t(1)", scales=(0.8, 1.25), everywhere=True,
+            python=lambda t, b, h, q, kv: t + 0.05 * (kv % 5), python_grad=lambda t, *r: np.ones_like(t)), softcap)),
         "with every option": dict(score_mod=(alibi, softcap), mask_mod=cuflash.document_mask(doc),
                                   bias=rng.standard_normal((1, HQ, LQ, LK)), window=(70, 10), dropout_p=0.1, seed=3,
                                   block_layout=cuflash.BlockLayout.from_rule(LQ, LK, 32, local=2, global_blocks=1)),
@@ -53,7 +57,7 @@ def _options(kind: str, seed: int) -> dict:
 # (evaluated at masked elements and at the tiles' rows and keys past the end, indices clamped): the values
 # here, and memcheck on sanitize_workload.py --mods, check that it reads nothing past them.
 KINDS = ["softcap", "softcap tight", "alibi", "relative position", "document", "prefix lm", "custom",
-         "positions everywhere", "with every option"]
+         "positions everywhere", "scaled, composed", "with every option"]
 CASES = sampled([(dt, c) for dt in DTYPES for c in (False, "bottom_right")],
                 [("float16", False), ("bfloat16", "bottom_right"), ("float32", "bottom_right"), ("float64", False)],
                 multi=True)
