@@ -539,6 +539,14 @@ class Mods:
                         f"    score = {step(i, 'score')};\n" for i in range(n))
         lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score_grad(A score, {args}, "
                      f"A& grad) {{\n    grad = A(1);\n{steps}    return {into[-1]}(score);\n}}\n")
+        # The backwards' folded twin: the folded chain's value (its input CUF_USER_IN_SCALE times the score, its
+        # output over CUF_USER_OUT_SCALE) and the same derivative as cuf_user_score_grad's, d modified / d score.
+        folded_steps = "".join(
+            (f"    grad *= {_scaled(scales[0][0] * scales[0][1], f'cuf_grad_0<A>(score, {call})')};\n" if i == 0 else
+             f"    score = {into[i]}(score);\n    grad *= {derivative(i, 'score')};\n")
+            + f"    score = {step(i, 'score', i == 0, i == n - 1)};\n" for i in range(n))
+        lines.append(f"template <typename A>\n__device__ __forceinline__ A cuf_user_score_grad_folded(A score, {args}, "
+                     f"A& grad) {{\n    grad = A(1);\n{folded_steps}    return score;\n}}\n")
         # parameter gradients: the inputs of every step again, then upstream gradients (d loss / d the natural
         # value of each step's output) from the last step back; a log2-unit step's derivatives are log2 e times
         # the natural ones

@@ -74,8 +74,10 @@ __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int
 }
 
 // The modified score of x (log2 units) and its derivative with respect to the raw score; the
-// trainable parameters' gradients come from ds_mod, dL / d modified score (natural units).
-template <typename A>
+// trainable parameters' gradients come from ds_mod, dL / d modified score (natural units). FOLDED: x is
+// CUF_USER_IN_SCALE times that, and the value the modified score over CUF_USER_OUT_SCALE (the derivative the
+// same).
+template <bool FOLDED = false, typename A>
 __device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row, int col,
                                                       const unsigned long long* args, A& grad) {
 #if CUF_USER_SCORE
@@ -83,7 +85,8 @@ __device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row
         grad = A(0);
         return x;
     }
-    return cuf_user_score_grad<A>(x, b, h, row, col, args, grad);
+    if constexpr (FOLDED) return cuf_user_score_grad_folded<A>(x, b, h, row, col, args, grad);
+    else return cuf_user_score_grad<A>(x, b, h, row, col, args, grad);
 #else
     (void)b, (void)h, (void)row, (void)col, (void)args;
     grad = A(1);
