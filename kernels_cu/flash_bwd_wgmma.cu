@@ -497,9 +497,10 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
                 const FloatPair dsum = load_pair(dsum_s + frag_col(lane, n, 0));
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
-                    mod.template prob_and_dscore_at<true>(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
-                                                          drop_factor(mod, kept, n, i), x_per_s, m0 + frag_col(lane, n, i),
-                                                          blk.n0 + key_row + frag_row(lane, i));
+                    mod.template prob_and_dscore_at<true, true>(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
+                                                                drop_factor(mod, kept, n, i), x_per_s,
+                                                                m0 + frag_col(lane, n, i),
+                                                                blk.n0 + key_row + frag_row(lane, i));
                 if constexpr (Tr::ADDS_DBIAS) {   // dbias += dS, fp32, before dS^T is packed to 16 bits
                     if (dbias_tiles) dbias_step.add(dpt[n], n, lane);
                     else if (dbias_rows) row_sums.add(dpt[n]);

@@ -173,20 +173,26 @@ struct ScoreMod {
     // that of the modified score and dS that of the raw one (dS of the modified one times their
     // derivative), and with PARAM_GRADS the trainable parameters take their gradients from dS of the
     // modified one: in the one kernel of a backward that forms every dS for dK (not the dQ, dbias or
-    // dV-only passes, which form them again). The modifications' folded form (as the forwards'): their
-    // input factor joins x_per_s, their output factor the exponential's.
-    template <bool PARAM_GRADS>
+    // dV-only passes, which form them again). FOLDED: the modifications' folded form (as the forwards'),
+    // their input factor joined to x_per_s and their output factor the exponential's (the Hopper dK/dV kernel;
+    // the portable dK/dV kernel at head dim 128 spilled 8-28 bytes with it, NVRTC 12.9).
+    template <bool PARAM_GRADS, bool FOLDED = false>
     __device__ __forceinline__ void prob_and_dscore_at(A& s_to_p, A& dp_to_ds, A lse_log2, A dsum, A keep, A x_per_s,
                                                        int row, int col) const {
         if constexpr (!USER_SCORE) {
             prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, x_per_s);
         } else {
-            const A x = s_to_p * x_per_s;   // (the trainable parameters' input only)
+            const A x = s_to_p * x_per_s;
             A grad;
             clamp_for_user<false>(row, col);
-            s_to_p = user_modified_score_grad<true>(s_to_p * (x_per_s * A(CUF_USER_IN_SCALE)), batch, head, row, col,
-                                                    m.mod_args, grad);
-            prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, A(CUF_USER_OUT_SCALE));
+            if constexpr (FOLDED) {
+                s_to_p = user_modified_score_grad<true>(s_to_p * (x_per_s * A(CUF_USER_IN_SCALE)), batch, head, row,
+                                                        col, m.mod_args, grad);
+                prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, A(CUF_USER_OUT_SCALE));
+            } else {
+                s_to_p = user_modified_score_grad(x, batch, head, row, col, m.mod_args, grad);
+                prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep);
+            }
             if constexpr (PARAM_GRADS) user_param_grads<A>(x, batch, head, row, col, m.mod_args, dp_to_ds);
             dp_to_ds = dp_to_ds == A(0) ? A(0) : dp_to_ds * grad;   // P = 0 (masked): 0, whatever grad is there
         }
