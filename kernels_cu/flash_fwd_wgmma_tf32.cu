@@ -314,7 +314,8 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
         };
         mask_and_modify<MODS_FIRST>(s[0], mod, coord, x_per_s, [&] {
             if constexpr (Flags::EXTRA) {
-                if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);   // x = s scale + bias log2(e)
+                // x = s scale + bias log2(e)
+                if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);
                 // the per-element tests in a loop (registers), none where the warp sees nothing
                 apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
             } else {

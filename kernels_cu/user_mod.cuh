@@ -39,8 +39,9 @@
 constexpr bool USER_SCORE = CUF_USER_SCORE;
 constexpr bool USER_MASK = CUF_USER_MASK;
 // Every score modification may run at masked positions (ScoreMod everywhere=True): the kernels evaluate
-// them without a branch an element and select -inf after (or run them before the mask: mask_and_modify). A value of (b, h) alone is then one load a
-// tile: the compiler merges the elements' loads of one address, which a branch an element keeps apart.
+// them without a branch an element and select -inf after (or run them before the mask: mask_and_modify). A
+// value of (b, h) alone is then one load a tile: the compiler merges the elements' loads of one address, which
+// a branch an element keeps apart.
 constexpr bool USER_SCORE_EVERYWHERE = CUF_USER_SCORE_EVERYWHERE;
 
 // How a kernel evaluates the score modifications of a score x: behind a branch on x being masked (-inf,
