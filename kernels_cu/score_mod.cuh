@@ -562,10 +562,11 @@ __device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, C
 
 // A forward's mask and user score modifications over a tile of scores (raw, x / x_per_s, in the plain kernels),
 // leaving the modified x over CUF_USER_OUT_SCALE (the softmax's x_per_s: softmax_x_per_s), or -inf where
-// masked. `mask()`: the kernel's own mask of the tile (which only writes -inf in a plain kernel). MODS_FIRST, with modifications evaluated everywhere (ScoreMod::SELECT_USER): they
-// run first, at every element, and the mask overwrites what they gave masked elements (no compare and select
-// an element after them). Else the mask first and the modifications behind a branch (or a select) an element
-// (apply_user_score). s[I][J] or the C fragments s[N][4] with coord(n, i, row, col).
+// masked. `mask()`: the kernel's own mask of the tile (which only writes -inf in a plain kernel). MODS_FIRST,
+// with modifications evaluated everywhere (ScoreMod::SELECT_USER): they run first, at every element, and the
+// mask overwrites what they gave masked elements (no compare and select an element after them). Else the mask
+// first and the modifications behind a branch (or a select) an element (apply_user_score). s[I][J] or the C
+// fragments s[N][4] with coord(n, i, row, col).
 template <bool MODS_FIRST, typename Mod, typename A, int I, int J, typename Coord, typename Mask>
 __device__ __forceinline__ void mask_and_modify(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s, Mask mask) {
     if constexpr (MODS_FIRST && USER_SCORE && Mod::SELECT_USER) {
