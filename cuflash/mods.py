@@ -13,8 +13,9 @@ a new sequence length never recompiles)::
 Scores are in natural units (unless ``log2_units``): ``score = scale * q . k + bias`` (the number softmax
 exponentiates).
 The source sees ``score`` (type ``acc_t``: float, double for float64 inputs), the element's batch
-entry ``b``, query head ``h``, query row ``q_idx`` and key ``kv_idx`` (int), and each parameter by
-its name. It is an expression, or a body with ``return``. Parameters are Python numbers (floats
+entry ``b``, query head ``h``, query row ``q_idx`` and key ``kv_idx`` (int), a score modification also
+``rel_pos`` (``kv_idx - q_idx`` as ``acc_t``, exact below 2^24; the forwards form it with one add an element
+where ``acc_t(kv_idx - q_idx)`` would convert an integer), and each parameter by its name. It is an expression, or a body with ``return``. Parameters are Python numbers (floats
 arrive as ``acc_t``, ints as ``int``) or C-contiguous arrays on the inputs' device, indexed flat
 (``const float* slopes``: ``slopes[h]``); ``consts`` are numbers compiled into the source (one build a
 value, nothing read in the kernel's loop). ``log2_units=True`` gives a score modification scores in log2
@@ -62,7 +63,7 @@ _LN2, _LOG2E = math.log(2.0), 1.0 / math.log(2.0)
 _FLOAT_MIN, _FLOAT_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_RESERVED = {"score", "b", "h", "q_idx", "kv_idx", "acc_t", "cuf_args"}
+_RESERVED = {"score", "b", "h", "q_idx", "kv_idx", "rel_pos", "acc_t", "cuf_args"}
 _ARRAY_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.int32): "int",
                 np.dtype(np.int64): "long long", np.dtype(np.int8): "signed char", np.dtype(np.uint8): "unsigned char",
                 np.dtype(np.bool_): "bool"}
@@ -240,7 +241,8 @@ class ScoreMod(_Mod):
     source : str
         An expression (or a body with ``return``) of type ``acc_t`` over ``score`` (natural units, or log2
         units with ``log2_units``),
-        ``b``, ``h``, ``q_idx``, ``kv_idx`` and the parameters. ``-inf`` masks the element.
+        ``b``, ``h``, ``q_idx``, ``kv_idx``, ``rel_pos`` (``kv_idx - q_idx`` as ``acc_t``, taken before the
+        clamp below) and the parameters. ``-inf`` masks the element.
     grad : str, optional
         Its derivative with respect to ``score``, same variables; needed by the backward.
     params : dict, optional
@@ -319,6 +321,14 @@ class ScoreMod(_Mod):
     def slots(self) -> int:
         return len(self.params) + len(self.param_grads)
 
+    @property
+    def light(self) -> bool:
+        """Evaluated everywhere and reading no integer position (``q_idx``, ``kv_idx``) and no trainable
+        parameter: a float or two an element (``rel_pos``, ``b``, ``h`` and parameters allowed). One such
+        modification alone keeps the Hopper forward's widest tile (with_mods in cuflash._dispatch.select)."""
+        text = self.source + (self.grad or "")
+        return self.everywhere and not self.param_grads and not re.search(r"\b(q_idx|kv_idx)\b", text)
+
     def _signature(self) -> tuple:
         return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())), self.log2_units,
                                        self.everywhere, self.scales)
@@ -327,8 +337,9 @@ class ScoreMod(_Mod):
         """The device functions of modification ``i`` (its value, derivative, parameter gradients)."""
         decl, _ = self._locals(slot0, self.param_grads)
         head = ("template <typename acc_t>\n__device__ __forceinline__ {ret} cuf_{what}_{i}(acc_t score, int b, int h, "
-                "int q_idx, int kv_idx, const unsigned long long* cuf_args{extra}) {{\n    {decl}\n    (void)score; "
-                "(void)b; (void)h; (void)q_idx; (void)kv_idx;\n#line 1 \"{label}\"\n{body}\n}}\n")
+                "int q_idx, int kv_idx, acc_t rel_pos, const unsigned long long* cuf_args{extra}) {{\n    {decl}\n"
+                "    (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)rel_pos;\n"
+                "#line 1 \"{label}\"\n{body}\n}}\n")
         label = f"{self.name}"
         parts = [head.format(ret="acc_t", what="score", i=i, extra="", decl=decl, label=label,
                              body=_body(self.source))]
@@ -487,6 +498,8 @@ class Mods:
             lines.append("#define CUF_USER_SCORE 1")
             if all(m.everywhere for m in self.score):
                 lines.append("#define CUF_USER_SCORE_EVERYWHERE 1")
+            if len(self.score) == 1 and self.score[0].light and not self.mask:
+                lines.append("#define CUF_USER_SCORE_LIGHT 1")
         if self.mask:
             lines.append("#define CUF_USER_MASK 1")
         if self.trainable:
@@ -502,8 +515,8 @@ class Mods:
             lines.append(m.cuda(i, slot))
             slot += m.slots
         lines.append('#line 1 "cuflash"')
-        args = "int b, int h, int q_idx, int kv_idx, const unsigned long long* cuf_args"
-        call = "b, h, q_idx, kv_idx, cuf_args"
+        args = "int b, int h, int q_idx, int kv_idx, A rel_pos, const unsigned long long* cuf_args"
+        call = "b, h, q_idx, kv_idx, rel_pos, cuf_args"
         # The chain takes and returns scores in log2 units (as the kernels hold them) and converts only where
         # the next modification's units differ from the score's (natural units unless log2_units); a step with
         # scales (a, c) is c f(a z).
@@ -559,8 +572,9 @@ class Mods:
             body.append(f"    cuf_param_grads_{i}<A>(in[{i}], {call}, upstream{factor}); upstream *= d[{i}];")
         lines.append(f"template <typename A>\n__device__ __forceinline__ void cuf_user_param_grads(A score, {args}, "
                      f"A upstream) {{\n" + "\n".join(body) + "\n}\n")
-        masks = " && ".join(f"cuf_mask_{i}({call})" for i in range(len(self.mask))) or "true"
-        lines.append(f"__device__ __forceinline__ bool cuf_user_mask({args}) {{ return {masks}; }}\n")
+        mask_args = "int b, int h, int q_idx, int kv_idx, const unsigned long long* cuf_args"
+        masks = " && ".join(f"cuf_mask_{i}(b, h, q_idx, kv_idx, cuf_args)" for i in range(len(self.mask))) or "true"
+        lines.append(f"__device__ __forceinline__ bool cuf_user_mask({mask_args}) {{ return {masks}; }}\n")
         return "\n".join(lines) + "\n"
 
     def _conversions(self) -> list:
@@ -696,7 +710,7 @@ def alibi(slopes) -> ScoreMod:
     Written in log2 units and evaluated everywhere (``slopes[h]`` read once a tile)."""
     if not _is_array(slopes) or slopes.ndim != 1 or np.dtype(slopes.dtype) != np.float32:
         raise TypeError("alibi: slopes must be a float32 array of shape (Hq,)")
-    return ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * acc_t(abs(q_idx - kv_idx))",
+    return ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos)",
                     grad="acc_t(1)", params={"slopes": slopes}, name="alibi", log2_units=True, everywhere=True,
                     python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * _LOG2E * abs(q - kv),
                     python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))

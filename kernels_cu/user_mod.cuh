@@ -3,7 +3,8 @@
 // The host compiles a call's modifications by placing their generated source before a kernel's
 // (cuflash/mods.py, Mods.prelude). That source defines the switches below and the functions they
 // guard, each over one element (a score in log2 units as the kernels hold it, x = s log2 e; b, h, q_idx,
-// kv_idx; the parameter words; the generated chain converts to each modification's own units):
+// kv_idx; rel = kv_idx - q_idx as A, before the kernels clamp the indices; the parameter words; the
+// generated chain converts to each modification's own units):
 //     cuf_user_score(s, ...)              the score modifications in order
 //     cuf_user_score_grad(s, ..., g)      the same, and g = d modified / d s (chain rule)
 //     cuf_user_param_grads(s, ..., ds')   the trainable parameters' gradients from ds' = dL / d modified
@@ -53,11 +54,12 @@ enum UserScoreForm { USER_BRANCH, USER_SELECT, USER_BEFORE_MASK };
 // The score modifications of x, a score in log2 units as the kernels hold it (x = s log2 e), in log2 units.
 // FOLDED: x is CUF_USER_IN_SCALE times that, and the result is the modified score over CUF_USER_OUT_SCALE.
 template <UserScoreForm FORM, bool FOLDED = false, typename A>
-__device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, const unsigned long long* args) {
+__device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, A rel,
+                                                const unsigned long long* args) {
 #if CUF_USER_SCORE
     auto chain = [&]() {
-        if constexpr (FOLDED) return cuf_user_score_folded<A>(x, b, h, row, col, args);
-        else return cuf_user_score<A>(x, b, h, row, col, args);
+        if constexpr (FOLDED) return cuf_user_score_folded<A>(x, b, h, row, col, rel, args);
+        else return cuf_user_score<A>(x, b, h, row, col, rel, args);
     };
     if constexpr (FORM == USER_BEFORE_MASK) {
         return chain();
@@ -69,7 +71,7 @@ __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int
         return chain();
     }
 #else
-    (void)b, (void)h, (void)row, (void)col, (void)args;
+    (void)b, (void)h, (void)row, (void)col, (void)rel, (void)args;
     return x;
 #endif
 }
@@ -77,31 +79,43 @@ __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int
 // The modified score of x (log2 units) and its derivative with respect to the raw score; the
 // trainable parameters' gradients come from ds_mod, dL / d modified score (natural units). FOLDED: x is
 // CUF_USER_IN_SCALE times that, and the value the modified score over CUF_USER_OUT_SCALE (the derivative the
-// same).
-template <bool FOLDED = false, typename A>
-__device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row, int col,
+// same). SELECT: evaluated at every element, masked ones (-inf) selected after (USER_SELECT's form), else
+// behind a branch.
+template <bool FOLDED = false, bool SELECT = false, typename A>
+__device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row, int col, A rel,
                                                       const unsigned long long* args, A& grad) {
 #if CUF_USER_SCORE
-    if (x == neg_inf<A>()) {
-        grad = A(0);
-        return x;
+    auto chain = [&](A& g) {
+        if constexpr (FOLDED) return cuf_user_score_grad_folded<A>(x, b, h, row, col, rel, args, g);
+        else return cuf_user_score_grad<A>(x, b, h, row, col, rel, args, g);
+    };
+    if constexpr (SELECT) {
+        A g;
+        const A y = chain(g);
+        const bool masked = x == neg_inf<A>();
+        grad = masked ? A(0) : g;
+        return masked ? x : y;
+    } else {
+        if (x == neg_inf<A>()) {
+            grad = A(0);
+            return x;
+        }
+        return chain(grad);
     }
-    if constexpr (FOLDED) return cuf_user_score_grad_folded<A>(x, b, h, row, col, args, grad);
-    else return cuf_user_score_grad<A>(x, b, h, row, col, args, grad);
 #else
-    (void)b, (void)h, (void)row, (void)col, (void)args;
+    (void)b, (void)h, (void)row, (void)col, (void)rel, (void)args;
     grad = A(1);
     return x;
 #endif
 }
 
 template <typename A>
-__device__ __forceinline__ void user_param_grads(A x, int b, int h, int row, int col, const unsigned long long* args,
-                                                 A ds_mod) {
+__device__ __forceinline__ void user_param_grads(A x, int b, int h, int row, int col, A rel,
+                                                 const unsigned long long* args, A ds_mod) {
 #if CUF_USER_PARAM_GRADS
-    if (ds_mod != A(0)) cuf_user_param_grads<A>(x, b, h, row, col, args, ds_mod);
+    if (ds_mod != A(0)) cuf_user_param_grads<A>(x, b, h, row, col, rel, args, ds_mod);
 #else
-    (void)x, (void)b, (void)h, (void)row, (void)col, (void)args, (void)ds_mod;
+    (void)x, (void)b, (void)h, (void)row, (void)col, (void)rel, (void)args, (void)ds_mod;
 #endif
 }
 

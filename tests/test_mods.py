@@ -230,17 +230,32 @@ def test_a_log2_unit_modification_equals_its_natural_twin():
             np.testing.assert_allclose(g, w_, rtol=1e-10, atol=1e-12)
 
 
+def test_light_modifications():
+    """ScoreMod.light: evaluated everywhere, no integer position, no trainable parameter."""
+    slopes = np.ones(4, np.float32)
+    assert cuflash.softcap(30.0).light and cuflash.alibi(slopes).light
+    assert not cuflash.relative_position_bias(np.zeros((32, 4), np.float32)).light
+    assert not cuflash.ScoreMod("score - acc_t(q_idx - kv_idx)", everywhere=True).light
+    assert not cuflash.ScoreMod("score", grad="acc_t(kv_idx > 0)", everywhere=True).light
+    assert cuflash.ScoreMod("score + acc_t(0.5) * rel_pos", everywhere=True).light
+    assert not cuflash.ScoreMod("score + acc_t(0.5) * rel_pos").light
+
+
 def _as_pair(mods):
     return mods.score, mods.mask
 
 
-@pytest.mark.parametrize("everywhere", [True, False])
-def test_modifications_go_on_the_scoring_variants_only(everywhere):
-    """Where modifications go, and the Hopper forward's tile and schedule with them: walking as the table's where
-    they all run everywhere (softcap), a CTA a block for a band where they run behind a branch."""
+@pytest.mark.parametrize("form", ["light", "everywhere", "branch"])
+def test_modifications_go_on_the_scoring_variants_only(form):
+    """Where modifications go, and the Hopper forward's tile and schedule with them: one light modification
+    (softcap) keeps a plain variant's tile and schedule; walking as the table's where they all run everywhere
+    (softcap and ALiBi at once); a CTA a block for a band where they run behind a branch."""
     cap = cuflash.softcap(30.0)
-    mod = cap if everywhere else cuflash.ScoreMod(cap.source, grad=cap.grad, consts=cap.consts, log2_units=True)
+    everywhere = form != "branch"
+    mod = {"light": cap, "everywhere": (cap, cuflash.alibi(np.ones(4, np.float32))),
+           "branch": cuflash.ScoreMod(cap.source, grad=cap.grad, consts=cap.consts, log2_units=True)}[form]
     prelude = M.resolve(mod).prelude(True)
+    assert ("#define CUF_USER_SCORE_LIGHT 1" in prelude) == (form == "light")
     for v in all_variants():
         if not v.extra and v.family in SCORING_FAMILIES and not v.packed and not takes_plain_mods(v):
             with pytest.raises(ValueError, match="EXTRA variants"):
@@ -251,7 +266,9 @@ def test_modifications_go_on_the_scoring_variants_only(everywhere):
             assert w is v
             continue
         assert w.prelude == prelude and w.name.split("<")[0] == v.name.split("<")[0]
-        if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
+        if form == "light" and not v.extra:
+            assert (w.tile, w.schedule, w.short) == (v.tile, v.schedule, v.short)
+        elif v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
             assert w.tile == MODS_FWD_WGMMA_TILE
         if v.family == "fwd_wgmma" and v.band and not everywhere:
             assert w.schedule == "block"
@@ -297,7 +314,8 @@ def test_library_modifications_compile_without_spills(arch, family, dtype, extra
 def test_every_scoring_variant_compiles_with_modifications(dtype, family):
     """Every scoring variant that takes modifications with every library modification compiled in (the plain
     ones of PLAIN_MODS_FAMILIES: the score modifications alone), and the plain ones also with those evaluated
-    everywhere (ALiBi and softcap: no branch an element, the walking Hopper forwards on their own tiles), for
+    everywhere (ALiBi and softcap: no branch an element, the walking Hopper forwards on their own tiles) and
+    the Hopper forward's with each of them alone (light: its widest tiles), for
     the architecture its table row is tuned for (sm_90 for the sm90 rows and Hopper's own, sm_80 for the
     others): zero spills. Head dim 256's Hopper backward takes none."""
     bad = []
@@ -305,11 +323,14 @@ def test_every_scoring_variant_compiles_with_modifications(dtype, family):
     lib = _library()
     everywhere = M.resolve(lib["composed"]["score_mod"]).prelude(fast)   # ALiBi and softcap
     assert "CUF_USER_SCORE_EVERYWHERE 1" in everywhere
+    # one light modification alone: the Hopper forward's plain variants keep their widest tiles with it
+    light = tuple(M.resolve(m).prelude(fast) for m in lib["composed"]["score_mod"]) if family == "fwd_wgmma" else ()
+    assert all("CUF_USER_SCORE_LIGHT 1" in p for p in light)
     for v in {with_mods(v, prelude)
               for v in all_variants() if v.dtype == dtype and v.family == family and not v.packed
               and (v.extra or takes_plain_mods(v)) and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)
               for prelude in ((_every_library_mod(masks=v.extra).prelude(fast),) if v.extra
-                              else (_every_library_mod(masks=False).prelude(fast), everywhere))}:
+                              else (_every_library_mod(masks=False).prelude(fast), everywhere) + light)}:
         arch = "sm_80" if v.arch == "sm80" else "sm_90"
         build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
         if build.spills or build.stack_frame:

@@ -403,7 +403,9 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     """``v`` with a call's user modifications (cuflash.mods: their generated ``prelude``) compiled in: the
     variants that score (:data:`SCORING_FAMILIES`; plain ones only of :data:`PLAIN_MODS_FAMILIES`), on
     :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has three consumer warpgroups or two CTAs an
-    SM (walking where the modifications all run everywhere, ``ScoreMod(everywhere=True)``); where they do not,
+    SM (walking where the modifications all run everywhere, ``ScoreMod(everywhere=True)``), except a plain
+    variant with one light score modification (``ScoreMod.light``: softcap, ALiBi), which keeps its tile and
+    schedule; where they do not run everywhere,
     a CTA a block for its band and :data:`MODS_FWD_WGMMA_TILE_128` at head dim 128 where its CTAs walk or
     have a band; on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill; the others (dsum,
     convert, combine) as they are."""
@@ -415,7 +417,10 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     # Hopper forwards keep their schedule and tile with them (0 spills, every such library modification at
     # once, NVRTC 12.9); the others run behind a branch an element and take the fallbacks below.
     everywhere = "#define CUF_USER_SCORE_EVERYWHERE 1" in prelude
-    if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1):
+    # One light modification fits the three-consumer and two-CTA tiles of the plain variants: 0 spills for
+    # softcap, ALiBi (NVRTC 12.9 and 13.5); the two at once spilled 20 bytes, and EXTRA variants 68-84.
+    light = "#define CUF_USER_SCORE_LIGHT 1" in prelude and not v.extra
+    if v.family == "fwd_wgmma" and (v.tile.warps == 16 or v.tile.ctas > 1) and not light:
         v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
         if everywhere:
             v = replace(v, schedule=schedule_for(v))   # one CTA an SM: it can walk
