@@ -447,7 +447,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                         mbar_arrive(sm.bias_empty(stage));
                     }
                     // the per-element tests in a loop (registers), none where the warp sees nothing
-                    apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
+                    apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP, kind == TILE_BAND);
                 } else {
                     apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
                 }

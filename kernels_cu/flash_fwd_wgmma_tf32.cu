@@ -317,7 +317,7 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
                 // x = s scale + bias log2(e)
                 if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);
                 // the per-element tests in a loop (registers), none where the warp sees nothing
-                apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
+                apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP, kind == TILE_BAND);
             } else {
                 apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
             }

@@ -54,7 +54,9 @@ struct TileRange {
     __device__ __forceinline__ bool contains(int t) const { return t >= begin && t < end; }
 };
 
-enum TileKind { TILE_SKIP = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+// TILE_BAND: partial only where the band or the sequences' ends cut it; every element inside them is allowed
+// (its layout blocks are BLOCK_ALL, or there is no layout): the per-element test is the band's alone.
+enum TileKind { TILE_SKIP = 0, TILE_PARTIAL = 1, TILE_FULL = 2, TILE_BAND = 3 };
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
@@ -126,8 +128,13 @@ struct ScoreMod {
         if (col >= lk || !in_band(row, col)) return false;
         if (!Flags::EXTRA) return true;
         if (row >= lq) return false;   // rows past the end: nothing to read there
-        if (m.layout.ptr && *m.layout.at<signed char>(batch, head, row / m.block_q, col / m.block_k) == BLOCK_OFF)
-            return false;
+        if (m.layout.ptr) {
+            const int state = *m.layout.at<signed char>(batch, head, row / m.block_q, col / m.block_k);
+            if (state == BLOCK_OFF) return false;
+            // every source of the layout (block layout, mask, mask modifications) allows the whole block: the
+            // element needs none of their per-element tests
+            if (state == BLOCK_ALL) return true;
+        }
         if (USER_MASK && !user_mask_allows(batch, head, row, col, m.mod_args)) return false;
         return !m.mask.ptr || *m.mask.at<unsigned char>(batch, head, row, col) != 0;
     }
@@ -290,6 +297,11 @@ struct ScoreMod {
         return span_tiles(r, lo, hi, block, tile);
     }
 
+    // allowed() in a TILE_BAND tile: the band and the sequences' ends.
+    __device__ __forceinline__ bool allowed_in_band(int row, int col) const {
+        return col < lk && in_band(row, col) && (!Flags::EXTRA || row < lq);
+    }
+
     // What the tile (rows [row0, row0 + rows), keys [col0, col0 + cols)) needs.
     __device__ __forceinline__ int classify(int row0, int rows, int col0, int cols) const {
         const int row1 = row0 + rows - 1, col1 = col0 + cols - 1;
@@ -312,9 +324,12 @@ struct ScoreMod {
                     all &= state == BLOCK_ALL;
                 }
             if (!any) return TILE_SKIP;
-            if (!all) kind = TILE_PARTIAL;
+            if (!all) return TILE_PARTIAL;
+            return kind == TILE_PARTIAL ? TILE_BAND : kind;
         }
-        return kind;
+        if constexpr (!Flags::EXTRA) return kind;
+        // no layout: the band and the ends are the only tests where no mask is (a mask always brings a layout)
+        return kind == TILE_PARTIAL && !USER_MASK && !m.mask.ptr ? TILE_BAND : kind;
     }
 
     __device__ __forceinline__ bool tile_is_partial(int row0, int rows, int col0, int cols) const {
@@ -518,10 +533,12 @@ __device__ __forceinline__ bool frag_bit(unsigned long long bits, int n, int i) 
 // unless already x.
 // `unseen`: the caller knows that no element is allowed (classify said TILE_SKIP for these
 // rows, e.g. a layout's off block under a query block that straddles layout rows), which
-// spares the per-element test its layout and mask reads.
+// spares the per-element test its layout and mask reads. `band`: classify said TILE_BAND, and the
+// test is the band's and the ends' alone (allowed_in_band: no layout, mask or mask modification read an
+// element; a document mask's diagonal tiles).
 template <typename Mod, int N, typename Coord>
 __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod& mod, bool partial, Coord coord,
-                                                     bool unseen = false) {
+                                                     bool unseen = false, bool band = false) {
     const bool scaled = mod.has_bias() || mod.scores_stay_raw();
     if (!partial) {
         if (!scaled)
@@ -532,11 +549,20 @@ __device__ __forceinline__ void apply_score_mod_bits(float (&s)[N][4], const Mod
         return;
     }
     unsigned long long allowed = 0;
+    if (band) {
 #pragma unroll 1
-    for (int e = 0; e < (unseen ? 0 : 4 * N); ++e) {
-        int row, col;
-        coord(e / 4, e % 4, row, col);
-        allowed |= (unsigned long long)mod.allowed(row, col) << e;
+        for (int e = 0; e < 4 * N; ++e) {
+            int row, col;
+            coord(e / 4, e % 4, row, col);
+            allowed |= (unsigned long long)mod.allowed_in_band(row, col) << e;
+        }
+    } else {
+#pragma unroll 1
+        for (int e = 0; e < (unseen ? 0 : 4 * N); ++e) {
+            int row, col;
+            coord(e / 4, e % 4, row, col);
+            allowed |= (unsigned long long)mod.allowed(row, col) << e;
+        }
     }
 #pragma unroll
     for (int n = 0; n < N; ++n)
