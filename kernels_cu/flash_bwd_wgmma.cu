@@ -377,13 +377,14 @@ template <typename T, typename Tr, typename Mod>
 __device__ __forceinline__ unsigned score_mod_t(float (&st)[Tr::BM / 8][4], const Mod& mod, unsigned bias_tile,
                                                           int m0, int n0, int key_row, int lane) {
     constexpr int BM = Tr::BM;
-    const bool partial = mod.tile_is_partial(m0, BM, n0 + key_row, 16);
+    const int kind = mod.classify(m0, BM, n0 + key_row, 16);
     if (mod.has_bias()) scale_add_bias_frags_sw_t<T, BM, Tr::BN>(st, bias_tile, key_row, lane, mod.scale_log2);
     auto coord = [=](int n, int i, int& row, int& col) {
         row = m0 + frag_col(lane, n, i);
         col = n0 + key_row + frag_row(lane, i);
     };
-    apply_score_mod_bits(st, mod, partial, coord);   // the per-element tests in a loop: registers
+    // the per-element tests in a loop (registers); the band's alone in a TILE_BAND tile
+    apply_score_mod_bits(st, mod, kind != TILE_FULL, coord, false, kind == TILE_BAND);
     return mod.has_dropout() ? dropout_frag_bits_t<BM / 8>(mod, m0, n0 + key_row, lane) : 0u;
 }
 
