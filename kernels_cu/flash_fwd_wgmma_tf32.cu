@@ -316,8 +316,10 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
             if constexpr (Flags::EXTRA) {
                 // x = s scale + bias log2(e)
                 if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);
-                // the per-element tests in a loop (registers), none where the warp sees nothing
-                apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP, kind == TILE_BAND);
+                // the per-element tests in a loop (registers), none where the warp sees nothing (not the band's
+                // alone in a TILE_BAND tile: that second loop spilled 32 bytes at head dim 32 with the library
+                // modifications)
+                apply_score_mod_bits(s[0], mod, kind != TILE_FULL, coord, kind == TILE_SKIP);
             } else {
                 apply_score_mod(s[0], mod, kind != TILE_FULL, coord);
             }
