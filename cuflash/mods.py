@@ -791,10 +791,10 @@ def document_mask(document_ids) -> MaskMod:
     ``document_ids``: int32 array (B, L) (queries and keys share positions: Lq == Lk == L)."""
     if not _is_array(document_ids) or document_ids.ndim != 2 or np.dtype(document_ids.dtype) != np.int32:
         raise TypeError("document_mask: document_ids must be an int32 array (B, L)")
-    length = document_ids.shape[1]
-    return MaskMod(f"doc[(long long)b * {length} + q_idx] == doc[(long long)b * {length} + kv_idx]",
-                   params={"doc": document_ids}, name="document_mask",
-                   python=lambda b, h, q, kv, doc: _doc_twin(b, q, kv, doc))
+    # the length a parameter, not a literal: one build for every sequence length
+    return MaskMod("doc[(long long)b * length + q_idx] == doc[(long long)b * length + kv_idx]",
+                   params={"doc": document_ids, "length": int(document_ids.shape[1])}, name="document_mask",
+                   python=lambda b, h, q, kv, doc, length: _doc_twin(b, q, kv, doc))
 
 
 def _doc_twin(b, q, kv, doc):

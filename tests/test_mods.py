@@ -110,12 +110,12 @@ def test_prelude_switches_and_slots():
     for switch in ("CUF_USER_SCORE 1", "CUF_USER_MASK 1", "CUF_USER_PARAM_GRADS 1", "CUF_FAST_SPECIAL 1"):
         assert f"#define {switch}" in text
     assert "#define CUF_FAST_SPECIAL 0" in mods.prelude(False)
-    # alibi (slopes), t5 (table + its gradient, bucket_of), document (doc), prefix (prefix); softcap's cap is
-    # compiled in
-    assert mods.slots == 6
+    # alibi (slopes), t5 (table + its gradient, bucket_of), document (doc, length), prefix (prefix); softcap's
+    # cap is compiled in
+    assert mods.slots == 7
     slots = [int(re.search(r"cuf_args\[(\d+)\]", line).group(1)) for line in text.splitlines()
              if "cuf_args[" in line and "=" in line]
-    assert list(dict.fromkeys(slots)) == list(range(6))   # each function of a modification reads its own
+    assert list(dict.fromkeys(slots)) == list(range(7))   # each function of a modification reads its own
     cap = 2.0 * M._LOG2E   # softcap(2.0) in log2 units: its scales (1 / c, c), literals in the chain
     assert f"A({cap!r}) * cuf_score_1<A>(A({1 / cap!r}) * " in text
     assert mods.key() == M.resolve(*_as_pair(mods)).key()   # the same modifications, the same builds
@@ -228,6 +228,12 @@ def test_a_log2_unit_modification_equals_its_natural_twin():
             np.testing.assert_allclose(g["w"], w_["w"], rtol=1e-10, atol=1e-12)
         else:
             np.testing.assert_allclose(g, w_, rtol=1e-10, atol=1e-12)
+
+
+def test_a_new_length_builds_nothing_new():
+    """The document mask's length is a parameter: one prelude (one build) for every sequence length."""
+    preludes = {M.resolve(None, cuflash.document_mask(np.zeros((2, n), np.int32))).prelude(False) for n in (64, 4095)}
+    assert len(preludes) == 1
 
 
 def test_light_modifications():
