@@ -500,6 +500,8 @@ class Mods:
                 lines.append("#define CUF_USER_SCORE_EVERYWHERE 1")
             if len(self.score) == 1 and self.score[0].light and not self.mask:
                 lines.append("#define CUF_USER_SCORE_LIGHT 1")
+            if any(re.search(r"\brel_pos\b", m.source + (m.grad or "")) for m in self.score):
+                lines.append("#define CUF_USER_REL_POS 1")
         if self.mask:
             lines.append("#define CUF_USER_MASK 1")
         if self.trainable:
