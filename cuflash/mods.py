@@ -241,8 +241,8 @@ class ScoreMod(_Mod):
     source : str
         An expression (or a body with ``return``) of type ``acc_t`` over ``score`` (natural units, or log2
         units with ``log2_units``),
-        ``b``, ``h``, ``q_idx``, ``kv_idx``, ``rel_pos`` (``kv_idx - q_idx`` as ``acc_t``, taken before the
-        clamp below) and the parameters. ``-inf`` masks the element.
+        ``b``, ``h``, ``q_idx``, ``kv_idx``, ``rel_pos`` (``kv_idx - q_idx`` as ``acc_t``) and the parameters.
+        ``-inf`` masks the element.
     grad : str, optional
         Its derivative with respect to ``score``, same variables; needed by the backward.
     params : dict, optional

@@ -154,18 +154,17 @@ struct ScoreMod {
     // last one's output factor is left to the softmax's exponential.
     template <bool FOLDED = false>
     __device__ __forceinline__ A user_score(A s, int row, int col, A x_per_s) const {
-        const A rel = A(col - row);
-        clamp_for_user<SELECT_USER>(row, col);
+        clamp_for_user<SELECT_USER>(row, col);   // (rel_pos of the clamped indices: they differ where dropped)
         return user_modified_score<SELECT_USER ? USER_SELECT : USER_BRANCH, FOLDED>(
-            s * (FOLDED ? x_per_s * A(CUF_USER_IN_SCALE) : x_per_s), batch, head, row, col, rel, m.mod_args);
+            s * (FOLDED ? x_per_s * A(CUF_USER_IN_SCALE) : x_per_s), batch, head, row, col, A(0), m.mod_args);
     }
     // The folded form of a raw score before the mask (SELECT_USER kernels: mask_and_modify): no test of x.
     // rel: col - row, as mask_and_modify forms it.
     __device__ __forceinline__ A user_score_before_mask(A s, int row, int col, A rel, A x_per_s) const {
         static_assert(SELECT_USER, "before the mask: modifications evaluated everywhere, in the plain kernels");
         clamp_for_user<true>(row, col);
-        return user_modified_score<USER_BEFORE_MASK, true>(s * (x_per_s * A(CUF_USER_IN_SCALE)), batch, head, row,
-                                                           col, rel, m.mod_args);
+        return user_modified_score<USER_BEFORE_MASK, true, true>(s * (x_per_s * A(CUF_USER_IN_SCALE)), batch, head,
+                                                                 row, col, rel, m.mod_args);
     }
 
     // A tile's rows and keys past the sequences' ends as the last ones, where the user modifications would
@@ -192,18 +191,20 @@ struct ScoreMod {
             prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, x_per_s);
         } else {
             const A x = s_to_p * x_per_s;
-            const A rel = A(col - row);
             A grad;
-            clamp_for_user<FOLDED && SELECT_USER>(row, col);
             if constexpr (FOLDED) {
-                s_to_p = user_modified_score_grad<true, SELECT_USER>(s_to_p * (x_per_s * A(CUF_USER_IN_SCALE)), batch,
-                                                                     head, row, col, rel, m.mod_args, grad);
+                const A rel = A(col - row);   // before the clamp (the portable kernels form it behind the branch)
+                clamp_for_user<SELECT_USER>(row, col);
+                s_to_p = user_modified_score_grad<true, SELECT_USER, true>(s_to_p * (x_per_s * A(CUF_USER_IN_SCALE)),
+                                                                           batch, head, row, col, rel, m.mod_args,
+                                                                           grad);
                 prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep, A(CUF_USER_OUT_SCALE));
             } else {
-                s_to_p = user_modified_score_grad(x, batch, head, row, col, rel, m.mod_args, grad);
+                clamp_for_user<false>(row, col);
+                s_to_p = user_modified_score_grad(x, batch, head, row, col, A(0), m.mod_args, grad);
                 prob_and_dscore(s_to_p, dp_to_ds, lse_log2, dsum, keep);
             }
-            if constexpr (PARAM_GRADS) user_param_grads<A>(x, batch, head, row, col, rel, m.mod_args, dp_to_ds);
+            if constexpr (PARAM_GRADS) user_param_grads<A>(x, batch, head, row, col, m.mod_args, dp_to_ds);
             dp_to_ds = dp_to_ds == A(0) ? A(0) : dp_to_ds * grad;   // P = 0 (masked): 0, whatever grad is there
         }
     }

@@ -3,8 +3,8 @@
 // The host compiles a call's modifications by placing their generated source before a kernel's
 // (cuflash/mods.py, Mods.prelude). That source defines the switches below and the functions they
 // guard, each over one element (a score in log2 units as the kernels hold it, x = s log2 e; b, h, q_idx,
-// kv_idx; rel = kv_idx - q_idx as A, before the kernels clamp the indices; the parameter words; the
-// generated chain converts to each modification's own units):
+// kv_idx; rel = kv_idx - q_idx as A; the parameter words; the generated chain converts to each
+// modification's own units):
 //     cuf_user_score(s, ...)              the score modifications in order
 //     cuf_user_score_grad(s, ..., g)      the same, and g = d modified / d s (chain rule)
 //     cuf_user_param_grads(s, ..., ds')   the trainable parameters' gradients from ds' = dL / d modified
@@ -53,11 +53,13 @@ enum UserScoreForm { USER_BRANCH, USER_SELECT, USER_BEFORE_MASK };
 
 // The score modifications of x, a score in log2 units as the kernels hold it (x = s log2 e), in log2 units.
 // FOLDED: x is CUF_USER_IN_SCALE times that, and the result is the modified score over CUF_USER_OUT_SCALE.
-template <UserScoreForm FORM, bool FOLDED = false, typename A>
-__device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, A rel,
+// REL: rel (kv_idx - q_idx as A) is the caller's (mask_and_modify's, formed once a tile), else formed here.
+template <UserScoreForm FORM, bool FOLDED = false, bool REL = false, typename A>
+__device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int col, A rel_given,
                                                 const unsigned long long* args) {
 #if CUF_USER_SCORE
     auto chain = [&]() {
+        const A rel = REL ? rel_given : A(col - row);
         if constexpr (FOLDED) return cuf_user_score_folded<A>(x, b, h, row, col, rel, args);
         else return cuf_user_score<A>(x, b, h, row, col, rel, args);
     };
@@ -71,7 +73,7 @@ __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int
         return chain();
     }
 #else
-    (void)b, (void)h, (void)row, (void)col, (void)rel, (void)args;
+    (void)b, (void)h, (void)row, (void)col, (void)rel_given, (void)args;
     return x;
 #endif
 }
@@ -81,11 +83,15 @@ __device__ __forceinline__ A user_modified_score(A x, int b, int h, int row, int
 // CUF_USER_IN_SCALE times that, and the value the modified score over CUF_USER_OUT_SCALE (the derivative the
 // same). SELECT: evaluated at every element, masked ones (-inf) selected after (USER_SELECT's form), else
 // behind a branch.
-template <bool FOLDED = false, bool SELECT = false, typename A>
-__device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row, int col, A rel,
+// REL: rel (kv_idx - q_idx as A) is the caller's, else formed here (behind the branch: formed before it, the
+// portable dK/dV kernel at head dim 64 spilled 4-16 bytes, NVRTC 12.9; the Hopper one forms it before its
+// clamp, and spilled 8 bytes at head dim 64 with it formed here).
+template <bool FOLDED = false, bool SELECT = false, bool REL = false, typename A>
+__device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row, int col, A rel_given,
                                                       const unsigned long long* args, A& grad) {
 #if CUF_USER_SCORE
     auto chain = [&](A& g) {
+        const A rel = REL ? rel_given : A(col - row);
         if constexpr (FOLDED) return cuf_user_score_grad_folded<A>(x, b, h, row, col, rel, args, g);
         else return cuf_user_score_grad<A>(x, b, h, row, col, rel, args, g);
     };
@@ -103,19 +109,19 @@ __device__ __forceinline__ A user_modified_score_grad(A x, int b, int h, int row
         return chain(grad);
     }
 #else
-    (void)b, (void)h, (void)row, (void)col, (void)rel, (void)args;
+    (void)b, (void)h, (void)row, (void)col, (void)rel_given, (void)args;
     grad = A(1);
     return x;
 #endif
 }
 
 template <typename A>
-__device__ __forceinline__ void user_param_grads(A x, int b, int h, int row, int col, A rel,
-                                                 const unsigned long long* args, A ds_mod) {
+__device__ __forceinline__ void user_param_grads(A x, int b, int h, int row, int col, const unsigned long long* args,
+                                                 A ds_mod) {
 #if CUF_USER_PARAM_GRADS
-    if (ds_mod != A(0)) cuf_user_param_grads<A>(x, b, h, row, col, rel, args, ds_mod);
+    if (ds_mod != A(0)) cuf_user_param_grads<A>(x, b, h, row, col, A(col - row), args, ds_mod);
 #else
-    (void)x, (void)b, (void)h, (void)row, (void)col, (void)rel, (void)args, (void)ds_mod;
+    (void)x, (void)b, (void)h, (void)row, (void)col, (void)args, (void)ds_mod;
 #endif
 }
 
