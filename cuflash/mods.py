@@ -15,8 +15,9 @@ exponentiates).
 The source sees ``score`` (type ``acc_t``: float, double for float64 inputs), the element's batch
 entry ``b``, query head ``h``, query row ``q_idx`` and key ``kv_idx`` (int), a score modification also
 ``rel_pos`` (``kv_idx - q_idx`` as ``acc_t``, exact below 2^24; the forwards form it with one add an element
-where ``acc_t(kv_idx - q_idx)`` would convert an integer), and each parameter by its name. It is an expression, or a body with ``return``. Parameters are Python numbers (floats
-arrive as ``acc_t``, ints as ``int``) or C-contiguous arrays on the inputs' device, indexed flat
+where ``acc_t(kv_idx - q_idx)`` would convert an integer), and each parameter by its name. It is an
+expression, or a body with ``return``. Parameters are Python numbers (floats arrive as ``acc_t``, ints as
+``int``) or C-contiguous arrays on the inputs' device, indexed flat
 (``const float* slopes``: ``slopes[h]``); ``consts`` are numbers compiled into the source (one build a
 value, nothing read in the kernel's loop). ``log2_units=True`` gives a score modification scores in log2
 units (``score * log2(e)``, the kernels' own) and saves two multiplies an element. ``everywhere=True`` says
@@ -500,8 +501,6 @@ class Mods:
                 lines.append("#define CUF_USER_SCORE_EVERYWHERE 1")
             if len(self.score) == 1 and self.score[0].light and not self.mask:
                 lines.append("#define CUF_USER_SCORE_LIGHT 1")
-            if any(re.search(r"\brel_pos\b", m.source + (m.grad or "")) for m in self.score):
-                lines.append("#define CUF_USER_REL_POS 1")
         if self.mask:
             lines.append("#define CUF_USER_MASK 1")
         if self.trainable:

@@ -278,10 +278,8 @@ def test_modifications_go_on_the_scoring_variants_only(form):
             assert w.tile == MODS_FWD_WGMMA_TILE
         if v.family == "fwd_wgmma" and v.band and not everywhere:
             assert w.schedule == "block"
-        if v.family == "fwd_wgmma" and everywhere and not (form == "everywhere" and v.head == 128 and v.band):
+        if v.family == "fwd_wgmma" and everywhere:
             assert w.schedule == schedule_for(w) and (w.tile == v.tile or w.tile == MODS_FWD_WGMMA_TILE)
-        if v.family == "fwd_wgmma" and form == "everywhere" and v.head == 128 and v.band:
-            assert w.schedule == "block"   # ALiBi's rel_pos (select.with_mods)
     for family in ("fwd_decode", "bwd_dsum"):
         with pytest.raises(ValueError, match="scoring kernels"):
             replace(next(v for v in all_variants() if v.family == family), prelude=prelude)

@@ -1217,9 +1217,10 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     assert spans.name == "layout_spans" and spans_grid == 1   # a thread a line: 2 x 1 x (18 + 18) lines
     assert fwd.extra and fwd.prelude == cuflash.mods.resolve(*[mods["score_mod"]], mods["mask_mod"]).prelude(True)
     assert fwd.family == "fwd_wgmma" and (fwd.tile.warps == 12 if d == 64 else True)
-    # softcap's cap is compiled in (no word); k's bits, the table, its gradient (none in a forward), the ids
+    # softcap's cap is compiled in (no word); k's bits, the table, its gradient (none in a forward), the ids,
+    # their length
     k_bits = struct.unpack("<I", struct.pack("<f", 0.5))[0]
-    assert _words(fwd_params)[:5] == [k_bits, weights.data.ptr, 0, doc.data.ptr, 0]
+    assert _words(fwd_params)[:6] == [k_bits, weights.data.ptr, 0, doc.data.ptr, 1100, 0]
     launches.clear()
     dout = dev.empty(out.shape, out.dtype)
     dq, dk, dv, grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **mods)
@@ -1229,7 +1230,7 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     assert not any(var.name in ("mask_mod_states", "layout_spans") for var, *_ in launches)   # cached by the forward
     assert all(not var.prelude for var, *_ in launches if not var.extra)   # dsum, convert: as they are
     for _, params in scoring:
-        assert _words(params, "BwdParams")[:5] == [k_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr, 0]
+        assert _words(params, "BwdParams")[:6] == [k_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr, 1100, 0]
 
 
 def test_score_modifications_alone_run_on_the_plain_kernels(fake):

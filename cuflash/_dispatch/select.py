@@ -405,7 +405,7 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     :data:`MODS_FWD_WGMMA_TILE` where the Hopper forward's tile has three consumer warpgroups or two CTAs an
     SM (walking where the modifications all run everywhere, ``ScoreMod(everywhere=True)``), except a plain
     variant with one light score modification (``ScoreMod.light``: softcap, ALiBi), which keeps its tile and
-    schedule, and a CTA a block for a band at head dim 128 with ``rel_pos``; where they do not run everywhere,
+    schedule; where they do not run everywhere,
     a CTA a block for its band and :data:`MODS_FWD_WGMMA_TILE_128` at head dim 128 where its CTAs walk or
     have a band; on :data:`MODS_FWD_TF32_TILE` where the TF32 forward's would spill; the others (dsum,
     convert, combine) as they are."""
@@ -424,11 +424,6 @@ def with_mods(v: Variant, prelude: str) -> Variant:
         v = replace(v, tile=MODS_FWD_WGMMA_TILE, short=False)
         if everywhere:
             v = replace(v, schedule=schedule_for(v))   # one CTA an SM: it can walk
-    if v.family == "fwd_wgmma" and everywhere and v.head == 128 and v.band and v.schedule != "block" \
-            and "#define CUF_USER_REL_POS 1" in prelude:
-        # ALiBi's rel_pos in the walking band forward at head dim 128 spilled 8 bytes (NVRTC 12.9); a CTA a
-        # block none
-        v = replace(v, schedule="block")
     if v.family == "fwd_wgmma" and not everywhere:
         if v.band and v.schedule != "block":
             # a walking CTA's band forward holds 224-232 registers a consumer thread: 228 bytes spill with
