@@ -69,6 +69,7 @@ def _library(h=H, b=B, length=L):
     (lambda: cuflash.ScoreMod("score", consts={"c": 1.0}, params={"c": 2.0}), ValueError, "both"),
     (lambda: cuflash.ScoreMod("score", consts=[1.0]), TypeError, "dict"),
     (lambda: cuflash.MaskMod("true", consts={"q_idx": 1}), ValueError, "not usable"),
+    (lambda: cuflash.ScoreMod("score", params={"rel_pos": 1.0}), ValueError, "not usable"),
     (lambda: cuflash.ScoreMod("score", log2_units=1), TypeError, "bool"),
     (lambda: cuflash.ScoreMod("score", everywhere="yes"), TypeError, "everywhere must be a bool"),
     (lambda: cuflash.ScoreMod("score", consts={"c": 1e39}), ValueError, "does not fit a float"),
