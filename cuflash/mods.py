@@ -265,10 +265,10 @@ class ScoreMod(_Mod):
         element, so that a value that depends on ``b`` and ``h`` only (``slopes[h]``) is read once a tile, not
         once an element. Give it to a source that reads nothing out of bounds for any (q_idx, kv_idx) pair in
         the sequences. It takes effect where every score modification of a call has it, in the forwards without
-        per-element mask tests (score modifications alone; the backwards keep a branch an element, where the
-        unconditional derivative chain spilled registers). A source whose loads depend on the position
-        (a table looked up by distance) gains nothing from it: its loads stay one an element, and
-        unconditional ones hold more registers.
+        per-element mask tests and the Hopper dK/dV kernel (score modifications alone; the portable backwards
+        keep a branch an element, where the unconditional derivative chain spilled registers). A source whose
+        loads depend on the position (a table looked up by distance) gains nothing from it: its loads stay one
+        an element, and unconditional ones hold more registers.
     scales : (float, float), optional
         ``(a, c)``, both finite and > 0: the modification is ``c * f(a * score)`` where ``source`` is ``f``
         (and ``grad`` its derivative ``f'``, the twins ``f`` and ``f'``, at f's own input ``a * score``).

@@ -145,8 +145,9 @@ struct ScoreMod {
     // SELECT_USER: the user modifications are evaluated everywhere (ScoreMod everywhere=True) in the plain
     // kernels (score modifications alone, the fast path): -inf selected after them, or (mask_and_modify
     // MODS_FIRST) the kernel's mask applied after them. The EXTRA kernels' registers hold their
-    // per-element tests, and the unconditional chain spilled there: a branch. (The backwards keep the branch:
-    // their unconditional derivative chain spilled 20-120 bytes.)
+    // per-element tests, and the unconditional chain spilled there: a branch. (Of the backwards, the Hopper
+    // dK/dV kernel takes the select too, prob_and_dscore_at FOLDED; the portable ones keep the branch: their
+    // unconditional derivative chain spilled 20-120 bytes.)
     static constexpr bool SELECT_USER = USER_SCORE_EVERYWHERE && !Flags::EXTRA;
 
     // FOLDED: the plain forwards' form (mask_and_modify), whose softmax takes CUF_USER_OUT_SCALE as its x_per_s
