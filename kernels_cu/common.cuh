@@ -159,4 +159,9 @@ __device__ __forceinline__ FloatPair load_pair(const float* p) { return *reinter
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+// x / d for 0 <= x < 2^31 and d >= 2, by the host's (mul, shift) of d (cuflash/_runtime/params.py,
+// fast_divisor: mul = ceil(2^(31 + l) / d), shift = l - 1, l = ceil(log2 d); Granlund and Montgomery).
+__device__ __forceinline__ int fast_div(int x, unsigned mul, int shift) {
+    return int(__umulhi(unsigned(x), mul) >> shift);
+}
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }

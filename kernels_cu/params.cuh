@@ -50,6 +50,10 @@ enum BlockState { BLOCK_OFF = 0, BLOCK_SOME = 1, BLOCK_ALL = 2 };
 struct MaskParams {
     int band_lo, band_hi;      // BAND: key j is visible to query i iff i + band_lo <= j <= i + band_hi
     int block_q, block_k;      // the layout's block size (query rows x keys)
+    // block_q and block_k as a multiply and a shift (fast_div, common.cuh): the per-element layout lookup
+    // divides without an integer division's ~25 instructions
+    unsigned block_q_mul, block_k_mul;
+    int block_q_shift, block_k_shift;
     ScoreTensor bias;          // EXTRA: input dtype, added to the scaled scores (natural-log units)
     ScoreTensor mask;          // EXTRA: bool (one byte), false = does not attend
     ScoreTensor layout;        // EXTRA: int8 BlockState per (query block, key block); null = all BLOCK_ALL

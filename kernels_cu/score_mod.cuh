@@ -129,7 +129,8 @@ struct ScoreMod {
         if (!Flags::EXTRA) return true;
         if (row >= lq) return false;   // rows past the end: nothing to read there
         if (m.layout.ptr) {
-            const int state = *m.layout.at<signed char>(batch, head, row / m.block_q, col / m.block_k);
+            const int state = *m.layout.at<signed char>(batch, head, fast_div(row, m.block_q_mul, m.block_q_shift),
+                                                         fast_div(col, m.block_k_mul, m.block_k_shift));
             if (state == BLOCK_OFF) return false;
             // every source of the layout (block layout, mask, mask modifications) allows the whole block: the
             // element needs none of their per-element tests

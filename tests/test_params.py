@@ -206,3 +206,25 @@ def test_scale_folds(scale, folds):
 
     assert scale_folds(scale) == folds
     assert _params.as_float32(1e300) == np.inf   # out of float32's range: inf, as the kernel's own conversion gave
+
+
+@pytest.mark.parametrize("d", [2, 3, 7, 16, 48, 64, 80, 128, 192, 1008, 4096, 65520, 2**20 + 16, 2**30 + 1, 2**31 - 1])
+def test_fast_divisor_divides_every_31_bit_numerator(d):
+    """fast_div's multiply and shift equal integer division: at every multiple of d and its neighbours near 0,
+    near 2**31 and at random numerators."""
+    mul, shift = _params.fast_divisor(d)
+    assert 0 < mul < 2**32 and shift >= 0
+    top = (2**31 - 1) // d
+    ks = np.unique(np.concatenate([np.arange(0, 2000), np.arange(max(top - 2000, 0), top + 1)])).astype(np.uint64)
+    rng = np.random.default_rng(d)
+    x = np.concatenate([ks * d, ks * d + d - 1, (ks * d - 1)[ks > 0], rng.integers(0, 2**31, 20000, dtype=np.uint64),
+                        np.array([2**31 - 1], np.uint64)])
+    x = x[x < 2**31]
+    assert (((x * np.uint64(mul)) >> np.uint64(32)) >> np.uint64(shift) == x // np.uint64(d)).all()
+
+
+def test_fast_divisor_of_one_and_bad_divisors():
+    assert _params.fast_divisor(1) == (0, 0)
+    for bad in (0, -16, 2**31, 1.5):
+        with pytest.raises(ValueError):
+            _params.fast_divisor(bad)

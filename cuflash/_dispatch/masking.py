@@ -25,7 +25,7 @@ import numpy as np
 
 from ..mods import MAX_PARAM_SLOTS, Mods
 from ..options import Options, Problem, own_4d
-from .._runtime.params import DBIAS_OFF, NO_SCORE, PACKERS
+from .._runtime.params import DBIAS_OFF, NO_SCORE, PACKERS, block_divisors
 from ..semantics import acc_dtype, band_limits, dropout_key, dropout_threshold
 
 MASK_SUMMARY_BLOCK = (64, 64)
@@ -241,8 +241,9 @@ def kernel_masking(p: Problem, opts: Options, param_grads: bool = False) -> Kern
         keep += list(grads)
     seed_lo, seed_hi = dropout_key(opts.seed or 0)
     lo, hi = band if band is not None else (0, 0)
-    values = {"band_lo": lo, "band_hi": hi, "block_q": block[0], "block_k": block[1], "bias": bias_view,
-              "mask": mask_view, "layout": lay_view, "layout_rows": rows_view, "layout_cols": cols_view,
+    values = {"band_lo": lo, "band_hi": hi, "block_q": block[0], "block_k": block[1], **block_divisors(block),
+              "bias": bias_view, "mask": mask_view, "layout": lay_view, "layout_rows": rows_view,
+              "layout_cols": cols_view,
               "drop_threshold": dropout_threshold(opts.dropout_p) if opts.dropout else 0,
               "seed_lo": seed_lo, "seed_hi": seed_hi, "drop_row0": opts.dropout_origin[0],
               "drop_col0": opts.dropout_origin[1],

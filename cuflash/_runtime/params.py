@@ -10,7 +10,7 @@ from __future__ import annotations
 import array
 import math
 import struct
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
@@ -22,6 +22,8 @@ _DIMS = np.dtype([(name, np.int32) for name in ("batch", "heads_q", "group", "lq
 _SCORE = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride", np.int64),
                    ("row_stride", np.int64), ("col_stride", np.int64)], align=True)
 _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.int32), ("block_k", np.int32),
+                  ("block_q_mul", np.uint32), ("block_k_mul", np.uint32), ("block_q_shift", np.int32),
+                  ("block_k_shift", np.int32),
                   ("bias", _SCORE), ("mask", _SCORE), ("layout", _SCORE), ("layout_rows", _SCORE),
                   ("layout_cols", _SCORE), ("drop_threshold", np.uint32),
                   ("seed_lo", np.uint32), ("seed_hi", np.uint32), ("drop_row0", np.int32), ("drop_col0", np.int32),
@@ -190,7 +192,26 @@ def view(x: Any) -> dict:
             "row_stride": strides[2] // size}
 
 
-MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, "bias": NO_SCORE, "mask": NO_SCORE,
+def fast_divisor(d: int) -> Tuple[int, int]:
+    """(mul, shift) with ``x // d == (x * mul >> 32) >> shift`` for every 0 <= x < 2**31 (the kernels'
+    ``fast_div``): mul = ceil(2**(31 + l) / d) < 2**32 and shift = l - 1 for l = ceil(log2 d) (Granlund and
+    Montgomery's round-up multiplier for 31-bit numerators). d >= 2; (0, 0) for d = 1, which no layout has."""
+    if not isinstance(d, (int, np.integer)) or d < 1 or d >= 2**31:
+        raise ValueError(f"fast_divisor: a divisor in [1, 2**31), got {d!r}")
+    if d == 1:
+        return 0, 0
+    l = (int(d) - 1).bit_length()
+    return -(-(1 << (31 + l)) // int(d)), l - 1
+
+
+def block_divisors(block: Tuple[int, int]) -> dict:
+    """MaskParams' fast_div fields of a layout's block size (block_q, block_k)."""
+    (qm, qs), (km, ks) = fast_divisor(block[0]), fast_divisor(block[1])
+    return {"block_q_mul": qm, "block_q_shift": qs, "block_k_mul": km, "block_k_shift": ks}
+
+
+MASK_OFF = {"band_lo": 0, "band_hi": 0, "block_q": 1, "block_k": 1, **block_divisors((1, 1)), "bias": NO_SCORE,
+            "mask": NO_SCORE,
             "layout": NO_SCORE, "layout_rows": NO_SCORE, "layout_cols": NO_SCORE, "drop_threshold": 0, "seed_lo": 0,
             "seed_hi": 0, "drop_row0": 0, "drop_col0": 0,
             "keep_scale": 1.0, "key_lengths": 0,
