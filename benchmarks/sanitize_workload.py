@@ -27,6 +27,8 @@ rows at head dims 40-256) for every causal mode and a window, and a backward. ``
 mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, a modification
 evaluated everywhere that reads arrays by position, document and
 prefix-LM masks, composed with a bias, a window and dropout), forward and backward, Hopper and portable.
+``--documents``: document masks of runs (documents back to back, one of a single position) on the packed
+kernels, (B, H, L, D) and (B, L, H, D) memory, causal, none and a window, both dQ strategies.
 ``--partials``: the forward in float32 (cuflash.api.forward_in_accumulator: the 16-bit Hopper forward's
 float32-output twin at head dims 64, 128 and 256) and a two-rank ring over threads on one GPU
 (cuflash.distributed.ThreadRing: causal zigzag, a window), forward and backward.
@@ -61,6 +63,8 @@ def main(argv=None) -> None:
                         help="only the KV cache part of --split (ragged lengths, contiguous and paged)")
     parser.add_argument("--varlen", action="store_true", help="packed sequences (cuflash.varlen)")
     parser.add_argument("--mods", action="store_true", help="user score and mask modifications (cuflash.mods)")
+    parser.add_argument("--documents", action="store_true",
+                        help="document masks of runs (cuflash.document_mask) on the packed kernels")
     parser.add_argument("--partials", action="store_true",
                         help="forwards in float32 (the ring's partial results) and a ring of two threads")
     parser.add_argument("--portable", action="store_true",
@@ -87,6 +91,10 @@ def main(argv=None) -> None:
     if args.mods:
         modifications(args.dtypes.split(",") if args.dtypes else list(DTYPES),
                       tuple(int(d) for d in args.dims.split(",")) if args.dims else (64, 128))
+        return
+    if args.documents:
+        documents(args.dtypes.split(",") if args.dtypes else list(DTYPES),
+                  tuple(int(d) for d in args.dims.split(",")) if args.dims else (64, 128))
         return
     if args.split or args.kvcache:
         dtypes = args.dtypes.split(",") if args.dtypes else list(DTYPES)
@@ -311,6 +319,36 @@ def modifications(dtypes, dims) -> None:
             x for g in grads if isinstance(g, dict) for x in g.values())
         print(f"{dtype:8} d={d:3} deterministic={det!s:5} {kind:9} {','.join(dict.fromkeys(launched))} "
               f"finite={_all_finite(arrays)}", flush=True)
+
+
+def documents(dtypes, dims) -> None:
+    """Document masks of runs on the packed kernels, forward and backward (both dQ strategies), the arrays
+    in (B, H, L, D) and in (B, L, H, D) memory."""
+    launched = []
+    _record(lambda variant, grid: launched.append(variant.family + ("/packed" if variant.packed else "")))
+    rng = np.random.default_rng(4)
+    b, hq, hk, n = 2, 4, 2, 203
+    ids = np.zeros((b, n), np.int32)
+    ids[0, 70:], ids[0, 190:], ids[0, 202:], ids[1, 129:] = 1, 2, 3, 1
+    mask = cuflash.document_mask(cp.asarray(ids))
+
+    def array(shape, dtype, token_major):
+        x = rng.standard_normal((shape[0], shape[2], shape[1], shape[3]) if token_major else shape)
+        x = cp.asarray(x.astype(DTYPES[dtype]))
+        return x.transpose(0, 2, 1, 3) if token_major else x
+
+    for dtype, d, tm, det, (causal, window) in itertools.product(
+            dtypes, dims, (False, True), (False, True), ((True, None), (False, None), (False, (30, 4)))):
+        q, do = (array((b, hq, n, d), dtype, tm) for _ in range(2))
+        k, v = (array((b, hk, n, d), dtype, tm) for _ in range(2))
+        launched.clear()
+        out, lse = cuflash.attention_forward(q, k, v, causal=causal, window=window, mask_mod=mask)
+        grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=causal, window=window, mask_mod=mask,
+                                           deterministic=det)
+        cp.cuda.Device().synchronize()
+        print(f"{dtype:8} d={d:3} token_major={tm!s:5} deterministic={det!s:5} causal={causal!s:5} "
+              f"window={window!s:7} {','.join(dict.fromkeys(launched))} finite={_all_finite((out,) + grads)}",
+              flush=True)
 
 
 def hopper_persistent(dtypes) -> None:

@@ -6,6 +6,7 @@ from typing import Any, Literal, Optional, Tuple, Union
 import numpy as np
 
 from . import options, reference
+from ._dispatch import documents as _documents
 from ._dispatch import masking as _masking
 from ._dispatch import plan as _plan
 from ._runtime.device import on_device
@@ -152,7 +153,8 @@ def attention_forward(q, k, v, *, causal: Causal = False, scale: Optional[float]
             out.view(cupy.uint8).fill(0)    # no keys: every row attends to nothing (zero bits are 0.0)
             lse.fill(-np.inf)
     else:
-        out, lse = _plan.forward(call, precision, num_splits)
+        packed = None if call.options.mods is None or num_splits is not None else _documents.forward(call, precision)
+        out, lse = packed if packed is not None else _plan.forward(call, precision, num_splits)
         if call.signature is not None:   # 4-D inputs: out and lse have their shapes already
             return out, lse
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
@@ -320,8 +322,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
             param_grads = {name: cupy.zeros(m.params[name].shape, dtype=m.params[name].dtype)
                            for m, name in trainable}
     else:
-        dq, dk, dv, dbias_plan, param_accs = _plan.backward(call, dout4, out4, lse4, precision, bool(deterministic),
-                                                            bool(bias_grad))
+        packed = None if opts.mods is None else _documents.backward(call, dout4, out4, lse4, precision,
+                                                                    bool(deterministic))
+        if packed is not None:   # a document mask on the packed kernels: no bias, no trainable parameter
+            (dq, dk, dv), dbias_plan, param_accs = packed, None, ()
+        else:
+            dq, dk, dv, dbias_plan, param_accs = _plan.backward(call, dout4, out4, lse4, precision,
+                                                                bool(deterministic), bool(bias_grad))
         if call.signature is not None:   # 4-D inputs, no options: the gradients have their shapes already
             return dq, dk, dv
         grads = (dq, dk, dv)

@@ -388,6 +388,7 @@ class MaskMod(_Mod):
     ``python``: its NumPy twin ``f(b, h, q_idx, kv_idx, **params, **consts)`` over broadcast index arrays."""
 
     kind = "mask_mod"
+    documents: Optional["DocumentRuns"] = None   # document_mask's documents (read by the dispatch)
 
     def __init__(self, source: str, *, params: Optional[dict] = None, python: Optional[Callable] = None,
                  name: Optional[str] = None, consts: Optional[dict] = None):
@@ -789,13 +790,47 @@ def _xp(x):
 
 def document_mask(document_ids) -> MaskMod:
     """Packed documents: query i sees key j only within its own document, ``ids[b, i] == ids[b, j]``.
-    ``document_ids``: int32 array (B, L) (queries and keys share positions: Lq == Lk == L)."""
+    ``document_ids``: int32 array (B, L), L >= max(Lq, Lk) (queries and keys share positions).
+
+    The mask holds its own copy of the ids, read once on the host here. Where each document is one run of
+    positions in every row (documents packed back to back: ids like 0 0 0 1 1 2 ...) and Lq == Lk == L, a
+    call with no other masking than ``causal`` and ``window`` (no bias, mask, dropout, block layout or other
+    modification) runs
+    the packed-sequence kernels of :mod:`cuflash.varlen` over the runs (cuflash/_dispatch/documents.py):
+    every tile lies inside one document, so no element is tested and no tile straddles two."""
     if not _is_array(document_ids) or document_ids.ndim != 2 or np.dtype(document_ids.dtype) != np.int32:
         raise TypeError("document_mask: document_ids must be an int32 array (B, L)")
+    ids = document_ids.copy()
     # the length a parameter, not a literal: one build for every sequence length
-    return MaskMod("doc[(long long)b * length + q_idx] == doc[(long long)b * length + kv_idx]",
-                   params={"doc": document_ids, "length": int(document_ids.shape[1])}, name="document_mask",
-                   python=lambda b, h, q, kv, doc, length: _doc_twin(b, q, kv, doc))
+    mod = MaskMod("doc[(long long)b * length + q_idx] == doc[(long long)b * length + kv_idx]",
+                  params={"doc": ids, "length": int(ids.shape[1])}, name="document_mask",
+                  python=lambda b, h, q, kv, doc, length: _doc_twin(b, q, kv, doc))
+    mod.documents = DocumentRuns(_host(ids))
+    return mod
+
+
+class DocumentRuns:
+    """A document mask's documents: the ids' shape (B, L) and, where each document of a row is one run of
+    positions, ``runs`` = (batch row, first position, length) int64 arrays (B x documents,), else None."""
+
+    def __init__(self, ids: np.ndarray):
+        self.shape = tuple(ids.shape)
+        self.runs = _document_runs(np.asarray(ids))
+
+
+def _document_runs(ids: np.ndarray):
+    b, n = ids.shape
+    if b * n == 0:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(3))
+    first_of_run = np.ones((b, n), dtype=bool)
+    first_of_run[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    row, first = (x.astype(np.int64) for x in np.nonzero(first_of_run))
+    flat = row * n + first
+    length = np.diff(np.append(flat, b * n))   # a row's last run ends where the next row's first starts
+    run_ids = ids[row, first]
+    order = np.lexsort((run_ids, row))
+    repeated = (row[order][1:] == row[order][:-1]) & (run_ids[order][1:] == run_ids[order][:-1])
+    return None if repeated.any() else (row, first, length)
 
 
 def _doc_twin(b, q, kv, doc):

@@ -332,6 +332,10 @@ def check_mods(p: Problem, score_mod=None, mask_mod=None) -> Optional[Mods]:
                 if p.xp is not np and value.device.id != p.q.device.id:
                     raise ValueError(f"{m.name}: parameter {name!r} is on device {value.device.id}, "
                                      f"q on device {p.q.device.id}")
+    for m in mods.mask:
+        if m.documents is not None and (m.documents.shape[0] != p.batch or m.documents.shape[1] < max(p.lq, p.lk)):
+            raise ValueError(f"{m.name}: document ids of shape {m.documents.shape} need B = {p.batch} rows of at "
+                             f"least max(Lq, Lk) = {max(p.lq, p.lk)} positions")
     return mods
 
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from . import api, options, reference
 from ._dispatch import plan as _plan
+from ._dispatch.packed import Spans
 from ._runtime.device import on_device
 from .semantics import acc_dtype
 
@@ -191,7 +192,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
         with _device_of(q):
             plan = _plan.packed_forward(q, k, v, p, call.opts, precision, int(np.diff(call.cu_k).max()))
             if plan is not None:
-                return _plan.execute_packed_forward(plan, q, k, v, call.cu_q, call.cu_k)
+                return _plan.execute_packed_forward(plan, q, k, v, Spans.of_offsets(call.cu_q, call.cu_k))
     with _device_of(q):
         out = xp.zeros((q.shape[0], p.heads_q, p.dv), dtype=q.dtype)
         lse = xp.full((p.heads_q, q.shape[0]), -np.inf, dtype=acc)
@@ -261,7 +262,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             plan = _plan.packed_backward(q, k, v, dout, out, p, call.opts, precision, deterministic)
             if plan is not None:
                 lse_acc = xp.ascontiguousarray(lse.astype(acc_dtype(p.dtype), copy=False))
-                return _plan.execute_packed_backward(plan, dout, q, k, v, out, lse_acc, call.cu_q, call.cu_k)
+                return _plan.execute_packed_backward(plan, dout, q, k, v, out, lse_acc,
+                                                     Spans.of_offsets(call.cu_q, call.cu_k))
     with _device_of(q):
         grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
         for b, rows, keys in call.spans():

@@ -186,13 +186,16 @@ def host_options(options: dict, dtype: str) -> dict:
 
 
 def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, deterministic=False, scale=None,
-                 backward=True):
+                 backward=True, token_major=False):
     """Forward and backward with masking options (bias, mask, window, dropout_p/seed,
     block_layout) against the exact reference under the error rule; dbias too.
-    ``scale`` None: the default 1 / sqrt(d). ``backward`` False: the forward only."""
+    ``scale`` None: the default 1 / sqrt(d). ``backward`` False: the forward only. ``token_major``: the
+    device arrays are (B, H, L, D) views of (B, L, H, D) memory."""
     cp = _cupy()
     rng = np.random.default_rng(seed)
     (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv)
+    if token_major:
+        qd, kd, vd, dod = (_token_major(x) for x in (qd, kd, vd, dod))
     dev, host = device_options(options, dtype), host_options(options, dtype)
     scale = 1 / np.sqrt(d) if scale is None else scale
     out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, scale=scale, **dev)
@@ -233,6 +236,15 @@ TF32_TOL = 5e-3
 """precision="tf32" (operands with 11 significant bits, 2^-11 ~ 5e-4 each): the bound on the forward's
 relative error against the float64 reference on unit-normal inputs, and on lse's error relative to
 1 + |lse|."""
+
+
+def _token_major(x):
+    """A copy of the 4-D array ``x`` (B, H, L, D) in (B, L, H, D) memory, seen as (B, H, L, D)."""
+    cp = _cupy()
+    y = cp.empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), dtype=x.dtype).transpose(0, 2, 1, 3)
+    bits = np.dtype(f"u{x.itemsize}")
+    y.view(bits)[...] = x.view(bits)
+    return y
 
 
 def check_forward_tf32(b, hq, hk, lq, lk, d, dv, causal, seed, options=None):

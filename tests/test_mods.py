@@ -85,6 +85,23 @@ def test_bad_modifications_are_refused(bad, err, match):
         bad()
 
 
+def test_document_runs_are_found_on_the_host_and_the_ids_copied():
+    """document_mask keeps a copy of its ids and their runs (row, first, length) where each document is one
+    run of its row; an id again later in a row (or a shorter row of ids than the call's) leaves none."""
+    ids = np.array([[4, 4, 4, 0, 0, 9], [1, 1, 1, 1, 1, 1], [0, 1, 2, 3, 4, 4]], np.int32)
+    mask = cuflash.document_mask(ids)
+    row, first, length = mask.documents.runs
+    assert row.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2] and first.tolist() == [0, 3, 5, 0, 0, 1, 2, 3, 4]
+    assert length.tolist() == [3, 2, 1, 6, 1, 1, 1, 1, 2] and mask.documents.shape == (3, 6)
+    ids[0, 0] = 7
+    assert mask.params["doc"][0, 0] == 4   # its own copy
+    assert cuflash.document_mask(np.array([[0, 0, 1, 0]], np.int32)).documents.runs is None
+    assert all(x.size == 0 for x in cuflash.document_mask(np.zeros((2, 0), np.int32)).documents.runs)
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="at least max"):
+        cuflash.attention(q, k, v, mask_mod=cuflash.document_mask(np.zeros((B, 3), np.int32)))
+
+
 def test_bad_calls_are_refused_before_anything_runs():
     q, k, v, do = _inputs()
     with pytest.raises(TypeError, match="score_mod must be a cuflash.ScoreMod"):

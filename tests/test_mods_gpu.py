@@ -8,6 +8,7 @@ import pytest
 import cuflash
 from cuflash import mods as M, reference
 from cuflash._dispatch import masking
+from cuflash._dispatch.model import SCORING_FAMILIES
 from cuflash._runtime import build, device
 
 from _gpu_checks import DTYPES, check_masked, device_options, host_options, make_grad_inputs, seed_of
@@ -87,6 +88,53 @@ def test_deterministic_backward_with_modifications(dtype, kind):
     rng = np.random.default_rng(seed)
     _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LQ, LK, 64, 64)
     dev = device_options(_options(kind, seed), dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
+    for a, b in zip(grads, again):
+        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+
+
+def _packed_documents(rng, b: int, n: int) -> np.ndarray:
+    """Ids (b, n) of documents back to back (each a run), one to six a row, the first row's last of length 1."""
+    ids = np.zeros((b, n), np.int32)
+    for row in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, n - 1), size=int(rng.integers(0, 6)), replace=False))
+        ids[row] = np.searchsorted(cuts, np.arange(n), side="right") + 3 * row
+    ids[0, -1] = ids[0, -2] + 1
+    return ids
+
+
+DOCUMENT_CASES = sampled([(dt, c, w, tm) for dt in DTYPES for c, w in ((True, None), (False, None), (False, (40, 7)),
+                                                                       ("bottom_right", (60, None)))
+                          for tm in (False, True)],
+                         [("float16", True, None, True), ("bfloat16", False, (40, 7), False),
+                          ("float32", True, None, False), ("float64", "bottom_right", (60, None), True)], multi=True)
+
+
+@pytest.mark.parametrize("dtype, causal, window, token_major", DOCUMENT_CASES)
+def test_a_document_mask_of_runs_on_the_packed_kernels(launches, dtype, causal, window, token_major):
+    """Documents back to back (Lq == Lk) with causal or a window: the packed kernels, no per-element test,
+    against the reference, grouped-query heads, (B, H, L, D) and (B, L, H, D) memory."""
+    for d in (64, 128):
+        seed = seed_of(dtype, str(causal), window, token_major, d, "documents")
+        options = dict(mask_mod=cuflash.document_mask(_packed_documents(np.random.default_rng(seed), B, LK)))
+        if window is not None:
+            options["window"] = window
+        launches.clear()
+        check_masked(dtype, B, HQ, HK, LK, LK, d, d, causal, seed, options, token_major=token_major)
+        scoring = [v for v in launches if v.family in SCORING_FAMILIES]
+        assert scoring and all(v.packed and not v.extra for v in scoring), [v.name for v in scoring]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_a_document_mask_of_runs_deterministic_backward(launches, dtype):
+    seed = seed_of(dtype, "documents deterministic")
+    options = dict(mask_mod=cuflash.document_mask(_packed_documents(np.random.default_rng(seed), B, LK)))
+    _, grads = check_masked(dtype, B, HQ, HK, LK, LK, 64, 64, True, seed, options, deterministic=True)
+    assert all(v.packed for v in launches if v.family in SCORING_FAMILIES)
+    rng = np.random.default_rng(seed)
+    _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LK, LK, 64, 64)
+    dev = device_options(options, dtype)
     out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
     again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
     for a, b in zip(grads, again):

@@ -1197,6 +1197,14 @@ def _words(params: bytes, struct_name: str = "FwdParams") -> list:
     return [int(w) for w in np.frombuffer(params, dtype=_params.STRUCTS[struct_name])["mask"]["mod_args"][0]]
 
 
+def _document_mask(ids, runs=None):
+    """cuflash.document_mask over the fake device's ``ids`` (the mask copies its ids and reads them on the
+    host: here it is built from zeros and given ``ids``, and ``runs`` as ids on the host)."""
+    mask = cuflash.document_mask(np.zeros(ids.shape, np.int32) if runs is None else runs)
+    mask.params["doc"] = ids
+    return mask
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(fake, d):
     """User modifications (cuflash.mods): the mask modification's block states computed first (once: the
@@ -1209,7 +1217,7 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     doc, weights = dev.empty((2, 1100), np.int32), dev.empty((4,), np.float32)
     scaled = cuflash.ScoreMod("score * k + acc_t(w[h])", grad="k", params={"k": 0.5, "w": weights},
                               param_grads={"w": ("h", "acc_t(1)")})
-    mods = dict(score_mod=(cuflash.softcap(30.0), scaled), mask_mod=cuflash.document_mask(doc))
+    mods = dict(score_mod=(cuflash.softcap(30.0), scaled), mask_mod=_document_mask(doc))
     out, lse = cuflash.attention_forward(q, k, v, causal=True, **mods)
     (states, states_params, _, states_grid), (spans, _, _, spans_grid), (fwd, fwd_params, _, _) = launches
     assert states.name == "mask_mod_states" and "CUF_USER_MASK 1" in states.prelude
@@ -1231,6 +1239,91 @@ def test_a_call_with_modifications_compiles_them_in_and_passes_their_parameters(
     assert all(not var.prelude for var, *_ in launches if not var.extra)   # dsum, convert: as they are
     for _, params in scoring:
         assert _words(params, "BwdParams")[:6] == [k_bits, weights.data.ptr, grads["w"].data.ptr, doc.data.ptr, 1100, 0]
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+def test_a_document_mask_of_runs_runs_the_packed_kernels_over_its_documents(fake, uploads, monkeypatch, token_major):
+    """A document mask of runs with causal: the PACKED forward (not EXTRA, no modification compiled in) over a
+    table of the documents, each a sequence at row b x R + its first position of the dense arrays seen as packed
+    (R = H x L for (B, H, L, D) memory, L for (B, L, H, D)); out and lse in q's axis order, their views sharing
+    q's rows; q's tensor map (D, (B - 1) R + L, H, 1). The backward: dsum and convert over the dense arrays,
+    the PACKED dK/dV kernel over the documents' key-major table, the gradients in the inputs' axis order."""
+    dev, launches = fake
+    monkeypatch.setattr(cp, "ascontiguousarray", lambda x: x)
+    b, h, n, d = 2, 4, 1100, 64
+
+    def array():
+        if token_major:
+            return dev.empty((b, n, h, d), np.float16).transpose(0, 2, 1, 3)
+        return dev.empty((b, h, n, d), np.float16)
+
+    q, k, v = array(), array(), array()
+    ids = np.zeros((b, n), np.int32)
+    ids[0, 300:], ids[0, 1000:], ids[1, 7:] = 1, 2, 5
+    mask = _document_mask(dev.empty((b, n), np.int32), ids)
+    out, lse = cuflash.attention_forward(q, k, v, causal=True, mask_mod=mask)
+    [(fwd, params, maps, _)] = launches
+    assert fwd.family == "fwd_wgmma" and fwd.packed and not fwd.extra and not fwd.prelude
+    rows = n if token_major else h * n
+    starts, lengths = np.array([0, 300, 1000, rows, rows + 7]), np.array([300, 700, 100, 7, 1093])
+    spans = packed_.Spans(starts, lengths, starts, lengths)
+    [(table_ptr, table)] = uploads
+    np.testing.assert_array_equal(table, packed_.span_table(spans, fwd.tile.block_m, "q", True))
+    assert out.shape == q.shape and out.strides == q.strides and lse.shape == (b, h, n)
+    f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
+    assert int(f["mask"]["packed_blocks"]) == table_ptr
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        it = x.itemsize
+        assert int(f[name]["ptr"]) == x.data.ptr, name
+        assert int(f[name]["batch_stride"]) == int(f[name]["row_stride"]) == x.strides[2] // it, name
+        assert int(f[name]["head_stride"]) == x.strides[1] // it, name
+    assert struct.unpack_from("=5Q", maps, 0) == (q.data.ptr, d, (b - 1) * rows + n, h, 1)
+    launches.clear()
+    uploads.clear()
+    dout = array()
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, mask_mod=mask)
+    (dsum, p_sum, _, grid_sum), (dkdv, p_kv, _, _), (convert, p_c, _, grid_c) = launches
+    assert (dsum.family, dkdv.family, convert.family) == ("bwd_dsum", "bwd_dkdv_wgmma", "bwd_convert_dq")
+    assert dkdv.packed and not dkdv.extra and not dkdv.prelude
+    assert grid_sum == dsum.grid(b, h, 1, n, n) and grid_c == convert.grid(b, h, 1, n, n)
+    [(ptr_kv, table_kv)] = uploads
+    np.testing.assert_array_equal(table_kv, packed_.span_table(spans, dkdv.tile.block_n, "k", False))
+    assert all(g.strides == x.strides for g, x in ((dq, q), (dk, k), (dv, v)))
+    dense, kv = (np.frombuffer(x, dtype=_params.STRUCTS["BwdParams"])[0] for x in (p_sum, p_kv))
+    assert int(kv["mask"]["packed_blocks"]) == ptr_kv
+    for name, x in (("out", out), ("dout", dout), ("dq", dq), ("dk", dk)):
+        assert int(dense[name]["ptr"]) == int(kv[name]["ptr"]) == x.data.ptr
+        assert int(dense[name]["batch_stride"]) == x.strides[0] // 2 and int(dense[name]["row_stride"]) == x.strides[2] // 2
+        assert int(kv[name]["batch_stride"]) == int(kv[name]["row_stride"]) == x.strides[2] // 2
+    acc = kv["dq_acc"]
+    assert int(acc["ptr"]) == int(dense["dq_acc"]["ptr"]) != 0 and int(acc["batch_stride"]) == int(acc["row_stride"])
+    assert int(acc["row_stride"]) * rows == int(dense["dq_acc"]["batch_stride"])
+    assert p_c == p_sum
+
+
+def test_a_document_mask_not_of_runs_or_with_more_masking_keeps_the_masking_kernels(fake):
+    """Documents that are not runs (an id again later in a row), other modifications or options, or
+    Lq != Lk: the EXTRA kernels with the per-element test."""
+    dev, launches = fake
+    b, h, n, d = 2, 4, 300, 64
+    q, k, v = _qkv(dev, (b, h, n, d))
+    runs, again = np.zeros((b, n), np.int32), np.zeros((b, n), np.int32)
+    runs[:, 100:] = 1
+    again[:, 100:200] = 1
+    for ids, kwargs in ((again, {}), (runs, dict(score_mod=cuflash.softcap(20.0))), (runs, dict(dropout_p=0.1, seed=1)),
+                        (runs, dict(bias=dev.empty((1, h, n, n), np.float16)))):
+        launches.clear()
+        cuflash.attention_forward(q, k, v, causal=True, mask_mod=_document_mask(dev.empty((b, n), np.int32), ids),
+                                  **kwargs)
+        fwd = [var for var, *_ in launches if getattr(var, "family", "").startswith("fwd")]
+        assert fwd and all(var.extra and not var.packed for var in fwd), kwargs
+    launches.clear()
+    cuflash.attention_forward(q[:, :, :200], k, v, mask_mod=_document_mask(dev.empty((b, n), np.int32), runs))
+    assert all(not getattr(var, "packed", False) for var, *_ in launches)
+    with pytest.raises(ValueError, match="at least max"):
+        cuflash.attention_forward(q, k, v, mask_mod=_document_mask(dev.empty((b, n - 1), np.int32), runs[:, 1:]))
+    with pytest.raises(ValueError, match="B = 2 rows"):
+        cuflash.attention_forward(q, k, v, mask_mod=_document_mask(dev.empty((1, n), np.int32), runs[:1]))
 
 
 def test_score_modifications_alone_run_on_the_plain_kernels(fake):

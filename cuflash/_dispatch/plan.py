@@ -28,7 +28,7 @@ from .._runtime.params import DBIAS_OFF, MASK_OFF, PACKERS, HostArg, as_float32,
 from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
 from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket
-from .packed import device_table
+from .packed import Spans, device_table
 from .select import (CACHES_OF_CHOICES, DECODE_ROWS, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
                      forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS,
                      split_count, split_variants, takes_plain_mods, vec_chunk, with_mods)
@@ -438,17 +438,21 @@ def _packed_layout(rows: int, heads: int, cols: int, itemsize: int, strides=None
     return _Strided((1, heads, rows, cols), (s0, s1, s0, s2), itemsize)
 
 
-def _packed_rows_vector(heads: int, rows: int, dtype) -> "_Strided":
-    """A contiguous (H, total) vector (lse, dsum) as the (1, H, total) view whose batch stride is one row."""
+def _packed_rows_vector(heads: int, rows: int, dtype, strides=None) -> "_Strided":
+    """An (H, total) vector (lse, dsum; byte ``strides`` of heads and rows, default contiguous) as the
+    (1, H, total) view whose batch stride is one row."""
     it = np.dtype(dtype).itemsize
-    return _Strided((1, heads, rows), (it, rows * it, it), it)
+    s_head, s_row = strides if strides is not None else (rows * it, it)
+    return _Strided((1, heads, rows), (s_row, s_head, s_row), it)
 
 
-def _packed_accumulator(heads: int, rows: int, cols: int, dtype) -> "_Strided":
-    """The contiguous (1, H, total, cols) dQ accumulator as the view whose batch stride is one row (the portable
-    dK/dV kernels address a packed block's rows from its sequence's first; the convert kernel reads batch 0)."""
+def _packed_accumulator(heads: int, rows: int, cols: int, dtype, strides=None) -> "_Strided":
+    """The (1, H, total, cols) dQ accumulator (byte ``strides`` of heads and rows, default contiguous) as the
+    view whose batch stride is one row (the portable dK/dV kernels address a packed block's rows from its
+    sequence's first; the convert kernel reads batch 0)."""
     it = np.dtype(dtype).itemsize
-    return _Strided((1, heads, rows, cols), (cols * it, rows * cols * it, cols * it, it), it)
+    s_head, s_row = strides if strides is not None else (rows * cols * it, cols * it)
+    return _Strided((1, heads, rows, cols), (s_row, s_head, s_row, it), it)
 
 
 def _packed_view(x):
@@ -495,8 +499,8 @@ class PackedForwardPlan:
     maps: Optional[_Maps] = None
 
 
-def plan_packed_forward(q, k, v, p, opts, precision: str,
-                        longest_keys: Optional[int] = None) -> Optional[PackedForwardPlan]:
+def plan_packed_forward(q, k, v, p, opts, precision: str, longest_keys: Optional[int] = None,
+                        layouts: Optional[dict] = None) -> Optional[PackedForwardPlan]:
     """The forward plan of packed sequences (cuflash.varlen): ``q (total_q, Hq, D)``, ``k``, ``v``
     (total_k, Hk, D / Dv) CuPy arrays, ``p`` and ``opts`` their validated problem and options (the
     packed arrays seen as one batch entry). None where no packed kernel takes the call (:func:`_packed_mask`;
@@ -505,7 +509,9 @@ def plan_packed_forward(q, k, v, p, opts, precision: str,
     its sequences then run one dense launch each. The Hopper kernel reads its arrays through tensor maps
     where they can describe them, else the portable one runs; its tile is the one the dense forward takes for
     ``longest_keys`` keys (the longest sequence's; default the packed total): the short-rows tile where every
-    sequence's query blocks visit few keys."""
+    sequence's query blocks visit few keys. ``layouts``: the byte strides of the outputs the caller gives
+    :func:`execute_packed_forward`, "out" (rows, heads, columns) and "lse" (heads, rows); default contiguous
+    ones it allocates."""
     mask = _packed_mask(p, opts, q, k, v)
     if mask is None:
         return None
@@ -524,23 +530,26 @@ def plan_packed_forward(q, k, v, p, opts, precision: str,
     if variant is None:
         return None
     acc, tq, tk, hq, hk, it = acc_dtype(p.dtype), q.shape[0], k.shape[0], p.heads_q, k.shape[1], q.itemsize
+    layouts = layouts or {}
     params = fwd_params(_packed_layout(tq, hq, p.d, it, q.strides), _packed_layout(tk, hk, p.d, it, k.strides),
-                        _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it),
-                        _packed_rows_vector(hq, tq, acc), group=p.group, scale=p.scale, mask=mask)
+                        _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it, layouts.get("out")),
+                        _packed_rows_vector(hq, tq, acc, layouts.get("lse")), group=p.group, scale=p.scale, mask=mask)
     return PackedForwardPlan(q.data.device_id, variant, p.causal is not None,
                              _without_addresses(params, _FWD_ADDRESSES + _FWD_PACKED_BLOCKS), (tq, hq, p.dv),
                              (hq, tq), q.dtype, acc, maps)
 
 
-def execute_packed_forward(plan: PackedForwardPlan, q, k, v, cu_q: np.ndarray, cu_k: np.ndarray):
-    """(out (total_q, Hq, Dv), lse (Hq, total_q)) of ``plan`` on packed ``q``, ``k``, ``v`` with the host
-    offsets ``cu_q``, ``cu_k`` (checked). Every query row is written: a sequence without keys gets 0 and
-    -inf from its blocks, whose key range is empty."""
+def execute_packed_forward(plan: PackedForwardPlan, q, k, v, spans: Spans, out=None, lse=None):
+    """(out (total_q, Hq, Dv), lse (Hq, total_q)) of ``plan`` on packed ``q``, ``k``, ``v`` with the
+    sequences ``spans``; ``out`` and ``lse`` given (the plan's ``layouts``) or new contiguous arrays. Every
+    query row of a sequence is written: a sequence without keys gets 0 and -inf from its blocks, whose key
+    range is empty."""
     cupy, _ = device.cupy_modules()
     with device.on_device(plan.device):
-        table = device_table(cu_q, cu_k, plan.variant.tile.block_m, "q", plan.reverse)
-        out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
-        lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
+        table = device_table(spans, plan.variant.tile.block_m, "q", plan.reverse)
+        if out is None:
+            out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
+            lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
         params = HostArg(plan.params)
         params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
         maps = None if plan.maps is None else plan.maps.for_arrays(
@@ -566,14 +575,16 @@ class PackedBackwardPlan:
     maps: Optional[_Maps] = None
 
 
-def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str,
-                         deterministic: bool = True) -> Optional[PackedBackwardPlan]:
+def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str, deterministic: bool = True,
+                         layouts: Optional[dict] = None) -> Optional[PackedBackwardPlan]:
     """The backward plan of packed sequences (cuflash.varlen) of CuPy arrays ``q``, ``k``, ``v``, ``dout``
     and ``out`` (packed (total, H, D)); None where no packed kernels take it (:func:`_packed_mask`;
     select.packed_backward_variants: the tensor-core kernels of float16, bfloat16, float64 and float32
     (3xTF32) at head dims up to 128 where they fit the GPU's shared memory; not ``deterministic``, the 16-bit
     Hopper wgmma dK/dV kernel where tensor maps describe the arrays, and float32's and float64's dK/dV kernels,
-    each adding dQ into an fp32 / fp64 accumulator with atomics)."""
+    each adding dQ into an fp32 / fp64 accumulator with atomics). ``layouts``: the byte strides of the
+    buffers the caller gives :func:`execute_packed_backward`, "rows" (lse and dsum: heads, rows), "dq_acc"
+    (heads, rows), "dq", "dk", "dv" (rows, heads, columns); default contiguous ones it allocates."""
     mask = _packed_mask(p, opts, q, k, v, dout, out)
     if mask is None:
         return None
@@ -591,48 +602,61 @@ def plan_packed_backward(q, k, v, dout, out, p, opts, precision: str,
             kernels = choose(cc=device.MIN_COMPUTE_CAPABILITY)
     if kernels is None:
         return None
-    rows = _packed_rows_vector(hq, tq, acc)   # lse and dsum
+    layouts = layouts or {}
+    rows = _packed_rows_vector(hq, tq, acc, layouts.get("rows"))   # lse and dsum
     dq_acc_shape, dq_acc = None, None
     if kernels[-1].family == "bwd_convert_dq":   # dQ added with atomics: the (1, Hq, total, D) accumulator
         dq_acc_shape = dq_accumulator_shape(kernels, 1, hq, tq, p.d)
-        dq_acc = _packed_accumulator(hq, tq, dq_acc_shape[-1], acc)
+        dq_acc = _packed_accumulator(hq, tq, dq_acc_shape[-1], acc, layouts.get("dq_acc"))
     params = bwd_params(_packed_layout(tq, hq, p.d, it, q.strides), _packed_layout(tk, hk, p.d, it, k.strides),
                         _packed_layout(tk, hk, p.dv, it, v.strides), _packed_layout(tq, hq, p.dv, it, out.strides),
                         _packed_layout(tq, hq, p.dv, it, dout.strides), rows, rows, dq_acc,
-                        _packed_layout(tq, hq, p.d, it), _packed_layout(tk, hk, p.d, it), _packed_layout(tk, hk, p.dv, it),
-                        group=p.group, scale=p.scale, mask=mask)
+                        _packed_layout(tq, hq, p.d, it, layouts.get("dq")), _packed_layout(tk, hk, p.d, it, layouts.get("dk")),
+                        _packed_layout(tk, hk, p.dv, it, layouts.get("dv")), group=p.group, scale=p.scale, mask=mask)
     return PackedBackwardPlan(q.data.device_id, tuple(kernels), _without_addresses(params, _BWD_ADDRESSES), acc,
                               p.causal is not None, dq_acc_shape, maps)
 
 
-def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, cu_q: np.ndarray, cu_k: np.ndarray):
+def execute_packed_backward(plan: PackedBackwardPlan, dout, q, k, v, out, lse, spans: Spans, buffers=None,
+                            rows_kernels=None):
     """(dq, dk, dv), packed like q, k, v, of ``plan`` with ``lse (Hq, total_q)`` in the accumulator dtype and
-    the host offsets. Every row is written: keys of a sequence without queries, and queries of one without
-    keys, get 0 from their blocks, which see nothing (the Hopper plan's dq: its zeroed accumulator)."""
+    the sequences ``spans``. Every row of a sequence is written: keys of a sequence without queries, and queries
+    of one without keys, get 0 from their blocks, which see nothing (the Hopper plan's dq: its zeroed
+    accumulator). ``buffers``: (dsum, dq_acc (zeroed) or None, dq, dk, dv) in the plan's ``layouts``, default new
+    contiguous ones. ``rows_kernels(kernel)``: runs the row-wise dsum and convert kernels in place of
+    their launch over the packed rows (a document mask's rows are a dense batch's: documents.py)."""
     cupy, _ = device.cupy_modules()
     dsum_kernel, *dkdv_passes, last = plan.kernels
     hq, hk, tq, tk = q.shape[1], k.shape[1], q.shape[0], k.shape[0]
     with device.on_device(plan.device):
-        dsum = cupy.empty((hq, tq), dtype=plan.acc_dtype)
-        dq_acc = None if plan.dq_acc_shape is None else cupy.zeros(plan.dq_acc_shape, dtype=plan.acc_dtype)
-        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        if buffers is None:
+            dsum = cupy.empty((hq, tq), dtype=plan.acc_dtype)
+            dq_acc = None if plan.dq_acc_shape is None else cupy.zeros(plan.dq_acc_shape, dtype=plan.acc_dtype)
+            dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        else:
+            dsum, dq_acc, dq, dk, dv = buffers
+        addresses = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, dsum.data.ptr,
+                     0 if dq_acc is None else dq_acc.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr)
         params = HostArg(plan.params)
-        params.put_addresses(_BWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr,
-                                              lse.data.ptr, dsum.data.ptr, 0 if dq_acc is None else dq_acc.data.ptr,
-                                              dq.data.ptr, dk.data.ptr, dv.data.ptr))
+        params.put_addresses(_BWD_ADDRESSES, addresses)
         maps = None if plan.maps is None else plan.maps.for_arrays(
             dict({name: _packed_view(x) for name, x in (("q", q), ("dout", dout), ("k", k), ("v", v))},
                  dq_acc=dq_acc[..., :q.shape[2]]))
-        if tq:
-            run((KernelLaunch(dsum_kernel, dsum_kernel.grid(1, hq, hq // hk, tq, tk)),), params)
+
+        def rows_kernel(kernel):
+            if rows_kernels is not None:
+                rows_kernels(kernel)
+            elif tq:
+                run((KernelLaunch(kernel, kernel.grid(1, hq, hq // hk, tq, tk)),), params)
+
+        rows_kernel(dsum_kernel)
         for dkdv in dkdv_passes:   # one pass (dK and dV), or dV then dK: one key-major table
-            _launch_packed(dkdv, device_table(cu_q, cu_k, dkdv.tile.block_n, "k", False), hk, params,
-                           _BWD_PACKED_BLOCKS, maps)
+            _launch_packed(dkdv, device_table(spans, dkdv.tile.block_n, "k", False), hk, params, _BWD_PACKED_BLOCKS,
+                           maps)
         if last.family == "bwd_convert_dq":
-            if tq:
-                run((KernelLaunch(last, last.grid(1, hq, hq // hk, tq, tk)),), params)
+            rows_kernel(last)
         else:
-            _launch_packed(last, device_table(cu_q, cu_k, last.tile.block_m, "q", plan.reverse), hq, params,
+            _launch_packed(last, device_table(spans, last.tile.block_m, "q", plan.reverse), hq, params,
                            _BWD_PACKED_BLOCKS)
     return dq, dk, dv
 
@@ -801,24 +825,30 @@ def _packed_key(arrays, p, opts, precision: str, *rest) -> tuple:
     return (layouts, p.causal, p.scale, opts.extra, opts.window, precision, *rest, _hooks())
 
 
-def packed_forward(q, k, v, p, opts, precision: str, longest_keys: int) -> Optional[PackedForwardPlan]:
+def packed_forward(q, k, v, p, opts, precision: str, longest_keys: int,
+                   layouts: Optional[dict] = None) -> Optional[PackedForwardPlan]:
     """:func:`plan_packed_forward`, memoised: a batch's longest sequence enters the key only through the
     row class it selects the tile by (select.row_class), so batches of other lengths share the plan."""
     mask = _packed_mask(p, opts, q, k, v)
     rows = None if mask is None else row_class(head_bucket(max(p.d, p.dv)), longest_keys, mask["band"])
-    key = _packed_key((q, k, v), p, opts, precision, "fwd", rows)
+    key = _packed_key((q, k, v), p, opts, precision, "fwd", rows, _layouts_key(layouts))
     if key not in _PACKED_PLANS:
-        _remember(_PACKED_PLANS, key, plan_packed_forward(q, k, v, p, opts, precision, longest_keys))
+        _remember(_PACKED_PLANS, key, plan_packed_forward(q, k, v, p, opts, precision, longest_keys, layouts))
     return _PACKED_PLANS[key]
 
 
-def packed_backward(q, k, v, dout, out, p, opts, precision: str,
-                    deterministic: bool) -> Optional[PackedBackwardPlan]:
+def packed_backward(q, k, v, dout, out, p, opts, precision: str, deterministic: bool,
+                    layouts: Optional[dict] = None) -> Optional[PackedBackwardPlan]:
     """:func:`plan_packed_backward`, memoised."""
-    key = _packed_key((q, k, v, dout, out), p, opts, precision, "bwd", deterministic)
+    key = _packed_key((q, k, v, dout, out), p, opts, precision, "bwd", deterministic, _layouts_key(layouts))
     if key not in _PACKED_PLANS:
-        _remember(_PACKED_PLANS, key, plan_packed_backward(q, k, v, dout, out, p, opts, precision, deterministic))
+        _remember(_PACKED_PLANS, key, plan_packed_backward(q, k, v, dout, out, p, opts, precision, deterministic,
+                                                           layouts))
     return _PACKED_PLANS[key]
+
+
+def _layouts_key(layouts: Optional[dict]) -> tuple:
+    return () if not layouts else tuple(sorted(layouts.items()))
 
 
 def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
