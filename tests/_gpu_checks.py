@@ -195,7 +195,7 @@ def check_masked(dtype, b, hq, hk, lq, lk, d, dv, causal, seed, options, determi
     rng = np.random.default_rng(seed)
     (q, k, v, do), (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, b, hq, hk, lq, lk, d, dv)
     if token_major:
-        qd, kd, vd, dod = (_token_major(x) for x in (qd, kd, vd, dod))
+        qd, kd, vd, dod = (as_token_major(x) for x in (qd, kd, vd, dod))
     dev, host = device_options(options, dtype), host_options(options, dtype)
     scale = 1 / np.sqrt(d) if scale is None else scale
     out, lse = cuflash.attention_forward(qd, kd, vd, causal=causal, scale=scale, **dev)
@@ -238,7 +238,7 @@ relative error against the float64 reference on unit-normal inputs, and on lse's
 1 + |lse|."""
 
 
-def _token_major(x):
+def as_token_major(x):
     """A copy of the 4-D array ``x`` (B, H, L, D) in (B, L, H, D) memory, seen as (B, H, L, D)."""
     cp = _cupy()
     y = cp.empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), dtype=x.dtype).transpose(0, 2, 1, 3)

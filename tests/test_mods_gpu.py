@@ -11,7 +11,7 @@ from cuflash._dispatch import masking
 from cuflash._dispatch.model import SCORING_FAMILIES
 from cuflash._runtime import build, device
 
-from _gpu_checks import DTYPES, check_masked, device_options, host_options, make_grad_inputs, seed_of
+from _gpu_checks import DTYPES, as_token_major, check_masked, device_options, host_options, make_grad_inputs, seed_of
 from _tiers import sampled
 
 cp = pytest.importorskip("cupy")
@@ -139,6 +139,28 @@ def test_a_document_mask_of_runs_deterministic_backward(launches, dtype):
     again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
     for a, b in zip(grads, again):
         assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_a_document_mask_of_runs_takes_outputs_and_gradients_of_any_layout(launches, dtype):
+    """Token-major q, k, v with dout, out and lse given in other layouts (copied into q's rows): the
+    gradients equal those of matching layouts bit for bit (the deterministic backward), and the forward's
+    out equals the (B, H, L, D) call's."""
+    seed = seed_of(dtype, "documents layouts")
+    dev = device_options(dict(mask_mod=cuflash.document_mask(_packed_documents(np.random.default_rng(seed), B, LK))),
+                         dtype)
+    _, (qd, kd, vd, dod) = make_grad_inputs(np.random.default_rng(seed), dtype, B, HQ, HK, LK, LK, 64, 64)
+    tq, tk, tv, tdo = (as_token_major(x) for x in (qd, kd, vd, dod))
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+    t_out, t_lse = cuflash.attention_forward(tq, tk, tv, causal=True, **dev)
+    assert t_out.strides != out.strides and bool((cp.ascontiguousarray(t_out).view(cp.uint8) == out.view(cp.uint8)).all())
+    want = cuflash.attention_backward(tdo, tq, tk, tv, t_out, t_lse, causal=True, deterministic=True, **dev)
+    launches.clear()
+    got = cuflash.attention_backward(dod, tq, tk, tv, out, cp.ascontiguousarray(t_lse), causal=True,
+                                     deterministic=True, **dev)
+    assert all(v.packed for v in launches if v.family in SCORING_FAMILIES)
+    for a, b in zip(want, got):
+        assert a.strides == b.strides and bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
