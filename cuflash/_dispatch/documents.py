@@ -189,11 +189,10 @@ def backward(call, dout, out, lse, precision: str, deterministic: bool):
             dq_acc = _empty(p.q, cols, acc, zero=True)
         buffers = (_rows_vector_view(dsum, rows_q), None if dq_acc is None else _accumulator_view(dq_acc, rows_q),
                    rows_view(dq, rows_q), rows_view(dk, rows_k), rows_view(dv, rows_k))
-        dense = (p.q, p.k, p.v, out, dout, lse, dsum, dq_acc, dq, dk, dv)
+        dense = bwd_params(p.q, p.k, p.v, out, dout, lse, dsum, dq_acc, dq, dk, dv, group=p.group, scale=p.scale)
 
         def rows_kernels(kernel):   # dsum and convert over the dense arrays
-            grid = kernel.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)
-            run((KernelLaunch(kernel, grid),), bwd_params(*dense, group=p.group, scale=p.scale))
+            run((KernelLaunch(kernel, kernel.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)),), dense)
 
         _plan.execute_packed_backward(plan, dout_rows, q, k, v, out_rows, _rows_vector_view(lse, rows_q),
                                       _spans(runs, rows_q, rows_k), buffers, rows_kernels)
