@@ -71,7 +71,8 @@ def _accumulator_view(x, batch_stride_rows: int):
     cupy, _ = device.cupy_modules()
     b, h, length, c = x.shape
     rows = (b - 1) * batch_stride_rows + length
-    return cupy.lib.stride_tricks.as_strided(x, (1, h, rows, c), (x.strides[2], x.strides[1], x.strides[2], x.strides[3]))
+    s_head, s_row, s_col = x.strides[1:]
+    return cupy.lib.stride_tricks.as_strided(x, (1, h, rows, c), (s_row, s_head, s_row, s_col))
 
 
 def _rows_vector_view(x, batch_stride_rows: int):
@@ -126,23 +127,33 @@ def _strides3(x) -> tuple:
     return (x.strides[2], x.strides[1], x.strides[3])
 
 
-def forward(call, precision: str):
-    """(out (B, Hq, L, Dv), lse (B, Hq, L)) of a validated CuPy call with a document mask of runs on the
-    packed forward, in q's axis order; None where the packed kernels do not take it."""
-    p, opts = call.problem, call.options
-    runs = runs_of(p, opts)
+def _documents_and_rows(call):
+    """(runs, R of q, R of k and v) of a call with a document mask of runs whose inputs the packed views can
+    read (:func:`runs_of`, :func:`batch_rows`), else None."""
+    p = call.problem
+    runs = runs_of(p, call.options)
     if runs is None:
         return None
     rows_q, rows_k = batch_rows(p.q), batch_rows(p.k)
     if rows_q is None or rows_k is None or batch_rows(p.v) != rows_k:
         return None
+    return runs, rows_q, rows_k
+
+
+def forward(call, precision: str):
+    """(out (B, Hq, L, Dv), lse (B, Hq, L)) of a validated CuPy call with a document mask of runs on the
+    packed forward, in q's axis order; None where the packed kernels do not take it."""
+    p, opts, taken = call.problem, call.options, _documents_and_rows(call)
+    if taken is None:
+        return None
+    runs, rows_q, rows_k = taken
     with device.on_device(p.q.data.device_id):
         out = _empty(p.q, p.dv, p.q.dtype)
         lse = _empty(p.q, None, acc_dtype(p.dtype))   # (the runs cover every position: every row is written)
         if batch_rows(out) != rows_q or batch_rows(lse) != rows_q:
             return None   # q's rows are padded: not the outputs' batch stride
-        q, k, v, out_rows = rows_view(p.q, rows_q), rows_view(p.k, rows_k), rows_view(p.v, rows_k), rows_view(out, rows_q)
-        lse_rows = _rows_vector_view(lse, rows_q)
+        q, k, v = rows_view(p.q, rows_q), rows_view(p.k, rows_k), rows_view(p.v, rows_k)
+        out_rows, lse_rows = rows_view(out, rows_q), _rows_vector_view(lse, rows_q)
         pp, popts = _packed_problem(p, q, k, v), Options(window=opts.window)
         layouts = {"out": _strides3(out), "lse": (lse.strides[1], lse.strides[2])}
         plan = _plan.packed_forward(q, k, v, pp, popts, precision, int(runs[2].max()), layouts)
@@ -156,13 +167,10 @@ def backward(call, dout, out, lse, precision: str, deterministic: bool):
     """(dq, dk, dv) of a validated CuPy call with a document mask of runs on the packed backward, ``dout``,
     ``out`` and ``lse`` 4-D / 3-D views (lse in the accumulator dtype); dq in q's axis order, dk and dv in
     k's. None where the packed kernels do not take it."""
-    p, opts = call.problem, call.options
-    runs = runs_of(p, opts)
-    if runs is None:
+    p, opts, taken = call.problem, call.options, _documents_and_rows(call)
+    if taken is None:
         return None
-    rows_q, rows_k = batch_rows(p.q), batch_rows(p.k)
-    if rows_q is None or rows_k is None or batch_rows(p.v) != rows_k:
-        return None
+    runs, rows_q, rows_k = taken
     acc = acc_dtype(p.dtype)
     cols = p.d + p.d % 2   # the row-major dQ accumulator's width (plan.dq_accumulator_shape)
     with device.on_device(p.q.data.device_id):
