@@ -57,49 +57,55 @@ def batch_rows(x) -> Optional[int]:
     return s_batch // s_row
 
 
+def _packed_rows(x, batch_stride_rows: int) -> int:
+    """The rows of x's packed view: batch entry B - 1's last position is its last row."""
+    return (x.shape[0] - 1) * batch_stride_rows + x.shape[2]
+
+
 def rows_view(x, batch_stride_rows: int):
     """A 4-D array (B, H, L, C) as the packed (rows, H, C) view (module docstring)."""
     cupy, _ = device.cupy_modules()
-    b, h, length, c = x.shape
-    rows = (b - 1) * batch_stride_rows + length
-    return cupy.lib.stride_tricks.as_strided(x, (rows, h, c), (x.strides[2], x.strides[1], x.strides[3]))
+    shape = (_packed_rows(x, batch_stride_rows), x.shape[1], x.shape[3])
+    return cupy.lib.stride_tricks.as_strided(x, shape, (x.strides[2], x.strides[1], x.strides[3]))
 
 
 def _accumulator_view(x, batch_stride_rows: int):
     """The dQ accumulator (B, H, L, cols) as the packed (1, H, rows, cols) view whose batch stride is one row
     (plan._packed_accumulator)."""
     cupy, _ = device.cupy_modules()
-    b, h, length, c = x.shape
-    rows = (b - 1) * batch_stride_rows + length
-    s_head, s_row, s_col = x.strides[1:]
-    return cupy.lib.stride_tricks.as_strided(x, (1, h, rows, c), (s_row, s_head, s_row, s_col))
+    shape = (1, x.shape[1], _packed_rows(x, batch_stride_rows), x.shape[3])
+    return cupy.lib.stride_tricks.as_strided(x, shape, (x.strides[2], x.strides[1], x.strides[2], x.strides[3]))
 
 
 def _rows_vector_view(x, batch_stride_rows: int):
     """A rows vector (B, H, L) as the packed (H, rows) view."""
     cupy, _ = device.cupy_modules()
-    b, h, length = x.shape
-    rows = (b - 1) * batch_stride_rows + length
-    return cupy.lib.stride_tricks.as_strided(x, (h, rows), (x.strides[1], x.strides[2]))
+    shape = (x.shape[1], _packed_rows(x, batch_stride_rows))
+    return cupy.lib.stride_tricks.as_strided(x, shape, (x.strides[1], x.strides[2]))
+
+
+def _heads_outer(like) -> bool:
+    """Whether ``like``'s heads are further apart in memory than its rows: (B, H, L) order, else (B, L, H)."""
+    return like.strides[1] >= like.strides[2]
 
 
 def _empty(like, cols: Optional[int], dtype, zero: bool = False):
     """A new (B, H, L, cols) array (cols None: a (B, H, L) rows vector) in ``like``'s order of the batch,
-    head and row axes: (B, H, L) memory where its heads are further apart than its rows, else (B, L, H)."""
+    head and row axes (:func:`_heads_outer`)."""
     cupy, _ = device.cupy_modules()
     b, h, length = like.shape[:3]
     tail = () if cols is None else (cols,)
-    heads_outer = like.strides[1] >= like.strides[2]
-    shape = (b, h, length) if heads_outer else (b, length, h)
+    shape = (b, h, length) if _heads_outer(like) else (b, length, h)
     x = (cupy.zeros if zero else cupy.empty)(shape + tail, dtype=dtype)
-    return x if heads_outer else x.swapaxes(1, 2)
+    return x if _heads_outer(like) else x.swapaxes(1, 2)
 
 
 def _empty_strides(like, cols: int, dtype) -> tuple:
-    """The (head, row) byte strides :func:`_empty` gives a (B, H, L, cols) array like ``like``."""
+    """The (head, row) byte strides :func:`_empty` gives a (B, H, L, cols) array like ``like`` (the dQ
+    accumulator's, before the plan says whether there is one)."""
     _, h, length = like.shape[:3]
     row = cols * np.dtype(dtype).itemsize
-    return (length * row, row) if like.strides[1] >= like.strides[2] else (row, h * row)
+    return (length * row, row) if _heads_outer(like) else (row, h * row)
 
 
 def _in_rows(x, like, rows: int):
