@@ -26,7 +26,8 @@ keyless sequences, more keys than queries and fewer), the forward's packed kerne
 rows at head dims 40-256) for every causal mode and a window, and a backward. ``--mods``: user score and
 mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, a modification
 evaluated everywhere that reads arrays by position, document and
-prefix-LM masks, composed with a bias, a window and dropout), forward and backward, Hopper and portable.
+prefix-LM masks, composed with a bias, a window and dropout; ALiBi alone under a causal band, which the
+16-bit Hopper kernels add in a tensor-core step), forward and backward, Hopper and portable.
 ``--documents``: document masks of runs (documents back to back, one of a single position) on the packed
 kernels, (B, H, L, D) and (B, L, H, D) memory, causal, none and a window, both dQ strategies.
 ``--partials``: the forward in float32 (cuflash.api.forward_in_accumulator: the 16-bit Hopper forward's
@@ -63,6 +64,8 @@ def main(argv=None) -> None:
                         help="only the KV cache part of --split (ragged lengths, contiguous and paged)")
     parser.add_argument("--varlen", action="store_true", help="packed sequences (cuflash.varlen)")
     parser.add_argument("--mods", action="store_true", help="user score and mask modifications (cuflash.mods)")
+    parser.add_argument("--mod-kinds", default="score,mask,every,positions,linear",
+                        help="with --mods: these calls only (score, mask, every, positions, linear)")
     parser.add_argument("--documents", action="store_true",
                         help="document masks of runs (cuflash.document_mask) on the packed kernels")
     parser.add_argument("--partials", action="store_true",
@@ -90,7 +93,7 @@ def main(argv=None) -> None:
         return
     if args.mods:
         modifications(args.dtypes.split(",") if args.dtypes else list(DTYPES),
-                      tuple(int(d) for d in args.dims.split(",")) if args.dims else (64, 128))
+                      tuple(int(d) for d in args.dims.split(",")) if args.dims else (64, 128), args.mod_kinds.split(","))
         return
     if args.documents:
         documents(args.dtypes.split(",") if args.dtypes else list(DTYPES),
@@ -288,11 +291,12 @@ def packed_sequences(dtypes) -> None:
               f"finite={_all_finite((out,) + grads)}", flush=True)
 
 
-def modifications(dtypes, dims) -> None:
+def modifications(dtypes, dims, kinds) -> None:
     """User modifications (cuflash.mods) through every scoring kernel: forward and backward (both dQ
     strategies), the mask modification's block-state kernel, the trainable table's atomics."""
     launched = []
-    _record(lambda variant, grid: launched.append(variant.family), helpers=launched)
+    _record(lambda variant, grid: launched.append(variant.family + ("/linear" if "CUF_LINEAR_BIAS 1" in variant.prelude
+                                                                    else "")), helpers=launched)
     rng = np.random.default_rng(3)
     lq, lk, hq = 97, 130, 4
     doc = cp.asarray(np.sort(rng.integers(0, 3, (2, lk)), axis=1).astype(np.int32))
@@ -301,7 +305,8 @@ def modifications(dtypes, dims) -> None:
     positions = cuflash.ScoreMod("score + acc_t(row_bias[q_idx]) - acc_t(key_bias[kv_idx])", grad="acc_t(1)",
                                  everywhere=True, params={"row_bias": cp.ones(lq, cp.float32),
                                                           "key_bias": cp.ones(lk, cp.float32)})
-    for dtype, d, det, kind in itertools.product(dtypes, dims, (False, True), ("score", "mask", "every", "positions")):
+    for dtype, d, det, kind in itertools.product(dtypes, dims, (False, True),
+                                                 kinds):
         table = cp.asarray(rng.standard_normal((32, hq)).astype(np.float64 if dtype == "float64" else np.float32))
         q, do = (cp.asarray(rng.standard_normal((2, hq, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
         k, v = (cp.asarray(rng.standard_normal((2, 2, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
@@ -310,7 +315,8 @@ def modifications(dtypes, dims) -> None:
                 "every": dict(score_mod=(cuflash.alibi(slopes), cuflash.softcap(5.0)), mask_mod=cuflash.document_mask(doc),
                               bias=cp.asarray(rng.standard_normal((1, hq, lq, lk)).astype(DTYPES[dtype])),
                               window=(60, 20), dropout_p=0.2, seed=11),
-                "positions": dict(score_mod=positions)}[kind]
+                "positions": dict(score_mod=positions),
+                "linear": dict(score_mod=cuflash.alibi(slopes), window=(60, 0))}[kind]
         launched.clear()
         out, lse = cuflash.attention_forward(q, k, v, causal=kind != "mask", **opts)
         grads = cuflash.attention_backward(do, q, k, v, out, lse, causal=kind != "mask", deterministic=det, **opts)

@@ -317,6 +317,9 @@ class ScoreMod(_Mod):
                                        _check_source(deriv, "param_grads derivative"))
         self.python_grad = python_grad
         self.python_param_grads = dict(python_param_grads or {})
+        # The library's linear biases (alibi): a C expression of the slope in log2 units a unit of
+        # kv_idx - q_idx where every visible key is at or before its query (Mods.linear_prelude).
+        self.linear_slope: Optional[str] = None
 
     @property
     def slots(self) -> int:
@@ -501,6 +504,35 @@ class Mods:
         if len(_PRELUDES) >= MAX_PRELUDES:
             _PRELUDES.clear()
         _PRELUDES[key] = (self.score + self.mask, text)
+        return text
+
+    @property
+    def linear(self) -> bool:
+        """One score modification that is a bias linear in ``kv_idx - q_idx`` wherever no key after its query
+        is visible (:func:`alibi`), and no mask modification: the Hopper kernels can add it with the tensor
+        cores (:meth:`linear_prelude`)."""
+        return len(self.score) == 1 and not self.mask and self.score[0].linear_slope is not None
+
+    def linear_prelude(self) -> str:
+        """The source placed before the 16-bit Hopper forward's and dK/dV kernel's where :attr:`linear` and the
+        call's band shows no query a key after it (cuflash._dispatch.plan): ``CUF_LINEAR_BIAS`` and the slope
+        ``cuf_linear_slope(h, cuf_args)`` in log2 units, read from the same parameter words as
+        :meth:`prelude`'s (kernels_cu/linear_bias.cuh); no per-element code."""
+        if not self.linear:
+            raise ValueError("linear_prelude: one linear score modification (alibi) and no mask modification")
+        mod = self.score[0]
+        key = ((id(mod),), (), "linear")
+        known = _PRELUDES.get(key)
+        if known is not None and known[0][0] is mod:
+            return known[1]
+        decl, _ = mod._locals(0, mod.param_grads)
+        text = (f"// cuflash user modifications {self.key()}, a linear bias\n#define CUF_FAST_SPECIAL 0\n"
+                f"#define CUF_LINEAR_BIAS 1\n{_HELPERS}\n"
+                "template <typename acc_t>\n__device__ __forceinline__ acc_t cuf_linear_slope(int h, "
+                f"const unsigned long long* cuf_args) {{\n    {decl}\n    return {mod.linear_slope};\n}}\n")
+        if len(_PRELUDES) >= MAX_PRELUDES:
+            _PRELUDES.clear()
+        _PRELUDES[key] = ((mod,), text)
         return text
 
     def _generate(self, fast_special: bool) -> str:
@@ -718,13 +750,18 @@ def softcap(cap: float) -> ScoreMod:
 def alibi(slopes) -> ScoreMod:
     """ALiBi: ``score - slopes[h] * |q_idx - kv_idx|`` (Press et al.; FlashAttention's ``alibi_slopes``
     with queries and keys aligned at the start). ``slopes``: float32 array (Hq,) on the inputs' device.
-    Written in log2 units and evaluated everywhere (``slopes[h]`` read once a tile)."""
+    Written in log2 units and evaluated everywhere (``slopes[h]`` read once a tile). Where no query sees a
+    key after it (causal, aligned at the start or with Lq >= Lk at the end) the 16-bit Hopper kernels at head
+    dims 64 and 128 add it as ``slopes[h] * (kv_idx - q_idx)`` in one more tensor-core step a tile, with no
+    work an element (kernels_cu/linear_bias.cuh)."""
     if not _is_array(slopes) or slopes.ndim != 1 or np.dtype(slopes.dtype) != np.float32:
         raise TypeError("alibi: slopes must be a float32 array of shape (Hq,)")
-    return ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos)",
-                    grad="acc_t(1)", params={"slopes": slopes}, name="alibi", log2_units=True, everywhere=True,
-                    python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * _LOG2E * abs(q - kv),
-                    python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))
+    mod = ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos)",
+                   grad="acc_t(1)", params={"slopes": slopes}, name="alibi", log2_units=True, everywhere=True,
+                   python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * _LOG2E * abs(q - kv),
+                   python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))
+    mod.linear_slope = "acc_t(slopes[h]) * acc_t(CUF_LOG2E)"   # kv <= q: slopes[h] log2(e) (kv - q)
+    return mod
 
 
 def t5_bucket(rel, num_buckets: int, max_distance: int, bidirectional: bool):

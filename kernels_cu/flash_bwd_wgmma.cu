@@ -79,6 +79,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 #include "bias_grad_t.cuh"
+#include "linear_bias.cuh"
 
 // The kernel's tensor maps (cuflash/_runtime/tma.py): Q and dO with boxes of BM rows, K and V of BN.
 // dq: the fp32 dQ accumulator, boxes of 32 columns (one 128-byte slab) x 64 rows, added into.
@@ -123,8 +124,11 @@ struct DkdvWgmmaTraits {
     static constexpr bool DQ_SPLIT_KEYS = !SPLIT_HEAD && HEAD == 64 && BM == 64;
     // Barriers after the tiles: K/V full, then full / empty per stage.
     static constexpr int BARRIERS = 1 + 2 * STAGES;
+    // LINEAR_BIAS: the B table of the linear bias's k16 step over a step's BM queries (linear_bias.cuh).
+    static constexpr int LIN_BYTES = LinearBiasTable<BM>::BYTES;
+    static_assert(!LINEAR_BIAS || (!EXTRA && !SPLIT_HEAD), "the linear bias: plain variants at head dims 64, 128");
     static constexpr int TILE_BYTES = 2 * KV_BYTES + 2 * STAGES * Q_BYTES + 2 * DS_BYTES + 2 * PT_BYTES
-                                      + DQ_STAGE_BYTES + STAGES * BIAS_BYTES;
+                                      + DQ_STAGE_BYTES + STAGES * BIAS_BYTES + LIN_BYTES;
     // 1024 bytes of slack: the swizzled tiles start at the first 1024-byte boundary.
     static constexpr int SMEM_BYTES = 1024 + TILE_BYTES + STAGES * STATS_BYTES + 8 * BARRIERS;
     // The producer warpgroup keeps 40 registers a thread, the consumers take 232: the CTA holds
@@ -161,7 +165,7 @@ template <typename Tr>
 struct BwdWgmmaSmem {
     unsigned char* raw;
     unsigned base;
-    unsigned k, v, q, dout, ds, pt, dq, bias, stats, bars;
+    unsigned k, v, q, dout, ds, pt, dq, bias, lin, stats, bars;
     __device__ __forceinline__ unsigned char* at(unsigned addr) const { return raw + (addr - base); }
     __device__ __forceinline__ unsigned q_tile(int stage) const { return q + stage * Tr::Q_BYTES; }
     __device__ __forceinline__ unsigned do_tile(int stage) const { return dout + stage * Tr::Q_BYTES; }
@@ -466,10 +470,18 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
 
         // S^T = K_c Q^T and dP^T = V_c dO^T: this warp's 16 keys x BM queries each.
         float st[BM / 8][4], dpt[BM / 8][4];
+        unsigned lin_a[4];   // LINEAR_BIAS: this lane's keys of the extra step, c (key - m0) each, slope -c
+        if constexpr (LINEAR_BIAS) {
+            const float c = cuf_linear_slope<float>(head, mod.m.mod_args) / mod.scale_log2;
+            const int from_m0 = blk.n0 + key_row + lane / 4 - m0;
+            LinearBiasSlope::of(-c).frag(lin_a, c * float(from_m0), c * float(from_m0 + 8), lane);
+            fence_regs(lin_a);   // formed before the wgmma fence (else ptxas inserts one before the step: C7519)
+        }
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD / 16; ++kk)
             wgmma_ss<T, BM>(flat(st), k_major_desc(k_wg, kk, BN * 128), k_major_desc(q_tile, kk, BM * 128), kk > 0);
+        if constexpr (LINEAR_BIAS) LinearBiasTable<BM>::add(flat(st), lin_a, sm.lin);
         wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < HEAD / 16; ++kk)
@@ -740,7 +752,8 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     sm.pt = sm.ds + 2 * Tr::DS_BYTES;
     sm.dq = sm.pt + 2 * Tr::PT_BYTES;
     sm.bias = sm.dq + Tr::DQ_STAGE_BYTES;
-    sm.stats = sm.bias + STAGES * Tr::BIAS_BYTES;
+    sm.lin = sm.bias + STAGES * Tr::BIAS_BYTES;
+    sm.stats = sm.lin + Tr::LIN_BYTES;
     sm.bars = sm.stats + STAGES * Tr::STATS_BYTES;
     float* stats0 = reinterpret_cast<float*>(sm.at(sm.stats));
 
@@ -768,6 +781,10 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
             mbar_init(sm.empty(s), Tr::CONSUMER_THREADS);
         }
         mbar_init_fence();
+    }
+    if constexpr (LINEAR_BIAS) {   // the linear bias's table, for every step's wgmmas (async proxy)
+        LinearBiasTable<BM>::template write<Tr::THREADS>(sm.at(sm.lin), threadIdx.x);
+        fence_proxy_async_smem();
     }
     __syncthreads();   // the last CTA-wide barrier: from here on, the mbarriers order everything
 

@@ -42,6 +42,7 @@
 #include "softmax.cuh"
 #include "score_mod.cuh"
 #include "epilogue.cuh"
+#include "linear_bias.cuh"
 
 template <typename T, typename Cfg, bool EXTRA, int SCHEDULE>
 struct FwdWgmmaTraits {
@@ -64,7 +65,10 @@ struct FwdWgmmaTraits {
     // Barriers after the tiles: Q full, Q empty, then K full / K empty / V full / V empty per
     // stage, then (EXTRA) bias full / bias empty per stage.
     static constexpr int BARRIERS = 2 + 4 * STAGES + (EXTRA ? 2 * STAGES : 0);
-    static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + STAGES * BIAS_BYTES;
+    // LINEAR_BIAS: the B table of the linear bias's k16 step (linear_bias.cuh), after the bias stages.
+    static constexpr int LIN_BYTES = LinearBiasTable<BN>::BYTES;
+    static_assert(!LINEAR_BIAS || (!EXTRA && HEAD <= 128), "the linear bias: plain variants at head dims 64, 128");
+    static constexpr int TILE_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + STAGES * BIAS_BYTES + LIN_BYTES;
     // O through shared memory and a bulk tensor store (the epilogue): at head dim 128 1.03-1.13x
     // over element-wise stores; at head dim 64 1.03-1.10x at L = 1024 but 0.86-0.93x at L = 4096
     // non-causal, so 64 keeps the element-wise stores (benchmarks/tune_fwd.py). Head dim 256 (twice
@@ -153,7 +157,7 @@ struct FwdWgmmaTraits {
 // Shared-memory addresses of the pipeline's tiles and barriers.
 template <typename Tr>
 struct WgmmaSmem {
-    unsigned q, k, v, bias, o, bars;
+    unsigned q, k, v, bias, o, bars, lin;
     __device__ __forceinline__ unsigned k_tile(int stage) const { return k + stage * Tr::KV_BYTES; }
     __device__ __forceinline__ unsigned v_tile(int stage) const { return v + stage * Tr::KV_BYTES; }
     __device__ __forceinline__ unsigned bias_tile(int stage) const { return bias + stage * Tr::BIAS_BYTES; }
@@ -242,6 +246,11 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     // Everywhere modifications before the mask (mask_and_modify), but in the band kernels past head dim 64: the
     // causal D = 128 kernel with ALiBi spilled 160 bytes that way (NVRTC 12.9).
     constexpr bool MODS_FIRST = !(Flags::BAND && HEAD > 64);
+    // LINEAR_BIAS at head dim 64: the A fragment of the linear bias's step is the block's, -c (row - m0), and each
+    // tile's c (n0 - m0) is the softmax's offset (linear_bias.cuh); past 64 it is formed a tile with that part in
+    // it, c (n0 - row), and the softmax as it is: the offset's registers spill 16-32 bytes in the band kernel at
+    // 128 (NVRTC 12.9), whose loop waits on the tensor cores rather than on issue.
+    constexpr bool LIN_OFFSET = HEAD == 64;
     static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
     static_assert(!(PACKED && ACC_OUT), "packed sequences store O in their own type");
     // O staged for the copy engine: 16-bit rows only (an ACC_OUT row goes out from the registers).
@@ -251,7 +260,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     const unsigned tiles = align_1024(base);
     const WgmmaSmem<Tr> sm{tiles, tiles + Tr::Q_BYTES, tiles + Tr::Q_BYTES + STAGES * Tr::KV_BYTES,
                            tiles + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES, tiles + Tr::TILE_BYTES,
-                           tiles + Tr::TILE_BYTES + Tr::O_BYTES};
+                           tiles + Tr::TILE_BYTES + Tr::O_BYTES, tiles + Tr::TILE_BYTES - Tr::LIN_BYTES};
 
     const AttnDims& dims = p.dims;
     const int head_group = shared_scores_head_group<Flags::EXTRA>(p.mask);
@@ -300,6 +309,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             }
         }
         mbar_init_fence();
+    }
+    if constexpr (LINEAR_BIAS) {   // the linear bias's table, for every block's wgmmas (async proxy)
+        LinearBiasTable<BN>::template write<Tr::THREADS>(smem_raw + (sm.lin - base), threadIdx.x);
+        fence_proxy_async_smem();
     }
     __syncthreads();   // the last CTA-wide barrier: from here on, the mbarriers order everything
 
@@ -391,6 +404,16 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
         const float x_per_s = mod.x_per_score();
         const int warp_row0 = blk.m0 + cwarp * 16;
+        // LINEAR_BIAS: the slope c in raw-score units and the extra step's A fragment, c (shift - row) for this
+        // lane's rows from m0: formed once a block (LIN_OFFSET, shift 0) or a tile (shift n0 - m0)
+        const float lin_c = LINEAR_BIAS ? cuf_linear_slope<float>(blk.head, p.mask.mod_args) / mod.scale_log2 : 0.0f;
+        unsigned lin_a[4];
+        auto form_lin_a = [&](int shift) {
+            const int to_row = shift - cwarp * 16 - lane / 4;
+            LinearBiasSlope::of(lin_c).frag(lin_a, lin_c * float(to_row), lin_c * float(to_row - 8), lane);
+            fence_regs(lin_a);   // formed before the wgmma fence (else ptxas inserts one before the step: C7519)
+        };
+        if (LINEAR_BIAS && LIN_OFFSET) form_lin_a(0);
         start_rows(acc_o, row_max, row_sum);
         unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
 
@@ -409,11 +432,13 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             // the previous tile.
             float s[1][Tr::S_TILES][4];
             const unsigned k_tile = sm.k_tile(stage);
+            if (LINEAR_BIAS && !LIN_OFFSET) form_lin_a(j * BN - blk.m0);
             my_turn();
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < HEAD / 16; ++kk)
                 wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128), kk > 0);
+            if constexpr (LINEAR_BIAS) LinearBiasTable<BN>::add(flat(s), lin_a, sm.lin);
             wgmma_commit();
             if (Tr::OVERLAP_PV && t > t0) {
                 mbar_wait(sm.v_full(stage ^ 1), ((t - 1) >> 1) & 1);
@@ -454,8 +479,16 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             });
             // acc_o is still being written: its correction waits for the P V product.
             float correction[2];
-            const bool moved = warp_softmax_step<Tr>(s, row_max, row_sum, softmax_x_per_s(x_per_s),
-                                                     [&](int, int r, float c) { correction[r] = c; });
+            auto note_correction = [&](int, int r, float c) { correction[r] = c; };
+            auto keep_p = [&](int, int n, int r, float p0, float p1) {
+                s[0][n][2 * r] = p0;
+                s[0][n][2 * r + 1] = p1;
+            };
+            // (LINEAR_BIAS with LIN_OFFSET: the tile's offset c (n0 - m0) in log2 units)
+            const bool moved = warp_softmax_step<Tr, 1, decltype(note_correction), decltype(keep_p),
+                                                 LINEAR_BIAS && LIN_OFFSET>(
+                s, row_max, row_sum, softmax_x_per_s(x_per_s), note_correction, keep_p,
+                lin_c * mod.scale_log2 * float(n0 - blk.m0));
             // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
             if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);
             if constexpr (Tr::OVERLAP_PV) {

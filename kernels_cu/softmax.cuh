@@ -168,10 +168,12 @@ __device__ __forceinline__ void stat_pair_of(const float* stats, int row, float 
 // output accumulator: at once (warp_softmax_tile), or later, when the accumulator
 // is still being written by an asynchronous MMA (the wgmma kernel). Returns
 // whether any row of the warp moved (warp-uniform).
-template <typename Tr, int M, typename RescaleO, typename EmitP>
+// OFFSET: every score of the tile is x + offset (log2 units; the linear bias's per-tile part,
+// linear_bias.cuh): added to the tile's max and to each row's exponent reference, two adds a row.
+template <typename Tr, int M, typename RescaleO, typename EmitP, bool OFFSET = false>
 __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
                                                   float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o,
-                                                  EmitP emit_p) {
+                                                  EmitP emit_p, float offset = 0.0f) {
     float tile_max[M][2];
     bool grow = false;
 #pragma unroll
@@ -182,6 +184,7 @@ __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4],
 #pragma unroll
             for (int n = 0; n < Tr::S_TILES; ++n) mx = amax(mx, amax(s[m][n][2 * r], s[m][n][2 * r + 1]));
             tile_max[m][r] = group_max<4>(mx) * x_per_s;   // x_per_s > 0 commutes with max; -inf stays -inf
+            if constexpr (OFFSET) tile_max[m][r] += offset;
             grow |= tile_max[m][r] > row_max[m][r] + RESCALE_SLACK;
         }
     grow = __any_sync(0xffffffffu, grow);
@@ -204,7 +207,7 @@ __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4],
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             // row_max = -inf here means the tile has nothing visible in this row either.
-            const float ref = row_max[m][r] == neg_inf<float>() ? 0.0f : row_max[m][r];
+            const float ref = (row_max[m][r] == neg_inf<float>() ? 0.0f : row_max[m][r]) - (OFFSET ? offset : 0.0f);
             float tile_sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < Tr::S_TILES; ++n) {

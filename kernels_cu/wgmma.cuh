@@ -122,6 +122,11 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
+__device__ __forceinline__ void fence_regs(unsigned (&a)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(a[k]) :: "memory");
+}
+
 template <int R>
 __device__ __forceinline__ void fence_regs(unsigned (&a)[R][4]) {
 #pragma unroll
@@ -171,6 +176,9 @@ __device__ __forceinline__ void wgmma_ss_bmn(float (&d)[N / 2], uint64 desc_a, u
 // 16 rows) and B MN-major from shared memory (read transposed): O += P V.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b);
+// The same with B K-major (not transposed): the linear bias's table (linear_bias.cuh).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs_k(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b);
 
 // One specialisation per (type, N); the operand numbers follow the accumulators
 // (N / 2 of them): A_OPS / B_OP / SCALE_OP name them. TNSP: the transpose bits of A
@@ -187,15 +195,16 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[
 #define CUF_WGMMA_SS(...) CUF_WGMMA_SS_(wgmma_ss, "0, 0", __VA_ARGS__)
 #define CUF_WGMMA_SS_MN(...) CUF_WGMMA_SS_(wgmma_ss_mn, "1, 1", __VA_ARGS__)
 #define CUF_WGMMA_SS_BMN(...) CUF_WGMMA_SS_(wgmma_ss_bmn, "0, 1", __VA_ARGS__)
-#define CUF_WGMMA_RS(TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                                    \
+#define CUF_WGMMA_RS_(NAME, TNSP_B, TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                    \
     template <>                                                                                              \
-    __device__ __forceinline__ void wgmma_rs<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4],           \
-                                                      uint64 desc_b) {                                       \
+    __device__ __forceinline__ void NAME<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b) { \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_OP ", 0;\n"                                  \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " " REGS ", "   \
-                     A_OPS ", " B_OP ", p, 1, 1, 1;\n}\n"                                                    \
+                     A_OPS ", " B_OP ", p, 1, 1, " TNSP_B ";\n}\n"                                           \
                      : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));          \
     }
+#define CUF_WGMMA_RS(...) CUF_WGMMA_RS_(wgmma_rs, "1", __VA_ARGS__)
+#define CUF_WGMMA_RS_K(...) CUF_WGMMA_RS_(wgmma_rs_k, "0", __VA_ARGS__)
 CUF_WGMMA_SS(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_SS(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_SS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")
@@ -212,3 +221,7 @@ CUF_WGMMA_RS(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}",
 // Head dim 256's O += P V: 128 accumulators a thread.
 CUF_WGMMA_RS(half_t, "f16", 256, CUF_REGS128, CUF_ACC128, "{%128, %129, %130, %131}", "%132", "%133")
 CUF_WGMMA_RS(bf16_t, "bf16", 256, CUF_REGS128, CUF_ACC128, "{%128, %129, %130, %131}", "%132", "%133")
+CUF_WGMMA_RS_K(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
+CUF_WGMMA_RS_K(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
+CUF_WGMMA_RS_K(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
+CUF_WGMMA_RS_K(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")

@@ -9,7 +9,7 @@ import pytest
 
 import cuflash
 from cuflash import CompileError, mods as M, reference
-from cuflash._dispatch.model import SCORING_FAMILIES
+from cuflash._dispatch.model import LINEAR_BIAS_FAMILIES, SCORING_FAMILIES, linear_bias
 from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, schedule_for,
                                       takes_plain_mods, with_mods)
 from cuflash._runtime.build import compile_offline
@@ -358,6 +358,39 @@ def test_every_scoring_variant_compiles_with_modifications(dtype, family):
         arch = "sm_80" if v.arch == "sm80" else "sm_90"
         build = compile_offline(v.entry, v.name, v.compile_target(arch), v.prelude)
         if build.spills or build.stack_frame:
+            bad.append((v.name, build.spills))
+    assert not bad, bad
+
+
+def _linear_variants(dtype: str, family: str):
+    """The variants that take the linear bias (alibi under a causal band), with its prelude."""
+    prelude = M.resolve(cuflash.alibi(np.ones(4, np.float32))).linear_prelude()
+    return sorted({replace(v, prelude=prelude) for v in all_variants()
+                   if v.family == family and v.dtype == dtype and not v.extra and not v.packed and not v.acc_out
+                   and v.head <= 128}, key=lambda v: v.name)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype, family", [("bfloat16", "fwd_wgmma"), ("float16", "bwd_dkdv_wgmma")])
+def test_the_linear_bias_compiles_without_spills(dtype, family):
+    """ALiBi's tensor-core form (kernels_cu/linear_bias.cuh) in a Hopper kernel at head dims 64 and 128: zero
+    spills and no wgmma fence ptxas adds itself (C7519: the A fragment formed after the kernel's fence). The
+    sweep compiles every such variant."""
+    for v in [v for v in _linear_variants(dtype, family) if v.band][:2]:
+        assert linear_bias(v)
+        build = compile_offline(v.entry, v.name, "sm_90a", v.prelude)
+        assert build.spills == 0 and build.stack_frame == 0 and "C7519" not in build.log, build.log
+
+
+@pytest.mark.sweep
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family", LINEAR_BIAS_FAMILIES)
+def test_every_linear_bias_variant_compiles(dtype, family):
+    bad = []
+    for v in _linear_variants(dtype, family):
+        build = compile_offline(v.entry, v.name, "sm_90a", v.prelude)
+        if build.spills or build.stack_frame or "C7519" in build.log:
             bad.append((v.name, build.spills))
     assert not bad, bad
 

@@ -94,6 +94,32 @@ def test_deterministic_backward_with_modifications(dtype, kind):
         assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
 
 
+LINEAR_SHAPES = [(113, 113, True, None, None), (300, 300, "bottom_right", (64, 0), None),
+                 (150, 113, "bottom_right", None, None), (1030, 1030, True, None, None),
+                 (700, 700, True, (200, None), 0.02)]
+"""(Lq, Lk, causal, window, scale): no query sees a key after it. Short and long rows (the Hopper forward's
+two-CTA tile and its walking grids), a window, Lq > Lk aligned at the end (the band's top edge below the
+diagonal), and steep slopes under a small scale (slope / scale: 400 raw-score units a key)."""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("lq, lk, causal, window, scale", LINEAR_SHAPES)
+def test_alibi_under_a_causal_band_is_added_by_the_tensor_cores(launches, dtype, lq, lk, causal, window, scale):
+    """ALiBi where no query sees a key after it: the Hopper forward and dK/dV kernels add it in one more
+    tensor-core step a tile (kernels_cu/linear_bias.cuh, no per-element code), against the reference."""
+    for d in (64, 128):
+        seed = seed_of(dtype, lq, lk, str(causal), window, scale, d, "linear")
+        slopes = np.geomspace(8.0, 0.5, HQ) if scale is not None else np.geomspace(0.5, 0.02, HQ)
+        options = dict(score_mod=cuflash.alibi(slopes.astype(np.float32)))
+        if window is not None:
+            options["window"] = window
+        launches.clear()
+        check_masked(dtype, B, HQ, HK, lq, lk, d, d, causal, seed, options, scale=scale)
+        hopper = [v for v in launches if v.family in ("fwd_wgmma", "bwd_dkdv_wgmma")]
+        assert {v.family for v in hopper} == {"fwd_wgmma", "bwd_dkdv_wgmma"}, [v.name for v in launches]
+        assert all("CUF_LINEAR_BIAS 1" in v.prelude and "CUF_USER_SCORE 1" not in v.prelude for v in hopper)
+
+
 def _packed_documents(rng, b: int, n: int) -> np.ndarray:
     """Ids (b, n) of documents back to back (each a run), one to six a row, the first row's last of length 1."""
     ids = np.zeros((b, n), np.int32)

@@ -4,12 +4,14 @@ takes its plan and launches exactly what the full path launched for it (the same
 same params and maps but for the array addresses); a call whose signature differs in anything the
 checks or the kernel choice read does not."""
 import ctypes
+from dataclasses import replace
 import functools
 import importlib.util
 import struct
 import threading
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -1361,6 +1363,61 @@ def test_score_modifications_alone_run_on_the_plain_kernels(fake):
     launches.clear()
     cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True, score_mod=softcap)
     assert not any(var.family == "bwd_dkdv_wgmma" for var, *_ in launches)
+
+
+def test_alibi_under_a_causal_band_takes_the_linear_bias(fake):
+    """ALiBi alone where no query sees a key after it (causal at the start, at the end with Lq >= Lk, a left
+    window with it) runs on the plain Hopper forward and dK/dV kernels with the linear bias's prelude, on the
+    tile and schedule the call has without it; the other kernels, and every other call (keys after the query
+    visible, EXTRA options, another modification beside it, float32, head dim 256, the deterministic backward),
+    take the modification's own prelude."""
+    dev, launches = fake
+    alibi = cuflash.alibi(dev.empty((4,), np.float32))
+
+    def run(shape=(2, 4, 1100, 64), dtype=np.float16, kshape=None, backward=True, **kwargs):
+        launches.clear()
+        q = dev.empty(shape, dtype)
+        k, v = (dev.empty(kshape or shape, dtype) for _ in range(2))
+        out, lse = cuflash.attention_forward(q, k, v, **kwargs)
+        if backward:
+            cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse,
+                                       **{n: kwargs[n] for n in kwargs if n != "return_lse"})
+        return [var for var, *_ in launches]
+
+    for shape, dtype, kshape, kwargs in (((2, 4, 1100, 64), np.float16, None, dict(causal=True)),
+                                         ((2, 4, 1100, 128), ml_dtypes.bfloat16, None,
+                                          dict(causal="bottom_right", window=(100, 0))),
+                                         ((2, 4, 300, 64), np.float16, (2, 4, 200, 64), dict(causal="bottom_right"))):
+        plain = run(shape, dtype, kshape, **kwargs)
+        linear = run(shape, dtype, kshape, score_mod=alibi, **kwargs)
+        hopper = [var for var in linear if var.family in model.LINEAR_BIAS_FAMILIES]
+        assert {var.family for var in hopper} == set(model.LINEAR_BIAS_FAMILIES)
+        assert all(model.linear_bias(var) and not var.extra for var in hopper)
+        assert [replace(var, prelude="") for var in linear] == plain   # the same tiles and schedules
+    mods = cuflash.mods.resolve(alibi)
+    for kwargs in (dict(causal=False), dict(causal="bottom_right", kshape=(2, 4, 1200, 64)), dict(window=(100, 5)),
+                   dict(causal=True, dropout_p=0.1, seed=1), dict(causal=True, score_mod=(alibi, cuflash.softcap(9.0))),
+                   dict(causal=True, dtype=np.float32), dict(causal=True, shape=(2, 4, 1100, 256)),
+                   dict(causal=True, deterministic=True)):
+        deterministic = kwargs.pop("deterministic", False)
+        kwargs.setdefault("score_mod", alibi)
+        if deterministic:
+            launches.clear()
+            q, k, v = _qkv(dev)
+            out, lse = cuflash.attention_forward(q, k, v, causal=True, score_mod=alibi)
+            assert model.linear_bias(launches[0][0])
+            launches.clear()
+            cuflash.attention_backward(dev.empty(out.shape, out.dtype), q, k, v, out, lse, causal=True,
+                                       score_mod=alibi, deterministic=True)
+            variants = [var for var, *_ in launches]
+        else:
+            variants = run(**kwargs)
+        assert not any(model.linear_bias(var) for var in variants), (kwargs, [var.name for var in variants])
+        scoring = [var for var in variants if var.family in model.SCORING_FAMILIES]
+        assert scoring and all("CUF_USER_SCORE 1" in var.prelude for var in scoring)
+    assert "CUF_LINEAR_BIAS 1" in mods.linear_prelude() and mods.linear
+    with pytest.raises(ValueError, match="linear"):
+        cuflash.mods.resolve((alibi, cuflash.softcap(9.0))).linear_prelude()
 
 
 def test_score_modifications_on_the_portable_kernels_take_their_extra_variants(fake, monkeypatch):

@@ -225,7 +225,8 @@ def _smem_fwd_wgmma(v: "Variant") -> int:
     if walk_ring(v):
         barriers += 2 + 2 * 2   # BlockWalk's two index slots and their full / empty barriers
     q_bytes = t.block_m * v.head * ITEMSIZE[v.dtype]
-    total = 1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype] + 8 * barriers
+    total = (1024 + ((t.block_m + 2 * t.stages * t.block_n) * v.head + bias) * ITEMSIZE[v.dtype] + 8 * barriers
+             + (t.block_n * 32 if linear_bias(v) else 0))   # the linear bias's B table (linear_bias.cuh)
     own_o = v.head >= 128 and v.schedule != "block" and total + q_bytes <= SMEM_LIMITS["sm_90 (H100, H200)"]
     return total + (q_bytes if own_o else 0)
 
@@ -235,6 +236,17 @@ SCHEDULES = {"block": 0, "stride": 1, "queue": 2}
 Hopper forward: "block" one CTA a query block; "stride" a persistent grid (one CTA an SM) whose CTAs
 stride over the blocks; "queue" a persistent grid whose CTAs take block indices from a zeroed counter
 the host passes (``FwdParams::block_queue``). The choice is ``select.schedule_for``."""
+
+
+LINEAR_BIAS_FAMILIES = ("fwd_wgmma", "bwd_dkdv_wgmma")
+"""The kernels that add a linear bias (cuflash.mods.alibi where no key after its query is visible) with one more
+tensor-core step a tile (kernels_cu/linear_bias.cuh): 16-bit Hopper, plain variants, head dims 64 and 128."""
+LINEAR_BIAS_SWITCH = "#define CUF_LINEAR_BIAS 1"
+
+
+def linear_bias(v: "Variant") -> bool:
+    """Whether a variant's prelude is a linear bias's (cuflash.mods.Mods.linear_prelude)."""
+    return LINEAR_BIAS_SWITCH in v.prelude
 
 
 def walkable(v: "Variant") -> bool:
@@ -270,7 +282,8 @@ def _smem_dkdv_wgmma(v: "Variant") -> int:
     bias = t.stages * t.block_m * t.block_n if v.extra else 0
     tiles = (2 * t.block_n * v.head + 2 * t.stages * t.block_m * v.head + ds + bias) * ITEMSIZE[v.dtype]
     dq_stage = 0 if split_head else 2 * 64 * 64 * 4
-    return 1024 + tiles + dq_stage + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
+    table = t.block_m * 32 if linear_bias(v) else 0   # the linear bias's B table over a step's queries
+    return 1024 + tiles + dq_stage + table + t.stages * 2 * t.block_m * 4 + 8 * (1 + 2 * t.stages)
 
 
 def _smem_fwd_fma(v: "Variant") -> int:
@@ -515,6 +528,9 @@ class Variant:
                             or (self.atomic_dq and self.family not in PACKED_ATOMIC_DQ_FAMILIES)):
             raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, and with "
                              f"atomic_dq only for {', '.join(PACKED_ATOMIC_DQ_FAMILIES)}")
+        if linear_bias(self) and (self.family not in LINEAR_BIAS_FAMILIES or self.extra or self.head > 128):
+            raise ValueError(f"a linear bias's prelude: only for {', '.join(LINEAR_BIAS_FAMILIES)} without EXTRA at "
+                             "head dims up to 128")
         if self.acc_out and (self.family != "fwd_wgmma" or self.packed or self.extra or self.prelude):
             raise ValueError("acc_out: only for fwd_wgmma without EXTRA, packing or user modifications")
         if self.dq_tiled and self.family != "bwd_convert_dq":

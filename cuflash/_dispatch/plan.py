@@ -27,7 +27,7 @@ from .._runtime.launch import KernelLaunch, run
 from .._runtime.params import DBIAS_OFF, MASK_OFF, PACKERS, HostArg, as_float32, bwd_params, fwd_params
 from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
-from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket
+from .model import LINEAR_BIAS_FAMILIES, MAX_GRID_X, SCORING_FAMILIES, head_bucket
 from .packed import Spans, device_table
 from .select import (CACHES_OF_CHOICES, DECODE_ROWS, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
                      forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS,
@@ -166,7 +166,8 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
             if not takes_plain_mods(variant):
                 variant = variant_x
         prelude = _mods_prelude(p, opts)
-        variant, portable = with_mods(variant, prelude), with_mods(portable, prelude)
+        variant, portable = _with_linear_bias(variant, _linear_prelude(p, opts, masking, extra), prelude), \
+            with_mods(portable, prelude)
     out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
     lse_dtype = acc_dtype(p.dtype)
     accumulator_out = accumulator_out and np.dtype(q.dtype) != np.dtype(lse_dtype)
@@ -217,6 +218,26 @@ def _maps_fit(masking, q, k, v) -> bool:
     """Whether the Hopper forward can take the call's arrays: tensor maps describe q, k and v and a bias is
     read by 16-byte chunks of its rows."""
     return masking.bias_in_chunks and tma.tma_ok(q, k, v) and tma.can_encode()
+
+
+def _linear_prelude(p, opts, masking, extra: bool) -> str:
+    """The linear bias's prelude (cuflash.mods.Mods.linear_prelude) where a 16-bit call's modifications are one
+    such bias (alibi), it has no EXTRA option and its band shows no query a key after it (hi <= 0: causal
+    aligned at the start, or at the end with Lq >= Lk), so that the bias is slope (kv - q) at every visible
+    score; else ""."""
+    if (extra or not opts.mods.linear or p.dtype not in ("float16", "bfloat16") or masking.band is None
+            or masking.band[1] > 0):
+        return ""
+    return opts.mods.linear_prelude()
+
+
+def _with_linear_bias(v, linear: str, prelude: str):
+    """``v`` with the linear bias's prelude where it is one of the kernels that add it (model.LINEAR_BIAS_FAMILIES,
+    plain, head dims up to 128; its tile and schedule kept: no per-element code), else with the call's
+    modifications (select.with_mods)."""
+    if linear and v.family in LINEAR_BIAS_FAMILIES and not v.extra and v.head <= 128:
+        return replace(v, prelude=linear)
+    return with_mods(v, prelude)
 
 
 def _mods_prelude(p, opts) -> str:
@@ -711,12 +732,13 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
                                extra=extra, vec=vec_loads_ok(d, dv, q, k, v, dout), deterministic=deterministic,
                                smem_limit=device.smem_limit(), dbias=want_dbias, precision=precision)
     prelude = _mods_prelude(p, opts) if opts.mods is not None else ""
-    variants = _with_mods_list(choose, device.compute_capability(), prelude)
+    linear = _linear_prelude(p, opts, masking, extra) if opts.mods is not None else ""
+    variants = _with_mods_list(choose, device.compute_capability(), prelude, linear)
     hopper = next((v_ for v_ in variants if v_.family == "bwd_dkdv_wgmma"), None)
     # (the Hopper kernel at head dim 256 forms dS from a 16-bit P in another warpgroup: no modifications)
     if hopper is not None and not (masking.bias_in_chunks and tma.tma_ok(q, dout, k, v) and tma.can_encode()
                                    and not (prelude and hopper.head == 256)):
-        variants, hopper = _with_mods_list(choose, device.MIN_COMPUTE_CAPABILITY, prelude), None
+        variants, hopper = _with_mods_list(choose, device.MIN_COMPUTE_CAPABILITY, prelude, linear), None
     dq_acc_shape = None if deterministic else dq_accumulator_shape(variants, b, hq, lq, d)
     maps = None
     if hopper is not None:   # atomic dQ: the accumulator is row-major; its map covers [..., :d]
@@ -753,13 +775,14 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
                         masking.param_grads)
 
 
-def _with_mods_list(choose, cc: int, prelude: str) -> list:
+def _with_mods_list(choose, cc: int, prelude: str, linear: str = "") -> list:
     """The backward list ``choose(cc=cc)`` with a call's user modifications (``prelude``) compiled into its
-    scoring kernels; where a plain one does not take them (select.PLAIN_MODS_FAMILIES), the EXTRA list."""
+    scoring kernels; where a plain one does not take them (select.PLAIN_MODS_FAMILIES), the EXTRA list. ``linear``:
+    the linear bias's prelude for the kernels that add it instead (_with_linear_bias)."""
     variants = choose(cc=cc)
     if prelude and not all(v.extra or takes_plain_mods(v) for v in variants if v.family in SCORING_FAMILIES):
         variants = choose(cc=cc, extra=True)
-    return [with_mods(v, prelude) for v in variants]
+    return [_with_linear_bias(v, linear, prelude) for v in variants]
 
 
 def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse):

@@ -1,0 +1,112 @@
+// linear_bias.cuh -- a score bias linear in the key-query distance, added by the tensor cores
+// (the Hopper forward and dK/dV kernels, 16-bit).
+//
+// ALiBi (cuflash.mods.alibi: -slope_h |q - kv| in log2 units) under a band that shows no query a key after
+// it (causal aligned so that kv <= q wherever visible) is c_h (kv - q) with c_h the slope in log2 units;
+// the plain kernels hold raw dot products and fold scale_log2 into the exponential, so they add
+// c (kv - q) with c = c_h / scale_log2 to S. For rows r and columns j of a tile that is a rank-2 matrix,
+// which one more k16 step of the tile's S = Q K^T adds with no work an element:
+//     A (registers, a row):        [a_hi, a_mid, a_lo, c_hi, c_mid, c_lo, 0 ... 0]
+//     B (shared memory, column j): [1, 1, 1, j, j, j, 0 ... 0]
+// a row's value a plus c j. a and c are each the sum of three bfloat16 parts (the fp32 value to ~2^-24),
+// products with 1 and with integers j < 256 are exact, and the tensor core sums them into S in fp32: the
+// bias to the precision of its own size, as c (kv - q) formed in fp32 would be. The step is bfloat16 for
+// float16 inputs too (an accumulator takes products of either type): fp32's range for a and c, which
+// float16 parts would overflow past 65504.
+//   Forward (rows: queries r of a block from m0, columns: keys n0 + j), c (kv - q) = c (n0 - r) + c j:
+//     at head dim 64 a = -c (r - m0) is the block's (formed once) and c (n0 - m0), in log2 units, is the
+//     tile's offset the online softmax adds to its max and exponent (warp_softmax_step: two adds a row a
+//     tile); at 128 a = c (n0 - r) is formed a tile (flash_fwd_wgmma.cu, LIN_OFFSET).
+//   dK/dV (S^T: rows keys kv, columns queries m0 + i of a step): a = c (kv - m0) and the slope parts those
+//     of -c, formed a step (the step's query head's slope).
+// The B table depends on neither head nor tile: it is written once a CTA, N rows of 16 columns K-major
+// without swizzle (core matrices of 8 rows x 16 bytes: the k halves 128 bytes apart, 8-row groups 256 bytes
+// apart).
+// The host compiles this in (CUF_LINEAR_BIAS, with cuf_linear_slope from the call's prelude: cuflash/mods.py,
+// Mods.linear_prelude) in place of the modification's per-element code, where the band allows it
+// (cuflash/_dispatch/plan.py).
+#pragma once
+#include "common.cuh"
+#include "wgmma.cuh"
+
+#ifndef CUF_LINEAR_BIAS
+#define CUF_LINEAR_BIAS 0
+#endif
+constexpr bool LINEAR_BIAS = CUF_LINEAR_BIAS;
+
+// Shared-memory bytes of the B table for N columns (0 when the bias is not compiled in).
+template <int N>
+struct LinearBiasTable {
+    static constexpr int BYTES = LINEAR_BIAS ? N * 32 : 0;
+    static_assert(N % 8 == 0 && N <= 256, "8-row core matrices; column indices exact in bfloat16");
+
+    // Write the table (generic pointer `table`, 16-byte aligned), THREADS threads from `thread`: one
+    // 16-byte chunk (a core-matrix row: 8 columns k of one n) each.
+    template <int THREADS>
+    __device__ __forceinline__ static void write(unsigned char* table, int thread) {
+        for (int chunk = thread; chunk < 2 * N; chunk += THREADS) {
+            const int group = chunk / 16, half = (chunk / 8) % 2, n = 8 * group + chunk % 8;
+            const float j = float(n);
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (half == 0) {   // k 0..7: 1, 1, 1, j, j, j, 0, 0
+                v.x = pack2<bf16_t>(1.0f, 1.0f);
+                v.y = pack2<bf16_t>(1.0f, j);
+                v.z = pack2<bf16_t>(j, j);
+            }
+            *reinterpret_cast<uint4*>(table + 256 * group + 128 * half + 16 * (n % 8)) = v;
+        }
+    }
+
+    // The descriptor of the table as a K-major B operand: no swizzle, LBO 128 (k halves), SBO 256 (8-row
+    // groups).
+    __device__ __forceinline__ static uint64 desc(unsigned table_addr) {
+        return (uint64)((table_addr & 0x3ffffu) >> 4) | ((uint64)(128 >> 4) << 16) | ((uint64)(256 >> 4) << 32);
+    }
+
+    // D (64 x N) += A B: the step, bfloat16 whatever the inputs' type.
+    __device__ __forceinline__ static void add(float (&d)[N / 2], const unsigned (&a)[4], unsigned table_addr) {
+        wgmma_rs_k<bf16_t, N>(d, a, desc(table_addr));
+    }
+};
+
+// x rounded to bfloat16, as fp32 (the rounding cvt and a shift back).
+__device__ __forceinline__ float round_to_bf16(float x) { return to_float(from_acc<bf16_t>(x)); }
+
+// The A fragment of the extra k16 step. Lane t = lane % 4 holds k columns 2t, 2t + 1 of rows g and g + 8
+// (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]: zero): t = 0 a row's (a_hi, a_mid), t = 1 (a_lo, c_hi),
+// t = 2 (c_mid, c_lo), t = 3 zeros.
+struct LinearBiasSlope {
+    float c_hi;         // the slope's first part, t = 1's high half
+    unsigned c_rest;    // (c_mid, c_lo) packed: t = 2's word
+
+    // c: the slope in A (raw-score units a column).
+    __device__ __forceinline__ static LinearBiasSlope of(float c) {
+        LinearBiasSlope s;
+        s.c_hi = round_to_bf16(c);
+        const float rest = c - s.c_hi, c_mid = round_to_bf16(rest);
+        s.c_rest = pack2<bf16_t>(c_mid, rest - c_mid);
+        return s;
+    }
+
+    // The word of lane t for a row whose value is a (raw-score units).
+    __device__ __forceinline__ unsigned word(float a, int t) const {
+        const float hi = round_to_bf16(a), rest = a - hi, mid = round_to_bf16(rest);
+        const unsigned first = pack2<bf16_t>(t == 0 ? hi : rest - mid, t == 0 ? mid : c_hi);
+        return t < 2 ? first : t == 2 ? c_rest : 0u;
+    }
+
+    // This lane's A fragment for rows whose values are a0 (row g) and a1 (row g + 8).
+    __device__ __forceinline__ void frag(unsigned (&a)[4], float a0, float a1, int lane) const {
+        const int t = lane % 4;
+        a[0] = word(a0, t);
+        a[1] = word(a1, t);
+        a[2] = 0u;
+        a[3] = 0u;
+    }
+};
+
+#if !CUF_LINEAR_BIAS
+// Without the call's prelude: never called (every use is behind LINEAR_BIAS).
+template <typename A>
+__device__ __forceinline__ A cuf_linear_slope(int, const unsigned long long*) { return A(0); }
+#endif
