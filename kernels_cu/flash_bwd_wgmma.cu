@@ -470,10 +470,10 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& p, const Bwd
 
         // S^T = K_c Q^T and dP^T = V_c dO^T: this warp's 16 keys x BM queries each.
         float st[BM / 8][4], dpt[BM / 8][4];
-        unsigned lin_a[4];   // LINEAR_BIAS: this lane's keys of the extra step, c (key - m0) each, slope -c
+        unsigned lin_a[4];   // LINEAR_BIAS: this lane's keys of the extra step, c (key - m0 - BM / 2), slope -c
         if constexpr (LINEAR_BIAS) {
             const float c = cuf_linear_slope<float>(head, mod.m.mod_args) / mod.scale_log2;
-            const int from_m0 = blk.n0 + key_row + lane / 4 - m0;
+            const int from_m0 = blk.n0 + key_row + lane / 4 - m0 - BM / 2;
             LinearBiasSlope::of(-c).frag(lin_a, c * float(from_m0), c * float(from_m0 + 8), lane);
             fence_regs(lin_a);   // formed before the wgmma fence (else ptxas inserts one before the step: C7519)
         }

@@ -246,11 +246,19 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     // Everywhere modifications before the mask (mask_and_modify), but in the band kernels past head dim 64: the
     // causal D = 128 kernel with ALiBi spilled 160 bytes that way (NVRTC 12.9).
     constexpr bool MODS_FIRST = !(Flags::BAND && HEAD > 64);
-    // LINEAR_BIAS at head dim 64: the A fragment of the linear bias's step is the block's, -c (row - m0), and each
-    // tile's c (n0 - m0) is the softmax's offset (linear_bias.cuh); past 64 it is formed a tile with that part in
-    // it, c (n0 - row), and the softmax as it is: the offset's registers spill 16-32 bytes in the band kernel at
-    // 128 (NVRTC 12.9), whose loop waits on the tensor cores rather than on issue.
-    constexpr bool LIN_OFFSET = HEAD == 64;
+    // LINEAR_BIAS at head dim 64: the A fragment of the linear bias's step is the warp's, -c (row - w0), and each
+    // tile's c (n0 + BN / 2 - w0) is the softmax's offset (linear_bias.cuh); past 64 it is formed a tile with that
+    // part in it, c (n0 + BN / 2 - row), and the softmax as it is: the offset's registers spill 16-32 bytes in the
+    // band kernel at 128 (NVRTC 12.9), whose loop waits on the tensor cores rather than on issue.
+    // LINEAR_BIAS past head dim 64: the step's A formed a tile, c (n0 + BN / 2 - row), with no softmax offset
+    // (linear_bias.cuh): the offset's registers, held through the key loop, spill 16-32 bytes in the band
+    // kernel at 128 (NVRTC 12.9). (An FFMA an element in place of the step measured within 2% of its time at
+    // both head dims, benchmarks/NOTES.md, and spilled at 128 too.)
+    constexpr bool LIN_TILE_A = LINEAR_BIAS && HEAD > 64;
+    // LIN_FIRST (no OVERLAP_PV): the step is issued before K's tile is waited for (its product reads no tile
+    // data) and S = Q K^T accumulates onto it; with OVERLAP_PV after Q K^T, so that the previous tile's P is
+    // not waited for longer.
+    constexpr bool LIN_FIRST = LINEAR_BIAS && !Tr::OVERLAP_PV;
     static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
     static_assert(!(PACKED && ACC_OUT), "packed sequences store O in their own type");
     // O staged for the copy engine: 16-bit rows only (an ACC_OUT row goes out from the registers).
@@ -404,16 +412,16 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
         const float x_per_s = mod.x_per_score();
         const int warp_row0 = blk.m0 + cwarp * 16;
-        // LINEAR_BIAS: the slope c in raw-score units and the extra step's A fragment, c (shift - row) for this
-        // lane's rows from m0: formed once a block (LIN_OFFSET, shift 0) or a tile (shift n0 - m0)
+        // LINEAR_BIAS: the slope c in raw-score units and the step's A fragment, c (shift - row) for this lane's
+        // rows from the warp's first: the block's (shift 0) or (LIN_TILE_A) a tile's (shift n0 + BN / 2 - w0)
         const float lin_c = LINEAR_BIAS ? cuf_linear_slope<float>(blk.head, p.mask.mod_args) / mod.scale_log2 : 0.0f;
         unsigned lin_a[4];
         auto form_lin_a = [&](int shift) {
-            const int to_row = shift - cwarp * 16 - lane / 4;
+            const int to_row = shift - lane / 4;
             LinearBiasSlope::of(lin_c).frag(lin_a, lin_c * float(to_row), lin_c * float(to_row - 8), lane);
             fence_regs(lin_a);   // formed before the wgmma fence (else ptxas inserts one before the step: C7519)
         };
-        if (LINEAR_BIAS && LIN_OFFSET) form_lin_a(0);
+        if (LINEAR_BIAS && !LIN_TILE_A) form_lin_a(0);
         start_rows(acc_o, row_max, row_sum);
         unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
 
@@ -426,19 +434,23 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             const int stage = t & 1;
             const unsigned full_parity = (t >> 1) & 1;
             const int next = next_tile(j + 1);
-            mbar_wait(sm.k_full(stage), full_parity);
-
             // S = Q K^T for this warp's 16 rows and (OVERLAP_PV), in flight meanwhile, O += P V of
             // the previous tile.
             float s[1][Tr::S_TILES][4];
+            if (LIN_TILE_A) form_lin_a(j * BN + BN / 2 - warp_row0);
+            if constexpr (LIN_FIRST) {
+                wgmma_fence();
+                LinearBiasTable<BN>::add(flat(s), lin_a, sm.lin, false);
+            }
+            mbar_wait(sm.k_full(stage), full_parity);
             const unsigned k_tile = sm.k_tile(stage);
-            if (LINEAR_BIAS && !LIN_OFFSET) form_lin_a(j * BN - blk.m0);
             my_turn();
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < HEAD / 16; ++kk)
-                wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128), kk > 0);
-            if constexpr (LINEAR_BIAS) LinearBiasTable<BN>::add(flat(s), lin_a, sm.lin);
+                wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128),
+                                kk > 0 || LIN_FIRST);
+            if constexpr (LINEAR_BIAS && !LIN_FIRST) LinearBiasTable<BN>::add(flat(s), lin_a, sm.lin);
             wgmma_commit();
             if (Tr::OVERLAP_PV && t > t0) {
                 mbar_wait(sm.v_full(stage ^ 1), ((t - 1) >> 1) & 1);
@@ -484,11 +496,11 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 s[0][n][2 * r] = p0;
                 s[0][n][2 * r + 1] = p1;
             };
-            // (LINEAR_BIAS with LIN_OFFSET: the tile's offset c (n0 - m0) in log2 units)
+            // (LINEAR_BIAS with the block's A: the tile's offset c (n0 + BN / 2 - w0) in log2 units)
             const bool moved = warp_softmax_step<Tr, 1, decltype(note_correction), decltype(keep_p),
-                                                 LINEAR_BIAS && LIN_OFFSET>(
+                                                 LINEAR_BIAS && !LIN_TILE_A>(
                 s, row_max, row_sum, softmax_x_per_s(x_per_s), note_correction, keep_p,
-                lin_c * mod.scale_log2 * float(n0 - blk.m0));
+                lin_c * mod.scale_log2 * float(n0 + BN / 2 - warp_row0));
             // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).
             if constexpr (Flags::EXTRA) apply_dropout_frags(s[0], mod, warp_row0 + lane / 4, n0, lane);
             if constexpr (Tr::OVERLAP_PV) {

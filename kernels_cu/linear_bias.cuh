@@ -4,21 +4,25 @@
 // ALiBi (cuflash.mods.alibi: -slope_h |q - kv| in log2 units) under a band that shows no query a key after
 // it (causal aligned so that kv <= q wherever visible) is c_h (kv - q) with c_h the slope in log2 units;
 // the plain kernels hold raw dot products and fold scale_log2 into the exponential, so they add
-// c (kv - q) with c = c_h / scale_log2 to S. For rows r and columns j of a tile that is a rank-2 matrix,
-// which one more k16 step of the tile's S = Q K^T adds with no work an element:
+// c (kv - q) with c = c_h / scale_log2 to S. For rows r and columns j of an N-column tile that is a rank-2
+// matrix, which one more k16 step of the tile's S = Q K^T adds with no work an element:
 //     A (registers, a row):        [a_hi, a_mid, a_lo, c_hi, c_mid, c_lo, 0 ... 0]
-//     B (shared memory, column j): [1, 1, 1, j, j, j, 0 ... 0]
-// a row's value a plus c j. a and c are each the sum of three bfloat16 parts (the fp32 value to ~2^-24),
-// products with 1 and with integers j < 256 are exact, and the tensor core sums them into S in fp32: the
-// bias to the precision of its own size, as c (kv - q) formed in fp32 would be. The step is bfloat16 for
-// float16 inputs too (an accumulator takes products of either type): fp32's range for a and c, which
-// float16 parts would overflow past 65504.
-//   Forward (rows: queries r of a block from m0, columns: keys n0 + j), c (kv - q) = c (n0 - r) + c j:
-//     at head dim 64 a = -c (r - m0) is the block's (formed once) and c (n0 - m0), in log2 units, is the
-//     tile's offset the online softmax adds to its max and exponent (warp_softmax_step: two adds a row a
-//     tile); at 128 a = c (n0 - r) is formed a tile (flash_fwd_wgmma.cu, LIN_OFFSET).
-//   dK/dV (S^T: rows keys kv, columns queries m0 + i of a step): a = c (kv - m0) and the slope parts those
-//     of -c, formed a step (the step's query head's slope).
+//     B (shared memory, column j): [1, 1, 1, u, u, u, 0 ... 0]     u = j - N / 2
+// a row's value a plus c u. a and c are each the sum of three bfloat16 parts (the fp32 value to ~2^-24),
+// products with 1 and with integers |u| <= 128 are exact, and the tensor core sums them into S in fp32. It
+// aligns a step's products to the largest before it adds them, so the bias carries an error of about
+// 2^-24 of its largest term, c N / 2 (2^-17 x slope in natural units a column at N = 128) where
+// c (kv - q) formed in fp32 would carry 2^-24 of its own size: columns centred (u) and rows taken from
+// the nearest fixed point keep both terms that small near the diagonal. The step is bfloat16 for float16
+// inputs too (an accumulator takes products of either type): fp32's range for a and c, which float16
+// parts would overflow past 65504.
+//   Forward (rows: queries r, columns: keys n0 + j): c (kv - q) = c (n0 + N / 2 - w0) + a + c u with, at head
+//     dim 64, a = -c (r - w0) the warp's (w0 its first row; formed once a block) and c (n0 + N / 2 - w0), in
+//     log2 units, the tile's offset the online softmax adds to its max and exponent (warp_softmax_step: two
+//     adds a row a tile); past 64 a = c (n0 + N / 2 - r), formed a tile (the offset's registers held through
+//     the key loop spill there: flash_fwd_wgmma.cu, LIN_TILE_A).
+//   dK/dV (S^T: rows keys kv, columns queries m0 + j of a step): a = c (kv - m0 - N / 2) and the slope
+//     parts those of -c, formed a step (the step's query head's slope).
 // The B table depends on neither head nor tile: it is written once a CTA, N rows of 16 columns K-major
 // without swizzle (core matrices of 8 rows x 16 bytes: the k halves 128 bytes apart, 8-row groups 256 bytes
 // apart).
@@ -38,7 +42,7 @@ constexpr bool LINEAR_BIAS = CUF_LINEAR_BIAS;
 template <int N>
 struct LinearBiasTable {
     static constexpr int BYTES = LINEAR_BIAS ? N * 32 : 0;
-    static_assert(N % 8 == 0 && N <= 256, "8-row core matrices; column indices exact in bfloat16");
+    static_assert(N % 8 == 0 && N <= 256, "8-row core matrices; centred column indices exact in bfloat16");
 
     // Write the table (generic pointer `table`, 16-byte aligned), THREADS threads from `thread`: one
     // 16-byte chunk (a core-matrix row: 8 columns k of one n) each.
@@ -46,12 +50,12 @@ struct LinearBiasTable {
     __device__ __forceinline__ static void write(unsigned char* table, int thread) {
         for (int chunk = thread; chunk < 2 * N; chunk += THREADS) {
             const int group = chunk / 16, half = (chunk / 8) % 2, n = 8 * group + chunk % 8;
-            const float j = float(n);
+            const float u = float(n - N / 2);
             uint4 v = make_uint4(0, 0, 0, 0);
-            if (half == 0) {   // k 0..7: 1, 1, 1, j, j, j, 0, 0
+            if (half == 0) {   // k 0..7: 1, 1, 1, u, u, u, 0, 0
                 v.x = pack2<bf16_t>(1.0f, 1.0f);
-                v.y = pack2<bf16_t>(1.0f, j);
-                v.z = pack2<bf16_t>(j, j);
+                v.y = pack2<bf16_t>(1.0f, u);
+                v.z = pack2<bf16_t>(u, u);
             }
             *reinterpret_cast<uint4*>(table + 256 * group + 128 * half + 16 * (n % 8)) = v;
         }
@@ -63,9 +67,10 @@ struct LinearBiasTable {
         return (uint64)((table_addr & 0x3ffffu) >> 4) | ((uint64)(128 >> 4) << 16) | ((uint64)(256 >> 4) << 32);
     }
 
-    // D (64 x N) += A B: the step, bfloat16 whatever the inputs' type.
-    __device__ __forceinline__ static void add(float (&d)[N / 2], const unsigned (&a)[4], unsigned table_addr) {
-        wgmma_rs_k<bf16_t, N>(d, a, desc(table_addr));
+    // D (64 x N) = A B + (accumulate ? D : 0): the step, bfloat16 whatever the inputs' type.
+    __device__ __forceinline__ static void add(float (&d)[N / 2], const unsigned (&a)[4], unsigned table_addr,
+                                               bool accumulate = true) {
+        wgmma_rs_k<bf16_t, N>(d, a, desc(table_addr), accumulate);
     }
 };
 

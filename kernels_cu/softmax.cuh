@@ -169,7 +169,7 @@ __device__ __forceinline__ void stat_pair_of(const float* stats, int row, float 
 // is still being written by an asynchronous MMA (the wgmma kernel). Returns
 // whether any row of the warp moved (warp-uniform).
 // OFFSET: every score of the tile is x + offset (log2 units; the linear bias's per-tile part,
-// linear_bias.cuh): added to the tile's max and to each row's exponent reference, two adds a row.
+// linear_bias.cuh): added to the tile's max and taken off each row's exponent reference, two adds a row.
 template <typename Tr, int M, typename RescaleO, typename EmitP, bool OFFSET = false>
 __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
                                                   float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o,

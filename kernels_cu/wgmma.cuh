@@ -176,9 +176,10 @@ __device__ __forceinline__ void wgmma_ss_bmn(float (&d)[N / 2], uint64 desc_a, u
 // 16 rows) and B MN-major from shared memory (read transposed): O += P V.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b);
-// The same with B K-major (not transposed): the linear bias's table (linear_bias.cuh).
+// D (64 x N) = A B + (accumulate ? D : 0) with A from registers and B K-major (not transposed): the linear
+// bias's table (linear_bias.cuh).
 template <typename T, int N>
-__device__ __forceinline__ void wgmma_rs_k(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b);
+__device__ __forceinline__ void wgmma_rs_k(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b, int accumulate);
 
 // One specialisation per (type, N); the operand numbers follow the accumulators
 // (N / 2 of them): A_OPS / B_OP / SCALE_OP name them. TNSP: the transpose bits of A
@@ -195,16 +196,24 @@ __device__ __forceinline__ void wgmma_rs_k(float (&d)[N / 2], const unsigned (&a
 #define CUF_WGMMA_SS(...) CUF_WGMMA_SS_(wgmma_ss, "0, 0", __VA_ARGS__)
 #define CUF_WGMMA_SS_MN(...) CUF_WGMMA_SS_(wgmma_ss_mn, "1, 1", __VA_ARGS__)
 #define CUF_WGMMA_SS_BMN(...) CUF_WGMMA_SS_(wgmma_ss_bmn, "0, 1", __VA_ARGS__)
-#define CUF_WGMMA_RS_(NAME, TNSP_B, TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                    \
+#define CUF_WGMMA_RS(TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                                    \
     template <>                                                                                              \
-    __device__ __forceinline__ void NAME<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4], uint64 desc_b) { \
+    __device__ __forceinline__ void wgmma_rs<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4],           \
+                                                      uint64 desc_b) {                                       \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_OP ", 0;\n"                                  \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " " REGS ", "   \
-                     A_OPS ", " B_OP ", p, 1, 1, " TNSP_B ";\n}\n"                                           \
+                     A_OPS ", " B_OP ", p, 1, 1, 1;\n}\n"                                                    \
                      : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));          \
     }
-#define CUF_WGMMA_RS(...) CUF_WGMMA_RS_(wgmma_rs, "1", __VA_ARGS__)
-#define CUF_WGMMA_RS_K(...) CUF_WGMMA_RS_(wgmma_rs_k, "0", __VA_ARGS__)
+#define CUF_WGMMA_RS_K(TYPE, PTX_TYPE, N, REGS, ACC, A_OPS, B_OP, SCALE_OP)                                  \
+    template <>                                                                                              \
+    __device__ __forceinline__ void wgmma_rs_k<TYPE, N>(float (&d)[N / 2], const unsigned (&a)[4],         \
+                                                        uint64 desc_b, int accumulate) {                     \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_OP ", 0;\n"                                  \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " " REGS ", "   \
+                     A_OPS ", " B_OP ", p, 1, 1, 0;\n}\n"                                                    \
+                     : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)); \
+    }
 CUF_WGMMA_SS(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_SS(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "%32", "%33", "%34")
 CUF_WGMMA_SS(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "%64", "%65", "%66")

@@ -96,10 +96,11 @@ def test_deterministic_backward_with_modifications(dtype, kind):
 
 LINEAR_SHAPES = [(113, 113, True, None, None), (300, 300, "bottom_right", (64, 0), None),
                  (150, 113, "bottom_right", None, None), (1030, 1030, True, None, None),
-                 (700, 700, True, (200, None), 0.02)]
+                 (700, 700, True, (200, None), 0.002)]
 """(Lq, Lk, causal, window, scale): no query sees a key after it. Short and long rows (the Hopper forward's
 two-CTA tile and its walking grids), a window, Lq > Lk aligned at the end (the band's top edge below the
-diagonal), and steep slopes under a small scale (slope / scale: 400 raw-score units a key)."""
+diagonal), and slopes up to 1 (ALiBi's own are below) under a small scale: slope / scale up to 500 raw-score
+units a key, whose terms in the far tiles pass float16's range (the step is bfloat16)."""
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -109,7 +110,7 @@ def test_alibi_under_a_causal_band_is_added_by_the_tensor_cores(launches, dtype,
     tensor-core step a tile (kernels_cu/linear_bias.cuh, no per-element code), against the reference."""
     for d in (64, 128):
         seed = seed_of(dtype, lq, lk, str(causal), window, scale, d, "linear")
-        slopes = np.geomspace(8.0, 0.5, HQ) if scale is not None else np.geomspace(0.5, 0.02, HQ)
+        slopes = np.geomspace(1.0, 0.25, HQ) if scale is not None else np.geomspace(0.5, 0.02, HQ)
         options = dict(score_mod=cuflash.alibi(slopes.astype(np.float32)))
         if window is not None:
             options["window"] = window
@@ -118,6 +119,24 @@ def test_alibi_under_a_causal_band_is_added_by_the_tensor_cores(launches, dtype,
         hopper = [v for v in launches if v.family in ("fwd_wgmma", "bwd_dkdv_wgmma")]
         assert {v.family for v in hopper} == {"fwd_wgmma", "bwd_dkdv_wgmma"}, [v.name for v in launches]
         assert all("CUF_LINEAR_BIAS 1" in v.prelude and "CUF_USER_SCORE 1" not in v.prelude for v in hopper)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_alibi_of_the_tensor_cores_with_a_deterministic_backward(launches, dtype):
+    """The tensor-core forward's out and lse taken by the portable deterministic backward (the modification's
+    own per-element code): the gradients against the reference, bitwise the same twice."""
+    seed = seed_of(dtype, "linear deterministic")
+    options = dict(score_mod=cuflash.alibi(np.geomspace(0.5, 0.02, HQ).astype(np.float32)))
+    _, grads = check_masked(dtype, B, HQ, HK, LK, LK, 64, 64, True, seed, options, deterministic=True)
+    assert any(v.family == "fwd_wgmma" and "CUF_LINEAR_BIAS 1" in v.prelude for v in launches)
+    assert not any("CUF_LINEAR_BIAS 1" in v.prelude for v in launches if v.family.startswith("bwd"))
+    rng = np.random.default_rng(seed)
+    _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LK, LK, 64, 64)
+    dev = device_options(options, dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
+    for a, b in zip(grads, again):
+        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
 
 
 def _packed_documents(rng, b: int, n: int) -> np.ndarray:
