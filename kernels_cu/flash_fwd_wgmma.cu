@@ -421,7 +421,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             LinearBiasSlope::of(lin_c).frag(lin_a, lin_c * float(to_row), lin_c * float(to_row - 8), lane);
             fence_regs(lin_a);   // formed before the wgmma fence (else ptxas inserts one before the step: C7519)
         };
-        if (LINEAR_BIAS && !LIN_TILE_A) form_lin_a(0);
+        if (LINEAR_BIAS) form_lin_a(0);
         start_rows(acc_o, row_max, row_sum);
         unsigned p_frag[BN / 16][4] = {};   // P of the previous tile: the A operand of its O += P V, 16 keys a step
 
@@ -437,10 +437,15 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             // S = Q K^T for this warp's 16 rows and (OVERLAP_PV), in flight meanwhile, O += P V of
             // the previous tile.
             float s[1][Tr::S_TILES][4];
-            if (LIN_TILE_A) form_lin_a(j * BN + BN / 2 - warp_row0);
+            unsigned lin_tile_a[4];   // LIN_TILE_A: the block's with the tile's shift c (n0 + BN / 2 - w0)
+            if constexpr (LIN_TILE_A) {
+                LinearBiasSlope::with_shift(lin_tile_a, lin_a, lin_c * float(j * BN + BN / 2 - warp_row0), lane);
+                fence_regs(lin_tile_a);
+            }
+            auto& lin_step_a = LIN_TILE_A ? lin_tile_a : lin_a;
             if constexpr (LIN_FIRST) {
                 wgmma_fence();
-                LinearBiasTable<BN>::add(flat(s), lin_a, sm.lin, false);
+                LinearBiasTable<BN>::add(flat(s), lin_step_a, sm.lin, false);
             }
             mbar_wait(sm.k_full(stage), full_parity);
             const unsigned k_tile = sm.k_tile(stage);
@@ -450,7 +455,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             for (int kk = 0; kk < HEAD / 16; ++kk)
                 wgmma_ss<T, BN>(flat(s), k_major_desc(q_wg, kk, BM * 128), k_major_desc(k_tile, kk, BN * 128),
                                 kk > 0 || LIN_FIRST);
-            if constexpr (LINEAR_BIAS && !LIN_FIRST) LinearBiasTable<BN>::add(flat(s), lin_a, sm.lin);
+            if constexpr (LINEAR_BIAS && !LIN_FIRST) LinearBiasTable<BN>::add(flat(s), lin_step_a, sm.lin);
             wgmma_commit();
             if (Tr::OVERLAP_PV && t > t0) {
                 mbar_wait(sm.v_full(stage ^ 1), ((t - 1) >> 1) & 1);

@@ -52,10 +52,13 @@ struct LinearBiasTable {
             const int group = chunk / 16, half = (chunk / 8) % 2, n = 8 * group + chunk % 8;
             const float u = float(n - N / 2);
             uint4 v = make_uint4(0, 0, 0, 0);
-            if (half == 0) {   // k 0..7: 1, 1, 1, u, u, u, 0, 0
+            if (half == 0) {   // k 0..7: 1, 1, 1, u, u, u, 1, 1
                 v.x = pack2<bf16_t>(1.0f, 1.0f);
                 v.y = pack2<bf16_t>(1.0f, u);
                 v.z = pack2<bf16_t>(u, u);
+                v.w = pack2<bf16_t>(1.0f, 1.0f);
+            } else {           // k 8..15: 1, 0 ... 0
+                v.x = pack2<bf16_t>(1.0f, 0.0f);
             }
             *reinterpret_cast<uint4*>(table + 256 * group + 128 * half + 16 * (n % 8)) = v;
         }
@@ -98,6 +101,20 @@ struct LinearBiasSlope {
         const float hi = round_to_bf16(a), rest = a - hi, mid = round_to_bf16(rest);
         const unsigned first = pack2<bf16_t>(t == 0 ? hi : rest - mid, t == 0 ? mid : c_hi);
         return t < 2 ? first : t == 2 ? c_rest : 0u;
+    }
+
+    // The fragment `block` (frag's) with the tile's shift t (raw-score units; the same for every row) in k columns
+    // 6, 7 and 8 (the table's third 1, 1, 1): t's parts (t_hi, t_mid) in lane 3's a[0], a[1] and (t_lo, 0) in
+    // lane 0's a[2], a[3], where frag leaves zeros.
+    __device__ __forceinline__ static void with_shift(unsigned (&a)[4], const unsigned (&block)[4], float shift,
+                                                      int lane) {
+        const int t = lane % 4;
+        const float hi = round_to_bf16(shift), rest = shift - hi, mid = round_to_bf16(rest);
+        const unsigned high = pack2<bf16_t>(hi, mid), low = pack2<bf16_t>(rest - mid, 0.0f);
+        a[0] = t == 3 ? high : block[0];
+        a[1] = t == 3 ? high : block[1];
+        a[2] = t == 0 ? low : 0u;
+        a[3] = a[2];
     }
 
     // This lane's A fragment for rows whose values are a0 (row g) and a1 (row g + 8).
