@@ -1369,8 +1369,9 @@ def test_alibi_under_a_causal_band_takes_the_linear_bias(fake):
     """ALiBi alone where no query sees a key after it (causal at the start, at the end with Lq >= Lk, a left
     window with it) runs on the plain Hopper forward and dK/dV kernels with the linear bias's prelude, on the
     tile and schedule the call has without it; the other kernels, and every other call (keys after the query
-    visible, EXTRA options, another modification beside it, float32, head dim 256, the deterministic backward),
-    take the modification's own prelude."""
+    visible: no causal mask, at the end with Lq < Lk, a window reaching right; EXTRA options, another
+    modification beside it, float32, head dim 256, the deterministic backward), take the modification's own
+    prelude."""
     dev, launches = fake
     alibi = cuflash.alibi(dev.empty((4,), np.float32))
 
