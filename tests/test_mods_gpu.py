@@ -80,18 +80,24 @@ def test_modifications_on_the_portable_kernels(monkeypatch, dtype, kind):
     check_masked(dtype, B, HQ, HK, LQ, LK, 64, 64, True, seed, _options(kind, seed))
 
 
+def _same_bits_again(dtype, seed, options, grads, lq, lk):
+    """The deterministic backward again on check_masked's inputs (``seed``, causal, head dim 64): bitwise the
+    gradients ``grads``."""
+    rng = np.random.default_rng(seed)
+    _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, lq, lk, 64, 64)
+    dev = device_options(options, dtype)
+    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
+    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
+    for a, b in zip(grads, again):
+        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+
+
 @pytest.mark.parametrize("kind", ["softcap", "document"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_deterministic_backward_with_modifications(dtype, kind):
     seed = seed_of(dtype, kind, "deterministic")
     _, grads = check_masked(dtype, B, HQ, HK, LQ, LK, 64, 64, True, seed, _options(kind, seed), deterministic=True)
-    rng = np.random.default_rng(seed)
-    _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LQ, LK, 64, 64)
-    dev = device_options(_options(kind, seed), dtype)
-    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
-    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
-    for a, b in zip(grads, again):
-        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+    _same_bits_again(dtype, seed, _options(kind, seed), grads, LQ, LK)
 
 
 LINEAR_SHAPES = [(113, 113, True, None, None), (300, 300, "bottom_right", (64, 0), None),
@@ -130,13 +136,7 @@ def test_alibi_of_the_tensor_cores_with_a_deterministic_backward(launches, dtype
     _, grads = check_masked(dtype, B, HQ, HK, LK, LK, 64, 64, True, seed, options, deterministic=True)
     assert any(v.family == "fwd_wgmma" and "CUF_LINEAR_BIAS 1" in v.prelude for v in launches)
     assert not any("CUF_LINEAR_BIAS 1" in v.prelude for v in launches if v.family.startswith("bwd"))
-    rng = np.random.default_rng(seed)
-    _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LK, LK, 64, 64)
-    dev = device_options(options, dtype)
-    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
-    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
-    for a, b in zip(grads, again):
-        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+    _same_bits_again(dtype, seed, options, grads, LK, LK)
 
 
 def _packed_documents(rng, b: int, n: int) -> np.ndarray:
@@ -177,13 +177,7 @@ def test_a_document_mask_of_runs_deterministic_backward(launches, dtype):
     options = dict(mask_mod=cuflash.document_mask(_packed_documents(np.random.default_rng(seed), B, LK)))
     _, grads = check_masked(dtype, B, HQ, HK, LK, LK, 64, 64, True, seed, options, deterministic=True)
     assert all(v.packed for v in launches if v.family in SCORING_FAMILIES)
-    rng = np.random.default_rng(seed)
-    _, (qd, kd, vd, dod) = make_grad_inputs(rng, dtype, B, HQ, HK, LK, LK, 64, 64)
-    dev = device_options(options, dtype)
-    out, lse = cuflash.attention_forward(qd, kd, vd, causal=True, **dev)
-    again = cuflash.attention_backward(dod, qd, kd, vd, out, lse, causal=True, deterministic=True, **dev)
-    for a, b in zip(grads, again):
-        assert bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+    _same_bits_again(dtype, seed, options, grads, LK, LK)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
