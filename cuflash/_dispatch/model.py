@@ -240,7 +240,7 @@ the host passes (``FwdParams::block_queue``). The choice is ``select.schedule_fo
 
 LINEAR_BIAS_FAMILIES = ("fwd_wgmma", "bwd_dkdv_wgmma")
 """The kernels that add a linear bias (cuflash.mods.alibi where no key after its query is visible) with one more
-tensor-core step a tile (kernels_cu/linear_bias.cuh): 16-bit Hopper, plain variants, head dims 64 and 128."""
+tensor-core step a tile (kernels_cu/linear_bias.cuh): 16-bit Hopper, plain variants, head dims up to 128."""
 LINEAR_BIAS_SWITCH = "#define CUF_LINEAR_BIAS 1"
 
 
