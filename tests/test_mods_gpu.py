@@ -100,21 +100,21 @@ def test_deterministic_backward_with_modifications(dtype, kind):
     _same_bits_again(dtype, seed, _options(kind, seed), grads, LQ, LK)
 
 
-LINEAR_SHAPES = [(113, 113, True, None, None), (300, 300, "bottom_right", (64, 0), None),
-                 (150, 113, "bottom_right", None, None), (1030, 1030, True, None, None),
-                 (700, 700, True, (200, None), 0.002)]
-"""(Lq, Lk, causal, window, scale): no query sees a key after it. Short and long rows (the Hopper forward's
+LINEAR_SHAPES = [(113, 113, True, None, None, (40, 64, 96, 128)), (300, 300, "bottom_right", (64, 0), None, (64, 128)),
+                 (150, 113, "bottom_right", None, None, (64, 128)), (1030, 1030, True, None, None, (64, 128)),
+                 (700, 700, True, (200, None), 0.002, (64, 128))]
+"""(Lq, Lk, causal, window, scale, head dims): no query sees a key after it; head dims that fill part of a tile. Short and long rows (the Hopper forward's
 two-CTA tile and its walking grids), a window, Lq > Lk aligned at the end (the band's top edge below the
 diagonal), and slopes up to 1 (ALiBi's own are below) under a small scale: slope / scale up to 500 raw-score
 units a key, whose terms in the far tiles pass float16's range (the step is bfloat16)."""
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("lq, lk, causal, window, scale", LINEAR_SHAPES)
-def test_alibi_under_a_causal_band_is_added_by_the_tensor_cores(launches, dtype, lq, lk, causal, window, scale):
+@pytest.mark.parametrize("lq, lk, causal, window, scale, dims", LINEAR_SHAPES)
+def test_alibi_under_a_causal_band_is_added_by_the_tensor_cores(launches, dtype, lq, lk, causal, window, scale, dims):
     """ALiBi where no query sees a key after it: the Hopper forward and dK/dV kernels add it in one more
     tensor-core step a tile (kernels_cu/linear_bias.cuh, no per-element code), against the reference."""
-    for d in (64, 128):
+    for d in dims:
         seed = seed_of(dtype, lq, lk, str(causal), window, scale, d, "linear")
         slopes = np.geomspace(1.0, 0.25, HQ) if scale is not None else np.geomspace(0.5, 0.02, HQ)
         options = dict(score_mod=cuflash.alibi(slopes.astype(np.float32)))
