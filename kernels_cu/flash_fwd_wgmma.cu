@@ -246,14 +246,11 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     // Everywhere modifications before the mask (mask_and_modify), but in the band kernels past head dim 64: the
     // causal D = 128 kernel with ALiBi spilled 160 bytes that way (NVRTC 12.9).
     constexpr bool MODS_FIRST = !(Flags::BAND && HEAD > 64);
-    // LINEAR_BIAS at head dim 64: the A fragment of the linear bias's step is the warp's, -c (row - w0), and each
-    // tile's c (n0 + BN / 2 - w0) is the softmax's offset (linear_bias.cuh); past 64 it is formed a tile with that
-    // part in it, c (n0 + BN / 2 - row), and the softmax as it is: the offset's registers spill 16-32 bytes in the
-    // band kernel at 128 (NVRTC 12.9), whose loop waits on the tensor cores rather than on issue.
-    // LINEAR_BIAS past head dim 64: the step's A formed a tile, c (n0 + BN / 2 - row), with no softmax offset
-    // (linear_bias.cuh): the offset's registers, held through the key loop, spill 16-32 bytes in the band
-    // kernel at 128 (NVRTC 12.9). (An FFMA an element in place of the step measured within 2% of its time at
-    // both head dims, benchmarks/NOTES.md, and spilled at 128 too.)
+    // LINEAR_BIAS (linear_bias.cuh): the step's A is the block's, -c (row - w0) for the warp's rows. At head dim
+    // 64 each tile's c (n0 + BN / 2 - w0) is the softmax's offset; past 64 (LIN_TILE_A) it rides in A's columns
+    // 6-8, since the offset's registers, held through the key loop, spill 16-32 bytes in the band kernel at 128
+    // (NVRTC 12.9). (An FFMA an element in place of the step measured within 2% of its time at both head dims,
+    // benchmarks/NOTES.md, and spilled at 128 too.)
     constexpr bool LIN_TILE_A = LINEAR_BIAS && HEAD > 64;
     // LIN_FIRST (no OVERLAP_PV): the step is issued before K's tile is waited for (its product reads no tile
     // data) and S = Q K^T accumulates onto it; with OVERLAP_PV after Q K^T, so that the previous tile's P is
@@ -412,8 +409,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
         auto next_tile = [&](int j) { return mod.next_key_tile(j, keys.end, blk.m0, blk.rows, BN); };
         const float x_per_s = mod.x_per_score();
         const int warp_row0 = blk.m0 + cwarp * 16;
-        // LINEAR_BIAS: the slope c in raw-score units and the step's A fragment, c (shift - row) for this lane's
-        // rows from the warp's first: the block's (shift 0) or (LIN_TILE_A) a tile's (shift n0 + BN / 2 - w0)
+        // LINEAR_BIAS: the slope c in raw-score units and the step's A fragment, the block's: c (shift - row) for
+        // this lane's rows from the warp's first, shift 0
         const float lin_c = LINEAR_BIAS ? cuf_linear_slope<float>(blk.head, p.mask.mod_args) / mod.scale_log2 : 0.0f;
         unsigned lin_a[4];
         auto form_lin_a = [&](int shift) {

@@ -4,23 +4,23 @@
 // ALiBi (cuflash.mods.alibi: -slope_h |q - kv| in log2 units) under a band that shows no query a key after
 // it (causal aligned so that kv <= q wherever visible) is c_h (kv - q) with c_h the slope in log2 units;
 // the plain kernels hold raw dot products and fold scale_log2 into the exponential, so they add
-// c (kv - q) with c = c_h / scale_log2 to S. For rows r and columns j of an N-column tile that is a rank-2
-// matrix, which one more k16 step of the tile's S = Q K^T adds with no work an element:
-//     A (registers, a row):        [a_hi, a_mid, a_lo, c_hi, c_mid, c_lo, 0 ... 0]
-//     B (shared memory, column j): [1, 1, 1, u, u, u, 0 ... 0]     u = j - N / 2
-// a row's value a plus c u. a and c are each the sum of three bfloat16 parts (the fp32 value to ~2^-24),
-// products with 1 and with integers |u| <= 128 are exact, and the tensor core sums them into S in fp32. It
+// c (kv - q) with c = c_h / scale_log2 to S. For rows r and columns j of an N-column tile that is a matrix of
+// rank 2 (3 with a tile's shift), which one more k16 step of the tile's S = Q K^T adds with no work an element:
+//     A (registers, a row):        [a_hi, a_mid, a_lo, c_hi, c_mid, c_lo, t_hi, t_mid | t_lo, 0 ... 0]
+//     B (shared memory, column j): [1, 1, 1, u, u, u, 1, 1 | 1, 0 ... 0]     u = j - N / 2
+// a row's value a plus c u plus the shift t (zero where unused). a, c and t are each the sum of three bfloat16
+// parts (the fp32 value to ~2^-24), products with 1 and with integers |u| <= 128 are exact, and the tensor core
+// sums them into S in fp32. It
 // aligns a step's products to the largest before it adds them, so the bias carries an error of about
 // 2^-24 of its largest term, c N / 2 (2^-17 x slope in natural units a column at N = 128) where
 // c (kv - q) formed in fp32 would carry 2^-24 of its own size: columns centred (u) and rows taken from
 // the nearest fixed point keep both terms that small near the diagonal. The step is bfloat16 for float16
 // inputs too (an accumulator takes products of either type): fp32's range for a and c, which float16
 // parts would overflow past 65504.
-//   Forward (rows: queries r, columns: keys n0 + j): c (kv - q) = c (n0 + N / 2 - w0) + a + c u with, at head
-//     dim 64, a = -c (r - w0) the warp's (w0 its first row; formed once a block) and c (n0 + N / 2 - w0), in
-//     log2 units, the tile's offset the online softmax adds to its max and exponent (warp_softmax_step: two
-//     adds a row a tile); past 64 a = c (n0 + N / 2 - r), formed a tile (the offset's registers held through
-//     the key loop spill there: flash_fwd_wgmma.cu, LIN_TILE_A).
+//   Forward (rows: queries r, columns: keys n0 + j): c (kv - q) = c (n0 + N / 2 - w0) + a + c u with
+//     a = -c (r - w0) the warp's (w0 its first row; formed once a block). At head dim 64 the tile's
+//     c (n0 + N / 2 - w0), in log2 units, is an offset the online softmax adds to its max and exponent
+//     (warp_softmax_step: two adds a row a tile); past 64 it is the shift t (flash_fwd_wgmma.cu, LIN_TILE_A).
 //   dK/dV (S^T: rows keys kv, columns queries m0 + j of a step): a = c (kv - m0 - N / 2) and the slope
 //     parts those of -c, formed a step (the step's query head's slope).
 // The B table depends on neither head nor tile: it is written once a CTA, N rows of 16 columns K-major
@@ -81,8 +81,8 @@ struct LinearBiasTable {
 __device__ __forceinline__ float round_to_bf16(float x) { return to_float(from_acc<bf16_t>(x)); }
 
 // The A fragment of the extra k16 step. Lane t = lane % 4 holds k columns 2t, 2t + 1 of rows g and g + 8
-// (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]: zero): t = 0 a row's (a_hi, a_mid), t = 1 (a_lo, c_hi),
-// t = 2 (c_mid, c_lo), t = 3 zeros.
+// (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]): frag gives t = 0 a row's (a_hi, a_mid), t = 1 (a_lo, c_hi),
+// t = 2 (c_mid, c_lo), and zeros elsewhere, which with_shift fills with a tile's shift.
 struct LinearBiasSlope {
     float c_hi;         // the slope's first part, t = 1's high half
     unsigned c_rest;    // (c_mid, c_lo) packed: t = 2's word
