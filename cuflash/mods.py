@@ -751,9 +751,9 @@ def alibi(slopes) -> ScoreMod:
     """ALiBi: ``score - slopes[h] * |q_idx - kv_idx|`` (Press et al.; FlashAttention's ``alibi_slopes``
     with queries and keys aligned at the start). ``slopes``: float32 array (Hq,) on the inputs' device.
     Written in log2 units and evaluated everywhere (``slopes[h]`` read once a tile). Where no query sees a
-    key after it (causal, aligned at the start or with Lq >= Lk at the end) the 16-bit Hopper kernels at head
-    dims up to 128 add it as ``slopes[h] * (kv_idx - q_idx)`` in one more tensor-core step a tile, with no
-    work an element (kernels_cu/linear_bias.cuh)."""
+    key after it (causal aligned at the start, or at the end with Lq >= Lk; a window with no keys to the right)
+    the 16-bit Hopper kernels at head dims up to 128 add it as ``slopes[h] * (kv_idx - q_idx)`` in one more
+    tensor-core step a tile, with no work an element (kernels_cu/linear_bias.cuh)."""
     if not _is_array(slopes) or slopes.ndim != 1 or np.dtype(slopes.dtype) != np.float32:
         raise TypeError("alibi: slopes must be a float32 array of shape (Hq,)")
     mod = ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos)",

@@ -738,6 +738,7 @@ flash_bwd_dkdv_wgmma(const __grid_constant__ BwdParams p, const __grid_constant_
     typedef DkdvWgmmaTraits<T, Cfg, Flags::EXTRA, DBIAS> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, STAGES = Tr::STAGES;
     static_assert(!PACKED || (!Flags::EXTRA && !Tr::SPLIT_HEAD), "packed sequences: head dims 64 and 128, no EXTRA");
+    static_assert(!LINEAR_BIAS || !PACKED, "the linear bias: dense calls");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned base = smem_addr(smem_raw);
     const unsigned tiles = align_1024(base);

@@ -257,6 +257,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
     // not waited for longer.
     constexpr bool LIN_FIRST = LINEAR_BIAS && !Tr::OVERLAP_PV;
     static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
+    static_assert(!LINEAR_BIAS || (!PACKED && !ACC_OUT), "the linear bias: dense calls, O in its own type");
     static_assert(!(PACKED && ACC_OUT), "packed sequences store O in their own type");
     // O staged for the copy engine: 16-bit rows only (an ACC_OUT row goes out from the registers).
     constexpr bool STAGE_O = Tr::TMA_STORE_O && !ACC_OUT;
@@ -498,7 +499,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 s[0][n][2 * r] = p0;
                 s[0][n][2 * r + 1] = p1;
             };
-            // (LINEAR_BIAS with the block's A: the tile's offset c (n0 + BN / 2 - w0) in log2 units)
+            // (LINEAR_BIAS with the block's A: the tile's offset c_h (n0 + BN / 2 - w0), c_h = c scale_log2)
             const bool moved = warp_softmax_step<Tr, 1, decltype(note_correction), decltype(keep_p),
                                                  LINEAR_BIAS && !LIN_TILE_A>(
                 s, row_max, row_sum, softmax_x_per_s(x_per_s), note_correction, keep_p,

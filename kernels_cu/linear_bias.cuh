@@ -4,19 +4,19 @@
 // ALiBi (cuflash.mods.alibi: -slope_h |q - kv| in log2 units) under a band that shows no query a key after
 // it (causal aligned so that kv <= q wherever visible) is c_h (kv - q) with c_h the slope in log2 units;
 // the plain kernels hold raw dot products and fold scale_log2 into the exponential, so they add
-// c (kv - q) with c = c_h / scale_log2 to S. For rows r and columns j of an N-column tile that is a matrix of
-// rank 2 (3 with a tile's shift), which one more k16 step of the tile's S = Q K^T adds with no work an element:
+// c (kv - q) with c = c_h / scale_log2 to S. For rows r and columns j of an N-column tile that is a rank-2
+// matrix, which one more k16 step of the tile's S = Q K^T adds with no work an element:
 //     A (registers, a row):        [a_hi, a_mid, a_lo, c_hi, c_mid, c_lo, t_hi, t_mid | t_lo, 0 ... 0]
 //     B (shared memory, column j): [1, 1, 1, u, u, u, 1, 1 | 1, 0 ... 0]     u = j - N / 2
-// a row's value a plus c u plus the shift t (zero where unused). a, c and t are each the sum of three bfloat16
-// parts (the fp32 value to ~2^-24), products with 1 and with integers |u| <= 128 are exact, and the tensor core
-// sums them into S in fp32. It
-// aligns a step's products to the largest before it adds them, so the bias carries an error of about
-// 2^-24 of its largest term, c N / 2 (2^-17 x slope in natural units a column at N = 128) where
-// c (kv - q) formed in fp32 would carry 2^-24 of its own size: columns centred (u) and rows taken from
-// the nearest fixed point keep both terms that small near the diagonal. The step is bfloat16 for float16
-// inputs too (an accumulator takes products of either type): fp32's range for a and c, which float16
-// parts would overflow past 65504.
+// a row's value a plus c u plus a tile's shift t (the same for every row, zero where unused). a, c and t are
+// each the sum of three bfloat16 parts (the fp32 value to ~2^-24), products with 1 and with integers
+// |u| <= 128 are exact, and the tensor core sums them into S in fp32. It aligns a step's products to the
+// largest before it adds them, so the bias carries an error of about 2^-24 of its largest term where c (kv - q)
+// formed in fp32 would carry 2^-24 of its own size: centred columns (u) and rows taken from the warp's first
+// keep the terms at c N / 2 on the tiles by the diagonal (2^-17 x slope in natural units at N = 128); farther
+// out, a (and t) grow with the distance, as the bias does. The step is bfloat16 for float16 inputs too (an
+// accumulator takes products of either type): fp32's range for a, c and t, which float16 parts would
+// overflow past 65504.
 //   Forward (rows: queries r, columns: keys n0 + j): c (kv - q) = c (n0 + N / 2 - w0) + a + c u with
 //     a = -c (r - w0) the warp's (w0 its first row; formed once a block). At head dim 64 the tile's
 //     c (n0 + N / 2 - w0), in log2 units, is an offset the online softmax adds to its max and exponent
@@ -104,8 +104,8 @@ struct LinearBiasSlope {
     }
 
     // The fragment `block` (frag's) with the tile's shift t (raw-score units; the same for every row) in k columns
-    // 6, 7 and 8 (the table's third 1, 1, 1): t's parts (t_hi, t_mid) in lane 3's a[0], a[1] and (t_lo, 0) in
-    // lane 0's a[2], a[3], where frag leaves zeros.
+    // 6, 7 and 8 (the table's third 1, 1, 1): t's parts (t_hi, t_mid) in a[0], a[1] of the lanes with t = 3 and
+    // (t_lo, 0) in a[2], a[3] of those with t = 0, where frag leaves zeros.
     __device__ __forceinline__ static void with_shift(unsigned (&a)[4], const unsigned (&block)[4], float shift,
                                                       int lane) {
         const int t = lane % 4;

@@ -230,7 +230,5 @@ CUF_WGMMA_RS(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}",
 // Head dim 256's O += P V: 128 accumulators a thread.
 CUF_WGMMA_RS(half_t, "f16", 256, CUF_REGS128, CUF_ACC128, "{%128, %129, %130, %131}", "%132", "%133")
 CUF_WGMMA_RS(bf16_t, "bf16", 256, CUF_REGS128, CUF_ACC128, "{%128, %129, %130, %131}", "%132", "%133")
-CUF_WGMMA_RS_K(half_t, "f16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
 CUF_WGMMA_RS_K(bf16_t, "bf16", 64, CUF_REGS32, CUF_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
-CUF_WGMMA_RS_K(half_t, "f16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
 CUF_WGMMA_RS_K(bf16_t, "bf16", 128, CUF_REGS64, CUF_ACC64, "{%64, %65, %66, %67}", "%68", "%69")

@@ -223,8 +223,8 @@ def _maps_fit(masking, q, k, v) -> bool:
 def _linear_prelude(p, opts, masking, extra: bool) -> str:
     """The linear bias's prelude (cuflash.mods.Mods.linear_prelude) where a 16-bit call's modifications are one
     such bias (alibi), it has no EXTRA option and its band shows no query a key after it (hi <= 0: causal
-    aligned at the start, or at the end with Lq >= Lk), so that the bias is slope (kv - q) at every visible
-    score; else ""."""
+    aligned at the start, or at the end with Lq >= Lk, or a window with no keys to the right), so that the bias
+    is slope (kv - q) at every visible score; else ""."""
     if (extra or not opts.mods.linear or p.dtype not in ("float16", "bfloat16") or masking.band is None
             or masking.band[1] > 0):
         return ""
@@ -235,7 +235,7 @@ def _with_linear_bias(v, linear: str, prelude: str):
     """``v`` with the linear bias's prelude where it is one of the kernels that add it (model.LINEAR_BIAS_FAMILIES,
     plain, head dims up to 128; its tile and schedule kept: no per-element code), else with the call's
     modifications (select.with_mods)."""
-    if linear and v.family in LINEAR_BIAS_FAMILIES and not v.extra and v.head <= 128:
+    if linear and v.family in LINEAR_BIAS_FAMILIES and not (v.extra or v.packed or v.acc_out) and v.head <= 128:
         return replace(v, prelude=linear)
     return with_mods(v, prelude)
 
