@@ -335,7 +335,7 @@ class ScoreMod(_Mod):
 
     def _signature(self) -> tuple:
         return super()._signature() + (self.grad, tuple(sorted(self.param_grads.items())), self.log2_units,
-                                       self.everywhere, self.scales)
+                                       self.everywhere, self.scales, self.linear_slope)
 
     def cuda(self, i: int, slot0: int) -> str:
         """The device functions of modification ``i`` (its value, derivative, parameter gradients)."""
