@@ -182,7 +182,7 @@ struct BwdWgmmaSmem {
 
 // The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
 // statistics (all lanes; with EXTRA the bias loaders' job: STATS false) into stage t % STAGES once
-// the consumers have emptied it. `at`: the block's rows in the maps' coordinates (TmaRows,
+// the consumers have emptied it, the statistics' loads issued before that wait. `at`: the block's rows in the maps' coordinates (TmaRows,
 // scheduler.cuh); `lq`: its sequence's query count.
 template <typename Tr, bool STATS = true, bool PACKED = false>
 __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdTensorMaps& maps,
@@ -198,6 +198,8 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
     }
     for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
         const int stage = t % Tr::STAGES, m0 = steps.m0(block);
+        RowStatsInFlight<BM, 32, float> stats;   // loaded while the stage is still in use
+        if constexpr (STATS) stats.load(p.lse, p.dsum, q_batch, head, m0, imin(BM, lq - m0), lane);
         mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
         if (lane == 0) {
             mbar_arrive_expect_tx(sm.full(stage), 2 * Tr::Q_BYTES);
@@ -206,7 +208,7 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
         }
         if constexpr (STATS) {
             float* lse_s = stats0 + stage * 2 * BM;
-            load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, q_batch, head, m0, imin(BM, lq - m0));
+            stats.store(lse_s, lse_s + BM, lane);
             mbar_arrive(sm.full(stage));   // release: this lane's statistics are visible to the waiters
         }
     }

@@ -99,6 +99,41 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
     }
 }
 
+// load_row_stats in two halves, the loads (`load`) and the stores (`store`), each thread's BM / THREADS
+// rows held in registers in between: a pipeline's producer issues a step's loads before it waits for the
+// step's stage to be free, and stores them once it is. (A producer warp of few registers, the Hopper dK/dV
+// kernel's 40, had ptxas convert and store each row of load_row_stats as it landed before loading the
+// next: one L2 round trip a row, eight a step at BM 128, which the consumers then waited for.)
+template <int BM, int THREADS, typename A>
+struct RowStatsInFlight {
+    static_assert(BM % THREADS == 0, "whole rows a thread");
+    static constexpr int ROWS = BM / THREADS;
+    A lse[ROWS], dsum[ROWS];
+    int rows_valid;
+
+    __device__ __forceinline__ void load(const View& lse_view, const View& dsum_view, int batch, int head, int m0,
+                                         int valid, int thread = threadIdx.x) {
+        const A* lse_rows = lse_view.at<const A>(batch, head, m0);
+        const A* dsum_rows = dsum_view.at<const A>(batch, head, m0);
+        rows_valid = valid;
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const int i = thread + k * THREADS;
+            lse[k] = i < valid ? lse_rows[i * lse_view.row_stride] : A(0);
+            dsum[k] = i < valid ? dsum_rows[i * dsum_view.row_stride] : A(0);
+        }
+    }
+    // Into shared memory as load_row_stats leaves them: lse in log2 units (+inf past the sequence end).
+    __device__ __forceinline__ void store(A* lse_s, A* dsum_s, int thread = threadIdx.x) const {
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const int i = thread + k * THREADS;
+            lse_s[i] = i < rows_valid ? lse_to_log2(lse[k]) : pos_inf<A>();
+            dsum_s[i] = dsum[k];
+        }
+    }
+};
+
 // The same statistics copied raw by cp.async into a stage (lse at stats[0, BM), Dsum at
 // stats[BM, 2 BM)), so that a pipelined kernel fetches a step's statistics with its Q / dO tiles
 // (the caller commits the group), one step ahead, instead of a warp's loads in front of the
