@@ -182,8 +182,8 @@ struct BwdWgmmaSmem {
 
 // The producer warp: K and V once, then each step's Q, dO (lane 0, the copy engine) and row
 // statistics (all lanes; with EXTRA the bias loaders' job: STATS false) into stage t % STAGES once
-// the consumers have emptied it, the statistics' loads issued before that wait. `at`: the block's rows in the maps' coordinates (TmaRows,
-// scheduler.cuh); `lq`: its sequence's query count.
+// the consumers have emptied it, the statistics' loads issued before that wait. `at`: the block's
+// rows in the maps' coordinates (TmaRows, scheduler.cuh); `lq`: its sequence's query count.
 template <typename Tr, bool STATS = true, bool PACKED = false>
 __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float* stats0, const BwdTensorMaps& maps,
                                               const BwdParams& p, const KeyBlock& blk,

@@ -101,9 +101,9 @@ __device__ __forceinline__ void load_row_stats(A* lse_s, A* dsum_s, const View& 
 
 // load_row_stats in two halves, the loads (`load`) and the stores (`store`), each thread's BM / THREADS
 // rows held in registers in between: a pipeline's producer issues a step's loads before it waits for the
-// step's stage to be free, and stores them once it is. (A producer warp of few registers, the Hopper dK/dV
-// kernel's 40, had ptxas convert and store each row of load_row_stats as it landed before loading the
-// next: one L2 round trip a row, eight a step at BM 128, which the consumers then waited for.)
+// step's stage to be free, and stores them once it is. (In a producer warp of few registers, the Hopper
+// dK/dV kernel's 40, ptxas compiles load_row_stats to convert and store each row as it lands before loading
+// the next: one L2 round trip a row, eight a step at BM 128, which the consumers wait for: ncu, NOTES.)
 template <int BM, int THREADS, typename A>
 struct RowStatsInFlight {
     static_assert(BM % THREADS == 0, "whole rows a thread");
