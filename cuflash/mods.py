@@ -467,6 +467,20 @@ _PRELUDES: dict = {}
 MAX_PRELUDES = 64
 
 
+def _kept_prelude(key: tuple, mods: tuple, generate) -> str:
+    """The prelude kept under ``key`` (modification ids) while its entry holds the same objects ``mods`` (a
+    call's Mods is new each call; the objects, held with the text, keep their ids), else ``generate()``'s,
+    kept."""
+    known = _PRELUDES.get(key)
+    if known is not None and len(known[0]) == len(mods) and all(a is b for a, b in zip(known[0], mods)):
+        return known[1]
+    text = generate()
+    if len(_PRELUDES) >= MAX_PRELUDES:
+        _PRELUDES.clear()
+    _PRELUDES[key] = (mods, text)
+    return text
+
+
 @dataclass(frozen=True)
 class Mods:
     """A call's modifications: score modifications in order, mask modifications (all must allow)."""
@@ -497,14 +511,7 @@ class Mods:
         modifications' device functions. Kept per modification objects (a call's Mods is new each call;
         the objects, held with the text, keep their ids)."""
         key = (tuple(id(m) for m in self.score), tuple(id(m) for m in self.mask), fast_special)
-        known = _PRELUDES.get(key)
-        if known is not None and all(a is b for a, b in zip(known[0], self.score + self.mask)):
-            return known[1]
-        text = self._generate(fast_special)
-        if len(_PRELUDES) >= MAX_PRELUDES:
-            _PRELUDES.clear()
-        _PRELUDES[key] = (self.score + self.mask, text)
-        return text
+        return _kept_prelude(key, self.score + self.mask, lambda: self._generate(fast_special))
 
     @property
     def linear(self) -> bool:
@@ -521,19 +528,14 @@ class Mods:
         if not self.linear:
             raise ValueError("linear_prelude: one linear score modification (alibi) and no mask modification")
         mod = self.score[0]
-        key = ((id(mod),), (), "linear")
-        known = _PRELUDES.get(key)
-        if known is not None and known[0][0] is mod:
-            return known[1]
-        decl, _ = mod._locals(0, mod.param_grads)
-        text = (f"// cuflash user modifications {self.key()}, a linear bias\n#define CUF_FAST_SPECIAL 0\n"
-                f"#define CUF_LINEAR_BIAS 1\n{_HELPERS}\n"
-                "template <typename acc_t>\n__device__ __forceinline__ acc_t cuf_linear_slope(int h, "
-                f"const unsigned long long* cuf_args) {{\n    {decl}\n    return {mod.linear_slope};\n}}\n")
-        if len(_PRELUDES) >= MAX_PRELUDES:
-            _PRELUDES.clear()
-        _PRELUDES[key] = ((mod,), text)
-        return text
+
+        def generate() -> str:
+            decl, _ = mod._locals(0, mod.param_grads)
+            return (f"// cuflash user modifications {self.key()}, a linear bias\n#define CUF_FAST_SPECIAL 0\n"
+                    f"#define CUF_LINEAR_BIAS 1\n{_HELPERS}\n"
+                    "template <typename acc_t>\n__device__ __forceinline__ acc_t cuf_linear_slope(int h, "
+                    f"const unsigned long long* cuf_args) {{\n    {decl}\n    return {mod.linear_slope};\n}}\n")
+        return _kept_prelude(((id(mod),), (), "linear"), (mod,), generate)
 
     def _generate(self, fast_special: bool) -> str:
         lines = [f"// cuflash user modifications {self.key()}", f"#define CUF_FAST_SPECIAL {int(fast_special)}"]

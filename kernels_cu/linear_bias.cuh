@@ -80,6 +80,15 @@ struct LinearBiasTable {
 // x rounded to bfloat16, as fp32 (the rounding cvt and a shift back).
 __device__ __forceinline__ float round_to_bf16(float x) { return to_float(from_acc<bf16_t>(x)); }
 
+// x as the sum of three bfloat16 values, largest first (x to ~2^-24 of itself).
+struct Bf16Parts {
+    float hi, mid, lo;
+    __device__ __forceinline__ static Bf16Parts of(float x) {
+        const float hi = round_to_bf16(x), rest = x - hi, mid = round_to_bf16(rest);
+        return {hi, mid, rest - mid};
+    }
+};
+
 // The A fragment of the extra k16 step. Lane t = lane % 4 holds k columns 2t, 2t + 1 of rows g and g + 8
 // (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]): frag gives t = 0 a row's (a_hi, a_mid), t = 1 (a_lo, c_hi),
 // t = 2 (c_mid, c_lo), and zeros elsewhere, which with_shift fills with a tile's shift.
@@ -89,17 +98,14 @@ struct LinearBiasSlope {
 
     // c: the slope in A (raw-score units a column).
     __device__ __forceinline__ static LinearBiasSlope of(float c) {
-        LinearBiasSlope s;
-        s.c_hi = round_to_bf16(c);
-        const float rest = c - s.c_hi, c_mid = round_to_bf16(rest);
-        s.c_rest = pack2<bf16_t>(c_mid, rest - c_mid);
-        return s;
+        const Bf16Parts parts = Bf16Parts::of(c);
+        return {parts.hi, pack2<bf16_t>(parts.mid, parts.lo)};
     }
 
     // The word of lane t for a row whose value is a (raw-score units).
     __device__ __forceinline__ unsigned word(float a, int t) const {
-        const float hi = round_to_bf16(a), rest = a - hi, mid = round_to_bf16(rest);
-        const unsigned first = pack2<bf16_t>(t == 0 ? hi : rest - mid, t == 0 ? mid : c_hi);
+        const Bf16Parts parts = Bf16Parts::of(a);
+        const unsigned first = pack2<bf16_t>(t == 0 ? parts.hi : parts.lo, t == 0 ? parts.mid : c_hi);
         return t < 2 ? first : t == 2 ? c_rest : 0u;
     }
 
@@ -109,8 +115,8 @@ struct LinearBiasSlope {
     __device__ __forceinline__ static void with_shift(unsigned (&a)[4], const unsigned (&block)[4], float shift,
                                                       int lane) {
         const int t = lane % 4;
-        const float hi = round_to_bf16(shift), rest = shift - hi, mid = round_to_bf16(rest);
-        const unsigned high = pack2<bf16_t>(hi, mid), low = pack2<bf16_t>(rest - mid, 0.0f);
+        const Bf16Parts parts = Bf16Parts::of(shift);
+        const unsigned high = pack2<bf16_t>(parts.hi, parts.mid), low = pack2<bf16_t>(parts.lo, 0.0f);
         a[0] = t == 3 ? high : block[0];
         a[1] = t == 3 ? high : block[1];
         a[2] = t == 0 ? low : 0u;

@@ -9,7 +9,7 @@ import pytest
 
 import cuflash
 from cuflash import CompileError, mods as M, reference
-from cuflash._dispatch.model import LINEAR_BIAS_FAMILIES, SCORING_FAMILIES, linear_bias
+from cuflash._dispatch.model import LINEAR_BIAS_FAMILIES, SCORING_FAMILIES, linear_bias, takes_linear_bias
 from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, schedule_for,
                                       takes_plain_mods, with_mods)
 from cuflash._runtime.build import compile_offline
@@ -366,8 +366,17 @@ def _linear_variants(dtype: str, family: str):
     """The variants that take the linear bias (alibi under a causal band), with its prelude."""
     prelude = M.resolve(cuflash.alibi(np.ones(4, np.float32))).linear_prelude()
     return sorted({replace(v, prelude=prelude) for v in all_variants()
-                   if v.family == family and v.dtype == dtype and not v.extra and not v.packed and not v.acc_out
-                   and v.head <= 128}, key=lambda v: v.name)
+                   if v.family == family and v.dtype == dtype and takes_linear_bias(v)}, key=lambda v: v.name)
+
+
+def test_only_the_plain_hopper_kernels_take_the_linear_bias():
+    prelude = M.resolve(cuflash.alibi(np.ones(4, np.float32))).linear_prelude()
+    plain = [v for v in all_variants() if takes_linear_bias(v)]
+    assert {v.family for v in plain} == set(LINEAR_BIAS_FAMILIES) and all(v.head <= 128 for v in plain)
+    for v in all_variants():
+        if v.family in LINEAR_BIAS_FAMILIES and (v.extra or v.packed or v.acc_out or v.head > 128):
+            with pytest.raises(ValueError, match="linear bias|not on packed"):
+                replace(v, prelude=prelude)
 
 
 @needs_nvrtc

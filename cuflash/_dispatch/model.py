@@ -249,6 +249,12 @@ def linear_bias(v: "Variant") -> bool:
     return LINEAR_BIAS_SWITCH in v.prelude
 
 
+def takes_linear_bias(v: "Variant") -> bool:
+    """Whether a variant can add a linear bias (kernels_cu/linear_bias.cuh): :data:`LINEAR_BIAS_FAMILIES`,
+    plain (no EXTRA, packing or float32 output), head dims up to 128."""
+    return v.family in LINEAR_BIAS_FAMILIES and not (v.extra or v.packed or v.acc_out) and v.head <= 128
+
+
 def walkable(v: "Variant") -> bool:
     """Whether a variant's CTAs can walk several query blocks: the Hopper forward at one CTA an SM,
     without EXTRA code, at head dims up to 128 (the others need a CTA a block)."""
@@ -528,9 +534,9 @@ class Variant:
                             or (self.atomic_dq and self.family not in PACKED_ATOMIC_DQ_FAMILIES)):
             raise ValueError(f"packed: only for {', '.join(PACKED_FAMILIES)} without EXTRA, unsplit, and with "
                              f"atomic_dq only for {', '.join(PACKED_ATOMIC_DQ_FAMILIES)}")
-        if linear_bias(self) and (self.family not in LINEAR_BIAS_FAMILIES or self.extra or self.head > 128):
-            raise ValueError(f"a linear bias's prelude: only for {', '.join(LINEAR_BIAS_FAMILIES)} without EXTRA at "
-                             "head dims up to 128")
+        if linear_bias(self) and not takes_linear_bias(self):
+            raise ValueError(f"a linear bias's prelude: only for {', '.join(LINEAR_BIAS_FAMILIES)} without EXTRA, "
+                             "packing or float32 output, at head dims up to 128")
         if self.acc_out and (self.family != "fwd_wgmma" or self.packed or self.extra or self.prelude):
             raise ValueError("acc_out: only for fwd_wgmma without EXTRA, packing or user modifications")
         if self.dq_tiled and self.family != "bwd_convert_dq":

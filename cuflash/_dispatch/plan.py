@@ -27,7 +27,7 @@ from .._runtime.launch import KernelLaunch, run
 from .._runtime.params import DBIAS_OFF, MASK_OFF, PACKERS, HostArg, as_float32, bwd_params, fwd_params
 from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
-from .model import LINEAR_BIAS_FAMILIES, MAX_GRID_X, SCORING_FAMILIES, head_bucket
+from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket, takes_linear_bias
 from .packed import Spans, device_table
 from .select import (CACHES_OF_CHOICES, DECODE_ROWS, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
                      forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS,
@@ -232,10 +232,9 @@ def _linear_prelude(p, opts, masking, extra: bool) -> str:
 
 
 def _with_linear_bias(v, linear: str, prelude: str):
-    """``v`` with the linear bias's prelude where it is one of the kernels that add it (model.LINEAR_BIAS_FAMILIES,
-    plain, head dims up to 128; its tile and schedule kept: no per-element code), else with the call's
-    modifications (select.with_mods)."""
-    if linear and v.family in LINEAR_BIAS_FAMILIES and not (v.extra or v.packed or v.acc_out) and v.head <= 128:
+    """``v`` with the linear bias's prelude where it is one of the kernels that add it (model.takes_linear_bias;
+    its tile and schedule kept: no per-element code), else with the call's modifications (select.with_mods)."""
+    if linear and takes_linear_bias(v):
         return replace(v, prelude=linear)
     return with_mods(v, prelude)
 
