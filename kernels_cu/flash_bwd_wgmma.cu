@@ -189,6 +189,9 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
                                               const BwdParams& p, const KeyBlock& blk,
                                               const KeyBlockSteps<Tr::BM>& steps, const TmaRows& at, int lq) {
     constexpr int BM = Tr::BM;
+    // Not with score modifications at every element: ptxas then spills the head-dim-64 consumers (32 B,
+    // NVRTC 12.9 to 13.5) beside a producer that holds a step's statistics.
+    constexpr bool IN_FLIGHT = STATS && !USER_SCORE_EVERYWHERE;
     const int lane = threadIdx.x % 32;
     const int q_batch = PACKED ? at.q0 : blk.batch;   // the statistics' batch index (packed: the first row)
     if (lane == 0) {
@@ -199,7 +202,7 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
     for (int t = 0, head = steps.first_head, block = 0; t < steps.count; ++t, steps.advance(head, block)) {
         const int stage = t % Tr::STAGES, m0 = steps.m0(block);
         RowStatsInFlight<BM, 32, float> stats;   // loaded while the stage is still in use
-        if constexpr (STATS) stats.load(p.lse, p.dsum, q_batch, head, m0, imin(BM, lq - m0), lane);
+        if constexpr (IN_FLIGHT) stats.load(p.lse, p.dsum, q_batch, head, m0, imin(BM, lq - m0), lane);
         mbar_wait(sm.empty(stage), ((t / Tr::STAGES) & 1) ^ 1);   // the round before this one
         if (lane == 0) {
             mbar_arrive_expect_tx(sm.full(stage), 2 * Tr::Q_BYTES);
@@ -208,7 +211,8 @@ __device__ __forceinline__ void produce_steps(const BwdWgmmaSmem<Tr>& sm, float*
         }
         if constexpr (STATS) {
             float* lse_s = stats0 + stage * 2 * BM;
-            stats.store(lse_s, lse_s + BM, lane);
+            if constexpr (IN_FLIGHT) stats.store(lse_s, lse_s + BM, lane);
+            else load_row_stats<BM, 32>(lse_s, lse_s + BM, p.lse, p.dsum, q_batch, head, m0, imin(BM, lq - m0));
             mbar_arrive(sm.full(stage));   // release: this lane's statistics are visible to the waiters
         }
     }
