@@ -305,8 +305,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``cu_seqlens_k`` int32 offsets (B + 1,) (read on the host: on a CUDA device, one small copy a call);
     ``max_seqlen_q`` / ``max_seqlen_k`` are checked against the offsets. ``causal`` aligns each sequence's
     diagonal to its bottom right; ``window_size=(left, right)``, -1 for an unbounded side. Returns
-    ``(total_q, Hq, Dv)``. Dropout runs on the CPU path only for now; ``softcap``, ``alibi_slopes``,
-    ``return_attn_probs`` and ``block_table`` raise NotImplementedError naming what is missing.
+    ``(total_q, Hq, Dv)``. ``softcap``, ``alibi_slopes``, ``return_attn_probs`` and ``block_table`` raise
+    NotImplementedError naming what is missing.
     """
     if softcap:
         raise NotImplementedError("softcap: cuflash.varlen takes no score modifications")

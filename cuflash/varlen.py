@@ -43,6 +43,8 @@ from ._dispatch.packed import Spans
 from ._runtime.device import on_device
 from .semantics import acc_dtype
 
+Array = Any   # numpy.ndarray or cupy.ndarray
+
 __all__ = ["pack", "unpack", "attention_varlen", "attention_varlen_forward", "attention_varlen_backward",
            "vjp_varlen"]
 
@@ -70,9 +72,9 @@ def pack(arrays: Sequence[Any]) -> Tuple[Any, np.ndarray]:
             raise TypeError(f"arrays[{i}] is a {options.array_module(x).__name__} array but arrays[0] a "
                             f"{xp.__name__} array")
         if x.ndim != 3 or x.shape[1:] != arrays[0].shape[1:] or x.dtype != arrays[0].dtype:
-            raise ValueError(f"arrays[{i}] has shape {x.shape} and dtype {x.dtype}; every array must be "
-                             f"(L, {arrays[0].shape[1]}, {arrays[0].shape[2] if arrays[0].ndim == 3 else 'D'}) "
-                             f"of dtype {arrays[0].dtype}")
+            want = f"(L, {arrays[0].shape[1]}, {arrays[0].shape[2]})" if arrays[0].ndim == 3 else "(L, H, D)"
+            raise ValueError(f"arrays[{i}] has shape {tuple(x.shape)} and dtype {x.dtype}; every array must be "
+                             f"{want} of dtype {arrays[0].dtype}")
     lengths = np.array([x.shape[0] for x in arrays], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)])
     if cu[-1] >= 2**31:
@@ -121,11 +123,21 @@ class _Packed:
     """A validated varlen call: the packed arrays, their offsets on the host, and the checked options."""
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed,
-                 precision):
+                 precision, max_seqlen_q=None, max_seqlen_k=None):
         for name, x in (("q", q), ("k", k), ("v", v)):
             options.array_module(x)
             if x.ndim != 3:
                 raise ValueError(f"{name} must be packed as (total, heads, head dim), got shape {tuple(x.shape)}")
+        # the packed shapes' own checks first, so that a message names the shapes the caller passed
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k and v must have the same packed length, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v head counts differ: k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"q and k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+            raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}): "
+                             f"q {tuple(q.shape)}, k {tuple(k.shape)}")
         options.check_precision(precision)
         # The packed arrays seen as one batch entry (1, H, total, D): q, k, v and the options are checked
         # as one dense call's (dtypes, heads, dims, devices, scale, window, dropout)
@@ -135,6 +147,12 @@ class _Packed:
         self.cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
         if len(self.cu_q) != len(self.cu_k):
             raise ValueError(f"cu_seqlens_q has {len(self.cu_q) - 1} sequences, cu_seqlens_k {len(self.cu_k) - 1}")
+        for name, cu, limit in (("max_seqlen_q", self.cu_q, max_seqlen_q), ("max_seqlen_k", self.cu_k, max_seqlen_k)):
+            longest = int(np.diff(cu).max()) if len(cu) > 1 else 0
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))):
+                raise TypeError(f"{name} must be an int, got {type(limit).__name__}")
+            if limit is not None and longest > limit:
+                raise ValueError(f"{name}={limit} but a sequence has {longest} rows")
         self.q, self.k, self.v, self.p = q, k, v, p
         self.kwargs = dict(causal=causal, scale=p.scale, window=window, precision=precision)
 
@@ -159,15 +177,18 @@ def _heads_major(x):
     return x.transpose(1, 0, 2)
 
 
-def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api.Causal = False,
-                             scale: Optional[float] = None, window: Any = None, dropout_p: float = 0.0,
-                             seed: Optional[int] = None, precision: str = "highest") -> Tuple[Any, Any]:
+def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+                             causal: api.Causal = False, scale: Optional[float] = None, window: Any = None,
+                             dropout_p: float = 0.0, seed: Optional[int] = None, precision: str = "highest",
+                             max_seqlen_q: Optional[int] = None,
+                             max_seqlen_k: Optional[int] = None) -> Tuple[Array, Array]:
     """Attention of packed sequences, and the row logsumexp the backward needs.
 
     Parameters
     ----------
     q : array (total_q, Hq, D)
-        The sequences' queries back to back (NumPy or CuPy; float16, bfloat16, float32, float64).
+        The sequences' queries back to back (NumPy or CuPy; float16, bfloat16, float32, float64), any
+        strides.
     k : array (total_k, Hk, D); v : array (total_k, Hk, Dv)
         Keys and values, same dtype; ``Hq % Hk == 0``.
     cu_seqlens_q, cu_seqlens_k : int32 / int64 arrays (B + 1,)
@@ -177,6 +198,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
     dropout_p, seed
         Dropout; its mask follows the packed positions (see :mod:`cuflash.varlen`). A seed is needed
         here (:func:`attention_varlen` and :func:`vjp_varlen` draw one).
+    max_seqlen_q, max_seqlen_k : int, optional
+        FlashAttention's bounds on the longest sequence, not needed here (the offsets are read on the
+        host): when given, a sequence longer than the bound is a ValueError.
 
     Returns
     -------
@@ -185,7 +209,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
     lse : array (Hq, total_q), float32 (float64 for float64)
         Each query row's natural-log logsumexp over its sequence's keys; -inf where it sees none.
     """
-    call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision)
+    call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision,
+                   max_seqlen_q, max_seqlen_k)
     xp, p = call.xp, call.p
     acc = acc_dtype(p.dtype)
     if xp is not np and p.lk > 0:
@@ -211,27 +236,67 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api
     return out, lse
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: api.Causal = False,
-                     scale: Optional[float] = None, window: Any = None, dropout_p: float = 0.0,
-                     seed: Optional[int] = None, precision: str = "highest"):
-    """Attention of packed sequences: :func:`attention_varlen_forward`'s ``out`` (total_q, Hq, Dv).
-    With ``dropout_p > 0`` and no ``seed`` one is drawn."""
+def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+                     causal: api.Causal = False, scale: Optional[float] = None, window: Any = None,
+                     dropout_p: float = 0.0, seed: Optional[int] = None, precision: str = "highest",
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> Array:
+    """Exact softmax attention of sequences packed back to back, each sequence's queries over its own keys.
+
+    Parameters
+    ----------
+    q : array (total_q, Hq, D)
+        The sequences' queries back to back (NumPy or CuPy; float16, bfloat16, float32, float64), any
+        strides; sequence b is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``.
+    k : array (total_k, Hk, D); v : array (total_k, Hk, Dv)
+        Keys and values, same dtype; ``Hq % Hk == 0`` (grouped-query heads as :func:`cuflash.attention`).
+    cu_seqlens_q, cu_seqlens_k : int32 / int64 arrays (B + 1,)
+        Offsets that start at 0, never decrease and end at the packed lengths; a sequence may be empty.
+        NumPy offsets (as :func:`pack` returns them) save a device read a call.
+    causal : bool or {"top_left", "bottom_right"}
+        Per sequence: ``"top_left"`` (``True``) query i sees keys ``j <= i``; ``"bottom_right"`` keys
+        ``j <= i + Lk_b - Lq_b``.
+    scale : float, optional
+        Score scale, default ``1 / sqrt(D)``.
+    window : (left, right), optional
+        As :func:`cuflash.attention`, relative to each sequence's own diagonal.
+    dropout_p : float
+        Dropout probability on the attention weights; the mask is a function of the packed query row and
+        the key's index in its sequence (see :mod:`cuflash.varlen`).
+    seed : int, optional
+        Dropout's seed; one is drawn when ``dropout_p > 0`` and none is given.
+    precision : {"highest", "tf32"}
+        float32's matrix products, as :func:`cuflash.attention`.
+    max_seqlen_q, max_seqlen_k : int, optional
+        FlashAttention's bounds on the longest sequence, not needed here: when given, a sequence longer
+        than the bound is a ValueError.
+
+    Returns
+    -------
+    out : array (total_q, Hq, Dv), q's dtype
+        A query of a sequence with no keys gets 0.
+
+    Bias, boolean masks, score / mask modifications, ``block_layout``, ``num_splits`` and
+    ``dropout_origin`` are not taken (no per-sequence form).
+    """
     if dropout_p and seed is None:
         seed = options.draw_seed()
     return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window,
-                                    dropout_p=dropout_p, seed=seed, precision=precision)[0]
+                                    dropout_p=dropout_p, seed=seed, precision=precision,
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)[0]
 
 
-def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal: api.Causal = False,
+def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array, *, causal: api.Causal = False,
                               scale: Optional[float] = None, window: Any = None, dropout_p: float = 0.0,
                               seed: Optional[int] = None, precision: str = "highest",
-                              deterministic: bool = False) -> Tuple[Any, Any, Any]:
+                              deterministic: bool = False, max_seqlen_q: Optional[int] = None,
+                              max_seqlen_k: Optional[int] = None) -> Tuple[Array, Array, Array]:
     """Gradients of ``sum(dout * out)`` with respect to the packed q, k, v.
 
     Parameters
     ----------
     dout : array (total_q, Hq, Dv), q's dtype
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision, max_seqlen_q, max_seqlen_k
         The forward's inputs and options (the same seed with dropout).
     out, lse : arrays
         What :func:`attention_varlen_forward` returned.
@@ -244,7 +309,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         dk and dv sum over the query heads that share a key/value head; keys of a sequence with no
         queries get 0.
     """
-    call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision)
+    call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision,
+                   max_seqlen_q, max_seqlen_k)
     xp, p = call.xp, call.p
     for name, x, shape in (("dout", dout, (q.shape[0], p.heads_q, p.dv)), ("out", out, (q.shape[0], p.heads_q, p.dv)),
                            ("lse", lse, (p.heads_q, q.shape[0]))):
@@ -252,6 +318,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             raise TypeError(f"{name} is a {options.array_module(x).__name__} array but q is a {xp.__name__} array")
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+        if xp is not np and x.device.id != q.device.id:
+            raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
     for name, x in (("dout", dout), ("out", out)):
         if np.dtype(x.dtype) != np.dtype(q.dtype):
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
@@ -284,13 +352,28 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return tuple(grads)
 
 
-def vjp_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, deterministic: bool = False,
-               **kwargs) -> Tuple[Any, Callable]:
+def vjp_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+               deterministic: bool = False, **kwargs) -> Tuple[Array, Callable[[Array], Tuple[Array, Array, Array]]]:
     """:func:`attention_varlen` and a function mapping ``dout`` to ``(dq, dk, dv)``.
 
-    ``kwargs``: causal, scale, window, dropout_p, seed, precision. With ``dropout_p > 0`` and no seed,
-    one is drawn and kept (``vjp_fn.seed``). ``vjp_fn`` holds references to the inputs, out and lse:
-    do not modify them in place before calling it.
+    Parameters
+    ----------
+    q, k, v, cu_seqlens_q, cu_seqlens_k
+        As :func:`attention_varlen`.
+    deterministic : bool
+        As :func:`cuflash.attention_backward`: bitwise reproducible gradients.
+    **kwargs
+        causal, scale, window, dropout_p, seed, precision, max_seqlen_q, max_seqlen_k (as
+        :func:`attention_varlen`). With ``dropout_p > 0`` and no seed, one is drawn and kept
+        (``vjp_fn.seed``).
+
+    Returns
+    -------
+    out : array (total_q, Hq, Dv), q's dtype
+    vjp_fn : callable
+        ``vjp_fn(dout)`` with dout (total_q, Hq, Dv) in q's dtype returns ``(dq, dk, dv)`` with the shapes
+        and dtype of q, k, v. It holds references to the inputs, out and lse: do not modify them in place
+        before calling it.
     """
     if kwargs.get("dropout_p") and kwargs.get("seed") is None:
         kwargs = dict(kwargs, seed=options.draw_seed())

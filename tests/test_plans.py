@@ -940,6 +940,26 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["group"])) == (hq, hq // hk)
 
 
+@pytest.mark.parametrize("other", ["dout", "out", "lse"])
+def test_packed_backward_refuses_an_array_on_another_device(fake, uploads, other):
+    """The varlen backward's dout, out or lse on another device than q: a ValueError naming both devices, no
+    launch (as the dense backward's)."""
+    from cupy.cuda import memory
+    from cuflash import varlen
+    dev, launches = fake
+    hq, hk, d = 8, 2, 64
+    cu = np.array([0, 300, 1400], dtype=np.int32)
+    q, k, v, out, dout = (dev.empty((1400, h, d), np.float16) for h in (hq, hk, hk, hq, hq))
+    lse = dev.empty((hq, 1400), np.float32)
+    arrays = dict(dout=dout, out=out, lse=lse)
+    x = arrays[other]
+    mem = memory.UnownedMemory(0x7E0000000000, x.nbytes, None, device_id=1)
+    arrays[other] = cp.ndarray(x.shape, dtype=x.dtype, memptr=memory.MemoryPointer(mem, 0))
+    with pytest.raises(ValueError, match=f"{other} is on device 1, q on device 0"):
+        varlen.attention_varlen_backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], cu, cu)
+    assert not launches
+
+
 @pytest.mark.parametrize("d, causal, schedule", [(128, False, "queue"), (128, True, "queue"), (64, False, "stride"),
                                                 (64, True, "block")])
 def test_packed_hopper_forward_walks_its_table_on_the_long_rows_tile(fake, uploads, d, causal, schedule):

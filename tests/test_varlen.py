@@ -172,6 +172,32 @@ def test_bad_packed_arrays_refused():
         varlen.pack([])
     with pytest.raises(ValueError, match="every array"):
         varlen.pack([np.zeros((2, 3, 4)), np.zeros((2, 2, 4))])
+    with pytest.raises(ValueError, match=r"must be \(L, H, D\)"):
+        varlen.pack([np.zeros(3)])
+    # messages name the packed shapes the caller passed
+    with pytest.raises(ValueError, match=r"same packed length, got k \(5, 2, 8\), v \(6, 2, 8\)"):
+        varlen.attention_varlen(q, k, np.zeros((6, 2, 8)), cu_q, cu_k)
+    with pytest.raises(ValueError, match=r"head dims differ: q \(5, 4, 8\), k \(5, 2, 4\)"):
+        varlen.attention_varlen(q, k[..., :4], v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="head counts differ"):
+        varlen.attention_varlen(q, k, v[:, :1], cu_q, cu_k)
+
+
+def test_max_seqlen_bounds_checked():
+    """FlashAttention's max_seqlen_q / max_seqlen_k: optional, an int at least the longest sequence."""
+    rng = np.random.default_rng(7)
+    q, k, v, cu_q, cu_k = _packed(rng, [3, 2], [4, 1])
+    want = varlen.attention_varlen(q, k, v, cu_q, cu_k)
+    np.testing.assert_array_equal(varlen.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=3, max_seqlen_k=9), want)
+    with pytest.raises(ValueError, match="max_seqlen_q=2 but a sequence has 3 rows"):
+        varlen.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=2)
+    with pytest.raises(ValueError, match="max_seqlen_k=3 but a sequence has 4 rows"):
+        varlen.vjp_varlen(q, k, v, cu_q, cu_k, max_seqlen_k=3)
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int"):
+        varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_k=4.0)
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        varlen.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=1)
 
 
 @pytest.mark.gpu
@@ -213,6 +239,35 @@ def test_cupy_matches_numpy(dtype, causal):
     assert rel_error(out_d.get().astype(np.float64), out.astype(np.float64)) < tol
     np.testing.assert_array_equal(np.isneginf(lse_d.get()), np.isneginf(lse))
     for g_d, g in zip(grads_d, grads):
+        assert rel_error(g_d.get().astype(np.float64), g.astype(np.float64)) < 4 * tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", [("float16", "highest"), ("bfloat16", "highest"), ("float32", "highest"),
+                                             ("float32", "tf32"), ("float64", "highest")])
+def test_cupy_strided_views_scale_and_value_dim(dtype, precision):
+    """Packed q, k, v as strided views (q, k of one (total, 2, H, D) array, rows far apart; v with a value
+    head dim of its own), a scale that is not 1 / sqrt(D), float32 at both precisions: forward and backward
+    within the dtype's error budget of the float64 NumPy results on the same data."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(6)
+    cu = np.array([0, 129, 130, 130, 400], dtype=np.int32)
+    qk = rng.standard_normal((400, 2, 4, 64)).astype(DTYPES[dtype])
+    v = rng.standard_normal((400, 4, 40)).astype(DTYPES[dtype])
+    kw = dict(causal="bottom_right", scale=0.3, precision=precision)
+    out, lse = varlen.attention_varlen_forward(qk[:, 0], qk[:, 1], v, cu, cu, **kw)
+    dout = rng.standard_normal(out.shape).astype(DTYPES[dtype])
+    grads = varlen.attention_varlen_backward(dout, qk[:, 0], qk[:, 1], v, out, lse, cu, cu, **kw)
+    qk_d, v_d = cp.asarray(qk), cp.asarray(v)
+    out_d, lse_d = varlen.attention_varlen_forward(qk_d[:, 0], qk_d[:, 1], v_d, cu, cu, **kw)
+    grads_d = varlen.attention_varlen_backward(cp.asarray(dout), qk_d[:, 0], qk_d[:, 1], v_d, out_d, lse_d, cu, cu,
+                                               **kw)
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5 if precision == "highest" else 3e-3,
+           "float64": 1e-12}[dtype]
+    assert rel_error(out_d.get().astype(np.float64), out.astype(np.float64)) < tol
+    assert rel_error(lse_d.get().astype(np.float64), lse.astype(np.float64)) < tol
+    for g_d, g in zip(grads_d, grads):
+        assert g_d.shape == g.shape
         assert rel_error(g_d.get().astype(np.float64), g.astype(np.float64)) < 4 * tol
 
 
