@@ -10,13 +10,15 @@ not positive, and the NumPy path take a boolean mask over the cache instead.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
 from . import api
 from ._dispatch import plan as _plan
-from .options import MAX_HEAD_DIM, array_module, check_scale, dtype_name
+from .options import MAX_HEAD_DIM, array_module, check_num_splits, check_scale, check_window, dtype_name
+
+Array = Any   # numpy.ndarray or cupy.ndarray
 
 __all__ = ["attention_with_kvcache"]
 
@@ -45,29 +47,45 @@ def _lengths(cache_seqlens, batch: int, xp):
 
 def _check_ranges(cache_seqlens, lengths, pages, page_size: int, n_new: int, cap: int, num_pages: int,
                   xp) -> None:
-    """The lengths (as given) and the page indices a sequence uses in range, or ValueError: the lengths
-    and the used indices' extremes in one transfer from the device (none for an int length without
+    """The lengths (as given) and the page indices a sequence uses in range, and no page that an append
+    writes named by another used table entry, or ValueError: the lengths, the used indices' extremes and
+    the written pages' largest use count in one transfer from the device (none for an int length without
     pages). Table entries past a sequence's last position are not read (e.g. -1 padding)."""
     parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
+    n_page_values = 0
     if pages is not None and pages.size:
-        used = xp.arange(pages.shape[1])[None, :] * page_size < (lengths + n_new)[:, None]   # (B, max_pages)
+        entry = xp.arange(pages.shape[1])[None, :]
+        end = xp.minimum(xp.maximum(lengths.astype(np.int64), 0) + n_new, cap)[:, None]
+        used = entry * page_size < end                                              # (B, max_pages)
         used_pages = xp.where(used, pages.astype(np.int64, copy=False), 0)
-        parts += [used_pages.min().reshape(1).astype(np.int64), used_pages.max().reshape(1).astype(np.int64)]
+        parts += [used_pages.min().reshape(1), used_pages.max().reshape(1)]
+        n_page_values = 2
+        if n_new:   # the entries an append writes into: [lengths, lengths + n_new) meets their positions
+            written = used & ((entry + 1) * page_size > xp.maximum(lengths.astype(np.int64), 0)[:, None])
+            in_range = used & (used_pages >= 0) & (used_pages < num_pages)
+            slot = xp.where(in_range, used_pages, num_pages)                      # num_pages: not counted
+            uses = xp.bincount(slot.ravel(), minlength=num_pages + 1)
+            uses[num_pages] = 0
+            parts.append(uses[xp.where(written & in_range, slot, num_pages)].max().reshape(1).astype(np.int64))
+            n_page_values = 3
     values = (xp.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else np.zeros(0, np.int64)
     values = values if isinstance(values, np.ndarray) else values.get()
-    if pages is not None and pages.size:
-        if values[-2] < 0 or values[-1] >= num_pages:
-            raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
-        values = values[:-2]
+    page_values, values = values[len(values) - n_page_values:], values[:len(values) - n_page_values]
     if _is_int(cache_seqlens):
         values = np.array([int(cache_seqlens)])
-    if values.size == 0:
-        return
-    lo, hi = int(values.min()), int(values.max())
-    if lo < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
-    if hi + n_new > cap:
-        raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
+    if values.size:
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
+        if hi + n_new > cap:
+            raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
+    if n_page_values:
+        if page_values[0] < 0 or page_values[1] >= num_pages:
+            raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
+        if n_page_values == 3 and page_values[2] > 1:
+            raise ValueError("block_table names a page that the append writes into more than once among the "
+                             "sequences' used entries: the append would overwrite keys another entry reads "
+                             "(pages shared between sequences must not take new keys)")
 
 
 def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
@@ -92,16 +110,20 @@ def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
 
 
 def _gathered(cache, pages):
-    """(B, Hk, max_pages * page_size, D): each sequence's pages in their order (a copy)."""
-    blocks = cache[pages]                                  # (B, max_pages, Hk, page_size, D)
+    """(B, Hk, max_pages * page_size, D): each sequence's pages in their order (a copy). Entries past a
+    sequence's end may hold anything (padding): clipped into range, their keys are never attended."""
+    xp = array_module(cache)
+    blocks = cache[xp.clip(pages, 0, cache.shape[0] - 1)]  # (B, max_pages, Hk, page_size, D)
     b, n, h, size, d = blocks.shape
     return blocks.transpose(0, 2, 1, 3, 4).reshape(b, h, n * size, d)
 
 
-def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache_seqlens,
+def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Optional[Array] = None,
+                           v_new: Optional[Array] = None, *, cache_seqlens: Union[int, Array],
                            causal: bool = False, window: Any = None, scale: Optional[float] = None,
-                           num_splits: Optional[int] = None, return_lse: bool = False, block_table=None,
-                           validate: bool = True) -> Any:
+                           num_splits: Optional[int] = None, return_lse: bool = False,
+                           block_table: Optional[Array] = None,
+                           validate: bool = True) -> Union[Array, Tuple[Array, Array]]:
     """Attention of new queries over a KV cache, appending the new keys and values in place.
 
     Parameters
@@ -117,7 +139,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     cache_seqlens : int or integer array (B,)
         Valid keys of each sequence before the append; ``cache_seqlens[b] + Lnew <= Lcap``.
     causal : bool
-        Query i sees keys ``j <= cache_seqlens[b] + Lnew - Lq + i`` (each sequence's own bottom right).
+        Query i sees keys ``j <= cache_seqlens[b] + Lnew - Lq + i`` (each sequence's own bottom right;
+        no other alignment here).
     window : (left, right), optional
         Sliding window around that diagonal (keys ``i' - left <= j <= i' + right`` with
         ``i' = cache_seqlens[b] + Lnew - Lq + i``; None for an unbounded side).
@@ -132,7 +155,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         (num_pages, page_size, Hk, D) store passes as ``.swapaxes(1, 2)``), and position p of
         sequence b lives in page ``block_table[b, p // page_size]``, slot ``p % page_size``; pages in
         any order, 1 to 256 positions; entries past a sequence's last position are not read (e.g. -1).
-        The append writes into those slots; on the GPU the float16 and bfloat16 kernels read pages of a
+        Sequences may share pages they only read (a common prefix); a page that the append writes into
+        must be named once among the used entries. The append writes into those slots; on the GPU the float16 and bfloat16 kernels read pages of a
         power-of-two size in place (K and V pages of the same strides), other calls (float32, float64,
         other page sizes, the NumPy path, a window without causal) read them gathered into one buffer
         first (a copy a call).
@@ -148,8 +172,21 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
 
     Returns
     -------
-    out : array (B, Hq, Lq, Dv), q's dtype; ``(out, lse)`` with ``return_lse``. A query that sees no
-    key (an empty sequence) gives 0 and lse -inf.
+    out : array (B, Hq, Lq, Dv), q's dtype
+        A query that sees no key (an empty sequence) gives 0.
+    lse : array (B, Hq, Lq), float32 (float64 for float64); with ``return_lse`` only
+        Natural-log log-sum-exp of each query's scores; -inf where it sees no key.
+
+    Raises
+    ------
+    TypeError
+        Arrays of another library or dtype than q, non-integer lengths or table, a ``causal`` that is not
+        a bool.
+    ValueError
+        Shapes that do not fit, arrays on another device, options out of range (window, scale,
+        ``num_splits``), lengths past the cache or negative, page indices outside the pages given, a page
+        written by the append that another used entry names, a read-only cache. Raised before anything
+        is written or launched.
     """
     xp = array_module(q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
@@ -189,13 +226,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     if max(d, v_cache.shape[3]) > MAX_HEAD_DIM:
         raise ValueError(f"head dims up to {MAX_HEAD_DIM}, got {d} and {v_cache.shape[3]}")
     check_scale(scale, d)
-    if window is not None and (not isinstance(window, tuple) or len(window) != 2):
-        raise ValueError(f"window must be (left, right), got {window!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False (each sequence's bottom right), got {causal!r}")
+    window = check_window(window)
+    check_num_splits(num_splits)
+    if n_new and xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
+        raise ValueError("the append writes into k_cache and v_cache: both must be writeable")
     lengths = _lengths(cache_seqlens, b, xp)
-    if validate or xp is np or (_is_int(cache_seqlens) and pages is None):
+    if validate or xp is np:
         # block_table as given: its int32 copy would have wrapped entries past 2**31 into range
         _check_ranges(cache_seqlens, lengths, block_table, k_cache.shape[2] if pages is not None else 0, n_new, cap,
                       k_cache.shape[0] if pages is not None else 0, xp)
+    elif _is_int(cache_seqlens):   # on the host: no transfer
+        _check_ranges(cache_seqlens, lengths, None, 0, n_new, cap, 0, xp)
 
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
         positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)

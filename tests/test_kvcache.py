@@ -71,6 +71,46 @@ def test_matches_attention_over_each_sequence(device, causal, window):
         np.testing.assert_array_equal(after_v[bi][:, keep], before_v[bi][:, keep])
 
 
+@pytest.mark.parametrize("device, dtype", [("numpy", "float64")] + [pytest.param("cupy", t, marks=pytest.mark.gpu)
+                                                                     for t in DTYPES])
+@pytest.mark.parametrize("lq", [1, 3, 16])
+@pytest.mark.parametrize("num_splits", [None, 1, 7, 64])
+def test_a_decoding_loop_over_shuffled_pages(device, dtype, lq, num_splits):
+    """Three steps of a decoding loop (each appends lq keys and attends lq queries, causal, GQA 8 / 2 heads)
+    into a paged cache of 16-position pages in shuffled order, held as a (num_pages, page_size, Hk, D) store
+    seen through swapaxes (no copy); splits forced from 1 to 64: every step within the dtype's error of
+    the reference over the keys so far, and the store holds every appended key at its page and slot."""
+    xp = _xp(device)
+    rng = np.random.default_rng(lq + 10 * (num_splits or 0))
+    b, hq, hk, d, page, steps = 3, 8, 2, 16, 16, 3
+    lengths = np.array([0, 9, 30])
+    per_seq = (int(lengths.max()) + steps * lq + page - 1) // page
+    table = rng.permutation(b * per_seq + 4)[:b * per_seq].reshape(b, per_seq)
+    store_k = rng.standard_normal((b * per_seq + 4, page, hk, d)).astype(DTYPES[dtype])
+    store_v = rng.standard_normal(store_k.shape).astype(DTYPES[dtype])
+    valid_k = [store_k[table[bi]].transpose(2, 0, 1, 3).reshape(hk, -1, d)[:, :n].copy() for bi, n in enumerate(lengths)]
+    valid_v = [store_v[table[bi]].transpose(2, 0, 1, 3).reshape(hk, -1, d)[:, :n].copy() for bi, n in enumerate(lengths)]
+    sk, sv, tab = xp.asarray(store_k), xp.asarray(store_v), xp.asarray(table)
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    for step in range(steps):
+        q = rng.standard_normal((b, hq, lq, d)).astype(DTYPES[dtype])
+        kn, vn = (rng.standard_normal((b, hk, lq, d)).astype(DTYPES[dtype]) for _ in range(2))
+        out = cuflash.attention_with_kvcache(xp.asarray(q), sk.swapaxes(1, 2), sv.swapaxes(1, 2), xp.asarray(kn),
+                                             xp.asarray(vn), cache_seqlens=xp.asarray(lengths), causal=True,
+                                             block_table=tab, num_splits=num_splits)
+        valid_k = [np.concatenate([valid_k[bi], kn[bi]], axis=1) for bi in range(b)]
+        valid_v = [np.concatenate([valid_v[bi], vn[bi]], axis=1) for bi in range(b)]
+        lengths = lengths + lq
+        for bi in range(b):
+            want = cuflash.attention(q[bi].astype(np.float64), valid_k[bi].astype(np.float64),
+                                     valid_v[bi].astype(np.float64), causal="bottom_right")
+            got = _host(out)[bi].astype(np.float64)
+            assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), (step, bi)
+    held_k = _host(sk)
+    for bi, n in enumerate(lengths):
+        np.testing.assert_array_equal(held_k[table[bi]].transpose(2, 0, 1, 3).reshape(hk, -1, d)[:, :n], valid_k[bi])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_every_dtype_and_a_strided_cache(device, dtype):
@@ -104,7 +144,13 @@ def test_no_new_keys_and_an_int_length(device):
     (dict(cache_seqlens=np.array([1, 2])), ValueError, r"shape \(3,\)"),
     (dict(cache_seqlens="3"), TypeError, "int or an integer array"),
     (dict(cache_seqlens=3, window=5), ValueError, "window"),
+    (dict(cache_seqlens=3, window=(-3, 0)), ValueError, "window"),
+    (dict(cache_seqlens=3, window=(2.5, 0)), ValueError, "window"),
+    (dict(cache_seqlens=3, window=("a", 0)), ValueError, "window"),
     (dict(cache_seqlens=3, scale=float("nan")), ValueError, "scale"),
+    (dict(cache_seqlens=3, num_splits=0), ValueError, "num_splits"),
+    (dict(cache_seqlens=3, num_splits=1.5), TypeError, "num_splits"),
+    (dict(cache_seqlens=3, causal="top_left"), TypeError, "causal must be True or False"),
 ])
 def test_bad_input_is_refused_and_the_cache_untouched(kwargs, err, match):
     q, kc, vc, kn, vn = _setup(np)
@@ -183,12 +229,42 @@ def test_bad_page_tables_are_refused():
         with pytest.raises(err, match=match):
             cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, **{"cache_seqlens": 1, **kwargs})
         np.testing.assert_array_equal(k_pages, before)
-    padded = table.copy()
-    padded[:, 1:] = -1                        # entries past every sequence's last position: never read
-    k2, v2 = k_pages.copy(), v_pages.copy()
-    out = cuflash.attention_with_kvcache(q, k2, v2, kn, vn, cache_seqlens=1, block_table=padded)
-    want = cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, cache_seqlens=1, block_table=table)
-    np.testing.assert_array_equal(out, want)
+    for fill in (-1, 99, -100):                # entries past every sequence's last position: never read
+        padded = table.copy()
+        padded[:, 1:] = fill
+        k2, v2 = k_pages.copy(), v_pages.copy()
+        out = cuflash.attention_with_kvcache(q, k2, v2, kn, vn, cache_seqlens=1, block_table=padded)
+        want = cuflash.attention_with_kvcache(q, k_pages.copy(), v_pages.copy(), kn, vn, cache_seqlens=1,
+                                             block_table=table)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_an_append_into_a_shared_page_is_refused():
+    """Sequences may share pages they only read (a common prefix); a page the append writes into, named by
+    another used entry (another sequence's, or the same sequence's twice), is refused with the caches
+    untouched; a read-only v_cache is refused before k_cache is written."""
+    q, kc, vc, kn, vn = _setup(np, b=2)
+    k_pages, v_pages, table = _paged(np, kc, vc, 8)      # (2, 5) entries, 15 pages
+    shared_prefix = table.copy()
+    shared_prefix[1, 0] = table[0, 0]                    # both read page table[0, 0]; appends land in entry 2
+    lengths = np.array([20, 20])
+    out = cuflash.attention_with_kvcache(q, k_pages.copy(), v_pages.copy(), kn, vn, cache_seqlens=lengths,
+                                         block_table=shared_prefix)
+    assert np.isfinite(out).all()
+    for bad in (np.array([[1, 2, 3, 0, 0], [4, 5, 3, 0, 0]]),    # page 3 takes both sequences' appends
+                np.array([[1, 2, 3, 0, 0], [4, 3, 6, 0, 0]]),    # page 3: one's append, the other's keys
+                np.array([[1, 3, 3, 0, 0], [4, 5, 6, 0, 0]])):   # page 3 twice in one sequence
+        before = k_pages.copy(), v_pages.copy()
+        with pytest.raises(ValueError, match="more than once"):
+            cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, cache_seqlens=lengths, block_table=bad)
+        np.testing.assert_array_equal(k_pages, before[0])
+        np.testing.assert_array_equal(v_pages, before[1])
+    frozen = vc.copy()
+    frozen.flags.writeable = False
+    before = kc.copy()
+    with pytest.raises(ValueError, match="writeable"):
+        cuflash.attention_with_kvcache(q, kc, frozen, kn, vn, cache_seqlens=3)
+    np.testing.assert_array_equal(kc, before)
 
 
 @pytest.mark.gpu

@@ -51,3 +51,46 @@ def test_a_16_bit_partial_in_float32_is_the_forward_before_its_rounding(dtype, d
     np.testing.assert_array_equal(cp.asnumpy(out32.astype(dtype)).view(np.uint16), cp.asnumpy(out).view(np.uint16))
     np.testing.assert_array_equal(cp.asnumpy(lse32), cp.asnumpy(lse))
     assert float(cp.abs(out32 - out32.astype(dtype).astype(cp.float32)).max()) > 0   # not rounded to 16 bits
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_cupy_merge_equals_one_shot_and_is_associative(dtype):
+    """Parts over disjoint keys merged on the GPU: out and lse within the dtype's error of one call over all
+    keys; merged all at once, left to right and right to left alike."""
+    rng = np.random.default_rng(1)
+    q, k, v = (cp.asarray(rng.standard_normal(s).astype(dtype)) for s in ((2, 4, 33, 64), (2, 2, 300, 64),
+                                                                         (2, 2, 300, 48)))
+    cuts = (0, 7, 190, 300)
+    (o1, l1), (o2, l2), (o3, l3) = (cuflash.attention_forward(q, k[:, :, a:b], v[:, :, a:b])
+                                    for a, b in zip(cuts, cuts[1:]))
+    tol = 1e-12 if dtype is np.float64 else 2e-5
+    want_out, want_lse = cuflash.attention_forward(q, k, v)
+    at_once = cuflash.merge_attention([o1, o2, o3], [l1, l2, l3])
+    o12, l12 = cuflash.merge_attention([o1, o2], [l1, l2])
+    o32, l32 = cuflash.merge_attention([o3, o2], [l3, l2])
+    for out, lse in (at_once, cuflash.merge_attention([o12, o3], [l12, l3]), cuflash.merge_attention([o32, o1],
+                                                                                                       [l32, l1])):
+        np.testing.assert_allclose(cp.asnumpy(out), cp.asnumpy(want_out), rtol=tol, atol=tol)
+        np.testing.assert_allclose(cp.asnumpy(lse), cp.asnumpy(want_lse), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_cupy_backward_of_a_merged_result_is_exact_per_part(dtype):
+    """Each part's GPU backward given the merged out and lse: dk, dv of its keys and dq summed over the parts
+    within the dtype's error of the backward of one call over all keys."""
+    rng = np.random.default_rng(2)
+    q, k, v = (cp.asarray(rng.standard_normal(s).astype(dtype)) for s in ((1, 4, 70, 64), (1, 4, 260, 64),
+                                                                         (1, 4, 260, 64)))
+    cuts = (0, 100, 130, 260)
+    parts = [cuflash.attention_forward(q, k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
+    out, lse = cuflash.merge_attention([o for o, _ in parts], [l_ for _, l_ in parts])
+    dout = cp.asarray(rng.standard_normal(out.shape).astype(dtype))
+    grads = [cuflash.attention_backward(dout, q, k[:, :, a:b], v[:, :, a:b], out, lse) for a, b in zip(cuts, cuts[1:])]
+    got = (sum(g[0] for g in grads), cp.concatenate([g[1] for g in grads], axis=2),
+           cp.concatenate([g[2] for g in grads], axis=2))
+    one_out, one_lse = cuflash.attention_forward(q, k, v)
+    want = cuflash.attention_backward(dout, q, k, v, one_out, one_lse)
+    tol = 1e-11 if dtype is np.float64 else 1e-4
+    for g, w in zip(got, want):
+        scale = float(cp.abs(w).max())
+        assert float(cp.abs(g - w).max()) <= tol * scale
