@@ -277,7 +277,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: Causal = False, scale
         heads) is summed with fp32/fp64 atomics, fast but the last bits may
         differ run to run. True: dQ is computed by a separate pass with a fixed
         summation order, and dbias contributions take turns in a fixed order;
-        results are bitwise identical run to run.
+        results are bitwise identical run to run, but for a trainable score
+        modification's parameter gradient (e.g. the T5 table), summed with float
+        atomics either way.
     bias_grad : bool
         With a bias: True (default) also returns dbias; False returns (dq, dk, dv) only, and the GPU
         kernels skip the bias gradient's work (a fixed bias, e.g. a float attention mask).

@@ -65,6 +65,14 @@ _FLOAT_MIN, _FLOAT_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.flo
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = {"score", "b", "h", "q_idx", "kv_idx", "rel_pos", "acc_t", "cuf_args"}
+# C++ keywords and the CUDA types a generated declaration names: not usable as a parameter's name
+_CXX_WORDS = frozenset("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t char32_t
+class compl const const_cast constexpr continue decltype default delete do double dynamic_cast else enum explicit
+export extern false float for friend goto if inline int long mutable namespace new noexcept not not_eq nullptr operator
+or or_eq private protected public register reinterpret_cast return short signed sizeof static static_assert
+static_cast struct switch template this thread_local throw true try typedef typeid typename union unsigned using
+virtual void volatile wchar_t while xor xor_eq half float2 float4 int2 int4 dim3 threadIdx blockIdx blockDim
+gridDim warpSize""".split())
 _ARRAY_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.int32): "int",
                 np.dtype(np.int64): "long long", np.dtype(np.int8): "signed char", np.dtype(np.uint8): "unsigned char",
                 np.dtype(np.bool_): "bool"}
@@ -94,9 +102,9 @@ def _check_params(params, what: str = "parameter") -> Dict[str, Any]:
     out = {}
     for name, value in params.items():
         if not isinstance(name, str) or not _IDENT.match(name) or keyword.iskeyword(name) or name in _RESERVED \
-                or name.lower().startswith("cuf_"):
-            raise ValueError(f"{what} name {name!r} is not usable: a C identifier, not one of "
-                             f"{sorted(_RESERVED)}, not starting with cuf_")
+                or name in _CXX_WORDS or name.lower().startswith("cuf_"):
+            raise ValueError(f"{what} name {name!r} is not usable: a C identifier, not a C++ keyword or CUDA "
+                             f"built-in, not one of {sorted(_RESERVED)}, not starting with cuf_")
         if isinstance(value, (bool, np.bool_)):
             value = int(value)
         if isinstance(value, numbers.Integral):
@@ -170,6 +178,9 @@ class _Mod:
     """What score and mask modifications share: source, parameters, the NumPy twin."""
 
     kind = ""
+    # The shapes a call needs of parameter arrays, name -> dims of ints, "B" (the batch) or "Hq" (query
+    # heads); checked before any launch (cuflash.options.check_mods): the kernels index them unchecked.
+    param_shapes: Dict[str, tuple] = {}
 
     def __init__(self, source: str, params, python, name: Optional[str], consts=None):
         self.source = _check_source(source, f"{self.kind} source")
@@ -386,9 +397,27 @@ class ScoreMod(_Mod):
 
 
 class MaskMod(_Mod):
-    """Which keys a query sees, in CUDA source: a bool expression (or body) over ``b``, ``h``,
-    ``q_idx``, ``kv_idx``, the parameters and the consts (as :class:`ScoreMod`'s); true = attend.
-    ``python``: its NumPy twin ``f(b, h, q_idx, kv_idx, **params, **consts)`` over broadcast index arrays."""
+    """Which keys a query sees, in CUDA source; true = attend.
+
+    Parameters
+    ----------
+    source : str
+        A bool expression, or a body in braces that returns one, over ``b`` (the batch index, leading dims
+        flattened), ``h`` (the query head), ``q_idx``, ``kv_idx`` (ints), the parameters and the consts.
+    params : dict, optional
+        name -> int, float or C-contiguous array (float32 / float64 / int8 / uint8 / int32 / int64 / bool, on
+        the inputs' device), passed at launch: a new value builds nothing.
+    python : callable, optional
+        Its NumPy twin ``f(b, h, q_idx, kv_idx, **params, **consts)`` over broadcast index arrays, for NumPy
+        inputs and the reference.
+    name : str, optional
+        Named in build errors and messages.
+    consts : dict, optional
+        name -> int or float compiled into the source as a literal (one build per value).
+
+    Blocks of keys the mask hides for every query of a block are skipped (their state is built on the GPU
+    once per modification and shape, cuflash._dispatch.masking); changing a parameter array in place after a
+    call leaves that state stale: pass a new MaskMod."""
 
     kind = "mask_mod"
     documents: Optional["DocumentRuns"] = None   # document_mask's documents (read by the dispatch)
@@ -726,6 +755,11 @@ def resolve(score_mod=None, mask_mod=None) -> Optional[Mods]:
     score, mask = _as_tuple(score_mod, ScoreMod, "score_mod"), _as_tuple(mask_mod, MaskMod, "mask_mod")
     if not score and not mask:
         return None
+    trained = [n for m in score for n in getattr(m, "param_grads", {})]
+    twice = sorted({n for n in trained if trained.count(n) > 1})
+    if twice:
+        raise ValueError(f"score modifications train parameters of one name twice ({', '.join(twice)}): the "
+                         "backward returns a gradient a name; one such modification a call")
     mods = Mods(score, mask)
     if mods.slots > MAX_PARAM_SLOTS:
         raise ValueError(f"the modifications take {mods.slots} parameter words; at most {MAX_PARAM_SLOTS} "
@@ -736,7 +770,8 @@ def resolve(score_mod=None, mask_mod=None) -> Optional[Mods]:
 # --------------------------------------------------------------------------- library modifications
 
 def softcap(cap: float) -> ScoreMod:
-    """``cap * tanh(score / cap)``: scores squashed into (-cap, cap) (Gemma 2, Grok). Written in log2 units
+    """``cap * tanh(score / cap)``: scores squashed into (-cap, cap) (Gemma 2, Grok); ``cap`` a finite number
+    > 0. Returns a :class:`ScoreMod` for ``score_mod=`` (its gradient included). Written in log2 units
     with the cap compiled in (``cap tanh(s / cap)`` is ``c tanh(x / c) ln 2`` for ``x = s log2 e`` and ``c =
     cap log2 e``) as ``tanh`` with ``scales=(1 / c, c)``: the forwards fold 1 / c into the scale and c into the
     exponential, a tanh an element beyond plain attention; one build per cap value."""
@@ -749,20 +784,49 @@ def softcap(cap: float) -> ScoreMod:
                     python_grad=lambda t, b, h, q, kv: 1.0 - np.tanh(t) ** 2)
 
 
-def alibi(slopes) -> ScoreMod:
-    """ALiBi: ``score - slopes[h] * |q_idx - kv_idx|`` (Press et al.; FlashAttention's ``alibi_slopes``
-    with queries and keys aligned at the start). ``slopes``: float32 array (Hq,) on the inputs' device.
-    Written in log2 units and evaluated everywhere (``slopes[h]`` read once a tile). Where no query sees a
-    key after it (causal aligned at the start, or at the end with Lq >= Lk; a window with no keys to the right)
-    the 16-bit Hopper kernels at head dims up to 128 add it as ``slopes[h] * (kv_idx - q_idx)`` in one more
-    tensor-core step a tile, with no work an element (kernels_cu/linear_bias.cuh)."""
+def alibi(slopes: Any, *, offset: int = 0) -> ScoreMod:
+    """ALiBi: ``score - slopes[h] * |q_idx + offset - kv_idx|`` (Press et al.).
+
+    Parameters
+    ----------
+    slopes : float32 array (Hq,)
+        One slope a query head, on the inputs' device (NumPy for NumPy inputs).
+    offset : int
+        Where query 0 stands among the keys: 0 counts queries and keys from the start (FlexAttention's
+        ``q_idx``, ``kv_idx``); ``Lk - Lq`` is FlashAttention's ``alibi_slopes``, whose distance is counted
+        from the bottom right (the queries are the last ``Lq`` positions of the keys, as in decoding). A
+        parameter: a new offset builds nothing. A nonzero offset is one more value a kernel holds: the
+        forwards take it without spilling, some backward variants spill 8-48 bytes with it (NVRTC 12.9).
+
+    Returns
+    -------
+    ScoreMod
+        For ``score_mod=``. Its backward needs no parameter gradient.
+
+    Wherever no query sees a key past its own position the distance is linear in ``kv_idx`` and the offset
+    shifts a row's scores by a constant: the same attention (the lse moves by ``slopes[h] * offset``).
+    Written in log2 units and evaluated everywhere (``slopes[h]`` read once a tile). With ``offset=0``, where
+    no query sees a key after it (causal aligned at the start, or at the end with Lq >= Lk; a window with no
+    keys to the right) the 16-bit Hopper kernels at head dims up to 128 add it as ``slopes[h] * (kv_idx -
+    q_idx)`` in one more tensor-core step a tile, with no work an element (kernels_cu/linear_bias.cuh)."""
     if not _is_array(slopes) or slopes.ndim != 1 or np.dtype(slopes.dtype) != np.float32:
         raise TypeError("alibi: slopes must be a float32 array of shape (Hq,)")
-    mod = ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos)",
-                   grad="acc_t(1)", params={"slopes": slopes}, name="alibi", log2_units=True, everywhere=True,
-                   python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * _LOG2E * abs(q - kv),
-                   python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))
-    mod.linear_slope = "acc_t(slopes[h]) * acc_t(CUF_LOG2E)"   # kv <= q: slopes[h] log2(e) (kv - q)
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"alibi: offset must be an int, got {offset!r}")
+    if offset == 0:
+        mod = ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos)",
+                       grad="acc_t(1)", params={"slopes": slopes}, name="alibi", log2_units=True, everywhere=True,
+                       python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * _LOG2E * abs(q - kv),
+                       python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))
+        mod.linear_slope = "acc_t(slopes[h]) * acc_t(CUF_LOG2E)"   # kv <= q: slopes[h] log2(e) (kv - q)
+    else:
+        mod = ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos - acc_t(offset))",
+                       grad="acc_t(1)", params={"slopes": slopes, "offset": int(offset)}, name="alibi",
+                       log2_units=True, everywhere=True,
+                       python=lambda s, b, h, q, kv, slopes, offset: (
+                           s - slopes[h].astype(np.float64) * _LOG2E * abs(q + offset - kv)),
+                       python_grad=lambda s, b, h, q, kv, slopes, offset: np.ones_like(s))
+    mod.param_shapes = {"slopes": ("Hq",)}
     return mod
 
 
@@ -784,12 +848,35 @@ def t5_bucket(rel, num_buckets: int, max_distance: int, bidirectional: bool):
     return bucket + np.where(rel < exact, rel, np.minimum(big, num_buckets - 1))
 
 
-def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 128,
+def relative_position_bias(table: Any, *, num_buckets: int = 32, max_distance: int = 128,
                            bidirectional: bool = True) -> ScoreMod:
-    """T5's learned relative-position bias: ``score + table[bucket(kv_idx - q_idx), h]`` with ``table``
-    a float32 / float64 array (num_buckets, Hq); trainable (the backward returns its gradient as
-    ``{"table": ...}``). Buckets as T5's ``_relative_position_bucket`` (:func:`t5_bucket`), looked up
-    in a table of one bucket per distance up to ``max_distance`` (past it, the last bucket)."""
+    """T5's learned relative-position bias: ``score + table[bucket(kv_idx - q_idx), h]``.
+
+    Parameters
+    ----------
+    table : float32 or float64 array (num_buckets, Hq)
+        The learned bias of each bucket and query head, on the inputs' device. Trainable: the backward
+        returns its gradient as ``{"table": ...}`` (summed with float atomics on the GPU: its last bits may
+        differ run to run, ``deterministic=True`` or not).
+    num_buckets : int
+        Buckets, at least 4 (half for keys after the query when ``bidirectional``).
+    max_distance : int
+        Distances past it share the last bucket; above the exact buckets (``num_buckets // 4`` or ``// 2``).
+    bidirectional : bool
+        Separate buckets for keys after the query (T5's encoder) or none (its decoder: keys after the query
+        share bucket 0).
+
+    Returns
+    -------
+    ScoreMod
+        For ``score_mod=``. Buckets as T5's ``_relative_position_bucket`` (:func:`t5_bucket`), looked up in a
+        table of one bucket per distance up to ``max_distance``.
+    """
+    for name, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"relative_position_bias: {name} must be an int, got {value!r}")
+    if not isinstance(bidirectional, (bool, np.bool_)):
+        raise TypeError(f"relative_position_bias: bidirectional must be a bool, got {bidirectional!r}")
     if not _is_array(table) or table.ndim != 2 or np.dtype(table.dtype).kind != "f":
         raise TypeError("relative_position_bias: table must be a float array (num_buckets, Hq)")
     if table.shape[0] != num_buckets:
@@ -817,11 +904,13 @@ def relative_position_bias(table, *, num_buckets: int = 32, max_distance: int = 
         x = _xp(s)
         return x.asarray(t5_bucket(_host(kv - q), num_buckets, md, bd)) * heads + h, x.ones_like(s)
 
-    return ScoreMod(f"score + acc_t(table[{index}])", grad="acc_t(1)",
-                    params={"table": table, "bucket_of": lookup}, param_grads={"table": (index, "acc_t(1)")},
-                    name="relative_position_bias", python=twin,
-                    python_grad=lambda s, b, h, q, kv, table, bucket_of: s * 0 + 1.0,
-                    python_param_grads={"table": twin_index})
+    mod = ScoreMod(f"score + acc_t(table[{index}])", grad="acc_t(1)",
+                   params={"table": table, "bucket_of": lookup}, param_grads={"table": (index, "acc_t(1)")},
+                   name="relative_position_bias", python=twin,
+                   python_grad=lambda s, b, h, q, kv, table, bucket_of: s * 0 + 1.0,
+                   python_param_grads={"table": twin_index})
+    mod.param_shapes = {"table": (num_buckets, "Hq")}
+    return mod
 
 
 def _host(x):
@@ -836,9 +925,10 @@ def _xp(x):
         return np
 
 
-def document_mask(document_ids) -> MaskMod:
+def document_mask(document_ids: Any) -> MaskMod:
     """Packed documents: query i sees key j only within its own document, ``ids[b, i] == ids[b, j]``.
-    ``document_ids``: int32 array (B, L), L >= max(Lq, Lk) (queries and keys share positions).
+    ``document_ids``: int32 array (B, L), L >= max(Lq, Lk) (queries and keys share positions). Returns a
+    :class:`MaskMod` for ``mask_mod=``.
 
     The mask holds its own copy of the ids, read once on the host here. Where each document is one run of
     positions in every row (documents packed back to back: ids like 0 0 0 1 1 2 ...) and Lq == Lk == L, a
@@ -888,10 +978,23 @@ def _doc_twin(b, q, kv, doc):
     return rows[..., q.reshape(-1), :] == cols[..., kv.reshape(-1)]
 
 
-def prefix_lm_mask(prefix_lengths) -> MaskMod:
-    """Prefix-LM: every query sees the prefix (keys ``j < prefix[b]``) and, past it, keys up to
-    itself (``j <= i``). ``prefix_lengths``: int32 array (B,). Use without ``causal``."""
+def prefix_lm_mask(prefix_lengths: Any) -> MaskMod:
+    """Prefix-LM: every query sees the prefix (keys ``j < prefix[b]``) and, past it, keys up to itself
+    (``j <= i``).
+
+    Parameters
+    ----------
+    prefix_lengths : int32 array (B,)
+        Each batch entry's prefix length (B: the product of the inputs' leading dims), on the inputs' device.
+
+    Returns
+    -------
+    MaskMod
+        For ``mask_mod=``. Use without ``causal`` (with it the call's causal mask also applies inside the
+        prefix: plain causal attention)."""
     if not _is_array(prefix_lengths) or prefix_lengths.ndim != 1 or np.dtype(prefix_lengths.dtype) != np.int32:
         raise TypeError("prefix_lm_mask: prefix_lengths must be an int32 array (B,)")
-    return MaskMod("kv_idx < prefix[b] || kv_idx <= q_idx", params={"prefix": prefix_lengths}, name="prefix_lm",
-                   python=lambda b, h, q, kv, prefix: (kv < prefix[b]) | (kv <= q))
+    mod = MaskMod("kv_idx < prefix[b] || kv_idx <= q_idx", params={"prefix": prefix_lengths}, name="prefix_lm",
+                  python=lambda b, h, q, kv, prefix: (kv < prefix[b]) | (kv <= q))
+    mod.param_shapes = {"prefix": ("B",)}
+    return mod

@@ -332,6 +332,11 @@ def check_mods(p: Problem, score_mod=None, mask_mod=None) -> Optional[Mods]:
                 if p.xp is not np and value.device.id != p.q.device.id:
                     raise ValueError(f"{m.name}: parameter {name!r} is on device {value.device.id}, "
                                      f"q on device {p.q.device.id}")
+        for name, dims in m.param_shapes.items():
+            want = tuple({"B": p.batch, "Hq": p.heads_q}.get(d, d) for d in dims)
+            if tuple(m.params[name].shape) != want:
+                raise ValueError(f"{m.name}: {name} has shape {tuple(m.params[name].shape)}; this call needs {want} "
+                                 f"({', '.join(str(d) for d in dims)})")
     for m in mods.mask:
         if m.documents is not None and (m.documents.shape[0] != p.batch or m.documents.shape[1] < max(p.lq, p.lk)):
             raise ValueError(f"{m.name}: document ids of shape {m.documents.shape} need B = {p.batch} rows of at "

@@ -228,7 +228,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                                   "cuflash.attention(..., score_mod=cuflash.softcap(cap)) has it")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: this adapter passes no score modifications; on CuPy arrays "
-                                  "cuflash.attention(..., score_mod=cuflash.alibi(slopes)) has it")
+                                  "cuflash.attention(..., score_mod=cuflash.alibi(slopes, offset=Lk - Lq)) has "
+                                  "it")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: cuflash never stores the attention probabilities")
     left, right = (int(w) for w in window_size)

@@ -79,10 +79,51 @@ def _library(h=H, b=B, length=L):
     (lambda: cuflash.relative_position_bias(np.ones((8, 3), np.float32)), ValueError, "32 buckets"),
     (lambda: cuflash.document_mask(np.ones(3, np.int32)), TypeError, "int32 array"),
     (lambda: cuflash.prefix_lm_mask(np.ones((2, 2), np.int32)), TypeError, "int32 array"),
+    (lambda: cuflash.ScoreMod("score * float", params={"float": 2.0}), ValueError, "C\\+\\+ keyword"),
+    (lambda: cuflash.MaskMod("threadIdx > 0", params={"threadIdx": 1}), ValueError, "not usable"),
+    (lambda: cuflash.relative_position_bias(np.ones((32, 3), np.float32), max_distance=20.5), TypeError, "int"),
+    (lambda: cuflash.relative_position_bias(np.ones((32, 3), np.float32), bidirectional="yes"), TypeError, "bool"),
 ])
 def test_bad_modifications_are_refused(bad, err, match):
     with pytest.raises(err, match=match):
         bad()
+
+
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_alibi_offset_is_flash_attentions_alignment(causal):
+    """alibi(slopes, offset=Lk - Lq): FlashAttention's alibi_slopes, -slope |q_idx + Lk - Lq - kv_idx| added to
+    the scores (a bias written out); forward and backward on the NumPy path. offset 0 differs where queries see
+    keys past their own position."""
+    q, k, v, do = _inputs(lq=5, lk=19)
+    slopes = np.array([0.5, 0.25, 0.125], np.float32)
+    i, j = np.arange(5)[:, None], np.arange(19)[None, :]
+    bias = np.broadcast_to(-slopes.astype(np.float64)[:, None, None] * np.abs(i + 14 - j), (B, H, 5, 19))
+    mod = cuflash.alibi(slopes, offset=14)
+    out, vjp_fn = cuflash.vjp(q, k, v, causal=causal, score_mod=mod)
+    want_out, want_vjp = cuflash.vjp(q, k, v, causal=causal, bias=bias)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    for g, w in zip(vjp_fn(do)[:3], want_vjp(do)[:3]):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+    assert np.abs(cuflash.attention(q, k, v, causal=causal, score_mod=cuflash.alibi(slopes)) - want_out).max() > 0.1
+    assert mod.light and mod.linear_slope is None and "offset" in mod.params
+    with pytest.raises(TypeError, match="offset must be an int"):
+        cuflash.alibi(slopes, offset=1.5)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(score_mod=cuflash.alibi(np.ones(2, np.float32))), r"slopes has shape \(2,\); this call needs \(3,\)"),
+    (dict(score_mod=cuflash.alibi(np.ones(8, np.float32))), r"slopes has shape \(8,\)"),
+    (dict(score_mod=cuflash.relative_position_bias(np.zeros((32, 2), np.float32))), r"needs \(32, 3\)"),
+    (dict(mask_mod=cuflash.prefix_lm_mask(np.array([3], np.int32))), r"prefix has shape \(1,\); this call needs \(2,\)"),
+    (dict(score_mod=[cuflash.relative_position_bias(np.zeros((32, 3), np.float32))] * 2), "train parameters of one name twice"),
+])
+def test_library_parameters_that_do_not_fit_the_call_are_refused(options, match):
+    """The library modifications' arrays against the call (the kernels index them unchecked): ALiBi's slopes
+    (Hq,), T5's table (num_buckets, Hq), prefix lengths (B,); two modifications training one parameter name."""
+    q, k, v, _ = _inputs()
+    assert q.shape[:2] == (B, H) == (2, 3)
+    with pytest.raises(ValueError, match=match):
+        cuflash.attention(q, k, v, **options)
 
 
 def test_document_runs_are_found_on_the_host_and_the_ids_copied():
@@ -420,6 +461,23 @@ def test_a_compile_error_quotes_the_users_line():
         compile_offline(v.entry, v.name, "sm_80", v.prelude)
     assert "my_mod(3)" in info.value.log and "undefined_name" in info.value.log
     assert "in my_mod, line 3: return y + undefined_name;" in info.value.log
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("source, message, line", [
+    ("{\n  if (score > 0) return score;\n}", "missing return statement", None),   # at the body's end
+    ("{\n  if (score > 0) return score;\n  return;\n}", "should return a value", 3),
+])
+def test_a_body_that_can_end_without_a_value_is_a_compile_error(source, message, line):
+    """NVRTC's warnings 940 and 117 (a path out of a non-void body without a value) are errors in a build with
+    user modifications, naming the user's modification and line: not a kernel reading garbage."""
+    bad = cuflash.ScoreMod(source, grad="acc_t(1)", name="my_mod")
+    v = with_mods(next(v for v in all_variants() if v.extra and v.family == "fwd_mma"), M.resolve(bad).prelude(True))
+    with pytest.raises(CompileError) as info:
+        compile_offline(v.entry, v.name, "sm_80", v.prelude)
+    assert message in info.value.log and "my_mod(" in info.value.log
+    if line is not None:
+        assert f"my_mod({line})" in info.value.log and f"in my_mod, line {line}: return;" in info.value.log
 
 
 # --------------------------------------------------------------------------- the NumPy path

@@ -127,6 +127,21 @@ def test_alibi_under_a_causal_band_is_added_by_the_tensor_cores(launches, dtype,
         assert all("CUF_LINEAR_BIAS 1" in v.prelude and "CUF_USER_SCORE 1" not in v.prelude for v in hopper)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_alibi_counted_from_the_bottom_right(launches, dtype, causal):
+    """alibi(slopes, offset=Lk - Lq) (FlashAttention's alibi_slopes; a nonzero offset takes the per-element
+    form, no tensor-core step) forward and backward against the reference, few queries over many keys and a
+    square call (offset 0)."""
+    for lq, lk in ((40, 150), (LK, LK)):
+        seed = seed_of(dtype, str(causal), lq, lk, "alibi offset")
+        options = dict(score_mod=cuflash.alibi(np.geomspace(0.5, 0.02, HQ).astype(np.float32), offset=lk - lq))
+        launches.clear()
+        check_masked(dtype, B, HQ, HK, lq, lk, 64, 64, causal, seed, options)
+        if lk != lq:
+            assert not any("CUF_LINEAR_BIAS 1" in v.prelude for v in launches)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_alibi_of_the_tensor_cores_with_a_deterministic_backward(launches, dtype):
     """The tensor-core forward's out and lse taken by the portable deterministic backward (the modification's
@@ -287,3 +302,39 @@ def test_modifications_at_head_dim_256(dtype):
     dS from a 16-bit P in another warpgroup)."""
     seed = seed_of(dtype, "256")
     check_masked(dtype, B, HQ, HK, LQ, LK, 256, 256, True, seed, _options("softcap", seed))
+
+
+def _fd_check_gpu(f, x, grad, points=6, eps=1e-6, seed=0):
+    """Central differences of the scalar f at a few entries of the CuPy float64 array x, against grad."""
+    rng = np.random.default_rng(seed)
+    grad = cp.asnumpy(grad)
+    for idx in zip(*(rng.integers(0, n, points) for n in x.shape)):
+        e = cp.zeros_like(x)
+        e[idx] = eps
+        fd = (float(f(x + e)) - float(f(x - e))) / (2 * eps)
+        assert abs(fd - grad[idx]) <= 1e-6 * (1 + abs(fd)), (idx, fd, grad[idx])
+
+
+@pytest.mark.parametrize("kind", ["softcap", "alibi", "relative position"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_float64_gradients_on_the_gpu_match_finite_differences(kind, causal):
+    """float64 on the GPU (the fp64 tensor-core kernels with the modification compiled in): dq, dk, dv and
+    the T5 table's gradient against central differences of the GPU forward."""
+    rng = np.random.default_rng(seed_of("fd", kind, str(causal)))
+    q, k, v, do = (cp.asarray(rng.standard_normal(s)) for s in ((B, HQ, 37, 32), (B, HK, 45, 32), (B, HK, 45, 32),
+                                                               (B, HQ, 37, 32)))
+    table = cp.asarray(rng.standard_normal((32, HQ)) * 0.5)
+
+    def mod(t=table):
+        return {"softcap": cuflash.softcap(2.0), "relative position": cuflash.relative_position_bias(t, max_distance=20),
+                "alibi": cuflash.alibi(cp.asarray(np.geomspace(0.5, 0.05, HQ).astype(np.float32)))}[kind]
+
+    out, vjp_fn = cuflash.vjp(q, k, v, causal=causal, score_mod=mod())
+    dq, dk, dv, *rest = vjp_fn(do)
+    loss = lambda **x: (cuflash.attention(x.get("q", q), x.get("k", k), x.get("v", v), causal=causal,  # noqa: E731
+                                          score_mod=mod(x.get("t", table))) * do).sum()
+    _fd_check_gpu(lambda x: loss(q=x), q, dq)
+    _fd_check_gpu(lambda x: loss(k=x), k, dk)
+    _fd_check_gpu(lambda x: loss(v=x), v, dv)
+    if kind == "relative position":
+        _fd_check_gpu(lambda t: loss(t=t), table, rest[0]["table"], points=10)

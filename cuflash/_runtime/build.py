@@ -26,6 +26,9 @@ __all__ = ["CompileError", "kernel_dir", "inline_includes", "load_source", "sour
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 NVRTC_OPTIONS = ("-std=c++17",)
+# With user modifications (a prelude) a body that can end without a value (940) or a bare `return;` in it
+# (117) is an error quoting the user's line, not a warning over a kernel that reads garbage.
+PRELUDE_OPTIONS = ("--diag-error=940,117",)
 
 
 class CompileError(RuntimeError):
@@ -141,7 +144,7 @@ def _module(entry: str, name_expression: str, nvrtc_arch: str | None = None, pre
     preload_nvrtc_wheel()
     # CuPy appends -arch for the device itself (sm_90 on an H100); an sm_90a target named
     # here as well is what NVRTC builds (wgmma and setmaxnreg exist only there).
-    options = NVRTC_OPTIONS + ((f"-arch={nvrtc_arch}",) if nvrtc_arch else ())
+    options = NVRTC_OPTIONS + ((f"-arch={nvrtc_arch}",) if nvrtc_arch else ()) + (PRELUDE_OPTIONS if prelude else ())
     # RawModule compiles lazily, on the first get_function (see _function). A prelude (user
     # modifications) comes first: CuPy's cache hashes the whole text, so each is its own build.
     return cupy.RawModule(code=prelude + load_source(entry), options=options, name_expressions=[name_expression])
@@ -207,22 +210,25 @@ def compile_offline(entry: str, name_expression: str, arch: str = "sm_90", prelu
     error in a prelude).
     """
     try:
-        return compile_source_offline(prelude + load_source(entry), entry, name_expression, arch)
+        return compile_source_offline(prelude + load_source(entry), entry, name_expression, arch,
+                                      PRELUDE_OPTIONS if prelude else ())
     except CompileError as exc:
         if not prelude:
             raise
         raise CompileError(name_expression, explain_prelude_errors(exc.log, prelude)) from None
 
 
-def compile_source_offline(source: str, filename: str, name_expression: str, arch: str = "sm_90") -> OfflineBuild:
-    """Compile ``source`` (local includes already inlined) for ``arch``; see :func:`compile_offline`."""
+def compile_source_offline(source: str, filename: str, name_expression: str, arch: str = "sm_90",
+                           extra_options: tuple = ()) -> OfflineBuild:
+    """Compile ``source`` (local includes already inlined) for ``arch`` with NVRTC_OPTIONS and
+    ``extra_options``; see :func:`compile_offline`."""
     from cupy_backends.cuda.libs import nvrtc
 
     preload_nvrtc_wheel()
     prog = nvrtc.createProgram(source, filename, [], [])
     try:
         nvrtc.addNameExpression(prog, name_expression)
-        options = list(NVRTC_OPTIONS) + [f"-arch={arch}", "--ptxas-options=-v"]
+        options = list(NVRTC_OPTIONS) + list(extra_options) + [f"-arch={arch}", "--ptxas-options=-v"]
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
