@@ -83,6 +83,8 @@ def side_args(argv, doc: str, what: str, quick_help: str, repeat: int, skip_exam
     if more is not None:
         more(parser)
     args = parser.parse_args(argv)
+    if getattr(args, "replot", None):   # a side benchmark's --replot: no GPU needed
+        return args, None, set()
     ok, why = gpu_available()
     if not ok or cp is None:
         print(f"The {what} benchmark needs a GPU: {why}")
@@ -90,10 +92,31 @@ def side_args(argv, doc: str, what: str, quick_help: str, repeat: int, skip_exam
     return args, device_name(), {s.strip() for s in args.skip.split(",") if s.strip()}
 
 
-def side_report(row_lists, markdown, device: str, out, prefix: str, **extra) -> int:
+def run_meta() -> dict:
+    """What a results file records of its run: the date, the command, the source tree (git HEAD and whether
+    it had changes, where the tree is a git checkout) and the versions of CuPy, PyTorch and cuflash."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    head = git("rev-parse", "--short", "HEAD")
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
+            "tree": head and head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else ""),
+            "cupy": getattr(cp, "__version__", None), "torch": getattr(torch, "__version__", None),
+            "cuflash": cuflash.__version__}
+
+
+def side_report(row_lists, markdown, device: str, out, prefix: str, plot=None, **extra) -> int:
     """Print each list of rows of ``row_lists`` as it comes (``markdown(rows, device)``'s table lines), then
-    write all of them as ``<prefix>-<device>.json`` (``extra`` beside the rows) and ``.md`` into ``out``
-    (default ./cuflash-<prefix>-<time>/) and print the whole table."""
+    write all of them as ``<prefix>-<device>.json`` (the run's :func:`run_meta` and ``extra`` beside the rows),
+    ``.md`` and, with ``plot(rows, path, device)``, ``.png`` into ``out`` (default ./cuflash-<prefix>-<time>/)
+    and print the whole table."""
     results = []
     for rows in row_lists:
         results += rows
@@ -101,8 +124,11 @@ def side_report(row_lists, markdown, device: str, out, prefix: str, **extra) -> 
     folder = Path(out or f"cuflash-{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"{prefix}-" + device.replace(" ", "_")
-    (folder / f"{stem}.json").write_text(json.dumps({"device": device, **extra, "rows": results}, indent=1))
+    (folder / f"{stem}.json").write_text(json.dumps({"device": device, "meta": run_meta(), **extra, "rows": results},
+                                                    indent=1))
     (folder / f"{stem}.md").write_text(markdown(results, device))
+    if plot is not None:
+        plot(results, folder / f"{stem}.png", device)
     print(markdown(results, device))
     return 0
 

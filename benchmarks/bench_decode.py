@@ -15,16 +15,18 @@ checked (a device read a call) and not (``validate=False``), and as shuffled pag
 positions (not checked), and PyTorch SDPA's flash
 (FlashAttention-2), cuDNN, efficient and math backends with ``enable_gqa`` (a backend that refuses
 GQA gets K/V repeated to Hq heads beforehand, outside the time, and reads Hq / Hk times the bytes;
-the row says so). Time: the median of ``--repeat`` queued calls' mean, 5 runs (CUDA events). GB/s
+the row says so). Time: the median of ``--repeat`` queued calls' mean, 5 runs (CUDA events). TB/s
 counts the K and V bytes of the cache once (B x Hk x Lk x D x 2 x itemsize) over the time; % peak
 against the device's HBM bandwidth where known (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
-Writes JSON and Markdown named by the device into --out (default ./cuflash-decode-<time>/).
+Writes JSON, Markdown and a PNG (% of the HBM peak against Lk) named by the device into --out (default
+./cuflash-decode-<time>/); ``--replot results.json`` redraws the PNG beside a results JSON (no GPU).
 ``--splits``: the four reference rows through cuflash only, unasked (the note gives the split count
 taken, read off the launch) and with ``num_splits`` forced to each of SPLIT_COUNTS.
 """
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -58,7 +60,7 @@ def sweep() -> list:
     rows = list(QUICK)
     for d in (64, 128):
         for lq in (1, 4, 16):
-            for lk in (4096, 16384, 65536, 262144):
+            for lk in (4096, 16384, 32768, 65536, 131072, 262144):
                 for b in (1, 8, 64):
                     if b * lk <= 2 ** 21:   # caches up to 2M tokens a call
                         rows.append(("bfloat16", b, 32, 8, lq, lk, d))
@@ -190,11 +192,11 @@ def run_row(row, repeat, peak, skip, splits=False) -> list:
     q, k, v = (_normal(rng, shape, dt) for shape in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, d)))
     kv_bytes = 2 * b * hk * lk * d * np.dtype(dt).itemsize
     def fields(ms):
-        return {"GB/s": kv_bytes / ms / 1e6, "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak}
+        return {"TB/s": kv_bytes / ms / 1e9, "peak %": None if peak is None else 100 * kv_bytes / ms / 1e-3 / peak}
     too_big = b * hq * lq * lk > 2 ** 31   # torch math's score matrix would not fit
     runs = {name: (None if name == "torch math" and too_big else fn, note, fields)
             for name, (fn, note) in (split_contenders if splits else contenders)(q, k, v).items()}
-    base = {"dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d, "ms": None, "GB/s": None,
+    base = {"dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d, "ms": None, "TB/s": None,
             "peak %": None}
     results = bench.timed_rows(runs, base, repeat, skip)
     del q, k, v
@@ -207,21 +209,82 @@ def markdown(results, device) -> str:
         f"# Decoding over a KV cache on {device}",
         [("dtype", "dtype", ""), ("B", "B", ""), ("Hq/Hk", lambda r: f"{r['Hq']}/{r['Hk']}", ""), ("Lq", "Lq", ""),
          ("Lk", "Lk", ""), ("D", "D", ""), ("contender", "contender", ""), ("ms", "ms", ".4f"),
-         ("GB/s", "GB/s", ".0f"), ("% peak", "peak %", ".1f"), ("note", "note", "")], results)
+         ("TB/s", _tbps, ".2f"), ("% peak", "peak %", ".1f"), ("note", "note", "")], results)
+
+
+def _tbps(row):
+    """TB/s of a row (results written before the column was TB/s have GB/s)."""
+    if row.get("TB/s") is not None:
+        return row["TB/s"]
+    return None if row.get("GB/s") is None else row["GB/s"] / 1e3
+
+
+PLOTTED = {"cuflash": "tab:red", "torch flash": "tab:blue", "torch cudnn": "tab:green",
+           "cuflash paged 16": "tab:orange"}
+
+
+def plot(results, path, device) -> None:
+    """% of the HBM peak against Lk for the bfloat16 sweep rows: a panel a (D, Lq), a colour a contender
+    (PLOTTED), a marker a batch size. Nothing without matplotlib or a known peak."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+    except ImportError:
+        return
+    rows = [r for r in results if r["dtype"] == "bfloat16" and r["Hq"] == 32 and r["Hk"] == 8
+            and r.get("peak %") is not None and r["contender"] in PLOTTED]
+    panels = sorted({(r["D"], r["Lq"]) for r in rows})
+    if not panels:
+        return
+    markers = {1: "o", 8: "s", 64: "^"}
+    cols = min(3, len(panels))
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(5.2 * cols, 3.6 * -(-len(panels) // cols)),
+                             squeeze=False)
+    for ax, (d, lq) in zip(axes.flat, panels):
+        for name, color in PLOTTED.items():
+            for b, marker in markers.items():
+                pts = sorted((r["Lk"], r["peak %"]) for r in rows
+                             if (r["D"], r["Lq"], r["B"], r["contender"]) == (d, lq, b, name))
+                if pts:
+                    ax.plot(*zip(*pts), color=color, marker=marker, markersize=4, linewidth=1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 100)
+        ax.set_title(f"D {d}, {lq} query row{'s' if lq > 1 else ''}, 32 / 8 heads", fontsize=10)
+        ax.set_xlabel("cached keys Lk")
+        ax.set_ylabel("% of HBM peak")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles = [Line2D([], [], color=c, linewidth=2, label=n) for n, c in PLOTTED.items()]
+    handles += [Line2D([], [], color="k", marker=m, linestyle="", label=f"B = {b}") for b, m in markers.items()]
+    fig.suptitle(f"Decoding over a KV cache (bfloat16), {device}", y=0.99, fontsize=11)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=len(handles), fontsize=9,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
-    parsed = bench.side_args(argv, __doc__, "decode", "the four reference rows only", 50, "'torch math'",
-                             more=lambda parser: parser.add_argument(
-                                 "--splits", action="store_true", help="the reference rows by split count"))
+    def more(parser):
+        parser.add_argument("--splits", action="store_true", help="the reference rows by split count")
+        parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON (no GPU)")
+    parsed = bench.side_args(argv, __doc__, "decode", "the four reference rows only", 50, "'torch math'", more=more)
     if parsed is None:
         return 2
     args, device, skip = parsed
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        plot(data["rows"], Path(args.replot).with_suffix(".png"), data["device"])
+        return 0
     peak = next((bw for key, bw in HBM_PEAK.items() if key in device), None)
     rows = (run_row(row, args.repeat, peak, skip, args.splits)
             for row in (QUICK if args.quick or args.splits else sweep()))
     return bench.side_report(rows, markdown, device, args.out, "decode-splits" if args.splits else "decode",
-                             peak_bytes_per_s=peak)
+                             plot=None if args.splits else plot, peak_bytes_per_s=peak)
 
 
 if __name__ == "__main__":
