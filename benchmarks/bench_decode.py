@@ -219,8 +219,8 @@ def _tbps(row):
     return None if row.get("GB/s") is None else row["GB/s"] / 1e3
 
 
-PLOTTED = {"cuflash": "tab:red", "torch flash": "tab:blue", "torch cudnn": "tab:green",
-           "cuflash paged 16": "tab:orange"}
+PLOTTED = {"cuflash": "tab:red", "cuflash kvcache unchecked": "tab:purple", "cuflash paged 16": "tab:orange",
+           "torch flash": "tab:blue", "torch cudnn": "tab:green"}
 
 
 def plot(results, path, device) -> None:
@@ -261,8 +261,8 @@ def plot(results, path, device) -> None:
     handles = [Line2D([], [], color=c, linewidth=2, label=n) for n, c in PLOTTED.items()]
     handles += [Line2D([], [], color="k", marker=m, linestyle="", label=f"B = {b}") for b, m in markers.items()]
     fig.suptitle(f"Decoding over a KV cache (bfloat16), {device}", y=0.99, fontsize=11)
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=len(handles), fontsize=9,
-               frameon=False)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=min(len(handles), 8),
+               fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.88))
     fig.savefig(path, dpi=110)
     plt.close(fig)
