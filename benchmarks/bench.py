@@ -383,10 +383,18 @@ def plot(results, path, device):
                 Line2D([], [], color="k", linestyle="--", label="causal")]
     handles += [Line2D([], [], color="k", marker=MARKERS[t], linestyle="", label=t)
                 for t in ("bf16", "fp16") if any(c["dtype"] == t for c in cases)]
-    fig.suptitle(f"cuflash vs PyTorch SDPA backends, {device}", y=0.99, fontsize=11)
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=min(len(handles), 6),
+    save_figure(fig, path, f"cuflash vs PyTorch SDPA backends, {device}", handles, columns=6, top=0.86)
+
+
+def save_figure(fig, path, title: str, handles, columns: int, top: float) -> None:
+    """A benchmark figure's title and legend above its panels (those below ``top`` of its height), written to
+    ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, y=0.99, fontsize=11)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=min(len(handles), columns),
                fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

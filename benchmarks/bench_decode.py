@@ -260,12 +260,7 @@ def plot(results, path, device) -> None:
         ax.axis("off")
     handles = [Line2D([], [], color=c, linewidth=2, label=n) for n, c in PLOTTED.items()]
     handles += [Line2D([], [], color="k", marker=m, linestyle="", label=f"B = {b}") for b, m in markers.items()]
-    fig.suptitle(f"Decoding over a KV cache (bfloat16), {device}", y=0.99, fontsize=11)
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=min(len(handles), 8),
-               fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.88))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bench.save_figure(fig, path, f"Decoding over a KV cache (bfloat16), {device}", handles, columns=8, top=0.88)
 
 
 def main(argv=None) -> int:
