@@ -247,11 +247,11 @@ def split_kv(dtypes) -> None:
 
 
 def kv_cache(dtypes) -> None:
-    """A KV cache of ragged lengths (0 included), one or three new keys appended (three: 4 query heads of
-    3 rows under the causal band in one strip): the kernels read the lengths."""
+    """A KV cache of ragged lengths (0 included), one, three or sixteen new keys appended (three: 4 query heads
+    of 3 rows under the causal band in one strip; sixteen: 64 such rows): the kernels read the lengths."""
     launched = _split_launches()
     rng = np.random.default_rng(1)
-    for dtype, d, lq in itertools.product(dtypes, (64, 128), (1, 3)):
+    for dtype, d, lq in itertools.product(dtypes, (64, 128), (1, 3, 16)):
         q = cp.asarray(rng.standard_normal((3, 8, lq, d)).astype(DTYPES[dtype]))
         k, v = (cp.asarray(rng.standard_normal((3, 2, 3000, d)).astype(DTYPES[dtype])) for _ in range(2))
         new_k, new_v = (cp.asarray(rng.standard_normal((3, 2, lq, d)).astype(DTYPES[dtype])) for _ in range(2))
