@@ -168,11 +168,11 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
         (num_pages, page_size, Hk, D) store passes as ``.swapaxes(1, 2)``), and position p of
         sequence b lives in page ``block_table[b, p // page_size]``, slot ``p % page_size``; pages in
         any order, 1 to 256 positions; entries past a sequence's last position are not read (e.g. -1).
-        Sequences may share pages they only read (a common prefix); a page that the append writes into
-        must be named once among the used entries. The append writes into those slots; on the GPU the float16 and bfloat16 kernels read pages of a
-        power-of-two size in place (K and V pages of the same strides), other calls (float32, float64,
-        other page sizes, the NumPy path, a window without causal) read them gathered into one buffer
-        first (a copy a call).
+        Sequences may share pages they only read (a common prefix); a page that the append writes into must be
+        named once among the used entries. The append writes into those slots; on the GPU the float16 and
+        bfloat16 kernels read pages of a power-of-two size in place (K and V pages of the same strides), other
+        calls (float32, float64, other page sizes, the NumPy path, a window without causal) read them gathered
+        into one buffer first (a copy a call).
     validate : bool
         Check ``cache_seqlens`` and ``block_table`` against the cache before anything is written or
         launched (ValueError). On CuPy arrays that reads them back from the device: one small transfer,
@@ -193,8 +193,8 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
     Raises
     ------
     TypeError
-        Arrays of another library or dtype than q, non-integer lengths or table, a ``causal`` that is not
-        a bool.
+        Arrays of another library or dtype than q, non-integer lengths, table or ``num_splits``, a ``causal``
+        that is not a bool.
     ValueError
         Shapes that do not fit, arrays on another device, options out of range (window, scale,
         ``num_splits``), lengths past the cache or negative, page indices outside the pages given, a page

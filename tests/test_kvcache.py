@@ -88,8 +88,11 @@ def test_a_decoding_loop_over_shuffled_pages(device, dtype, lq, num_splits):
     table = rng.permutation(b * per_seq + 4)[:b * per_seq].reshape(b, per_seq)
     store_k = rng.standard_normal((b * per_seq + 4, page, hk, d)).astype(DTYPES[dtype])
     store_v = rng.standard_normal(store_k.shape).astype(DTYPES[dtype])
-    valid_k = [store_k[table[bi]].transpose(2, 0, 1, 3).reshape(hk, -1, d)[:, :n].copy() for bi, n in enumerate(lengths)]
-    valid_v = [store_v[table[bi]].transpose(2, 0, 1, 3).reshape(hk, -1, d)[:, :n].copy() for bi, n in enumerate(lengths)]
+    def in_order(store, bi):   # sequence bi's positions (Hk, pages x page, D) from its pages
+        return store[table[bi]].transpose(2, 0, 1, 3).reshape(hk, -1, d)
+
+    valid_k = [in_order(store_k, bi)[:, :n].copy() for bi, n in enumerate(lengths)]
+    valid_v = [in_order(store_v, bi)[:, :n].copy() for bi, n in enumerate(lengths)]
     sk, sv, tab = xp.asarray(store_k), xp.asarray(store_v), xp.asarray(table)
     tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
     for step in range(steps):
@@ -108,7 +111,7 @@ def test_a_decoding_loop_over_shuffled_pages(device, dtype, lq, num_splits):
             assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), (step, bi)
     held_k = _host(sk)
     for bi, n in enumerate(lengths):
-        np.testing.assert_array_equal(held_k[table[bi]].transpose(2, 0, 1, 3).reshape(hk, -1, d)[:, :n], valid_k[bi])
+        np.testing.assert_array_equal(in_order(held_k, bi)[:, :n], valid_k[bi])
 
 
 @pytest.mark.parametrize("device", DEVICES)

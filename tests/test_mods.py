@@ -114,8 +114,10 @@ def test_alibi_offset_is_flash_attentions_alignment(causal):
     (dict(score_mod=cuflash.alibi(np.ones(2, np.float32))), r"slopes has shape \(2,\); this call needs \(3,\)"),
     (dict(score_mod=cuflash.alibi(np.ones(8, np.float32))), r"slopes has shape \(8,\)"),
     (dict(score_mod=cuflash.relative_position_bias(np.zeros((32, 2), np.float32))), r"needs \(32, 3\)"),
-    (dict(mask_mod=cuflash.prefix_lm_mask(np.array([3], np.int32))), r"prefix has shape \(1,\); this call needs \(2,\)"),
-    (dict(score_mod=[cuflash.relative_position_bias(np.zeros((32, 3), np.float32))] * 2), "train parameters of one name twice"),
+    (dict(mask_mod=cuflash.prefix_lm_mask(np.array([3], np.int32))),
+     r"prefix has shape \(1,\); this call needs \(2,\)"),
+    (dict(score_mod=[cuflash.relative_position_bias(np.zeros((32, 3), np.float32))] * 2),
+     "train parameters of one name twice"),
 ])
 def test_library_parameters_that_do_not_fit_the_call_are_refused(options, match):
     """The library modifications' arrays against the call (the kernels index them unchecked): ALiBi's slopes
