@@ -14,8 +14,9 @@ Options per sequence: ``causal`` (``"top_left"``: query i sees keys j <= i of it
 ``scale``, grouped-query heads and ``precision``. Dropout's mask is a pure function of the positions:
 element (query row r, counted in the packed q, key j, counted from its sequence's first) of head h is
 kept as :func:`cuflash.reference.dropout_keep` ``(seed, p, 0, h, r, j)`` says, so that every
-sequence's keys start a Philox group of four (the kernels draw four keys a word). Bias and boolean
-masks have no per-sequence form here and are not taken.
+sequence's keys start a Philox group of four (the kernels draw four keys a word). Score and mask
+modifications (cuflash.mods) apply to each sequence as a call of its own (positions counted from its first
+row, ``b`` = 0). Bias and boolean masks have no per-sequence form here and are not taken.
 
 The offsets are read on the host: pass them as NumPy arrays (as :func:`pack` returns them) to avoid
 a device read; CuPy offsets are copied to the host once a call. On the GPU the float16, bfloat16 and
@@ -27,8 +28,8 @@ adding dQ into an accumulator with atomics, then the convert kernel (on Hopper t
 construction (the 16-bit portable kernels always). float32 at precision "highest" runs the 3xTF32 kernels'
 packed twins: the forward (Hopper's, a CTA a block, or the portable one) and the dK/dV kernel (one pass, or
 dV then dK at head dim 128) with dQ by atomics or, ``deterministic``, its dQ kernel; other calls (float32
-at other precisions, dropout) launch the dense kernels once a sequence, with dropout at the sequence's
-origin (``dropout_origin``).
+at other precisions, dropout, score and mask modifications) launch the dense kernels once a sequence, with
+dropout at the sequence's origin (``dropout_origin``).
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ class _Packed:
     """A validated varlen call: the packed arrays, their offsets on the host, and the checked options."""
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed,
-                 precision, max_seqlen_q=None, max_seqlen_k=None):
+                 precision, max_seqlen_q=None, max_seqlen_k=None, score_mod=None, mask_mod=None):
         for name, x in (("q", q), ("k", k), ("v", v)):
             options.array_module(x)
             if x.ndim != 3:
@@ -143,6 +144,9 @@ class _Packed:
         # as one dense call's (dtypes, heads, dims, devices, scale, window, dropout)
         p = options.check_qkv(*(x.transpose(1, 0, 2)[None] for x in (q, k, v)), causal=causal, scale=scale)
         self.opts = options.check_options(p, window=window, dropout_p=dropout_p, seed=seed)
+        # every sequence its own call of batch 1: a modification sees b = 0 and each sequence's own positions
+        self.mods = options.check_mods(p, score_mod, mask_mod)
+        self.mod_kwargs = {} if self.mods is None else dict(score_mod=score_mod, mask_mod=mask_mod)
         self.cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
         self.cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
         if len(self.cu_q) != len(self.cu_k):
@@ -180,8 +184,8 @@ def _heads_major(x):
 def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
                              causal: api.Causal = False, scale: Optional[float] = None, window: Any = None,
                              dropout_p: float = 0.0, seed: Optional[int] = None, precision: str = "highest",
-                             max_seqlen_q: Optional[int] = None,
-                             max_seqlen_k: Optional[int] = None) -> Tuple[Array, Array]:
+                             max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                             score_mod: Any = None, mask_mod: Any = None) -> Tuple[Array, Array]:
     """Attention of packed sequences, and the row logsumexp the backward needs.
 
     Parameters
@@ -201,6 +205,10 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
     max_seqlen_q, max_seqlen_k : int, optional
         FlashAttention's bounds on the longest sequence, not needed here (the offsets are read on the
         host): when given, a sequence longer than the bound is a ValueError.
+    score_mod, mask_mod : optional
+        User modifications (:mod:`cuflash.mods`), as :func:`cuflash.attention`'s, applied to each sequence as
+        a call of its own: ``q_idx`` and ``kv_idx`` count from the sequence's first row, ``b`` is 0 (arrays
+        indexed by ``b`` have one entry). On the GPU they run the dense kernels once a sequence.
 
     Returns
     -------
@@ -210,10 +218,10 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
         Each query row's natural-log logsumexp over its sequence's keys; -inf where it sees none.
     """
     call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision,
-                   max_seqlen_q, max_seqlen_k)
+                   max_seqlen_q, max_seqlen_k, score_mod, mask_mod)
     xp, p = call.xp, call.p
     acc = acc_dtype(p.dtype)
-    if xp is not np and p.lk > 0:
+    if xp is not np and p.lk > 0 and call.mods is None:
         with _device_of(q):
             plan = _plan.packed_forward(q, k, v, p, call.opts, precision, int(np.diff(call.cu_k).max()))
             if plan is not None:
@@ -227,9 +235,11 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
             qb, kb, vb = (_heads_major(x) for x in (q[rows], k[keys], v[keys]))
             if xp is np:
                 o, l = reference.attention_blocked(qb, kb, vb, causal=p.reference_causal, scale=p.scale,
-                                                   window=call.opts.window, **call.dropout_kwargs(rows))
+                                                   window=call.opts.window, **call.dropout_kwargs(rows),
+                                                   **call.mod_kwargs)
             else:
-                o, l = api.attention_forward(qb[None], kb[None], vb[None], **call.kwargs, **call.dropout_kwargs(rows))
+                o, l = api.attention_forward(qb[None], kb[None], vb[None], **call.kwargs, **call.dropout_kwargs(rows),
+                                             **call.mod_kwargs)
                 o, l = o[0], l[0]
             out[rows] = o.transpose(1, 0, 2).astype(q.dtype)
             lse[:, rows] = l.astype(acc)
@@ -239,7 +249,8 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
 def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
                      causal: api.Causal = False, scale: Optional[float] = None, window: Any = None,
                      dropout_p: float = 0.0, seed: Optional[int] = None, precision: str = "highest",
-                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> Array:
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                     score_mod: Any = None, mask_mod: Any = None) -> Array:
     """Exact softmax attention of sequences packed back to back, each sequence's queries over its own keys.
 
     Parameters
@@ -269,20 +280,24 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     max_seqlen_q, max_seqlen_k : int, optional
         FlashAttention's bounds on the longest sequence, not needed here: when given, a sequence longer
         than the bound is a ValueError.
+    score_mod, mask_mod : optional
+        User modifications (:mod:`cuflash.mods`) applied to each sequence as a call of its own (positions
+        from the sequence's first row, ``b`` = 0); on the GPU the dense kernels once a sequence.
 
     Returns
     -------
     out : array (total_q, Hq, Dv), q's dtype
         A query of a sequence with no keys gets 0.
 
-    Bias, boolean masks, score / mask modifications, ``block_layout``, ``num_splits`` and
-    ``dropout_origin`` are not taken (no per-sequence form).
+    Bias, boolean masks, ``block_layout``, ``num_splits`` and ``dropout_origin`` are not taken (no
+    per-sequence form).
     """
     if dropout_p and seed is None:
         seed = options.draw_seed()
     return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window,
                                     dropout_p=dropout_p, seed=seed, precision=precision,
-                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)[0]
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, score_mod=score_mod,
+                                    mask_mod=mask_mod)[0]
 
 
 def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
@@ -290,13 +305,15 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
                               scale: Optional[float] = None, window: Any = None, dropout_p: float = 0.0,
                               seed: Optional[int] = None, precision: str = "highest",
                               deterministic: bool = False, max_seqlen_q: Optional[int] = None,
-                              max_seqlen_k: Optional[int] = None) -> Tuple[Array, Array, Array]:
+                              max_seqlen_k: Optional[int] = None, score_mod: Any = None,
+                              mask_mod: Any = None) -> Tuple[Any, ...]:
     """Gradients of ``sum(dout * out)`` with respect to the packed q, k, v.
 
     Parameters
     ----------
     dout : array (total_q, Hq, Dv), q's dtype
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision, max_seqlen_q, max_seqlen_k
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision, max_seqlen_q, max_seqlen_k,
+    score_mod, mask_mod
         The forward's inputs and options (the same seed with dropout).
     out, lse : arrays
         What :func:`attention_varlen_forward` returned.
@@ -308,9 +325,11 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
     dq, dk, dv : arrays with the shapes and dtype of q, k, v
         dk and dv sum over the query heads that share a key/value head; keys of a sequence with no
         queries get 0.
+    param_grads : dict, only when a score modification has trainable parameters
+        Parameter name -> its gradient summed over the sequences, the parameter's shape and dtype.
     """
     call = _Packed(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, dropout_p, seed, precision,
-                   max_seqlen_q, max_seqlen_k)
+                   max_seqlen_q, max_seqlen_k, score_mod, mask_mod)
     xp, p = call.xp, call.p
     for name, x, shape in (("dout", dout, (q.shape[0], p.heads_q, p.dv)), ("out", out, (q.shape[0], p.heads_q, p.dv)),
                            ("lse", lse, (p.heads_q, q.shape[0]))):
@@ -325,15 +344,17 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
     if np.dtype(lse.dtype).kind != "f":
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
-    if xp is not np and p.lk > 0:
+    if xp is not np and p.lk > 0 and call.mods is None:
         with _device_of(q):
             plan = _plan.packed_backward(q, k, v, dout, out, p, call.opts, precision, deterministic)
             if plan is not None:
                 lse_acc = xp.ascontiguousarray(lse.astype(acc_dtype(p.dtype), copy=False))
                 return _plan.execute_packed_backward(plan, dout, q, k, v, out, lse_acc,
                                                      Spans.of_offsets(call.cu_q, call.cu_k))
+    trained = {} if call.mods is None else {name: m.params[name] for m in call.mods.score for name in m.param_grads}
     with _device_of(q):
         grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
+        param_grads = {name: xp.zeros(value.shape, dtype=acc_dtype(value.dtype)) for name, value in trained.items()}
         for b, rows, keys in call.spans():
             if rows.stop == rows.start or keys.stop == keys.start:
                 continue   # nothing attended: zero gradients
@@ -342,13 +363,17 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
             if xp is np:
                 g = reference.attention_backward_blocked(dob, qb, kb, vb, ob, lb, causal=p.reference_causal,
                                                          scale=p.scale, window=call.opts.window,
-                                                         **call.dropout_kwargs(rows))[:3]
+                                                         **call.dropout_kwargs(rows), **call.mod_kwargs)
             else:
                 g = api.attention_backward(dob[None], qb[None], kb[None], vb[None], ob[None], lb[None],
-                                           deterministic=deterministic, **call.kwargs, **call.dropout_kwargs(rows))
-                g = tuple(x[0] for x in g)
-            for whole, part, span in zip(grads, g, (rows, keys, keys)):
-                whole[span] = part.transpose(1, 0, 2).astype(whole.dtype)
+                                           deterministic=deterministic, **call.kwargs, **call.dropout_kwargs(rows),
+                                           **call.mod_kwargs)
+            for whole, part, span in zip(grads, g[:3], (rows, keys, keys)):
+                whole[span] = (part if xp is np else part[0]).transpose(1, 0, 2).astype(whole.dtype)
+            for name in trained:
+                param_grads[name] += g[-1][name]
+    if trained:
+        return tuple(grads) + ({name: g_.astype(trained[name].dtype) for name, g_ in param_grads.items()},)
     return tuple(grads)
 
 
@@ -363,8 +388,8 @@ def vjp_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: 
     deterministic : bool
         As :func:`cuflash.attention_backward`: bitwise reproducible gradients.
     **kwargs
-        causal, scale, window, dropout_p, seed, precision, max_seqlen_q, max_seqlen_k (as
-        :func:`attention_varlen`). With ``dropout_p > 0`` and no seed, one is drawn and kept
+        causal, scale, window, dropout_p, seed, precision, max_seqlen_q, max_seqlen_k, score_mod, mask_mod
+        (as :func:`attention_varlen`). With ``dropout_p > 0`` and no seed, one is drawn and kept
         (``vjp_fn.seed``).
 
     Returns
@@ -372,7 +397,7 @@ def vjp_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: 
     out : array (total_q, Hq, Dv), q's dtype
     vjp_fn : callable
         ``vjp_fn(dout)`` with dout (total_q, Hq, Dv) in q's dtype returns ``(dq, dk, dv)`` with the shapes
-        and dtype of q, k, v. It holds references to the inputs, out and lse: do not modify them in place
+        and dtype of q, k, v (and the trainable parameters' gradients, as :func:`attention_varlen_backward`). It holds references to the inputs, out and lse: do not modify them in place
         before calling it.
     """
     if kwargs.get("dropout_p") and kwargs.get("seed") is None:

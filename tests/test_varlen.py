@@ -183,6 +183,75 @@ def test_bad_packed_arrays_refused():
         varlen.attention_varlen(q, k, v[:, :1], cu_q, cu_k)
 
 
+def _mods_per_sequence():
+    """(score_mod, mask_mod) pairs for varlen: ALiBi (positions), softcap, T5's trainable table, a custom mask."""
+    import cuflash
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    table = np.random.default_rng(9).standard_normal((32, 4)) * 0.5
+    window = cuflash.MaskMod("kv_idx >= q_idx - 5", python=lambda b, h, q, kv: kv >= q - 5, name="last6")
+    return {"alibi": dict(score_mod=cuflash.alibi(slopes)),
+            "softcap+mask": dict(score_mod=cuflash.softcap(2.0), mask_mod=window),
+            "t5": dict(score_mod=cuflash.relative_position_bias(table, max_distance=20))}
+
+
+@pytest.mark.parametrize("kind", ["alibi", "softcap+mask", "t5"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_modifications_apply_to_each_sequence_as_its_own_call(kind, causal):
+    """score_mod / mask_mod: each packed sequence's rows, gradients and (T5) table gradient as the same
+    modification over that sequence alone gives them (positions from the sequence's first row); the table's
+    gradient summed over the sequences."""
+    import cuflash
+    rng = np.random.default_rng(8)
+    q, k, v, cu_q, cu_k = _packed(rng, [7, 0, 12, 1], [9, 3, 12, 4])
+    opts = _mods_per_sequence()[kind]
+    out, vjp_fn = varlen.vjp_varlen(q, k, v, cu_q, cu_k, causal=causal, **opts)
+    dout = rng.standard_normal(out.shape)
+    grads = vjp_fn(dout)
+    assert len(grads) == (4 if kind == "t5" else 3)
+    table_grad = 0
+    for b in range(4):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        qb, kb, vb, db = (x.transpose(1, 0, 2) for x in (q[rows], k[keys], v[keys], dout[rows]))
+        want, want_vjp = cuflash.vjp(qb, kb, vb, causal=causal, **opts)
+        np.testing.assert_allclose(out[rows].transpose(1, 0, 2), want, rtol=1e-12, atol=1e-12)
+        wg = want_vjp(db)
+        for g, w, span in zip(grads[:3], wg[:3], (rows, keys, keys)):
+            np.testing.assert_allclose(g[span].transpose(1, 0, 2), w, rtol=1e-10, atol=1e-12)
+        if kind == "t5":
+            table_grad = table_grad + wg[-1]["table"]
+    if kind == "t5":
+        np.testing.assert_allclose(grads[-1]["table"], table_grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"slopes has shape \(2,\); this call needs \(4,\)"):
+        varlen.attention_varlen(q, k, v, cu_q, cu_k, score_mod=cuflash.alibi(np.ones(2, np.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", ["alibi", "softcap+mask", "t5"])
+def test_cupy_modifications_match_numpy(dtype, kind):
+    """score_mod / mask_mod on the GPU (the dense kernels once a sequence): forward, backward and the T5 table's
+    gradient within the dtype's error budget of the float64 NumPy results."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(10)
+    q, k, v, cu_q, cu_k = _packed(rng, [70, 0, 1, 130], [90, 5, 1, 130], hq=4, hk=2, d=64, dv=64,
+                                  dtype=DTYPES[dtype])
+    host = _mods_per_sequence()[kind]
+    dev = {name: m.on(cp) for name, m in host.items()}
+    out, vjp_fn = varlen.vjp_varlen(q, k, v, cu_q, cu_k, causal="bottom_right", **host)
+    dout = rng.standard_normal(out.shape).astype(DTYPES[dtype])
+    grads = vjp_fn(dout)
+    out_d, vjp_d = varlen.vjp_varlen(*(cp.asarray(x) for x in (q, k, v)), cu_q, cu_k, causal="bottom_right", **dev)
+    grads_d = vjp_d(cp.asarray(dout))
+    tol = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    assert rel_error(out_d.get().astype(np.float64), out.astype(np.float64)) < tol
+    for g_d, g in zip(grads_d[:3], grads[:3]):
+        assert rel_error(g_d.get().astype(np.float64), g.astype(np.float64)) < 4 * tol
+    if kind == "t5":
+        assert rel_error(grads_d[-1]["table"].get().astype(np.float64), grads[-1]["table"]) < 4 * tol
+
+
 def test_max_seqlen_bounds_checked():
     """FlashAttention's max_seqlen_q / max_seqlen_k: optional, an int at least the longest sequence."""
     rng = np.random.default_rng(7)
