@@ -158,9 +158,11 @@ def _as_4d(x, xp, lead_size: int):
     return x.reshape((lead_size,) + x.shape[-3:])
 
 
-def check_qkv(q, k, v, *, causal=False, scale=None) -> Problem:
-    """Validate q, k, v and the options shared by every entry point."""
+def check_qkv(q, k, v, *, causal=False, scale=None, shapes=None) -> Problem:
+    """Validate q, k, v and the options shared by every entry point. ``shapes``: the (q, k, v) shapes the
+    messages name, where the caller passed other arrays than these views (cuflash.varlen's packed ones)."""
     xp = array_module(q)
+    shown_q, shown_k, shown_v = shapes or (q.shape, k.shape, v.shape)
     for name, x in (("k", k), ("v", v)):
         if array_module(x) is not xp:
             raise TypeError(f"q is a {xp.__name__} array but {name} is a "
@@ -178,22 +180,22 @@ def check_qkv(q, k, v, *, causal=False, scale=None) -> Problem:
             raise ValueError(f"{name} must have at least 2 dims (L, D), got shape {x.shape}")
     if not (q.ndim == k.ndim == v.ndim):
         raise ValueError(f"q, k, v must have the same number of dims, got shapes "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+                         f"{shown_q}, {shown_k}, {shown_v}")
     if q.ndim >= 3:
         lead = tuple(q.shape[:-3])
         if k.shape[:-3] != lead or v.shape[:-3] != lead:
-            raise ValueError(f"leading dims must be equal: q {q.shape}, k {k.shape}, v {v.shape}")
+            raise ValueError(f"leading dims must be equal: q {shown_q}, k {shown_k}, v {shown_v}")
         hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
     else:
         lead, hq, hk, hv = (), 1, 1, 1
     d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     lk, lv = k.shape[-2], v.shape[-2]
     if d != dk:
-        raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
+        raise ValueError(f"q and k head dims differ: q {shown_q}, k {shown_k}")
     if lk != lv:
-        raise ValueError(f"k and v sequence lengths differ: k {k.shape}, v {v.shape}")
+        raise ValueError(f"k and v sequence lengths differ: k {shown_k}, v {shown_v}")
     if hk != hv:
-        raise ValueError(f"k and v head counts differ: k {k.shape}, v {v.shape}")
+        raise ValueError(f"k and v head counts differ: k {shown_k}, v {shown_v}")
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     for name, size in (("q/k head dim", d), ("v head dim", dv)):

@@ -129,20 +129,12 @@ class _Packed:
             options.array_module(x)
             if x.ndim != 3:
                 raise ValueError(f"{name} must be packed as (total, heads, head dim), got shape {tuple(x.shape)}")
-        # the packed shapes' own checks first, so that a message names the shapes the caller passed
-        if k.shape[0] != v.shape[0]:
-            raise ValueError(f"k and v must have the same packed length, got k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if k.shape[1] != v.shape[1]:
-            raise ValueError(f"k and v head counts differ: k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if q.shape[2] != k.shape[2]:
-            raise ValueError(f"q and k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}")
-        if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-            raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}): "
-                             f"q {tuple(q.shape)}, k {tuple(k.shape)}")
         options.check_precision(precision)
         # The packed arrays seen as one batch entry (1, H, total, D): q, k, v and the options are checked
-        # as one dense call's (dtypes, heads, dims, devices, scale, window, dropout)
-        p = options.check_qkv(*(x.transpose(1, 0, 2)[None] for x in (q, k, v)), causal=causal, scale=scale)
+        # as one dense call's (dtypes, heads, dims, devices, scale, window, dropout), messages naming the
+        # packed shapes
+        p = options.check_qkv(*(x.transpose(1, 0, 2)[None] for x in (q, k, v)), causal=causal, scale=scale,
+                              shapes=tuple(tuple(x.shape) for x in (q, k, v)))
         self.opts = options.check_options(p, window=window, dropout_p=dropout_p, seed=seed)
         # every sequence its own call of batch 1: a modification sees b = 0 and each sequence's own positions
         self.mods = options.check_mods(p, score_mod, mask_mod)

@@ -198,11 +198,11 @@ def test_bad_packed_arrays_refused():
     with pytest.raises(ValueError, match=r"must be \(L, H, D\)"):
         varlen.pack([np.zeros(3)])
     # messages name the packed shapes the caller passed
-    with pytest.raises(ValueError, match=r"same packed length, got k \(5, 2, 8\), v \(6, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"sequence lengths differ: k \(5, 2, 8\), v \(6, 2, 8\)"):
         varlen.attention_varlen(q, k, np.zeros((6, 2, 8)), cu_q, cu_k)
     with pytest.raises(ValueError, match=r"head dims differ: q \(5, 4, 8\), k \(5, 2, 4\)"):
         varlen.attention_varlen(q, k[..., :4], v, cu_q, cu_k)
-    with pytest.raises(ValueError, match="head counts differ"):
+    with pytest.raises(ValueError, match=r"head counts differ: k \(5, 2, 8\), v \(5, 1, 8\)"):
         varlen.attention_varlen(q, k, v[:, :1], cu_q, cu_k)
 
 
