@@ -813,19 +813,16 @@ def alibi(slopes: Any, *, offset: int = 0) -> ScoreMod:
         raise TypeError("alibi: slopes must be a float32 array of shape (Hq,)")
     if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
         raise TypeError(f"alibi: offset must be an int, got {offset!r}")
+    # offset 0 keeps the source (and builds) of plain ALiBi and its tensor-core form; another is a parameter
+    params = {"slopes": slopes} if offset == 0 else {"slopes": slopes, "offset": int(offset)}
+    shifted = " - acc_t(offset)" if offset else ""
+    mod = ScoreMod(f"score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos{shifted})",
+                   grad="acc_t(1)", params=params, name="alibi", log2_units=True, everywhere=True,
+                   python=lambda s, b, h, q, kv, slopes, offset=0: (
+                       s - slopes[h].astype(np.float64) * _LOG2E * abs(q + offset - kv)),
+                   python_grad=lambda s, b, h, q, kv, slopes, offset=0: np.ones_like(s))
     if offset == 0:
-        mod = ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos)",
-                       grad="acc_t(1)", params={"slopes": slopes}, name="alibi", log2_units=True, everywhere=True,
-                       python=lambda s, b, h, q, kv, slopes: s - slopes[h].astype(np.float64) * _LOG2E * abs(q - kv),
-                       python_grad=lambda s, b, h, q, kv, slopes: np.ones_like(s))
         mod.linear_slope = "acc_t(slopes[h]) * acc_t(CUF_LOG2E)"   # kv <= q: slopes[h] log2(e) (kv - q)
-    else:
-        mod = ScoreMod("score - acc_t(slopes[h]) * acc_t(CUF_LOG2E) * fabs(rel_pos - acc_t(offset))",
-                       grad="acc_t(1)", params={"slopes": slopes, "offset": int(offset)}, name="alibi",
-                       log2_units=True, everywhere=True,
-                       python=lambda s, b, h, q, kv, slopes, offset: (
-                           s - slopes[h].astype(np.float64) * _LOG2E * abs(q + offset - kv)),
-                       python_grad=lambda s, b, h, q, kv, slopes, offset: np.ones_like(s))
     mod.param_shapes = {"slopes": ("Hq",)}
     return mod
 
