@@ -440,8 +440,7 @@ def main(argv=None):
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     out = Path(args.out or time.strftime("cuflash-bench-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": device, "cupy": cp.__version__, "torch": getattr(torch, "__version__", None),
-            "cuflash": cuflash.__version__}
+    meta = {"device": device, **run_meta()}
     results = []
     for c in tqdm(chosen, file=sys.stderr):
         results.append(run_case(*c, repeat=args.repeat, skip=skip))

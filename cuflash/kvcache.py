@@ -64,7 +64,8 @@ def _check_ranges(cache_seqlens, lengths, pages, page_size: int, n_new: int, cap
             written = used & ((entry + 1) * page_size > xp.maximum(lengths.astype(np.int64), 0)[:, None])
             in_range = used & (used_pages >= 0) & (used_pages < num_pages)
             slot = xp.where(in_range, used_pages, num_pages)                      # num_pages: not counted
-            uses = _counts(slot.ravel(), num_pages + 1, xp)
+            uses = xp.zeros(num_pages + 1, dtype=np.int32)   # counted by a scatter-add: no wait for the device
+            xp.add.at(uses, slot.ravel(), 1)                    # (CuPy's bincount reads its input's extremes back)
             uses[num_pages] = 0
             parts.append(uses[xp.where(written & in_range, slot, num_pages)].max().reshape(1).astype(np.int64))
             n_page_values = 3
@@ -86,19 +87,6 @@ def _check_ranges(cache_seqlens, lengths, pages, page_size: int, n_new: int, cap
             raise ValueError("block_table names a page that the append writes into more than once among the "
                              "sequences' used entries: the append would overwrite keys another entry reads "
                              "(pages shared between sequences must not take new keys)")
-
-
-def _counts(index, size: int, xp):
-    """How often each of 0 .. size - 1 occurs in ``index`` (int32), without a wait for the device (CuPy's
-    bincount reads its input's extremes back)."""
-    counts = xp.zeros(size, dtype=np.int32)
-    if xp is np:
-        np.add.at(counts, index, 1)
-    else:
-        import cupyx
-
-        cupyx.scatter_add(counts, index, 1)
-    return counts
 
 
 def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
