@@ -98,7 +98,13 @@ flash_fwd_mma(const FwdParams p) {
         else return Mod(p.mask, dims, scale_log2, blk.batch, blk.head);
     }();
     const float x_per_s = mod.x_per_score();
-    const TileRange keys = Split::keys(mod.key_tiles(blk.m0, blk.rows, BN), p);
+    // Packed GQA rows under a band (MaskParams::band_period; the split twin without EXTRA, as the decoding
+    // kernel, flash_fwd_decode.cu): the block's rows are its K/V head's query heads of `period` positions
+    // each, so they see what positions [0, period) see, and a lane's rows sit at positions row % period.
+    constexpr bool PERIODIC = KV_SPLIT && !Flags::EXTRA && Flags::BAND && !PACKED;
+    const int period = PERIODIC ? p.mask.band_period : 0;
+    const TileRange keys = Split::keys(period > 0 ? mod.key_tiles(0, period, BN) : mod.key_tiles(blk.m0, blk.rows, BN),
+                                       p);
 
     auto parking_slot = [&](int in_warp) { return smem_addr(q_s + in_warp * Tr::WARP_ROWS * P + HEAD); };
     if constexpr (PARK) park_query_block(parking_slot(warp), blk);
@@ -132,7 +138,8 @@ flash_fwd_mma(const FwdParams p) {
     // them the loop carries no mask work and no per-tile classification. With PARK
     // they and the end of the key tiles wait in the next Q row's padding.
     TileRange full{0, 0};
-    if constexpr (!Flags::EXTRA) full = mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
+    if constexpr (!Flags::EXTRA)
+        full = period > 0 ? mod.full_key_tiles(0, period, BN) : mod.full_key_tiles(warp_row0, Tr::WARP_ROWS, BN);
     constexpr int BOUNDS_AT = P * int(sizeof(T));   // bytes past the block's slot
     if constexpr (PARK) park4<BOUNDS_AT>(parking_slot(warp), {keys.end, full.begin, full.end, 0});
     // What the loop test, the prefetch and the mask read: with PARK, read back for step j + 1
@@ -186,7 +193,11 @@ flash_fwd_mma(const FwdParams p) {
                                                                            lane, mod.scale_log2);
                     apply_score_mod(s[m], mod, partial, strip_coord(m));
                 } else if (partial) {
-                    mask_partial_strip(s[m], mod, warp_row0 + 16 * m + lane / 4, n0 + 2 * (lane % 4));
+                    const int row_a = warp_row0 + 16 * m + lane / 4;
+                    if (PERIODIC && period > 0)
+                        mask_partial_strip_rows(s[m], mod, row_a % period, (row_a + 8) % period, n0 + 2 * (lane % 4));
+                    else
+                        mask_partial_strip(s[m], mod, row_a, n0 + 2 * (lane % 4));
                 }
             });
         }

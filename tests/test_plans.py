@@ -713,7 +713,10 @@ def test_a_float32_decoding_call_takes_the_decoding_kernel(fake):
 def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
     """Three new query rows a sequence (causal, bottom right) of 32 query heads over 8 K/V heads: the
     decoding kernel's strip holds a K/V head's 4 query heads x 3 positions, the band reading a row's
-    position as row % 3 (MaskParams::band_period)."""
+    position as row % 3 (MaskParams::band_period); 5 and 16 rows (20 and 64 packed) on the 16-bit portable
+    split twin alike; float32's split twin reads no period: 5 rows of 2 query heads in the decoding kernel's strip
+    instead of 4 heads' 20 rows. 128 query heads over 8 (16 a K/V head) of 16 rows: as many heads as fill one
+    block of the portable kernel, so that the keys still split."""
     dev, launches = fake
     q = dev.empty((2, 32, 3, 128), np.float16)
     k, v = (dev.empty((2, 8, 16384, 128), np.float16) for _ in range(2))
@@ -723,11 +726,32 @@ def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
     f = _fwd_fields(params)
     assert int(f["mask"]["band_period"]) == 3
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["lq"])) == (8, 12)
+    for lq in (5, 16):   # 20, 64 rows: past the decoding kernel's strip, on the split twin's block
+        launches.clear()
+        q = dev.empty((2, 32, lq, 128), np.float16)
+        cuflash.attention_forward(q, k, v, causal="bottom_right")
+        partial = launches[0][0]
+        assert partial.family == "fwd_mma" and partial.kv_split and partial.band and not partial.extra
+        f = _fwd_fields(launches[0][1])
+        assert int(f["mask"]["band_period"]) == lq
+        assert (int(f["dims"]["heads_q"]), int(f["dims"]["lq"])) == (8, 4 * lq)
     launches.clear()
-    q = dev.empty((2, 32, 5, 128), np.float16)   # 20 rows: past one strip, each query head apart
-    cuflash.attention_forward(q, k, v, causal="bottom_right")
+    q = dev.empty((2, 32, 5, 128), np.float32)
+    k, v = (dev.empty((2, 8, 16384, 128), np.float32) for _ in range(2))
+    cuflash.attention_forward(q, k, v, causal="bottom_right", num_splits=4)
     f = _fwd_fields(launches[0][1])
-    assert int(f["mask"]["band_period"]) == 0 and int(f["dims"]["heads_q"]) == 32
+    assert launches[0][0].family == "fwd_decode"
+    assert int(f["mask"]["band_period"]) == 5 and (int(f["dims"]["heads_q"]), int(f["dims"]["lq"])) == (16, 10)
+    for causal in (False, "bottom_right"):
+        launches.clear()
+        q = dev.empty((1, 128, 16, 128), np.float16)
+        k, v = (dev.empty((1, 8, 65536, 128), np.float16) for _ in range(2))
+        cuflash.attention_forward(q, k, v, causal=causal)
+        partial, params, _, grid = launches[0]
+        f = _fwd_fields(params)
+        rows = int(f["dims"]["lq"])
+        assert rows == 16 * (128 // int(f["dims"]["heads_q"])) and 16 < rows <= 128   # the portable block's 128
+        assert int(f["num_splits"]) > 1 and grid >= device.sm_count()
 
 
 def test_a_large_batch_of_packed_rows_still_splits(fake):

@@ -29,7 +29,7 @@ from ..semantics import LOG2E, acc_dtype, band_limits
 from . import masking as masking_
 from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket, takes_linear_bias
 from .packed import Spans, device_table
-from .select import (CACHES_OF_CHOICES, DECODE_ROWS, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
+from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
                      forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS,
                      split_count, split_variants, takes_plain_mods, vec_chunk, with_mods)
 
@@ -56,6 +56,9 @@ class PagesNotReadInPlace(ValueError):
     caller gathers them (cuflash.kvcache)."""
 
 
+PERIODIC_BAND_FAMILIES = ("fwd_mma", "fwd_decode")
+"""The split forwards whose band reads a packed GQA row's position as row % Lq (MaskParams::band_period): the
+decoding kernel and the 16-bit portable split twin (flash_fwd_mma.cu, PERIODIC)."""
 PAGED_FAMILIES = ("fwd_mma", "fwd_decode")
 """The split forwards whose K/V loader reads a paged cache (kernels_cu/tile_io.cuh, load_paged_rows): the
 16-bit ones; the float32 tiles spill 8-160 bytes with the page lookups, so float32 pages are gathered."""
@@ -289,18 +292,19 @@ def _band_is_full(band: Tuple[int, int], lq: int, lk: int) -> bool:
 
 def _gqa_packing(p, masked: bool, band: bool, q, portable, smem_limit: int) -> int:
     """How many query heads of a K/V head a split-KV forward packs into one tile's rows (the heads as
-    consecutive rows of one (batch, K/V head): each K/V byte read once for all of them): the group
-    where no option depends on a row's head (no bias, mask, block layout, dropout or user modification)
-    and q's heads lie row after row in memory (head stride = Lq row strides); with a causal band or a
-    window (they read a row's position) only where the packed rows fit the decoding kernel's strip
-    (MaskParams::band_period); else 1."""
+    consecutive rows of one (batch, K/V head): each K/V byte read once for all of them): the largest divisor
+    of the group whose rows (Lq each) fit one block of the portable kernel (so that the call can still split
+    its keys, _auto_splits), where no option depends on a row's head (no bias, mask, block layout, dropout or
+    user modification) and q's heads lie row after row in memory (head stride = Lq row strides); with a
+    causal band or a window (they read a row's position) only where the partial kernel reads a row's position
+    as row % Lq (MaskParams::band_period): the decoding kernel and the 16-bit portable split twin; else 1."""
     if p.group == 1 or masked or q.strides[1] != p.lq * q.strides[2]:
         return 1
-    if band:
-        rows = p.lq * p.group
-        if rows > DECODE_ROWS or split_variants(portable, p.dv, smem_limit, rows)[0].family != "fwd_decode":
-            return 1
-    return p.group
+    for pack in (n for n in range(p.group, 1, -1) if p.group % n == 0 and p.lq * n <= portable.tile.block_m):
+        partial = split_variants(portable, p.dv, smem_limit, p.lq * pack)[0]
+        if not band or (not partial.extra and partial.family in PERIODIC_BAND_FAMILIES):
+            return pack
+    return 1
 
 
 def _plan_split_forward(p, masking, masked: bool, band: bool, portable, splits: int, out_shape, lse_shape,
