@@ -1,13 +1,14 @@
 """Packed sequences of different lengths (cuflash.varlen) against padding, on one GPU.
 
     PYTHONPATH=. python benchmarks/bench_varlen.py [--quick] [--dtypes bfloat16,float32] [--dims 64,128]
-                                                   [--out DIR] [--repeat 10]
+                                                   [--cases abc] [--out DIR] [--repeat 10]
     python -m cuflash bench --varlen [--quick]
 
 Each case packs 65536 tokens: (a) 32 sequences of 2048, (b) lengths drawn uniformly from 128..8192
 (seed 0), (c) one sequence of 32768 and 128 of 256; H x D = 2048 (H = 32 at D = 64, 16 at D = 128),
 queries, keys and values of one length a sequence. Contenders on the same data (PyTorch reads CuPy's
-arrays through DLPack): cuflash varlen (offsets as a NumPy array: no device read), cuflash dense on the
+arrays through DLPack): cuflash varlen (offsets as a NumPy array: no device read; on equal lengths, case a, the
+dense forward on views of the packed arrays, and beside it the packed kernel the other cases run), cuflash dense on the
 batch padded to its longest sequence (a (B, 1, 1, L) key mask without causal; causal alone hides the
 right padding), PyTorch SDPA on nested jagged tensors (its flash path) and SDPA efficient on the padded
 batch (the key mask as a boolean attn_mask); a padded batch of more than 4x the packed tokens (case c:
@@ -23,6 +24,7 @@ Writes JSON and Markdown named by the device into --out (default ./cuflash-varle
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -57,6 +59,18 @@ def lengths_of(case: str) -> list:
 def useful_flops(lengths, h: int, d: int, causal: bool, with_bwd: bool) -> float:
     per = sum(4.0 * n * n * h * d for n in lengths) * (0.5 if causal else 1.0)
     return per * (3.5 if with_bwd else 1.0)
+
+
+@contextlib.contextmanager
+def packed_kernel_only():
+    """cuflash.varlen without its equal-length path (the dense forward on views of the packed arrays): its
+    packed forward kernel, timed on equal lengths too."""
+    uniform = varlen._uniform_forward
+    varlen._uniform_forward = lambda call, precision: None
+    try:
+        yield
+    finally:
+        varlen._uniform_forward = uniform
 
 
 def _padded(x, cu, lmax):
@@ -129,6 +143,13 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
         return fn(do)
 
     out = {"cuflash varlen": (cuflash_varlen, "")}
+    if (lengths == lengths[0]).all():   # equal lengths run the dense forward: the packed kernel beside it
+
+        def packed_kernel():
+            with packed_kernel_only():
+                return cuflash_varlen()
+
+        out["cuflash varlen, packed kernel"] = (packed_kernel, "the packed forward kernel on equal lengths")
     padding = len(lengths) * lmax / lengths.sum()
     if padding > MAX_PADDING:
         left_out = (None, f"left out: padded to {len(lengths)} x {lmax}, {padding:.0f}x the tokens")
@@ -225,12 +246,12 @@ def markdown(results, device) -> str:
     return "\n".join(lines) + "\n"
 
 
-def configurations(quick: bool, dtypes=None, dims=None) -> list:
-    """(dtype, case, D, causal, forward+backward) of every row: --quick's, or the given dtypes and head dims
-    (default all: bfloat16, float16 and float32 at 64 and 128)."""
+def configurations(quick: bool, dtypes=None, dims=None, cases: str = "abc") -> list:
+    """(dtype, case, D, causal, forward+backward) of every row: --quick's, or the given dtypes, head dims and
+    cases (default all: bfloat16, float16 and float32 at 64 and 128, cases a, b and c)."""
     dtypes = dtypes or (("bfloat16",) if quick else ("bfloat16", "float16", "float32"))
     heads = dims or ((128,) if quick else (64, 128))
-    return [(dtype, case, d, causal, with_bwd) for dtype in dtypes for d in heads for case in "abc"
+    return [(dtype, case, d, causal, with_bwd) for dtype in dtypes for d in heads for case in cases
             for causal in (False, True) for with_bwd in (False, True)]
 
 
@@ -238,6 +259,7 @@ def main(argv=None) -> int:
     def more(parser):
         parser.add_argument("--dtypes", default="", help="comma-separated, e.g. bfloat16,float32 (default: all)")
         parser.add_argument("--dims", default="", help="head dims, e.g. 64,128 (default: both)")
+        parser.add_argument("--cases", default="abc", help="of the cases a, b and c, e.g. ab (default: all)")
 
     parsed = bench.side_args(argv, __doc__, "varlen", "bfloat16 at head dim 128 only", 10, "'torch efficient padded'",
                              more=more)
@@ -246,7 +268,10 @@ def main(argv=None) -> int:
     args, device, skip = parsed
     dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
     dims = tuple(int(x) for x in args.dims.split(",") if x.strip())
-    rows = (run_case(*config, args.repeat, skip) for config in configurations(args.quick, dtypes, dims))
+    if not args.cases or set(args.cases) - set("abc"):
+        print(f"--cases takes letters of abc, got {args.cases!r}", file=sys.stderr)
+        return 2
+    rows = (run_case(*config, args.repeat, skip) for config in configurations(args.quick, dtypes, dims, args.cases))
     return bench.side_report(rows, markdown, device, args.out, "varlen")
 
 

@@ -22,7 +22,7 @@ float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both prec
 grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
 a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16
 (``--kvcache``: that cache part alone). ``--varlen``: packed sequences (cuflash.varlen: empty, one-row and
-keyless sequences, more keys than queries and fewer), the forward's packed kernel (the Hopper one for 16-bit
+keyless sequences, more keys than queries and fewer; and sequences of equal lengths, the dense forward), the forward's packed kernel (the Hopper one for 16-bit
 rows at head dims 40-256) for every causal mode and a window, and a backward. ``--mods``: user score and
 mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, a modification
 evaluated everywhere that reads arrays by position, document and
@@ -275,10 +275,12 @@ def packed_sequences(dtypes) -> None:
     launched = []
     _record(lambda variant, grid: launched.append(variant.family + ("/packed" if variant.packed else "")))
     rng = np.random.default_rng(2)
-    lq, lk = [300, 1, 0, 33, 65, 7], [250, 1, 5, 0, 64, 131]
-    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
-    for dtype, d, (causal, window) in itertools.product(dtypes, (40, 64, 128, 256), ((False, None), (True, None),
-                                                        ("bottom_right", None), ("bottom_right", (30, 4)))):
+    ragged = [300, 1, 0, 33, 65, 7], [250, 1, 5, 0, 64, 131]
+    equal = [97] * 3, [130] * 3   # equal lengths: the dense forward writing the packed out and lse
+    for dtype, (lq, lk), d, (causal, window) in itertools.product(
+            dtypes, (ragged, equal), (40, 64, 128, 256),
+            ((False, None), (True, None), ("bottom_right", None), ("bottom_right", (30, 4)))):
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
         q = cp.asarray(rng.standard_normal((int(cu_q[-1]), 4, d)).astype(DTYPES[dtype]))
         k, v = (cp.asarray(rng.standard_normal((int(cu_k[-1]), 2, d)).astype(DTYPES[dtype])) for _ in range(2))
         launched.clear()

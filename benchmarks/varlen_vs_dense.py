@@ -5,7 +5,8 @@ stride) and once on a contiguous (B, H, L, D) copy. Case c (one 32768 and 128 x 
 packed alone against its dense call, and the whole. Useful TFLOP/s (each sequence's own FLOPs); a time is the
 median of 3 runs of 10 queued calls' mean (CUDA events). The forward by default; ``--backward``: forward and
 backward. ``--rounds R``: the contenders of a row timed in turn R times and each one's median kept, so that a
-clock or thermal drift of the GPU during the run falls on all of them alike.
+clock or thermal drift of the GPU during the run falls on all of them alike. Equal lengths (case a) run the dense
+forward on the packed arrays; the packed kernel the other cases run is timed beside it ("packed kernel").
 
     PYTHONPATH=. python benchmarks/varlen_vs_dense.py [--dims 128,64] [--cases abc] [--backward] [--rounds 3]
 """
@@ -50,6 +51,14 @@ def packed_call(q, k, v, cu_q, cu_k, causal, dout=None) -> Callable:
     return call
 
 
+def packed_kernel_call(call: Callable) -> Callable:
+    """``call`` with cuflash.varlen's equal-length path turned off: the packed forward kernel."""
+    def packed():
+        with bv.packed_kernel_only():
+            call()
+    return packed
+
+
 def dense_call(q, k, v, causal, dout=None) -> Callable:
     """The dense forward of (B, H, L, D) views, or with ``dout`` the forward and its backward."""
     import cuflash
@@ -86,17 +95,21 @@ def main(argv=None) -> int:
             b, mean = len(lengths), bv.TOKENS // len(lengths)
             token_major = [x.reshape(b, mean, h, d).transpose(0, 2, 1, 3) for x in (q, k, v, do)]
             contiguous = [cp.ascontiguousarray(x) for x in token_major]
+            equal = len(set(lengths)) == 1
             for causal in (False, True):
-                times = interleaved([packed_call(q, k, v, cu, cu, causal, dout),
-                                     dense_call(*token_major[:3], causal, token_major[3] if args.backward else None),
-                                     dense_call(*contiguous[:3], causal, contiguous[3] if args.backward else None)],
-                                    args.rounds)
+                fns = [packed_call(q, k, v, cu, cu, causal, dout),
+                       dense_call(*token_major[:3], causal, token_major[3] if args.backward else None),
+                       dense_call(*contiguous[:3], causal, contiguous[3] if args.backward else None)]
+                if equal:   # equal lengths run the dense forward on the packed arrays: the packed kernel too
+                    fns.append(packed_kernel_call(packed_call(q, k, v, cu, cu, causal, dout)))
+                times = interleaved(fns, args.rounds)
                 flops = [bv.useful_flops(lengths, h, d, causal, args.backward)]
                 flops += 2 * [bv.useful_flops([mean] * b, h, d, causal, args.backward)]
-                tf = [f / t / 1e9 for f, t in zip(flops, times)]
+                tf = [f / t / 1e9 for f, t in zip(flops + flops[:1], times)]
+                kernel = f" | packed kernel {tf[3]:6.1f}: {tf[3] / tf[1]:.3f} {tf[3] / tf[2]:.3f}" if equal else ""
                 print(f"D={d} {case} causal={causal!s:5} {what} TF/s varlen {tf[0]:6.1f} dense (B, L, H, D) "
                       f"{tf[1]:6.1f} dense (B, H, L, D) {tf[2]:6.1f} | varlen / the two: {tf[0] / tf[1]:.3f} "
-                      f"{tf[0] / tf[2]:.3f}", flush=True)
+                      f"{tf[0] / tf[2]:.3f}{kernel}", flush=True)
     return 0
 
 

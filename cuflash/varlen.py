@@ -29,7 +29,10 @@ construction (the 16-bit portable kernels always). float32 at precision "highest
 packed twins: the forward (Hopper's, a CTA a block, or the portable one) and the dK/dV kernel (one pass, or
 dV then dK at head dim 128) with dQ by atomics or, ``deterministic``, its dQ kernel; other calls (float32
 at other precisions, dropout, score and mask modifications) launch the dense kernels once a sequence, with
-dropout at the sequence's origin (``dropout_origin``).
+dropout at the sequence's origin (``dropout_origin``). A batch whose sequences all have the same lengths
+(Lq > 0 queries and Lk > 0 keys each) is a dense batch: without dropout or modifications its forward runs the
+dense kernels on (B, H, L, D) views of the packed arrays (token-major memory, no copy), writing the packed out
+and lse in place; its backward is the packed one.
 """
 from __future__ import annotations
 
@@ -215,6 +218,9 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
     acc = acc_dtype(p.dtype)
     if xp is not np and p.lk > 0 and call.mods is None:
         with _device_of(q):
+            uniform = _uniform_forward(call, precision)
+            if uniform is not None:
+                return uniform
             plan = _plan.packed_forward(q, k, v, p, call.opts, precision, int(np.diff(call.cu_k).max()))
             if plan is not None:
                 return _plan.execute_packed_forward(plan, q, k, v, Spans.of_offsets(call.cu_q, call.cu_k))
@@ -235,6 +241,35 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
                 o, l = o[0], l[0]
             out[rows] = o.transpose(1, 0, 2).astype(q.dtype)
             lse[:, rows] = l.astype(acc)
+    return out, lse
+
+
+def _equal_lengths(cu: np.ndarray) -> int:
+    """The length every sequence of the offsets ``cu`` has, or 0 where they differ (or there are none)."""
+    lengths = np.diff(cu)
+    return int(lengths[0]) if len(lengths) and (lengths == lengths[0]).all() else 0
+
+
+def _uniform_forward(call: _Packed, precision: str) -> Optional[Tuple[Array, Array]]:
+    """The forward of a CuPy call whose sequences all have Lq > 0 queries and Lk > 0 keys, run as the dense
+    batch it is: the packed arrays seen as (B, H, L, D) views (token-major memory, no copy), the dense
+    forward writing the packed out and lse in place. None for other calls, and with dropout (its mask
+    follows the packed rows here, the batch entry's in a dense call) or modifications."""
+    lq, lk = _equal_lengths(call.cu_q), _equal_lengths(call.cu_k)
+    if not lq or not lk or call.opts.dropout or call.mods is not None:
+        return None
+    xp, p, b = call.xp, call.p, len(call.cu_q) - 1
+    batched = [xp.lib.stride_tricks.as_strided(x, (b, x.shape[1], n, x.shape[2]),
+                                               (n * x.strides[0], x.strides[1], x.strides[0], x.strides[2]))
+               for x, n in ((call.q, lq), (call.k, lk), (call.v, lk))]
+    dense = options.forward_call(*batched, **call.kwargs, num_splits=1)
+    out = xp.empty((b * lq, p.heads_q, p.dv), dtype=call.q.dtype)
+    lse = xp.empty((p.heads_q, b * lq), dtype=acc_dtype(p.dtype))
+    out_b = xp.lib.stride_tricks.as_strided(out, (b, p.heads_q, lq, p.dv),
+                                            (lq * out.strides[0], out.strides[1], out.strides[0], out.strides[2]))
+    lse_b = xp.lib.stride_tricks.as_strided(lse, (b, p.heads_q, lq), (lq * lse.strides[1], lse.strides[0],
+                                                                      lse.strides[1]))
+    _plan.forward(dense, precision, 1, out=out_b, lse=lse_b)
     return out, lse
 
 

@@ -964,6 +964,50 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["group"])) == (hq, hq // hk)
 
 
+@pytest.mark.parametrize("d, causal, window", [(64, False, None), (64, True, None), (128, "bottom_right", None),
+                                               (128, False, (30, 0))])
+@pytest.mark.parametrize("cc", [90, 80])
+def test_sequences_of_equal_lengths_run_the_dense_forward_in_place(fake, uploads, monkeypatch, d, causal, window, cc):
+    """Six sequences of 256 queries over 320 keys each: one dense launch (no block table), q, k and v seen as
+    (B, H, L, D) views of their packed memory, out and lse written where the packed call returns them (out
+    (total, Hq, Dv), lse (Hq, total)), the band as a dense call of those lengths has it; on Hopper the tensor
+    maps describe the same memory (head dim 128 stores O through one). A call with dropout (its mask follows
+    the packed rows) and a call whose lengths differ take the other paths."""
+    from cuflash import varlen
+    dev, launches = fake
+    if cc == 80:
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
+    hq, hk, b, lq, lk = 8, 2, 6, 256, 320
+    cu_q, cu_k = (np.arange(0, b + 1, dtype=np.int32) * n for n in (lq, lk))
+    q = dev.empty((b * lq, hq, d), np.float16)
+    k, v = (dev.empty((b * lk, hk, d), np.float16) for _ in range(2))
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
+    assert out.shape == (b * lq, hq, d) and out.strides == (hq * d * 2, d * 2, 2)
+    assert lse.shape == (hq, b * lq) and lse.strides == (b * lq * 4, 4) and lse.dtype == np.float32
+    [(variant, params, maps, _)] = launches
+    assert not variant.packed and not uploads and variant.family == ("fwd_wgmma" if cc == 90 else "fwd_mma")
+    assert variant.band == (causal is not False or window is not None)
+    f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
+    for name, x, n, h, dx in (("q", q, lq, hq, d), ("k", k, lk, hk, d), ("v", v, lk, hk, d), ("out", out, lq, hq, d)):
+        assert int(f[name]["ptr"]) == x.data.ptr, name
+        assert (int(f[name]["batch_stride"]), int(f[name]["head_stride"]), int(f[name]["row_stride"])) == \
+            (n * h * dx, dx, h * dx), name
+    assert int(f["lse"]["ptr"]) == lse.data.ptr
+    assert (int(f["lse"]["batch_stride"]), int(f["lse"]["head_stride"]), int(f["lse"]["row_stride"])) == (lq, b * lq, 1)
+    assert (int(f["dims"]["batch"]), int(f["dims"]["lq"]), int(f["dims"]["lk"])) == (b, lq, lk)
+    assert int(f["mask"]["packed_count"]) == 0 and int(f["mask"]["packed_blocks"]) == 0
+    if cc == 90:   # the fake encoder's bytes: address, dims (D, rows, H, B), byte strides of rows, heads, batch
+        for i, (x, n, h) in enumerate(((q, lq, hq), (k, lk, hk), (v, lk, hk)) + (((out, lq, hq),) if d == 128 else ())):
+            assert struct.unpack_from("=8Q", maps, 128 * i) == (x.data.ptr, d, n, h, b, h * d * 2, d * 2, n * h * d * 2)
+    launches.clear()
+    dropout = varlen._Packed(q, k, v, cu_q, cu_k, causal, None, window, 0.1, 3, "highest")
+    assert varlen._uniform_forward(dropout, "highest") is None and not launches
+    cu_q[1] -= 1
+    varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
+    [(variant, _, _, _)] = launches
+    assert variant.packed
+
+
 @pytest.mark.parametrize("other", ["dout", "out", "lse"])
 def test_packed_backward_refuses_an_array_on_another_device(fake, uploads, other):
     """The varlen backward's dout, out or lse on another device than q: a ValueError naming both devices, no
@@ -1023,7 +1067,7 @@ def test_packed_calls_reuse_their_plan_and_table(fake, uploads, monkeypatch):
 
     q = dev.empty((6000, 4, 64), np.float16)
     same, other, longer = (np.array(c, dtype=np.int32) for c in ([0, 700, 6000], [0, 1000, 6000], [0, 1, 6000]))
-    shorter = np.array([0] + [500 * i for i in range(1, 12)] + [6000], dtype=np.int32)
+    shorter = np.array([0, 499] + [500 * i for i in range(2, 12)] + [6000], dtype=np.int32)
     for cu in (shorter, shorter, shorter):
         varlen.attention_varlen_forward(q, q, q, cu, cu)
     assert len(planned) == 1 and len(uploads) == 1

@@ -373,6 +373,44 @@ def test_cupy_dropout_drops_what_numpy_drops(dtype, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", [("float16", "highest"), ("bfloat16", "highest"), ("float32", "highest"),
+                                             ("float32", "tf32"), ("float64", "highest")])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), ("bottom_right", (50, None)), (False, (30, 7))])
+@pytest.mark.parametrize("strided", [False, True])
+def test_equal_lengths_run_one_dense_forward_in_place(dtype, precision, d, causal, window, strided, launches):
+    """Five sequences of 96 queries over 160 keys each (GQA 6 / 2; ``strided``: 80 keys each, q and k strided
+    views of one array): one dense forward launch writing the packed out and lse; out and lse within the
+    dtype's budget of the float64 block-diagonal reference, and the backward from them within it of the float64
+    NumPy path's gradients."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(d + 7)
+    lq, lk = [96] * 5, [160] * 5
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, hq=6, hk=2, d=d, dv=d, dtype=DTYPES[dtype])
+    dev = [cp.asarray(x) for x in (q, k, v)]
+    if strided:   # q (480, 6, d) and k (400, 2, d) views of one array, rows 2 x 6 x d apart: 80 keys a sequence
+        both = rng.standard_normal((480, 2, 6, d)).astype(q.dtype)
+        q, k, v, cu_k = both[:, 0], both[:400, 1, :2], v[:400], cu_k // 2
+        both_d = cp.asarray(both)
+        dev = [both_d[:, 0], both_d[:400, 1, :2], dev[2][:400]]
+    kw = dict(causal=causal, window=window, precision=precision)
+    out_d, lse_d = varlen.attention_varlen_forward(*dev, cu_q, cu_k, **kw)
+    assert len(launches) == 1 and not launches[0].packed
+    assert out_d.shape == (480, 6, d) and out_d.flags.c_contiguous and lse_d.shape == (6, 480)
+    ref_out, ref_lse = _dense(q, k, v, cu_q, cu_k, causal, window)
+    tol = 3e-3 if precision == "tf32" else GPU_TOL[dtype]
+    assert rel_error(out_d.get().astype(np.float64), ref_out) < tol
+    np.testing.assert_array_equal(np.isneginf(lse_d.get()), np.isneginf(ref_lse))
+    live = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_d.get()[live], ref_lse[live], atol=2e-3)
+    dout = rng.standard_normal(out_d.shape).astype(DTYPES[dtype])
+    out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **kw)
+    grads_d = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out_d, lse_d, cu_q, cu_k, **kw)
+    _close_to_numpy(dict(grads=grads_d), dict(grads=grads), tol)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), ("bottom_right", None), (False, (100, 20)),

@@ -53,9 +53,11 @@ def vvd(fake, monkeypatch):  # noqa: F811
 def test_rows_time_each_contender_once_a_round(vvd, capsys):
     module, timings, launches = vvd
     assert module.main(["--dims", "64", "--cases", "ab"]) == 0
-    assert len(timings) == 2 * 2 * 3   # cases a, b x causal or not x (varlen, two dense layouts)
+    # causal or not x (varlen, two dense layouts; case a's equal lengths: and the packed kernel)
+    assert len(timings) == 2 * 4 + 2 * 3
     rows = capsys.readouterr().out.splitlines()
     assert len(rows) == 4 and all(" fwd TF/s varlen" in r for r in rows)
+    assert ["packed kernel" in r for r in rows] == [True, True, False, False]
     families = {v.family for v, *_ in launches}
     assert any(v.packed for v, *_ in launches) and not any(f.startswith("bwd") for f in families)
 

@@ -138,7 +138,8 @@ class ForwardPlan:
 
 
 def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
-                 key_lengths: bool = False, pages: Optional[Tuple[int, int]] = None) -> ForwardPlan:
+                 key_lengths: bool = False, pages: Optional[Tuple[int, int]] = None,
+                 layouts: Optional[dict] = None) -> ForwardPlan:
     """The forward plan of a validated call (``p``: :class:`cuflash.options.Problem` on CuPy with
     keys and outputs, ``opts``: its :class:`cuflash.options.Options`). ``num_splits``: the split-KV
     forward's key splits (None: :func:`select.split_count` decides; 1: unsplit). ``accumulator_out``:
@@ -150,8 +151,12 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     the split-KV kernels, which read them (ScoreMod's PER_SEQ), with as many splits as chosen (1 included).
     ``pages`` ``(page_size, pages_per_seq, num_pages)``: K and V are a paged cache (their views' batch stride steps
     from page to page) read through a page table the call passes; ValueError where the kernel's loader
-    cannot (:data:`PAGED_FAMILIES`, load_paged_rows' layout)."""
+    cannot (:data:`PAGED_FAMILIES`, load_paged_rows' layout). ``layouts``: the byte strides of the outputs the
+    caller gives :func:`execute_forward`, "out" (4) and "lse" (3), for an unsplit plan (``num_splits=1``; packed
+    sequences of equal lengths write their packed outputs so); default contiguous ones it allocates."""
     q, k, v = p.q, p.k, p.v
+    if layouts and (num_splits != 1 or accumulator_out or key_lengths):
+        raise ValueError("output layouts are for unsplit forwards (num_splits=1) into the call's dtype")
     d, dv = p.d, p.dv
     masking = masking_.kernel_masking(p, opts)
     extra = masking.extra or not scale_folds(p.scale)
@@ -209,8 +214,11 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     blocks = variant.grid(p.batch, p.heads_q, p.group, p.lq, p.lk)
     grid = blocks if variant.schedule == "block" else min(blocks, device.sm_count())
     out_dtype = lse_dtype if variant.acc_out else q.dtype
-    params = fwd_params(q, k, v, _Strided.contiguous(out_shape, out_dtype), _Strided.contiguous(lse_shape, lse_dtype),
-                        group=p.group,
+    layouts = layouts or {}
+    out_view, lse_view = (_Strided(shape, layouts[name], np.dtype(dtype).itemsize) if name in layouts
+                          else _Strided.contiguous(shape, dtype)
+                          for name, shape, dtype in (("out", out_shape, out_dtype), ("lse", lse_shape, lse_dtype)))
+    params = fwd_params(q, k, v, out_view, lse_view, group=p.group,
                         scale=p.scale, mask=masking.values)
     return ForwardPlan(q.data.device_id, (KernelLaunch(variant, grid, maps is not None),), out_shape, lse_shape,
                        out_dtype, lse_dtype, _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE), maps,
@@ -390,10 +398,11 @@ def _split_counters(cupy, device_id: int, count: int):
     return counters
 
 
-def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=None):
+def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=None, out=None, lse=None):
     """(out, lse) of ``plan`` run on ``q``, ``k``, ``v`` (4-D); with ``plan.partial_only`` out in the
     accumulator type (a view of the partial buffer without its padding column); ``key_lengths`` (int32
-    (B,)) and ``page_table`` (int32 (B, pages_per_seq)) for a plan that takes them."""
+    (B,)) and ``page_table`` (int32 (B, pages_per_seq)) for a plan that takes them; ``out`` and ``lse``
+    given (the plan's ``layouts``) or new contiguous arrays."""
     cupy, _ = device.cupy_modules()
     with device.on_device(plan.device):
         params = HostArg(plan.params)
@@ -401,8 +410,9 @@ def execute_forward(plan: ForwardPlan, q, k, v, key_lengths=None, page_table=Non
             out = lse = None
             params.put_addresses(_FWD_ADDRESSES[:3], (q.data.ptr, k.data.ptr, v.data.ptr))
         else:
-            out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
-            lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
+            if out is None:
+                out = cupy.empty(plan.out_shape, dtype=plan.out_dtype)
+                lse = cupy.empty(plan.lse_shape, dtype=plan.lse_dtype)
             params.put_addresses(_FWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
         if plan.queue:   # a zeroed counter a launch: CTAs of two launches never share one
             queue = cupy.zeros(1, dtype=cupy.int32)
@@ -878,21 +888,25 @@ def _layouts_key(layouts: Optional[dict]) -> tuple:
 
 
 def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
-            key_lengths=None, page_table=None, page_size: int = 0, num_pages: int = 0):
+            key_lengths=None, page_table=None, page_size: int = 0, num_pages: int = 0, out=None, lse=None):
     """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
     keys and outputs; ``num_splits`` (part of the call's signature), ``accumulator_out``, ``key_lengths``
     (an int32 array (B,) or None) and a paged cache's ``page_table`` (int32 (B, pages_per_seq)) with its
-    ``page_size`` and the cache's ``num_pages`` as :func:`plan_forward` takes them."""
+    ``page_size`` and the cache's ``num_pages`` as :func:`plan_forward` takes them; ``out`` (B, Hq, Lq, Dv)
+    and ``lse`` (B, Hq, Lq), views of the caller's memory the unsplit forward writes (``num_splits=1``), or
+    None."""
     p = call.problem
     with_lengths = key_lengths is not None
     pages = None if page_table is None else (int(page_size), int(page_table.shape[1]), int(num_pages))
-    key = None if call.signature is None else (call.signature, accumulator_out, with_lengths, pages, _hooks())
+    layouts = None if out is None else {"out": out.strides, "lse": lse.strides}
+    key = None if call.signature is None else (call.signature, accumulator_out, with_lengths, pages,
+                                               _layouts_key(layouts), _hooks())
     plan = None if key is None else _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = plan_forward(p, call.options, precision, num_splits, accumulator_out, with_lengths, pages)
+        plan = plan_forward(p, call.options, precision, num_splits, accumulator_out, with_lengths, pages, layouts)
         if key is not None:
             _remember(_FORWARD_PLANS, key, plan)
-    return execute_forward(plan, p.q, p.k, p.v, key_lengths, page_table)
+    return execute_forward(plan, p.q, p.k, p.v, key_lengths, page_table, out, lse)
 
 
 def backward(call, dout, out, lse, precision: str, deterministic: bool, bias_grad: bool = True):
