@@ -8,7 +8,7 @@ Each case packs 65536 tokens: (a) 32 sequences of 2048, (b) lengths drawn unifor
 (seed 0), (c) one sequence of 32768 and 128 of 256; H x D = 2048 (H = 32 at D = 64, 16 at D = 128),
 queries, keys and values of one length a sequence. Contenders on the same data (PyTorch reads CuPy's
 arrays through DLPack): cuflash varlen (offsets as a NumPy array: no device read; on equal lengths, case a, the
-dense forward on views of the packed arrays, and beside it the packed kernel the other cases run), cuflash dense on the
+dense kernels on views of the packed arrays, and beside them the packed kernels the other cases run), cuflash dense on the
 batch padded to its longest sequence (a (B, 1, 1, L) key mask without causal; causal alone hides the
 right padding), PyTorch SDPA on nested jagged tensors (its flash path) and SDPA efficient on the padded
 batch (the key mask as a boolean attn_mask); a padded batch of more than 4x the packed tokens (case c:
@@ -63,14 +63,14 @@ def useful_flops(lengths, h: int, d: int, causal: bool, with_bwd: bool) -> float
 
 @contextlib.contextmanager
 def packed_kernel_only():
-    """cuflash.varlen without its equal-length path (the dense forward on views of the packed arrays): its
-    packed forward kernel, timed on equal lengths too."""
-    uniform = varlen._uniform_forward
-    varlen._uniform_forward = lambda call, precision: None
+    """cuflash.varlen without its equal-length path (the dense kernels on views of the packed arrays): its
+    packed kernels, timed on equal lengths too."""
+    equal = varlen._equal_lengths
+    varlen._equal_lengths = lambda call: (0, 0)
     try:
         yield
     finally:
-        varlen._uniform_forward = uniform
+        varlen._equal_lengths = equal
 
 
 def _padded(x, cu, lmax):
@@ -143,13 +143,13 @@ def contenders(q, k, v, cu, causal: bool, with_bwd: bool) -> dict:
         return fn(do)
 
     out = {"cuflash varlen": (cuflash_varlen, "")}
-    if (lengths == lengths[0]).all():   # equal lengths run the dense forward: the packed kernel beside it
+    if (lengths == lengths[0]).all():   # equal lengths run the dense kernels: the packed ones beside them
 
         def packed_kernel():
             with packed_kernel_only():
                 return cuflash_varlen()
 
-        out["cuflash varlen, packed kernel"] = (packed_kernel, "the packed forward kernel on equal lengths")
+        out["cuflash varlen, packed kernels"] = (packed_kernel, "the packed kernels on equal lengths")
     padding = len(lengths) * lmax / lengths.sum()
     if padding > MAX_PADDING:
         left_out = (None, f"left out: padded to {len(lengths)} x {lmax}, {padding:.0f}x the tokens")

@@ -22,11 +22,11 @@ float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both prec
 grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
 a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16
 (``--kvcache``: that cache part alone). ``--varlen``: packed sequences (cuflash.varlen: empty, one-row and
-keyless sequences, more keys than queries and fewer; and sequences of equal lengths, the dense forward), the forward's packed kernel (the Hopper one for 16-bit
-rows at head dims 40-256) for every causal mode and a window, and a backward. ``--mods``: user score and
-mask modifications (cuflash.mods: softcap, ALiBi, the trainable relative-position table, a modification
-evaluated everywhere that reads arrays by position, document and
-prefix-LM masks, composed with a bias, a window and dropout; ALiBi alone under a causal band, which the
+keyless sequences, more keys than queries and fewer; first sequences of equal lengths, which run the dense
+kernels), the forward's packed kernel (the Hopper one for 16-bit rows at head dims 40-256) for every
+causal mode and a window, and a backward. ``--mods``: user score and mask modifications (cuflash.mods:
+softcap, ALiBi, the trainable relative-position table, a modification evaluated everywhere that reads
+arrays by position, document and prefix-LM masks, composed with a bias, a window and dropout; ALiBi alone under a causal band, which the
 16-bit Hopper kernels add in a tensor-core step), forward and backward, Hopper and portable.
 ``--documents``: document masks of runs (documents back to back, one of a single position) on the packed
 kernels, (B, H, L, D) and (B, L, H, D) memory, causal, none and a window, both dQ strategies.
@@ -276,9 +276,9 @@ def packed_sequences(dtypes) -> None:
     _record(lambda variant, grid: launched.append(variant.family + ("/packed" if variant.packed else "")))
     rng = np.random.default_rng(2)
     ragged = [300, 1, 0, 33, 65, 7], [250, 1, 5, 0, 64, 131]
-    equal = [97] * 3, [130] * 3   # equal lengths: the dense forward writing the packed out and lse
+    equal = [97] * 3, [130] * 3   # equal lengths: the dense kernels writing the packed outputs and gradients
     for dtype, (lq, lk), d, (causal, window) in itertools.product(
-            dtypes, (ragged, equal), (40, 64, 128, 256),
+            dtypes, (equal, ragged), (40, 64, 128, 256),
             ((False, None), (True, None), ("bottom_right", None), ("bottom_right", (30, 4)))):
         cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
         q = cp.asarray(rng.standard_normal((int(cu_q[-1]), 4, d)).astype(DTYPES[dtype]))

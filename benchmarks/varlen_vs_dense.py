@@ -6,7 +6,7 @@ packed alone against its dense call, and the whole. Useful TFLOP/s (each sequenc
 median of 3 runs of 10 queued calls' mean (CUDA events). The forward by default; ``--backward``: forward and
 backward. ``--rounds R``: the contenders of a row timed in turn R times and each one's median kept, so that a
 clock or thermal drift of the GPU during the run falls on all of them alike. Equal lengths (case a) run the dense
-forward on the packed arrays; the packed kernel the other cases run is timed beside it ("packed kernel").
+kernels on the packed arrays; the packed kernels the other cases run are timed beside them ("packed kernel").
 
     PYTHONPATH=. python benchmarks/varlen_vs_dense.py [--dims 128,64] [--cases abc] [--backward] [--rounds 3]
 """
@@ -52,7 +52,7 @@ def packed_call(q, k, v, cu_q, cu_k, causal, dout=None) -> Callable:
 
 
 def packed_kernel_call(call: Callable) -> Callable:
-    """``call`` with cuflash.varlen's equal-length path turned off: the packed forward kernel."""
+    """``call`` with cuflash.varlen's equal-length path turned off: the packed kernels."""
     def packed():
         with bv.packed_kernel_only():
             call()
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                 fns = [packed_call(q, k, v, cu, cu, causal, dout),
                        dense_call(*token_major[:3], causal, token_major[3] if args.backward else None),
                        dense_call(*contiguous[:3], causal, contiguous[3] if args.backward else None)]
-                if equal:   # equal lengths run the dense forward on the packed arrays: the packed kernel too
+                if equal:   # equal lengths run the dense kernels on the packed arrays: the packed ones too
                     fns.append(packed_kernel_call(packed_call(q, k, v, cu, cu, causal, dout)))
                 times = interleaved(fns, args.rounds)
                 flops = [bv.useful_flops(lengths, h, d, causal, args.backward)]

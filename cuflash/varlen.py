@@ -30,9 +30,9 @@ packed twins: the forward (Hopper's, a CTA a block, or the portable one) and the
 dV then dK at head dim 128) with dQ by atomics or, ``deterministic``, its dQ kernel; other calls (float32
 at other precisions, dropout, score and mask modifications) launch the dense kernels once a sequence, with
 dropout at the sequence's origin (``dropout_origin``). A batch whose sequences all have the same lengths
-(Lq > 0 queries and Lk > 0 keys each) is a dense batch: without dropout or modifications its forward runs the
-dense kernels on (B, H, L, D) views of the packed arrays (token-major memory, no copy), writing the packed out
-and lse in place; its backward is the packed one.
+(Lq > 0 queries and Lk > 0 keys each) is a dense batch: without dropout or modifications its forward and backward
+run the dense kernels on (B, H, L, D) views of the packed arrays (token-major memory, no copy), writing the packed
+out and lse, and dq, dk and dv, in place.
 """
 from __future__ import annotations
 
@@ -244,33 +244,58 @@ def attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, 
     return out, lse
 
 
-def _equal_lengths(cu: np.ndarray) -> int:
-    """The length every sequence of the offsets ``cu`` has, or 0 where they differ (or there are none)."""
-    lengths = np.diff(cu)
-    return int(lengths[0]) if len(lengths) and (lengths == lengths[0]).all() else 0
+def _equal_lengths(call: "_Packed") -> Tuple[int, int]:
+    """(Lq, Lk) where every sequence of ``call`` has Lq > 0 queries and Lk > 0 keys and the call has no dropout
+    (its mask follows the packed rows here, the batch entry's in a dense call) and no modifications: a dense
+    batch; else (0, 0)."""
+    lengths_q, lengths_k = np.diff(call.cu_q), np.diff(call.cu_k)
+    if call.opts.dropout or call.mods is not None or not len(lengths_q) or lengths_q[0] == 0 or lengths_k[0] == 0 \
+            or (lengths_q != lengths_q[0]).any() or (lengths_k != lengths_k[0]).any():
+        return 0, 0
+    return int(lengths_q[0]), int(lengths_k[0])
+
+
+def _batched(x, n: int):
+    """A packed (total, H, D) array as the (total / n, H, n, D) view of its sequences of n rows each; an (H,
+    total) row vector (lse) as the (total / n, H, n) one. No copy: token-major memory."""
+    xp = options.array_module(x)
+    if x.ndim == 3:
+        return xp.lib.stride_tricks.as_strided(x, (x.shape[0] // n, x.shape[1], n, x.shape[2]),
+                                               (n * x.strides[0], x.strides[1], x.strides[0], x.strides[2]))
+    return xp.lib.stride_tricks.as_strided(x, (x.shape[1] // n, x.shape[0], n), (n * x.strides[1], x.strides[0],
+                                                                                  x.strides[1]))
 
 
 def _uniform_forward(call: _Packed, precision: str) -> Optional[Tuple[Array, Array]]:
-    """The forward of a CuPy call whose sequences all have Lq > 0 queries and Lk > 0 keys, run as the dense
-    batch it is: the packed arrays seen as (B, H, L, D) views (token-major memory, no copy), the dense
-    forward writing the packed out and lse in place. None for other calls, and with dropout (its mask
-    follows the packed rows here, the batch entry's in a dense call) or modifications."""
-    lq, lk = _equal_lengths(call.cu_q), _equal_lengths(call.cu_k)
-    if not lq or not lk or call.opts.dropout or call.mods is not None:
+    """The forward of a CuPy call of equal lengths (:func:`_equal_lengths`) as the dense batch it is: the dense
+    forward on (B, H, L, D) views of the packed arrays, writing the packed out and lse in place; None for
+    other calls."""
+    lq, lk = _equal_lengths(call)
+    if not lq:
         return None
-    xp, p, b = call.xp, call.p, len(call.cu_q) - 1
-    batched = [xp.lib.stride_tricks.as_strided(x, (b, x.shape[1], n, x.shape[2]),
-                                               (n * x.strides[0], x.strides[1], x.strides[0], x.strides[2]))
-               for x, n in ((call.q, lq), (call.k, lk), (call.v, lk))]
-    dense = options.forward_call(*batched, **call.kwargs, num_splits=1)
-    out = xp.empty((b * lq, p.heads_q, p.dv), dtype=call.q.dtype)
-    lse = xp.empty((p.heads_q, b * lq), dtype=acc_dtype(p.dtype))
-    out_b = xp.lib.stride_tricks.as_strided(out, (b, p.heads_q, lq, p.dv),
-                                            (lq * out.strides[0], out.strides[1], out.strides[0], out.strides[2]))
-    lse_b = xp.lib.stride_tricks.as_strided(lse, (b, p.heads_q, lq), (lq * lse.strides[1], lse.strides[0],
-                                                                      lse.strides[1]))
-    _plan.forward(dense, precision, 1, out=out_b, lse=lse_b)
+    xp, p = call.xp, call.p
+    dense = options.forward_call(_batched(call.q, lq), _batched(call.k, lk), _batched(call.v, lk), **call.kwargs,
+                                 num_splits=1)
+    out = xp.empty((call.q.shape[0], p.heads_q, p.dv), dtype=call.q.dtype)
+    lse = xp.empty((p.heads_q, call.q.shape[0]), dtype=acc_dtype(p.dtype))
+    _plan.forward(dense, precision, 1, out=_batched(out, lq), lse=_batched(lse, lq))
     return out, lse
+
+
+def _uniform_backward(call: _Packed, dout, out, lse, precision: str, deterministic: bool) -> Optional[tuple]:
+    """The backward of a CuPy call of equal lengths as the dense batch it is: the dense backward on (B, H, L, D)
+    views of the packed arrays, writing the packed dq, dk and dv; None for other calls."""
+    lq, lk = _equal_lengths(call)
+    if not lq:
+        return None
+    xp, p = call.xp, call.p
+    dense = options.backward_call(_batched(dout, lq), _batched(call.q, lq), _batched(call.k, lk),
+                                  _batched(call.v, lk), _batched(out, lq),
+                                  _batched(lse.astype(acc_dtype(p.dtype), copy=False), lq), **call.kwargs)
+    grads = tuple(xp.empty(x.shape, dtype=x.dtype) for x in (call.q, call.k, call.v))
+    _plan.backward(dense, *dense.backward_inputs, precision, deterministic,
+                   grads=tuple(_batched(g, n) for g, n in zip(grads, (lq, lk, lk))))
+    return grads
 
 
 def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
@@ -373,6 +398,9 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
     if xp is not np and p.lk > 0 and call.mods is None:
         with _device_of(q):
+            uniform = _uniform_backward(call, dout, out, lse, precision, deterministic)
+            if uniform is not None:
+                return uniform
             plan = _plan.packed_backward(q, k, v, dout, out, p, call.opts, precision, deterministic)
             if plan is not None:
                 lse_acc = xp.ascontiguousarray(lse.astype(acc_dtype(p.dtype), copy=False))

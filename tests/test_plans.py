@@ -1008,6 +1008,42 @@ def test_sequences_of_equal_lengths_run_the_dense_forward_in_place(fake, uploads
     assert variant.packed
 
 
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
+@pytest.mark.parametrize("cc, deterministic", [(90, False), (90, True), (80, False)])
+def test_sequences_of_equal_lengths_run_the_dense_backward_in_place(fake, uploads, monkeypatch, d, causal, cc,
+                                                                    deterministic):
+    """Six sequences of 256 queries over 320 keys: the dense backward's launches (no block table, no packed
+    kernel), every array seen as (B, H, L, D) views of its packed memory: q, k, v, out, dout read there, lse
+    (Hq, total) as (B, Hq, L), and dq, dk, dv written where the call returns them, (total, H, D) arrays."""
+    from cuflash import varlen
+    dev, launches = fake
+    monkeypatch.setattr(cp, "ascontiguousarray", lambda x: x)
+    if cc == 80:
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
+    hq, hk, b, lq, lk = 8, 2, 6, 256, 320
+    cu_q, cu_k = (np.arange(0, b + 1, dtype=np.int32) * n for n in (lq, lk))
+    q, dout, out = (dev.empty((b * lq, hq, d), np.float16) for _ in range(3))
+    k, v = (dev.empty((b * lk, hk, d), np.float16) for _ in range(2))
+    lse = dev.empty((hq, b * lq), np.float32)
+    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal,
+                                                  deterministic=deterministic)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert launches and not uploads and not any(v_.packed for v_, *_ in launches)
+    assert launches[0][0].family == "bwd_dsum"
+    assert any(v_.family == "bwd_dkdv_wgmma" for v_, *_ in launches) == (cc == 90 and not deterministic)
+    for _, params, _, _ in launches:
+        f = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"])[0]
+        for name, x, n, h in (("q", q, lq, hq), ("dout", dout, lq, hq), ("out", out, lq, hq), ("k", k, lk, hk),
+                              ("v", v, lk, hk), ("dq", dq, lq, hq), ("dk", dk, lk, hk), ("dv", dv, lk, hk)):
+            assert int(f[name]["ptr"]) == x.data.ptr, name
+            assert (int(f[name]["batch_stride"]), int(f[name]["head_stride"]), int(f[name]["row_stride"])) == \
+                (n * h * d, d, h * d), name
+        assert int(f["lse"]["ptr"]) == lse.data.ptr
+        assert (int(f["lse"]["batch_stride"]), int(f["lse"]["head_stride"]), int(f["lse"]["row_stride"])) == \
+            (lq, b * lq, 1)
+        assert int(f["mask"]["packed_blocks"]) == 0
+
+
 @pytest.mark.parametrize("other", ["dout", "out", "lse"])
 def test_packed_backward_refuses_an_array_on_another_device(fake, uploads, other):
     """The varlen backward's dout, out or lse on another device than q: a ValueError naming both devices, no

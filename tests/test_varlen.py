@@ -378,11 +378,11 @@ def test_cupy_dropout_drops_what_numpy_drops(dtype, causal):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), ("bottom_right", (50, None)), (False, (30, 7))])
 @pytest.mark.parametrize("strided", [False, True])
-def test_equal_lengths_run_one_dense_forward_in_place(dtype, precision, d, causal, window, strided, launches):
+def test_equal_lengths_run_the_dense_kernels_in_place(dtype, precision, d, causal, window, strided, launches):
     """Five sequences of 96 queries over 160 keys each (GQA 6 / 2; ``strided``: 80 keys each, q and k strided
-    views of one array): one dense forward launch writing the packed out and lse; out and lse within the
-    dtype's budget of the float64 block-diagonal reference, and the backward from them within it of the float64
-    NumPy path's gradients."""
+    views of one array): one dense forward launch writing the packed out and lse, within the dtype's budget of
+    the float64 block-diagonal reference; the dense backward from them (no packed kernel) writing packed
+    gradients, within it of the float64 NumPy path's."""
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(d + 7)
     lq, lk = [96] * 5, [160] * 5
@@ -406,7 +406,10 @@ def test_equal_lengths_run_one_dense_forward_in_place(dtype, precision, d, causa
     dout = rng.standard_normal(out_d.shape).astype(DTYPES[dtype])
     out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
     grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **kw)
+    launches.clear()
     grads_d = varlen.attention_varlen_backward(cp.asarray(dout), *dev, out_d, lse_d, cu_q, cu_k, **kw)
+    assert launches and not any(x.packed for x in launches)
+    assert [g.shape for g in grads_d] == [x.shape for x in dev] and all(g.flags.c_contiguous for g in grads_d)
     _close_to_numpy(dict(grads=grads_d), dict(grads=grads), tol)
 
 

@@ -731,10 +731,13 @@ def dq_accumulator_shape(kernels, b: int, hq: int, lq: int, d: int) -> Tuple[int
     return (b, hq, lq, d + d % 2)
 
 
-def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, want_dbias: bool) -> BackwardPlan:
+def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, want_dbias: bool,
+                  layouts: Optional[dict] = None) -> BackwardPlan:
     """The backward plan of a validated call: ``p`` the problem (4-D q, k, v), ``dout`` and ``out`` 4-D
     views and ``lse`` (B, Hq, Lq) in the accumulator dtype, as the kernels read them (their strides
-    are in the params), ``want_dbias`` whether the call has a bias."""
+    are in the params), ``want_dbias`` whether the call has a bias. ``layouts``: the byte strides of the
+    gradients the caller gives :func:`execute_backward`, "dq", "dk" and "dv" (4 each); default contiguous
+    ones it allocates."""
     q, k, v = p.q, p.k, p.v
     b, hq, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -780,8 +783,11 @@ def plan_backward(p, opts, dout, out, lse, deterministic: bool, precision: str, 
         kernels.append(KernelLaunch(variant, grid, variant is hopper))
     grad_shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv))
     dq_acc = None if dq_acc_shape is None else _Strided.contiguous(dq_acc_shape, acc)
-    params = bwd_params(q, k, v, out, dout, lse, _Strided.contiguous((b, hq, lq), acc), dq_acc,
-                        *(_Strided.contiguous(s, q.dtype) for s in grad_shapes), group=p.group, scale=p.scale,
+    layouts = layouts or {}
+    grads = (_Strided(shape, layouts[name], q.itemsize) if name in layouts else _Strided.contiguous(shape, q.dtype)
+             for name, shape in zip(("dq", "dk", "dv"), grad_shapes))
+    params = bwd_params(q, k, v, out, dout, lse, _Strided.contiguous((b, hq, lq), acc), dq_acc, *grads,
+                        group=p.group, scale=p.scale,
                         mask=masking.values, dbias=DBIAS_OFF if dbias is None else dbias.values)
     return BackwardPlan(q.data.device_id, tuple(kernels), acc, (b, hq, lq), dq_acc_shape, q.dtype, grad_shapes,
                         _without_addresses(params, _BWD_ADDRESSES), maps, dbias, masking.keep_alive,
@@ -798,15 +804,15 @@ def _with_mods_list(choose, cc: int, prelude: str, linear: str = "") -> list:
     return [_with_linear_bias(v, linear, prelude) for v in variants]
 
 
-def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse):
-    """(dq, dk, dv) (new contiguous 4-D arrays) of ``plan`` run on 4-D views of the inputs and
-    ``lse (B, Hq, Lq)`` in the accumulator dtype. Allocates dsum, the dQ accumulator (zeroed), dq,
-    dk, dv in that order."""
+def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse, grads=None):
+    """(dq, dk, dv) of ``plan`` run on 4-D views of the inputs and ``lse (B, Hq, Lq)`` in the accumulator
+    dtype: ``grads`` given (4-D views, the plan's ``layouts``) or new contiguous 4-D arrays. Allocates dsum,
+    the dQ accumulator (zeroed), dq, dk, dv in that order."""
     cupy, _ = device.cupy_modules()
     with device.on_device(plan.device):
         dsum = cupy.empty(plan.dsum_shape, dtype=plan.acc_dtype)
         dq_acc = None if plan.dq_acc_shape is None else cupy.zeros(plan.dq_acc_shape, dtype=plan.acc_dtype)
-        dq, dk, dv = (cupy.empty(s, dtype=plan.grad_dtype) for s in plan.grad_shapes)
+        dq, dk, dv = grads if grads is not None else (cupy.empty(s, dtype=plan.grad_dtype) for s in plan.grad_shapes)
         params = HostArg(plan.params)
         params.put_addresses(_BWD_ADDRESSES, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr,
                                               lse.data.ptr, dsum.data.ptr, 0 if dq_acc is None else dq_acc.data.ptr,
@@ -909,16 +915,18 @@ def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_
     return execute_forward(plan, p.q, p.k, p.v, key_lengths, page_table, out, lse)
 
 
-def backward(call, dout, out, lse, precision: str, deterministic: bool, bias_grad: bool = True):
+def backward(call, dout, out, lse, precision: str, deterministic: bool, bias_grad: bool = True, grads=None):
     """(dq, dk, dv, dbias plan or None, the trainable parameters' gradient accumulators (a call with user
     modifications: its plan is its own)) of a validated CuPy call with 4-D views ``dout``, ``out`` and
-    ``lse (B, Hq, Lq)`` in the accumulator dtype; ``bias_grad`` False leaves a bias's gradient out."""
+    ``lse (B, Hq, Lq)`` in the accumulator dtype; ``bias_grad`` False leaves a bias's gradient out; ``grads``
+    (dq, dk, dv): 4-D views of the caller's memory the kernels write, or None."""
     p = call.problem
-    key = None if call.signature is None else (call.signature, deterministic, _hooks())
+    layouts = None if grads is None else dict(zip(("dq", "dk", "dv"), (g.strides for g in grads)))
+    key = None if call.signature is None else (call.signature, deterministic, _layouts_key(layouts), _hooks())
     plan = None if key is None else _BACKWARD_PLANS.get(key)
     if plan is None:
         plan = plan_backward(p, call.options, dout, out, lse, deterministic, precision,
-                             call.options.bias is not None and bias_grad)
+                             call.options.bias is not None and bias_grad, layouts)
         if key is not None:
             _remember(_BACKWARD_PLANS, key, plan)
-    return (*execute_backward(plan, dout, p.q, p.k, p.v, out, lse), plan.dbias, plan.param_grads)
+    return (*execute_backward(plan, dout, p.q, p.k, p.v, out, lse, grads), plan.dbias, plan.param_grads)
