@@ -81,7 +81,6 @@ flash_fwd_dmma(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
     typedef FwdDmmaTraits<Cfg, Flags::EXTRA> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, M = Tr::M_TILES;
-    constexpr bool MODS_FIRST = true;   // everywhere modifications before the mask (mask_and_modify)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     double* q_s = reinterpret_cast<double*>(smem_raw);
     double* k_s = q_s + Tr::Q_ELEMS;                       // stage i at k_s + i * K_ELEMS
@@ -159,7 +158,7 @@ flash_fwd_dmma(const FwdParams p) {
                 row = warp_row0 + 8 * m + frag_row_f64(lane);
                 col = n0 + frag_col_f64(lane, n, i);
             };
-            mask_and_modify<MODS_FIRST>(s[m], mod, coord, mod.x_per_score(), [&] {
+            mask_and_modify(s[m], mod, coord, mod.x_per_score(), [&] {
                 if (mod.has_bias())
                     scale_add_bias_frags_f64<Tr::S_TILES, Tr::BIAS_PITCH>(s[m], bias_tile + 8 * m * Tr::BIAS_PITCH,
                                                                           lane, mod.scale_log2);

@@ -74,7 +74,6 @@ flash_fwd_mma(const FwdParams p) {
                            && (Cfg::THREADS / (Cfg::HEAD / 8)) % 8 == 0;
     typedef FwdMmaTraits<T, Cfg, Flags::EXTRA, SW_KV> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, KP = Tr::KV_PITCH;
-    constexpr bool MODS_FIRST = true;   // everywhere modifications before the mask (mask_and_modify)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
     T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
@@ -186,7 +185,7 @@ flash_fwd_mma(const FwdParams p) {
         // partial tiles only, two bounds a fragment row.
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            mask_and_modify<MODS_FIRST>(s[m], mod, strip_coord(m), x_per_s, [&] {
+            mask_and_modify(s[m], mod, strip_coord(m), x_per_s, [&] {
                 if constexpr (Flags::EXTRA) {
                     if (mod.has_bias())
                         scale_add_bias_frags<T, BN, Tr::BIAS_PITCH, false>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH,

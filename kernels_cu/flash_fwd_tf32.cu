@@ -61,7 +61,6 @@ flash_fwd_tf32(const FwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
     typedef FwdTf32Traits<Cfg, Flags::EXTRA, SPLIT> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, M = Tr::STRIPS;
-    constexpr bool MODS_FIRST = true;   // everywhere modifications before the mask (mask_and_modify)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* q_s = reinterpret_cast<float*>(smem_raw);     // Q, then its big part
     float* q_small_s = q_s + Tr::Q_ELEMS;                 // SPLIT: Q's small part
@@ -156,7 +155,7 @@ flash_fwd_tf32(const FwdParams p) {
         // partial tiles only, two bounds a fragment row.
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            mask_and_modify<MODS_FIRST>(s[m], mod, strip_coord(m), x_per_s, [&] {
+            mask_and_modify(s[m], mod, strip_coord(m), x_per_s, [&] {
                 if constexpr (Flags::EXTRA) {
                     if (mod.has_bias())
                         scale_add_bias_frags_f32<BN, Tr::BIAS_PITCH>(s[m], bias_tile + 16 * m * Tr::BIAS_PITCH, lane,

@@ -243,9 +243,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ FwdTensorMaps maps) {
     typedef FwdWgmmaTraits<T, Cfg, Flags::EXTRA, SCHEDULE> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
-    // Everywhere modifications before the mask (mask_and_modify): no compare and select an element after them.
-    // (0 spills in every band variant with softcap, ALiBi or both, NVRTC 12.9 / 13.0 / 13.5.)
-    constexpr bool MODS_FIRST = true;
     // LINEAR_BIAS (linear_bias.cuh): the step's A is the block's, -c (row - w0) for the warp's rows. At head dim
     // 64 each tile's c (n0 + BN / 2 - w0) is the softmax's offset; past 64 (LIN_TILE_A) it rides in A's columns
     // 6-8, since the offset's registers, held through the key loop, spill 16-32 bytes in the band kernel at 128
@@ -478,7 +475,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
                 row = warp_row0 + frag_row(lane, i);
                 col = n0 + frag_col(lane, n, i);
             };
-            mask_and_modify<MODS_FIRST>(s[0], mod, coord, x_per_s, [&] {
+            mask_and_modify(s[0], mod, coord, x_per_s, [&] {
                 if constexpr (Flags::EXTRA) {
                     if (mod.has_bias()) {   // x = s * scale + bias * log2(e), the warp's 16 bias rows by ldmatrix
                         mbar_wait(sm.bias_full(stage), full_parity);

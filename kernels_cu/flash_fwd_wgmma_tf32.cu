@@ -199,7 +199,6 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
     static_assert(sizeof(T) == sizeof(float), "float32 data on TF32 tensor cores");
     typedef FwdWgmmaTf32Traits<Cfg, SPLIT> Tr;
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, STAGES = Tr::STAGES;
-    constexpr bool MODS_FIRST = true;   // everywhere modifications before the mask (mask_and_modify)
     constexpr int PV_N = Tr::PV_N, PIECES = Tr::PV_PIECES;
     static_assert(!PACKED || !Flags::EXTRA, "packed sequences: without EXTRA");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -312,7 +311,7 @@ flash_fwd_wgmma_tf32(const __grid_constant__ FwdParams p, const __grid_constant_
             row = warp_row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
-        mask_and_modify<MODS_FIRST>(s[0], mod, coord, x_per_s, [&] {
+        mask_and_modify(s[0], mod, coord, x_per_s, [&] {
             if constexpr (Flags::EXTRA) {
                 // x = s scale + bias log2(e)
                 if (mod.has_bias()) scale_add_bias_regs(s[0], bias_frag, mod.scale_log2);

@@ -144,8 +144,8 @@ struct ScoreMod {
     // x_per_s 1 where the kernel formed x, the scale where its scores stay raw dot products), returned as
     // the modified x (the softmax then takes x_per_s 1: softmax_x_per_s).
     // SELECT_USER: the user modifications are evaluated everywhere (ScoreMod everywhere=True) in the plain
-    // kernels (score modifications alone, the fast path): -inf selected after them, or (mask_and_modify
-    // MODS_FIRST) the kernel's mask applied after them. The EXTRA kernels' registers hold their
+    // kernels (score modifications alone, the fast path): -inf selected after them, or (the forwards'
+    // mask_and_modify) the kernel's mask applied after them. The EXTRA kernels' registers hold their
     // per-element tests, and the unconditional chain spilled there: a branch. (Of the backwards, the Hopper
     // dK/dV kernel takes the select too, prob_and_dscore_at FOLDED; the portable ones keep the branch: their
     // unconditional derivative chain spilled 20-120 bytes.)
@@ -594,14 +594,15 @@ __device__ __forceinline__ void apply_user_score(A (&s)[I][J], const Mod& mod, C
 
 // A forward's mask and user score modifications over a tile of scores (raw, x / x_per_s, in the plain kernels),
 // leaving the modified x over CUF_USER_OUT_SCALE (the softmax's x_per_s: softmax_x_per_s), or -inf where
-// masked. `mask()`: the kernel's own mask of the tile (which only writes -inf in a plain kernel). MODS_FIRST,
-// with modifications evaluated everywhere (ScoreMod::SELECT_USER): they run first, at every element, and the
-// mask overwrites what they gave masked elements (no compare and select an element after them). Else the mask
-// first and the modifications behind a branch (or a select) an element (apply_user_score). s[I][J] or the C
-// fragments s[N][4] with coord(n, i, row, col).
-template <bool MODS_FIRST, typename Mod, typename A, int I, int J, typename Coord, typename Mask>
+// masked. `mask()`: the kernel's own mask of the tile (which only writes -inf in a plain kernel). With
+// modifications evaluated everywhere (ScoreMod::SELECT_USER) they run first, at every element, and the mask
+// overwrites what they gave masked elements (no compare and select an element after them; 0 spills in every
+// forward variant with softcap, ALiBi or both, NVRTC 12.9 / 13.0 / 13.5). Else the mask first and the
+// modifications behind a branch (or a select) an element (apply_user_score). s[I][J] or the C fragments s[N][4]
+// with coord(n, i, row, col).
+template <typename Mod, typename A, int I, int J, typename Coord, typename Mask>
 __device__ __forceinline__ void mask_and_modify(A (&s)[I][J], const Mod& mod, Coord coord, A x_per_s, Mask mask) {
-    if constexpr (MODS_FIRST && USER_SCORE && Mod::SELECT_USER) {
+    if constexpr (USER_SCORE && Mod::SELECT_USER) {
         // rel = col - row as A: element (0, 0)'s converted once, the others' a constant apart (the fragment
         // layout's), one add an element and no integer conversion
         int row0, col0;
