@@ -968,27 +968,27 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
                                                (128, False, (30, 0))])
 @pytest.mark.parametrize("cc", [90, 80])
 def test_sequences_of_equal_lengths_run_the_dense_forward_in_place(fake, uploads, monkeypatch, d, causal, window, cc):
-    """Six sequences of 256 queries over 320 keys each: one dense launch (no block table), q, k and v seen as
-    (B, H, L, D) views of their packed memory, out and lse written where the packed call returns them (out
-    (total, Hq, Dv), lse (Hq, total)), the band as a dense call of those lengths has it; on Hopper the tensor
-    maps describe the same memory (head dim 128 stores O through one). A call with dropout (its mask follows
-    the packed rows) and a call whose lengths differ take the other paths."""
+    """Six sequences of 256 queries over 320 keys each (value head dim D / 2): one dense launch (no block
+    table), q, k and v seen as (B, H, L, D) views of their packed memory, out and lse written where the packed
+    call returns them (out (total, Hq, Dv), lse (Hq, total)), the band as a dense call of those lengths has it;
+    on Hopper the tensor maps describe the same memory (head dim 128 stores O through one). A call with dropout
+    (its mask follows the packed rows) and a call whose lengths differ take the other paths."""
     from cuflash import varlen
     dev, launches = fake
     if cc == 80:
         monkeypatch.setattr(device, "compute_capability", lambda: 80)
-    hq, hk, b, lq, lk = 8, 2, 6, 256, 320
+    hq, hk, b, lq, lk, dv = 8, 2, 6, 256, 320, d // 2
     cu_q, cu_k = (np.arange(0, b + 1, dtype=np.int32) * n for n in (lq, lk))
     q = dev.empty((b * lq, hq, d), np.float16)
-    k, v = (dev.empty((b * lk, hk, d), np.float16) for _ in range(2))
+    k, v = dev.empty((b * lk, hk, d), np.float16), dev.empty((b * lk, hk, dv), np.float16)
     out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
-    assert out.shape == (b * lq, hq, d) and out.strides == (hq * d * 2, d * 2, 2)
+    assert out.shape == (b * lq, hq, dv) and out.strides == (hq * dv * 2, dv * 2, 2)
     assert lse.shape == (hq, b * lq) and lse.strides == (b * lq * 4, 4) and lse.dtype == np.float32
     [(variant, params, maps, _)] = launches
     assert not variant.packed and not uploads and variant.family == ("fwd_wgmma" if cc == 90 else "fwd_mma")
     assert variant.band == (causal is not False or window is not None)
     f = np.frombuffer(params, dtype=_params.STRUCTS["FwdParams"])[0]
-    for name, x, n, h, dx in (("q", q, lq, hq, d), ("k", k, lk, hk, d), ("v", v, lk, hk, d), ("out", out, lq, hq, d)):
+    for name, x, n, h, dx in (("q", q, lq, hq, d), ("k", k, lk, hk, d), ("v", v, lk, hk, dv), ("out", out, lq, hq, dv)):
         assert int(f[name]["ptr"]) == x.data.ptr, name
         assert (int(f[name]["batch_stride"]), int(f[name]["head_stride"]), int(f[name]["row_stride"])) == \
             (n * h * dx, dx, h * dx), name
@@ -997,8 +997,10 @@ def test_sequences_of_equal_lengths_run_the_dense_forward_in_place(fake, uploads
     assert (int(f["dims"]["batch"]), int(f["dims"]["lq"]), int(f["dims"]["lk"])) == (b, lq, lk)
     assert int(f["mask"]["packed_count"]) == 0 and int(f["mask"]["packed_blocks"]) == 0
     if cc == 90:   # the fake encoder's bytes: address, dims (D, rows, H, B), byte strides of rows, heads, batch
-        for i, (x, n, h) in enumerate(((q, lq, hq), (k, lk, hk), (v, lk, hk)) + (((out, lq, hq),) if d == 128 else ())):
-            assert struct.unpack_from("=8Q", maps, 128 * i) == (x.data.ptr, d, n, h, b, h * d * 2, d * 2, n * h * d * 2)
+        for i, (x, n, h, dx) in enumerate(((q, lq, hq, d), (k, lk, hk, d), (v, lk, hk, dv))
+                                          + (((out, lq, hq, dv),) if d == 128 else ())):
+            assert struct.unpack_from("=8Q", maps, 128 * i)[:8] == \
+                (x.data.ptr, dx, n, h, b, h * dx * 2, dx * 2, n * h * dx * 2), i
     launches.clear()
     dropout = varlen._Packed(q, k, v, cu_q, cu_k, causal, None, window, 0.1, 3, "highest")
     assert varlen._uniform_forward(dropout, "highest") is None and not launches
@@ -1012,36 +1014,64 @@ def test_sequences_of_equal_lengths_run_the_dense_forward_in_place(fake, uploads
 @pytest.mark.parametrize("cc, deterministic", [(90, False), (90, True), (80, False)])
 def test_sequences_of_equal_lengths_run_the_dense_backward_in_place(fake, uploads, monkeypatch, d, causal, cc,
                                                                     deterministic):
-    """Six sequences of 256 queries over 320 keys: the dense backward's launches (no block table, no packed
-    kernel), every array seen as (B, H, L, D) views of its packed memory: q, k, v, out, dout read there, lse
-    (Hq, total) as (B, Hq, L), and dq, dk, dv written where the call returns them, (total, H, D) arrays."""
+    """Six sequences of 256 queries over 320 keys (value head dim D / 2): the dense backward's launches (no
+    block table, no packed kernel), every array seen as (B, H, L, D) views of its packed memory: q, k, v, out,
+    dout read there, lse (Hq, total) as (B, Hq, L), and dq, dk, dv written where the call returns them, (total,
+    H, D) arrays."""
     from cuflash import varlen
     dev, launches = fake
-    monkeypatch.setattr(cp, "ascontiguousarray", lambda x: x)
     if cc == 80:
         monkeypatch.setattr(device, "compute_capability", lambda: 80)
-    hq, hk, b, lq, lk = 8, 2, 6, 256, 320
+    hq, hk, b, lq, lk, dv = 8, 2, 6, 256, 320, d // 2
     cu_q, cu_k = (np.arange(0, b + 1, dtype=np.int32) * n for n in (lq, lk))
-    q, dout, out = (dev.empty((b * lq, hq, d), np.float16) for _ in range(3))
-    k, v = (dev.empty((b * lk, hk, d), np.float16) for _ in range(2))
+    q = dev.empty((b * lq, hq, d), np.float16)
+    dout, out = (dev.empty((b * lq, hq, dv), np.float16) for _ in range(2))
+    k, v = dev.empty((b * lk, hk, d), np.float16), dev.empty((b * lk, hk, dv), np.float16)
     lse = dev.empty((hq, b * lq), np.float32)
-    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal,
-                                                  deterministic=deterministic)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    dq, dk, dv_ = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal,
+                                                   deterministic=deterministic)
+    assert (dq.shape, dk.shape, dv_.shape) == (q.shape, k.shape, v.shape)
     assert launches and not uploads and not any(v_.packed for v_, *_ in launches)
     assert launches[0][0].family == "bwd_dsum"
     assert any(v_.family == "bwd_dkdv_wgmma" for v_, *_ in launches) == (cc == 90 and not deterministic)
     for _, params, _, _ in launches:
         f = np.frombuffer(params, dtype=_params.STRUCTS["BwdParams"])[0]
         for name, x, n, h in (("q", q, lq, hq), ("dout", dout, lq, hq), ("out", out, lq, hq), ("k", k, lk, hk),
-                              ("v", v, lk, hk), ("dq", dq, lq, hq), ("dk", dk, lk, hk), ("dv", dv, lk, hk)):
+                              ("v", v, lk, hk), ("dq", dq, lq, hq), ("dk", dk, lk, hk), ("dv", dv_, lk, hk)):
+            width = x.shape[2]
             assert int(f[name]["ptr"]) == x.data.ptr, name
             assert (int(f[name]["batch_stride"]), int(f[name]["head_stride"]), int(f[name]["row_stride"])) == \
-                (n * h * d, d, h * d), name
+                (n * h * width, width, h * width), name
         assert int(f["lse"]["ptr"]) == lse.data.ptr
         assert (int(f["lse"]["batch_stride"]), int(f["lse"]["head_stride"]), int(f["lse"]["row_stride"])) == \
             (lq, b * lq, 1)
         assert int(f["mask"]["packed_blocks"]) == 0
+
+
+@pytest.mark.parametrize("width, vec", [(72, True), (68, False)])
+@pytest.mark.parametrize("cc", [80, 90])
+def test_heads_whose_rows_start_unaligned_take_element_loads(fake, uploads, monkeypatch, width, vec, cc):
+    """Token-major q, k, v of `width`-element rows sliced to head dim 64, (B, L, H, width)[..., :64] seen as (B, H,
+    L, 64) and packed (total, H, width)[..., :64]: their heads lie width x 2 bytes apart. 16-byte loads only where
+    every row starts 16-byte aligned (72: 144 bytes; on Hopper the tensor-map kernels), else every kernel of the
+    forward, the backward and the packed calls loads elements (68: 136 bytes; a 16-byte copy of head 1's rows
+    would be misaligned, and no tensor map describes such strides)."""
+    from cuflash import varlen
+    dev, launches = fake
+    if cc == 80:
+        monkeypatch.setattr(device, "compute_capability", lambda: 80)
+    x = dev.empty((2, 300, 4, width), np.float16)[..., :64].transpose(0, 2, 1, 3)
+    out, lse = cuflash.attention_forward(x, x, x, causal=True)
+    cuflash.attention_backward(out, x, x, x, out, lse, causal=True)
+    packed = dev.empty((600, 4, width), np.float16)[..., :64]
+    cu = np.array([0, 100, 600], dtype=np.int32)
+    out, lse = varlen.attention_varlen_forward(packed, packed, packed, cu, cu, causal=True)
+    varlen.attention_varlen_backward(out, packed, packed, packed, out, lse, cu, cu, causal=True)
+    scoring = [v_ for v_, *_ in launches if v_.family.startswith(("fwd", "bwd_dkdv", "bwd_dq"))]
+    hopper = [v_.arch == "sm90a" for v_ in scoring]
+    assert len(scoring) >= 4 and all(hopper) == (cc == 90 and vec), [(v_.family, v_.vec) for v_ in scoring]
+    assert all(v_.vec == vec for v_, sm90a in zip(scoring, hopper) if not sm90a), \
+        [(v_.family, v_.vec) for v_ in scoring]
 
 
 @pytest.mark.parametrize("other", ["dout", "out", "lse"])

@@ -73,11 +73,15 @@ def scale_folds(scale: float) -> bool:
 
 
 def vec_loads_ok(d: int, dv: int, *arrays) -> bool:
-    """16-byte cp.async loads: rows of whole 16-byte chunks (8 16-bit or 2 fp64 elements, ``vec_chunk``),
-    16-byte aligned base and row stride."""
+    """16-byte cp.async loads: rows of whole 16-byte chunks (8 16-bit or 2 fp64 elements, ``vec_chunk``), a
+    16-byte aligned base, and batch, head and row strides of whole chunks (every row's start 16-byte aligned:
+    heads of (L, H, 68)-element rows sliced to 64 lie 136 bytes apart) where that dimension has more than one
+    entry."""
     chunk = vec_chunk(arrays[0].itemsize)
     return (d % chunk == 0 and dv % chunk == 0
-            and all(x.data.ptr % 16 == 0 and (x.strides[2] // x.itemsize) % chunk == 0 for x in arrays))
+            and all(x.data.ptr % 16 == 0 and all((stride // x.itemsize) % chunk == 0
+                                                 for stride, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
+                    for x in arrays))
 
 
 def _without_addresses(params: HostArg, offsets: tuple) -> bytes:
