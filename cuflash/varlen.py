@@ -266,35 +266,62 @@ def _batched(x, n: int):
                                                                                   x.strides[1]))
 
 
+def _read_as_given(problem_arrays, views) -> bool:
+    """Whether validation kept ``views`` as they are (no copy): a plan made for them holds their strides."""
+    return all(a.data.ptr == b.data.ptr and a.strides == b.strides for a, b in zip(problem_arrays, views))
+
+
 def _uniform_forward(call: _Packed, precision: str) -> Optional[Tuple[Array, Array]]:
     """The forward of a CuPy call of equal lengths (:func:`_equal_lengths`) as the dense batch it is: the dense
     forward on (B, H, L, D) views of the packed arrays, writing the packed out and lse in place; None for
-    other calls."""
+    other calls. Its plan is memoised with the packed calls' (windows included)."""
     lq, lk = _equal_lengths(call)
     if not lq:
         return None
     xp, p = call.xp, call.p
-    dense = options.forward_call(_batched(call.q, lq), _batched(call.k, lk), _batched(call.v, lk), **call.kwargs,
-                                 num_splits=1)
+    arrays = (_batched(call.q, lq), _batched(call.k, lk), _batched(call.v, lk))
     out = xp.empty((call.q.shape[0], p.heads_q, p.dv), dtype=call.q.dtype)
     lse = xp.empty((p.heads_q, call.q.shape[0]), dtype=acc_dtype(p.dtype))
-    _plan.forward(dense, precision, 1, out=_batched(out, lq), lse=_batched(lse, lq))
+    out_b, lse_b = _batched(out, lq), _batched(lse, lq)
+    memo = ((call.q, call.k, call.v), p, call.opts, precision, "equal lengths", lq, lk)
+    plan = _plan.known_packed_plan(*memo)
+    if plan is None:
+        dense = options.forward_call(*arrays, **call.kwargs, num_splits=1)
+        given, arrays = arrays, (dense.problem.q, dense.problem.k, dense.problem.v)
+        plan = _plan.plan_forward(dense.problem, dense.options, precision, 1,
+                                  layouts={"out": out_b.strides, "lse": lse_b.strides})
+        if _read_as_given(arrays, given):
+            _plan.keep_packed_plan(plan, *memo)
+    _plan.execute_forward(plan, *arrays, out=out_b, lse=lse_b)
     return out, lse
 
 
 def _uniform_backward(call: _Packed, dout, out, lse, precision: str, deterministic: bool) -> Optional[tuple]:
     """The backward of a CuPy call of equal lengths as the dense batch it is: the dense backward on (B, H, L, D)
-    views of the packed arrays, writing the packed dq, dk and dv; None for other calls."""
+    views of the packed arrays, writing the packed dq, dk and dv; None for other calls. Its plan is memoised
+    with the packed calls'."""
     lq, lk = _equal_lengths(call)
     if not lq:
         return None
     xp, p = call.xp, call.p
-    dense = options.backward_call(_batched(dout, lq), _batched(call.q, lq), _batched(call.k, lk),
-                                  _batched(call.v, lk), _batched(out, lq),
-                                  _batched(lse.astype(acc_dtype(p.dtype), copy=False), lq), **call.kwargs)
+    lse = lse.astype(acc_dtype(p.dtype), copy=False)
+    arrays = (_batched(dout, lq), _batched(call.q, lq), _batched(call.k, lk), _batched(call.v, lk),
+              _batched(out, lq), _batched(lse, lq))
     grads = tuple(xp.empty(x.shape, dtype=x.dtype) for x in (call.q, call.k, call.v))
-    _plan.backward(dense, *dense.backward_inputs, precision, deterministic,
-                   grads=tuple(_batched(g, n) for g, n in zip(grads, (lq, lk, lk))))
+    grads_b = tuple(_batched(g, n) for g, n in zip(grads, (lq, lk, lk)))
+    memo = ((call.q, call.k, call.v, dout, out), p, call.opts, precision, "equal lengths", deterministic, lq, lk,
+            lse.strides)
+    plan = _plan.known_packed_plan(*memo)
+    if plan is None:
+        dense = options.backward_call(*arrays, **call.kwargs)
+        given, arrays = arrays, (*dense.backward_inputs[:1], dense.problem.q, dense.problem.k, dense.problem.v,
+                                 *dense.backward_inputs[1:])
+        plan = _plan.plan_backward(dense.problem, dense.options, *dense.backward_inputs, deterministic, precision,
+                                   False, dict(zip(("dq", "dk", "dv"), (g.strides for g in grads_b))))
+        if _read_as_given(arrays, given):
+            _plan.keep_packed_plan(plan, *memo)
+    dout_b, q_b, k_b, v_b, out_b, lse_b = arrays
+    _plan.execute_backward(plan, dout_b, q_b, k_b, v_b, out_b, lse_b, grads_b)
     return grads
 
 

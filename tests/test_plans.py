@@ -1048,6 +1048,30 @@ def test_sequences_of_equal_lengths_run_the_dense_backward_in_place(fake, upload
         assert int(f["mask"]["packed_blocks"]) == 0
 
 
+@pytest.mark.parametrize("window", [None, (64, 0)])
+def test_equal_length_calls_reuse_their_plans(fake, uploads, monkeypatch, window):
+    """A packed call of equal lengths repeated (a model's layers), windowed or not: one forward and one backward
+    plan, and the repeated call launches what the first did (params equal but for the addresses)."""
+    from cuflash import varlen
+    dev, launches = fake
+    planned = []
+    for name in ("plan_forward", "plan_backward"):
+        real = getattr(plan, name)
+        monkeypatch.setattr(plan, name, lambda *a, real=real, name=name, **kw: planned.append(name) or real(*a, **kw))
+    cu = np.arange(0, 9, dtype=np.int32) * 512
+    q = dev.empty((4096, 8, 128), np.float16)
+    kv = dev.empty((4096, 2, 128), np.float16)
+    rounds = []
+    for _ in range(3):
+        launches.clear()
+        out, lse = varlen.attention_varlen_forward(q, kv, kv, cu, cu, causal=True, window=window)
+        varlen.attention_varlen_backward(out, q, kv, kv, out, lse, cu, cu, causal=True, window=window)
+        rounds.append([(v_, _bwd_without_addresses(p_) if v_.family.startswith("bwd") else _without_addresses(p_), g)
+                       for v_, p_, _, g in launches])
+    assert planned == ["plan_forward", "plan_backward"]
+    assert rounds[0] == rounds[1] == rounds[2] and not any(v_.packed for v_, *_ in rounds[0])
+
+
 @pytest.mark.parametrize("width, vec", [(72, True), (68, False)])
 @pytest.mark.parametrize("cc", [80, 90])
 def test_heads_whose_rows_start_unaligned_take_element_loads(fake, uploads, monkeypatch, width, vec, cc):

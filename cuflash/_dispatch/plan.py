@@ -871,6 +871,17 @@ def _packed_key(arrays, p, opts, precision: str, *rest) -> tuple:
     return (layouts, p.causal, p.scale, opts.extra, opts.window, precision, *rest, _hooks())
 
 
+def known_packed_plan(arrays, p, opts, precision: str, *rest):
+    """A plan kept by :func:`keep_packed_plan` for a packed call of these arrays, options and ``rest``, or None."""
+    return _PACKED_PLANS.get(_packed_key(arrays, p, opts, precision, *rest))
+
+
+def keep_packed_plan(plan, arrays, p, opts, precision: str, *rest) -> None:
+    """Memoise ``plan`` of a packed call (cuflash.varlen's equal lengths: a dense plan on views of the packed
+    arrays, whose strides the key holds) for :func:`known_packed_plan`."""
+    _remember(_PACKED_PLANS, _packed_key(arrays, p, opts, precision, *rest), plan)
+
+
 def packed_forward(q, k, v, p, opts, precision: str, longest_keys: int,
                    layouts: Optional[dict] = None) -> Optional[PackedForwardPlan]:
     """:func:`plan_packed_forward`, memoised: a batch's longest sequence enters the key only through the
