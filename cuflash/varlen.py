@@ -479,8 +479,8 @@ def vjp_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: 
     out : array (total_q, Hq, Dv), q's dtype
     vjp_fn : callable
         ``vjp_fn(dout)`` with dout (total_q, Hq, Dv) in q's dtype returns ``(dq, dk, dv)`` with the shapes
-        and dtype of q, k, v (and the trainable parameters' gradients, as :func:`attention_varlen_backward`). It holds references to the inputs, out and lse: do not modify them in place
-        before calling it.
+        and dtype of q, k, v (and the trainable parameters' gradients, as :func:`attention_varlen_backward`).
+        It holds references to the inputs, out and lse: do not modify them in place before calling it.
     """
     if kwargs.get("dropout_p") and kwargs.get("seed") is None:
         kwargs = dict(kwargs, seed=options.draw_seed())
