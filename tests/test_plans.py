@@ -964,6 +964,16 @@ def test_packed_forward_launches_one_kernel_over_the_block_table(fake, uploads, 
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["group"])) == (hq, hq // hk)
 
 
+def _equal_lengths_packed(dev, d: int):
+    """(Hq, Hk, B, Lq, Lk, Dv, cu_q, cu_k, q, k, v): six sequences of 256 queries over 320 keys, GQA 8 / 2, value
+    head dim d / 2, packed float16 arrays on the fake device."""
+    hq, hk, b, lq, lk, dv = 8, 2, 6, 256, 320, d // 2
+    cu_q, cu_k = (np.arange(0, b + 1, dtype=np.int32) * n for n in (lq, lk))
+    q = dev.empty((b * lq, hq, d), np.float16)
+    k, v = dev.empty((b * lk, hk, d), np.float16), dev.empty((b * lk, hk, dv), np.float16)
+    return hq, hk, b, lq, lk, dv, cu_q, cu_k, q, k, v
+
+
 @pytest.mark.parametrize("d, causal, window", [(64, False, None), (64, True, None), (128, "bottom_right", None),
                                                (128, False, (30, 0))])
 @pytest.mark.parametrize("cc", [90, 80])
@@ -977,10 +987,7 @@ def test_sequences_of_equal_lengths_run_the_dense_forward_in_place(fake, uploads
     dev, launches = fake
     if cc == 80:
         monkeypatch.setattr(device, "compute_capability", lambda: 80)
-    hq, hk, b, lq, lk, dv = 8, 2, 6, 256, 320, d // 2
-    cu_q, cu_k = (np.arange(0, b + 1, dtype=np.int32) * n for n in (lq, lk))
-    q = dev.empty((b * lq, hq, d), np.float16)
-    k, v = dev.empty((b * lk, hk, d), np.float16), dev.empty((b * lk, hk, dv), np.float16)
+    hq, hk, b, lq, lk, dv, cu_q, cu_k, q, k, v = _equal_lengths_packed(dev, d)
     out, lse = varlen.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, window=window)
     assert out.shape == (b * lq, hq, dv) and out.strides == (hq * dv * 2, dv * 2, 2)
     assert lse.shape == (hq, b * lq) and lse.strides == (b * lq * 4, 4) and lse.dtype == np.float32
@@ -1022,11 +1029,8 @@ def test_sequences_of_equal_lengths_run_the_dense_backward_in_place(fake, upload
     dev, launches = fake
     if cc == 80:
         monkeypatch.setattr(device, "compute_capability", lambda: 80)
-    hq, hk, b, lq, lk, dv = 8, 2, 6, 256, 320, d // 2
-    cu_q, cu_k = (np.arange(0, b + 1, dtype=np.int32) * n for n in (lq, lk))
-    q = dev.empty((b * lq, hq, d), np.float16)
+    hq, hk, b, lq, lk, dv, cu_q, cu_k, q, k, v = _equal_lengths_packed(dev, d)
     dout, out = (dev.empty((b * lq, hq, dv), np.float16) for _ in range(2))
-    k, v = dev.empty((b * lk, hk, d), np.float16), dev.empty((b * lk, hk, dv), np.float16)
     lse = dev.empty((hq, b * lq), np.float32)
     dq, dk, dv_ = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal,
                                                    deterministic=deterministic)
