@@ -310,9 +310,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     NotImplementedError naming what is missing.
     """
     if softcap:
-        raise NotImplementedError("softcap: cuflash.varlen takes no score modifications")
+        raise NotImplementedError("softcap: this adapter passes no score modifications; on CuPy arrays "
+                                  "cuflash.varlen.attention_varlen(..., score_mod=cuflash.softcap(cap)) has it")
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: cuflash.varlen takes no score modifications")
+        raise NotImplementedError("alibi_slopes: this adapter passes no score modifications; on CuPy arrays "
+                                  "cuflash.varlen.attention_varlen(..., score_mod=cuflash.alibi(slopes)) has it, "
+                                  "positions counted from each sequence's first")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: cuflash never stores the attention probabilities")
     if block_table is not None:

@@ -147,10 +147,12 @@ class _Packed:
         if len(self.cu_q) != len(self.cu_k):
             raise ValueError(f"cu_seqlens_q has {len(self.cu_q) - 1} sequences, cu_seqlens_k {len(self.cu_k) - 1}")
         for name, cu, limit in (("max_seqlen_q", self.cu_q, max_seqlen_q), ("max_seqlen_k", self.cu_k, max_seqlen_k)):
-            longest = int(np.diff(cu).max()) if len(cu) > 1 else 0
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))):
+            if limit is None:
+                continue
+            if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(limit).__name__}")
-            if limit is not None and longest > limit:
+            longest = int(np.diff(cu).max()) if len(cu) > 1 else 0
+            if longest > limit:
                 raise ValueError(f"{name}={limit} but a sequence has {longest} rows")
         self.q, self.k, self.v, self.p = q, k, v, p
         self.kwargs = dict(causal=causal, scale=p.scale, window=window, precision=precision)
