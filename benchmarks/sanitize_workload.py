@@ -258,7 +258,7 @@ def kv_cache(dtypes) -> None:
         lengths = [0, 777, 3000 - lq]
         launched.clear()
         out = cuflash.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=cp.asarray(lengths), causal=True)
-        # a paged cache: 188 pages of 16 in shuffled order (the 16-bit kernel reads them in place)
+        # a paged cache: 188 pages of 16 in shuffled order (the decoding kernel reads them in place)
         page_table = cp.asarray(rng.permutation(3 * 188).reshape(3, 188).astype(np.int32))
         k_pages, v_pages = (cp.zeros((3 * 188, 2, 16, d), dtype=DTYPES[dtype]) for _ in range(2))
         out_paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, new_k, new_v, causal=True,

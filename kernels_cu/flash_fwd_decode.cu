@@ -1,7 +1,6 @@
-// flash_fwd_decode.cu -- the split-KV partial forward for decoding (float16 / bfloat16, and float32 on
-// 3xTF32): at most 16
-// query rows a (batch, head) block -- Lq new rows, times the query heads of a K/V head with packed
-// GQA -- over a long key range.
+// flash_fwd_decode.cu -- the split-KV partial forward for decoding (float16 / bfloat16; float32 on
+// 3xTF32; float64 on the fp64 tensor cores): at most 16 query rows a (batch, head) block -- Lq new
+// rows, times the query heads of a K/V head with packed GQA -- over a long key range.
 //
 // flash_fwd_mma's split twin gives each warp 16 query rows of a 64-row block, so a decoding block
 // fills one warp's rows and every warp reads each K/V tile whole from shared memory for padding
@@ -28,6 +27,7 @@
 #include "mma.cuh"
 #include "warp_gemm.cuh"
 #include "warp_gemm_tf32.cuh"
+#include "warp_gemm_f64.cuh"
 #include "tile_io.cuh"
 #include "softmax.cuh"
 #include "score_mod.cuh"
@@ -37,84 +37,122 @@
 // float32 (F32): 3xTF32 on mma.sync m16n8k8 (warp_gemm_tf32.cuh, flash_fwd_tf32.cu's arithmetic at
 // precision="highest"): Q split once into big and small parts, K, V and P split per fragment; every
 // tile's rows padded by 4 floats (the TF32 fragment loads' conflict-free pitch) instead of swizzled.
+// float64 (F64): flash_fwd_dmma.cu's arithmetic (warp_gemm_f64.cuh) with fp64 accumulators and softmax,
+// the strip as two 8-row tiles; Q and K rows padded to head + 4 doubles, V rows to head + 2 (each
+// operand's conflict-free pitch). On sm_90 S = Q K^T runs on m16n8k16 and O += P V on m16n8k8, the
+// full fp64 tensor rate (m8n8k4 runs at half; benchmarks/dmma_rate.py); before sm_90, on m8n8k4.
+#if __CUDA_ARCH__ >= 900
+constexpr int DECODE_F64_QK_K = 8, DECODE_F64_PV_K = 8;   // m16n8k8
+#else
+constexpr int DECODE_F64_QK_K = 0, DECODE_F64_PV_K = 0;    // m8n8k4
+#endif
+
 template <typename T, typename Cfg>
 struct FwdDecodeTraits {
-    static constexpr bool F32 = sizeof(T) == sizeof(float);
+    static constexpr bool F32 = sizeof(T) == sizeof(float), F64 = sizeof(T) == sizeof(double);
+    typedef typename AccumOf<T>::type A;          // float; double for float64
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int KEYS_W = BN / WARPS;     // keys of a tile each warp takes
-    static constexpr int PITCH = F32 ? HEAD + 4 : HEAD + 8;    // Q's shared row pitch in elements (padding)
-    static constexpr int KV_PITCH = F32 ? HEAD + 4 : HEAD;     // 16-bit: swizzled rows, no padding
+    static constexpr int PITCH = F32 || F64 ? HEAD + 4 : HEAD + 8;      // Q's shared row pitch in elements (padding)
+    static constexpr int KV_PITCH = F32 || F64 ? HEAD + 4 : HEAD;       // K's; 16-bit: swizzled rows, no padding
+    static constexpr int V_PITCH = F64 ? HEAD + 2 : KV_PITCH;          // V's
     static constexpr int S_TILES = KEYS_W / 8;    // n8 tiles of one warp's S
     static constexpr int O_TILES = HEAD / 8;      // n8 tiles of one warp's O
     static constexpr int Q_ELEMS = (F32 ? 2 : 1) * BM * PITCH;   // F32: Q's big part, then its small part
     static constexpr int KV_ELEMS = BN * KV_PITCH;   // one K or V stage
     static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
     // The warps' merge: every warp but 0 leaves its O fragments and row statistics in the K/V stages.
-    static constexpr int MERGE_FLOATS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
+    static constexpr int MERGE_ELEMS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
     static_assert(BM == 16, "one 16-row strip, shared by the warps");
     static_assert(!USER_SCORE && !USER_MASK, "no user modifications in the decoding kernel (the split twin takes them)");
-    static_assert(sizeof(T) == 2 || F32, "16-bit or float32");
-    static_assert(BN % (16 * WARPS) == 0 && HEAD % (F32 ? 32 : 64) == 0,
-                  "whole k16 steps (n8 pairs) of keys a warp; 16-bit rows of 8 chunks");
+    static_assert(sizeof(T) == 2 || F32 || F64, "16-bit, float32 or float64");
+    static_assert(KEYS_W % (sizeof(T) == 2 ? 16 : 8) == 0 && HEAD % (F64 ? 16 : F32 ? 32 : 64) == 0,
+                  "whole n8 tiles of keys a warp (16-bit: k16 steps of O += P V); whole k steps of the head; "
+                  "16-bit rows of 8 chunks");
     static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
-    static_assert(MERGE_FLOATS * int(sizeof(float)) <= 2 * Cfg::STAGES * KV_ELEMS * int(sizeof(T)),
+    static_assert(MERGE_ELEMS * int(sizeof(A)) <= 2 * Cfg::STAGES * KV_ELEMS * int(sizeof(T)),
                   "the merge fits in the K/V stages");
+};
+
+// A warp's rows of the strip: O, and the row maximum and sum of the lane's two rows (g and g + 8).
+// at(t, r, e): the lane's element e of O's column tile t in its row r; stat(r, 0) / stat(r, 1): that
+// row's max / sum. 16-bit and float32: m16n8 C fragments; float64: two 8-row tiles (warp_gemm_f64.cuh).
+template <typename Tr, bool F64 = Tr::F64>
+struct StripRows {
+    float acc_o[1][Tr::O_TILES][4];
+    float row_max[1][2], row_sum[1][2];
+    __device__ __forceinline__ void start() { start_rows(acc_o, row_max, row_sum); }
+    __device__ __forceinline__ float& at(int t, int r, int e) { return acc_o[0][t][2 * r + e]; }
+    __device__ __forceinline__ float& stat(int r, int which) { return which == 0 ? row_max[0][r] : row_sum[0][r]; }
+};
+
+template <typename Tr>
+struct StripRows<Tr, true> {
+    double acc_o[2][Tr::O_TILES][2];
+    double row_max[2], row_sum[2];
+    __device__ __forceinline__ void start() {
+        zero_frags(acc_o);
+        row_max[0] = row_max[1] = neg_inf<double>();
+        row_sum[0] = row_sum[1] = 0.0;
+    }
+    __device__ __forceinline__ double& at(int t, int r, int e) { return acc_o[r][t][e]; }
+    __device__ __forceinline__ double& stat(int r, int which) { return which == 0 ? row_max[r] : row_sum[r]; }
 };
 
 // The warps' (O, max, sum) of one 16-row strip merged into warp 0's registers, as
 // flash_fwd_combine.cu merges splits (in log2 units here): peak = max_w max_w (NaN kept),
 // O = sum_w O_w 2^(max_w - peak), sum = sum_w sum_w 2^(max_w - peak). A warp that saw no key has
 // max -inf and O = sum = 0: weight 0. Lane l of every warp holds the same rows and columns, so lane
-// l of warp 0 merges lane l's values. `stage`: at least MERGE_FLOATS floats of shared memory that the
-// key loop's copies and reads have finished with (the barrier here orders them before the writes).
-template <typename Tr>
-__device__ __forceinline__ void merge_warps(float* stage, int warp, int lane, float (&acc_o)[1][Tr::O_TILES][4],
-                                            float (&row_max)[1][2], float (&row_sum)[1][2]) {
-    constexpr int PER_WARP = 4 * Tr::O_TILES + 4;   // floats a lane leaves: O, then max and sum of its two rows
+// l of warp 0 merges lane l's values. `stage`: at least MERGE_ELEMS accumulators of shared memory that
+// the key loop's copies and reads have finished with (the barrier here orders them before the writes).
+template <typename Tr, typename A>
+__device__ __forceinline__ void merge_warps(A* stage, int warp, int lane, StripRows<Tr>& rows) {
+    constexpr int PER_WARP = 4 * Tr::O_TILES + 4;   // values a lane leaves: O, then max and sum of its two rows
+    constexpr int MAX_AT = 4 * Tr::O_TILES, SUM_AT = 4 * Tr::O_TILES + 2;
     __syncthreads();
     if (warp > 0) {
-        float* mine = stage + (warp - 1) * PER_WARP * 32 + lane;   // lane-minor: no bank conflicts
+        A* mine = stage + (warp - 1) * PER_WARP * 32 + lane;   // lane-minor: no bank conflicts
 #pragma unroll
         for (int t = 0; t < Tr::O_TILES; ++t)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) mine[(4 * t + i) * 32] = acc_o[0][t][i];
+            for (int i = 0; i < 4; ++i) mine[(4 * t + i) * 32] = rows.at(t, i / 2, i % 2);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            mine[(4 * Tr::O_TILES + r) * 32] = row_max[0][r];
-            mine[(4 * Tr::O_TILES + 2 + r) * 32] = row_sum[0][r];
+            mine[(MAX_AT + r) * 32] = rows.stat(r, 0);
+            mine[(SUM_AT + r) * 32] = rows.stat(r, 1);
         }
     }
     __syncthreads();
     if (warp > 0) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float peak = row_max[0][r];
+        A peak = rows.stat(r, 0);
         for (int w = 1; w < Tr::WARPS; ++w) {
-            const float m = stage[((w - 1) * PER_WARP + 4 * Tr::O_TILES + r) * 32 + lane];
+            const A m = stage[((w - 1) * PER_WARP + MAX_AT + r) * 32 + lane];
             peak = (m != m || peak != peak) ? m + peak : amax(peak, m);
         }
-        const float shift = peak == neg_inf<float>() ? 0.0f : peak;   // every warp empty: weights 0
-        const float own = fast_exp2(row_max[0][r] - shift);
-        row_sum[0][r] *= own;
+        const A shift = peak == neg_inf<A>() ? A(0) : peak;   // every warp empty: weights 0
+        const A own = fast_exp2(rows.stat(r, 0) - shift);
+        rows.stat(r, 1) *= own;
 #pragma unroll
         for (int t = 0; t < Tr::O_TILES; ++t) {
-            acc_o[0][t][2 * r] *= own;
-            acc_o[0][t][2 * r + 1] *= own;
+            rows.at(t, r, 0) *= own;
+            rows.at(t, r, 1) *= own;
         }
         for (int w = 1; w < Tr::WARPS; ++w) {
-            const float* theirs = stage + (w - 1) * PER_WARP * 32 + lane;
-            const float weight = fast_exp2(theirs[(4 * Tr::O_TILES + r) * 32] - shift);
-            row_sum[0][r] += weight * theirs[(4 * Tr::O_TILES + 2 + r) * 32];
+            const A* theirs = stage + (w - 1) * PER_WARP * 32 + lane;
+            const A weight = fast_exp2(theirs[(MAX_AT + r) * 32] - shift);
+            rows.stat(r, 1) += weight * theirs[(SUM_AT + r) * 32];
 #pragma unroll
             for (int t = 0; t < Tr::O_TILES; ++t) {
-                acc_o[0][t][2 * r] += weight * theirs[(4 * t + 2 * r) * 32];
-                acc_o[0][t][2 * r + 1] += weight * theirs[(4 * t + 2 * r + 1) * 32];
+                rows.at(t, r, 0) += weight * theirs[(4 * t + 2 * r) * 32];
+                rows.at(t, r, 1) += weight * theirs[(4 * t + 2 * r + 1) * 32];
             }
         }
-        row_max[0][r] = shift;
+        rows.stat(r, 0) = shift;
     }
 }
 
@@ -146,9 +184,10 @@ template <typename T, typename Cfg, typename Flags, bool VEC, bool KV_SPLIT>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_fwd_decode(const FwdParams p) {
     typedef FwdDecodeTraits<T, Cfg> Tr;
+    typedef typename Tr::A A;
     static_assert(KV_SPLIT, "a split-KV partial kernel only: the combine kernel finishes its results");
     static_assert(!Flags::EXTRA, "no EXTRA option: flash_fwd_mma's split twin takes those calls");
-    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, KP = Tr::KV_PITCH;
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, KP = Tr::KV_PITCH, VP = Tr::V_PITCH;
     constexpr int SPLIT = TF32X3_ROUNDED;        // F32: precision="highest"
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);    // F32: Q's big part, its small part at q_s + BM * P
@@ -159,9 +198,9 @@ flash_fwd_decode(const FwdParams p) {
     typedef KeySplit<BM, true> Split;
     const QueryBlock blk = Split::query_block(dims, shared_scores_head_group<false>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const ScoreMod<Flags, float, T, true> mod(p.mask, dims, acc_param<float>(p.scale_log2, p.scale_log2_f), blk.batch,
-                                              blk.head);
-    const float x_per_s = mod.x_per_score();
+    const ScoreMod<Flags, A, T, true> mod(p.mask, dims, acc_param<A>(p.scale_log2, p.scale_log2_f), blk.batch,
+                                          blk.head);
+    const A x_per_s = mod.x_per_score();
     // Packed GQA rows under a band (MaskParams::band_period): the block holds its K/V head's query heads of
     // `period` positions each, so its rows see what positions [0, period) see, and a lane's two rows sit
     // at positions row % period.
@@ -176,14 +215,13 @@ flash_fwd_decode(const FwdParams p) {
 
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead
     auto load_kv = [&](int j, int stage) {
-        load_kv_tile<T, BM, BN, HEAD, KP, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true, false, !Tr::F32>(
+        load_kv_tile<T, BM, BN, HEAD, KP, BN + 8, Tr::THREADS, VEC, Tr::KV_ELEMS, 0, true, false, sizeof(T) == 2, VP>(
             k_s, v_s, nullptr, stage, p, blk, false, j * BN, mod.lk, &pages);
         cp_async_commit();
     };
 
-    float acc_o[1][Tr::O_TILES][4];
-    float row_max[1][2], row_sum[1][2];
-    start_rows(acc_o, row_max, row_sum);
+    StripRows<Tr> rows;
+    rows.start();
 
     int j = keys.begin;
     if (j < keys.end) {
@@ -203,36 +241,55 @@ flash_fwd_decode(const FwdParams p) {
         __syncthreads();
 
         const T* k_w = k_s + stage * Tr::KV_ELEMS + key_w * KP;   // this warp's keys of K and V
-        const T* v_w = v_s + stage * Tr::KV_ELEMS + key_w * KP;
-        float s[1][Tr::S_TILES][4];   // S = Q K^T over this warp's keys
-        zero_frags(s[0]);
-        if constexpr (Tr::F32) {
-            const float* q_big = reinterpret_cast<const float*>(q_s);
-            warp_gemm_qk_tf32<SPLIT, 1, Tr::KEYS_W, HEAD, P>(s, q_big, q_big + BM * P,
-                                                             reinterpret_cast<const float*>(k_w), lane);
+        const T* v_w = v_s + stage * Tr::KV_ELEMS + key_w * VP;
+        const int col0 = j * BN + key_w + 2 * (lane % 4);         // the lane's first key
+        if constexpr (Tr::F64) {
+            double s[2][Tr::S_TILES][2];   // S = Q K^T over this warp's keys, two 8-row tiles
+            zero_frags(s);
+            warp_gemm_nt_f64<2, Tr::S_TILES, HEAD, P, KP, DECODE_F64_QK_K>(s, q_s, k_w, lane);
+            if (!full.contains(j)) mask_partial_strip_rows(s, mod, row_a, row_b, col0);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+                warp_softmax_update_f64<Tr>(s[m], rows.acc_o[m], rows.row_max[m], rows.row_sum[m], x_per_s);
+            warp_gemm_rn_f64<2, Tr::O_TILES, Tr::S_TILES, VP, DECODE_F64_PV_K>(rows.acc_o, s, v_w, lane);
         } else {
-            warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, KP, false, true>(s, q_s, k_w, lane);
-        }
-        if (!full.contains(j)) mask_partial_strip_rows(s[0], mod, row_a, row_b, j * BN + key_w + 2 * (lane % 4));
-        if constexpr (Tr::F32) {   // P in float32, split per fragment in O += P V
-            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
-                s[m][n][2 * r] = p0;
-                s[m][n][2 * r + 1] = p1;
-            });
-            warp_gemm_pv_tf32<SPLIT, 1, HEAD, Tr::KEYS_W, P>(acc_o, s, reinterpret_cast<const float*>(v_w), lane);
-        } else {
-            unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
-            warp_softmax_tile<Tr>(s, acc_o, row_max, row_sum, x_per_s, [&](int m, int n, int r, float p0, float p1) {
-                p16[m][n][r] = pack2<T>(p0, p1);
-            });
-            warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, KP, true>(acc_o, p16, v_w, lane);
+            float s[1][Tr::S_TILES][4];   // S = Q K^T over this warp's keys
+            zero_frags(s[0]);
+            if constexpr (Tr::F32) {
+                const float* q_big = reinterpret_cast<const float*>(q_s);
+                warp_gemm_qk_tf32<SPLIT, 1, Tr::KEYS_W, HEAD, P>(s, q_big, q_big + BM * P,
+                                                                 reinterpret_cast<const float*>(k_w), lane);
+            } else {
+                warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, KP, false, true>(s, q_s, k_w, lane);
+            }
+            if (!full.contains(j)) mask_partial_strip_rows(s[0], mod, row_a, row_b, col0);
+            if constexpr (Tr::F32) {   // P in float32, split per fragment in O += P V
+                warp_softmax_tile<Tr>(s, rows.acc_o, rows.row_max, rows.row_sum, x_per_s,
+                                      [&](int m, int n, int r, float p0, float p1) {
+                                          s[m][n][2 * r] = p0;
+                                          s[m][n][2 * r + 1] = p1;
+                                      });
+                warp_gemm_pv_tf32<SPLIT, 1, HEAD, Tr::KEYS_W, P>(rows.acc_o, s, reinterpret_cast<const float*>(v_w),
+                                                                 lane);
+            } else {
+                unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
+                warp_softmax_tile<Tr>(s, rows.acc_o, rows.row_max, rows.row_sum, x_per_s,
+                                      [&](int m, int n, int r, float p0, float p1) { p16[m][n][r] = pack2<T>(p0, p1); });
+                warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, KP, true>(rows.acc_o, p16, v_w, lane);
+            }
         }
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = j + 1;
     }
 
-    merge_warps<Tr>(reinterpret_cast<float*>(k_s), warp, lane, acc_o, row_max, row_sum);
-    if (warp == 0)
-        store_o_lse_c_frags<true, float, true>(p, Split::partial_block(blk, dims), 0, lane, acc_o, row_max, row_sum);
+    merge_warps<Tr>(reinterpret_cast<A*>(k_s), warp, lane, rows);
+    if (warp == 0) {
+        if constexpr (Tr::F64)
+            store_o_lse_f64_frags<true, double, true>(p, Split::partial_block(blk, dims), 0, lane, rows.acc_o,
+                                                      rows.row_max, rows.row_sum);
+        else
+            store_o_lse_c_frags<true, float, true>(p, Split::partial_block(blk, dims), 0, lane, rows.acc_o,
+                                                   rows.row_max, rows.row_sum);
+    }
     if (p.split_counters != nullptr) combine_in_last_split<T, Tr>(p, blk, reinterpret_cast<int*>(q_s), warp, lane);
 }

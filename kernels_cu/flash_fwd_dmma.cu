@@ -50,25 +50,6 @@ struct FwdDmmaTraits {
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
 };
 
-// Online-softmax step for the row this lane holds in one row tile (C-fragment row lane / 4,
-// 2 S_TILES of its scores; the row's other scores are in the 3 neighbouring lanes).
-// s holds x / x_per_s (ScoreMod::x_per_score: raw dot products in the plain kernels).
-template <typename Tr>
-__device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES][2], double (&acc_o)[Tr::O_TILES][2],
-                                                        double& row_max, double& row_sum, double x_per_s) {
-    double (&x)[2 * Tr::S_TILES] = reinterpret_cast<double (&)[2 * Tr::S_TILES]>(s);
-    const double correction = softmax_update_row<4>(x, row_max, row_sum, x_per_s);
-    // Once a few tiles are in, row maxima rarely move and the correction is exactly 2^0 = 1:
-    // skip the 2 O_TILES fp64 multiplies (fp64 CUDA-core work is the softmax's cost here) when
-    // no row of the warp needs them.
-    if (__all_sync(0xffffffffu, correction == 1.0)) return;
-#pragma unroll
-    for (int t = 0; t < Tr::O_TILES; ++t) {
-        acc_o[t][0] *= correction;
-        acc_o[t][1] *= correction;
-    }
-}
-
 // Grid: ceil(Lq / BM) x Hq x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), longest causal query blocks first;
 // KV_SPLIT: that many times FwdParams::num_splits, each copy over its split's key tiles (KeySplit).
 // WIDE_K (sm_90+; warp_gemm_f64.cuh): 0 runs both GEMMs on m8n8k4, 4 / 8 / 16 on

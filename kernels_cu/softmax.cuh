@@ -48,6 +48,26 @@ __device__ __forceinline__ A softmax_update_row(A (&s)[N], A& row_max, A& row_su
     return correction;
 }
 
+// The fp64 tensor-core forwards' online-softmax step (flash_fwd_dmma.cu, flash_fwd_decode.cu) for the
+// row this lane holds in one row tile (C-fragment row lane / 4, 2 S_TILES of its scores; the row's
+// other scores are in the 3 neighbouring lanes). s holds x / x_per_s (ScoreMod::x_per_score: raw dot
+// products in the plain kernels).
+template <typename Tr>
+__device__ __forceinline__ void warp_softmax_update_f64(double (&s)[Tr::S_TILES][2], double (&acc_o)[Tr::O_TILES][2],
+                                                        double& row_max, double& row_sum, double x_per_s) {
+    double (&x)[2 * Tr::S_TILES] = reinterpret_cast<double (&)[2 * Tr::S_TILES]>(s);
+    const double correction = softmax_update_row<4>(x, row_max, row_sum, x_per_s);
+    // Once a few tiles are in, row maxima rarely move and the correction is exactly 2^0 = 1:
+    // skip the 2 O_TILES fp64 multiplies (fp64 CUDA-core work is the softmax's cost here) when
+    // no row of the warp needs them.
+    if (__all_sync(0xffffffffu, correction == 1.0)) return;
+#pragma unroll
+    for (int t = 0; t < Tr::O_TILES; ++t) {
+        acc_o[t][0] *= correction;
+        acc_o[t][1] *= correction;
+    }
+}
+
 // The saved natural-log lse in log2 units, as the backward's P = 2^(x - lse_log2)
 // needs it. A row that saw no key (lse = -inf) maps to +inf: then P = 2^(x - inf)
 // is exactly 0 for every x, -inf included, with no per-element test. Rows past

@@ -196,8 +196,9 @@ struct PageCursor {
 // load_tile_fixed_col's 16-byte copy of the K and V rows [cursor.row0, cursor.row0 + ROWS) of one head
 // from a paged cache (K and V views of equal strides; the batch stride steps between pages), each row
 // in its page: rows past rows_valid and K / V columns past k_cols / v_cols are zeros. Page indices are
-// clamped to [0, num_pages): an unchecked table stays inside the cache.
-template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC, bool SWIZZLED = false>
+// clamped to [0, num_pages): an unchecked table stays inside the cache. V_PITCH: V's row pitch where it
+// differs from K's (the fp64 decoding tiles: each operand's conflict-free pitch, warp_gemm_f64.cuh).
+template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC, bool SWIZZLED = false, int V_PITCH = PITCH>
 __device__ __forceinline__ void load_paged_rows(T* k_smem, T* v_smem, const View& k, const View& v,
                                                 const PageCursor<T, ROWS, COLS, THREADS, VEC>& cursor, int num_pages,
                                                 int rows_valid, int k_cols, int v_cols) {
@@ -209,7 +210,7 @@ __device__ __forceinline__ void load_paged_rows(T* k_smem, T* v_smem, const View
     const bool k_col_valid = col < k_cols, v_col_valid = col < v_cols;
     const int dst_col = SWIZZLED ? swizzled_chunk(first_row, col / Cursor::CHUNK) * Cursor::CHUNK : col;
     const unsigned k_dst = smem_addr(k_smem + first_row * PITCH + dst_col);
-    const unsigned v_dst = smem_addr(v_smem + first_row * PITCH + dst_col);
+    const unsigned v_dst = smem_addr(v_smem + first_row * V_PITCH + dst_col);
     const T* k_base = static_cast<const T*>(k.ptr);
     const T* v_base = static_cast<const T*>(v.ptr);
 #pragma unroll
@@ -218,10 +219,11 @@ __device__ __forceinline__ void load_paged_rows(T* k_smem, T* v_smem, const View
         const int page = min(max(cursor.page[k_row], 0), num_pages - 1);
         // a page's stride and the in-page offset fit 32 bits (the plan's rule): one wide multiply-add
         const int64 offset = int64(page) * int64(int(k.batch_stride)) + cursor.in_page[k_row];
-        const unsigned step = k_row * Cursor::ROW_STEP * PITCH * int(sizeof(T));
+        const unsigned k_step = k_row * Cursor::ROW_STEP * PITCH * int(sizeof(T));
+        const unsigned v_step = k_row * Cursor::ROW_STEP * V_PITCH * int(sizeof(T));
         const bool k_valid = row_valid && k_col_valid, v_valid = row_valid && v_col_valid;
-        cp_async_16(k_dst + step, k_valid ? k_base + offset : k_base, k_valid);   // (no bytes read when not valid)
-        cp_async_16(v_dst + step, v_valid ? v_base + offset : v_base, v_valid);
+        cp_async_16(k_dst + k_step, k_valid ? k_base + offset : k_base, k_valid);   // (no bytes read when not valid)
+        cp_async_16(v_dst + v_step, v_valid ? v_base + offset : v_base, v_valid);
     }
 }
 
@@ -278,10 +280,12 @@ __device__ __forceinline__ void load_score_tile(T* smem, const ScoreTensor& t, i
 // (the count held through K's copy too spilled the float32 split tile 128x32).
 // PAGED (the split forwards' PER_SEQ path) with a page table: K and V from a paged cache through
 // `pages`, which holds tile n0's pages when the previous call read them ahead (else they are read
-// now) and is left reading tile n0 + 1's. PACKED (a packed sequence, PackedBlock): K's rows stop at
-// key_count too (past it lie the next sequence's rows, or the array's end).
+// now) and is left reading tile n0 + 1's. V_PITCH: V's row pitch (K's by default). PACKED (a packed
+// sequence, PackedBlock): K's rows stop at key_count too (past it lie the next sequence's rows, or the
+// array's end).
 template <typename T, int BM, int BN, int HEAD, int P, int BIAS_PITCH, int THREADS, bool VEC, int KV_ELEMS,
-          int BIAS_ELEMS, bool PAGED = false, bool PACKED = false, bool SWIZZLED = false, typename Params>
+          int BIAS_ELEMS, bool PAGED = false, bool PACKED = false, bool SWIZZLED = false, int V_PITCH = P,
+          typename Params>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stage, const Params& p,
                                              const QueryBlock& blk, bool with_bias, int n0, int key_count,
                                              PageCursor<T, BN, HEAD, THREADS, VEC>* pages = nullptr) {
@@ -289,9 +293,9 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stag
     if constexpr (PAGED && PageCursor<T, BN, HEAD, THREADS, VEC>::FITS) {
         if (p.mask.page_table != nullptr) {
             if (pages->row0 != n0) pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0, key_count);
-            load_paged_rows<T, BN, HEAD, P, THREADS, VEC, SWIZZLED>(k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS,
-                                                                    p.k, p.v, *pages, p.mask.num_pages,
-                                                                    key_count - n0, dims.d, dims.dv);
+            load_paged_rows<T, BN, HEAD, P, THREADS, VEC, SWIZZLED, V_PITCH>(
+                k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS, p.k, p.v, *pages, p.mask.num_pages, key_count - n0,
+                dims.d, dims.dv);
             pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0 + BN, key_count);
             return;
         }
@@ -300,9 +304,9 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stag
                                                                 p.k.template at<const T>(blk.batch, blk.kv_head, n0),
                                                                 p.k.row_stride, (PACKED ? key_count : dims.lk) - n0,
                                                                 dims.d);
-    load_tile_fixed_col<T, BN, HEAD, P, THREADS, VEC, SWIZZLED>(v_s + stage * KV_ELEMS,
-                                                                p.v.template at<const T>(blk.batch, blk.kv_head, n0),
-                                                                p.v.row_stride, key_count - n0, dims.dv);
+    load_tile_fixed_col<T, BN, HEAD, V_PITCH, THREADS, VEC, SWIZZLED>(
+        v_s + stage * KV_ELEMS, p.v.template at<const T>(blk.batch, blk.kv_head, n0), p.v.row_stride, key_count - n0,
+        dims.dv);
     if (with_bias)
         load_score_tile<T, BM, BN, BIAS_PITCH, THREADS>(bias_s + stage * BIAS_ELEMS, p.mask.bias, blk.batch, blk.head,
                                                         blk.m0, n0, blk.rows, key_count - n0);

@@ -840,9 +840,10 @@ def test_key_lengths_go_to_the_split_kernels_by_address(fake):
 
 def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     """Pages (num_pages, Hk, page_size, D) read in place: the views' batch stride is a page's, the page
-    table's address is written a call, page size and pages a sequence packed; float64 (its own loader)
-    K / V of different strides, pages of a size other than a power of two and offsets within a page past
-    32 bits are refused, for the caller to gather the pages."""
+    table's address is written a call, page size and pages a sequence packed, float64 on the decoding kernel
+    too; float64 at head dim 256 (the fp64 split twin's own loader), K / V of different strides, pages of a
+    size other than a power of two and offsets within a page past 32 bits are refused, for the caller to
+    gather the pages."""
     dev, launches = fake
     q = dev.empty((2, 8, 1, 128), np.float16)
     k, v = (dev.empty((40, 2, 16, 128), np.float16) for _ in range(2))
@@ -856,8 +857,14 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     assert int(f["k"]["batch_stride"]) == 2 * 16 * 128 and int(f["dims"]["lk"]) == 20 * 16
     q64 = dev.empty((2, 8, 1, 128), np.float64)
     k64, v64 = (dev.empty((40, 2, 16, 128), np.float64) for _ in range(2))
+    cuflash.api.forward_with_key_lengths(q64, k64, v64, lengths, causal="bottom_right", page_table=table)
+    partial, params, _, _ = launches[-1]
+    assert partial.family == "fwd_decode" and partial.dtype == "float64"
+    assert int(_fwd_fields(params)["mask"]["page_table"]) == table.data.ptr
+    q256 = dev.empty((2, 8, 1, 256), np.float64)
+    k256, v256 = (dev.empty((40, 2, 16, 256), np.float64) for _ in range(2))
     with pytest.raises(ValueError, match="reads no such paged cache"):
-        cuflash.api.forward_with_key_lengths(q64, k64, v64, lengths, causal="bottom_right", page_table=table)
+        cuflash.api.forward_with_key_lengths(q256, k256, v256, lengths, causal="bottom_right", page_table=table)
     v_wide = dev.empty((40, 2, 16, 256), np.float16)[..., :128]      # V's strides differ from K's
     with pytest.raises(ValueError, match="reads no such paged cache"):
         cuflash.api.forward_with_key_lengths(q, k, v_wide, lengths, causal="bottom_right", page_table=table)

@@ -57,7 +57,7 @@ def test_head_dims_and_value_dims(dtype, d, dv, split_forward, launches):
     assert _split_and_merged(_families(launches)), _families(launches)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("b, hq, hk, lk", [(1, 32, 8, 16384), (8, 32, 8, 4096), (1, 8, 8, 8192)])
 def test_decoding_shapes_split_on_their_own(dtype, b, hq, hk, lk, launches):
     """One query row a sequence over a long cache: the query blocks alone would leave the GPU idle, so
@@ -67,7 +67,7 @@ def test_decoding_shapes_split_on_their_own(dtype, b, hq, hk, lk, launches):
     assert _split_and_merged(families), families
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 def test_the_decoding_kernels_merge_leaves_its_counters_at_zero(dtype):
     """The decoding kernel's last split of each query block merges the block and resets its counter:
     after calls of several shapes the stream's counters are all zero again, and a call repeated gives
@@ -86,7 +86,7 @@ def test_the_decoding_kernels_merge_leaves_its_counters_at_zero(dtype):
     assert counters and not any(bool(c.any()) for c in counters)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hq, lq, causal, splits", sampled(
     [(8, 1, "bottom_right", None), (8, 2, False, 7), (4, 5, "bottom_right", 3), (2, 16, True, 64),
@@ -95,9 +95,9 @@ def test_the_decoding_kernels_merge_leaves_its_counters_at_zero(dtype):
     multi=True))
 def test_few_query_rows_take_the_decoding_kernel(dtype, d, hq, lq, causal, splits, split_forward, launches):
     """At most 16 query rows a block (packed GQA: Lq x the query heads of a K/V head): the decoding
-    partial kernel (float32 on 3xTF32), whose warps split each key tile, then its merge; odd key counts,
-    empty splits (64 splits of 2500 keys), a band cutting tiles, packed query heads under a band (4 heads
-    of 3 or 2 positions: the band reads row % Lq)."""
+    partial kernel (float32 on 3xTF32, float64 on the fp64 tensor cores), whose warps split each key tile,
+    then its merge; odd key counts, empty splits (64 splits of 2500 keys), a band cutting tiles, packed
+    query heads under a band (4 heads of 3 or 2 positions: the band reads row % Lq)."""
     split_forward(splits)
     check_forward(dtype, 2, hq, 2, lq, 2500, d, d, causal, seed_of(dtype, d, hq, lq, str(causal), splits))
     assert ("fwd_decode", True) in _families(launches), _families(launches)

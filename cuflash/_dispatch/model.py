@@ -196,10 +196,13 @@ def _smem_fwd_mma(v: "Variant") -> int:
 
 def _smem_fwd_decode(v: "Variant") -> int:
     # flash_fwd_decode.cu: 16-bit: the Q strip padded, K and V stages in swizzled rows of head elements;
-    # float32: Q's big and small parts and K, V rows padded by 4 floats.
+    # float32: Q's big and small parts and K, V rows padded by 4 floats; float64: Q and the K / V stages in rows
+    # of head + 4 doubles (V's rows are head + 2 doubles apart inside a stage of K's size).
     t = v.tile
     if v.dtype == "float32":
         return (2 * t.block_m + 2 * t.stages * t.block_n) * (v.head + 4) * 4
+    if v.dtype == "float64":
+        return (t.block_m + 2 * t.stages * t.block_n) * (v.head + 4) * 8
     return (t.block_m * _pitch_mma(v.head) + 2 * t.stages * t.block_n * v.head) * ITEMSIZE[v.dtype]
 
 

@@ -352,13 +352,13 @@ DECODE_ROWS = 16
 def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1) -> Tuple[Variant, Variant]:
     """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted) and
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
-    the combine kernel at the bucket of ``dv``. The partial kernel: for 16-bit calls of at most
-    DECODE_ROWS rows without an EXTRA option, with 16-byte loads, at a head bucket the split table
-    has, the decoding kernel (``fwd_decode``: the warps split each key tile; not with user modifications;
-    float32 at precision "highest", its 3xTF32); else the portable kernel's twin (``kv_split``)."""
+    the combine kernel at the bucket of ``dv``. The partial kernel: for calls of at most DECODE_ROWS rows
+    without an EXTRA option, with 16-byte loads, at a head bucket the split table has, the decoding kernel
+    (``fwd_decode``: the warps split each key tile; not with user modifications; float32 at precision
+    "highest", its 3xTF32; float64 on the fp64 tensor cores); else the portable kernel's twin (``kv_split``)."""
     decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
     if rows <= DECODE_ROWS and not portable.extra and not portable.prelude and portable.vec \
-            and decode_key in TABLES["split"] and portable.family in ("fwd_mma", "fwd_tf32x3"):
+            and decode_key in TABLES["split"] and portable.family in ("fwd_mma", "fwd_tf32x3", "fwd_dmma"):
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
                              kv_split=True).fitted(smem_limit)

@@ -65,6 +65,10 @@ add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: 
 add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"), split=True)
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)",
                                           ctas=3), split=True)
+# float64 (fp64 tensor cores, Q / K rows padded by 4 doubles, V by 2): 8 keys a warp (an n8 tile; 16 would
+# need 64-key stages of 64 KB at d=128), four warps on every scheduler of an SM.
+add("fwd_decode", ["float64"], [64], Tile(16, 32, 4, 2, "8 keys a warp, 78 KB: two CTAs an SM", ctas=2), split=True)
+add("fwd_decode", ["float64"], [128], Tile(16, 32, 4, 2, "8 keys a warp, 152 KB: one CTA an SM"), split=True)
 
 # Hopper forward (fwd_wgmma, flash_fwd_wgmma.cu, arch "sm90a"): a TMA producer warpgroup and block_m / 64 consumer
 # warpgroups of 64 query rows; S = Q K^T and O += P V on wgmma, Q/K/V in 128-byte swizzled shared memory on
