@@ -290,7 +290,13 @@ def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     partial = split_variants(portable, p.dv, smem_limit, rows)[0]   # what a split call runs
     slots = device.sm_count() * ctas_per_sm(partial, smem_limit)
     key_tiles = -(-p.lk // partial.tile.block_n)
-    streams = device.sm_count() if partial.family == "fwd_decode" else None
+    # The 16-bit decoding kernel streams K/V at the HBM rate with one CTA an SM; float32 and float64 wait on
+    # their instructions' latency and fill every CTA slot evenly (H200, one query row of 4 heads, head dim 64,
+    # two CTAs an SM against one: float64 B=8, 32768 keys 87% / 58% of the HBM peak; float32 B=1, 131072 keys,
+    # 264 CTAs 70%, 232 58%: benchmarks/bench_decode.py --splits).
+    streams = None
+    if partial.family == "fwd_decode":
+        streams = device.sm_count() if partial.dtype in ("float16", "bfloat16") else slots
     return split_count(partial.grid(p.batch, heads, 1, rows, p.lk), key_tiles, slots, sms=streams,
                        min_splits=2 if pack > 1 else 1)   # one split is the unpacked kernel
 

@@ -308,9 +308,10 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
     count unchanged from the count before are skipped (no less work a split). At least ``min_splits``
     (packed GQA's rows need the split path), where there are two key tiles to split.
 
-    ``sms`` (a partial kernel that streams K/V at the HBM rate with one CTA an SM: the decoding kernel):
-    instead the smallest count within one wave whose CTAs spread evenly over the ``sms`` SMs
-    (:data:`SPLIT_BALANCE`): fewer, longer splits, and no SM with a CTA more than the rest. The H200,
+    ``sms`` (the decoding kernel: the SMs where it streams K/V at the HBM rate with one CTA an SM, its
+    16-bit variants; else its CTA slots): instead the smallest count within one wave whose CTAs spread
+    evenly over the ``sms`` streams (:data:`SPLIT_BALANCE`): fewer, longer splits, and no SM with a CTA
+    more than the rest. The H200,
     bf16, D=128, one query row of 4 heads a K/V head: B=1, 8 K/V heads, 131072 keys: 16 splits (128
     CTAs) 131 us, 33 (264) 131, 42 (336, the wave rule's count) 137, 50 (400, past the 396 slots) 143;
     B=8: 2 splits (128 CTAs) 249 us, 4 245, 6 246, 5 (320) 258, 7 (448) 273 (benchmarks/bench_decode.py
