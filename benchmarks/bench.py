@@ -113,20 +113,21 @@ def run_meta() -> dict:
 
 
 def side_report(row_lists, markdown, device: str, out, prefix: str, plot=None, **extra) -> int:
-    """Print each list of rows of ``row_lists`` as it comes (``markdown(rows, device)``'s table lines), then
-    write all of them as ``<prefix>-<device>.json`` (the run's :func:`run_meta` and ``extra`` beside the rows),
-    ``.md`` and, with ``plot(rows, path, device)``, ``.png`` into ``out`` (default ./cuflash-<prefix>-<time>/)
-    and print the whole table."""
+    """Print each list of rows of ``row_lists`` as it comes (``markdown(rows, device)``'s table lines) and
+    write the rows so far as ``<prefix>-<device>.json`` (the run's :func:`run_meta` and ``extra`` beside the
+    rows) and ``.md`` into ``out`` (default ./cuflash-<prefix>-<time>/): a run stopped part way keeps what it
+    measured. At the end, with ``plot(rows, path, device)``, the ``.png``, and the whole table printed."""
+    folder = Path(out or f"cuflash-{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{prefix}-" + device.replace(" ", "_")
+    meta = run_meta()
     results = []
     for rows in row_lists:
         results += rows
         print("\n".join(markdown(rows, device).splitlines()[4:]), flush=True)
-    folder = Path(out or f"cuflash-{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = f"{prefix}-" + device.replace(" ", "_")
-    (folder / f"{stem}.json").write_text(json.dumps({"device": device, "meta": run_meta(), **extra, "rows": results},
-                                                    indent=1))
-    (folder / f"{stem}.md").write_text(markdown(results, device))
+        (folder / f"{stem}.json").write_text(json.dumps({"device": device, "meta": meta, **extra, "rows": results},
+                                                        indent=1))
+        (folder / f"{stem}.md").write_text(markdown(results, device))
     if plot is not None:
         plot(results, folder / f"{stem}.png", device)
     print(markdown(results, device))

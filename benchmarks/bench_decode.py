@@ -66,6 +66,8 @@ def sweep() -> list:
                         rows.append(("bfloat16", b, 32, 8, lq, lk, d))
     for dtype in ("float16", "float32", "float64"):
         rows += [(dtype, 1, 32, 8, 1, 65536, 128), (dtype, 8, 32, 8, 1, 32768, 128)]
+    for dtype in ("float32", "float64"):
+        rows += [(dtype, 1, 32, 8, 1, 131072, 64), (dtype, 8, 32, 8, 1, 32768, 64)]
     return rows
 
 
