@@ -158,9 +158,10 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
         any order, 1 to 256 positions; entries past a sequence's last position are not read (e.g. -1).
         Sequences may share pages they only read (a common prefix); a page that the append writes into must be
         named once among the used entries. The append writes into those slots; on the GPU the float16 and
-        bfloat16 kernels read pages of a power-of-two size in place (K and V pages of the same strides), other
-        calls (float32, float64, other page sizes, the NumPy path, a window without causal) read them gathered
-        into one buffer first (a copy a call).
+        bfloat16 kernels, and the decoding kernel of every dtype (at most 16 query rows a K/V head, head dims
+        64 and 128), read pages of a power-of-two size in place (K and V pages of the same strides); other
+        calls (other float32 and float64 calls, other page sizes, the NumPy path, a window without causal)
+        read them gathered into one buffer first (a copy a call).
     validate : bool
         Check ``cache_seqlens`` and ``block_table`` against the cache before anything is written or
         launched (ValueError). On CuPy arrays that reads them back from the device: one small transfer,
@@ -255,7 +256,7 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
     if xp is not np and (causal or window is None) and (scale is None or _plan.scale_folds(scale)):
         # The split-KV kernels read each sequence's key count and align the causal band (and a window
         # under it) to its own end: no mask, and the query heads of a K/V head share one tile. The
-        # 16-bit one reads a paged cache in place; the others take it gathered.
+        # 16-bit ones and the decoding kernel read a paged cache in place; the others take it gathered.
         kwargs = dict(causal="bottom_right" if causal else False, window=window, scale=scale, num_splits=num_splits)
         try:
             out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total, page_table=pages, **kwargs)

@@ -60,8 +60,9 @@ PERIODIC_BAND_FAMILIES = ("fwd_mma", "fwd_decode")
 """The split forwards whose band reads a packed GQA row's position as row % Lq (MaskParams::band_period): the
 decoding kernel and the 16-bit portable split twin (flash_fwd_mma.cu, PERIODIC)."""
 PAGED_FAMILIES = ("fwd_mma", "fwd_decode")
-"""The split forwards whose K/V loader reads a paged cache (kernels_cu/tile_io.cuh, load_paged_rows): the
-16-bit ones; the float32 tiles spill 8-160 bytes with the page lookups, so float32 pages are gathered."""
+"""The split forwards whose K/V loader reads a paged cache (kernels_cu/tile_io.cuh, load_paged_rows): the 16-bit
+split twin and the decoding kernel (every dtype); the float32 split twin's tiles spill 8-160 bytes with the page
+lookups and the float64 one has its own loader, so their pages are gathered."""
 _BWD_ADDRESSES = tuple(PACKERS["BwdParams"].offset(f"{name}.ptr") for name in _BWD_ARRAYS)
 
 
