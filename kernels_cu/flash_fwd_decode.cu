@@ -35,8 +35,9 @@
 #include "combine.cuh"
 
 // float32 (F32): 3xTF32 on mma.sync m16n8k8 (warp_gemm_tf32.cuh, flash_fwd_tf32.cu's arithmetic at
-// precision="highest"): Q split once into big and small parts, K, V and P split per fragment; every
-// tile's rows padded by 4 floats (the TF32 fragment loads' conflict-free pitch) instead of swizzled.
+// precision="highest"): Q split once into big and small parts, K, V and P split per fragment (into
+// exact TF32 parts, as the Hopper float32 forward splits); every tile's rows padded by 4 floats (the
+// TF32 fragment loads' conflict-free pitch) instead of swizzled.
 // float64 (F64): flash_fwd_dmma.cu's arithmetic (warp_gemm_f64.cuh) with fp64 accumulators and softmax,
 // the strip as two 8-row tiles; Q and K rows padded to head + 4 doubles, V rows to head + 2 (each
 // operand's conflict-free pitch). On sm_90 S = Q K^T runs on m16n8k16 and O += P V on m16n8k8, the
@@ -188,7 +189,10 @@ flash_fwd_decode(const FwdParams p) {
     static_assert(KV_SPLIT, "a split-KV partial kernel only: the combine kernel finishes its results");
     static_assert(!Flags::EXTRA, "no EXTRA option: flash_fwd_mma's split twin takes those calls");
     constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, KP = Tr::KV_PITCH, VP = Tr::V_PITCH;
-    constexpr int SPLIT = TF32X3_ROUNDED;        // F32: precision="highest"
+    // F32, precision="highest": K, V and P split into parts the tensor core reads exactly (TF32X3_PARTS, four
+    // instructions an element against the rounded split's seven; those splits are most of the float32
+    // kernel's instructions: ncu, 121 warp instructions a key); Q is split once, rounded (split_tile).
+    constexpr int SPLIT = TF32X3_PARTS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);    // F32: Q's big part, its small part at q_s + BM * P
     T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS

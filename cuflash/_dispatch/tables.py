@@ -60,7 +60,7 @@ add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: t
 # rows (benchmarks/bench_decode.py, benchmarks/stream_layout.py).
 add("fwd_decode", HALF_TYPES, [64], Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)",
                                          ctas=2), split=True)
-# float32 (3xTF32, rows padded by 4 floats): 16 keys a warp; 61-63% of the H200 HBM peak at d=128 (bench_decode.py).
+# float32 (3xTF32, rows padded by 4 floats): 16 keys a warp; 64-69% of the H200 HBM peak at d=128 (bench_decode.py).
 add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: two CTAs an SM", ctas=2), split=True)
 add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"), split=True)
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)",
