@@ -42,6 +42,10 @@
 // the strip as two 8-row tiles; Q and K rows padded to head + 4 doubles, V rows to head + 2 (each
 // operand's conflict-free pitch). On sm_90 S = Q K^T runs on m16n8k16 and O += P V on m16n8k8, the
 // full fp64 tensor rate (m8n8k4 runs at half; benchmarks/dmma_rate.py); before sm_90, on m8n8k4.
+// float32 blocks of at most 8 query rows (QUERY_MINOR, BM = 8): S^T = K Q^T and O^T += V^T P^T with the
+// keys as the MMA's M side and the queries its n8 side (warp_gemm_tf32.cuh's query-minor GEMMs): 8 padded
+// query rows instead of 16, Q^T in registers; the online softmax runs down S^T's columns. K rows head + 4
+// floats apart (ldmatrix), V rows head + 8 (the transposed reads).
 #if __CUDA_ARCH__ >= 900
 constexpr int DECODE_F64_QK_K = 8, DECODE_F64_PV_K = 8;   // m16n8k8
 #else
@@ -54,18 +58,22 @@ struct FwdDecodeTraits {
     typedef typename AccumOf<T>::type A;          // float; double for float64
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int THREADS = 32 * WARPS;
+    static constexpr bool QUERY_MINOR = BM == 8;  // S^T and O^T: float32 blocks of at most 8 query rows
+    static constexpr int LAYOUT = QUERY_MINOR ? 2 : F64 ? 1 : 0;   // StripRows' fragments
     static constexpr int KEYS_W = BN / WARPS;     // keys of a tile each warp takes
     static constexpr int PITCH = F32 || F64 ? HEAD + 4 : HEAD + 8;      // Q's shared row pitch in elements (padding)
     static constexpr int KV_PITCH = F32 || F64 ? HEAD + 4 : HEAD;       // K's; 16-bit: swizzled rows, no padding
-    static constexpr int V_PITCH = F64 ? HEAD + 2 : KV_PITCH;          // V's
-    static constexpr int S_TILES = KEYS_W / 8;    // n8 tiles of one warp's S
-    static constexpr int O_TILES = HEAD / 8;      // n8 tiles of one warp's O
+    static constexpr int V_PITCH = QUERY_MINOR ? HEAD + 8 : F64 ? HEAD + 2 : KV_PITCH;   // V's
+    // S: n8 tiles of one warp's S (QUERY_MINOR: 16-key tiles of S^T); O: n8 tiles of O (16-column tiles of O^T)
+    static constexpr int S_TILES = QUERY_MINOR ? KEYS_W / 16 : KEYS_W / 8;
+    static constexpr int O_TILES = QUERY_MINOR ? HEAD / 16 : HEAD / 8;
     static constexpr int Q_ELEMS = (F32 ? 2 : 1) * BM * PITCH;   // F32: Q's big part, then its small part
-    static constexpr int KV_ELEMS = BN * KV_PITCH;   // one K or V stage
+    static constexpr int KV_ELEMS = BN * (V_PITCH > KV_PITCH ? V_PITCH : KV_PITCH);   // one K or V stage
     static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
     // The warps' merge: every warp but 0 leaves its O fragments and row statistics in the K/V stages.
     static constexpr int MERGE_ELEMS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
-    static_assert(BM == 16, "one 16-row strip, shared by the warps");
+    static_assert(BM == 16 || (QUERY_MINOR && F32), "one 16-row strip (float32: or 8 query rows), shared by the warps");
+    static_assert(!QUERY_MINOR || KEYS_W % 16 == 0, "whole 16-key tiles of S^T a warp");
     static_assert(!USER_SCORE && !USER_MASK, "no user modifications in the decoding kernel (the split twin takes them)");
     static_assert(sizeof(T) == 2 || F32 || F64, "16-bit, float32 or float64");
     static_assert(KEYS_W % (sizeof(T) == 2 ? 16 : 8) == 0 && HEAD % (F64 ? 16 : F32 ? 32 : 64) == 0,
@@ -80,8 +88,10 @@ struct FwdDecodeTraits {
 
 // A warp's rows of the strip: O, and the row maximum and sum of the lane's two rows (g and g + 8).
 // at(t, r, e): the lane's element e of O's column tile t in its row r; stat(r, 0) / stat(r, 1): that
-// row's max / sum. 16-bit and float32: m16n8 C fragments; float64: two 8-row tiles (warp_gemm_f64.cuh).
-template <typename Tr, bool F64 = Tr::F64>
+// row's max / sum. LAYOUT 0 (16-bit and float32): m16n8 C fragments; 1 (float64): two 8-row tiles
+// (warp_gemm_f64.cuh); 2 (QUERY_MINOR): O^T's C fragments, the lane's rows the queries 2t and 2t + 1,
+// its elements of column tile t the columns 16t + g and 16t + g + 8.
+template <typename Tr, int LAYOUT = Tr::LAYOUT>
 struct StripRows {
     float acc_o[1][Tr::O_TILES][4];
     float row_max[1][2], row_sum[1][2];
@@ -91,7 +101,23 @@ struct StripRows {
 };
 
 template <typename Tr>
-struct StripRows<Tr, true> {
+struct StripRows<Tr, 2> {
+    float acc_o[Tr::O_TILES][4];
+    float row_max[2], row_sum[2];
+    __device__ __forceinline__ void start() {
+#pragma unroll
+        for (int t = 0; t < Tr::O_TILES; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_o[t][i] = 0.0f;
+        row_max[0] = row_max[1] = neg_inf<float>();
+        row_sum[0] = row_sum[1] = 0.0f;
+    }
+    __device__ __forceinline__ float& at(int t, int r, int e) { return acc_o[t][2 * e + r]; }
+    __device__ __forceinline__ float& stat(int r, int which) { return which == 0 ? row_max[r] : row_sum[r]; }
+};
+
+template <typename Tr>
+struct StripRows<Tr, 1> {
     double acc_o[2][Tr::O_TILES][2];
     double row_max[2], row_sum[2];
     __device__ __forceinline__ void start() {
@@ -157,6 +183,92 @@ __device__ __forceinline__ void merge_warps(A* stage, int warp, int lane, StripR
     }
 }
 
+// QUERY_MINOR: the scores of S^T's keys a lane's queries do not see set to -inf. Query e of the lane
+// (position qrow[e]) sees keys [lo, hi] counted from col0 (ScoreMod::visible_keys); the lane's keys are
+// col0 + 16 m + g + 8 r, elements 2 r + e of tile m.
+template <int M, typename Mod>
+__device__ __forceinline__ void mask_query_minor(float (&st)[M][4], const Mod& mod, const int (&qrow)[2], int col0,
+                                                 int lane) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        int lo, hi;
+        mod.visible_keys(qrow[e], col0, lo, hi);
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int key = 16 * m + lane / 4 + 8 * r;
+                if (key < lo || key > hi) st[m][2 * r + e] = neg_inf<float>();
+            }
+    }
+}
+
+// QUERY_MINOR's online softmax down S^T's columns (softmax_update_row's arithmetic): a query's scores lie
+// in the 8 lanes of its t (lane bits 2-4) and in their tiles' two halves; st becomes P. The row sums stay
+// each lane's part (summed in store_o_lse_query_minor).
+template <typename Tr, int M>
+__device__ __forceinline__ void softmax_query_minor(float (&st)[M][4], StripRows<Tr>& rows, float x_per_s) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float tile_max = st[0][e];
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) tile_max = amax(tile_max, st[m][2 * r + e]);
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2)
+            tile_max = amax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+        const float new_max = amax(rows.row_max[e], tile_max * x_per_s);
+        const float ref = new_max == neg_inf<float>() ? 0.0f : new_max;   // no key seen yet: p = 0, not NaN
+        const float correction = fast_exp2(rows.row_max[e] - ref);
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float& x = st[m][2 * r + e];
+                x = fast_exp2(x * x_per_s - ref);
+                tile_sum += x;
+            }
+        rows.row_sum[e] = rows.row_sum[e] * correction + tile_sum;
+        rows.row_max[e] = new_max;
+        if (__all_sync(0xffffffffu, correction == 1.0f)) continue;   // the maxima stay put once a few tiles are in
+#pragma unroll
+        for (int t = 0; t < Tr::O_TILES; ++t) {
+            rows.acc_o[t][e] *= correction;
+            rows.acc_o[t][2 + e] *= correction;
+        }
+    }
+}
+
+// QUERY_MINOR's epilogue (finish_row's rules): each query's sum over its 8 lanes, then O^T's columns
+// 16t + g and 16t + g + 8 of the lane's queries 2t + e (those below blk.rows) and their lse (lanes g = 0).
+template <bool KV_SPLIT, typename Tr>
+__device__ __forceinline__ void store_o_lse_query_minor(const FwdParams& p, const QueryBlock& blk, int lane,
+                                                        const StripRows<Tr>& rows) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float total = rows.row_sum[e];
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+        const bool empty = total == 0.0f;
+        const float inv_sum = empty ? 0.0f : 1.0f / total;
+        const float lse = empty ? neg_inf<float>() : (rows.row_max[e] + log2_of(total)) * float(LN2);
+        const int row = 2 * t + e;
+        if (row >= blk.rows) continue;
+        float* out_row = out_view<KV_SPLIT>(p).template at<float>(blk.batch, blk.head, blk.m0 + row);
+#pragma unroll
+        for (int c = 0; c < Tr::O_TILES; ++c)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int col = 16 * c + g + 8 * h;
+                if (col < p.dims.dv) out_row[col] = rows.acc_o[c][2 * h + e] * inv_sum;
+            }
+        if (g == 0) store_lse(lse_view<KV_SPLIT>(p), blk, row, lse);
+    }
+}
+
 // The combine in a query block's last split (FwdParams::split_counters), in place of the combine
 // kernel's launch: every CTA's partial rows are stored before it counts (a fence a thread, then one
 // atomic), and the CTA that counts last merges the block's rows (combine.cuh, a warp a row, reading the
@@ -213,9 +325,10 @@ flash_fwd_decode(const FwdParams p) {
     const TileRange keys = Split::keys(mod.key_tiles(band_row0, period > 0 ? period : blk.rows, BN), p);
     // The tiles every row of the strip sees whole (the band's inside, short of the sequence's end).
     const TileRange full = mod.full_key_tiles(band_row0, period > 0 ? period : BM, BN);
-    const int lane_row = blk.m0 + lane / 4;
-    const int row_a = period > 0 ? lane_row % period : lane_row, row_b = period > 0 ? (lane_row + 8) % period
-                                                                                     : lane_row + 8;
+    // the lane's two rows: g and g + 8 of the strip; QUERY_MINOR: the queries 2t and 2t + 1
+    const int lane_row = blk.m0 + (Tr::QUERY_MINOR ? 2 * (lane % 4) : lane / 4);
+    const int other_row = lane_row + (Tr::QUERY_MINOR ? 1 : 8);
+    const int row_a = period > 0 ? lane_row % period : lane_row, row_b = period > 0 ? other_row % period : other_row;
 
     PageCursor<T, BN, HEAD, Tr::THREADS, VEC> pages;   // a paged cache's pages, a tile ahead
     auto load_kv = [&](int j, int stage) {
@@ -239,6 +352,15 @@ flash_fwd_decode(const FwdParams p) {
                                                         reinterpret_cast<float*>(q_s) + BM * P);
         }
     }
+    // QUERY_MINOR: Q^T's B fragments, big and small, in registers for the whole key loop
+    unsigned qt_big[Tr::QUERY_MINOR ? HEAD / 8 : 1][2], qt_small[Tr::QUERY_MINOR ? HEAD / 8 : 1][2];
+    if constexpr (Tr::QUERY_MINOR) {
+        if (j < keys.end) {
+            __syncthreads();   // the split
+            load_qt_frags_tf32<HEAD, P>(qt_big, qt_small, reinterpret_cast<const float*>(q_s),
+                                        reinterpret_cast<const float*>(q_s) + BM * P, lane);
+        }
+    }
     const int key_w = warp * Tr::KEYS_W;   // this warp's keys within a tile
     for (int stage = 0; j < keys.end; stage ^= 1) {
         prefetch_next_step<2>(j + 1, keys.end, stage, [&](int j_next, int s_next) { load_kv(j_next, s_next); });
@@ -247,7 +369,15 @@ flash_fwd_decode(const FwdParams p) {
         const T* k_w = k_s + stage * Tr::KV_ELEMS + key_w * KP;   // this warp's keys of K and V
         const T* v_w = v_s + stage * Tr::KV_ELEMS + key_w * VP;
         const int col0 = j * BN + key_w + 2 * (lane % 4);         // the lane's first key
-        if constexpr (Tr::F64) {
+        if constexpr (Tr::QUERY_MINOR) {
+            float st[Tr::S_TILES][4];   // S^T = K Q^T: this warp's keys x the block's queries
+            warp_gemm_kq_tf32<SPLIT, Tr::S_TILES, HEAD, KP>(st, reinterpret_cast<const float*>(k_w), qt_big, qt_small,
+                                                            lane);
+            const int qrow[2] = {row_a, row_b};
+            if (!full.contains(j)) mask_query_minor(st, mod, qrow, j * BN + key_w, lane);
+            softmax_query_minor(st, rows, x_per_s);
+            warp_gemm_vtp_tf32<SPLIT, Tr::S_TILES, HEAD, VP>(rows.acc_o, st, reinterpret_cast<const float*>(v_w), lane);
+        } else if constexpr (Tr::F64) {
             double s[2][Tr::S_TILES][2];   // S = Q K^T over this warp's keys, two 8-row tiles
             zero_frags(s);
             warp_gemm_nt_f64<2, Tr::S_TILES, HEAD, P, KP, DECODE_F64_QK_K>(s, q_s, k_w, lane);
@@ -288,7 +418,9 @@ flash_fwd_decode(const FwdParams p) {
 
     merge_warps<Tr>(reinterpret_cast<A*>(k_s), warp, lane, rows);
     if (warp == 0) {
-        if constexpr (Tr::F64)
+        if constexpr (Tr::QUERY_MINOR)
+            store_o_lse_query_minor<true>(p, Split::partial_block(blk, dims), lane, rows);
+        else if constexpr (Tr::F64)
             store_o_lse_f64_frags<true, double, true>(p, Split::partial_block(blk, dims), 0, lane, rows.acc_o,
                                                       rows.row_max, rows.row_sum);
         else

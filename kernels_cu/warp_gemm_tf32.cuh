@@ -352,3 +352,110 @@ __device__ __forceinline__ void warp_gemm_ds_k_tf32(float (&acc)[1][N / 8][4], c
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// Query-minor GEMMs (the float32 decoding kernel's 8-query tile, flash_fwd_decode.cu): the keys are the
+// MMA's M side and the block's 8 query rows its N side (n8), so the tensor-core work is padded to 8
+// query rows instead of 16, and Q^T stays in registers for the whole key loop.
+//   warp_gemm_kq_tf32:  S^T (M tiles of 16 keys x 8 queries) = K Q^T: A = K rows [key][d] (ldmatrix,
+//                       pitch P), B = Q^T from registers (b0 = Q[g][k0 + t], b1 = Q[g][k0 + t + 4]).
+//   warp_gemm_vtp_tf32: O^T (HEAD / 16 tiles of 16 columns x 8 queries) += V^T P^T: A = V^T read from V's
+//                       rows [key][d] (a0 = V[k0 + t][d0 + g], a1 = V[k0 + t][d0 + g + 8], a2 / a3 the same
+//                       at key k0 + t + 4; conflict-free with P = 8 mod 32), B = P^T from S^T's C fragments
+//                       by shuffles (pt_frag_tf32).
+// Both keep the fresh-fragment accumulation of the 3xTF32 products (the header).
+
+// acc += A B for one m16n8k8 step: in SPLIT the three products into a fresh fragment, then added.
+template <int SPLIT>
+__device__ __forceinline__ void mma3_tf32(float (&acc)[4], const unsigned (&a_big)[4], const unsigned (&a_small)[4],
+                                          const unsigned (&b_big)[2], const unsigned (&b_small)[2]) {
+    if (!SPLIT) {
+        mma_1688_tf32(acc, a_big, b_big[0], b_big[1]);
+        return;
+    }
+    float fresh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_1688_tf32(fresh, a_small, b_big[0], b_big[1]);
+    mma_1688_tf32(fresh, a_big, b_small[0], b_small[1]);
+    mma_1688_tf32(fresh, a_big, b_big[0], b_big[1]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += fresh[i];
+}
+
+// Q^T's B fragments of every k8 step of the head from Q's rows (pitch P; split_tile's big and small
+// tiles): b0 = Q[g][k0 + t], b1 = Q[g][k0 + t + 4]. Read once, before the key loop.
+template <int HEAD, int P>
+__device__ __forceinline__ void load_qt_frags_tf32(unsigned (&q_big)[HEAD / 8][2], unsigned (&q_small)[HEAD / 8][2],
+                                                   const float* big, const float* small, int lane) {
+    const int at = (lane / 4) * P + lane % 4;
+#pragma unroll
+    for (int ks = 0; ks < HEAD / 8; ++ks)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            q_big[ks][h] = __float_as_uint(big[at + 8 * ks + 4 * h]);
+            q_small[ks][h] = __float_as_uint(small[at + 8 * ks + 4 * h]);
+        }
+}
+
+template <int SPLIT, int M, int HEAD, int P>
+__device__ __forceinline__ void warp_gemm_kq_tf32(float (&st)[M][4], const float* k, const unsigned (&q_big)[HEAD / 8][2],
+                                                  const unsigned (&q_small)[HEAD / 8][2], int lane) {
+    static_assert(HEAD % 8 == 0, "k8 steps");
+    const unsigned k_addr = a_lane_addr_tf32<P>(k, lane);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) st[m][i] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < HEAD / 8; ++ks)
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            unsigned raw[4], big[4], small[4];
+            ldmatrix_x4(raw, k_addr + (m * 16 * P + 8 * ks) * 4);
+            split_frag<SPLIT>(raw, big, small);
+            mma3_tf32<SPLIT>(st[m], big, small, q_big[ks], q_small[ks]);
+        }
+}
+
+// P^T's B fragment for keys [8 half, 8 half + 8) of a 16-key tile, from its C fragment p (key g, queries
+// 2t and 2t + 1; key g + 8 in p[2], p[3]): lane (g, t) takes P(key 8 half + t + 4h, query g), which lane
+// 4 (t + 4h) + g / 2 holds as element g % 2 of its half `half`.
+__device__ __forceinline__ void pt_frag_tf32(const float (&p)[4], int half, int lane, float (&b)[2]) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int src = 4 * (t + 4 * h) + g / 2;
+        const float even = __shfl_sync(0xffffffffu, p[2 * half], src);
+        const float odd = __shfl_sync(0xffffffffu, p[2 * half + 1], src);
+        b[h] = (g & 1) ? odd : even;
+    }
+}
+
+template <int SPLIT, int M, int HEAD, int P>
+__device__ __forceinline__ void warp_gemm_vtp_tf32(float (&ot)[HEAD / 16][4], const float (&pt)[M][4], const float* v,
+                                                   int lane) {
+    static_assert(HEAD % 16 == 0 && P % 32 == 8, "16-column tiles; conflict-free transposed reads");
+    const float* v_lane = v + (lane % 4) * P + lane / 4;   // V[t][g]
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float b[2];
+            pt_frag_tf32(pt[m], half, lane, b);
+            unsigned b_big[2], b_small[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (SPLIT) split_tf32<SPLIT>(b[h], b_big[h], b_small[h]);
+                else b_big[h] = __float_as_uint(round_tf32(b[h]));
+            }
+            const float* rows = v_lane + (16 * m + 8 * half) * P;
+#pragma unroll
+            for (int md = 0; md < HEAD / 16; ++md) {
+                const unsigned raw[4] = {__float_as_uint(rows[16 * md]), __float_as_uint(rows[16 * md + 8]),
+                                         __float_as_uint(rows[4 * P + 16 * md]),
+                                         __float_as_uint(rows[4 * P + 16 * md + 8])};
+                unsigned big[4], small[4];
+                split_frag<SPLIT>(raw, big, small);
+                mma3_tf32<SPLIT>(ot[md], big, small, b_big, b_small);
+            }
+        }
+}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cuflash._dispatch.model import ITEMSIZE, SMEM_LIMITS, SMEM_MAX, Variant, head_bucket
+from cuflash._dispatch.plan import PERIODIC_BAND_FAMILIES
 from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS, backward_variants, forward_variant,
                                       packed_backward_variants, packed_variant, row_class, split_variants,
                                       vec_chunk)
@@ -20,6 +21,8 @@ from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS
 BATCH, HEADS_Q, HEADS_K, LQ, LK = 2, 2, 1, 97, 130
 SPLITS = 3   # a split-KV variant's problem: three key ranges, the last one shorter
 DECODE_LQ = 5   # the decoding partial kernel's problem: 5 query rows (10 with the two query heads packed)
+DECODE_LQ_MINOR = 3   # ... on its query-minor tile (float32, at most 8 rows): 6 packed rows
+DECODE_LQ_BAND = 9    # ... on its 16-row strip where a band leaves the query heads unpacked (9 rows)
 # A packed variant's problem: query and key counts of its sequences (one past a 64-row tile, an empty one, one
 # without keys, more keys than queries and fewer); the long form for the Hopper forward's long-rows tile, whose
 # longest sequence goes past the short-rows threshold (twice it under a band)
@@ -73,8 +76,10 @@ class Problem:
         if self.accumulator and fwd.family == "fwd_wgmma" and not self.extra:   # plan_forward's accumulator_out
             fwd = replace(fwd, acc_out=True)
         if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks
-            rows = self.lq * (HEADS_Q // HEADS_K if not self.extra and self.causal is False else 1)
-            return list(split_variants(fwd, self.dv, self.smem_limit, rows))
+            # (plan._gqa_packing), under a band where the partial kernel reads a packed row's position
+            packed = split_variants(fwd, self.dv, self.smem_limit, self.lq * (HEADS_Q // HEADS_K))
+            packs = not self.extra and (self.causal is False or packed[0].family in PERIODIC_BAND_FAMILIES)
+            return list(packed if packs else split_variants(fwd, self.dv, self.smem_limit, self.lq))
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -108,8 +113,8 @@ def problem_for(v: Variant) -> Problem:
         d = v.head if v.vec else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
         precision = {"fwd_tf32": "tf32", "fwd_fma": "fma"}.get(v.family, "highest")
-        lq = DECODE_LQ if v.family == "fwd_decode" else LQ
-        for limit, cc in itertools.product(sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):
+        lqs = (DECODE_LQ, DECODE_LQ_MINOR, DECODE_LQ_BAND) if v.family == "fwd_decode" else (LQ,)
+        for lq, limit, cc in itertools.product(lqs, sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):
             p = Problem(v.dtype, d, d, causal, v.extra, False, False, limit, cc, precision=precision, num_splits=SPLITS,
                         lq=lq)
             try:
@@ -117,7 +122,8 @@ def problem_for(v: Variant) -> Problem:
                     return p
             except ValueError:
                 continue
-        return Problem(v.dtype, d, d, causal, v.extra, False, False, precision=precision, num_splits=SPLITS, lq=lq)
+        return Problem(v.dtype, d, d, causal, v.extra, False, False, precision=precision, num_splits=SPLITS,
+                       lq=lqs[0])
     if v.packed:   # a varlen call on the GPU class that takes v's tile (the Hopper kernel: 16-byte rows)
         d = v.head if v.vec or v.arch == "sm90a" else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)

@@ -28,6 +28,8 @@ from cuflash._runtime import device, launch  # noqa: E402
 from cuflash._runtime import params as _params  # noqa: E402
 from cuflash._runtime import tma as _tma  # noqa: E402
 
+import _variant_problems as vp  # noqa: E402
+
 
 _HOST_CPU = Path(__file__).resolve().parent.parent / "benchmarks" / "host_cpu.py"
 _spec = importlib.util.spec_from_file_location("host_cpu", _HOST_CPU)
@@ -696,15 +698,45 @@ def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
     assert launches[0][0].kv_split and launches[0][0].family == "fwd_decode"
 
 
+def test_the_variant_sweeps_split_problems_launch_their_variants(fake, monkeypatch):
+    """tests/test_variants_gpu.py runs each split-KV variant on the problem _variant_problems.problem_for
+    predicts for it and asserts that variant launched: on the fake device the plan's own launches for those
+    problems (contiguous (B, H, L, D) arrays, as the GPU checks make them) include every plain split variant,
+    the decoding kernel's tiles (query-minor, 16-row strip) and the query heads packed under a band included."""
+    dev, launches = fake
+    missed = []
+    for v in select.all_variants():
+        if not v.kv_split or v.extra:
+            continue
+        p = vp.problem_for(v)
+        if p.precision not in ("highest", "tf32"):
+            continue
+        monkeypatch.setattr(device, "device_facts", lambda device_id, p=p: (p.cc, p.smem_limit, "fake", 132))
+        dt = {"bfloat16": ml_dtypes.bfloat16}.get(p.dtype, p.dtype)
+        q = dev.empty((vp.BATCH, vp.HEADS_Q, p.lq, p.d), dt)
+        k = dev.empty((vp.BATCH, vp.HEADS_K, p.lk, p.d), dt)
+        w = dev.empty((vp.BATCH, vp.HEADS_K, p.lk, p.dv), dt)
+        launches.clear()
+        plan.clear_plans()
+        cuflash.attention_forward(q, k, w, causal=p.causal, num_splits=p.num_splits, precision=p.precision)
+        if v not in [launched[0] for launched in launches]:
+            missed.append(v.name)
+    assert not missed, missed
+
+
 def test_a_float32_decoding_call_takes_the_decoding_kernel(fake):
-    """float32 at precision "highest": the decoding kernel on 3xTF32 (16-row strip, the warps splitting
-    each key tile); "tf32" keeps the TF32 split twin."""
+    """float32 at precision "highest": the decoding kernel on 3xTF32 (the warps splitting each key tile), on
+    its query-minor tile for blocks of at most 8 query rows (one query row of 4 heads a K/V head) and on the
+    16-row strip above (4 rows of 4 heads); "tf32" keeps the TF32 split twin."""
     dev, launches = fake
     q = dev.empty((1, 32, 1, 128), np.float32)
     k, v = (dev.empty((1, 8, 16384, 128), np.float32) for _ in range(2))
     cuflash.attention_forward(q, k, v)
     (partial, *_), = launches
-    assert partial.family == "fwd_decode" and partial.dtype == "float32" and partial.tile.block_m == 16
+    assert partial.family == "fwd_decode" and partial.dtype == "float32" and partial.tile.block_m == 8
+    launches.clear()
+    cuflash.attention_forward(dev.empty((1, 32, 4, 128), np.float32), k, v)
+    assert launches[0][0].family == "fwd_decode" and launches[0][0].tile.block_m == 16
     launches.clear()
     cuflash.attention_forward(q, k, v, precision="tf32")
     assert launches[0][0].family == "fwd_tf32" and launches[-1][0].family == "fwd_combine"

@@ -199,6 +199,8 @@ def _smem_fwd_decode(v: "Variant") -> int:
     # float32: Q's big and small parts and K, V rows padded by 4 floats; float64: Q and the K / V stages in rows
     # of head + 4 doubles (V's rows are head + 2 doubles apart inside a stage of K's size).
     t = v.tile
+    if v.dtype == "float32" and t.block_m == 8:   # the query-minor tile: V rows head + 8 floats (stages of V's size)
+        return (2 * t.block_m * (v.head + 4) + 2 * t.stages * t.block_n * (v.head + 8)) * 4
     if v.dtype == "float32":
         return (2 * t.block_m + 2 * t.stages * t.block_n) * (v.head + 4) * 4
     if v.dtype == "float64":

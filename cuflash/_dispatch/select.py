@@ -350,19 +350,37 @@ DECODE_ROWS = 16
 """Query rows a block of the decoding partial kernel holds (flash_fwd_decode.cu: one 16-row strip)."""
 
 
+QUERY_MINOR_ROWS = 8
+"""Query rows a block of the decoding kernel's query-minor tile holds (float32; flash_fwd_decode.cu QUERY_MINOR)."""
+
+
+def _query_minor(decode: Variant, rows: int, smem_limit: int) -> Optional[Variant]:
+    """``decode`` on its query-minor tile (block_m QUERY_MINOR_ROWS) where the blocks' ``rows`` fit one and the
+    table has such a tile that fits ``smem_limit``; else None."""
+    if rows > QUERY_MINOR_ROWS:
+        return None
+    for tile in decode.tiles():
+        v = replace(decode, tile=tile)
+        if tile.block_m == QUERY_MINOR_ROWS and v.smem_bytes <= smem_limit:
+            return v
+    return None
+
+
 def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1) -> Tuple[Variant, Variant]:
     """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted) and
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
     the combine kernel at the bucket of ``dv``. The partial kernel: for calls of at most DECODE_ROWS rows
     without an EXTRA option, with 16-byte loads, at a head bucket the split table has, the decoding kernel
     (``fwd_decode``: the warps split each key tile; not with user modifications; float32 at precision
-    "highest", its 3xTF32; float64 on the fp64 tensor cores); else the portable kernel's twin (``kv_split``)."""
+    "highest", its 3xTF32, on the query-minor tile of 8 rows where they fit it; float64 on the fp64 tensor
+    cores); else the portable kernel's twin (``kv_split``)."""
     decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
     if rows <= DECODE_ROWS and not portable.extra and not portable.prelude and portable.vec \
             and decode_key in TABLES["split"] and portable.family in ("fwd_mma", "fwd_tf32x3", "fwd_dmma"):
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
-                             kv_split=True).fitted(smem_limit)
+                             kv_split=True)
+            decode = _query_minor(decode, rows, smem_limit) or decode.fitted(smem_limit)
             return decode, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
     partial = replace(portable, kv_split=True)
     if not portable.extra and (portable.arch, portable.family, portable.dtype, portable.head) in TABLES["split"]:
@@ -567,7 +585,7 @@ def all_variants() -> List[Variant]:
             except ValueError:
                 continue
             if portable.family in KV_SPLIT_FAMILIES:
-                for rows in (DECODE_ROWS, DECODE_ROWS + 1):   # the decoding kernel, the portable twin
+                for rows in (QUERY_MINOR_ROWS, DECODE_ROWS, DECODE_ROWS + 1):   # the decoding kernel's tiles, the twin
                     seen[split_variants(portable, head, limit, rows)[0]] = None
             if not extra:   # the packed forward a call takes (the Hopper one where it has one, by row class)
                 for rows in ROWS:

@@ -60,9 +60,14 @@ add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: t
 # rows (benchmarks/bench_decode.py, benchmarks/stream_layout.py).
 add("fwd_decode", HALF_TYPES, [64], Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)",
                                          ctas=2), split=True)
-# float32 (3xTF32, rows padded by 4 floats): 16 keys a warp; 64-69% of the H200 HBM peak at d=128 (bench_decode.py).
-add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: two CTAs an SM", ctas=2), split=True)
-add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"), split=True)
+# float32 (3xTF32, rows padded by 4 floats): 16 keys a warp. Second, for blocks of at most 8 query rows
+# (select.split_variants): the query-minor tile (S^T = K Q^T, 8 padded query rows, Q^T in registers), V rows padded
+# by 8 floats: one query row of 4 heads at d=128 on the H200 80-88% of the HBM peak, where the 16-row strip reached
+# 66-70% (bench_decode.py rows).
+add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: two CTAs an SM", ctas=2),
+    Tile(8, 64, 4, 2, "8 query rows, 16 keys a warp, 78 KB: two CTAs an SM", ctas=2), split=True)
+add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"),
+    Tile(8, 64, 4, 2, "8 query rows, 16 keys a warp, 145 KB: one CTA an SM"), split=True)
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)",
                                           ctas=3), split=True)
 # float64 (fp64 tensor cores, Q / K rows padded by 4 doubles, V by 2): 8 keys a warp (an n8 tile; 16 would
