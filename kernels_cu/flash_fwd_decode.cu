@@ -40,16 +40,17 @@
 // TF32 fragment loads' conflict-free pitch) instead of swizzled.
 // float64 (F64): flash_fwd_dmma.cu's arithmetic (warp_gemm_f64.cuh) with fp64 accumulators and softmax,
 // the strip as two 8-row tiles; Q and K rows padded to head + 4 doubles, V rows to head + 2 (each
-// operand's conflict-free pitch). On sm_90 S = Q K^T runs on m16n8k16 and O += P V on m16n8k8, the
-// full fp64 tensor rate (m8n8k4 runs at half; benchmarks/dmma_rate.py); before sm_90, on m8n8k4.
+// operand's conflict-free pitch). On sm_90 both GEMMs run on m16n8k8, the full fp64 tensor rate (m8n8k4
+// runs at half, benchmarks/dmma_rate.py; m16n8k16 for S spills with the page cursor); before sm_90, on
+// m8n8k4.
 // float32 blocks of at most 8 query rows (QUERY_MINOR, BM = 8): S^T = K Q^T and O^T += V^T P^T with the
 // keys as the MMA's M side and the queries its n8 side (warp_gemm_tf32.cuh's query-minor GEMMs): 8 padded
 // query rows instead of 16, Q^T in registers; the online softmax runs down S^T's columns. K rows head + 4
 // floats apart (ldmatrix), V rows head + 8 (the transposed reads).
 #if __CUDA_ARCH__ >= 900
-constexpr int DECODE_F64_QK_K = 8, DECODE_F64_PV_K = 8;   // m16n8k8
+constexpr int DECODE_F64_WIDE_K = 8;   // warp_gemm_f64.cuh's WIDE_K: m16n8k8
 #else
-constexpr int DECODE_F64_QK_K = 0, DECODE_F64_PV_K = 0;    // m8n8k4
+constexpr int DECODE_F64_WIDE_K = 0;   // m8n8k4
 #endif
 
 template <typename T, typename Cfg>
@@ -380,12 +381,12 @@ flash_fwd_decode(const FwdParams p) {
         } else if constexpr (Tr::F64) {
             double s[2][Tr::S_TILES][2];   // S = Q K^T over this warp's keys, two 8-row tiles
             zero_frags(s);
-            warp_gemm_nt_f64<2, Tr::S_TILES, HEAD, P, KP, DECODE_F64_QK_K>(s, q_s, k_w, lane);
+            warp_gemm_nt_f64<2, Tr::S_TILES, HEAD, P, KP, DECODE_F64_WIDE_K>(s, q_s, k_w, lane);
             if (!full.contains(j)) mask_partial_strip_rows(s, mod, row_a, row_b, col0);
 #pragma unroll
             for (int m = 0; m < 2; ++m)
                 warp_softmax_update_f64<Tr>(s[m], rows.acc_o[m], rows.row_max[m], rows.row_sum[m], x_per_s);
-            warp_gemm_rn_f64<2, Tr::O_TILES, Tr::S_TILES, VP, DECODE_F64_PV_K>(rows.acc_o, s, v_w, lane);
+            warp_gemm_rn_f64<2, Tr::O_TILES, Tr::S_TILES, VP, DECODE_F64_WIDE_K>(rows.acc_o, s, v_w, lane);
         } else {
             float s[1][Tr::S_TILES][4];   // S = Q K^T over this warp's keys
             zero_frags(s[0]);
