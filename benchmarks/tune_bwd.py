@@ -53,15 +53,19 @@ CANDIDATES = {   # (block_m, block_n, warps, passes, stages, query_split[, "late
           (64, 128, 8, 1, 1, 2), (32, 64, 4, 1, 2, 1)],
 }
 TOLERANCE = 4e-3   # max |new - reference| / max |reference|: a few fp16 ulps of the largest entry
-# float64 (benchmarks/NOTES.md): (dK/dV tile or None, deterministic, dK/dV wide_k, dQ
-# kernel wide_k). Offline compile, sm_90, plain kernels: d=64 16x64/4w with atomic dQ spills 8-168 bytes
-# at every wide_k, so the m16n8k16 candidates take the deterministic dQ kernel (dK/dV 16x64 k16 252
-# registers, dQ 64x16 k16 200: 0 spills); d=128 takes the two-pass 16x64 tile (two 8-key tiles a warp,
-# pairs for m16n8k16: 228 / 252 registers) and keeps the dQ kernel on m8n8k4 (64x16 k16 spills 28 bytes).
+# float64 (benchmarks/NOTES.md): (dK/dV tile or None, deterministic, dK/dV wide_k, dQ kernel wide_k). A tile's
+# own wide_k stands where the dK/dV wide_k is None. Offline compile, sm_90, plain kernels (NVRTC 12.9): with atomic
+# dQ, d=64 16x64/4w spills 8-168 bytes at every wide_k, 16x128/8w (two 8-key tiles a warp) fits k8 at 255 registers,
+# and the head-split tiles (two warps a key group, half of dK / dV's columns each) take 217-244 at d=64 and 255 at
+# d=128 16x64/8w k8 (k16 spills 32 bytes, 32-query steps 500-1100).
 _TWO_PASS = Tile(16, 64, 4, 1, "tuning", passes=2)
+_HS = lambda bm, bn, st, k: Tile(bm, bn, 8, st, "tuning", wide_k=k, head_split=2)
 CANDIDATES_F64 = {
-    64: [(None, False, 0, 0), (None, True, 0, 0), (None, True, 16, 16), (None, True, 0, 16)],
-    128: [(None, False, 0, 0), (None, True, 0, 0), (_TWO_PASS, True, 0, 0), (_TWO_PASS, True, 16, 0)],
+    64: [(None, False, 0, 0), (_HS(32, 64, 2, 8), False, None, 0), (_HS(32, 64, 2, 16), False, None, 0),
+         (_HS(16, 64, 2, 16), False, None, 0), (Tile(16, 128, 8, 2, "tuning", wide_k=8), False, None, 0),
+         (None, True, 16, 16)],
+    128: [(None, False, 0, 0), (_HS(16, 64, 2, 8), False, None, 0), (_HS(16, 64, 2, 16), False, None, 0),
+          (None, True, 0, 0), (_HS(16, 64, 2, 8), True, None, 0)],
 }
 TOLERANCE_F64 = 1e-12
 
@@ -112,10 +116,14 @@ def main_float64(heads, rows):
                                                     dtype="longdouble")[0]
             first = None
             for tile, det, dkdv_k, dq_k in CANDIDATES_F64[d]:
+                if dkdv_k is None:
+                    dkdv_k = tile.wide_k
                 if (dkdv_k or dq_k) and not sm90:
                     continue
-                label = (f"{'table' if tile is None else f'{tile.block_m}x{tile.block_n}/{tile.passes}p'}"
-                         f"/{'det' if det else 'atomic'}/k{dkdv_k}" + (f",{dq_k}" if det else ""))
+                shape = "table" if tile is None else f"{tile.block_m}x{tile.block_n}/{tile.warps}w/{tile.passes}p"
+                if tile is not None and tile.head_split != 1:
+                    shape += f"/hs{tile.head_split}"
+                label = f"{shape}/{'det' if det else 'atomic'}/k{dkdv_k}" + (f",{dq_k}" if det else "")
                 ctx = (tile_override("bwd_dkdv_dmma", d, tile, dtypes=("float64",)) if tile is not None
                        else contextlib.nullcontext())
                 with ctx, wide_backward(dkdv_k, dq_k):

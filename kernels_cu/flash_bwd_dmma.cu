@@ -10,7 +10,11 @@
 // whose C fragments are straight away the A operands of
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i               (warp_gemm_rn_swz)
 // K_j, V_j stay in shared memory; Q_i, dO_i (and with EXTRA the bias tile) are
-// double-buffered with cp.async. With ATOMIC_DQ, dS goes through shared memory
+// double-buffered with cp.async. With HEAD_SPLIT = 2 two warps share each group of
+// keys: both form the group's S^T and dP^T, and each accumulates half of dK's and
+// dV's columns. That doubles the two score GEMMs but halves the accumulators, so a
+// warp holds a pair of 8-key tiles at head dim 128, which m16n8k* (full-rate fp64
+// on sm_90, where m8n8k4 runs at half) needs. With ATOMIC_DQ, dS goes through shared memory
 // and the warps split dQ_i += scale dS K_j by columns (warp_gemm_nn_swz), added
 // to the fp64 dQ accumulator with atomics. With EXTRA and a bias that wants its
 // gradient, dS is added into dbias here (bias_grad.cuh's ADD / ATOMIC / ORDERED
@@ -33,14 +37,17 @@
 #include "score_mod.cuh"
 #include "bias_grad.cuh"
 
-template <typename Cfg, bool ATOMIC_DQ, bool EXTRA>
+template <typename Cfg, bool ATOMIC_DQ, bool EXTRA, int HEAD_SPLIT = 1>
 struct DkdvDmmaTraits {
     static constexpr int HEAD = Cfg::HEAD, BM = Cfg::BM, BN = Cfg::BN, WARPS = Cfg::WARPS;
     static constexpr int STAGES = Cfg::STAGES, THREADS = 32 * WARPS;
-    static constexpr int M_TILES = BN / (8 * WARPS);   // 8-key tiles per warp
+    static constexpr int KEY_WARPS = WARPS / HEAD_SPLIT;   // warps with distinct keys (HEAD_SPLIT share each group)
+    static constexpr int M_TILES = BN / (8 * KEY_WARPS);   // 8-key tiles per warp
     static constexpr int WARP_KEYS = 8 * M_TILES;
     static constexpr int Q_TILES = BM / 8;             // 8-query column tiles of S^T
     static constexpr int D_TILES = HEAD / 8;           // 8-column tiles of dK, dV
+    static constexpr int ACC_COLS = HEAD / HEAD_SPLIT;   // dK / dV columns a warp accumulates
+    static constexpr int ACC_TILES = ACC_COLS / 8;
     static constexpr int DQ_TILES = D_TILES / WARPS;   // dQ: each warp's column tiles (every query row)
     static constexpr int BIAS_PITCH = BN + 2;          // = 2 (mod 4): read transposed (scale_add_bias_frags_f64_t)
     static constexpr int KV_ELEMS = BN * HEAD;         // K or V
@@ -50,7 +57,9 @@ struct DkdvDmmaTraits {
     static constexpr int SMEM_BYTES =
         (2 * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS) + DS_ELEMS + 2 * BM) * int(sizeof(double));
     static_assert(HEAD % 16 == 0 && BN % 16 == 0 && BM % 8 == 0, "swizzled tiles: rows of whole 16-column groups");
-    static_assert(BN % (8 * WARPS) == 0, "each warp owns whole 8-key tiles");
+    static_assert(BN % (8 * KEY_WARPS) == 0, "each warp owns whole 8-key tiles");
+    static_assert(HEAD_SPLIT == 1 || (HEAD_SPLIT == 2 && ACC_COLS % 16 == 0 && !EXTRA),
+                  "two warps a key group, each on whole 16-column swizzle groups; the plain kernel");
     static_assert(D_TILES % WARPS == 0, "dQ's column tiles split evenly over the warps");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
@@ -138,6 +147,7 @@ __device__ __forceinline__ void add_dbias_frags_t(const DbiasParams& g, const do
 
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each
 // recomputing S^T, where both accumulators would not fit the registers.
+// HEAD_SPLIT: 1, or 2 (two warps a key group, half the columns each; see the header).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
 // WIDE_K (sm_90+): 0 runs every GEMM on m8n8k4, 4 / 8 / 16 on m16n8kWIDE_K over pairs of
 // 8-row tiles (warp_gemm_f64.cuh): this warp's key tiles, and with ATOMIC_DQ the query tiles.
@@ -145,11 +155,11 @@ __device__ __forceinline__ void add_dbias_frags_t(const DbiasParams& g, const do
 // sequence's own counts; without EXTRA. ATOMIC_DQ adds into the packed rows' accumulator (batch index:
 // the sequence's first query row, the accumulator's batch stride one row).
 template <typename T, typename Cfg, typename Flags, int PASS, bool ATOMIC_DQ, bool VEC, int WIDE_K = 0,
-          bool PACKED = false>
+          bool PACKED = false, int HEAD_SPLIT = 1>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_dmma(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(double), "fp64 tensor cores: float64 only");
-    typedef DkdvDmmaTraits<Cfg, ATOMIC_DQ, Flags::EXTRA> Tr;
+    typedef DkdvDmmaTraits<Cfg, ATOMIC_DQ, Flags::EXTRA, HEAD_SPLIT> Tr;
     constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, M = Tr::M_TILES, QT = Tr::Q_TILES;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
@@ -171,7 +181,10 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
     const int n0 = blk.n0, batch = blk.batch, keys_valid = blk.keys;
     const int q_batch = PACKED ? seq.q_start : batch;   // the query side's batch index (packed: its first row)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int key0 = warp * Tr::WARP_KEYS;                      // this warp's keys within the block
+    // This warp's keys within the block and its first dK / dV column (constants without a head split).
+    const int key0 = (HEAD_SPLIT == 1 ? warp : warp % Tr::KEY_WARPS) * Tr::WARP_KEYS;
+    const int col0 = HEAD_SPLIT == 1 ? 0 : warp / Tr::KEY_WARPS * Tr::ACC_COLS;
+    const bool forms_ds = col0 == 0;   // the warps of a key group hold the same dS^T: the first one stores it
     typedef ScoreMod<Flags, double, double, PACKED> Mod;
     Mod mod = [&]() {
         if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2, blk.first_head);
@@ -185,7 +198,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
                                                    keys_valid);
     cp_async_commit();
 
-    double acc_dk[DO_DK ? M : 1][Tr::D_TILES][2], acc_dv[DO_DV ? M : 1][Tr::D_TILES][2];
+    double acc_dk[DO_DK ? M : 1][Tr::ACC_TILES][2], acc_dv[DO_DV ? M : 1][Tr::ACC_TILES][2];
     zero_frags(acc_dk);
     zero_frags(acc_dv);
     // Steps walk (query head of the group, query block) pairs over the query blocks
@@ -245,7 +258,7 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
                 return mod.keep(row, col);
             };
             prob_and_dscore_t<DO_DK>(st[m], dpt[m], lse_s, dsum_s, lane, x_per_s, mod, keep, coord);   // st: P^T, dpt: dS^T
-            if (ATOMIC_DQ)
+            if (ATOMIC_DQ && forms_ds)
 #pragma unroll
                 for (int n = 0; n < QT; ++n)
 #pragma unroll
@@ -260,8 +273,9 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
             add_dbias_frags_t(p.dbias, dpt, batch, head, m0, n0 + key0, dims, lane);
             if (ordered) turn.pass_turn();
         }
-        if constexpr (DO_DV) warp_gemm_rn_swz<M, Tr::D_TILES, QT, HEAD, WIDE_K>(acc_dv, st, do_s, lane);    // dV += P^T dO
-        if constexpr (DO_DK) warp_gemm_rn_swz<M, Tr::D_TILES, QT, HEAD, WIDE_K>(acc_dk, dpt, q_s, lane);    // dK += dS^T Q
+        // dV += P^T dO, dK += dS^T Q on this warp's columns (col0: whole swizzle groups, so the tiles' own layout)
+        if constexpr (DO_DV) warp_gemm_rn_swz<M, Tr::ACC_TILES, QT, HEAD, WIDE_K>(acc_dv, st, do_s + col0, lane);
+        if constexpr (DO_DK) warp_gemm_rn_swz<M, Tr::ACC_TILES, QT, HEAD, WIDE_K>(acc_dk, dpt, q_s + col0, lane);
         if constexpr (ATOMIC_DQ) {                                         // dQ += scale dS K: this warp's columns
             __syncthreads();
             double part[QT][Tr::DQ_TILES][2];
@@ -296,10 +310,10 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
         double* dk_row = p.dk.at<double>(batch, blk.kv_head, n0 + key);
         double* dv_row = p.dv.at<double>(batch, blk.kv_head, n0 + key);
 #pragma unroll
-        for (int n = 0; n < Tr::D_TILES; ++n)
+        for (int n = 0; n < Tr::ACC_TILES; ++n)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const int col = frag_col_f64(lane, n, i);
+                const int col = col0 + frag_col_f64(lane, n, i);
                 if (DO_DK && col < dims.d) dk_row[col] = acc_dk[DO_DK ? m : 0][n][i] * p.scale;
                 if (DO_DV && col < dims.dv) dv_row[col] = acc_dv[DO_DV ? m : 0][n][i];
             }

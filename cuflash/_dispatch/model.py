@@ -95,6 +95,9 @@ class Tile:
     warp its keys for the whole step and head dim; 2 makes two warps share each key strip, one forming
     S^T for half the step's queries and accumulating half of dK / dV's columns, with P^T and dS^T
     exchanged through shared memory (FlashAttention-2's backward layout, flash_bwd_mma.cu).
+    ``head_split`` (the fp64 dK/dV kernel ``bwd_dkdv_dmma`` only, plain, its HEAD_SPLIT): 2 makes two warps
+    share each group of keys, both forming its S^T and dP^T and each accumulating half of dK / dV's columns,
+    so that a warp holds the pair of 8-key tiles ``wide_k`` needs at head dim 128 (flash_bwd_dmma.cu).
     ``split`` 3 (TF32X3_PARTS, the Hopper wgmma forward's ``fwd_wgmma_tf32x3``): big as
     the fast split's, small = a - big with its low 13 bits cleared, so that the tensor core reads both
     exactly whether it rounds or truncates. ``vec_only``: only variants with 16-byte loads (``Variant.vec``) take this tile; the
@@ -121,6 +124,7 @@ class Tile:
     wide_k: int = 0
     vec_only: bool = False
     query_split: int = 1
+    head_split: int = 1
     resident: int = 1
     park: bool = False
     late_copies: bool = False
@@ -519,6 +523,10 @@ class Variant:
                                            or self.extra or self.tile.passes != 1 or self.pass_ != 0):
             raise ValueError(f"query_split={self.tile.query_split}: 2 only for bwd_dkdv_mma in one pass, "
                              "without EXTRA")
+        if self.tile.head_split != 1 and (self.family != "bwd_dkdv_dmma" or self.tile.head_split != 2 or self.extra
+                                          or self.tile.warps % 2):
+            raise ValueError(f"head_split={self.tile.head_split}: 2 only for bwd_dkdv_dmma without EXTRA, an even "
+                             "number of warps")
         if self.tile.park and self.family != "fwd_mma":
             raise ValueError("park: only for fwd_mma")
         if self.tile.late_copies and self.family != "bwd_dkdv_mma":
@@ -634,8 +642,9 @@ class Variant:
         for flag in self.fam.flags:
             args.append(f"MaskFlags<{_cxx(self.band)}, {_cxx(self.extra)}>" if flag == "mask"
                         else _cxx(getattr(self, flag)))
-        if self.wide_k or ((self.kv_split or self.packed) and self.family in WIDE_K_FAMILIES):   # 0 (m8n8k4)
-            args.append(str(self.wide_k))                                                        # by default
+        if (self.wide_k or self.tile.head_split != 1
+                or ((self.kv_split or self.packed) and self.family in WIDE_K_FAMILIES)):   # 0 (m8n8k4) by default
+            args.append(str(self.wide_k))
         packed_dkdv = self.packed and self.family == "bwd_dkdv_mma"
         if self.tile.query_split != 1 or self.tile.late_copies or packed_dkdv:   # bwd_dkdv_mma's QSPLIT (1 by default)
             args.append(str(self.tile.query_split))
@@ -651,6 +660,8 @@ class Variant:
             args += ["false", "true"] if self.family in KV_SPLIT_FAMILIES else ["true"]
         if self.acc_out:    # fwd_wgmma's, after PACKED (false)
             args += ["false", "true"]
+        if self.tile.head_split != 1:   # bwd_dkdv_dmma's, after PACKED: HEAD_SPLIT (1 by default)
+            args += ([] if self.packed else ["false"]) + [str(self.tile.head_split)]
         return f"{self.fam.kernel}<{', '.join(args)}>"
 
     def grid(self, batch: int, heads_q: int, group: int, lq: int, lk: int) -> int:

@@ -121,6 +121,18 @@ def _portable_arch(family: str, dtype: str, head: int, extra: bool, cc: int) -> 
     return "sm90" if key in TABLES["plain"] else "sm80"
 
 
+DKDV_DMMA_SM90_ATOMIC_ONLY = (128,)
+"""Head buckets whose fp64 dK/dV "sm90" tile serves only calls with atomic dQ: the deterministic kernel spills on it."""
+
+
+def _dkdv_dmma_arch(head: int, extra: bool, vec: bool, atomic: bool, cc: int) -> str:
+    """The fp64 dK/dV kernel's row (:func:`_portable_arch`), "sm80" where the "sm90" tile spills: element loads
+    (not ``vec``), and without atomic dQ at :data:`DKDV_DMMA_SM90_ATOMIC_ONLY` (tables.py)."""
+    if not vec or (not atomic and head in DKDV_DMMA_SM90_ATOMIC_ONLY):
+        return "sm80"
+    return _portable_arch("bwd_dkdv_dmma", "float64", head, extra, cc)
+
+
 TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
 """float32 precision -> the tensor-core forward family (flash_fwd_tf32.cu)."""
 
@@ -244,10 +256,13 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
         if dbias:
             plan.append(Variant("bwd_dbias_mma", dtype, head, vec=vec, **flags))
     elif ("sm80", "bwd_dkdv_dmma", dtype, head) in TABLES["plain"]:
-        # float64 on the fp64 tensor cores: one pass (every table tile keeps dK + dV within 128 registers).
-        plan.append(Variant("bwd_dkdv_dmma", dtype, head, vec=vec, atomic_dq=atomic, **flags))
+        # float64 on the fp64 tensor cores: one pass (every table tile keeps dK + dV within 128 registers);
+        # "sm90" rows (full-rate mma.m16n8k*) from SM90_MIN_CC.
+        plan.append(Variant("bwd_dkdv_dmma", dtype, head, vec=vec, atomic_dq=atomic,
+                            arch=_dkdv_dmma_arch(head, extra, vec, atomic, cc), **flags))
         if deterministic:
-            plan.append(Variant("bwd_dq_dmma", dtype, head, vec=vec, **flags))
+            plan.append(Variant("bwd_dq_dmma", dtype, head, vec=vec,
+                                arch=_portable_arch("bwd_dq_dmma", dtype, head, extra, cc), **flags))
     elif dtype == "float32" and ("sm80", TF32_BWD_FAMILIES.get(precision, ("",))[0], dtype, head) in TABLES["plain"]:
         # float32 on the TF32 tensor cores, each kernel falling back to its FMA twin where no tile fits
         # (both add into the same fp32 dQ accumulator, and dbias in the dK/dV kernel).

@@ -322,6 +322,22 @@ add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 32, 4, 2, "one 8-key tile a war
      extra=True)
 add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "the bias stage: 104 KB"),
      Tile(8, 32, 4, 1, "8-query steps: 86 KB, " + _SMALL_BYTES), extra=True)
+# sm_90: full-rate mma.m16n8k8 on pairs of 8-key tiles (m8n8k4 runs at half rate there; ncu of the 16x32/4w d=128
+# kernel on the H200: the DMMA pipe 62% busy, math-pipe throttle and fixed-latency waits the top stalls).
+# tune_bwd.py --dtype float64, H200, L=4096, atomic dQ, ms non-causal / causal:
+#   d=64:  16x64/4w m8n8k4 60.2 / 31.1; 16x128/8w k8 43.5 / 22.2; head-split 32x64/8w k8 59.0 / 29.9, k16 60.2 /
+#          30.6, 16x64/8w k16 67.5 / 34.5
+#   d=128: 16x32/4w m8n8k4 68.5 / 33.8; head-split 16x64/8w k8 56.2 / 27.8, k16 56.2 / 28.3 (spills 32 bytes)
+# Registers (NVRTC 12.9, sm_90, 0 spills): d=64 16x128/8w 244-255; d=128 head-split 16x64/8w k8 255.
+# Element loads (not vec) spill on these tiles, and so does the deterministic kernel (no dQ atomics) at d=128 (24-56
+# bytes): those calls keep the sm80 row (select._dkdv_dmma_arch).
+add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 128, 8, 2, "two 8-key tiles a warp on m16n8k8: 1.38-1.40x the "
+                                                             "m8n8k4 16x64/4w tile (tune_bwd.py); 176 KB",
+                                             wide_k=8), arch="sm90")
+add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 64, 8, 2, "two warps a 16-key group, half the columns each "
+                                                             "(head_split), on m16n8k8: 1.22x the m8n8k4 16x32/4w "
+                                                             "tile (tune_bwd.py); 200 KB", wide_k=8, head_split=2),
+    arch="sm90")
 # Deterministic dQ (bwd_dq_dmma): query-major as the forward; each warp owns block_m / warps query rows in 8-row
 # tiles, K/V double-buffered; untimed, sized by shared memory.
 add("bwd_dq_dmma", ["float64"], [32], Tile(64, 32, 4, 2, "two 8-row tiles a warp: 64 KB"))
@@ -330,6 +346,10 @@ add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "two 8-row tiles a warp
 add("bwd_dq_dmma", ["float64"], [128], Tile(64, 16, 4, 2, "two 8-row tiles a warp (dQ: 128 registers): 192 KB"),
      Tile(32, 16, 4, 2, "one 8-row tile a warp: 128 KB, the A100"),
      Tile(16, 16, 2, 2, "two warps: 96 KB, " + _SMALL_BYTES))
+# sm_90: the d=64 tile on m16n8k16 (tune_bwd.py, H200, deterministic, with the dK/dV kernel on k16: 59.2 / 30.9 ms
+# against 84.0 / 43.5 on m8n8k4; 200 registers, 0 spills). At d=128 k16 spills 28 bytes: m8n8k4 stays.
+add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "two 8-row tiles a warp on m16n8k16: 96 KB", wide_k=16),
+    arch="sm90")
 # With EXTRA each K/V stage also holds a block_m x block_n fp64 bias tile.
 add("bwd_dq_dmma", ["float64"], [32], Tile(64, 16, 4, 2, "the bias stages: 72 KB with 16-key steps"), extra=True)
 add("bwd_dq_dmma", ["float64"], [64], Tile(64, 16, 4, 2, "the bias stages: 120 KB"),
