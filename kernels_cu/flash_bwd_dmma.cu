@@ -235,8 +235,13 @@ flash_bwd_dkdv_dmma(const BwdParams p) {
         double st[M][QT][2], dpt[M][QT][2];   // S^T, dP^T: this warp's keys x BM queries
         zero_frags(st);
         zero_frags(dpt);
-        warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD, WIDE_K>(st, k_s + key0 * HEAD, q_s, lane);        // S^T = K Q^T
-        if (DO_DK) warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD, WIDE_K>(dpt, v_s + key0 * HEAD, do_s, lane);   // dP^T = V dO^T
+        if constexpr (DO_DK && WIDE_K != 0)   // S^T = K Q^T and dP^T = V dO^T in one k loop
+            warp_gemm_nt_swz_x2<M, QT, HEAD, HEAD, HEAD, WIDE_K>(st, k_s + key0 * HEAD, q_s, dpt, v_s + key0 * HEAD,
+                                                               do_s, lane);
+        else {
+            warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD, WIDE_K>(st, k_s + key0 * HEAD, q_s, lane);   // S^T = K Q^T
+            if (DO_DK) warp_gemm_nt_swz<M, QT, HEAD, HEAD, HEAD, WIDE_K>(dpt, v_s + key0 * HEAD, do_s, lane);   // dP^T
+        }
         const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, Tr::WARP_KEYS);
         const double* bias_tile = bias_stages + stage * Tr::BIAS_ELEMS + key0;
 #pragma unroll

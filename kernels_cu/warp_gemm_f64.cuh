@@ -223,6 +223,49 @@ __device__ __forceinline__ void warp_gemm_nt_swz(double (&acc)[M][N][2], const d
     }
 }
 
+// Two GEMMs of warp_gemm_nt_swz's shape in one k loop: acc1 += A1 B1^T and acc2 += A2 B2^T, so that a warp
+// has twice the independent MMA chains in flight (the fp64 dK/dV kernel's S^T = K Q^T and dP^T = V dO^T, each
+// of only 2 chains a warp at 16 keys x 16 queries). Each product sums in warp_gemm_nt_swz's order.
+template <int M, int N, int K, int CA, int CB, int WIDE_K>
+__device__ __forceinline__ void warp_gemm_nt_swz_x2(double (&acc1)[M][N][2], const double* a1, const double* b1,
+                                                    double (&acc2)[M][N][2], const double* a2, const double* b2,
+                                                    int lane) {
+    if constexpr (WIDE_K == 0) {
+        warp_gemm_nt_swz<M, N, K, CA, CB>(acc1, a1, b1, lane);
+        warp_gemm_nt_swz<M, N, K, CA, CB>(acc2, a2, b2, lane);
+    } else {
+        constexpr int K4 = WIDE_K / 4;
+        static_assert(M % 2 == 0 && K % WIDE_K == 0, "pairs of 8-row tiles, whole MMA depths");
+        const int g = lane / 4, t = lane % 4, x = swz_xor(g);
+        const int a_at = g * CA + t, b_at = g * CB + t;
+#pragma unroll
+        for (int k0 = 0; k0 < K; k0 += WIDE_K) {
+            double af1[M][K4], bf1[N][K4], af2[M][K4], bf2[N][K4];
+#pragma unroll
+            for (int j = 0; j < K4; ++j) {
+                const int col = swz_col(k0 + 4 * j, x);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    af1[m][j] = a1[a_at + 8 * m * CA + col];
+                    af2[m][j] = a2[a_at + 8 * m * CA + col];
+                }
+#pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    bf1[n][j] = b1[b_at + 8 * n * CB + col];
+                    bf2[n][j] = b2[b_at + 8 * n * CB + col];
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < M; m += 2)
+#pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    mma_16x8_f64<K4>(acc1[m][n], acc1[m + 1][n], af1[m], af1[m + 1], bf1[n]);
+                    mma_16x8_f64<K4>(acc2[m][n], acc2[m + 1][n], af2[m], af2[m + 1], bf2[n]);
+                }
+        }
+    }
+}
+
 // acc[m][n] += P_m B_n with P in C fragments (warp_gemm_rn_f64's permuted keys:
 // step s of key tile kt takes key 8kt + 2t + s) and B a swizzled [key][column]
 // tile of CB columns: lanes read (row 8kt + 2t + s, column 8n + g).
