@@ -201,9 +201,12 @@ add("fwd_dmma", ["float64"], [128], Tile(64, 32, 4, 2, "two 8-row tiles a warp, 
 # tune_fwd.py --dtype float64, H100, TFLOP/s at L=4096 non-causal / causal (errors 2.1-2.2e-15, as m8n8k4's):
 #   d=64:  64x32/4w m8n8k4 18.5 / 18.1, k16 25.5 / 22.5, k4 25.9 / 24.8; 128x32/8w k16 26.8 / 24.9
 #   d=128: 64x32/4w m8n8k4 16.0 / 15.5, k16 20.0 / 19.1, k4 23.0 / 21.9; 128x16/8w 21.5 / 19.8, k16 31.5 / 28.5
-add("fwd_dmma", ["float64"], [64], Tile(128, 32, 8, 2, "mma.m16n8k16 (full-rate fp64 on sm_90), four 8-row tiles a "
-                                                        "warp: 1.38-1.45x m8n8k4's 64x32 (tune_fwd.py); 135 KB",
-                                         wide_k=16), arch="sm90")
+#   H200 (tune_fwd.py --wide-only --lengths 4096): d=64 128x32/8w k16 27.1 / 25.9, k8 27.3 / 25.8; 128x64/8w k8
+#   29.4 / 27.8; 64x32/4w k8 24.4 / 23.8; d=128 128x16/8w k16 32.6 / 30.1, k8 32.5 / 29.9
+add("fwd_dmma", ["float64"], [64], Tile(128, 64, 8, 2, "mma.m16n8k8 (full-rate fp64 on sm_90), two 8-row tiles a "
+                                                        "warp over 64-key tiles: 1.07-1.09x 128x32/8w on k16, "
+                                                        "1.5x m8n8k4's 64x32 (tune_fwd.py, H200); 202 KB",
+                                         wide_k=8), arch="sm90")
 add("fwd_dmma", ["float64"], [128], Tile(128, 16, 8, 2, "mma.m16n8k16 (full-rate fp64 on sm_90), 8 warps, 16-key "
                                                          "tiles: 1.84-1.97x m8n8k4's 64x32 (tune_fwd.py); 197 KB",
                                           wide_k=16), arch="sm90")
