@@ -43,6 +43,19 @@ def test_every_call_has_kernels_on_every_gpu_class(gpu):
     assert set(gaps) == ({("float64", 256)} if limit < 130 * 1024 else set())
 
 
+def test_gpus_of_compute_capability_9_and_above_with_99_kb_get_portable_kernels():
+    """The "sm90" rows are tuned for the H100 / H200's 227 KB; a newer GPU with 99 KB a block (sm_120) takes the
+    "sm80" rows' tiles where an "sm90" row has none that fits, forward and backward, and those are variants the
+    tests build (all_variants)."""
+    limit, known = M.SMEM_LIMITS["sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"], set(V.all_variants())
+    for dtype, head, band, det in itertools.product(M.DTYPES, (64, 128), (False, True), (False, True)):
+        for vec in V.vec_choices(dtype):
+            fwd = V.forward_variant(dtype, head, band=band, vec=vec, smem_limit=limit, cc=120)
+            bwd = V.backward_variants(dtype, head, band=band, vec=vec, deterministic=det, smem_limit=limit, cc=120)
+            for v in (fwd,) + bwd:
+                assert v.smem_bytes <= limit and v in known, v.name
+
+
 def test_variants_are_unique_and_named_uniquely():
     variants = V.all_variants()
     assert len({v.name for v in variants}) == len(variants)

@@ -121,6 +121,18 @@ def _portable_arch(family: str, dtype: str, head: int, extra: bool, cc: int) -> 
     return "sm90" if key in TABLES["plain"] else "sm80"
 
 
+def _fit_portable(v: Variant, smem_limit: int) -> Variant:
+    """``v`` fitted to ``smem_limit`` (Variant.fitted); an "sm90" row's variant none of whose tiles fits falls back
+    to the "sm80" row: the "sm90" rows are tuned for the H100 / H200's 227 KB, and GPUs of compute capability 9 and
+    above with 99 KB (sm_120) take them too."""
+    try:
+        return v.fitted(smem_limit)
+    except ValueError:
+        if v.arch != "sm90":
+            raise
+        return replace(v, arch="sm80", tile=None).fitted(smem_limit)
+
+
 DKDV_DMMA_SM90_ATOMIC_ONLY = (128,)
 """Head buckets whose fp64 dK/dV "sm90" tile serves only calls with atomic dQ: the deterministic kernel spills on it."""
 
@@ -174,8 +186,8 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
         family = TF32_FAMILY.get(precision)
         if ("sm80", family, dtype, head) in TABLES["plain"]:
             try:
-                return Variant(family, dtype, head, band=band, extra=extra, vec=vec,
-                               arch=_portable_arch(family, dtype, head, extra, cc)).fitted(smem_limit)
+                return _fit_portable(Variant(family, dtype, head, band=band, extra=extra, vec=vec,
+                                             arch=_portable_arch(family, dtype, head, extra, cc)), smem_limit)
             except ValueError:   # no TF32 tile fits this GPU
                 pass
         return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
@@ -188,8 +200,8 @@ def forward_variant(dtype: str, head: int, *, band: bool, extra: bool = False, v
     if dtype in HALF_TYPES:
         return Variant("fwd_mma", dtype, head, band=band, extra=extra, vec=vec).fitted(smem_limit)
     if ("sm80", "fwd_dmma", dtype, head) in TABLES["plain"]:
-        return Variant("fwd_dmma", dtype, head, band=band, extra=extra, vec=vec,
-                       arch=_portable_arch("fwd_dmma", dtype, head, extra, cc)).fitted(smem_limit)
+        return _fit_portable(Variant("fwd_dmma", dtype, head, band=band, extra=extra, vec=vec,
+                                     arch=_portable_arch("fwd_dmma", dtype, head, extra, cc)), smem_limit)
     return Variant("fwd_fma", dtype, head, band=band, extra=extra).fitted(smem_limit)
 
 
@@ -222,7 +234,7 @@ def backward_variants(dtype: str, head: int, *, band: bool, extra: bool = False,
     that kernel then adds dbias itself (``dbias=True`` variant, no dbias kernel). The launcher still
     takes the portable plan where tensor maps cannot describe the arrays or a bias's rows are
     not 16-byte chunks (plan.plan_backward)."""
-    return tuple(v.fitted(smem_limit)
+    return tuple(_fit_portable(v, smem_limit)
                  for v in _backward_plan(dtype, head, band, extra, vec, deterministic, dbias, smem_limit, cc,
                                          precision))
 
