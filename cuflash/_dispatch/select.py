@@ -540,8 +540,10 @@ def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_
                 return [v if v.family != "bwd_dkdv_wgmma" else replace(v, packed=True) for v in hopper]
     if not deterministic:
         with contextlib.suppress(ValueError):
+            # float64 at head dim 64 takes its sm90 dK/dV tile packed too (the head-split one at 128 spills there)
             atomic = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
-                                       smem_limit=smem_limit, cc=80, precision=precision)
+                                       smem_limit=smem_limit, cc=cc if (dtype, head) == ("float64", 64) else 80,
+                                       precision=precision)
             dsum, *dkdv, last = atomic
             passes = [(v.pass_, v.atomic_dq) for v in dkdv]
             if (dsum.family == "bwd_dsum" and last.family == "bwd_convert_dq" and not last.dq_tiled
