@@ -14,8 +14,8 @@
 // keys: both form the group's S^T and dP^T, and each accumulates half of dK's and
 // dV's columns. That doubles the two score GEMMs but halves the accumulators, so a
 // warp holds a pair of 8-key tiles at head dim 128, which m16n8k* (full-rate fp64
-// on sm_90, where m8n8k4 runs at half) needs. With ATOMIC_DQ, dS goes through shared memory
-// and the warps split dQ_i += scale dS K_j by columns (warp_gemm_nn_swz), added
+// on sm_90, where m8n8k4 runs at half) needs. With ATOMIC_DQ, dS goes through
+// shared memory and the warps split dQ_i += scale dS K_j by columns (warp_gemm_nn_swz), added
 // to the fp64 dQ accumulator with atomics. With EXTRA and a bias that wants its
 // gradient, dS is added into dbias here (bias_grad.cuh's ADD / ATOMIC / ORDERED
 // modes, as the FMA kernel).
