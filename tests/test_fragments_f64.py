@@ -304,6 +304,22 @@ def test_wide_swizzled_gemms(wide_k):
     np.testing.assert_allclose(frags_to_matrix(acc), a @ b[:, 24:40], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("wide_k", [4, 8, 16])
+def test_head_split_column_halves(wide_k):
+    """flash_bwd_dkdv_dmma's HEAD_SPLIT: a warp's dV += P^T dO over half of dO's 128 columns reads the swizzled tile
+    from its base plus col0 (a multiple of 16, so inside the tile's own layout), and the two halves make P^T dO."""
+    rng = np.random.default_rng(11)
+    M, KT, head = 2, 2, 128
+    p, do = rng.standard_normal((8 * M, 8 * KT)), rng.standard_normal((8 * KT, head))
+    smem = store_swz(do)
+    halves = []
+    for col0 in (0, head // 2):
+        acc = zero_frags(M, head // 16)
+        warp_gemm_rn_swz_wide(acc, M, head // 16, KT, head, c_frags(p, M, KT), smem, col0, wide_k)
+        halves.append(frags_to_matrix(acc))
+    np.testing.assert_allclose(np.concatenate(halves, axis=1), p @ do, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("cols", [16, 32, 64, 128])
 def test_swizzle_is_a_permutation_that_keeps_chunks_whole(cols):
     rows = 24
