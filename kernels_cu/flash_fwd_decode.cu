@@ -184,26 +184,6 @@ __device__ __forceinline__ void merge_warps(A* stage, int warp, int lane, StripR
     }
 }
 
-// QUERY_MINOR: the scores of S^T's keys a lane's queries do not see set to -inf. Query e of the lane
-// (position qrow[e]) sees keys [lo, hi] counted from col0 (ScoreMod::visible_keys); the lane's keys are
-// col0 + 16 m + g + 8 r, elements 2 r + e of tile m.
-template <int M, typename Mod>
-__device__ __forceinline__ void mask_query_minor(float (&st)[M][4], const Mod& mod, const int (&qrow)[2], int col0,
-                                                 int lane) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        int lo, hi;
-        mod.visible_keys(qrow[e], col0, lo, hi);
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int key = 16 * m + lane / 4 + 8 * r;
-                if (key < lo || key > hi) st[m][2 * r + e] = neg_inf<float>();
-            }
-    }
-}
-
 // QUERY_MINOR's online softmax down S^T's columns (softmax_update_row's arithmetic): a query's scores lie
 // in the 8 lanes of its t (lane bits 2-4) and in their tiles' two halves; st becomes P. The row sums stay
 // each lane's part (summed in store_o_lse_query_minor).
@@ -374,8 +354,10 @@ flash_fwd_decode(const FwdParams p) {
             float st[Tr::S_TILES][4];   // S^T = K Q^T: this warp's keys x the block's queries
             warp_gemm_kq_tf32<SPLIT, Tr::S_TILES, HEAD, KP>(st, reinterpret_cast<const float*>(k_w), qt_big, qt_small,
                                                             lane);
-            const int qrow[2] = {row_a, row_b};
-            if (!full.contains(j)) mask_query_minor(st, mod, qrow, j * BN + key_w, lane);
+            if (!full.contains(j))   // rows: the lane's queries; keys 16 m + g + 8 r of the warp's, elements 2 r + e
+                mask_strip_rows<float, Tr::S_TILES>(mod, row_a, row_b, j * BN + key_w,
+                                                    [&](int m, int r) { return 16 * m + lane / 4 + 8 * r; },
+                                                    [&](int e, int m, int r) -> float& { return st[m][2 * r + e]; });
             softmax_query_minor(st, rows, x_per_s);
             warp_gemm_vtp_tf32<SPLIT, Tr::S_TILES, HEAD, VP>(rows.acc_o, st, reinterpret_cast<const float*>(v_w), lane);
         } else if constexpr (Tr::F64) {
@@ -409,7 +391,9 @@ flash_fwd_decode(const FwdParams p) {
             } else {
                 unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
                 warp_softmax_tile<Tr>(s, rows.acc_o, rows.row_max, rows.row_sum, x_per_s,
-                                      [&](int m, int n, int r, float p0, float p1) { p16[m][n][r] = pack2<T>(p0, p1); });
+                                      [&](int m, int n, int r, float p0, float p1) {
+                                          p16[m][n][r] = pack2<T>(p0, p1);
+                                      });
                 warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, KP, true>(rows.acc_o, p16, v_w, lane);
             }
         }

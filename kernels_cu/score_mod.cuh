@@ -709,10 +709,12 @@ __device__ __forceinline__ void apply_dropout_frags(float (&p)[N][4], const Mod&
 // with a constant rather than a (row, col) pair formed and tested. Masked scores become
 // -inf (raw dot products stay raw).
 // mask_partial_strip_rows: the same with the lane's two rows' band positions given (packed GQA rows
-// under a band, MaskParams::band_period: a row's position is not row0 + 8). `score(r, n, e)`: the lane's
-// score of row r (0: row_a, 1: row_b), key col0 + 8n + e, in the caller's fragments.
-template <typename A, int N, typename Mod, typename Score>
-__device__ __forceinline__ void mask_strip_rows(const Mod& mod, int row_a, int row_b, int col0, Score&& score) {
+// under a band, MaskParams::band_period: a row's position is not row0 + 8). mask_strip_rows: any fragment
+// layout, `key(n, e)` the lane's key offset from col0 of its element (n, e) (C fragments: 8n + e) and
+// `score(r, n, e)` that element of row r (0: row_a, 1: row_b) in the caller's fragments.
+template <typename A, int N, typename Mod, typename Key, typename Score>
+__device__ __forceinline__ void mask_strip_rows(const Mod& mod, int row_a, int row_b, int col0, Key&& key,
+                                                Score&& score) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         int lo, hi;
@@ -721,21 +723,25 @@ __device__ __forceinline__ void mask_strip_rows(const Mod& mod, int row_a, int r
         for (int n = 0; n < N; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-                if (8 * n + e < lo || 8 * n + e > hi) score(r, n, e) = neg_inf<A>();
+                if (key(n, e) < lo || key(n, e) > hi) score(r, n, e) = neg_inf<A>();
     }
 }
+
+__device__ __forceinline__ int c_frag_key(int n, int e) { return 8 * n + e; }   // a C fragment's key offset
 
 template <int N, typename Mod>
 __device__ __forceinline__ void mask_partial_strip_rows(float (&s)[N][4], const Mod& mod, int row_a, int row_b,
                                                         int col0) {
-    mask_strip_rows<float, N>(mod, row_a, row_b, col0, [&](int r, int n, int e) -> float& { return s[n][2 * r + e]; });
+    mask_strip_rows<float, N>(mod, row_a, row_b, col0, c_frag_key,
+                              [&](int r, int n, int e) -> float& { return s[n][2 * r + e]; });
 }
 
 // The same on fp64 C fragments: a 16-row strip as two 8-row tiles (warp_gemm_f64.cuh), rows row_a and row_b.
 template <int N, typename Mod>
 __device__ __forceinline__ void mask_partial_strip_rows(double (&s)[2][N][2], const Mod& mod, int row_a, int row_b,
                                                         int col0) {
-    mask_strip_rows<double, N>(mod, row_a, row_b, col0, [&](int r, int n, int e) -> double& { return s[r][n][e]; });
+    mask_strip_rows<double, N>(mod, row_a, row_b, col0, c_frag_key,
+                               [&](int r, int n, int e) -> double& { return s[r][n][e]; });
 }
 
 template <int N, typename Mod>

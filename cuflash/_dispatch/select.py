@@ -133,16 +133,13 @@ def _fit_portable(v: Variant, smem_limit: int) -> Variant:
         return replace(v, arch="sm80", tile=None).fitted(smem_limit)
 
 
-DKDV_DMMA_SM90_ATOMIC_ONLY = (128,)
-"""Head buckets whose fp64 dK/dV "sm90" tile serves only calls with atomic dQ: the deterministic kernel spills on it."""
-
-
-def _dkdv_dmma_arch(head: int, extra: bool, vec: bool, atomic: bool, cc: int) -> str:
-    """The fp64 dK/dV kernel's row (:func:`_portable_arch`), "sm80" where the "sm90" tile spills: element loads
-    (not ``vec``), and without atomic dQ at :data:`DKDV_DMMA_SM90_ATOMIC_ONLY` (tables.py)."""
-    if not vec or (not atomic and head in DKDV_DMMA_SM90_ATOMIC_ONLY):
+def _dkdv_dmma_arch(head: int, extra: bool, atomic: bool, cc: int) -> str:
+    """The fp64 dK/dV kernel's row (:func:`_portable_arch`); "sm80" where the "sm90" tile is a head split
+    (Tile.head_split) and the call has no atomic dQ: the deterministic kernel spills on it (tables.py)."""
+    arch = _portable_arch("bwd_dkdv_dmma", "float64", head, extra, cc)
+    if arch == "sm90" and not atomic and TABLES["plain"][(arch, "bwd_dkdv_dmma", "float64", head)][0].head_split > 1:
         return "sm80"
-    return _portable_arch("bwd_dkdv_dmma", "float64", head, extra, cc)
+    return arch
 
 
 TF32_FAMILY = {"highest": "fwd_tf32x3", "tf32": "fwd_tf32"}
@@ -271,7 +268,7 @@ def _backward_plan(dtype: str, head: int, band: bool, extra: bool, vec: bool, de
         # float64 on the fp64 tensor cores: one pass (every table tile keeps dK + dV within 128 registers);
         # "sm90" rows (full-rate mma.m16n8k*) from SM90_MIN_CC.
         plan.append(Variant("bwd_dkdv_dmma", dtype, head, vec=vec, atomic_dq=atomic,
-                            arch=_dkdv_dmma_arch(head, extra, vec, atomic, cc), **flags))
+                            arch=_dkdv_dmma_arch(head, extra, atomic, cc), **flags))
         if deterministic:
             plan.append(Variant("bwd_dq_dmma", dtype, head, vec=vec,
                                 arch=_portable_arch("bwd_dq_dmma", dtype, head, extra, cc), **flags))
@@ -540,10 +537,11 @@ def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_
                 return [v if v.family != "bwd_dkdv_wgmma" else replace(v, packed=True) for v in hopper]
     if not deterministic:
         with contextlib.suppress(ValueError):
-            # float64 at head dim 64 takes its sm90 dK/dV tile packed too (the head-split one at 128 spills there)
             atomic = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
-                                       smem_limit=smem_limit, cc=cc if (dtype, head) == ("float64", 64) else 80,
-                                       precision=precision)
+                                       smem_limit=smem_limit, cc=cc, precision=precision)
+            if any(v.tile.head_split > 1 for v in atomic):   # the fp64 head-split tile spills packed: the sm80 row
+                atomic = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
+                                           smem_limit=smem_limit, cc=80, precision=precision)
             dsum, *dkdv, last = atomic
             passes = [(v.pass_, v.atomic_dq) for v in dkdv]
             if (dsum.family == "bwd_dsum" and last.family == "bwd_convert_dq" and not last.dq_tiled

@@ -332,15 +332,16 @@ add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 32, 4, 1, "the bias stage: 104
 #          30.6, 16x64/8w k16 67.5 / 34.5
 #   d=128: 16x32/4w m8n8k4 68.5 / 33.8; head-split 16x64/8w k8 56.2 / 27.8, k16 56.2 / 28.3 (spills 32 bytes)
 # Registers (NVRTC 12.9, sm_90, 0 spills): d=64 16x128/8w 244-255; d=128 head-split 16x64/8w k8 255.
-# Element loads (not vec) spill on these tiles, and so does the deterministic kernel (no dQ atomics) at d=128 (24-56
-# bytes): those calls keep the sm80 row (select._dkdv_dmma_arch).
+# Element loads spill on these tiles (8-56 bytes; vec_only: they take the sm80 row, select._fit_portable), and so
+# do the head-split tile's deterministic and packed kernels (24-68 bytes: select._dkdv_dmma_arch and
+# packed_backward_variants take the sm80 row there).
 add("bwd_dkdv_dmma", ["float64"], [64], Tile(16, 128, 8, 2, "two 8-key tiles a warp on m16n8k8: 1.38-1.40x the "
                                                              "m8n8k4 16x64/4w tile (tune_bwd.py); 176 KB",
-                                             wide_k=8), arch="sm90")
+                                             wide_k=8, vec_only=True), arch="sm90")
 add("bwd_dkdv_dmma", ["float64"], [128], Tile(16, 64, 8, 2, "two warps a 16-key group, half the columns each "
                                                              "(head_split), on m16n8k8: 1.22x the m8n8k4 16x32/4w "
-                                                             "tile (tune_bwd.py); 200 KB", wide_k=8, head_split=2),
-    arch="sm90")
+                                                             "tile (tune_bwd.py); 200 KB", wide_k=8, head_split=2,
+                                              vec_only=True), arch="sm90")
 # Deterministic dQ (bwd_dq_dmma): query-major as the forward; each warp owns block_m / warps query rows in 8-row
 # tiles, K/V double-buffered; untimed, sized by shared memory.
 add("bwd_dq_dmma", ["float64"], [32], Tile(64, 32, 4, 2, "two 8-row tiles a warp: 64 KB"))
