@@ -6,7 +6,9 @@ and tensor-map calls replaced by no-ops (CuPy arrays over unowned addresses, nev
 TREE: a source tree to import cuflash from (default: this checkout); a tree of the older layout
 (cuflash/_launch.py) is patched at its own names, so two trees can be compared on one CPU. Prints
 the best of five runs of 3000 repeated calls (fp16, (1, 2, 128, 64), on a fake compute capability 9.0
-device): forward, and forward + backward; --profile adds cProfile's cumulative table for cuflash.
+device): forward, and forward + backward; then one query row of 32 heads over a cache of 8 heads x 4096
+keys: the forward, attention_with_kvcache and a paged cache of 16-key pages (``validate=False``: a check
+reads the device); --profile adds cProfile's cumulative table for cuflash.
 On the H200 host the same comparison measured 34.0 -> 38.9 us (forward) where this CPU measured
 27.5 -> 31.3 us: the proxy tracks the device host's figures to ~20%.
 """
@@ -90,7 +92,18 @@ def main() -> None:
         out, lse = cuflash.attention_forward(q, k, v)
         cuflash.attention_backward(do, q, k, v, out, lse)
 
-    for fn, label in ((forward, "forward"), (both, "forward+backward")):
+    cases = [(forward, "forward"), (both, "forward+backward")]
+    if hasattr(cuflash, "attention_with_kvcache"):   # one query row of 32 heads over an (8, 4096) cache
+        dq = dev.empty((1, 32, 1, 64), np.float16)
+        kc, vc = (dev.empty((1, 8, 4096, 64), np.float16) for _ in range(2))
+        kp, vp = (dev.empty((256, 8, 16, 64), np.float16) for _ in range(2))
+        lengths, table = dev.empty((1,), np.int32), dev.empty((1, 256), np.int32)
+        cases += [(lambda: cuflash.attention_forward(dq, kc, vc), "decoding forward"),
+                  (lambda: cuflash.attention_with_kvcache(dq, kc, vc, cache_seqlens=lengths, causal=True,
+                                                          validate=False), "kvcache, validate=False"),
+                  (lambda: cuflash.attention_with_kvcache(dq, kp, vp, cache_seqlens=lengths, block_table=table,
+                                                          causal=True, validate=False), "paged 16, validate=False")]
+    for fn, label in cases:
         for _ in range(50):
             fn()
         best = float("inf")

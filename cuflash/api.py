@@ -187,7 +187,7 @@ def forward_in_accumulator(q, k, v, *, causal: Causal = False, scale: Optional[f
 
 def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, scale: Optional[float] = None,
                              window: Any = None, num_splits: Optional[int] = None,
-                             page_table: Any = None) -> Tuple[Any, Any]:
+                             page_table: Any = None, plans: Optional[list] = None) -> Tuple[Any, Any]:
     """:func:`attention_forward` of CuPy arrays where batch entry b attends only its first
     ``key_lengths[b]`` keys (an int32 CuPy array (B,), each at most Lk, checked by the caller), with
     ``causal="bottom_right"`` and ``window`` aligned to each entry's own last key (a KV cache of
@@ -197,7 +197,7 @@ def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, sc
     k and v are a paged cache (num_pages, Hk, page_size, D), entry b's key j in row j % page_size of
     page ``page_table[b, j // page_size]``; the kernels read the pages in place (where the chosen
     kernel's loader cannot: ``_dispatch.plan.PagesNotReadInPlace``, a ValueError, and the caller
-    gathers them instead)."""
+    gathers them instead). ``plans``: a list the forward plan run is appended to (``_dispatch.plan.forward``)."""
     xp = options.array_module(q)
     page_size = num_pages = 0
     if page_table is not None:
@@ -219,7 +219,7 @@ def forward_with_key_lengths(q, k, v, key_lengths, *, causal: Causal = False, sc
         out = p.xp.zeros(p.out_shape(), dtype=q.dtype)
         return out, p.xp.full(p.lse_shape(), -np.inf, dtype=acc_dtype(p.dtype))
     out, lse = _plan.forward(call, "highest", num_splits, key_lengths=key_lengths, page_table=page_table,
-                             page_size=page_size, num_pages=num_pages)
+                             page_size=page_size, num_pages=num_pages, plans=plans)
     return _shaped(out, p.out_shape()), _shaped(lse, p.lse_shape())
 
 

@@ -10,13 +10,17 @@ not positive, and the NumPy path take a boolean mask over the cache instead.
 """
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
 from . import api
 from ._dispatch import plan as _plan
-from .options import MAX_HEAD_DIM, array_module, check_num_splits, check_scale, check_window, dtype_name
+from ._runtime import device as _device
+from .options import (MAX_HEAD_DIM, _arrays_signature, array_module, check_num_splits, check_scale, check_window,
+                      dtype_name)
 
 Array = Any   # numpy.ndarray or cupy.ndarray
 
@@ -27,11 +31,38 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _lengths(cache_seqlens, batch: int, xp):
-    """cache_seqlens as a contiguous int32 array of shape (batch,) on q's device (itself when it is one), or
-    TypeError / ValueError (its values: _check_ranges)."""
+_FILLED: dict = {}
+"""(device, stream, thread, batch) -> the int32 buffer an int ``cache_seqlens`` is written into: the driver's
+memset in stream order (the previous call's kernels have read it before the next call's memset writes it; a
+thread of its own, so that two threads' calls on one stream never interleave on one buffer)."""
+
+
+def _filled(value: int, batch: int, cupy):
+    """An int32 CuPy array (batch,) of ``value`` on the current device: a reused buffer the driver fills
+    (about 2 us a call; ``cupy.full`` launches an elementwise kernel, about 20)."""
+    fill = _device.memset32_fn()
+    if fill is None:
+        return cupy.full((batch,), value, dtype=np.int32)
+    stream = cupy.cuda.get_current_stream().ptr
+    key = (cupy.cuda.runtime.getDevice(), stream, threading.get_ident(), batch)
+    buffer = _FILLED.get(key)
+    if buffer is None:
+        if len(_FILLED) >= 64:
+            _FILLED.clear()
+        buffer = _FILLED[key] = cupy.empty((batch,), dtype=np.int32)
+    if batch and fill(buffer.data.ptr, value, batch, stream) != 0:
+        return cupy.full((batch,), value, dtype=np.int32)
+    return buffer
+
+
+def _lengths(cache_seqlens, batch: int, xp, device_id: Optional[int] = None):
+    """cache_seqlens as a contiguous int32 array of shape (batch,) on q's device ``device_id`` (itself when it
+    is one), or TypeError / ValueError (its values: _check_ranges)."""
     if _is_int(cache_seqlens):
-        return xp.full((batch,), min(max(int(cache_seqlens), 0), 2 ** 31 - 1), dtype=np.int32)
+        value = min(max(int(cache_seqlens), 0), 2 ** 31 - 1)
+        if xp is not np and device_id == xp.cuda.runtime.getDevice():
+            return _filled(value, batch, xp)
+        return xp.full((batch,), value, dtype=np.int32)
     try:
         mod = array_module(cache_seqlens)
     except TypeError:
@@ -45,12 +76,24 @@ def _lengths(cache_seqlens, batch: int, xp):
     return xp.ascontiguousarray(cache_seqlens.astype(np.int32, copy=False))
 
 
-def _check_ranges(cache_seqlens, lengths, pages, page_size: int, n_new: int, cap: int, num_pages: int,
+HOST_CHECK_BYTES = 1 << 18
+"""A block table up to this size is checked on the host (a copy of it and of the lengths, two transfers,
+no reductions launched); a larger one by reductions on the device, read back in one transfer."""
+
+
+def _check_ranges(cache_seqlens, pages, page_size: int, n_new: int, cap: int, num_pages: int, batch: int,
                   xp) -> None:
     """The lengths (as given) and the page indices a sequence uses in range, and no page that an append
-    writes named by another used table entry, or ValueError: the lengths, the used indices' extremes and
-    the written pages' largest use count in one transfer from the device (none for an int length without
-    pages). Table entries past a sequence's last position are not read (e.g. -1 padding)."""
+    writes named by another used table entry, or ValueError. Table entries past a sequence's last
+    position are not read (e.g. -1 padding). On the device: the arrays copied to the host, or (a large
+    table) the lengths, the used indices' extremes and the written pages' largest use count read back
+    in one transfer; an int length without pages reads nothing."""
+    if xp is not np and (pages is None or pages.nbytes <= HOST_CHECK_BYTES) \
+            and not (_is_int(cache_seqlens) and pages is None):
+        cache_seqlens = cache_seqlens if _is_int(cache_seqlens) else cache_seqlens.get()
+        pages = None if pages is None else pages.get()
+        xp = np
+    lengths = _lengths(cache_seqlens, batch, xp) if pages is not None and pages.size else None
     parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
     n_page_values = 0
     if pages is not None and pages.size:
@@ -164,8 +207,9 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
         read them gathered into one buffer first (a copy a call).
     validate : bool
         Check ``cache_seqlens`` and ``block_table`` against the cache before anything is written or
-        launched (ValueError). On CuPy arrays that reads them back from the device: one small transfer,
-        which waits for the work already queued. ``False`` skips it on CuPy arrays, for a decoding loop
+        launched (ValueError). On CuPy arrays that reads them back from the device (a copy of each, or
+        for a table over 256 KB a few reductions read back at once), which waits for the work already
+        queued. ``False`` skips it on CuPy arrays, for a decoding loop
         that keeps them in range itself (the call then never waits for the device): out-of-range
         values are then not reported, but stay inside the cache (the kernels clamp lengths to
         ``[0, Lcap]`` and page indices to the pages given, the append's indices wrap), so they give a
@@ -190,6 +234,89 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
         written by the append that another used entry names, a read-only cache. Raised before anything
         is written or launched.
     """
+    key = _signature(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale,
+                     num_splits)
+    known = None if key is None else _plan.call_plan(key)
+    if known is None:
+        return _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window, scale, num_splits,
+                          return_lse, block_table, validate, key)
+    xp = array_module(q)
+    lengths = cache_seqlens if known.lengths_ready else _lengths(cache_seqlens, known.batch, xp, q.data.device_id)
+    pages = None
+    if known.page_size:
+        pages = block_table if known.table_ready else xp.ascontiguousarray(block_table.astype(np.int32, copy=False))
+    total = _check_and_append(known, cache_seqlens, lengths, block_table, pages, k_cache, v_cache, k_new, v_new,
+                              validate, xp)
+    out, lse = _plan.execute_forward(known.plan, q, k_cache, v_cache, total, pages)
+    return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What a call's checks establish from its arrays' types, shapes, strides, dtypes and devices and its
+    options alone (not from any value): kept per signature on CuPy inputs (with the split-KV forward's
+    plan), so that a repeated call checks only the lengths' and the table's values."""
+    batch: int
+    n_new: int
+    cap: int                # key positions a sequence has room for
+    page_size: int          # 0: a contiguous cache
+    num_pages: int
+    lengths_ready: bool     # cache_seqlens is itself the contiguous int32 array the kernels read
+    table_ready: bool       # block_table likewise
+    plan: Any = None        # the split-KV forward's plan (_dispatch.plan.ForwardPlan)
+
+
+def _signature(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale,
+               num_splits) -> Optional[tuple]:
+    """Everything the checks of a CuPy call read but values, with option types kept apart (True == 1 as
+    dict keys), or None for a call that is not memoised (NumPy inputs, a last axis that is not unit-stride,
+    one of k_new / v_new)."""
+    if type(causal) is not bool or not (scale is None or type(scale) is float) \
+            or not (num_splits is None or type(num_splits) is int) or (k_new is None) != (v_new is None):
+        return None
+    if window is not None and not (type(window) is tuple and len(window) == 2
+                                   and all(w is None or type(w) is int for w in window)):
+        return None
+    arrays = _arrays_signature((q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new))
+    if arrays is None:
+        return None
+    parts = []
+    for x in (cache_seqlens, block_table):
+        if x is None or (x is cache_seqlens and _is_int(x)):
+            parts.append(type(x))
+        elif type(x) is type(q):
+            parts.append((x.dtype, x.shape, x.strides, x.data.device_id))
+        else:
+            return None
+    return ("kvcache", arrays, *parts, causal, window, scale, num_splits)
+
+
+def _check_and_append(checked: _Checked, cache_seqlens, lengths, block_table, pages, k_cache, v_cache, k_new,
+                      v_new, validate: bool, xp):
+    """The lengths' and the table's values checked (ValueError; ``validate``, NumPy inputs and an int
+    length), the new keys and values written into the cache: each sequence's key count after the
+    append (int32 (B,))."""
+    if validate or xp is np or _is_int(cache_seqlens):
+        # block_table as given: its int32 copy would have wrapped entries past 2**31 into range
+        _check_ranges(cache_seqlens, block_table if validate or xp is np else None, checked.page_size,
+                      checked.n_new, checked.cap, checked.num_pages, checked.batch, xp)
+    n_new = checked.n_new
+    if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
+        positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)
+        if pages is None:
+            where = (xp.arange(checked.batch)[:, None], slice(None), positions)
+        else:
+            owner = xp.take_along_axis(pages, positions // checked.page_size, axis=1)   # (B, Lnew) page indices
+            where = (owner, slice(None), positions % checked.page_size)
+        k_cache[where] = k_new.transpose(0, 2, 1, 3)
+        v_cache[where] = v_new.transpose(0, 2, 1, 3)
+    return lengths + np.int32(n_new) if n_new else lengths
+
+
+def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window, scale, num_splits, return_lse,
+               block_table, validate, key):
+    """attention_with_kvcache with every check; a CuPy call that runs the split-KV forward in place is
+    remembered under ``key`` (not None)."""
     xp = array_module(q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
         if x is None:
@@ -234,35 +361,30 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
     check_num_splits(num_splits)
     if n_new and xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
         raise ValueError("the append writes into k_cache and v_cache: both must be writeable")
-    lengths = _lengths(cache_seqlens, b, xp)
-    if validate or xp is np:
-        # block_table as given: its int32 copy would have wrapped entries past 2**31 into range
-        _check_ranges(cache_seqlens, lengths, block_table, k_cache.shape[2] if pages is not None else 0, n_new, cap,
-                      k_cache.shape[0] if pages is not None else 0, xp)
-    elif _is_int(cache_seqlens):   # on the host: no transfer
-        _check_ranges(cache_seqlens, lengths, None, 0, n_new, cap, 0, xp)
-
-    if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
-        positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)
-        if pages is None:
-            where = (xp.arange(b)[:, None], slice(None), positions)
-        else:
-            page_size = k_cache.shape[2]
-            owner = xp.take_along_axis(pages, positions // page_size, axis=1)    # (B, Lnew) page indices
-            where = (owner, slice(None), positions % page_size)
-        k_cache[where] = k_new.transpose(0, 2, 1, 3)
-        v_cache[where] = v_new.transpose(0, 2, 1, 3)
-    total = lengths + np.int32(n_new) if n_new else lengths     # keys of each sequence after the append (int32)
+    lengths = _lengths(cache_seqlens, b, xp, None if xp is np else q.data.device_id)
+    paged = pages is not None
+    checked = _Checked(b, n_new, cap, k_cache.shape[2] if paged else 0, k_cache.shape[0] if paged else 0,
+                       lengths is cache_seqlens, pages is block_table)
+    total = _check_and_append(checked, cache_seqlens, lengths, block_table, pages, k_cache, v_cache, k_new, v_new,
+                              validate, xp)    # keys of each sequence after the append (int32)
     if xp is not np and (causal or window is None) and (scale is None or _plan.scale_folds(scale)):
         # The split-KV kernels read each sequence's key count and align the causal band (and a window
         # under it) to its own end: no mask, and the query heads of a K/V head share one tile. The
         # 16-bit ones and the decoding kernel read a paged cache in place; the others take it gathered.
         kwargs = dict(causal="bottom_right" if causal else False, window=window, scale=scale, num_splits=num_splits)
+        plans = []
         try:
-            out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total, page_table=pages, **kwargs)
+            out, lse = api.forward_with_key_lengths(q, k_cache, v_cache, total, page_table=pages, plans=plans,
+                                                    **kwargs)
         except _plan.PagesNotReadInPlace:
             out, lse = api.forward_with_key_lengths(q, _gathered(k_cache, pages), _gathered(v_cache, pages),
                                                     total, **kwargs)
+        else:
+            # The plan runs on these arrays' addresses alone (no tensor maps): a repeated call runs it on its
+            # own (the pages in place, not the 4-D view of them the checks took).
+            if key is not None and plans and plans[0].maps is None \
+                    and out.shape == (b, hq, lq, v_cache.shape[3]) and lse.shape == (b, hq, lq):
+                _plan.remember_call(key, replace(checked, plan=plans[0]))
         return (out, lse) if return_lse else out
     if pages is not None:   # each sequence's pages in order, as one (B, Hk, Lcap, D) buffer
         k_cache, v_cache = (_gathered(c, pages) for c in (k_cache, v_cache))

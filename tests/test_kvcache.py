@@ -363,3 +363,68 @@ def test_free_room_never_reaches_the_result(device, causal, window):
                                            causal=causal, window=window)
     assert np.isfinite(_host(dirty)).all()
     np.testing.assert_allclose(_host(dirty), _host(clean), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_check", [True, False])
+def test_a_repeated_call_still_checks_its_values(monkeypatch, host_check):
+    """A call of a signature seen before skips the shape checks, never the values': lengths and page
+    indices out of range, and an append into a shared page, are refused with the caches untouched, both
+    where the table is checked on the host and by reductions on the device (a table over
+    kvcache.HOST_CHECK_BYTES)."""
+    cp = pytest.importorskip("cupy")
+    from cuflash import kvcache
+    from cuflash._dispatch import plan
+    if not host_check:
+        monkeypatch.setattr(kvcache, "HOST_CHECK_BYTES", 0)
+    q, kc, vc, kn, vn = _setup(cp, np.float16, b=2, hq=4, hk=2, lq=1, cap=64, n_new=1, d=64)
+    k_pages, v_pages, table = _paged(cp, _host(kc), _host(vc), 16)          # (2, 4) entries, 8 pages
+    good = cp.asarray([3, 20], dtype=cp.int32)
+    for _ in range(2):
+        cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=good, causal=True)
+        cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, cache_seqlens=good, causal=True,
+                                       block_table=table)
+    assert len(plan._CALL_PLANS) >= 2
+    shared = table.copy()
+    shared[1, 1] = table[0, 0]            # sequence 1 appends at position 20: into the page sequence 0 reads
+    cases = [(dict(cache_seqlens=cp.asarray([3, 64], dtype=cp.int32)), "past the cache's 64"),
+             (dict(cache_seqlens=cp.asarray([-1, 3], dtype=cp.int32)), ">= 0"),
+             (dict(cache_seqlens=good, block_table=table + 8), "outside"),
+             (dict(cache_seqlens=good, block_table=shared), "more than once")]
+    for kwargs, match in cases:
+        paged = "block_table" in kwargs
+        caches = (k_pages, v_pages) if paged else (kc, vc)
+        before = [_host(c) for c in caches]
+        with pytest.raises(ValueError, match=match):
+            cuflash.attention_with_kvcache(q, *caches, kn, vn, causal=True, **kwargs)
+        for c, b in zip(caches, before):
+            np.testing.assert_array_equal(_host(c), b)
+        if not paged:   # the same lengths against the paged cache
+            with pytest.raises(ValueError, match=match):
+                cuflash.attention_with_kvcache(q, k_pages, v_pages, kn, vn, causal=True, block_table=table, **kwargs)
+
+
+@pytest.mark.gpu
+def test_int_lengths_queued_call_after_call_are_each_calls_own():
+    """An int cache_seqlens is written into a buffer of the stream's, reused call after call in stream order:
+    calls queued without a wait, each of another length, give each length's result (against an int32 array
+    of it), on the default stream and on another one, with an append too."""
+    cp = pytest.importorskip("cupy")
+    q, kc, vc, kn, vn = _setup(cp, np.float16, b=2, hq=4, hk=2, lq=1, cap=96, n_new=1, d=64)
+    lengths = list(range(0, 90, 7))
+    for stream in (cp.cuda.Stream.null, cp.cuda.Stream(non_blocking=True)):
+        with stream:
+            outs = [cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=n, causal=True) for n in lengths]
+            wants = [cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=cp.full((2,), n, dtype=cp.int32),
+                                                    causal=True) for n in lengths]
+            k_int, v_int, k_arr, v_arr = kc.copy(), vc.copy(), kc.copy(), vc.copy()
+            appended = [cuflash.attention_with_kvcache(q, k_int, v_int, kn, vn, cache_seqlens=n, causal=True)
+                        for n in lengths]
+            appended_want = [cuflash.attention_with_kvcache(q, k_arr, v_arr, kn, vn, causal=True,
+                                                            cache_seqlens=cp.full((2,), n, dtype=cp.int32))
+                             for n in lengths]
+        stream.synchronize()
+        for got, want in zip(outs + appended, wants + appended_want):
+            np.testing.assert_array_equal(_host(got), _host(want))
+        np.testing.assert_array_equal(_host(k_int), _host(k_arr))
+        assert len({float(_host(o).astype(np.float64).sum()) for o in outs}) == len(lengths)   # not all one length

@@ -83,6 +83,13 @@ def _qkv(dev, shape=(2, 4, 1100, 64), dtype=np.float16):
     return tuple(dev.empty(shape, dtype) for _ in range(3))
 
 
+def _without(params: bytes, offsets) -> bytes:
+    raw = bytearray(params)
+    for offset in offsets:
+        raw[offset:offset + 8] = bytes(8)
+    return bytes(raw)
+
+
 def _without_addresses(params: bytes) -> bytes:
     raw = bytearray(params)
     for offset in plan._FWD_ADDRESSES + plan._FWD_QUEUE:
@@ -908,6 +915,77 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     q16 = dev.empty((2, 16, 1, 128), np.float16)
     with pytest.raises(ValueError, match="reads no such paged cache"):
         cuflash.api.forward_with_key_lengths(q16, pool_k, pool_v, lengths, causal="bottom_right", page_table=table)
+
+
+def _kvcache_arrays(dev, paged: bool, dtype=np.float16):
+    q = dev.empty((2, 8, 1, 128), dtype)
+    shape = (40, 2, 16, 128) if paged else (2, 2, 320, 128)
+    k, v = (dev.empty(shape, dtype) for _ in range(2))
+    table = dev.empty((2, 20), np.int32) if paged else None
+    return q, k, v, dev.empty((2,), np.int32), table
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("window", [None, (64, None)])
+def test_a_repeated_kvcache_call_launches_what_the_full_path_did(fake, monkeypatch, paged, window):
+    """attention_with_kvcache keeps a checked call's plan by its signature: a repeated call (other
+    arrays, the same shapes, strides and dtypes) is not checked again but for its values, and launches the
+    full path's variant, grid and params but for the addresses (q, k, v, the lengths, the page table),
+    which are the new arrays'."""
+    dev, launches = fake
+    first = _kvcache_arrays(dev, paged)
+    cuflash.attention_with_kvcache(*first[:3], cache_seqlens=first[3], block_table=first[4], causal=True,
+                                   window=window, validate=False)
+    assert len(plan._CALL_PLANS) == 1
+    monkeypatch.setattr(options, "forward_call", lambda *a, **kw: pytest.fail("checked again"))
+    q, k, v, lengths, table = again = _kvcache_arrays(dev, paged)
+    out, lse = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table, causal=True,
+                                              window=window, validate=False, return_lse=True)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((2, 8, 1, 128), np.float16, (2, 8, 1), np.float32)
+    (var1, params1, _, grid1), (var2, params2, _, grid2) = launches
+    assert var2 is var1 and var1.kv_split and grid2 == grid1
+    f2 = _fwd_fields(params2)
+    assert [int(f2[n]["ptr"]) for n in ("q", "k", "v")] == [x.data.ptr for x in again[:3]]
+    assert int(f2["mask"]["key_lengths"]) == lengths.data.ptr
+    assert int(f2["mask"]["page_table"]) == (table.data.ptr if paged else 0)
+    addresses = plan._FWD_ADDRESSES + plan._FWD_PARTIALS + plan._FWD_KEY_LENGTHS + plan._FWD_PAGE_TABLE
+    assert _without(params2, addresses) == _without(params1, addresses)
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(causal=1), TypeError), (dict(window=(64.0, None)), ValueError), (dict(num_splits=2.0), TypeError),
+    (dict(scale=1), None), (dict(num_splits=np.int64(2)), None), (dict(window=[64, None]), None)])
+def test_a_kvcache_call_of_another_signature_is_checked(fake, change, error):
+    """Options of another type than the remembered call's (equal as dict keys) take the full path: its
+    errors, or a call of its own; the remembered plan stays."""
+    dev, launches = fake
+    q, k, v, lengths, table = _kvcache_arrays(dev, True)
+    base = dict(cache_seqlens=lengths, block_table=table, causal=True, window=(64, None), num_splits=2, scale=1.0,
+                validate=False)
+    cuflash.attention_with_kvcache(q, k, v, **base)
+    kept = dict(plan._CALL_PLANS)
+    if error is not None:
+        with pytest.raises(error):
+            cuflash.attention_with_kvcache(q, k, v, **{**base, **change})
+    else:
+        cuflash.attention_with_kvcache(q, k, v, **{**base, **change})
+    assert all(plan._CALL_PLANS[key] is value for key, value in kept.items())
+
+
+def test_a_kvcache_call_of_other_shapes_is_checked(fake):
+    dev, _ = fake
+    q, k, v, lengths, table = _kvcache_arrays(dev, False)
+    cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, validate=False)
+    with pytest.raises(ValueError, match="must have shape"):
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=dev.empty((3,), np.int32), validate=False)
+    with pytest.raises(ValueError, match="not a multiple"):
+        cuflash.attention_with_kvcache(dev.empty((2, 7, 1, 128), np.float16), k, v, cache_seqlens=lengths,
+                                       validate=False)
+    with pytest.raises(TypeError, match="dtype"):
+        cuflash.attention_with_kvcache(q, k, dev.empty((2, 2, 320, 128), np.float32), cache_seqlens=lengths,
+                                       validate=False)
+    select.clear_selection_caches()
+    assert not plan._CALL_PLANS
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

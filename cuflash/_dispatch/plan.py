@@ -843,6 +843,9 @@ def execute_backward(plan: BackwardPlan, dout, q, k, v, out, lse, grads=None):
 
 _FORWARD_PLANS: dict = {}
 _BACKWARD_PLANS: dict = {}
+_CALL_PLANS: dict = {}
+"""A caller's memo of whole validated calls that hold a forward plan (cuflash.kvcache): forgotten with
+the plans."""
 
 
 def _hooks() -> tuple:
@@ -850,6 +853,15 @@ def _hooks() -> tuple:
     that a replaced one is a different key."""
     return (device.compute_capability, device.smem_limit, device.device_facts, forward_choice, backward_variants,
             split_variants, tma.tma_ok)
+
+
+def call_plan(key: tuple):
+    """What :func:`remember_call` kept under ``key`` with the current :func:`_hooks`, or None."""
+    return _CALL_PLANS.get((key, _hooks()))
+
+
+def remember_call(key: tuple, value) -> None:
+    _remember(_CALL_PLANS, (key, _hooks()), value)
 
 
 def _remember(plans: dict, key: tuple, plan) -> None:
@@ -863,6 +875,7 @@ def clear_plans() -> None:
     _FORWARD_PLANS.clear()
     _BACKWARD_PLANS.clear()
     _PACKED_PLANS.clear()
+    _CALL_PLANS.clear()
 
 
 CACHES_OF_CHOICES.append(clear_plans)
@@ -916,13 +929,14 @@ def _layouts_key(layouts: Optional[dict]) -> tuple:
 
 
 def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_out: bool = False,
-            key_lengths=None, page_table=None, page_size: int = 0, num_pages: int = 0, out=None, lse=None):
+            key_lengths=None, page_table=None, page_size: int = 0, num_pages: int = 0, out=None, lse=None,
+            plans: Optional[list] = None):
     """(out, lse) as 4-D / 3-D arrays of a validated CuPy call (:class:`cuflash.options.Call`) with
     keys and outputs; ``num_splits`` (part of the call's signature), ``accumulator_out``, ``key_lengths``
     (an int32 array (B,) or None) and a paged cache's ``page_table`` (int32 (B, pages_per_seq)) with its
     ``page_size`` and the cache's ``num_pages`` as :func:`plan_forward` takes them; ``out`` (B, Hq, Lq, Dv)
     and ``lse`` (B, Hq, Lq), views of the caller's memory the unsplit forward writes (``num_splits=1``), or
-    None."""
+    None. ``plans``: a list the plan run is appended to (a caller that memoises whole calls keeps it)."""
     p = call.problem
     with_lengths = key_lengths is not None
     pages = None if page_table is None else (int(page_size), int(page_table.shape[1]), int(num_pages))
@@ -934,6 +948,8 @@ def forward(call, precision: str, num_splits: Optional[int] = None, accumulator_
         plan = plan_forward(p, call.options, precision, num_splits, accumulator_out, with_lengths, pages, layouts)
         if key is not None:
             _remember(_FORWARD_PLANS, key, plan)
+    if plans is not None:
+        plans.append(plan)
     return execute_forward(plan, p.q, p.k, p.v, key_lengths, page_table, out, lse)
 
 

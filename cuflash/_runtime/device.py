@@ -115,3 +115,18 @@ def on_device(device_id: int):
     is current, else a no-op (entering and leaving CuPy's costs a few microseconds of a call)."""
     cupy, _ = cupy_modules()
     return _CURRENT if cupy.cuda.runtime.getDevice() == device_id else cupy.cuda.Device(device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def memset32_fn():
+    """The driver's ``cuMemsetD32Async(pointer, value, count, stream)`` (ctypes on libcuda; CuPy does not
+    wrap it), or None where libcuda has none."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemsetD32Async
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p]
+    return fn
