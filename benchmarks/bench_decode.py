@@ -1,6 +1,7 @@
 """Decoding over a KV cache: few query rows against a long cache (needs a GPU).
 
-    PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--splits] [--dtypes D,..] [--out DIR] [--repeat 50]
+    PYTHONPATH=. python benchmarks/bench_decode.py [--quick] [--splits] [--dtypes D,..] [--lq N,..] [--out DIR]
+        [--repeat 50]
     python -m cuflash bench --decode [--quick]
 
 Each row: B sequences, Hq query heads over Hk K/V heads (grouped-query attention), Lq new query rows
@@ -270,6 +271,7 @@ def main(argv=None) -> int:
         parser.add_argument("--splits", action="store_true", help="the reference rows by split count")
         parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a results JSON (no GPU)")
         parser.add_argument("--dtypes", help="only the rows of these dtypes, e.g. float32,float64")
+        parser.add_argument("--lq", help="only the rows of these query counts, e.g. 1 (the reference rows stay)")
     parsed = bench.side_args(argv, __doc__, "decode", "the four reference rows only", 50, "'torch math'", more=more)
     if parsed is None:
         return 2
@@ -280,8 +282,10 @@ def main(argv=None) -> int:
         return 0
     peak = next((bw for key, bw in HBM_PEAK.items() if key in device), None)
     wanted = args.dtypes.split(",") if args.dtypes else None
+    counts = {int(x) for x in args.lq.split(",")} if args.lq else None
     rows = (run_row(row, args.repeat, peak, skip, args.splits)
-            for row in (QUICK if args.quick or args.splits else sweep()) if wanted is None or row[0] in wanted)
+            for row in (QUICK if args.quick or args.splits else sweep()) if (wanted is None or row[0] in wanted)
+            and (counts is None or row[4] in counts or row in QUICK))
     return bench.side_report(rows, markdown, device, args.out, "decode-splits" if args.splits else "decode",
                              plot=None if args.splits else plot, peak_bytes_per_s=peak)
 

@@ -33,6 +33,9 @@ FIGURES = (
     "lts__t_sectors_op_red.sum",
     "lts__t_sectors_op_atom.sum",
     "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "lts__t_sector_hit_rate.pct",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes_read.sum",
     "launch__registers_per_thread",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
 )
