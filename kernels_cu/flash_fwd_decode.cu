@@ -80,7 +80,7 @@ struct FwdDecodeTraits {
     static_assert(KEYS_W % (sizeof(T) == 2 ? 16 : 8) == 0 && HEAD % (F64 ? 16 : F32 ? 32 : 64) == 0,
                   "whole n8 tiles of keys a warp (16-bit: k16 steps of O += P V); whole k steps of the head; "
                   "16-bit rows of 8 chunks");
-    static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
+    static_assert(Cfg::STAGES == 2 || Cfg::STAGES == 3, "K/V tiles in a ring of two or three stages");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
     static_assert(MERGE_ELEMS * int(sizeof(A)) <= 2 * Cfg::STAGES * KV_ELEMS * int(sizeof(T)),
@@ -289,7 +289,7 @@ flash_fwd_decode(const FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);    // F32: Q's big part, its small part at q_s + BM * P
     T* k_s = q_s + Tr::Q_ELEMS;                 // stage i at k_s + i * KV_ELEMS
-    T* v_s = k_s + 2 * Tr::KV_ELEMS;
+    T* v_s = k_s + Cfg::STAGES * Tr::KV_ELEMS;
 
     const AttnDims& dims = p.dims;
     typedef KeySplit<BM, true> Split;
@@ -333,6 +333,13 @@ flash_fwd_decode(const FwdParams p) {
                                                         reinterpret_cast<float*>(q_s) + BM * P);
         }
     }
+    // Three stages: two tiles ahead, so that a CTA alone on its SM (float64 at head dim 128) keeps two tiles of
+    // copies in flight while it computes on a third; every step commits one group (empty past the split's
+    // end), so that waiting for all but the two latest leaves this step's tile landed.
+    if constexpr (Cfg::STAGES == 3) {
+        if (j + 1 < keys.end) load_kv(j + 1, 1);
+        else cp_async_commit();
+    }
     // QUERY_MINOR: Q^T's B fragments, big and small, in registers for the whole key loop
     unsigned qt_big[Tr::QUERY_MINOR ? HEAD / 8 : 1][2], qt_small[Tr::QUERY_MINOR ? HEAD / 8 : 1][2];
     if constexpr (Tr::QUERY_MINOR) {
@@ -343,8 +350,14 @@ flash_fwd_decode(const FwdParams p) {
         }
     }
     const int key_w = warp * Tr::KEYS_W;   // this warp's keys within a tile
-    for (int stage = 0; j < keys.end; stage ^= 1) {
-        prefetch_next_step<2>(j + 1, keys.end, stage, [&](int j_next, int s_next) { load_kv(j_next, s_next); });
+    for (int stage = 0; j < keys.end; stage = stage + 1 == Cfg::STAGES ? 0 : stage + 1) {
+        if constexpr (Cfg::STAGES == 3) {
+            if (j + 2 < keys.end) load_kv(j + 2, stage == 0 ? 2 : stage - 1);   // the stage of tile j - 1
+            else cp_async_commit();
+            cp_async_wait<2>();
+        } else {
+            prefetch_next_step<2>(j + 1, keys.end, stage, [&](int j_next, int s_next) { load_kv(j_next, s_next); });
+        }
         __syncthreads();
 
         const T* k_w = k_s + stage * Tr::KV_ELEMS + key_w * KP;   // this warp's keys of K and V

@@ -66,6 +66,7 @@ add("fwd_decode", HALF_TYPES, [64], Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: 
 # 66-70% (bench_decode.py rows).
 add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: two CTAs an SM", ctas=2),
     Tile(8, 64, 4, 2, "8 query rows, 16 keys a warp, 78 KB: two CTAs an SM", ctas=2), split=True)
+# float32 at head dim 128 on three K/V stages (219 / 217 KB) measured 0.98-1.04x two: two kept (tune_decode.py).
 add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"),
     Tile(8, 64, 4, 2, "8 query rows, 16 keys a warp, 145 KB: one CTA an SM"), split=True)
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)",
@@ -74,7 +75,10 @@ add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: 
 # need 64-key stages of 64 KB at d=128), four warps a CTA: a warp on each of an SM's schedulers (a 16-row split
 # twin of one warp a CTA, two CTAs an SM, left two of the four idle: 31-35% of the H200's HBM peak).
 add("fwd_decode", ["float64"], [64], Tile(16, 32, 4, 2, "8 keys a warp, 78 KB: two CTAs an SM", ctas=2), split=True)
-add("fwd_decode", ["float64"], [128], Tile(16, 32, 4, 2, "8 keys a warp, 152 KB: one CTA an SM"), split=True)
+# float64 at head dim 128 (one CTA an SM): three K/V stages, two tiles in flight while one is computed, where the
+# GPU's shared memory holds them (1.005-1.012x two on the H200, tune_decode.py); two on the A100's 163 KB.
+add("fwd_decode", ["float64"], [128], Tile(16, 32, 4, 3, "8 keys a warp, three stages, 219 KB: one CTA an SM"),
+    Tile(16, 32, 4, 2, "8 keys a warp, 152 KB: one CTA an SM"), split=True)
 
 # Hopper forward (fwd_wgmma, flash_fwd_wgmma.cu, arch "sm90a"): a TMA producer warpgroup and block_m / 64 consumer
 # warpgroups of 64 query rows; S = Q K^T and O += P V on wgmma, Q/K/V in 128-byte swizzled shared memory on
