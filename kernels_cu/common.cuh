@@ -96,17 +96,19 @@ template <typename A> __device__ __forceinline__ A neg_inf() { return -pos_inf<A
 __device__ __forceinline__ float amax(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double amax(double a, double b) { return fmax(a, b); }
 
-template <int WIDTH, typename A>
+// STRIDE: the pieces lie STRIDE lanes apart instead (lane bits log2(STRIDE).. of the same low bits: the
+// decoding kernel's query-minor tile, STRIDE 4, a query's 8 lanes).
+template <int WIDTH, int STRIDE = 1, typename A>
 __device__ __forceinline__ A group_max(A x) {
 #pragma unroll
-    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+    for (int offset = WIDTH / 2 * STRIDE; offset >= STRIDE; offset /= 2)
         x = amax(x, __shfl_xor_sync(0xffffffffu, x, offset));
     return x;
 }
-template <int WIDTH, typename A>
+template <int WIDTH, int STRIDE = 1, typename A>
 __device__ __forceinline__ A group_sum(A x) {
 #pragma unroll
-    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+    for (int offset = WIDTH / 2 * STRIDE; offset >= STRIDE; offset /= 2)
         x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
 }

@@ -17,13 +17,13 @@ struct FinishedRow {
     A inv_sum, lse;
 };
 
-// The row's statistics finished: row_sum is reduced over the GROUP consecutive lanes that hold
-// pieces of the row (they all call this), row_max is equal across them. A row that attended to
-// nothing (l = 0) gets 1 / l = 0 and lse = -inf; a row that read a NaN score (l NaN) gets NaN for
-// both, as PyTorch's softmax does.
-template <int GROUP, typename A>
+// The row's statistics finished: row_sum is reduced over the GROUP consecutive lanes (STRIDE > 1: lanes
+// STRIDE apart) that hold pieces of the row (they all call this), row_max is equal across them. A row
+// that attended to nothing (l = 0) gets 1 / l = 0 and lse = -inf; a row that read a NaN score (l NaN)
+// gets NaN for both, as PyTorch's softmax does.
+template <int GROUP, int STRIDE = 1, typename A>
 __device__ __forceinline__ FinishedRow<A> finish_row(A row_max, A row_sum) {
-    const A total = group_sum<GROUP>(row_sum);
+    const A total = group_sum<GROUP, STRIDE>(row_sum);
     const bool empty = total == A(0);
     FinishedRow<A> f;
     f.inv_sum = empty ? A(0) : A(1) / total;

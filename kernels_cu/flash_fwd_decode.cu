@@ -184,35 +184,19 @@ __device__ __forceinline__ void merge_warps(A* stage, int warp, int lane, StripR
     }
 }
 
-// QUERY_MINOR's online softmax down S^T's columns (softmax_update_row's arithmetic): a query's scores lie
-// in the 8 lanes of its t (lane bits 2-4) and in their tiles' two halves; st becomes P. The row sums stay
-// each lane's part (summed in store_o_lse_query_minor).
+// QUERY_MINOR's online softmax down S^T's columns (softmax_update_row): a query's scores lie in the 8 lanes
+// of its t (lane bits 2-4, STRIDE 4) and in their tiles' two halves; st becomes P. The row sums stay each
+// lane's part (summed in store_o_lse_query_minor).
 template <typename Tr, int M>
 __device__ __forceinline__ void softmax_query_minor(float (&st)[M][4], StripRows<Tr>& rows, float x_per_s) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-        float tile_max = st[0][e];
+        float x[2 * M];   // the lane's scores of query 2t + e
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+        for (int i = 0; i < 2 * M; ++i) x[i] = st[i / 2][2 * (i % 2) + e];
+        const float correction = softmax_update_row<8, 4>(x, rows.row_max[e], rows.row_sum[e], x_per_s);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) tile_max = amax(tile_max, st[m][2 * r + e]);
-#pragma unroll
-        for (int offset = 4; offset < 32; offset *= 2)
-            tile_max = amax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
-        const float new_max = amax(rows.row_max[e], tile_max * x_per_s);
-        const float ref = new_max == neg_inf<float>() ? 0.0f : new_max;   // no key seen yet: p = 0, not NaN
-        const float correction = fast_exp2(rows.row_max[e] - ref);
-        float tile_sum = 0.0f;
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float& x = st[m][2 * r + e];
-                x = fast_exp2(x * x_per_s - ref);
-                tile_sum += x;
-            }
-        rows.row_sum[e] = rows.row_sum[e] * correction + tile_sum;
-        rows.row_max[e] = new_max;
+        for (int i = 0; i < 2 * M; ++i) st[i / 2][2 * (i % 2) + e] = x[i];
         if (__all_sync(0xffffffffu, correction == 1.0f)) continue;   // the maxima stay put once a few tiles are in
 #pragma unroll
         for (int t = 0; t < Tr::O_TILES; ++t) {
@@ -222,20 +206,15 @@ __device__ __forceinline__ void softmax_query_minor(float (&st)[M][4], StripRows
     }
 }
 
-// QUERY_MINOR's epilogue (finish_row's rules): each query's sum over its 8 lanes, then O^T's columns
-// 16t + g and 16t + g + 8 of the lane's queries 2t + e (those below blk.rows) and their lse (lanes g = 0).
+// QUERY_MINOR's epilogue (finish_row over a query's 8 lanes): O^T's columns 16t + g and 16t + g + 8 of the
+// lane's queries 2t + e (those below blk.rows) and their lse (lanes g = 0).
 template <bool KV_SPLIT, typename Tr>
 __device__ __forceinline__ void store_o_lse_query_minor(const FwdParams& p, const QueryBlock& blk, int lane,
                                                         const StripRows<Tr>& rows) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-        float total = rows.row_sum[e];
-#pragma unroll
-        for (int offset = 4; offset < 32; offset *= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-        const bool empty = total == 0.0f;
-        const float inv_sum = empty ? 0.0f : 1.0f / total;
-        const float lse = empty ? neg_inf<float>() : (rows.row_max[e] + log2_of(total)) * float(LN2);
+        const FinishedRow<float> f = finish_row<8, 4>(rows.row_max[e], rows.row_sum[e]);
         const int row = 2 * t + e;
         if (row >= blk.rows) continue;
         float* out_row = out_view<KV_SPLIT>(p).template at<float>(blk.batch, blk.head, blk.m0 + row);
@@ -244,9 +223,9 @@ __device__ __forceinline__ void store_o_lse_query_minor(const FwdParams& p, cons
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int col = 16 * c + g + 8 * h;
-                if (col < p.dims.dv) out_row[col] = rows.acc_o[c][2 * h + e] * inv_sum;
+                if (col < p.dims.dv) out_row[col] = rows.acc_o[c][2 * h + e] * f.inv_sum;
             }
-        if (g == 0) store_lse(lse_view<KV_SPLIT>(p), blk, row, lse);
+        if (g == 0) store_lse(lse_view<KV_SPLIT>(p), blk, row, f.lse);
     }
 }
 

@@ -25,13 +25,13 @@ constexpr float RESCALE_SLACK = 8.0f;
 // ScoreMod::x_per_score, which is positive, so it commutes with the max and the
 // scale joins the subtraction in one FMA). s is overwritten with
 // p = 2^(x - row_max_new). Returns the factor 2^(row_max_old - row_max_new) by
-// which the caller rescales the row of acc_o.
-template <int GROUP, int N, typename A>
+// which the caller rescales the row of acc_o. STRIDE: the row's GROUP lanes lie STRIDE apart (group_max).
+template <int GROUP, int STRIDE = 1, int N, typename A>
 __device__ __forceinline__ A softmax_update_row(A (&s)[N], A& row_max, A& row_sum, A x_per_s = A(1)) {
     A tile_max = s[0];
 #pragma unroll
     for (int j = 1; j < N; ++j) tile_max = amax(tile_max, s[j]);
-    tile_max = group_max<GROUP>(tile_max) * x_per_s;
+    tile_max = group_max<GROUP, STRIDE>(tile_max) * x_per_s;
     const A new_max = amax(row_max, tile_max);
     // A row that has allowed nothing yet has max -inf; subtracting 0 instead
     // keeps every p at exactly 0 rather than NaN (-inf - -inf).
