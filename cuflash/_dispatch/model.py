@@ -578,13 +578,13 @@ class Variant:
             return TABLES["extra"][key]
         return TABLES["plain"][key]
 
-    def fitted(self, smem_limit: int) -> "Variant":
+    def fitted(self, smem_limit: int, where=None) -> "Variant":
         """This variant with the first tile whose shared memory fits ``smem_limit`` bytes (tiles marked
-        ``vec_only`` only for 16-byte loads)."""
-        tiles = [t for t in self.tiles() if self.vec or not t.vec_only]
+        ``vec_only`` only for 16-byte loads) among those ``where(tile)`` is true of (None: all)."""
+        tiles = [t for t in self.tiles() if (self.vec or not t.vec_only) and (where is None or where(t))]
         if not tiles:
             raise ValueError(f"{self.dtype} {FAMILY_WHAT[self.family]} at head dim {self.head}: the table has "
-                             f"tiles for 16-byte loads only")
+                             + ("tiles for 16-byte loads only" if where is None else "no such tile"))
         for tile in tiles:
             v = replace(self, tile=tile)
             if v.smem_bytes <= smem_limit and fits_resident(v.smem_bytes, tile.resident, smem_limit):

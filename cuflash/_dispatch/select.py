@@ -378,16 +378,17 @@ QUERY_MINOR_ROWS = 8
 """Query rows a block of the decoding kernel's query-minor tile holds (float32; flash_fwd_decode.cu QUERY_MINOR)."""
 
 
-def _query_minor(decode: Variant, rows: int, smem_limit: int) -> Optional[Variant]:
-    """``decode`` on its query-minor tile (block_m QUERY_MINOR_ROWS) where the blocks' ``rows`` fit one and the
-    table has such a tile that fits ``smem_limit``; else None."""
-    if rows > QUERY_MINOR_ROWS:
-        return None
-    for tile in decode.tiles():
-        v = replace(decode, tile=tile)
-        if tile.block_m == QUERY_MINOR_ROWS and v.smem_bytes <= smem_limit:
-            return v
-    return None
+def _query_minor(tile: Tile) -> bool:
+    return tile.block_m == QUERY_MINOR_ROWS
+
+
+def _decoding_tile(decode: Variant, rows: int, smem_limit: int) -> Variant:
+    """``decode`` fitted to ``smem_limit``: on its query-minor tile (block_m QUERY_MINOR_ROWS) where the blocks'
+    ``rows`` fit one and the table has one that fits, else on a 16-row strip (ValueError where none fits)."""
+    if rows <= QUERY_MINOR_ROWS:
+        with contextlib.suppress(ValueError):
+            return decode.fitted(smem_limit, where=_query_minor)
+    return decode.fitted(smem_limit, where=lambda tile: not _query_minor(tile))
 
 
 def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1) -> Tuple[Variant, Variant]:
@@ -404,7 +405,7 @@ def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECO
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
                              kv_split=True)
-            decode = _query_minor(decode, rows, smem_limit) or decode.fitted(smem_limit)
+            decode = _decoding_tile(decode, rows, smem_limit)
             return decode, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
     partial = replace(portable, kv_split=True)
     if not portable.extra and (portable.arch, portable.family, portable.dtype, portable.head) in TABLES["split"]:
