@@ -76,7 +76,7 @@ add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: 
 # twin of one warp a CTA, two CTAs an SM, left two of the four idle: 31-35% of the H200's HBM peak).
 add("fwd_decode", ["float64"], [64], Tile(16, 32, 4, 2, "8 keys a warp, 78 KB: two CTAs an SM", ctas=2), split=True)
 # float64 at head dim 128 (one CTA an SM): three K/V stages, two tiles in flight while one is computed, where the
-# GPU's shared memory holds them (1.005-1.012x two on the H200, tune_decode.py); two on the A100's 163 KB.
+# GPU's shared memory holds them (1.002-1.012x two on the H200, tune_decode.py); two on the A100's 163 KB.
 add("fwd_decode", ["float64"], [128], Tile(16, 32, 4, 3, "8 keys a warp, three stages, 219 KB: one CTA an SM"),
     Tile(16, 32, 4, 2, "8 keys a warp, 152 KB: one CTA an SM"), split=True)
 
