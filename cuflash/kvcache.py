@@ -38,8 +38,9 @@ thread of its own, so that two threads' calls on one stream never interleave on 
 
 
 def _filled(value: int, batch: int, cupy):
-    """An int32 CuPy array (batch,) of ``value`` on the current device: a reused buffer the driver fills
-    (about 2 us a call; ``cupy.full`` launches an elementwise kernel, about 20)."""
+    """An int32 CuPy array (batch,) of ``value`` on the current device: a reused buffer the driver fills,
+    where ``cupy.full`` would launch an elementwise kernel (an int-length call 36 us against 58 on the
+    H200's host, benchmarks/host_decode.py)."""
     fill = _device.memset32_fn()
     if fill is None:
         return cupy.full((batch,), value, dtype=np.int32)
@@ -55,14 +56,11 @@ def _filled(value: int, batch: int, cupy):
     return buffer
 
 
-def _lengths(cache_seqlens, batch: int, xp, device_id: Optional[int] = None):
-    """cache_seqlens as a contiguous int32 array of shape (batch,) on q's device ``device_id`` (itself when it
-    is one), or TypeError / ValueError (its values: _check_ranges)."""
+def _check_lengths(cache_seqlens, batch: int, xp) -> bool:
+    """TypeError / ValueError unless cache_seqlens is an int or an integer array (B,) of q's library (its
+    values: _check_ranges); whether it is the contiguous int32 array the kernels read as it is."""
     if _is_int(cache_seqlens):
-        value = min(max(int(cache_seqlens), 0), 2 ** 31 - 1)
-        if xp is not np and device_id == xp.cuda.runtime.getDevice():
-            return _filled(value, batch, xp)
-        return xp.full((batch,), value, dtype=np.int32)
+        return False
     try:
         mod = array_module(cache_seqlens)
     except TypeError:
@@ -73,6 +71,17 @@ def _lengths(cache_seqlens, batch: int, xp, device_id: Optional[int] = None):
         raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
     if mod is not xp:
         raise TypeError(f"cache_seqlens is a {mod.__name__} array but q is a {xp.__name__} array")
+    return np.dtype(cache_seqlens.dtype) == np.int32 and cache_seqlens.flags.c_contiguous
+
+
+def _lengths(cache_seqlens, batch: int, xp, device_id: Optional[int] = None):
+    """cache_seqlens (checked: _check_lengths) as a contiguous int32 array (B,) on q's device ``device_id``
+    (itself when it is one)."""
+    if _is_int(cache_seqlens):
+        value = min(max(int(cache_seqlens), 0), 2 ** 31 - 1)
+        if xp is not np and device_id == xp.cuda.runtime.getDevice():
+            return _filled(value, batch, xp)
+        return xp.full((batch,), value, dtype=np.int32)
     return xp.ascontiguousarray(cache_seqlens.astype(np.int32, copy=False))
 
 
@@ -132,9 +141,10 @@ def _check_ranges(cache_seqlens, pages, page_size: int, n_new: int, cap: int, nu
                              "(pages shared between sequences must not take new keys)")
 
 
-def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
-    """block_table as a contiguous int32 array (B, max_pages) (itself when it is one), or TypeError /
-    ValueError (its values: _check_ranges)."""
+def _check_pages(block_table, batch: int, k_cache, v_cache, d: int, xp) -> bool:
+    """TypeError / ValueError unless block_table is an integer array (B, max_pages) of q's library over pages
+    of 1-256 positions (its values: _check_ranges); whether it is the contiguous int32 array the kernels
+    read as it is."""
     try:
         mod = array_module(block_table)
     except TypeError:
@@ -150,7 +160,7 @@ def _pages(block_table, batch: int, k_cache, v_cache, d: int, xp):
     page_size = k_cache.shape[2]
     if not 1 <= page_size <= 256:
         raise ValueError(f"pages hold 1 to 256 positions, got {page_size}")
-    return xp.ascontiguousarray(block_table.astype(np.int32, copy=False))
+    return np.dtype(block_table.dtype) == np.int32 and block_table.flags.c_contiguous
 
 
 def _gathered(cache, pages):
@@ -240,13 +250,8 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
     if known is None:
         return _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window, scale, num_splits,
                           return_lse, block_table, validate, key)
-    xp = array_module(q)
-    lengths = cache_seqlens if known.lengths_ready else _lengths(cache_seqlens, known.batch, xp, q.data.device_id)
-    pages = None
-    if known.page_size:
-        pages = block_table if known.table_ready else xp.ascontiguousarray(block_table.astype(np.int32, copy=False))
-    total = _check_and_append(known, cache_seqlens, lengths, block_table, pages, k_cache, v_cache, k_new, v_new,
-                              validate, xp)
+    total, pages = _check_and_append(known, cache_seqlens, block_table, k_cache, v_cache, k_new, v_new, validate,
+                                     array_module(q), q.data.device_id)
     out, lse = _plan.execute_forward(known.plan, q, k_cache, v_cache, total, pages)
     return (out, lse) if return_lse else out
 
@@ -291,15 +296,20 @@ def _signature(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, ca
     return ("kvcache", arrays, *parts, causal, window, scale, num_splits)
 
 
-def _check_and_append(checked: _Checked, cache_seqlens, lengths, block_table, pages, k_cache, v_cache, k_new,
-                      v_new, validate: bool, xp):
+def _check_and_append(checked: _Checked, cache_seqlens, block_table, k_cache, v_cache, k_new, v_new,
+                      validate: bool, xp, device_id: Optional[int]):
     """The lengths' and the table's values checked (ValueError; ``validate``, NumPy inputs and an int
-    length), the new keys and values written into the cache: each sequence's key count after the
-    append (int32 (B,))."""
+    length), then the lengths and the table as the kernels read them (int32, contiguous, on q's device
+    ``device_id``) and the new keys and values written into the cache: (each sequence's key count after
+    the append (int32 (B,)), the table or None)."""
     if validate or xp is np or _is_int(cache_seqlens):
         # block_table as given: its int32 copy would have wrapped entries past 2**31 into range
         _check_ranges(cache_seqlens, block_table if validate or xp is np else None, checked.page_size,
                       checked.n_new, checked.cap, checked.num_pages, checked.batch, xp)
+    lengths = cache_seqlens if checked.lengths_ready else _lengths(cache_seqlens, checked.batch, xp, device_id)
+    pages = None
+    if checked.page_size:
+        pages = block_table if checked.table_ready else xp.ascontiguousarray(block_table.astype(np.int32, copy=False))
     n_new = checked.n_new
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
         positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)
@@ -310,7 +320,7 @@ def _check_and_append(checked: _Checked, cache_seqlens, lengths, block_table, pa
             where = (owner, slice(None), positions % checked.page_size)
         k_cache[where] = k_new.transpose(0, 2, 1, 3)
         v_cache[where] = v_new.transpose(0, 2, 1, 3)
-    return lengths + np.int32(n_new) if n_new else lengths
+    return (lengths + np.int32(n_new) if n_new else lengths), pages
 
 
 def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window, scale, num_splits, return_lse,
@@ -333,10 +343,11 @@ def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window,
     if q.ndim != 4:
         raise ValueError(f"q must be 4-D (B, Hq, Lq, D), got shape {tuple(q.shape)}")
     b, hq, lq, d = q.shape
-    pages = None
-    if block_table is not None:
-        pages = _pages(block_table, b, k_cache, v_cache, d, xp)
-        hk, cap = k_cache.shape[1], pages.shape[1] * k_cache.shape[2]
+    paged = block_table is not None
+    table_ready = False
+    if paged:
+        table_ready = _check_pages(block_table, b, k_cache, v_cache, d, xp)
+        hk, cap = k_cache.shape[1], block_table.shape[1] * k_cache.shape[2]
     else:
         if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] != b or k_cache.shape[3] != d:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be (B, Hk, Lcap, "
@@ -361,12 +372,11 @@ def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window,
     check_num_splits(num_splits)
     if n_new and xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
         raise ValueError("the append writes into k_cache and v_cache: both must be writeable")
-    lengths = _lengths(cache_seqlens, b, xp, None if xp is np else q.data.device_id)
-    paged = pages is not None
     checked = _Checked(b, n_new, cap, k_cache.shape[2] if paged else 0, k_cache.shape[0] if paged else 0,
-                       lengths is cache_seqlens, pages is block_table)
-    total = _check_and_append(checked, cache_seqlens, lengths, block_table, pages, k_cache, v_cache, k_new, v_new,
-                              validate, xp)    # keys of each sequence after the append (int32)
+                       _check_lengths(cache_seqlens, b, xp), table_ready)
+    # keys of each sequence after the append (int32), the table as the kernels read it
+    total, pages = _check_and_append(checked, cache_seqlens, block_table, k_cache, v_cache, k_new, v_new, validate,
+                                     xp, None if xp is np else q.data.device_id)
     if xp is not np and (causal or window is None) and (scale is None or _plan.scale_folds(scale)):
         # The split-KV kernels read each sequence's key count and align the causal band (and a window
         # under it) to its own end: no mask, and the query heads of a K/V head share one tile. The

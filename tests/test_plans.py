@@ -972,6 +972,25 @@ def test_a_kvcache_call_of_another_signature_is_checked(fake, change, error):
     assert all(plan._CALL_PLANS[key] is value for key, value in kept.items())
 
 
+def test_a_bad_int_length_is_refused_before_the_lengths_are_written(fake, monkeypatch):
+    """An int cache_seqlens out of range is refused before its value reaches the device (the driver's memset
+    into the lengths buffer, kvcache._filled), on the full path and on a remembered call's."""
+    from cuflash import kvcache
+
+    dev, launches = fake
+    q, k, v, _, _ = _kvcache_arrays(dev, False)
+    written = []
+    monkeypatch.setattr(kvcache, "_filled", lambda value, batch, cupy: written.append(value) or dev.empty((batch,),
+                                                                                                        np.int32))
+    for _ in range(2):
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=5)
+    assert written == [5, 5] and len(plan._CALL_PLANS) == 1 and len(launches) == 2
+    for bad, match in ((-1, ">= 0"), (321, "past the cache's 320")):
+        with pytest.raises(ValueError, match=match):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=bad)
+    assert written == [5, 5] and len(launches) == 2
+
+
 def test_a_kvcache_call_of_other_shapes_is_checked(fake):
     dev, _ = fake
     q, k, v, lengths, table = _kvcache_arrays(dev, False)
