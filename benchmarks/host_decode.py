@@ -1,6 +1,6 @@
 """Small decoding calls, where the host's path is the call's time (needs a GPU): attention_forward against
-attention_with_kvcache (lengths unchecked, checked, an int), pages of 16 and 256, and the upload of a NumPy
-lengths array, as the mean of 300 queued calls (best of 5; CUDA events) beside the host's own time per call.
+attention_with_kvcache (lengths unchecked, checked, an int, NumPy lengths), pages of 16 and 256, and the
+upload of a NumPy lengths array by cupy.asarray, as the mean of 300 queued calls (best of 5; CUDA events) beside the host's own time per call.
 
     PYTHONPATH=. python benchmarks/host_decode.py
 
@@ -51,7 +51,9 @@ def main() -> None:
                  "kvcache unchecked": lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
                                                                              causal=True, validate=False),
                  "kvcache checked": lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True),
-                 "kvcache int length": lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lk, causal=True)}
+                 "kvcache int length": lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lk, causal=True),
+                 "kvcache NumPy lengths": lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=host_lengths,
+                                                                                 causal=True)}
         for page in (16, 256):
             kp, vp, table = _paged_cache(k, v, page)
             cases[f"paged {page}"] = (lambda kp=kp, vp=vp, table=table: cuflash.attention_with_kvcache(

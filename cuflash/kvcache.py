@@ -56,9 +56,15 @@ def _filled(value: int, batch: int, cupy):
     return buffer
 
 
+def _on_host(x) -> bool:
+    """An int, None or a NumPy array: values the host reads without a transfer."""
+    return x is None or _is_int(x) or isinstance(x, np.ndarray)
+
+
 def _check_lengths(cache_seqlens, batch: int, xp) -> bool:
-    """TypeError / ValueError unless cache_seqlens is an int or an integer array (B,) of q's library (its
-    values: _check_ranges); whether it is the contiguous int32 array the kernels read as it is."""
+    """TypeError / ValueError unless cache_seqlens is an int or an integer array (B,) of q's library, or of
+    NumPy for CuPy inputs (its values: _check_ranges); whether it is the contiguous int32 array the kernels
+    read as it is."""
     if _is_int(cache_seqlens):
         return False
     try:
@@ -69,9 +75,9 @@ def _check_lengths(cache_seqlens, batch: int, xp) -> bool:
         raise TypeError(f"cache_seqlens must hold integers, got {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (batch,):
         raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
-    if mod is not xp:
+    if mod is not xp and mod is not np:
         raise TypeError(f"cache_seqlens is a {mod.__name__} array but q is a {xp.__name__} array")
-    return np.dtype(cache_seqlens.dtype) == np.int32 and cache_seqlens.flags.c_contiguous
+    return mod is xp and np.dtype(cache_seqlens.dtype) == np.int32 and cache_seqlens.flags.c_contiguous
 
 
 def _lengths(cache_seqlens, batch: int, xp, device_id: Optional[int] = None):
@@ -82,7 +88,64 @@ def _lengths(cache_seqlens, batch: int, xp, device_id: Optional[int] = None):
         if xp is not np and device_id == xp.cuda.runtime.getDevice():
             return _filled(value, batch, xp)
         return xp.full((batch,), value, dtype=np.int32)
-    return xp.ascontiguousarray(cache_seqlens.astype(np.int32, copy=False))
+    return _as_int32(cache_seqlens, xp, device_id)
+
+
+def _as_int32(x, xp, device_id: Optional[int]):
+    """x (lengths or a table, checked) as a contiguous int32 array on q's device: a NumPy array for CuPy inputs
+    by an asynchronous copy (_uploaded)."""
+    if xp is not np and isinstance(x, np.ndarray):
+        return _uploaded(x, xp, device_id)
+    return xp.ascontiguousarray(x.astype(np.int32, copy=False))
+
+
+@dataclass
+class _Staging:
+    host: np.ndarray   # int32, in page-locked memory (cupyx.empty_pinned)
+    device: Any        # an int32 CuPy array of the same size
+    done: Any          # the event recorded after the copy from `host`
+
+
+UPLOAD_SLOTS = 8
+"""Staging buffers a (device, stream, thread) cycles through: the host runs up to this many calls with NumPy
+lengths or tables ahead of the device before a copy waits for an earlier one's."""
+
+_UPLOADS: dict = {}
+"""(device, stream, thread) -> [next slot, UPLOAD_SLOTS _Staging or None]."""
+
+
+def _uploaded(values: np.ndarray, cupy, device_id: Optional[int]):
+    """values (NumPy, checked) as a contiguous int32 CuPy array on device ``device_id``, copied asynchronously
+    on the current stream from a page-locked staging buffer: no wait for the work already queued (a copy from
+    pageable memory would wait for it). A buffer is written again UPLOAD_SLOTS uploads later, once its event
+    says its copy is done; the device side is rewritten in stream order after the kernels that read it."""
+    values = np.ascontiguousarray(values, dtype=np.int32)
+    if device_id != cupy.cuda.runtime.getDevice():
+        with cupy.cuda.Device(device_id):
+            return cupy.asarray(values)
+    stream = cupy.cuda.get_current_stream()
+    key = (device_id, stream.ptr, threading.get_ident())
+    ring = _UPLOADS.get(key)
+    if ring is None:
+        if len(_UPLOADS) >= 64:
+            _UPLOADS.clear()
+        ring = _UPLOADS[key] = [0, [None] * UPLOAD_SLOTS]
+    index = ring[0]
+    ring[0] = (index + 1) % UPLOAD_SLOTS
+    slot = ring[1][index]
+    if slot is not None:
+        slot.done.synchronize()   # its last copy has left the page-locked buffer
+    if slot is None or slot.device.size < values.size:
+        import cupyx
+
+        n = max(values.size, 64)
+        slot = ring[1][index] = _Staging(cupyx.empty_pinned((n,), dtype=np.int32), cupy.empty((n,), dtype=np.int32),
+                                         cupy.cuda.Event(block=False, disable_timing=True))
+    slot.host[:values.size] = values.ravel()
+    cupy.cuda.runtime.memcpyAsync(slot.device.data.ptr, slot.host.ctypes.data, values.nbytes,
+                                  cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+    slot.done.record(stream)
+    return slot.device[:values.size].reshape(values.shape)
 
 
 HOST_CHECK_BYTES = 1 << 18
@@ -97,10 +160,10 @@ def _check_ranges(cache_seqlens, pages, page_size: int, n_new: int, cap: int, nu
     position are not read (e.g. -1 padding). On the device: the arrays copied to the host, or (a large
     table) the lengths, the used indices' extremes and the written pages' largest use count read back
     in one transfer; an int length without pages reads nothing."""
-    if xp is not np and (pages is None or pages.nbytes <= HOST_CHECK_BYTES) \
+    if xp is not np and (_on_host(pages) or _on_host(cache_seqlens) or pages.nbytes <= HOST_CHECK_BYTES) \
             and not (_is_int(cache_seqlens) and pages is None):
-        cache_seqlens = cache_seqlens if _is_int(cache_seqlens) else cache_seqlens.get()
-        pages = None if pages is None else pages.get()
+        cache_seqlens = cache_seqlens if _on_host(cache_seqlens) else cache_seqlens.get()
+        pages = pages if _on_host(pages) else pages.get()
         xp = np
     lengths = _lengths(cache_seqlens, batch, xp) if pages is not None and pages.size else None
     parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
@@ -142,14 +205,14 @@ def _check_ranges(cache_seqlens, pages, page_size: int, n_new: int, cap: int, nu
 
 
 def _check_pages(block_table, batch: int, k_cache, v_cache, d: int, xp) -> bool:
-    """TypeError / ValueError unless block_table is an integer array (B, max_pages) of q's library over pages
-    of 1-256 positions (its values: _check_ranges); whether it is the contiguous int32 array the kernels
-    read as it is."""
+    """TypeError / ValueError unless block_table is an integer array (B, max_pages) of q's library (or of NumPy
+    for CuPy inputs) over pages of 1-256 positions (its values: _check_ranges); whether it is the contiguous
+    int32 array the kernels read as it is."""
     try:
         mod = array_module(block_table)
     except TypeError:
         raise TypeError("block_table must be an integer array of shape (B, max_pages)") from None
-    if mod is not xp:
+    if mod is not xp and mod is not np:
         raise TypeError(f"block_table is a {mod.__name__} array but q is a {xp.__name__} array")
     if np.dtype(block_table.dtype).kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be an integer array of shape ({batch}, max_pages), got "
@@ -160,7 +223,7 @@ def _check_pages(block_table, batch: int, k_cache, v_cache, d: int, xp) -> bool:
     page_size = k_cache.shape[2]
     if not 1 <= page_size <= 256:
         raise ValueError(f"pages hold 1 to 256 positions, got {page_size}")
-    return np.dtype(block_table.dtype) == np.int32 and block_table.flags.c_contiguous
+    return mod is xp and np.dtype(block_table.dtype) == np.int32 and block_table.flags.c_contiguous
 
 
 def _gathered(cache, pages):
@@ -191,7 +254,9 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
         Keys and values to append at positions ``cache_seqlens[b] ... cache_seqlens[b] + Lnew - 1``
         of sequence b (both or neither).
     cache_seqlens : int or integer array (B,)
-        Valid keys of each sequence before the append; ``cache_seqlens[b] + Lnew <= Lcap``.
+        Valid keys of each sequence before the append; ``cache_seqlens[b] + Lnew <= Lcap``. With CuPy
+        inputs a CuPy array on q's device, or a NumPy array: checked on the host at no cost and copied
+        to the device asynchronously (through page-locked buffers; no wait for queued work).
     causal : bool
         Query i sees keys ``j <= cache_seqlens[b] + Lnew - Lq + i`` (each sequence's own bottom right;
         no other alignment here).
@@ -205,7 +270,7 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
     return_lse : bool
         Also return the natural-log log-sum-exp (B, Hq, Lq).
     block_table : integer array (B, max_pages), optional
-        A paged cache: ``k_cache`` / ``v_cache`` are pages (num_pages, Hk, page_size, D / Dv) (a
+        (CuPy inputs: CuPy or NumPy, as ``cache_seqlens``.) A paged cache: ``k_cache`` / ``v_cache`` are pages (num_pages, Hk, page_size, D / Dv) (a
         (num_pages, page_size, Hk, D) store passes as ``.swapaxes(1, 2)``), and position p of
         sequence b lives in page ``block_table[b, p // page_size]``, slot ``p % page_size``; pages in
         any order, 1 to 256 positions; entries past a sequence's last position are not read (e.g. -1).
@@ -217,14 +282,14 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
         read them gathered into one buffer first (a copy a call).
     validate : bool
         Check ``cache_seqlens`` and ``block_table`` against the cache before anything is written or
-        launched (ValueError). On CuPy arrays that reads them back from the device (a copy of each, or
+        launched (ValueError). For CuPy arrays that reads them back from the device (a copy of each, or
         for a table over 256 KB a few reductions read back at once), which waits for the work already
-        queued. ``False`` skips it on CuPy arrays, for a decoding loop
+        queued. ``False`` skips it for CuPy arrays, for a decoding loop
         that keeps them in range itself (the call then never waits for the device): out-of-range
         values are then not reported, but stay inside the cache (the kernels clamp lengths to
         ``[0, Lcap]`` and page indices to the pages given, the append's indices wrap), so they give a
-        meaningless result rather than a fault. NumPy inputs and an int ``cache_seqlens`` are always
-        checked.
+        meaningless result rather than a fault. Values on the host (an int ``cache_seqlens``, NumPy
+        arrays) are always checked: that reads nothing from the device.
 
     Returns
     -------
@@ -291,6 +356,8 @@ def _signature(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, ca
             parts.append(type(x))
         elif type(x) is type(q):
             parts.append((x.dtype, x.shape, x.strides, x.data.device_id))
+        elif type(x) is np.ndarray:   # uploaded a call (_uploaded): its layout does not matter
+            parts.append((np.ndarray, x.dtype, x.shape))
         else:
             return None
     return ("kvcache", arrays, *parts, causal, window, scale, num_splits)
@@ -302,14 +369,15 @@ def _check_and_append(checked: _Checked, cache_seqlens, block_table, k_cache, v_
     length), then the lengths and the table as the kernels read them (int32, contiguous, on q's device
     ``device_id``) and the new keys and values written into the cache: (each sequence's key count after
     the append (int32 (B,)), the table or None)."""
-    if validate or xp is np or _is_int(cache_seqlens):
+    # values on the host (an int, NumPy arrays) are checked always: no transfer
+    if validate or xp is np or _on_host(cache_seqlens):
         # block_table as given: its int32 copy would have wrapped entries past 2**31 into range
-        _check_ranges(cache_seqlens, block_table if validate or xp is np else None, checked.page_size,
-                      checked.n_new, checked.cap, checked.num_pages, checked.batch, xp)
+        _check_ranges(cache_seqlens, block_table if validate or xp is np or _on_host(block_table) else None,
+                      checked.page_size, checked.n_new, checked.cap, checked.num_pages, checked.batch, xp)
     lengths = cache_seqlens if checked.lengths_ready else _lengths(cache_seqlens, checked.batch, xp, device_id)
     pages = None
     if checked.page_size:
-        pages = block_table if checked.table_ready else xp.ascontiguousarray(block_table.astype(np.int32, copy=False))
+        pages = block_table if checked.table_ready else _as_int32(block_table, xp, device_id)
     n_new = checked.n_new
     if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
         positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)

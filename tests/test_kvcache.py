@@ -428,3 +428,34 @@ def test_int_lengths_queued_call_after_call_are_each_calls_own():
             np.testing.assert_array_equal(_host(got), _host(want))
         np.testing.assert_array_equal(_host(k_int), _host(k_arr))
         assert len({float(_host(o).astype(np.float64).sum()) for o in outs}) == len(lengths)   # not all one length
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_host_lengths_queued_call_after_call_equal_device_ones(paged):
+    """NumPy lengths and tables with CuPy caches go up through a ring of page-locked buffers: more calls than
+    the ring has buffers, queued without a wait, each with other lengths and an append, on the default stream
+    and another one, give what the same lengths as CuPy arrays give; the caches end equal."""
+    cp = pytest.importorskip("cupy")
+    from cuflash import kvcache
+
+    q, kc, vc, kn, vn = _setup(cp, np.float16, b=2, hq=4, hk=2, lq=1, cap=128, n_new=1, d=64)
+    steps = [np.array([n, 120 - n]) for n in range(0, 2 * kvcache.UPLOAD_SLOTS + 3)]
+    for stream in (cp.cuda.Stream.null, cp.cuda.Stream(non_blocking=True)):
+        with stream:
+            if paged:
+                k_host, v_host, table = _paged(cp, _host(kc), _host(vc), 16)
+                k_dev, v_dev = k_host.copy(), v_host.copy()
+                table_host, table_dev = _host(table), table
+            else:
+                k_host, v_host, k_dev, v_dev = kc.copy(), vc.copy(), kc.copy(), vc.copy()
+                table_host = table_dev = None
+            got = [cuflash.attention_with_kvcache(q, k_host, v_host, kn, vn, cache_seqlens=n, block_table=table_host,
+                                                  causal=True) for n in steps]
+            want = [cuflash.attention_with_kvcache(q, k_dev, v_dev, kn, vn, cache_seqlens=cp.asarray(n),
+                                                   block_table=table_dev, causal=True) for n in steps]
+        stream.synchronize()
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(_host(a), _host(b))
+        np.testing.assert_array_equal(_host(k_host), _host(k_dev))
+        np.testing.assert_array_equal(_host(v_host), _host(v_dev))

@@ -991,6 +991,41 @@ def test_a_bad_int_length_is_refused_before_the_lengths_are_written(fake, monkey
     assert written == [5, 5] and len(launches) == 2
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_host_lengths_and_tables_are_checked_on_the_host_and_uploaded(fake, monkeypatch, paged):
+    """NumPy lengths (and a NumPy table) with CuPy caches: checked on the host even with validate=False, before
+    anything is uploaded; the kernels read the uploaded copies (kvcache._uploaded); a repeated call of the same
+    signature is remembered."""
+    from cuflash import kvcache
+
+    dev, launches = fake
+    q, k, v, _, _ = _kvcache_arrays(dev, paged)
+    uploads = []
+
+    def upload(values, cupy, device_id):
+        uploads.append(values.copy())
+        return dev.empty(values.shape, np.int32)
+
+    monkeypatch.setattr(kvcache, "_uploaded", upload)
+    lengths = np.array([5, 300], dtype=np.int64)
+    table = np.arange(40, dtype=np.int32).reshape(2, 20) if paged else None
+    for _ in range(2):
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table, validate=False)
+    assert len(launches) == 2 and len(plan._CALL_PLANS) == 1
+    assert [u.tolist() for u in uploads[:1 + paged]] == [lengths.tolist()] + ([table.tolist()] if paged else [])
+    f = _fwd_fields(launches[-1][1])
+    assert int(f["mask"]["key_lengths"]) != 0 and (int(f["mask"]["page_table"]) != 0) == paged
+    uploads.clear()
+    for bad, match in ((np.array([5, 321]), "past the cache's 320"), (np.array([-1, 3]), ">= 0")):
+        with pytest.raises(ValueError, match=match):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=bad, block_table=table, validate=False)
+    if paged:
+        with pytest.raises(ValueError, match="outside"):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=np.full_like(table, 40),
+                                           validate=False)
+    assert not uploads and len(launches) == 2
+
+
 def test_a_kvcache_call_of_other_shapes_is_checked(fake):
     dev, _ = fake
     q, k, v, lengths, table = _kvcache_arrays(dev, False)
