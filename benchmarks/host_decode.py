@@ -1,6 +1,7 @@
 """Small decoding calls, where the host's path is the call's time (needs a GPU): attention_forward against
 attention_with_kvcache (lengths unchecked, checked, an int, NumPy lengths), pages of 16 and 256, and the
-upload of a NumPy lengths array by cupy.asarray, as the mean of 300 queued calls (best of 5; CUDA events) beside the host's own time per call.
+upload of a NumPy lengths array by cupy.asarray, as the mean of 300 queued calls (best of 5; CUDA events)
+beside the host's own time per call.
 
     PYTHONPATH=. python benchmarks/host_decode.py
 

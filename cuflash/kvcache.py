@@ -127,7 +127,11 @@ def _uploaded(values: np.ndarray, cupy, device_id: Optional[int]):
     key = (device_id, stream.ptr, threading.get_ident())
     ring = _UPLOADS.get(key)
     if ring is None:
-        if len(_UPLOADS) >= 64:
+        if len(_UPLOADS) >= 64:   # forget every ring, once their copies have left the page-locked buffers
+            for _, slots in _UPLOADS.values():
+                for slot in slots:
+                    if slot is not None:
+                        slot.done.synchronize()
             _UPLOADS.clear()
         ring = _UPLOADS[key] = [0, [None] * UPLOAD_SLOTS]
     index = ring[0]
@@ -270,10 +274,11 @@ def attention_with_kvcache(q: Array, k_cache: Array, v_cache: Array, k_new: Opti
     return_lse : bool
         Also return the natural-log log-sum-exp (B, Hq, Lq).
     block_table : integer array (B, max_pages), optional
-        (CuPy inputs: CuPy or NumPy, as ``cache_seqlens``.) A paged cache: ``k_cache`` / ``v_cache`` are pages (num_pages, Hk, page_size, D / Dv) (a
+        A paged cache: ``k_cache`` / ``v_cache`` are pages (num_pages, Hk, page_size, D / Dv) (a
         (num_pages, page_size, Hk, D) store passes as ``.swapaxes(1, 2)``), and position p of
         sequence b lives in page ``block_table[b, p // page_size]``, slot ``p % page_size``; pages in
         any order, 1 to 256 positions; entries past a sequence's last position are not read (e.g. -1).
+        With CuPy inputs a CuPy or a NumPy array, as ``cache_seqlens``.
         Sequences may share pages they only read (a common prefix); a page that the append writes into must be
         named once among the used entries. The append writes into those slots; on the GPU the float16 and
         bfloat16 kernels, and the decoding kernel of every dtype (at most 16 query rows a K/V head, head dims

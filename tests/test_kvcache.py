@@ -459,3 +459,60 @@ def test_host_lengths_queued_call_after_call_equal_device_ones(paged):
             np.testing.assert_array_equal(_host(a), _host(b))
         np.testing.assert_array_equal(_host(k_host), _host(k_dev))
         np.testing.assert_array_equal(_host(v_host), _host(v_dev))
+
+
+def test_the_upload_ring_waits_for_a_buffers_copy_before_writing_it(monkeypatch):
+    """kvcache._uploaded's ring, with CuPy's driver calls recorded: a page-locked buffer is written only after
+    the event of its previous copy has been waited for (its reuse UPLOAD_SLOTS uploads later, its growth, and
+    the forgetting of every ring past 64 streams and threads); each copy is followed by its event's record."""
+    import sys
+    import types
+
+    from cuflash import kvcache
+
+    log = []
+
+    class Event:
+        def __init__(self, **_):
+            self.id = len(log)
+
+        def record(self, stream):
+            log.append(("record", self.id))
+
+        def synchronize(self):
+            log.append(("wait", self.id))
+
+    class Device:
+        def __init__(self, n):
+            self.data = types.SimpleNamespace(ptr=0)
+            self.size = n
+            self.buf = np.zeros(n, np.int32)
+
+        def __getitem__(self, key):
+            return self.buf[key]
+
+    streams = iter(range(1, 10 ** 6))
+    current = {"stream": types.SimpleNamespace(ptr=0)}
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, memcpyHostToDevice=1,
+                                    memcpyAsync=lambda dst, src, n, kind, stream: log.append(("copy", n)))
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Event=Event,
+                                                            get_current_stream=lambda: current["stream"]),
+                                 empty=lambda shape, dtype: Device(shape[0]))
+    pinned = types.SimpleNamespace(empty_pinned=lambda shape, dtype: np.zeros(shape, dtype))
+    monkeypatch.setitem(sys.modules, "cupyx", pinned)
+    monkeypatch.setattr(kvcache, "_UPLOADS", {})
+    for i in range(kvcache.UPLOAD_SLOTS + 1):
+        kvcache._uploaded(np.array([i, i + 1]), fake, 0)
+    # the first UPLOAD_SLOTS uploads take fresh buffers; the next reuses the first after waiting for its event
+    assert [e for e in log if e[0] == "wait"] == [("wait", 0)]
+    assert log[-3:] == [("wait", 0), ("copy", 8), ("record", 0)]
+    log.clear()
+    kvcache._uploaded(np.arange(100), fake, 0)    # slot 1 grows: its old copy first
+    assert log[0][0] == "wait" and log[-2:] == [("copy", 400), log[-1]] and log[-1][0] == "record"
+    for _ in range(64):                          # 64 more streams: every ring's buffers waited for, then forgotten
+        current["stream"] = types.SimpleNamespace(ptr=next(streams))
+        log.clear()
+        kvcache._uploaded(np.array([1]), fake, 0)
+    assert len(kvcache._UPLOADS) == 1
+    # the first ring's slots, one a ring of the others
+    assert sum(1 for e in log if e[0] == "wait") == kvcache.UPLOAD_SLOTS + 63
