@@ -12,7 +12,8 @@ on the 64-row split kernel in place of the decoding kernel ("split twin": what t
 buys), cuflash with ``num_splits=1`` (one thread block a query block: what the split buys),
 cuflash.attention_with_kvcache
 (causal: with Lq > 1 the bottom-right band, a few keys fewer) on the same cache contiguous, its lengths
-checked (a device read a call) and not (``validate=False``), and as shuffled pages of 16 and 256
+checked (a device read a call), not (``validate=False``) and given as a NumPy array (checked on the host,
+copied asynchronously), and as shuffled pages of 16 and 256
 positions (not checked), and PyTorch SDPA's flash
 (FlashAttention-2), cuDNN, efficient and math backends with ``enable_gqa`` (a backend that refuses
 GQA gets K/V repeated to Hq heads beforehand, outside the time, and reads Hq / Hk times the bytes;
@@ -136,6 +137,7 @@ def _with_split_twin(call):
 def contenders(q, k, v) -> dict:
     """name -> (callable, note). The KV-cache rows attend every sequence's whole cache (lengths Lk)."""
     lengths = cp.full((q.shape[0],), k.shape[2], dtype=cp.int32)
+    host_lengths = np.full((q.shape[0],), k.shape[2], dtype=np.int32)
     out = {"cuflash": (lambda: cuflash.attention_forward(q, k, v), ""),
            "cuflash split twin": (functools.partial(_with_split_twin, lambda: cuflash.attention_forward(q, k, v)),
                                   "64-row split kernel in the decoding kernel's place"),
@@ -143,7 +145,9 @@ def contenders(q, k, v) -> dict:
            "cuflash kvcache": (lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True),
                                "lengths checked (a device read a call)"),
            "cuflash kvcache unchecked": (lambda: cuflash.attention_with_kvcache(
-               q, k, v, cache_seqlens=lengths, causal=True, validate=False), "validate=False")}
+               q, k, v, cache_seqlens=lengths, causal=True, validate=False), "validate=False"),
+           "cuflash kvcache host lengths": (lambda: cuflash.attention_with_kvcache(
+               q, k, v, cache_seqlens=host_lengths, causal=True), "NumPy lengths, checked on the host")}
     for page_size in (16, 256):
         k_pages, v_pages, table = _paged_cache(k, v, page_size)
         out[f"cuflash paged {page_size}"] = (
