@@ -13,7 +13,8 @@ buys), cuflash with ``num_splits=1`` (one thread block a query block: what the s
 cuflash.attention_with_kvcache
 (causal: with Lq > 1 the bottom-right band, a few keys fewer) on the same cache contiguous, its lengths
 checked (a device read a call), not (``validate=False``) and given as a NumPy array (checked on the host,
-copied asynchronously), and as shuffled pages of 16 and 256
+copied asynchronously), as a decoding step (the last Lq keys and values appended in the call, unchecked
+CuPy lengths and checked NumPy ones), and as shuffled pages of 16 and 256
 positions (not checked), and PyTorch SDPA's flash
 (FlashAttention-2), cuDNN, efficient and math backends with ``enable_gqa`` (a backend that refuses
 GQA gets K/V repeated to Hq heads beforehand, outside the time, and reads Hq / Hk times the bytes;
@@ -148,6 +149,14 @@ def contenders(q, k, v) -> dict:
                q, k, v, cache_seqlens=lengths, causal=True, validate=False), "validate=False"),
            "cuflash kvcache host lengths": (lambda: cuflash.attention_with_kvcache(
                q, k, v, cache_seqlens=host_lengths, causal=True), "NumPy lengths, checked on the host")}
+    # A decoding step: Lq new keys and values appended after Lk - Lq cached ones, then the same Lk keys attended.
+    lq = q.shape[2]
+    k_new, v_new = (x[:, :, -lq:].copy() for x in (k, v))
+    before, host_before = lengths - lq, host_lengths - lq
+    out["cuflash kvcache append"] = (lambda: cuflash.attention_with_kvcache(
+        q, k, v, k_new, v_new, cache_seqlens=before, causal=True, validate=False), "Lq keys appended, validate=False")
+    out["cuflash kvcache append host lengths"] = (lambda: cuflash.attention_with_kvcache(
+        q, k, v, k_new, v_new, cache_seqlens=host_before, causal=True), "Lq keys appended, NumPy lengths")
     for page_size in (16, 256):
         k_pages, v_pages, table = _paged_cache(k, v, page_size)
         out[f"cuflash paged {page_size}"] = (

@@ -8,7 +8,7 @@ TREE: a source tree to import cuflash from (default: this checkout); a tree of t
 the best of five runs of 3000 repeated calls (fp16, (1, 2, 128, 64), on a fake compute capability 9.0
 device): forward, and forward + backward; then one query row of 32 heads over a cache of 8 heads x 4096
 keys: the forward, attention_with_kvcache and a paged cache of 16-key pages (``validate=False``: a check
-reads the device); --profile adds cProfile's cumulative table for cuflash.
+reads the device), and with one new key appended where the append is one kernel; --profile adds cProfile's cumulative table for cuflash.
 On the H200 host the same comparison measured 34.0 -> 38.9 us (forward) where this CPU measured
 27.5 -> 31.3 us: the proxy tracks the device host's figures to ~20%.
 """
@@ -75,6 +75,16 @@ def _patch(cuflash, dev: FakeDevice) -> None:
         _tma._replace_fn = lambda: (lambda addr, ptr: 0)
 
 
+def kvcache_module(cuflash):
+    """cuflash.kvcache, or None in a tree without it."""
+    import importlib
+
+    try:
+        return importlib.import_module(cuflash.__name__ + ".kvcache")
+    except ImportError:
+        return None
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     tree = Path(args[0]).resolve() if args else ROOT
@@ -103,6 +113,10 @@ def main() -> None:
                                                           validate=False), "kvcache, validate=False"),
                   (lambda: cuflash.attention_with_kvcache(dq, kp, vp, cache_seqlens=lengths, block_table=table,
                                                           causal=True, validate=False), "paged 16, validate=False")]
+        if hasattr(kvcache_module(cuflash), "_appended"):   # an append the fake device can take (one kernel)
+            kn, vn = (dev.empty((1, 8, 1, 64), np.float16) for _ in range(2))
+            cases += [(lambda: cuflash.attention_with_kvcache(dq, kc, vc, kn, vn, cache_seqlens=lengths, causal=True,
+                                                              validate=False), "kvcache append, validate=False")]
     for fn, label in cases:
         for _ in range(50):
             fn()

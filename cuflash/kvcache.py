@@ -19,6 +19,9 @@ import numpy as np
 from . import api
 from ._dispatch import plan as _plan
 from ._runtime import device as _device
+from ._runtime import params as _params
+from ._runtime import launch as _launch
+from ._runtime.launch import HelperKernel
 from .options import (MAX_HEAD_DIM, _arrays_signature, array_module, check_num_splits, check_scale, check_window,
                       dtype_name)
 
@@ -31,10 +34,22 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-_FILLED: dict = {}
-"""(device, stream, thread, batch) -> the int32 buffer an int ``cache_seqlens`` is written into: the driver's
-memset in stream order (the previous call's kernels have read it before the next call's memset writes it; a
-thread of its own, so that two threads' calls on one stream never interleave on one buffer)."""
+_STREAM_BUFFERS: dict = {}
+"""(use, device, stream, thread, batch) -> an int32 buffer (batch,) that every call of that stream and thread
+rewrites (an int ``cache_seqlens``'s copy, the append's key counts): written and read in stream order (the
+previous call's kernels have read it before the next call writes it; a thread of its own, so that two
+threads' calls on one stream never interleave on one buffer)."""
+
+
+def _stream_buffer(use: str, batch: int, cupy):
+    """The int32 CuPy buffer (batch,) of ``use`` for the current device, stream and thread (_STREAM_BUFFERS)."""
+    key = (use, cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, threading.get_ident(), batch)
+    buffer = _STREAM_BUFFERS.get(key)
+    if buffer is None:
+        if len(_STREAM_BUFFERS) >= 64:
+            _STREAM_BUFFERS.clear()
+        buffer = _STREAM_BUFFERS[key] = cupy.empty((batch,), dtype=np.int32)
+    return buffer
 
 
 def _filled(value: int, batch: int, cupy):
@@ -44,14 +59,8 @@ def _filled(value: int, batch: int, cupy):
     fill = _device.memset32_fn()
     if fill is None:
         return cupy.full((batch,), value, dtype=np.int32)
-    stream = cupy.cuda.get_current_stream().ptr
-    key = (cupy.cuda.runtime.getDevice(), stream, threading.get_ident(), batch)
-    buffer = _FILLED.get(key)
-    if buffer is None:
-        if len(_FILLED) >= 64:
-            _FILLED.clear()
-        buffer = _FILLED[key] = cupy.empty((batch,), dtype=np.int32)
-    if batch and fill(buffer.data.ptr, value, batch, stream) != 0:
+    buffer = _stream_buffer("filled", batch, cupy)
+    if batch and fill(buffer.data.ptr, value, batch, cupy.cuda.get_current_stream().ptr) != 0:
         return cupy.full((batch,), value, dtype=np.int32)
     return buffer
 
@@ -339,6 +348,7 @@ class _Checked:
     lengths_ready: bool     # cache_seqlens is itself the contiguous int32 array the kernels read
     table_ready: bool       # block_table likewise
     plan: Any = None        # the split-KV forward's plan (_dispatch.plan.ForwardPlan)
+    append_params: Any = None   # the append's params but for addresses and an int length (_append_params)
 
 
 def _signature(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale,
@@ -379,12 +389,17 @@ def _check_and_append(checked: _Checked, cache_seqlens, block_table, k_cache, v_
         # block_table as given: its int32 copy would have wrapped entries past 2**31 into range
         _check_ranges(cache_seqlens, block_table if validate or xp is np or _on_host(block_table) else None,
                       checked.page_size, checked.n_new, checked.cap, checked.num_pages, checked.batch, xp)
-    lengths = cache_seqlens if checked.lengths_ready else _lengths(cache_seqlens, checked.batch, xp, device_id)
+    n_new = checked.n_new
+    kernel_append = n_new and xp is not np   # one kernel writes the new rows and the key counts (_appended;
+    # an int length reaches it as a value)
+    lengths = cache_seqlens if checked.lengths_ready or (kernel_append and _is_int(cache_seqlens)) \
+        else _lengths(cache_seqlens, checked.batch, xp, device_id)
     pages = None
     if checked.page_size:
         pages = block_table if checked.table_ready else _as_int32(block_table, xp, device_id)
-    n_new = checked.n_new
-    if n_new:   # the append: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
+    if kernel_append:
+        return _appended(checked, lengths, pages, k_cache, v_cache, k_new, v_new, xp, device_id), pages
+    if n_new:   # NumPy: every new key of sequence b at cache_seqlens[b] + t, one scatter for the batch
         positions = lengths[:, None] + xp.arange(n_new)[None, :]                 # (B, Lnew)
         if pages is None:
             where = (xp.arange(checked.batch)[:, None], slice(None), positions)
@@ -394,6 +409,53 @@ def _check_and_append(checked: _Checked, cache_seqlens, block_table, k_cache, v_
         k_cache[where] = k_new.transpose(0, 2, 1, 3)
         v_cache[where] = v_new.transpose(0, 2, 1, 3)
     return (lengths + np.int32(n_new) if n_new else lengths), pages
+
+
+_APPEND_KERNELS = {size: HelperKernel("kv_append.cu", f"kv_append<{name}>", threads=128)
+                   for size, name in ((2, "unsigned short"), (4, "unsigned int"), (8, "unsigned long long"))}
+"""Element size -> the append kernel that moves elements of that size as bits."""
+MAX_APPEND_GRID = 1 << 20
+"""CTAs of one append launch at most: each walks the rows (b, h, t) a grid apart past it."""
+_APPEND_PACKER = _params.PACKERS["KvAppendParams"]
+_APPEND_ADDRESSES = tuple(_APPEND_PACKER.offset(path) for path in ("k_new.ptr", "v_new.ptr", "k_cache.ptr",
+                                                                   "v_cache.ptr", "lengths", "page_table", "total"))
+_APPEND_LENGTH = (_APPEND_PACKER.offset("length"),)
+
+
+def _append_params(checked: _Checked, k_cache, v_cache, k_new, v_new, table_entries: int):
+    """The append's KvAppendParams (kernels_cu/kv_append.cu) for these arrays' shapes and strides, the addresses
+    and the int length left 0 (each call writes its own: _appended); kept with a remembered call's checks."""
+    def strided(x):
+        return {"ptr": 0, "strides": [s // x.itemsize for s in x.strides]}
+
+    return _APPEND_PACKER.pack({
+        "k_new": strided(k_new), "v_new": strided(v_new), "k_cache": strided(k_cache), "v_cache": strided(v_cache),
+        "lengths": 0, "page_table": 0, "total": 0, "length": 0, "batch": k_new.shape[0], "heads": k_new.shape[1],
+        "n_new": checked.n_new, "d": k_new.shape[3], "dv": v_new.shape[3], "cap": checked.cap,
+        "page_size": max(checked.page_size, 1), "pages_per_seq": table_entries, "num_pages": checked.num_pages})
+
+
+def _appended(checked: _Checked, start, pages, k_cache, v_cache, k_new, v_new, cupy, device_id: int):
+    """k_new / v_new written into the CuPy caches at each sequence's positions ``start[b] + t`` (``start`` an
+    int, or the int32 device array (B,)) by one launch of kernels_cu/kv_append.cu, which also writes the key
+    counts after the append: returns them (int32 (B,), a buffer of the stream's, _stream_buffer). Positions and
+    page indices out of range wrap, as CuPy's integer indexing does (unvalidated lengths stay in the cache)."""
+    batch, n_new = checked.batch, checked.n_new
+    from_int = _is_int(start)
+    with _device.on_device(device_id):
+        if not batch * k_new.shape[1] * n_new:   # no heads or no sequences: nothing to write
+            return cupy.full((batch,), int(start) + n_new, dtype=np.int32) if from_int else start + np.int32(n_new)
+        total = _stream_buffer("total", batch, cupy)
+        params = checked.append_params
+        if params is None:
+            params = _append_params(checked, k_cache, v_cache, k_new, v_new, 0 if pages is None else pages.shape[1])
+        params.put_addresses(_APPEND_ADDRESSES, (
+            k_new.data.ptr, v_new.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0 if from_int else start.data.ptr,
+            0 if pages is None else pages.data.ptr, total.data.ptr))
+        params.put_int32(_APPEND_LENGTH, (int(start) if from_int else 0,))
+        _launch.launch_kernel(_APPEND_KERNELS[k_cache.itemsize], params,
+                              min(batch * k_new.shape[1] * n_new, MAX_APPEND_GRID))
+    return total
 
 
 def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window, scale, num_splits, return_lse,
@@ -434,6 +496,10 @@ def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window,
         if k_new.shape != (b, hk, n_new, d) or v_new.shape != (b, hk, n_new, v_cache.shape[3]):
             raise ValueError(f"k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} must be (B, Hk, Lnew, D) and "
                              f"(B, Hk, Lnew, Dv) of the caches")
+    if n_new and (cap == 0 or (paged and k_cache.shape[0] == 0)):
+        raise ValueError(f"k_new holds {n_new} new keys a sequence but the cache has no room for any")
+    if xp is not np and b * hk * n_new >= 2 ** 31:
+        raise ValueError(f"k_new holds {b * hk * n_new} rows (B x Hk x Lnew); the append takes fewer than 2**31")
     if hq % hk:
         raise ValueError(f"q has {hq} heads, not a multiple of the caches' {hk}")
     if max(d, v_cache.shape[3]) > MAX_HEAD_DIM:
@@ -447,6 +513,9 @@ def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window,
         raise ValueError("the append writes into k_cache and v_cache: both must be writeable")
     checked = _Checked(b, n_new, cap, k_cache.shape[2] if paged else 0, k_cache.shape[0] if paged else 0,
                        _check_lengths(cache_seqlens, b, xp), table_ready)
+    if n_new and xp is not np:
+        checked = replace(checked, append_params=_append_params(checked, k_cache, v_cache, k_new, v_new,
+                                                                block_table.shape[1] if paged else 0))
     # keys of each sequence after the append (int32), the table as the kernels read it
     total, pages = _check_and_append(checked, cache_seqlens, block_table, k_cache, v_cache, k_new, v_new, validate,
                                      xp, None if xp is np else q.data.device_id)

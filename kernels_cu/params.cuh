@@ -111,6 +111,26 @@ struct LayoutSpansParams {
     int call_q_blocks, call_k_blocks;
 };
 
+// A 4-D array of any strides (elements, 64-bit), read or written element by element.
+struct Strided4 {
+    void* ptr;
+    int64 strides[4];
+};
+
+// The KV-cache call's append (kv_append.cu): k_new / v_new (batch, heads, n_new, d / dv) written into the
+// caches at positions lengths[b] + t of sequence b; total (batch,) int32 receives lengths[b] + n_new.
+// lengths null: every sequence holds `length` keys. page_table null: a contiguous cache of `cap`
+// positions a sequence; else (batch, pages_per_seq) int32 entries over num_pages pages of page_size
+// positions, the caches' batch stride stepping from page to page.
+struct KvAppendParams {
+    Strided4 k_new, v_new, k_cache, v_cache;
+    const int* lengths;
+    const int* page_table;
+    int* total;
+    int length, batch, heads, n_new, d, dv, cap;
+    int page_size, pages_per_seq, num_pages;
+};
+
 // Where the backward sums dS into dbias (bias_grad.cuh). acc has the bias's own
 // broadcast shape (stride 0 along its broadcast axes) in the accumulator type.
 // DBIAS_KERNEL: the tensor-core backward's own dbias kernel (flash_bwd_dbias.cu)

@@ -4,6 +4,7 @@ written; on NumPy arrays, and with marker `gpu` on CuPy arrays of every dtype.""
 import ml_dtypes
 import numpy as np
 import pytest
+from _nvrtc import needs_nvrtc
 
 import cuflash
 
@@ -516,3 +517,70 @@ def test_the_upload_ring_waits_for_a_buffers_copy_before_writing_it(monkeypatch)
     assert len(kvcache._UPLOADS) == 1
     # the first ring's slots, one a ring of the others
     assert sum(1 for e in log if e[0] == "wait") == kvcache.UPLOAD_SLOTS + 63
+
+
+def _scattered(cp, cache, new, lengths, table, page_size):
+    """CuPy's integer indexing of the append (indices out of range wrap): the kernel's reference."""
+    n_new = new.shape[2]
+    positions = cp.asarray(lengths, dtype=cp.int64)[:, None] + cp.arange(n_new)[None, :]
+    if table is None:
+        where = (cp.arange(new.shape[0])[:, None], slice(None), positions)
+    else:
+        owner = cp.take_along_axis(cp.asarray(table), positions // page_size, axis=1)
+        where = (owner, slice(None), positions % page_size)
+    cache[where] = new.transpose(0, 2, 1, 3)
+    return cache
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_append_kernel_compiles_without_spills(arch):
+    from cuflash._runtime.build import compile_offline
+
+    for element in ("unsigned short", "unsigned int", "unsigned long long"):
+        build = compile_offline("kv_append.cu", f"kv_append<{element}>", arch)
+        assert build.spills == 0 and build.stack_frame == 0, build.log
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("lengths_kind", ["cupy", "numpy", "int"])
+def test_the_append_kernel_writes_what_integer_indexing_writes(dtype, paged, lengths_kind):
+    """The append kernel (kernels_cu/kv_append.cu) against CuPy's integer indexing, bit for bit over the whole
+    store: (B, L, H, D) stores seen through swapaxes, new rows cut from wider ones and with a last-axis step of
+    2, a head dim of V other than K's, shuffled pages; then, unvalidated, lengths and table entries out of
+    range, which both wrap (nothing outside the store is written)."""
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(7)
+    b, hq, hk, n_new, d, dv, page, cap = 3, 4, 2, 3, 64, 40, 16, 64
+
+    def arr(shape):
+        return cp.asarray(rng.standard_normal(shape).astype(DTYPES[dtype]))
+
+    q = arr((b, hq, 1, d))
+    k_new = arr((b, hk, n_new, d + 16))[..., 16:]
+    v_new = arr((b, hk, n_new, 2 * dv))[..., ::2]
+    pages = b * cap // page + 3
+    table = rng.permutation(pages)[:b * cap // page].reshape(b, cap // page).astype(np.int32) if paged else None
+    stores = (arr((pages, page, hk, d)), arr((pages, page, hk, dv))) if paged else \
+        (arr((b, cap, hk, d)), arr((b, cap, hk, dv)))
+    cases = [(np.array([0, 17, cap - n_new]), table, True)]
+    if lengths_kind == "int":
+        cases = [(np.full(b, 17), table, True)]
+    if lengths_kind == "cupy":   # unvalidated values out of range: the append wraps, as integer indexing does
+        cases.append((np.array([cap + 5, -7, 2 ** 31 - 2]), table, False))
+        if paged:
+            bad = table.copy()
+            bad[0, 0], bad[1, 1] = 10 ** 6, -9
+            cases.append((np.array([0, 17, 40]), bad, False))
+    for lengths, pages_of, validate in cases:
+        got = [x.copy() for x in stores]
+        want = [_scattered(cp, x.copy().swapaxes(1, 2), new, lengths, pages_of, page).swapaxes(1, 2)
+                for x, new in zip(stores, (k_new, v_new))]
+        given = {"cupy": cp.asarray(lengths, dtype=cp.int32), "numpy": lengths, "int": int(lengths[0])}[lengths_kind]
+        cuflash.attention_with_kvcache(q, got[0].swapaxes(1, 2), got[1].swapaxes(1, 2), k_new, v_new,
+                                       cache_seqlens=given, causal=True, validate=validate,
+                                       block_table=None if pages_of is None else cp.asarray(pages_of))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(_host(g).view(np.uint8), _host(cp.ascontiguousarray(w)).view(np.uint8))

@@ -1026,6 +1026,48 @@ def test_host_lengths_and_tables_are_checked_on_the_host_and_uploaded(fake, monk
     assert not uploads and len(launches) == 2
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("lengths_kind", ["cupy", "int", "numpy"])
+def test_an_append_is_one_kernel_before_the_attention(fake, monkeypatch, paged, lengths_kind):
+    """k_new / v_new go into the caches by one launch of kernels_cu/kv_append.cu (the fake device runs no CuPy
+    kernel): its params name the new rows and the caches with their strides in elements ((B, L, H, D) stores
+    seen through swapaxes, new rows cut from wider ones, a last-axis stride of 2), the lengths (an int as a
+    value), the page table and the key counts it writes, which the attention kernel then reads; a repeated
+    call of the signature (remembered) does the same with its own arrays."""
+    from cuflash import kvcache
+
+    dev, launches = fake
+    monkeypatch.setattr(kvcache, "_STREAM_BUFFERS", {})
+    monkeypatch.setattr(kvcache, "_uploaded", lambda values, cupy, device_id: dev.empty(values.shape, np.int32))
+    store = (40, 16, 2, 128) if paged else (2, 320, 2, 128)
+    for v_step in (1, 1, 2):
+        launches.clear()
+        q = dev.empty((2, 8, 3, 128), np.float16)
+        k, v = (dev.empty(store, np.float16).swapaxes(1, 2) for _ in range(2))
+        k_new = dev.empty((2, 2, 3, 192), np.float16)[..., :128]
+        v_new = dev.empty((2, 2, 3, 136 * v_step), np.float16)[..., 8 * v_step::v_step]
+        table = dev.empty((2, 20), np.int32) if paged else None
+        lengths = {"cupy": dev.empty((2,), np.int32), "int": 5, "numpy": np.array([5, 300])}[lengths_kind]
+        cuflash.attention_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lengths, block_table=table, causal=True,
+                                       validate=False)
+        (append, params, _, grid), (attend, attend_params, _, _) = launches
+        assert append.name == "kv_append<unsigned short>" and attend.kv_split and grid == 2 * 2 * 3
+        f = np.frombuffer(params, dtype=_params.STRUCTS["KvAppendParams"])[0]
+        for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k), ("v_cache", v)):
+            assert int(f[name]["ptr"]) == x.data.ptr
+            assert f[name]["strides"].tolist() == [s // 2 for s in x.strides], name
+        assert f["v_new"]["strides"][2:].tolist() == [136 * v_step, v_step] and f["k_cache"]["strides"][1] == 128
+        if lengths_kind == "int":
+            assert int(f["lengths"]) == 0 and int(f["length"]) == 5
+        else:   # the lengths array (NumPy lengths: their uploaded copy)
+            assert int(f["lengths"]) == (lengths.data.ptr if lengths_kind == "cupy" else int(f["lengths"])) != 0
+        assert int(f["page_table"]) == (table.data.ptr if paged else 0)
+        assert [int(f[n]) for n in ("batch", "heads", "n_new", "d", "dv", "cap", "page_size", "pages_per_seq",
+                                    "num_pages")] == [2, 2, 3, 128, 128, 320] + ([16, 20, 40] if paged else [1, 0, 0])
+        assert int(f["total"]) != 0 and int(_fwd_fields(attend_params)["mask"]["key_lengths"]) == int(f["total"])
+        assert len(plan._CALL_PLANS) == 1   # the unit-stride calls' signature (a last-axis step of 2 has none)
+
+
 def test_a_kvcache_call_of_other_shapes_is_checked(fake):
     dev, _ = fake
     q, k, v, lengths, table = _kvcache_arrays(dev, False)

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..mods import MAX_PARAM_SLOTS, Mods
 from ..options import Options, Problem, own_4d
+from .._runtime.launch import HelperKernel
 from .._runtime.params import DBIAS_OFF, NO_SCORE, PACKERS, block_divisors
 from ..semantics import acc_dtype, band_limits, dropout_key, dropout_threshold
 
@@ -51,20 +52,7 @@ def score_view(x4, p: Problem) -> dict:
 
 
 
-@dataclass(frozen=True)
-class _HelperKernel:
-    """A small helper kernel of the masking as the launcher takes a variant: the mask modifications'
-    block states (mask_mod_states.cu, with their prelude) and a layout's spans (layout_spans.cu)."""
-
-    entry: str
-    name: str
-    prelude: str = ""
-    smem_bytes: int = 0
-    nvrtc_arch: Optional[str] = None
-    threads: int = 256
-
-
-_SPANS_KERNEL = _HelperKernel("layout_spans.cu", "layout_spans")
+_SPANS_KERNEL = HelperKernel("layout_spans.cu", "layout_spans")
 
 
 MAX_STATES_GRID = 2**30
@@ -96,7 +84,7 @@ def mod_states(p: Problem, mods: Mods, block: Tuple[int, int]):
         return cached[1]
     words, _ = mods.words(np.float32, with_grads=False)
     states = cupy.empty((batches, heads, nq, nk), dtype=np.int8)
-    kernel = _HelperKernel("mask_mod_states.cu", "mask_mod_states", mods.prelude(False))
+    kernel = HelperKernel("mask_mod_states.cu", "mask_mod_states", mods.prelude(False))
     total = batches * heads * nq * nk
     with device.on_device(p.q.data.device_id):
         for first in range(0, total, MAX_STATES_GRID):

@@ -5,11 +5,26 @@ from __future__ import annotations
 
 import array
 import functools
-from typing import NamedTuple, Sequence, Tuple
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 from . import device
 from .build import get_kernel
 from .params import HostArg
+
+
+@dataclass(frozen=True)
+class HelperKernel:
+    """A small kernel outside the attention variants, as :func:`launch_kernel` takes a variant: a mask
+    modification's block states (mask_mod_states.cu, with its prelude), a layout's spans (layout_spans.cu),
+    the KV-cache append (kv_append.cu). ``name``: the name expression (a template's instantiation)."""
+
+    entry: str
+    name: str
+    prelude: str = ""
+    smem_bytes: int = 0
+    nvrtc_arch: Optional[str] = None
+    threads: int = 256
 
 
 class KernelLaunch(NamedTuple):

@@ -21,6 +21,7 @@ _VIEW = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride"
 _DIMS = np.dtype([(name, np.int32) for name in ("batch", "heads_q", "group", "lq", "lk", "d", "dv")], align=True)
 _SCORE = np.dtype([("ptr", np.uint64), ("batch_stride", np.int64), ("head_stride", np.int64),
                    ("row_stride", np.int64), ("col_stride", np.int64)], align=True)
+_STRIDED4 = np.dtype([("ptr", np.uint64), ("strides", np.int64, (4,))], align=True)
 _MASK = np.dtype([("band_lo", np.int32), ("band_hi", np.int32), ("block_q", np.int32), ("block_k", np.int32),
                   ("block_q_mul", np.uint32), ("block_k_mul", np.uint32), ("block_q_shift", np.int32),
                   ("block_k_shift", np.int32),
@@ -49,6 +50,11 @@ STRUCTS: Dict[str, np.dtype] = {
     "LayoutSpansParams": np.dtype([("states", np.uint64), ("rows", np.uint64), ("cols", np.uint64)]
                                   + [(n, np.int32) for n in ("pairs", "q_blocks", "k_blocks", "call_q_blocks",
                                                              "call_k_blocks")], align=True),
+    "Strided4": _STRIDED4,
+    "KvAppendParams": np.dtype([(n, _STRIDED4) for n in ("k_new", "v_new", "k_cache", "v_cache")]
+                               + [(n, np.uint64) for n in ("lengths", "page_table", "total")]
+                               + [(n, np.int32) for n in ("length", "batch", "heads", "n_new", "d", "dv", "cap",
+                                                          "page_size", "pages_per_seq", "num_pages")], align=True),
     "FwdParams": np.dtype([("q", _VIEW), ("k", _VIEW), ("v", _VIEW), ("out", _VIEW), ("lse", _VIEW),
                            ("dims", _DIMS), ("mask", _MASK), ("scale_log2", np.float64),
                            ("scale_log2_f", np.float32), ("num_splits", np.int32), ("split_tiles", np.int32),
@@ -123,7 +129,8 @@ class Packer:
         return self.fields[path]
 
 
-PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams", "MaskStatesParams", "LayoutSpansParams")}
+PACKERS = {name: Packer(name) for name in ("FwdParams", "BwdParams", "MaskStatesParams", "LayoutSpansParams",
+                                           "KvAppendParams")}
 _ADDRESS = struct.Struct("=Q")
 _INT32 = struct.Struct("=i")
 
