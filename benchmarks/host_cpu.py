@@ -8,7 +8,8 @@ TREE: a source tree to import cuflash from (default: this checkout); a tree of t
 the best of five runs of 3000 repeated calls (fp16, (1, 2, 128, 64), on a fake compute capability 9.0
 device): forward, and forward + backward; then one query row of 32 heads over a cache of 8 heads x 4096
 keys: the forward, attention_with_kvcache and a paged cache of 16-key pages (``validate=False``: a check
-reads the device), and with one new key appended where the append is one kernel; --profile adds cProfile's cumulative table for cuflash.
+reads the device), with NumPy lengths (and table) checked on the host, and with one new key appended where
+the append is one kernel; --profile adds cProfile's cumulative table for cuflash.
 On the H200 host the same comparison measured 34.0 -> 38.9 us (forward) where this CPU measured
 27.5 -> 31.3 us: the proxy tracks the device host's figures to ~20%.
 """
@@ -53,12 +54,28 @@ class _Stream:
     ptr = 0
 
 
+class _Event:
+    def __init__(self, **_):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 def _patch(cuflash, dev: FakeDevice) -> None:
     cp.empty = cp.zeros = dev.empty
     cp.cuda.alloc = dev.alloc
     cp.cuda.runtime.getDevice = lambda: 0
     cp.cuda.get_current_stream = lambda: _Stream
     driver.launchKernel = lambda *args: None
+    # NumPy lengths' uploads (kvcache._uploaded): page-locked buffers as plain ones, copies and events no-ops
+    import cupyx
+    cupyx.empty_pinned = lambda shape, dtype=np.float32: np.empty(shape, dtype)
+    cp.cuda.runtime.memcpyAsync = lambda *args: None
+    cp.cuda.Event = _Event
     facts = (90, 232448, "H200 (fake)", 132)
     names = {m.name for m in pkgutil.iter_modules(cuflash.__path__)}
     if "_dispatch" in names:
@@ -113,6 +130,13 @@ def main() -> None:
                                                           validate=False), "kvcache, validate=False"),
                   (lambda: cuflash.attention_with_kvcache(dq, kp, vp, cache_seqlens=lengths, block_table=table,
                                                           causal=True, validate=False), "paged 16, validate=False")]
+        if hasattr(kvcache_module(cuflash), "_uploaded"):   # NumPy lengths and tables, checked on the host
+            host_lengths, host_table = np.array([4000], np.int32), np.arange(256, dtype=np.int32)[None]
+            cases += [(lambda: cuflash.attention_with_kvcache(dq, kc, vc, cache_seqlens=host_lengths, causal=True),
+                       "kvcache, NumPy lengths"),
+                      (lambda: cuflash.attention_with_kvcache(dq, kp, vp, cache_seqlens=host_lengths,
+                                                              block_table=host_table, causal=True),
+                       "paged 16, NumPy lengths and table")]
         if hasattr(kvcache_module(cuflash), "_appended"):   # an append the fake device can take (one kernel)
             kn, vn = (dev.empty((1, 8, 1, 64), np.float16) for _ in range(2))
             cases += [(lambda: cuflash.attention_with_kvcache(dq, kc, vc, kn, vn, cache_seqlens=lengths, causal=True,

@@ -113,6 +113,8 @@ class _Staging:
     host: np.ndarray   # int32, in page-locked memory (cupyx.empty_pinned)
     device: Any        # an int32 CuPy array of the same size
     done: Any          # the event recorded after the copy from `host`
+    host_ptr: int = 0  # host's address (reading .ctypes.data costs a microsecond)
+    views: dict = None   # shape -> device's first elements as that shape (a CuPy view costs 2-3 us to make)
 
 
 UPLOAD_SLOTS = 8
@@ -152,13 +154,19 @@ def _uploaded(values: np.ndarray, cupy, device_id: Optional[int]):
         import cupyx
 
         n = max(values.size, 64)
-        slot = ring[1][index] = _Staging(cupyx.empty_pinned((n,), dtype=np.int32), cupy.empty((n,), dtype=np.int32),
-                                         cupy.cuda.Event(block=False, disable_timing=True))
+        host = cupyx.empty_pinned((n,), dtype=np.int32)
+        slot = ring[1][index] = _Staging(host, cupy.empty((n,), dtype=np.int32),
+                                         cupy.cuda.Event(block=False, disable_timing=True), host.ctypes.data, {})
     slot.host[:values.size] = values.ravel()
-    cupy.cuda.runtime.memcpyAsync(slot.device.data.ptr, slot.host.ctypes.data, values.nbytes,
+    cupy.cuda.runtime.memcpyAsync(slot.device.data.ptr, slot.host_ptr, values.nbytes,
                                   cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
     slot.done.record(stream)
-    return slot.device[:values.size].reshape(values.shape)
+    view = slot.views.get(values.shape)
+    if view is None:
+        if len(slot.views) >= 8:
+            slot.views.clear()
+        view = slot.views[values.shape] = slot.device[:values.size].reshape(values.shape)
+    return view
 
 
 HOST_CHECK_BYTES = 1 << 18
@@ -178,6 +186,9 @@ def _check_ranges(cache_seqlens, pages, page_size: int, n_new: int, cap: int, nu
         cache_seqlens = cache_seqlens if _on_host(cache_seqlens) else cache_seqlens.get()
         pages = pages if _on_host(pages) else pages.get()
         xp = np
+    if xp is np:
+        _check_ranges_here(cache_seqlens, pages, page_size, n_new, cap, num_pages, batch)
+        return
     lengths = _lengths(cache_seqlens, batch, xp) if pages is not None and pages.size else None
     parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
     n_page_values = 0
@@ -212,6 +223,40 @@ def _check_ranges(cache_seqlens, pages, page_size: int, n_new: int, cap: int, nu
         if page_values[0] < 0 or page_values[1] >= num_pages:
             raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
         if n_page_values == 3 and page_values[2] > 1:
+            raise ValueError("block_table names a page that the append writes into more than once among the "
+                             "sequences' used entries: the append would overwrite keys another entry reads "
+                             "(pages shared between sequences must not take new keys)")
+
+
+def _check_ranges_here(cache_seqlens, pages, page_size: int, n_new: int, cap: int, num_pages: int,
+                       batch: int) -> None:
+    """_check_ranges on the host (an int or NumPy lengths, a NumPy table or None), one check after another
+    and with few NumPy calls (a decoding loop checks its lengths and table at every step)."""
+    if _is_int(cache_seqlens):
+        lengths = np.full(batch, int(cache_seqlens), dtype=np.int64) if pages is not None else None
+        lo = hi = int(cache_seqlens)
+    else:
+        lengths = cache_seqlens.astype(np.int64, copy=False)
+        # a few values: Python's min and max over a list are quicker than NumPy's reductions
+        values = lengths.tolist() if lengths.size <= 64 else (lengths.min(), lengths.max())
+        lo, hi = (int(min(values)), int(max(values))) if len(values) else (0, 0)
+    if lo < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
+    if hi + n_new > cap:
+        raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
+    if pages is None or not pages.size:
+        return
+    entry = np.arange(pages.shape[1])
+    used = entry < ((lengths + (n_new + page_size - 1)) // page_size)[:, None]    # (B, max_pages): entries read
+    named = pages[used]
+    if named.itemsize < 4:
+        named = named.astype(np.int32)
+    # one reduction: seen unsigned, a negative index is past every page count (< 2**31)
+    if named.size and int(named.view(f"u{named.itemsize}").max()) >= num_pages:
+        raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
+    if n_new:   # the pages the append writes into: entries from lengths // page_size to the last used one
+        written = used & (entry >= (lengths // page_size)[:, None])
+        if int(np.bincount(named.astype(np.int64, copy=False), minlength=num_pages)[pages[written]].max()) > 1:
             raise ValueError("block_table names a page that the append writes into more than once among the "
                              "sequences' used entries: the append would overwrite keys another entry reads "
                              "(pages shared between sequences must not take new keys)")

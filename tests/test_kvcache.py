@@ -5,6 +5,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _nvrtc import needs_nvrtc
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cuflash
 
@@ -286,6 +288,54 @@ def test_pages_read_in_place_equal_the_contiguous_cache(dtype, page_size, d):
                                          block_table=table)
     want = cuflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lengths, causal=True)
     np.testing.assert_allclose(_host(out).astype(np.float64), _host(want).astype(np.float64), rtol=1e-6, atol=1e-6)
+
+
+def _refusal(lengths, table, page_size, n_new, num_pages):
+    """The rule for lengths and a table, sequence by sequence: the error a call must raise (its message's
+    words), or None."""
+    cap = table.shape[1] * page_size
+    if min(lengths) < 0:
+        return ">= 0"
+    if max(lengths) + n_new > cap:
+        return "past the cache's"
+    used = [[int(p) for p in row[:-(-(n + n_new) // page_size)]] for row, n in zip(table, lengths)]
+    if any(not 0 <= p < num_pages for row in used for p in row):
+        return "outside"
+    counts = {}
+    for p in (p for row in used for p in row):
+        counts[p] = counts.get(p, 0) + 1
+    written = [p for row, n in zip(used, lengths) for p in row[n // page_size:]] if n_new else []
+    return "more than once" if any(counts[p] > 1 for p in written) else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_host_checks_follow_the_rule_sequence_by_sequence(data):
+    """The host's checks of lengths and a table (an int or NumPy lengths, NumPy tables of any integer dtype,
+    padding past a sequence's pages, pages shared between sequences) refuse exactly what the rule refuses."""
+    from cuflash import kvcache
+
+    b = data.draw(st.integers(1, 4))
+    page_size = data.draw(st.sampled_from([1, 2, 4, 16]))
+    max_pages, num_pages = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 12))
+    n_new = data.draw(st.integers(0, 5))
+    cap = max_pages * page_size
+    dtype = data.draw(st.sampled_from([np.int8, np.int32, np.int64, np.uint16]))
+    low = 0 if np.dtype(dtype).kind == "u" else -2
+    table = np.array(data.draw(st.lists(st.lists(st.integers(low, num_pages + 1), min_size=max_pages,
+                                                 max_size=max_pages), min_size=b, max_size=b)), dtype=dtype)
+    if data.draw(st.booleans()):
+        cache_seqlens = data.draw(st.integers(-1, cap + 1))
+        lengths = [cache_seqlens] * b
+    else:
+        lengths = data.draw(st.lists(st.integers(-1, cap + 1), min_size=b, max_size=b))
+        cache_seqlens = np.array(lengths, dtype=data.draw(st.sampled_from([np.int32, np.int64])))
+    want = _refusal(lengths, table, page_size, n_new, num_pages)
+    if want is None:
+        kvcache._check_ranges(cache_seqlens, table, page_size, n_new, cap, num_pages, b, np)
+    else:
+        with pytest.raises(ValueError, match=want):
+            kvcache._check_ranges(cache_seqlens, table, page_size, n_new, cap, num_pages, b, np)
 
 
 def test_numpy_inputs_are_checked_even_unvalidated():
