@@ -70,7 +70,13 @@ def _on_host(x) -> bool:
     return x is None or _is_int(x) or isinstance(x, np.ndarray)
 
 
-def _check_lengths(cache_seqlens, batch: int, xp) -> bool:
+def _check_device(name: str, x, mod, xp, device_id: Optional[int]) -> None:
+    """ValueError unless a CuPy ``x`` (of module ``mod``) is on q's device ``device_id``: the kernels read it."""
+    if mod is xp and xp is not np and x.data.device_id != device_id:
+        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device_id}")
+
+
+def _check_lengths(cache_seqlens, batch: int, xp, device_id: Optional[int] = None) -> bool:
     """TypeError / ValueError unless cache_seqlens is an int or an integer array (B,) of q's library, or of
     NumPy for CuPy inputs (its values: _check_ranges); whether it is the contiguous int32 array the kernels
     read as it is."""
@@ -86,6 +92,7 @@ def _check_lengths(cache_seqlens, batch: int, xp) -> bool:
         raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
     if mod is not xp and mod is not np:
         raise TypeError(f"cache_seqlens is a {mod.__name__} array but q is a {xp.__name__} array")
+    _check_device("cache_seqlens", cache_seqlens, mod, xp, device_id)
     return mod is xp and np.dtype(cache_seqlens.dtype) == np.int32 and cache_seqlens.flags.c_contiguous
 
 
@@ -233,7 +240,7 @@ def _check_ranges_here(cache_seqlens, pages, page_size: int, n_new: int, cap: in
     """_check_ranges on the host (an int or NumPy lengths, a NumPy table or None), one check after another
     and with few NumPy calls (a decoding loop checks its lengths and table at every step)."""
     if _is_int(cache_seqlens):
-        lengths = np.full(batch, int(cache_seqlens), dtype=np.int64) if pages is not None else None
+        lengths = None
         lo = hi = int(cache_seqlens)
     else:
         lengths = cache_seqlens.astype(np.int64, copy=False)
@@ -246,23 +253,25 @@ def _check_ranges_here(cache_seqlens, pages, page_size: int, n_new: int, cap: in
         raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
     if pages is None or not pages.size:
         return
+    if lengths is None:
+        lengths = np.full(batch, lo, dtype=np.int64)
     entry = np.arange(pages.shape[1])
     used = entry < ((lengths + (n_new + page_size - 1)) // page_size)[:, None]    # (B, max_pages): entries read
     named = pages[used]
-    if named.itemsize < 4:
-        named = named.astype(np.int32)
+    if named.itemsize < 4 or not named.dtype.isnative:   # (a big-endian table seen unsigned would be scrambled)
+        named = named.astype(np.int32 if named.itemsize < 4 else named.dtype.newbyteorder("="))
     # one reduction: seen unsigned, a negative index is past every page count (< 2**31)
     if named.size and int(named.view(f"u{named.itemsize}").max()) >= num_pages:
         raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
     if n_new:   # the pages the append writes into: entries from lengths // page_size to the last used one
         written = used & (entry >= (lengths // page_size)[:, None])
-        if int(np.bincount(named.astype(np.int64, copy=False), minlength=num_pages)[pages[written]].max()) > 1:
+        if int(np.bincount(named.astype(np.int64, copy=False))[pages[written]].max()) > 1:   # (written: among named)
             raise ValueError("block_table names a page that the append writes into more than once among the "
                              "sequences' used entries: the append would overwrite keys another entry reads "
                              "(pages shared between sequences must not take new keys)")
 
 
-def _check_pages(block_table, batch: int, k_cache, v_cache, d: int, xp) -> bool:
+def _check_pages(block_table, batch: int, k_cache, v_cache, d: int, xp, device_id: Optional[int] = None) -> bool:
     """TypeError / ValueError unless block_table is an integer array (B, max_pages) of q's library (or of NumPy
     for CuPy inputs) over pages of 1-256 positions (its values: _check_ranges); whether it is the contiguous
     int32 array the kernels read as it is."""
@@ -272,6 +281,7 @@ def _check_pages(block_table, batch: int, k_cache, v_cache, d: int, xp) -> bool:
         raise TypeError("block_table must be an integer array of shape (B, max_pages)") from None
     if mod is not xp and mod is not np:
         raise TypeError(f"block_table is a {mod.__name__} array but q is a {xp.__name__} array")
+    _check_device("block_table", block_table, mod, xp, device_id)
     if np.dtype(block_table.dtype).kind not in "iu" or block_table.ndim != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be an integer array of shape ({batch}, max_pages), got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
@@ -393,7 +403,7 @@ class _Checked:
     lengths_ready: bool     # cache_seqlens is itself the contiguous int32 array the kernels read
     table_ready: bool       # block_table likewise
     plan: Any = None        # the split-KV forward's plan (_dispatch.plan.ForwardPlan)
-    append_params: Any = None   # the append's params but for addresses and an int length (_append_params)
+    append_params: Optional[bytes] = None   # the append's params but for addresses and an int length
 
 
 def _signature(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, causal, window, scale,
@@ -467,9 +477,10 @@ _APPEND_ADDRESSES = tuple(_APPEND_PACKER.offset(path) for path in ("k_new.ptr", 
 _APPEND_LENGTH = (_APPEND_PACKER.offset("length"),)
 
 
-def _append_params(checked: _Checked, k_cache, v_cache, k_new, v_new, table_entries: int):
+def _append_params(checked: _Checked, k_cache, v_cache, k_new, v_new, table_entries: int) -> bytes:
     """The append's KvAppendParams (kernels_cu/kv_append.cu) for these arrays' shapes and strides, the addresses
-    and the int length left 0 (each call writes its own: _appended); kept with a remembered call's checks."""
+    and the int length left 0 (each call writes its own into a copy: _appended); kept with a remembered call's
+    checks."""
     def strided(x):
         return {"ptr": 0, "strides": [s // x.itemsize for s in x.strides]}
 
@@ -477,7 +488,8 @@ def _append_params(checked: _Checked, k_cache, v_cache, k_new, v_new, table_entr
         "k_new": strided(k_new), "v_new": strided(v_new), "k_cache": strided(k_cache), "v_cache": strided(v_cache),
         "lengths": 0, "page_table": 0, "total": 0, "length": 0, "batch": k_new.shape[0], "heads": k_new.shape[1],
         "n_new": checked.n_new, "d": k_new.shape[3], "dv": v_new.shape[3], "cap": checked.cap,
-        "page_size": max(checked.page_size, 1), "pages_per_seq": table_entries, "num_pages": checked.num_pages})
+        "page_size": max(checked.page_size, 1), "pages_per_seq": table_entries,
+        "num_pages": checked.num_pages}).data.tobytes()
 
 
 def _appended(checked: _Checked, start, pages, k_cache, v_cache, k_new, v_new, cupy, device_id: int):
@@ -491,9 +503,10 @@ def _appended(checked: _Checked, start, pages, k_cache, v_cache, k_new, v_new, c
         if not batch * k_new.shape[1] * n_new:   # no heads or no sequences: nothing to write
             return cupy.full((batch,), int(start) + n_new, dtype=np.int32) if from_int else start + np.int32(n_new)
         total = _stream_buffer("total", batch, cupy)
-        params = checked.append_params
-        if params is None:
-            params = _append_params(checked, k_cache, v_cache, k_new, v_new, 0 if pages is None else pages.shape[1])
+        template = checked.append_params
+        if template is None:
+            template = _append_params(checked, k_cache, v_cache, k_new, v_new, 0 if pages is None else pages.shape[1])
+        params = _params.HostArg(template)   # a copy a call: threads may share a remembered call's template
         params.put_addresses(_APPEND_ADDRESSES, (
             k_new.data.ptr, v_new.data.ptr, k_cache.data.ptr, v_cache.data.ptr, 0 if from_int else start.data.ptr,
             0 if pages is None else pages.data.ptr, total.data.ptr))
@@ -526,7 +539,7 @@ def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window,
     paged = block_table is not None
     table_ready = False
     if paged:
-        table_ready = _check_pages(block_table, b, k_cache, v_cache, d, xp)
+        table_ready = _check_pages(block_table, b, k_cache, v_cache, d, xp, None if xp is np else q.data.device_id)
         hk, cap = k_cache.shape[1], block_table.shape[1] * k_cache.shape[2]
     else:
         if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] != b or k_cache.shape[3] != d:
@@ -557,7 +570,7 @@ def _full_call(q, k_cache, v_cache, k_new, v_new, cache_seqlens, causal, window,
     if n_new and xp is np and not (k_cache.flags.writeable and v_cache.flags.writeable):
         raise ValueError("the append writes into k_cache and v_cache: both must be writeable")
     checked = _Checked(b, n_new, cap, k_cache.shape[2] if paged else 0, k_cache.shape[0] if paged else 0,
-                       _check_lengths(cache_seqlens, b, xp), table_ready)
+                       _check_lengths(cache_seqlens, b, xp, None if xp is np else q.data.device_id), table_ready)
     if n_new and xp is not np:
         checked = replace(checked, append_params=_append_params(checked, k_cache, v_cache, k_new, v_new,
                                                                 block_table.shape[1] if paged else 0))

@@ -25,12 +25,12 @@ __device__ __forceinline__ int64 cache_row(const KvAppendParams& p, const Stride
     if (p.page_table == nullptr)
         return b * cache.strides[0] + h * cache.strides[1] + wrapped(position, p.cap) * cache.strides[2];
     const int64 slot = wrapped(position, p.page_size);
-    const int64 entry = wrapped((position - slot) / p.page_size, p.pages_per_seq);   // floor division
+    const int64 entry = wrapped((position - slot) / p.page_size, p.pages_per_seq);   // (floor division)
     const int64 page = wrapped(p.page_table[b * int64(p.pages_per_seq) + entry], p.num_pages);
     return page * cache.strides[0] + h * cache.strides[1] + slot * cache.strides[2];
 }
 
-// Elements [0, count) of the row at element offset `from_row` of `from` (offsets in elements) into row `to_row` of `to`.
+// Elements [0, count) of the row at element offset from_row of `from` into the row at to_row of `to`.
 template <typename E>
 __device__ __forceinline__ void copy_row(const Strided4& to, int64 to_row, const Strided4& from, int64 from_row,
                                          int count) {
@@ -43,8 +43,9 @@ __device__ __forceinline__ void copy_row(const Strided4& to, int64 to_row, const
 // One CTA a row (b, h, t) of k_new and v_new, rows a grid apart. E: an unsigned integer of the element's size.
 template <typename E>
 __global__ void __launch_bounds__(KV_APPEND_THREADS) kv_append(const __grid_constant__ KvAppendParams p) {
-    const int rows = p.batch * p.heads * p.n_new;   // under 2^31 (the caller's rule)
-    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const unsigned rows = unsigned(p.batch * p.heads * p.n_new);   // under 2^31 (the caller's rule)
+    for (unsigned next = blockIdx.x; next < rows; next += gridDim.x) {   // (unsigned: no overflow past 2^31)
+        const int row = int(next);
         const int t = row % p.n_new, h = row / p.n_new % p.heads, b = row / p.n_new / p.heads;
         const int length = p.lengths != nullptr ? p.lengths[b] : p.length;
         if (h == 0 && t == 0 && threadIdx.x == 0)

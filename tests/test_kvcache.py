@@ -311,8 +311,9 @@ def _refusal(lengths, table, page_size, n_new, num_pages):
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_host_checks_follow_the_rule_sequence_by_sequence(data):
-    """The host's checks of lengths and a table (an int or NumPy lengths, NumPy tables of any integer dtype,
-    padding past a sequence's pages, pages shared between sequences) refuse exactly what the rule refuses."""
+    """The host's checks of lengths and a table (an int or NumPy lengths, NumPy tables of any integer dtype and
+    byte order, padding past a sequence's pages, pages shared between sequences) refuse exactly what the rule
+    refuses."""
     from cuflash import kvcache
 
     b = data.draw(st.integers(1, 4))
@@ -320,8 +321,8 @@ def test_host_checks_follow_the_rule_sequence_by_sequence(data):
     max_pages, num_pages = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 12))
     n_new = data.draw(st.integers(0, 5))
     cap = max_pages * page_size
-    dtype = data.draw(st.sampled_from([np.int8, np.int32, np.int64, np.uint16]))
-    low = 0 if np.dtype(dtype).kind == "u" else -2
+    dtype = data.draw(st.sampled_from([np.int8, np.int32, np.int64, np.uint16, ">i4", ">i8", ">u2"]))
+    low = 0 if np.dtype(dtype).kind == "u" else -2   # (big-endian tables too: NumPy arrays of any byte order)
     table = np.array(data.draw(st.lists(st.lists(st.integers(low, num_pages + 1), min_size=max_pages,
                                                  max_size=max_pages), min_size=b, max_size=b)), dtype=dtype)
     if data.draw(st.booleans()):

@@ -1038,7 +1038,9 @@ def test_an_append_is_one_kernel_before_the_attention(fake, monkeypatch, paged, 
 
     dev, launches = fake
     monkeypatch.setattr(kvcache, "_STREAM_BUFFERS", {})
-    monkeypatch.setattr(kvcache, "_uploaded", lambda values, cupy, device_id: dev.empty(values.shape, np.int32))
+    uploaded = []
+    monkeypatch.setattr(kvcache, "_uploaded", lambda values, cupy, device_id: uploaded.append(
+        dev.empty(values.shape, np.int32)) or uploaded[-1])
     store = (40, 16, 2, 128) if paged else (2, 320, 2, 128)
     for v_step in (1, 1, 2):
         launches.clear()
@@ -1060,12 +1062,28 @@ def test_an_append_is_one_kernel_before_the_attention(fake, monkeypatch, paged, 
         if lengths_kind == "int":
             assert int(f["lengths"]) == 0 and int(f["length"]) == 5
         else:   # the lengths array (NumPy lengths: their uploaded copy)
-            assert int(f["lengths"]) == (lengths.data.ptr if lengths_kind == "cupy" else int(f["lengths"])) != 0
+            assert int(f["lengths"]) == (lengths if lengths_kind == "cupy" else uploaded[-1]).data.ptr
         assert int(f["page_table"]) == (table.data.ptr if paged else 0)
         assert [int(f[n]) for n in ("batch", "heads", "n_new", "d", "dv", "cap", "page_size", "pages_per_seq",
                                     "num_pages")] == [2, 2, 3, 128, 128, 320] + ([16, 20, 40] if paged else [1, 0, 0])
         assert int(f["total"]) != 0 and int(_fwd_fields(attend_params)["mask"]["key_lengths"]) == int(f["total"])
         assert len(plan._CALL_PLANS) == 1   # the unit-stride calls' signature (a last-axis step of 2 has none)
+
+
+def test_lengths_and_tables_on_another_device_are_refused(fake):
+    """The kernels read cache_seqlens and block_table by address: CuPy arrays of them on another device than q's
+    are refused before anything is written or launched."""
+    from cupy.cuda import memory
+
+    dev, launches = fake
+    q, k, v, lengths, table = _kvcache_arrays(dev, True)
+    elsewhere = cp.ndarray((2, 20), np.int32, memory.MemoryPointer(memory.UnownedMemory(dev.next, 160, None,
+                                                                                         device_id=1), 0))
+    with pytest.raises(ValueError, match="block_table is on device 1"):
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=elsewhere, validate=False)
+    with pytest.raises(ValueError, match="cache_seqlens is on device 1"):
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=elsewhere[:, 0], block_table=table, validate=False)
+    assert not launches
 
 
 def test_a_kvcache_call_of_other_shapes_is_checked(fake):
