@@ -1,9 +1,9 @@
 // kv_append.cu -- the KV-cache call's append in one launch: row t of k_new / v_new (batch entry b, K/V
 // head h) written at position lengths[b] + t of sequence b (the contiguous cache's row, or slot
 // position % page_size of page page_table[b][position / page_size]), and each sequence's key count
-// after the append, lengths[b] + n_new, for the attention kernels. CuPy's integer indexing took a
-// launch for each index array and a scatter for each cache, each a launch's host time, at every step
-// of a decoding loop.
+// after the append, lengths[b] + n_new, for the attention kernels. One launch, where CuPy's integer
+// indexing takes one for each index array and a scatter for each cache (each a launch's host time, at
+// every step of a decoding loop).
 //
 // Positions, table entries and page indices out of range (lengths or a table not validated) wrap, as
 // CuPy's integer indexing does: the append stays inside the cache. Elements move as bits.
