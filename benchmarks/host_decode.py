@@ -1,6 +1,7 @@
 """Small decoding calls, where the host's path is the call's time (needs a GPU): attention_forward against
-attention_with_kvcache (lengths unchecked, checked, an int, NumPy lengths), pages of 16 and 256, and the
-upload of a NumPy lengths array by cupy.asarray, as the mean of 300 queued calls (best of 5; CUDA events)
+attention_with_kvcache (lengths unchecked, checked, an int, NumPy lengths), pages of 16 and 256, a decoding
+step that appends one key a sequence (lengths unchecked, NumPy lengths), and the upload of a NumPy lengths
+array by cupy.asarray, as the mean of 300 queued calls (best of 5; CUDA events)
 beside the host's own time per call.
 
     PYTHONPATH=. python benchmarks/host_decode.py
@@ -59,6 +60,13 @@ def main() -> None:
             kp, vp, table = _paged_cache(k, v, page)
             cases[f"paged {page}"] = (lambda kp=kp, vp=vp, table=table: cuflash.attention_with_kvcache(
                 q, kp, vp, cache_seqlens=lengths, causal=True, block_table=table, validate=False))
+        # a decoding step: one new key a sequence appended after lk - 1 cached ones, then attended
+        k_new, v_new = (x[:, :, -1:].copy() for x in (k, v))
+        before, host_before = lengths - 1, host_lengths - 1
+        cases["append unchecked"] = lambda: cuflash.attention_with_kvcache(
+            q, k, v, k_new, v_new, cache_seqlens=before, causal=True, validate=False)
+        cases["append NumPy lengths"] = lambda: cuflash.attention_with_kvcache(
+            q, k, v, k_new, v_new, cache_seqlens=host_before, causal=True)
         cases["lengths upload"] = lambda: cp.asarray(host_lengths)
         for name, fn in cases.items():
             queued, host = timed(fn)
