@@ -11,7 +11,7 @@ not positive, and the NumPy path take a boolean mask over the cache instead.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Tuple, Union
 
 import numpy as np
@@ -121,7 +121,8 @@ class _Staging:
     device: Any        # an int32 CuPy array of the same size
     done: Any          # the event recorded after the copy from `host`
     host_ptr: int = 0  # host's address (reading .ctypes.data costs a microsecond)
-    views: dict = None   # shape -> device's first elements as that shape (a CuPy view costs 2-3 us to make)
+    views: dict = field(default_factory=dict)   # shape -> device's first elements as that shape (a CuPy view
+    # costs 2-3 us to make)
 
 
 UPLOAD_SLOTS = 8
@@ -163,7 +164,7 @@ def _uploaded(values: np.ndarray, cupy, device_id: Optional[int]):
         n = max(values.size, 64)
         host = cupyx.empty_pinned((n,), dtype=np.int32)
         slot = ring[1][index] = _Staging(host, cupy.empty((n,), dtype=np.int32),
-                                         cupy.cuda.Event(block=False, disable_timing=True), host.ctypes.data, {})
+                                         cupy.cuda.Event(block=False, disable_timing=True), host.ctypes.data)
     slot.host[:values.size] = values.ravel()
     cupy.cuda.runtime.memcpyAsync(slot.device.data.ptr, slot.host_ptr, values.nbytes,
                                   cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
