@@ -7,10 +7,14 @@ CUDA-event-timed calls after warm-up; the table shows the median over rounds and
 the spread (max/min over rounds of the after/before ratio). Outputs are compared
 too (max abs difference), so a faster but different kernel is noticed.
 
-    PYTHONPATH=. python benchmarks/compare_trees.py --before /path/to/old/tree [--after .] [--quick]
+    PYTHONPATH=. python benchmarks/compare_trees.py --before /path/to/old/tree [--after .] [--quick | --decode]
 
 Cases: B x L = 16384 tokens, H x D = 2048 (the benchmark's shape), forward and
-forward+backward, the dtypes and head dims of benchmarks/bench.py.
+forward+backward, the dtypes and head dims of benchmarks/bench.py. ``--decode``: decoding
+shapes instead (DECODE_ROWS: few query rows over a long cache), each as the forward, as a
+KV-cache step that appends Lq keys and values (unvalidated lengths) and as that step over
+pages of 16 positions; the time is a queued call's (a loop of calls between two events, the
+host's time included, as a decoding loop sees it).
 """
 from __future__ import annotations
 
@@ -125,6 +129,68 @@ def run_case(mods, kind, dtype, d, n, causal, rounds, repeat, b=None, h=None, op
             "ratio_spread": [min(ratios), max(ratios)], "max_abs_diff_first_output": diff}
 
 
+DECODE_ROWS = [("bfloat16", 8, 32, 8, 1, 32768, 128), ("bfloat16", 1, 32, 8, 1, 131072, 128),
+               ("bfloat16", 1, 8, 8, 16, 65536, 64), ("bfloat16", 4, 32, 32, 1, 8192, 128),
+               ("bfloat16", 1, 32, 8, 1, 65536, 128), ("bfloat16", 8, 32, 8, 1, 131072, 64),
+               ("bfloat16", 64, 32, 8, 1, 4096, 128), ("bfloat16", 1, 32, 8, 1, 4096, 64),
+               ("bfloat16", 8, 32, 8, 16, 65536, 64), ("float32", 8, 32, 8, 1, 32768, 128),
+               ("float64", 8, 32, 8, 1, 32768, 128)]
+"""(dtype, B, Hq, Hk, Lq, Lk, D) of --decode: bench_decode.py's four reference rows, then rows where the
+one-row decode reads at the peers' rate, a call the host's time bounds, 16 rows, float32 and float64."""
+DECODE_KINDS = ("forward", "append", "paged 16 append")
+
+
+def queued_ms(fn, calls: int) -> float:
+    """Milliseconds a call of ``calls`` queued back to back (between two events: host time included)."""
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / calls
+
+
+def run_decode_case(mods, row, kind, rounds, calls):
+    """One decoding row and kind (DECODE_KINDS) timed on both trees, interleaved round by round."""
+    from bench_decode import _paged_cache
+
+    dtype, b, hq, hk, lq, lk, d = row
+    rng = cp.random.default_rng(0)
+    q = rng.standard_normal((b, hq, lq, d), dtype=cp.float32).astype(_dtype(dtype))
+    k, v = (rng.standard_normal((b, hk, lk, d), dtype=cp.float32).astype(_dtype(dtype)) for _ in range(2))
+    k_new, v_new = (x[:, :, -lq:].copy() for x in (k, v))
+    before = cp.full((b,), lk - lq, dtype=cp.int32)   # the step appends the last lq keys again
+
+    def fn(m):
+        if kind == "forward":
+            return lambda: m.attention_forward(q, k, v)
+        if kind == "append":
+            return lambda: m.attention_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=before, causal=True,
+                                                    validate=False)
+        k_pages, v_pages, table = _paged_cache(k, v, 16)
+        return lambda: m.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, cache_seqlens=before,
+                                                block_table=table, causal=True, validate=False)
+
+    fns = [fn(m) for m in mods]
+    outs = [f() for f in fns]                           # compile + warm up
+    first = [o[0] if isinstance(o, tuple) else o for o in outs]
+    diff = float(cp.abs(first[0].astype(cp.float64) - first[1].astype(cp.float64)).max())
+    times = [[], []]
+    for _ in range(rounds):
+        for i, f in enumerate(fns):
+            for _ in range(3):
+                f()
+            times[i].append(queued_ms(f, calls))
+    ratios = [a / b_ for a, b_ in zip(times[1], times[0])]
+    ms = [float(np.median(t)) for t in times]
+    kv_bytes = 2 * b * hk * lk * d * np.dtype(_dtype(dtype)).itemsize
+    return {"pass": kind, "dtype": dtype, "B": b, "Hq": hq, "Hk": hk, "Lq": lq, "Lk": lk, "D": d,
+            "before_ms": ms[0], "after_ms": ms[1], "before_tbps": kv_bytes / ms[0] / 1e9,
+            "after_tbps": kv_bytes / ms[1] / 1e9, "speedup": ms[0] / ms[1], "ratio_spread": [min(ratios), max(ratios)],
+            "max_abs_diff_first_output": diff}
+
+
 def host_overhead(mods, calls: int = 2000):
     """Host microseconds per call (tiny problem, calls queued without synchronizing, so
     the host is the bottleneck): forward and forward+backward, per tree."""
@@ -175,6 +241,9 @@ def main(argv=None):
     parser.add_argument("--portable", action="store_true", help="both trees on the portable mma.sync path (the "
                                                                 "compute capability patched to 8.0 on a Hopper GPU)")
     parser.add_argument("--no-host", action="store_true", help="skip the host-time lines")
+    parser.add_argument("--decode", action="store_true", help="decoding shapes instead (DECODE_ROWS x DECODE_KINDS; "
+                                                              "--only matches e.g. 'append bfloat16 1 32 8 1 131072')")
+    parser.add_argument("--calls", type=int, default=50, help="--decode: queued calls a timing")
     args = parser.parse_args(argv)
     mods = [load_tree(args.before.resolve(), "cuflash_before"), load_tree(args.after.resolve(), "cuflash_after")]
     if args.portable:   # as bench.py's "cuflash sm80" contender
@@ -191,6 +260,23 @@ def main(argv=None):
         return
     print(f"{'pass':8} {'dtype':9} {'D':>4} {'L':>5} {'causal':>6} {'before ms':>10} {'after ms':>9} "
           f"{'TFLOP/s b/a':>14} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
+    if args.decode:
+        print(f"{'pass':16} {'dtype':9} {'B':>3} {'Hq/Hk':>6} {'Lq':>3} {'Lk':>7} {'D':>4} {'before us':>10} "
+              f"{'after us':>9} {'TB/s b/a':>11} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
+        for row in DECODE_ROWS:
+            for kind in DECODE_KINDS:
+                if args.only and not re.search(args.only, " ".join(str(c) for c in (kind,) + row)):
+                    continue
+                r = run_decode_case(mods, row, kind, args.rounds, args.calls)
+                rows.append(r)
+                print(f"{kind:16} {r['dtype']:9} {r['B']:3d} {r['Hq']:>3}/{r['Hk']:<2} {r['Lq']:3d} {r['Lk']:7d} "
+                      f"{r['D']:4d} {r['before_ms'] * 1e3:10.1f} {r['after_ms'] * 1e3:9.1f} "
+                      f"{r['before_tbps']:5.2f}/{r['after_tbps']:5.2f} {r['speedup']:7.3f}x "
+                      f"{1 / r['ratio_spread'][1]:5.3f}-{1 / r['ratio_spread'][0]:5.3f} "
+                      f"{r['max_abs_diff_first_output']:9.2e}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+        return
     lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
     for case in cases(args.quick, lengths):
         if args.only and not re.search(args.only, " ".join(str(c) for c in case)):
