@@ -143,6 +143,7 @@ DECODE_KINDS = ("forward", "append", "paged 16 append")
 def queued_ms(fn, calls: int) -> float:
     """Milliseconds a call of ``calls`` queued back to back (between two events: host time included)."""
     start, end = cp.cuda.Event(), cp.cuda.Event()
+    cp.cuda.get_current_stream().synchronize()   # nothing earlier on the clock
     start.record()
     for _ in range(calls):
         fn()
@@ -159,16 +160,26 @@ def run_decode_case(mods, row, kind, rounds, calls):
     rng = cp.random.default_rng(0)
     q = rng.standard_normal((b, hq, lq, d), dtype=cp.float32).astype(_dtype(dtype))
     k, v = (rng.standard_normal((b, hk, lk, d), dtype=cp.float32).astype(_dtype(dtype)) for _ in range(2))
-    k_new, v_new = (x[:, :, -lq:].copy() for x in (k, v))
-    before = cp.full((b,), lk - lq, dtype=cp.int32)   # the step appends the last lq keys again
+    k_new, v_new = (rng.standard_normal((b, hk, lq, d), dtype=cp.float32).astype(_dtype(dtype)) for _ in range(2))
+    before = cp.full((b,), lk - lq, dtype=cp.int32)   # each step writes the last lq positions
+    held = []                                          # per tree: a function giving its cache's last lq rows
 
     def fn(m):
         if kind == "forward":
             return lambda: m.attention_forward(q, k, v)
-        if kind == "append":
-            return lambda: m.attention_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=before, causal=True,
-                                                    validate=False)
+        if kind == "append":   # a cache of the tree's own: an append that writes nothing shows in both checks
+            k_own, v_own = k.copy(), v.copy()
+            held.append(lambda: (k_own[:, :, -lq:], v_own[:, :, -lq:]))
+            return lambda: m.attention_with_kvcache(q, k_own, v_own, k_new, v_new, cache_seqlens=before,
+                                                    causal=True, validate=False)
         k_pages, v_pages, table = _paged_cache(k, v, 16)
+
+        def last_rows():
+            rows = cp.arange(lk - lq, lk)
+            pages = table[:, rows // 16]                              # (B, lq)
+            at = (pages, slice(None), rows % 16)
+            return k_pages[at].transpose(0, 2, 1, 3), v_pages[at].transpose(0, 2, 1, 3)
+        held.append(last_rows)
         return lambda: m.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, cache_seqlens=before,
                                                 block_table=table, causal=True, validate=False)
 
@@ -176,6 +187,10 @@ def run_decode_case(mods, row, kind, rounds, calls):
     outs = [f() for f in fns]                           # compile + warm up
     first = [o[0] if isinstance(o, tuple) else o for o in outs]
     diff = float(cp.abs(first[0].astype(cp.float64) - first[1].astype(cp.float64)).max())
+    for last in held:   # each tree's append wrote the new keys and values
+        for got, want in zip(last(), (k_new, v_new)):
+            if not bool((cp.ascontiguousarray(got).view(cp.uint8) == want.view(cp.uint8)).all()):
+                raise AssertionError(f"{kind} {row}: a tree's cache does not hold the appended keys and values")
     times = [[], []]
     for _ in range(rounds):
         for i, f in enumerate(fns):
@@ -242,7 +257,7 @@ def main(argv=None):
                                                                 "compute capability patched to 8.0 on a Hopper GPU)")
     parser.add_argument("--no-host", action="store_true", help="skip the host-time lines")
     parser.add_argument("--decode", action="store_true", help="decoding shapes instead (DECODE_ROWS x DECODE_KINDS; "
-                                                              "--only matches e.g. 'append bfloat16 1 32 8 1 131072')")
+                                                              "--only matches e.g. '^append bfloat16 1 32 8 1 131072')")
     parser.add_argument("--calls", type=int, default=50, help="--decode: queued calls a timing")
     args = parser.parse_args(argv)
     mods = [load_tree(args.before.resolve(), "cuflash_before"), load_tree(args.after.resolve(), "cuflash_after")]
@@ -258,8 +273,6 @@ def main(argv=None):
         print(f"host time per call, {kind:7}: before {before_us:6.1f} us, after {after_us:6.1f} us", flush=True)
     if args.host:
         return
-    print(f"{'pass':8} {'dtype':9} {'D':>4} {'L':>5} {'causal':>6} {'before ms':>10} {'after ms':>9} "
-          f"{'TFLOP/s b/a':>14} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
     if args.decode:
         print(f"{'pass':16} {'dtype':9} {'B':>3} {'Hq/Hk':>6} {'Lq':>3} {'Lk':>7} {'D':>4} {'before us':>10} "
               f"{'after us':>9} {'TB/s b/a':>11} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
@@ -277,6 +290,8 @@ def main(argv=None):
         if args.json:
             args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
         return
+    print(f"{'pass':8} {'dtype':9} {'D':>4} {'L':>5} {'causal':>6} {'before ms':>10} {'after ms':>9} "
+          f"{'TFLOP/s b/a':>14} {'speed-up':>8} {'spread':>12} {'max|diff|':>9}", flush=True)
     lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
     for case in cases(args.quick, lengths):
         if args.only and not re.search(args.only, " ".join(str(c) for c in case)):
