@@ -54,8 +54,8 @@ def _stream_buffer(use: str, batch: int, cupy):
 
 def _filled(value: int, batch: int, cupy):
     """An int32 CuPy array (batch,) of ``value`` on the current device: a reused buffer the driver fills,
-    where ``cupy.full`` would launch an elementwise kernel (an int-length call 36 us against 58 on the
-    H200's host, benchmarks/host_decode.py)."""
+    where ``cupy.full`` would launch an elementwise kernel (benchmarks/host_decode.py times the int-length
+    call)."""
     fill = _device.memset32_fn()
     if fill is None:
         return cupy.full((batch,), value, dtype=np.int32)
@@ -120,9 +120,9 @@ class _Staging:
     host: np.ndarray   # int32, in page-locked memory (cupyx.empty_pinned)
     device: Any        # an int32 CuPy array of the same size
     done: Any          # the event recorded after the copy from `host`
-    host_ptr: int = 0  # host's address (reading .ctypes.data costs a microsecond)
-    views: dict = field(default_factory=dict)   # shape -> device's first elements as that shape (a CuPy view
-    # costs 2-3 us to make)
+    host_ptr: int = 0  # host's address, read once (.ctypes.data is slow on a call's host path)
+    views: dict = field(default_factory=dict)   # shape -> device's first elements as that shape, made once
+    # (benchmarks/host_cpu.py times the host path)
 
 
 UPLOAD_SLOTS = 8
@@ -189,51 +189,58 @@ def _check_ranges(cache_seqlens, pages, page_size: int, n_new: int, cap: int, nu
     position are not read (e.g. -1 padding). On the device: the arrays copied to the host, or (a large
     table) the lengths, the used indices' extremes and the written pages' largest use count read back
     in one transfer; an int length without pages reads nothing."""
-    if xp is not np and (_on_host(pages) or _on_host(cache_seqlens) or pages.nbytes <= HOST_CHECK_BYTES) \
-            and not (_is_int(cache_seqlens) and pages is None):
+    if xp is not np and (_on_host(pages) or _on_host(cache_seqlens) or pages.nbytes <= HOST_CHECK_BYTES):
         cache_seqlens = cache_seqlens if _on_host(cache_seqlens) else cache_seqlens.get()
         pages = pages if _on_host(pages) else pages.get()
         xp = np
     if xp is np:
         _check_ranges_here(cache_seqlens, pages, page_size, n_new, cap, num_pages, batch)
-        return
-    lengths = _lengths(cache_seqlens, batch, xp) if pages is not None and pages.size else None
-    parts = [] if _is_int(cache_seqlens) else [cache_seqlens.astype(np.int64, copy=False)]
-    n_page_values = 0
-    if pages is not None and pages.size:
-        entry = xp.arange(pages.shape[1])[None, :]
-        end = xp.minimum(xp.maximum(lengths.astype(np.int64), 0) + n_new, cap)[:, None]
-        used = entry * page_size < end                                              # (B, max_pages)
-        used_pages = xp.where(used, pages.astype(np.int64, copy=False), 0)
+    else:   # CuPy lengths and a large CuPy table
+        _check_ranges_on_device(cache_seqlens, pages, page_size, n_new, cap, num_pages, xp)
+
+
+def _check_length_extremes(lo: int, hi: int, n_new: int, cap: int) -> None:
+    if lo < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
+    if hi + n_new > cap:
+        raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
+
+
+_SHARED_PAGE = ("block_table names a page that the append writes into more than once among the sequences' used "
+                "entries: the append would overwrite keys another entry reads (pages shared between sequences "
+                "must not take new keys)")
+
+
+def _check_ranges_on_device(lengths, pages, page_size: int, n_new: int, cap: int, num_pages: int, cupy) -> None:
+    """_check_ranges of CuPy lengths (B,) and a CuPy table (B, max_pages): the lengths, the used page indices'
+    extremes and the largest use count of a page the append writes, reduced on the device and read back in
+    one transfer."""
+    lengths = lengths.astype(np.int64, copy=False)
+    parts = [lengths]
+    if pages.size:
+        entry = cupy.arange(pages.shape[1])[None, :]
+        start = cupy.maximum(lengths, 0)
+        used = entry * page_size < cupy.minimum(start + n_new, cap)[:, None]         # (B, max_pages)
+        used_pages = cupy.where(used, pages.astype(np.int64, copy=False), 0)
         parts += [used_pages.min().reshape(1), used_pages.max().reshape(1)]
-        n_page_values = 2
         if n_new:   # the entries an append writes into: [lengths, lengths + n_new) meets their positions
-            written = used & ((entry + 1) * page_size > xp.maximum(lengths.astype(np.int64), 0)[:, None])
+            written = used & ((entry + 1) * page_size > start[:, None])
             in_range = used & (used_pages >= 0) & (used_pages < num_pages)
-            slot = xp.where(in_range, used_pages, num_pages)                      # num_pages: not counted
-            uses = xp.zeros(num_pages + 1, dtype=np.int32)   # counted by a scatter-add: no wait for the device
-            xp.add.at(uses, slot.ravel(), 1)                    # (CuPy's bincount reads its input's extremes back)
+            slot = cupy.where(in_range, used_pages, num_pages)                      # num_pages: not counted
+            uses = cupy.zeros(num_pages + 1, dtype=np.int32)   # counted by a scatter-add: no wait for the device
+            cupy.add.at(uses, slot.ravel(), 1)                    # (CuPy's bincount reads its input's extremes back)
             uses[num_pages] = 0
-            parts.append(uses[xp.where(written & in_range, slot, num_pages)].max().reshape(1).astype(np.int64))
-            n_page_values = 3
-    values = (xp.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else np.zeros(0, np.int64)
-    values = values if isinstance(values, np.ndarray) else values.get()
-    page_values, values = values[len(values) - n_page_values:], values[:len(values) - n_page_values]
-    if _is_int(cache_seqlens):
-        values = np.array([int(cache_seqlens)])
-    if values.size:
-        lo, hi = int(values.min()), int(values.max())
-        if lo < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
-        if hi + n_new > cap:
-            raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
-    if n_page_values:
+            parts.append(uses[cupy.where(written & in_range, slot, num_pages)].max().reshape(1).astype(np.int64))
+    values = cupy.concatenate(parts).get()
+    n_lengths = lengths.size
+    if n_lengths:
+        _check_length_extremes(int(values[:n_lengths].min()), int(values[:n_lengths].max()), n_new, cap)
+    page_values = values[n_lengths:]
+    if page_values.size:
         if page_values[0] < 0 or page_values[1] >= num_pages:
             raise ValueError(f"block_table holds page indices outside [0, {num_pages})")
-        if n_page_values == 3 and page_values[2] > 1:
-            raise ValueError("block_table names a page that the append writes into more than once among the "
-                             "sequences' used entries: the append would overwrite keys another entry reads "
-                             "(pages shared between sequences must not take new keys)")
+        if page_values.size == 3 and page_values[2] > 1:
+            raise ValueError(_SHARED_PAGE)
 
 
 def _check_ranges_here(cache_seqlens, pages, page_size: int, n_new: int, cap: int, num_pages: int,
@@ -248,10 +255,7 @@ def _check_ranges_here(cache_seqlens, pages, page_size: int, n_new: int, cap: in
         # a few values: Python's min and max over a list are quicker than NumPy's reductions
         values = lengths.tolist() if lengths.size <= 64 else (lengths.min(), lengths.max())
         lo, hi = (int(min(values)), int(max(values))) if len(values) else (0, 0)
-    if lo < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {lo}")
-    if hi + n_new > cap:
-        raise ValueError(f"cache_seqlens + Lnew reaches {hi + n_new} keys, past the cache's {cap}")
+    _check_length_extremes(lo, hi, n_new, cap)
     if pages is None or not pages.size:
         return
     if lengths is None:
@@ -267,9 +271,7 @@ def _check_ranges_here(cache_seqlens, pages, page_size: int, n_new: int, cap: in
     if n_new:   # the pages the append writes into: entries from lengths // page_size to the last used one
         written = used & (entry >= (lengths // page_size)[:, None])
         if int(np.bincount(named.astype(np.int64, copy=False))[pages[written]].max()) > 1:   # (written: among named)
-            raise ValueError("block_table names a page that the append writes into more than once among the "
-                             "sequences' used entries: the append would overwrite keys another entry reads "
-                             "(pages shared between sequences must not take new keys)")
+            raise ValueError(_SHARED_PAGE)
 
 
 def _check_pages(block_table, batch: int, k_cache, v_cache, d: int, xp, device_id: Optional[int] = None) -> bool:

@@ -290,6 +290,20 @@ def test_pages_read_in_place_equal_the_contiguous_cache(dtype, page_size, d):
     np.testing.assert_allclose(_host(out).astype(np.float64), _host(want).astype(np.float64), rtol=1e-6, atol=1e-6)
 
 
+class _Fetchable(np.ndarray):
+    def get(self):
+        return np.asarray(self)
+
+
+class _NumpyAsCupy:
+    """The CuPy functions kvcache._check_ranges_on_device calls, on NumPy arrays."""
+    arange, maximum, minimum, where, zeros, add = np.arange, np.maximum, np.minimum, np.where, np.zeros, np.add
+
+    @staticmethod
+    def concatenate(parts):
+        return np.concatenate(parts).view(_Fetchable)
+
+
 def _refusal(lengths, table, page_size, n_new, num_pages):
     """The rule for lengths and a table, sequence by sequence: the error a call must raise (its message's
     words), or None."""
@@ -312,8 +326,8 @@ def _refusal(lengths, table, page_size, n_new, num_pages):
 @given(st.data())
 def test_host_checks_follow_the_rule_sequence_by_sequence(data):
     """The host's checks of lengths and a table (an int or NumPy lengths, NumPy tables of any integer dtype and
-    byte order, padding past a sequence's pages, pages shared between sequences) refuse exactly what the rule
-    refuses."""
+    byte order, padding past a sequence's pages, pages shared between sequences), and the device's reductions
+    for a large table (run on NumPy), refuse exactly what the rule refuses."""
     from cuflash import kvcache
 
     b = data.draw(st.integers(1, 4))
@@ -332,11 +346,16 @@ def test_host_checks_follow_the_rule_sequence_by_sequence(data):
         lengths = data.draw(st.lists(st.integers(-1, cap + 1), min_size=b, max_size=b))
         cache_seqlens = np.array(lengths, dtype=data.draw(st.sampled_from([np.int32, np.int64])))
     want = _refusal(lengths, table, page_size, n_new, num_pages)
-    if want is None:
-        kvcache._check_ranges(cache_seqlens, table, page_size, n_new, cap, num_pages, b, np)
-    else:
-        with pytest.raises(ValueError, match=want):
-            kvcache._check_ranges(cache_seqlens, table, page_size, n_new, cap, num_pages, b, np)
+    checks = [lambda: kvcache._check_ranges(cache_seqlens, table, page_size, n_new, cap, num_pages, b, np)]
+    if not isinstance(cache_seqlens, int):   # the reductions a large CuPy table takes, here on NumPy arrays
+        checks.append(lambda: kvcache._check_ranges_on_device(cache_seqlens, table, page_size, n_new, cap, num_pages,
+                                                              _NumpyAsCupy))
+    for check in checks:
+        if want is None:
+            check()
+        else:
+            with pytest.raises(ValueError, match=want):
+                check()
 
 
 def test_numpy_inputs_are_checked_even_unvalidated():
