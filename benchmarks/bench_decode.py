@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
+import read_ceiling  # noqa: E402
 import cuflash  # noqa: E402
 from cuflash._dispatch import plan, select  # noqa: E402
 
@@ -157,6 +158,8 @@ def contenders(q, k, v) -> dict:
         q, k, v, k_new, v_new, cache_seqlens=before, causal=True, validate=False), "Lq keys appended, validate=False")
     out["cuflash kvcache append host lengths"] = (lambda: cuflash.attention_with_kvcache(
         q, k, v, k_new, v_new, cache_seqlens=host_before, causal=True), "Lq keys appended, NumPy lengths")
+    out["HBM read ceiling"] = (read_ceiling.reader(k, v), "one kernel reading the K/V bytes once "
+                               "(benchmarks/read_ceiling.py): no call reading them is faster")
     for page_size in (16, 256):
         k_pages, v_pages, table = _paged_cache(k, v, page_size)
         out[f"cuflash paged {page_size}"] = (
@@ -235,7 +238,7 @@ def _tbps(row):
     return None if row.get("GB/s") is None else row["GB/s"] / 1e3
 
 
-PLOTTED = {"cuflash": "tab:red", "cuflash kvcache unchecked": "tab:purple", "cuflash paged 16": "tab:orange",
+PLOTTED = {"HBM read ceiling": "tab:gray", "cuflash": "tab:red", "cuflash kvcache unchecked": "tab:purple", "cuflash paged 16": "tab:orange",
            "torch flash": "tab:blue", "torch cudnn": "tab:green"}
 
 
