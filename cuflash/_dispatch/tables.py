@@ -50,7 +50,10 @@ add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registe
 # (64 rows) halves it against the prefill tiles' 128 and leaves K/V streaming the bound on paper (H200: ~2.3 of
 # ~4.5 TFLOP/s a SM at full HBM bandwidth, d=128): 47-87% of the H200 HBM peak from 32768 keys, 16 query rows x 4
 # heads (benchmarks/bench_decode.py).
-add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 128, 4, 2, "one strip a warp: half the padded rows of 128x128"),
+add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 128, 4, 2, "one strip a warp: half the padded rows of 128x128; three CTAs "
+                                                          "an SM (168 registers): 1.08-1.12x two at B = 1-8, 0.95x at "
+                                                          "B = 64 (H200, 16 rows x 4 heads, tune_decode.py --family "
+                                                          "fwd_mma)", ctas=3),
     split=True)
 add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: two CTAs an SM stream K/V", ctas=2),
     split=True)
@@ -58,8 +61,11 @@ add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: t
 # each K/V tile's keys (32 or 16 keys a warp), so each K/V byte crosses shared memory once; the 64-row split tile
 # above reads it once a warp and spends 4x the tensor-core work on padding rows. K and V stages of 32 KB in swizzled
 # rows (benchmarks/bench_decode.py, benchmarks/stream_layout.py).
-add("fwd_decode", HALF_TYPES, [64], Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)",
-                                         ctas=2), split=True)
+# One CTA an SM of 8 warps over 256-key tiles (133 KB) or 4 warps over 128-key / 64-key tiles (135 KB at head dim
+# 128): 1.01-1.03x the three CTAs of 66-68 KB on one query row, paged 16 1.04-1.06x (H200, tune_decode.py --tiles);
+# the small tiles where the shared memory is 99 KB.
+add("fwd_decode", HALF_TYPES, [64], Tile(16, 256, 8, 2, "32 keys a warp, 133 KB: one CTA an SM"),
+    Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)", ctas=2), split=True)
 # float32 (3xTF32, rows padded by 4 floats): 16 keys a warp. Second, for blocks of at most 8 query rows
 # (select.split_variants): the query-minor tile (S^T = K Q^T, 8 padded query rows, Q^T in registers), V rows padded
 # by 8 floats: one query row of 4 heads at d=128 on the H200 80-88% of the HBM peak, where the 16-row strip reached
@@ -69,8 +75,8 @@ add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: 
 # float32 at head dim 128 on three K/V stages (219 / 217 KB) measured 0.98-1.04x two: two kept (tune_decode.py).
 add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"),
     Tile(8, 64, 4, 2, "8 query rows, 16 keys a warp, 145 KB: one CTA an SM"), split=True)
-add("fwd_decode", HALF_TYPES, [128], Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)",
-                                          ctas=3), split=True)
+add("fwd_decode", HALF_TYPES, [128], Tile(16, 128, 4, 2, "32 keys a warp, 135 KB: one CTA an SM"),
+    Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)", ctas=3), split=True)
 # float64 (fp64 tensor cores, Q / K rows padded by 4 doubles, V by 2): 8 keys a warp (an n8 tile; 16 would
 # need 64-key stages of 64 KB at d=128), four warps a CTA: a warp on each of an SM's schedulers (a 16-row split
 # twin of one warp a CTA, two CTAs an SM, left two of the four idle: 31-35% of the H200's HBM peak).
