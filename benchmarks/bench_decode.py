@@ -120,7 +120,7 @@ def _paged_cache(k, v, page_size: int):
     return pages[0], pages[1], order.astype(cp.int32)
 
 
-def _split_twin(portable, dv, smem_limit, rows=None):
+def _split_twin(portable, dv, smem_limit, rows=None, full=False):
     """select.split_variants for blocks of more rows than the decoding kernel takes: the portable
     forward's split twin (flash_fwd_mma.cu)."""
     return select.split_variants(portable, dv, smem_limit, select.DECODE_ROWS + 1)

@@ -705,6 +705,23 @@ def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
     assert launches[0][0].kv_split and launches[0][0].family == "fwd_decode"
 
 
+@pytest.mark.parametrize("head", [64, 128])
+def test_decoding_blocks_that_fill_the_gpu_take_a_tile_of_several_ctas(fake, head):
+    """16-bit decoding: a few long splits stream on one CTA an SM (the table's first tile); blocks that fill the
+    GPU already (B=64, 8 K/V heads) take the tile of several CTAs an SM, whose CTAs hide each other's start."""
+    dev, launches = fake
+    chosen = {}
+    for batch in (8, 64):
+        launches.clear()
+        q = dev.empty((batch, 32, 1, head), np.float16)
+        k, v = (dev.empty((batch, 8, 4096, head), np.float16) for _ in range(2))
+        cuflash.attention_forward(q, k, v)
+        partial = launches[0][0]
+        assert partial.family == "fwd_decode"
+        chosen[batch] = partial.tile
+    assert chosen[8].ctas == 1 and chosen[64].ctas > 1
+
+
 def test_the_variant_sweeps_split_problems_launch_their_variants(fake, monkeypatch):
     """tests/test_variants_gpu.py runs each split-KV variant on the problem _variant_problems.problem_for
     predicts for it and asserts that variant launched: on the fake device the plan's own launches for those

@@ -30,8 +30,8 @@ from . import masking as masking_
 from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket, takes_linear_bias
 from .packed import Spans, device_table
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
-                     forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL, SPLIT_MIN_KEYS,
-                     split_count, split_variants, takes_plain_mods, vec_chunk, with_mods)
+                     DECODE_ROWS, forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL,
+                     SPLIT_MIN_KEYS, split_count, split_variants, takes_plain_mods, vec_chunk, with_mods)
 
 MAX_PLANS = 256
 """Plans kept per direction; a loop over more signatures than this re-plans (no LRU bookkeeping)."""
@@ -275,6 +275,14 @@ def _reads_pages(v, itemsize: int, k, v_pages, page_size: int) -> bool:
     return v.threads % per_row == 0 and v.tile.block_n % (v.threads // per_row) == 0
 
 
+def _fills_gpu(p, pack: int) -> bool:
+    """Whether a split call's decoding blocks (16 packed rows each) fill the GPU before any split
+    (:data:`SPLIT_FILL` of its SMs): its decoding kernel then takes a tile of several CTAs an SM
+    (select.split_variants)."""
+    rows, heads = p.lq * pack, p.heads_q // pack
+    return p.batch * heads * -(-rows // DECODE_ROWS) >= SPLIT_FILL * device.sm_count()
+
+
 def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     """The key splits a call takes unasked: decoding-like calls only, whose (packed) query rows fit one
     block of the portable kernel over at least SPLIT_MIN_KEYS keys, split where their blocks leave the
@@ -288,7 +296,7 @@ def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     blocks = portable.grid(p.batch, heads, 1, rows, p.lk)
     if pack == 1 and blocks >= SPLIT_FILL * device.sm_count():
         return 1
-    partial = split_variants(portable, p.dv, smem_limit, rows)[0]   # what a split call runs
+    partial = split_variants(portable, p.dv, smem_limit, rows, _fills_gpu(p, pack))[0]   # what a split call runs
     slots = device.sm_count() * ctas_per_sm(partial, smem_limit)
     key_tiles = -(-p.lk // partial.tile.block_n)
     # The 16-bit decoding kernel streams K/V at the HBM rate with one CTA an SM; float32 and float64 wait on
@@ -338,7 +346,7 @@ def _plan_split_forward(p, masking, masked: bool, band: bool, portable, splits: 
     pack = _gqa_packing(p, masked, band, q, portable, smem_limit)
     b, heads, rows = p.batch, p.heads_q // pack, p.lq * pack
     values = dict(masking.values, band_period=p.lq) if band and pack > 1 else masking.values
-    partial, combine = split_variants(portable, p.dv, smem_limit, rows)
+    partial, combine = split_variants(portable, p.dv, smem_limit, rows, _fills_gpu(p, pack))
     qv = _Strided((b, heads, rows, p.d), (q.strides[0], q.strides[1] * pack, q.strides[2], q.strides[3]), q.itemsize)
     out_view = _Strided.contiguous((b, heads, rows, p.dv), q.dtype)
     lse_view = _Strided.contiguous((b, heads, rows), lse_dtype)

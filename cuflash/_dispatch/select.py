@@ -382,30 +382,39 @@ def _query_minor(tile: Tile) -> bool:
     return tile.block_m == QUERY_MINOR_ROWS
 
 
-def _decoding_tile(decode: Variant, rows: int, smem_limit: int) -> Variant:
+def _decoding_tile(decode: Variant, rows: int, smem_limit: int, full: bool = False) -> Variant:
     """``decode`` fitted to ``smem_limit``: on its query-minor tile (block_m QUERY_MINOR_ROWS) where the blocks'
-    ``rows`` fit one and the table has one that fits, else on a 16-row strip (ValueError where none fits)."""
+    ``rows`` fit one and the table has one that fits, else on a 16-row strip (ValueError where none fits).
+    ``full`` (the call's blocks fill the GPU): the first such tile of several CTAs an SM where the table has one
+    (the one-CTA tiles leave each CTA's start and end bare between short splits: the H200, bf16, B = 64, one query
+    row of 4 heads a K/V head, 4096 keys at head dim 128, 0.98x / 0.94x paged; benchmarks/compare_trees.py
+    --decode)."""
     if rows <= QUERY_MINOR_ROWS:
         with contextlib.suppress(ValueError):
             return decode.fitted(smem_limit, where=_query_minor)
+    if full:
+        with contextlib.suppress(ValueError):
+            return decode.fitted(smem_limit, where=lambda tile: not _query_minor(tile) and tile.ctas > 1)
     return decode.fitted(smem_limit, where=lambda tile: not _query_minor(tile))
 
 
-def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1) -> Tuple[Variant, Variant]:
+def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1,
+                   full: bool = False) -> Tuple[Variant, Variant]:
     """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted) and
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
     the combine kernel at the bucket of ``dv``. The partial kernel: for calls of at most DECODE_ROWS rows
     without an EXTRA option, with 16-byte loads, at a head bucket the split table has, the decoding kernel
     (``fwd_decode``: the warps split each key tile; not with user modifications; float32 at precision
     "highest", its 3xTF32, on the query-minor tile of 8 rows where they fit it; float64 on the fp64 tensor
-    cores); else the portable kernel's twin (``kv_split``)."""
+    cores; ``full``, blocks that fill the GPU, on a tile of several CTAs an SM: :func:`_decoding_tile`); else
+    the portable kernel's twin (``kv_split``)."""
     decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
     if rows <= DECODE_ROWS and not portable.extra and not portable.prelude and portable.vec \
             and decode_key in TABLES["split"] and portable.family in ("fwd_mma", "fwd_tf32x3", "fwd_dmma"):
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
                              kv_split=True)
-            decode = _decoding_tile(decode, rows, smem_limit)
+            decode = _decoding_tile(decode, rows, smem_limit, full)
             return decode, Variant("fwd_combine", portable.dtype, head_bucket(dv)).fitted(smem_limit)
     partial = replace(portable, kv_split=True)
     if not portable.extra and (portable.arch, portable.family, portable.dtype, portable.head) in TABLES["split"]:
@@ -613,8 +622,8 @@ def all_variants() -> List[Variant]:
             except ValueError:
                 continue
             if portable.family in KV_SPLIT_FAMILIES:
-                for rows in (QUERY_MINOR_ROWS, DECODE_ROWS, DECODE_ROWS + 1):   # the decoding kernel's tiles, the twin
-                    seen[split_variants(portable, head, limit, rows)[0]] = None
+                for rows, full in itertools.product((QUERY_MINOR_ROWS, DECODE_ROWS, DECODE_ROWS + 1), (False, True)):
+                    seen[split_variants(portable, head, limit, rows, full)[0]] = None   # decoding tiles, the twin
             if not extra:   # the packed forward a call takes (the Hopper one where it has one, by row class)
                 for rows in ROWS:
                     choice = portable if cc != HOPPER_CC else forward_variant(
