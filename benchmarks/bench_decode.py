@@ -123,7 +123,7 @@ def _paged_cache(k, v, page_size: int):
 def _split_twin(portable, dv, smem_limit, rows=None, full=False):
     """select.split_variants for blocks of more rows than the decoding kernel takes: the portable
     forward's split twin (flash_fwd_mma.cu)."""
-    return select.split_variants(portable, dv, smem_limit, select.DECODE_ROWS + 1)
+    return select.split_variants(portable, dv, smem_limit, select.DECODE_MAX_ROWS + 1)
 
 
 def _with_split_twin(call):

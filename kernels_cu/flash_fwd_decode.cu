@@ -1,16 +1,17 @@
 // flash_fwd_decode.cu -- the split-KV partial forward for decoding (float16 / bfloat16; float32 on
-// 3xTF32; float64 on the fp64 tensor cores): at most 16 query rows a (batch, head) block -- Lq new
-// rows, times the query heads of a K/V head with packed GQA -- over a long key range.
+// 3xTF32; float64 on the fp64 tensor cores): few query rows a (batch, head) block -- Lq new rows, times
+// the query heads of a K/V head with packed GQA: one 16-row strip, or 2-4 strips for 16-bit -- over a
+// long key range.
 //
 // flash_fwd_mma's split twin gives each warp 16 query rows of a 64-row block, so a decoding block
 // fills one warp's rows and every warp reads each K/V tile whole from shared memory for padding
-// rows. Here the warps share one 16-row Q strip and split each K/V tile's keys instead: warp w
+// rows. Here the warps share the block's Q strips and split each K/V tile's keys instead: warp w
 // takes keys [n0 + w * KEYS_W, n0 + (w + 1) * KEYS_W) of tile n0, with its own online softmax
 // (softmax.cuh) over its keys. Each K/V element then crosses shared memory once and the padded
 // tensor-core work falls by the warp count. At the end the warps' (O, max, sum) merge in shared
 // memory, as combine.cuh merges splits, and warp 0 writes the split's partial O and lse (KeySplit,
 // scheduler.cuh), which the block's last split (or, without split_counters, the combine kernel) merges.
-//   load Q strip (16 rows, zeros past the block's rows)
+//   load the Q strips (16 rows each, zeros past the block's rows)
 //   for each key tile j of this split (the next one streams in with cp.async meanwhile):
 //       S_w = Q K_j[w]^T, masked where the tile is partial (the band, the sequence's own end)
 //       online softmax of S_w; O_w += P_w V_j[w]
@@ -43,6 +44,9 @@
 // operand's conflict-free pitch). On sm_90 both GEMMs run on m16n8k8, the full fp64 tensor rate (m8n8k4
 // runs at half, benchmarks/dmma_rate.py; m16n8k16 for S spills with the page cursor); before sm_90, on
 // m8n8k4.
+// 16-bit blocks of 32 or 64 rows (STRIPS = BM / 16, 16 packed rows of 2-4 query heads): every warp holds every
+// strip's O over its keys, so each K/V element still crosses shared memory once, against four times on the
+// 64-row split twin, whose four warps each read the whole tile for their strip (benchmarks/tune_decode.py).
 // float32 blocks of at most 8 query rows (QUERY_MINOR, BM = 8): S^T = K Q^T and O^T += V^T P^T with the
 // keys as the MMA's M side and the queries its n8 side (warp_gemm_tf32.cuh's query-minor GEMMs): 8 padded
 // query rows instead of 16, Q^T in registers; the online softmax runs down S^T's columns. K rows head + 4
@@ -61,6 +65,7 @@ struct FwdDecodeTraits {
     static constexpr int THREADS = 32 * WARPS;
     static constexpr bool QUERY_MINOR = BM == 8;  // S^T and O^T: float32 blocks of at most 8 query rows
     static constexpr int LAYOUT = QUERY_MINOR ? 2 : F64 ? 1 : 0;   // StripRows' fragments
+    static constexpr int STRIPS = sizeof(T) == 2 ? BM / 16 : 1;      // 16-row strips of Q every warp holds
     static constexpr int KEYS_W = BN / WARPS;     // keys of a tile each warp takes
     static constexpr int PITCH = F32 || F64 ? HEAD + 4 : HEAD + 8;      // Q's shared row pitch in elements (padding)
     static constexpr int KV_PITCH = F32 || F64 ? HEAD + 4 : HEAD;       // K's; 16-bit: swizzled rows, no padding
@@ -71,9 +76,11 @@ struct FwdDecodeTraits {
     static constexpr int Q_ELEMS = (F32 ? 2 : 1) * BM * PITCH;   // F32: Q's big part, then its small part
     static constexpr int KV_ELEMS = BN * (V_PITCH > KV_PITCH ? V_PITCH : KV_PITCH);   // one K or V stage
     static constexpr int SMEM_BYTES = (Q_ELEMS + 2 * Cfg::STAGES * KV_ELEMS) * int(sizeof(T));
-    // The warps' merge: every warp but 0 leaves its O fragments and row statistics in the K/V stages.
+    // The warps' merge, a strip at a time: every warp but 0 leaves its O fragments and row statistics of the
+    // strip in the K/V stages.
     static constexpr int MERGE_ELEMS = (WARPS - 1) * 32 * (4 * O_TILES + 4);
-    static_assert(BM == 16 || (QUERY_MINOR && F32), "one 16-row strip (float32: or 8 query rows), shared by the warps");
+    static_assert(BM == 16 || (QUERY_MINOR && F32) || (sizeof(T) == 2 && (BM == 32 || BM == 64)),
+                  "one 16-row strip (float32: or 8 query rows; 16-bit: or 2-4 strips), shared by the warps");
     static_assert(!QUERY_MINOR || KEYS_W % 16 == 0, "whole 16-key tiles of S^T a warp");
     static_assert(!USER_SCORE && !USER_MASK, "no user modifications in the decoding kernel (the split twin takes them)");
     static_assert(sizeof(T) == 2 || F32 || F64, "16-bit, float32 or float64");
@@ -92,17 +99,22 @@ struct FwdDecodeTraits {
 // row's max / sum. LAYOUT 0 (16-bit and float32): m16n8 C fragments; 1 (float64): two 8-row tiles
 // (warp_gemm_f64.cuh); 2 (QUERY_MINOR): O^T's C fragments, the lane's rows the queries 2t and 2t + 1,
 // its elements of column tile t the columns 16t + g and 16t + g + 8.
+// LAYOUT 0 holds Tr::STRIPS strips (m); the other layouts one (m = 0).
 template <typename Tr, int LAYOUT = Tr::LAYOUT>
 struct StripRows {
-    float acc_o[1][Tr::O_TILES][4];
-    float row_max[1][2], row_sum[1][2];
+    static constexpr int STRIPS = Tr::STRIPS;
+    float acc_o[STRIPS][Tr::O_TILES][4];
+    float row_max[STRIPS][2], row_sum[STRIPS][2];
     __device__ __forceinline__ void start() { start_rows(acc_o, row_max, row_sum); }
-    __device__ __forceinline__ float& at(int t, int r, int e) { return acc_o[0][t][2 * r + e]; }
-    __device__ __forceinline__ float& stat(int r, int which) { return which == 0 ? row_max[0][r] : row_sum[0][r]; }
+    __device__ __forceinline__ float& at(int m, int t, int r, int e) { return acc_o[m][t][2 * r + e]; }
+    __device__ __forceinline__ float& stat(int m, int r, int which) {
+        return which == 0 ? row_max[m][r] : row_sum[m][r];
+    }
 };
 
 template <typename Tr>
 struct StripRows<Tr, 2> {
+    static constexpr int STRIPS = 1;
     float acc_o[Tr::O_TILES][4];
     float row_max[2], row_sum[2];
     __device__ __forceinline__ void start() {
@@ -113,12 +125,13 @@ struct StripRows<Tr, 2> {
         row_max[0] = row_max[1] = neg_inf<float>();
         row_sum[0] = row_sum[1] = 0.0f;
     }
-    __device__ __forceinline__ float& at(int t, int r, int e) { return acc_o[t][2 * e + r]; }
-    __device__ __forceinline__ float& stat(int r, int which) { return which == 0 ? row_max[r] : row_sum[r]; }
+    __device__ __forceinline__ float& at(int, int t, int r, int e) { return acc_o[t][2 * e + r]; }
+    __device__ __forceinline__ float& stat(int, int r, int which) { return which == 0 ? row_max[r] : row_sum[r]; }
 };
 
 template <typename Tr>
 struct StripRows<Tr, 1> {
+    static constexpr int STRIPS = 1;
     double acc_o[2][Tr::O_TILES][2];
     double row_max[2], row_sum[2];
     __device__ __forceinline__ void start() {
@@ -126,62 +139,69 @@ struct StripRows<Tr, 1> {
         row_max[0] = row_max[1] = neg_inf<double>();
         row_sum[0] = row_sum[1] = 0.0;
     }
-    __device__ __forceinline__ double& at(int t, int r, int e) { return acc_o[r][t][e]; }
-    __device__ __forceinline__ double& stat(int r, int which) { return which == 0 ? row_max[r] : row_sum[r]; }
+    __device__ __forceinline__ double& at(int, int t, int r, int e) { return acc_o[r][t][e]; }
+    __device__ __forceinline__ double& stat(int, int r, int which) { return which == 0 ? row_max[r] : row_sum[r]; }
 };
 
-// The warps' (O, max, sum) of one 16-row strip merged into warp 0's registers, as
+// The warps' (O, max, sum) of each 16-row strip merged into warp 0's registers, as
 // flash_fwd_combine.cu merges splits (in log2 units here): peak = max_w max_w (NaN kept),
 // O = sum_w O_w 2^(max_w - peak), sum = sum_w sum_w 2^(max_w - peak). A warp that saw no key has
 // max -inf and O = sum = 0: weight 0. Lane l of every warp holds the same rows and columns, so lane
 // l of warp 0 merges lane l's values. `stage`: at least MERGE_ELEMS accumulators of shared memory that
-// the key loop's copies and reads have finished with (the barrier here orders them before the writes).
+// the key loop's copies and reads have finished with (the barrier here orders them before the writes);
+// the strips pass through it one after the other.
 template <typename Tr, typename A>
-__device__ __forceinline__ void merge_warps(A* stage, int warp, int lane, StripRows<Tr>& rows) {
+__device__ __forceinline__ void merge_warps_strip(A* stage, int warp, int lane, StripRows<Tr>& rows, int m) {
     constexpr int PER_WARP = 4 * Tr::O_TILES + 4;   // values a lane leaves: O, then max and sum of its two rows
     constexpr int MAX_AT = 4 * Tr::O_TILES, SUM_AT = 4 * Tr::O_TILES + 2;
-    __syncthreads();
+    __syncthreads();   // the key loop's (or the previous strip's) reads of the stage are done
     if (warp > 0) {
         A* mine = stage + (warp - 1) * PER_WARP * 32 + lane;   // lane-minor: no bank conflicts
 #pragma unroll
         for (int t = 0; t < Tr::O_TILES; ++t)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) mine[(4 * t + i) * 32] = rows.at(t, i / 2, i % 2);
+            for (int i = 0; i < 4; ++i) mine[(4 * t + i) * 32] = rows.at(m, t, i / 2, i % 2);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            mine[(MAX_AT + r) * 32] = rows.stat(r, 0);
-            mine[(SUM_AT + r) * 32] = rows.stat(r, 1);
+            mine[(MAX_AT + r) * 32] = rows.stat(m, r, 0);
+            mine[(SUM_AT + r) * 32] = rows.stat(m, r, 1);
         }
     }
     __syncthreads();
     if (warp > 0) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        A peak = rows.stat(r, 0);
+        A peak = rows.stat(m, r, 0);
         for (int w = 1; w < Tr::WARPS; ++w) {
-            const A m = stage[((w - 1) * PER_WARP + MAX_AT + r) * 32 + lane];
-            peak = (m != m || peak != peak) ? m + peak : amax(peak, m);
+            const A x = stage[((w - 1) * PER_WARP + MAX_AT + r) * 32 + lane];
+            peak = (x != x || peak != peak) ? x + peak : amax(peak, x);
         }
         const A shift = peak == neg_inf<A>() ? A(0) : peak;   // every warp empty: weights 0
-        const A own = fast_exp2(rows.stat(r, 0) - shift);
-        rows.stat(r, 1) *= own;
+        const A own = fast_exp2(rows.stat(m, r, 0) - shift);
+        rows.stat(m, r, 1) *= own;
 #pragma unroll
         for (int t = 0; t < Tr::O_TILES; ++t) {
-            rows.at(t, r, 0) *= own;
-            rows.at(t, r, 1) *= own;
+            rows.at(m, t, r, 0) *= own;
+            rows.at(m, t, r, 1) *= own;
         }
         for (int w = 1; w < Tr::WARPS; ++w) {
             const A* theirs = stage + (w - 1) * PER_WARP * 32 + lane;
             const A weight = fast_exp2(theirs[(MAX_AT + r) * 32] - shift);
-            rows.stat(r, 1) += weight * theirs[(SUM_AT + r) * 32];
+            rows.stat(m, r, 1) += weight * theirs[(SUM_AT + r) * 32];
 #pragma unroll
             for (int t = 0; t < Tr::O_TILES; ++t) {
-                rows.at(t, r, 0) += weight * theirs[(4 * t + 2 * r) * 32];
-                rows.at(t, r, 1) += weight * theirs[(4 * t + 2 * r + 1) * 32];
+                rows.at(m, t, r, 0) += weight * theirs[(4 * t + 2 * r) * 32];
+                rows.at(m, t, r, 1) += weight * theirs[(4 * t + 2 * r + 1) * 32];
             }
         }
-        rows.stat(r, 0) = shift;
+        rows.stat(m, r, 0) = shift;
     }
+}
+
+template <typename Tr, typename A>
+__device__ __forceinline__ void merge_warps(A* stage, int warp, int lane, StripRows<Tr>& rows) {
+#pragma unroll
+    for (int m = 0; m < StripRows<Tr>::STRIPS; ++m) merge_warps_strip<Tr>(stage, warp, lane, rows, m);
 }
 
 // QUERY_MINOR's online softmax down S^T's columns (softmax_update_row): a query's scores lie in the 8 lanes
@@ -250,7 +270,7 @@ __device__ __forceinline__ void combine_in_last_split(const FwdParams& p, const 
     if (threadIdx.x == 0) p.split_counters[block] = 0;
 }
 
-// Grid: num_splits x ceil(rows / 16) x heads x batch CTAs (KeySplit), each over its split's key tiles.
+// Grid: num_splits x ceil(rows / BM) x heads x batch CTAs (KeySplit), each over its split's key tiles.
 // KV_SPLIT is the split forwards' last template parameter (the variant table names every split kernel
 // so); this kernel has no unsplit form.
 template <typename T, typename Cfg, typename Flags, bool VEC, bool KV_SPLIT>
@@ -285,7 +305,7 @@ flash_fwd_decode(const FwdParams p) {
     const TileRange keys = Split::keys(mod.key_tiles(band_row0, period > 0 ? period : blk.rows, BN), p);
     // The tiles every row of the strip sees whole (the band's inside, short of the sequence's end).
     const TileRange full = mod.full_key_tiles(band_row0, period > 0 ? period : BM, BN);
-    // the lane's two rows: g and g + 8 of the strip; QUERY_MINOR: the queries 2t and 2t + 1
+    // the lane's two rows: g and g + 8 of the (first) strip; QUERY_MINOR: the queries 2t and 2t + 1
     const int lane_row = blk.m0 + (Tr::QUERY_MINOR ? 2 * (lane % 4) : lane / 4);
     const int other_row = lane_row + (Tr::QUERY_MINOR ? 1 : 8);
     const int row_a = period > 0 ? lane_row % period : lane_row, row_b = period > 0 ? other_row % period : other_row;
@@ -362,16 +382,24 @@ flash_fwd_decode(const FwdParams p) {
                 warp_softmax_update_f64<Tr>(s[m], rows.acc_o[m], rows.row_max[m], rows.row_sum[m], x_per_s);
             warp_gemm_rn_f64<2, Tr::O_TILES, Tr::S_TILES, VP, DECODE_F64_WIDE_K>(rows.acc_o, s, v_w, lane);
         } else {
-            float s[1][Tr::S_TILES][4];   // S = Q K^T over this warp's keys
-            zero_frags(s[0]);
+            float s[Tr::STRIPS][Tr::S_TILES][4];   // S = Q K^T over this warp's keys, every strip
+#pragma unroll
+            for (int m = 0; m < Tr::STRIPS; ++m) zero_frags(s[m]);
             if constexpr (Tr::F32) {
                 const float* q_big = reinterpret_cast<const float*>(q_s);
                 warp_gemm_qk_tf32<SPLIT, 1, Tr::KEYS_W, HEAD, P>(s, q_big, q_big + BM * P,
                                                                  reinterpret_cast<const float*>(k_w), lane);
             } else {
-                warp_gemm_strips_smem<T, 1, Tr::KEYS_W, HEAD, P, KP, false, true>(s, q_s, k_w, lane);
+                warp_gemm_strips_smem<T, Tr::STRIPS, Tr::KEYS_W, HEAD, P, KP, false, true>(s, q_s, k_w, lane);
             }
-            if (!full.contains(j)) mask_partial_strip_rows(s[0], mod, row_a, row_b, col0);
+            if (!full.contains(j)) {
+#pragma unroll
+                for (int m = 0; m < Tr::STRIPS; ++m) {   // strip m's rows: the lane's two, 16 m further on
+                    const int a = lane_row + 16 * m, b = other_row + 16 * m;
+                    mask_partial_strip_rows(s[m], mod, m == 0 ? row_a : period > 0 ? a % period : a,
+                                            m == 0 ? row_b : period > 0 ? b % period : b, col0);
+                }
+            }
             if constexpr (Tr::F32) {   // P in float32, split per fragment in O += P V
                 warp_softmax_tile<Tr>(s, rows.acc_o, rows.row_max, rows.row_sum, x_per_s,
                                       [&](int m, int n, int r, float p0, float p1) {
@@ -381,12 +409,12 @@ flash_fwd_decode(const FwdParams p) {
                 warp_gemm_pv_tf32<SPLIT, 1, HEAD, Tr::KEYS_W, P>(rows.acc_o, s, reinterpret_cast<const float*>(v_w),
                                                                  lane);
             } else {
-                unsigned p16[1][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
+                unsigned p16[Tr::STRIPS][Tr::S_TILES][2];   // P in 16 bits, the A operand of O += P V
                 warp_softmax_tile<Tr>(s, rows.acc_o, rows.row_max, rows.row_sum, x_per_s,
                                       [&](int m, int n, int r, float p0, float p1) {
                                           p16[m][n][r] = pack2<T>(p0, p1);
                                       });
-                warp_gemm_strips_rn16<T, 1, HEAD, Tr::KEYS_W, KP, true>(rows.acc_o, p16, v_w, lane);
+                warp_gemm_strips_rn16<T, Tr::STRIPS, HEAD, Tr::KEYS_W, KP, true>(rows.acc_o, p16, v_w, lane);
             }
         }
         __syncthreads();   // the next iteration's prefetch overwrites this stage

@@ -23,6 +23,7 @@ SPLITS = 3   # a split-KV variant's problem: three key ranges, the last one shor
 DECODE_LQ = 5   # the decoding partial kernel's problem: 5 query rows (10 with the two query heads packed)
 DECODE_LQ_MINOR = 3   # ... on its query-minor tile (float32, at most 8 rows): 6 packed rows
 DECODE_LQ_BAND = 9    # ... on its 16-row strip where a band leaves the query heads unpacked (9 rows)
+DECODE_LQ_STRIPS = 12   # ... on its tiles of 2-4 strips (16-bit): 24 packed rows
 # A packed variant's problem: query and key counts of its sequences (one past a 64-row tile, an empty one, one
 # without keys, more keys than queries and fewer); the long form for the Hopper forward's long-rows tile, whose
 # longest sequence goes past the short-rows threshold (twice it under a band)
@@ -113,7 +114,7 @@ def problem_for(v: Variant) -> Problem:
         d = v.head if v.vec else v.head - 5
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
         precision = {"fwd_tf32": "tf32", "fwd_fma": "fma"}.get(v.family, "highest")
-        lqs = (DECODE_LQ, DECODE_LQ_MINOR, DECODE_LQ_BAND) if v.family == "fwd_decode" else (LQ,)
+        lqs = (DECODE_LQ, DECODE_LQ_MINOR, DECODE_LQ_BAND, DECODE_LQ_STRIPS) if v.family == "fwd_decode" else (LQ,)
         for lq, limit, cc in itertools.product(lqs, sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):
             p = Problem(v.dtype, d, d, causal, v.extra, False, False, limit, cc, precision=precision, num_splits=SPLITS,
                         lq=lq)

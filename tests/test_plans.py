@@ -769,8 +769,8 @@ def test_a_float32_decoding_call_takes_the_decoding_kernel(fake):
 def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
     """Three new query rows a sequence (causal, bottom right) of 32 query heads over 8 K/V heads: the
     decoding kernel's strip holds a K/V head's 4 query heads x 3 positions, the band reading a row's
-    position as row % 3 (MaskParams::band_period); 5 and 16 rows (20 and 64 packed) on the 16-bit portable
-    split twin alike; float32's split twin reads no period: 5 rows of 2 query heads in the decoding kernel's strip
+    position as row % 3 (MaskParams::band_period); 5 rows (20 packed) alike on its tile of two strips (32 rows
+    at head dim 128), 16 (64 packed) on the 16-bit portable split twin; float32's split twin reads no period: 5 rows of 2 query heads in the decoding kernel's strip
     instead of 4 heads' 20 rows. 128 query heads over 8 (16 a K/V head) of 16 rows: as many heads as fill one
     block of the portable kernel, so that the keys still split."""
     dev, launches = fake
@@ -782,12 +782,13 @@ def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
     f = _fwd_fields(params)
     assert int(f["mask"]["band_period"]) == 3
     assert (int(f["dims"]["heads_q"]), int(f["dims"]["lq"])) == (8, 12)
-    for lq in (5, 16):   # 20, 64 rows: past the decoding kernel's strip, on the split twin's block
+    for lq, family in ((5, "fwd_decode"), (16, "fwd_mma")):   # 20 rows: two strips; 64: the split twin's block
         launches.clear()
         q = dev.empty((2, 32, lq, 128), np.float16)
         cuflash.attention_forward(q, k, v, causal="bottom_right")
         partial = launches[0][0]
-        assert partial.family == "fwd_mma" and partial.kv_split and partial.band and not partial.extra
+        assert partial.family == family and partial.tile.block_m >= 4 * lq and partial.kv_split and partial.band
+        assert not partial.extra
         f = _fwd_fields(launches[0][1])
         assert int(f["mask"]["band_period"]) == lq
         assert (int(f["dims"]["heads_q"]), int(f["dims"]["lq"])) == (8, 4 * lq)

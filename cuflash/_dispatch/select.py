@@ -371,7 +371,11 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
 
 
 DECODE_ROWS = 16
-"""Query rows a block of the decoding partial kernel holds (flash_fwd_decode.cu: one 16-row strip)."""
+"""Query rows a block of the decoding partial kernel holds on its 16-row strip (flash_fwd_decode.cu)."""
+
+DECODE_MAX_ROWS = 64
+"""Query rows a block of the decoding kernel holds at most: 16-bit tiles of 2-4 strips, where the split table
+has them (select._decoding_tile); past it, the portable kernel's split twin."""
 
 
 QUERY_MINOR_ROWS = 8
@@ -384,32 +388,36 @@ def _query_minor(tile: Tile) -> bool:
 
 def _decoding_tile(decode: Variant, rows: int, smem_limit: int, full: bool = False) -> Variant:
     """``decode`` fitted to ``smem_limit``: on its query-minor tile (block_m QUERY_MINOR_ROWS) where the blocks'
-    ``rows`` fit one and the table has one that fits, else on a 16-row strip (ValueError where none fits).
-    ``full`` (the call's blocks fill the GPU): the first such tile of several CTAs an SM where the table has one
+    ``rows`` fit one and the table has one that fits, else on a 16-row strip where they fit one, else on the
+    first tile of more strips that holds them (ValueError where none fits).
+    ``full`` (the call's blocks fill the GPU): the first 16-row tile of several CTAs an SM where the table has one
     (the one-CTA tiles leave each CTA's start and end bare between short splits: the H200, bf16, B = 64, one query
     row of 4 heads a K/V head, 4096 keys at head dim 128, 0.98x / 0.94x paged; benchmarks/compare_trees.py
     --decode)."""
     if rows <= QUERY_MINOR_ROWS:
         with contextlib.suppress(ValueError):
             return decode.fitted(smem_limit, where=_query_minor)
-    if full:
-        with contextlib.suppress(ValueError):
-            return decode.fitted(smem_limit, where=lambda tile: not _query_minor(tile) and tile.ctas > 1)
-    return decode.fitted(smem_limit, where=lambda tile: not _query_minor(tile))
+    if rows <= DECODE_ROWS:
+        if full:
+            with contextlib.suppress(ValueError):
+                return decode.fitted(smem_limit, where=lambda tile: tile.block_m == DECODE_ROWS and tile.ctas > 1)
+        return decode.fitted(smem_limit, where=lambda tile: tile.block_m == DECODE_ROWS)
+    return decode.fitted(smem_limit, where=lambda tile: DECODE_ROWS < tile.block_m and rows <= tile.block_m)
 
 
 def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1,
                    full: bool = False) -> Tuple[Variant, Variant]:
     """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted) and
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and
-    the combine kernel at the bucket of ``dv``. The partial kernel: for calls of at most DECODE_ROWS rows
-    without an EXTRA option, with 16-byte loads, at a head bucket the split table has, the decoding kernel
+    the combine kernel at the bucket of ``dv``. The partial kernel: for calls of at most DECODE_ROWS rows (16-bit
+    ones of at most DECODE_MAX_ROWS where the table has a tile of that many) without an EXTRA option, with
+    16-byte loads, at a head bucket the split table has, the decoding kernel
     (``fwd_decode``: the warps split each key tile; not with user modifications; float32 at precision
     "highest", its 3xTF32, on the query-minor tile of 8 rows where they fit it; float64 on the fp64 tensor
     cores; ``full``, blocks that fill the GPU, on a tile of several CTAs an SM: :func:`_decoding_tile`); else
     the portable kernel's twin (``kv_split``)."""
     decode_key = ("sm80", "fwd_decode", portable.dtype, portable.head)
-    if rows <= DECODE_ROWS and not portable.extra and not portable.prelude and portable.vec \
+    if rows <= DECODE_MAX_ROWS and not portable.extra and not portable.prelude and portable.vec \
             and decode_key in TABLES["split"] and portable.family in ("fwd_mma", "fwd_tf32x3", "fwd_dmma"):
         with contextlib.suppress(ValueError):   # no decoding tile fits: the portable kernel's twin
             decode = Variant("fwd_decode", portable.dtype, portable.head, band=portable.band, vec=True,
@@ -622,7 +630,8 @@ def all_variants() -> List[Variant]:
             except ValueError:
                 continue
             if portable.family in KV_SPLIT_FAMILIES:
-                for rows, full in itertools.product((QUERY_MINOR_ROWS, DECODE_ROWS, DECODE_ROWS + 1), (False, True)):
+                for rows, full in itertools.product((QUERY_MINOR_ROWS, DECODE_ROWS, 2 * DECODE_ROWS, DECODE_MAX_ROWS,
+                                                     DECODE_MAX_ROWS + 1), (False, True)):
                     seen[split_variants(portable, head, limit, rows, full)[0]] = None   # decoding tiles, the twin
             if not extra:   # the packed forward a call takes (the Hopper one where it has one, by row class)
                 for rows in ROWS:
