@@ -44,9 +44,10 @@
 // operand's conflict-free pitch). On sm_90 both GEMMs run on m16n8k8, the full fp64 tensor rate (m8n8k4
 // runs at half, benchmarks/dmma_rate.py; m16n8k16 for S spills with the page cursor); before sm_90, on
 // m8n8k4.
-// 16-bit blocks of 32 or 64 rows (STRIPS = BM / 16, 16 packed rows of 2-4 query heads): every warp holds every
-// strip's O over its keys, so each K/V element still crosses shared memory once, against four times on the
-// 64-row split twin, whose four warps each read the whole tile for their strip (benchmarks/tune_decode.py).
+// 16-bit blocks of 32 or 64 rows (STRIPS = BM / 16; the table has 32 at head dim 128): every warp holds every
+// strip's O over its keys, so each K/V element still crosses shared memory once, where the 64-row split twin's
+// warps each read the whole tile for their strip; the online softmax's rescale and row statistics then come
+// every KEYS_W keys for all the strips (dispatch/tables.py: measured per tile).
 // float32 blocks of at most 8 query rows (QUERY_MINOR, BM = 8): S^T = K Q^T and O^T += V^T P^T with the
 // keys as the MMA's M side and the queries its n8 side (warp_gemm_tf32.cuh's query-minor GEMMs): 8 padded
 // query rows instead of 16, Q^T in registers; the online softmax runs down S^T's columns. K rows head + 4

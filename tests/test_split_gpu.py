@@ -109,12 +109,12 @@ def test_few_query_rows_take_the_decoding_kernel(dtype, d, hq, lq, causal, split
                                                     (8, 16, False, 7), (8, 11, "bottom_right", 64)])
 def test_blocks_of_several_strips_take_the_decoding_kernel(dtype, d, hq, lq, causal, splits, split_forward, launches):
     """16-bit blocks of 17-64 packed rows (4 query heads of 5, 8, 16 or 11 positions over each of 2 K/V heads) on
-    the decoding kernel's tiles of 2-4 strips (every warp holding every strip over its keys): at head dim 64 up
-    to 64 rows, at 128 up to 32 (64 rows take the split twin); bands read a packed row's position as row % Lq."""
+    the decoding kernel's tile of two strips at head dim 128 (every warp holding every strip over its keys) up to
+    32 rows, the split twin past it and at head dim 64; bands read a packed row's position as row % Lq."""
     split_forward(splits)
     check_forward(dtype, 2, hq, 2, lq, 2500, d, d, causal, seed_of(dtype, d, hq, lq, str(causal), splits, "strips"))
     rows = lq * hq // 2
-    expected = ("fwd_decode", True) if rows <= (64 if d == 64 else 32) else ("fwd_mma", True)
+    expected = ("fwd_decode", True) if rows <= (16 if d == 64 else 32) else ("fwd_mma", True)
     assert _families(launches)[0] == expected, _families(launches)
 
 

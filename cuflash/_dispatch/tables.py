@@ -64,12 +64,8 @@ add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: t
 # One CTA an SM of 8 warps over 256-key tiles (133 KB) or 4 warps over 128-key / 64-key tiles (135 KB at head dim
 # 128): 1.01-1.03x the three CTAs of 66-68 KB on one query row, paged 16 1.04-1.06x (H200, tune_decode.py --tiles);
 # the small tiles where the shared memory is 99 KB.
-# Blocks of 17-64 rows (16 query rows of 4 heads): 2-4 strips every warp holds over its keys (kernels_cu/
-# flash_fwd_decode.cu STRIPS), each K/V element read once from shared memory where the 64-row split twin's warps
-# read it four times.
 add("fwd_decode", HALF_TYPES, [64], Tile(16, 256, 8, 2, "32 keys a warp, 133 KB: one CTA an SM"),
-    Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)", ctas=2),
-    Tile(64, 64, 4, 2, "four strips, 16 keys a warp, 41 KB, 244 registers: two CTAs an SM", ctas=2), split=True)
+    Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)", ctas=2), split=True)
 # float32 (3xTF32, rows padded by 4 floats): 16 keys a warp. Second, for blocks of at most 8 query rows
 # (select.split_variants): the query-minor tile (S^T = K Q^T, 8 padded query rows, Q^T in registers), V rows padded
 # by 8 floats: one query row of 4 heads at d=128 on the H200 80-88% of the HBM peak, where the 16-row strip reached
@@ -79,9 +75,14 @@ add("fwd_decode", ["float32"], [64], Tile(16, 64, 4, 2, "16 keys a warp, 77 KB: 
 # float32 at head dim 128 on three K/V stages (219 / 217 KB) measured 0.98-1.04x two: two kept (tune_decode.py).
 add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB: one CTA an SM"),
     Tile(8, 64, 4, 2, "8 query rows, 16 keys a warp, 145 KB: one CTA an SM"), split=True)
+# Blocks of 17-32 rows at head dim 128 (8 query rows of 4 heads): two strips every warp holds over its 16 keys
+# (flash_fwd_decode.cu STRIPS), 8 warps, one CTA an SM: against the 64-row split twin (H200, bf16, tune_decode.py
+# --lq 8) 0.91-1.05x dense and 1.03-1.21x over pages of 16, which it reads within 1-4% of the contiguous cache
+# (the twin 5-21%). Four strips at head dim 64 on 16 keys a warp measured 0.55-0.65x the twin: the accumulators'
+# rescale and the row statistics come every 16 keys for 64 rows; more keys a warp need more registers.
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 128, 4, 2, "32 keys a warp, 135 KB: one CTA an SM"),
     Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)", ctas=3),
-    Tile(32, 64, 4, 2, "two strips, 16 keys a warp, 73 KB, 238 registers: two CTAs an SM", ctas=2), split=True)
+    Tile(32, 128, 8, 2, "two strips, 16 keys a warp, 137 KB, 238 registers: one CTA an SM"), split=True)
 # float64 (fp64 tensor cores, Q / K rows padded by 4 doubles, V by 2): 8 keys a warp (an n8 tile; 16 would
 # need 64-key stages of 64 KB at d=128), four warps a CTA: a warp on each of an SM's schedulers (a 16-row split
 # twin of one warp a CTA, two CTAs an SM, left two of the four idle: 31-35% of the H200's HBM peak).
