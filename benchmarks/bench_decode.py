@@ -122,7 +122,7 @@ def _paged_cache(k, v, page_size: int):
 
 def _split_twin(portable, dv, smem_limit, rows=None, full=False):
     """select.split_variants for blocks of more rows than the decoding kernel takes: the portable
-    forward's split twin (flash_fwd_mma.cu)."""
+    forward's split twin (flash_fwd_mma.cu). ``rows`` and ``full`` mirror split_variants' signature."""
     return select.split_variants(portable, dv, smem_limit, select.DECODE_MAX_ROWS + 1)
 
 

@@ -11,7 +11,8 @@ at 32768 (--rows to choose); the median of 9 runs' mean of 20 queued calls (CUDA
 candidates in turn, the better round kept. The candidates: --family's table tiles (fwd_decode: the decoding
 kernel; fwd_mma: the 64-row split twin, which takes blocks of more than 16 rows) with the K/V ring's stages set
 to each of --stages, or the tiles of --tiles (BMxBNxWARPSxSTAGES@CTAS, each alone in the row). A tile that does
-not fit the GPU's shared memory is left out by the selection, as for any call."""
+not fit the GPU's shared memory or hold the block's rows is left out by the selection, as for any call: each line
+names the partial kernel and tile the call ran."""
 import argparse
 import sys
 from dataclasses import replace
@@ -77,16 +78,37 @@ def main() -> None:
                           for n in (int(s) for s in args.stages.split(","))}
         precompile(args.family, dtype, args.head, [t for tiles in candidates.values() for t in tiles])
         for b, lk in rows:
-            for label, (dense, paged) in _row(dtype, b, lk, args.head, args.lq, key, candidates).items():
+            for label, (dense, paged, ran) in _row(dtype, b, lk, args.head, args.lq, key, candidates).items():
                 kv_bytes = 2 * b * 8 * lk * args.head * np.dtype(bench._cp_dtype(dtype)).itemsize
                 print(f"{dtype:8s} D={args.head} B={b} Lq={args.lq} Lk={lk:6d} {label}: {dense:7.1f} us "
-                      f"({kv_bytes / (dense * 1e-6) / 4.8e12 * 100:5.1f}% of 4.8 TB/s), paged 16 {paged:7.1f} us",
+                      f"({kv_bytes / (dense * 1e-6) / 4.8e12 * 100:5.1f}% of 4.8 TB/s), paged 16 {paged:7.1f} us "
+                      f"[ran {ran}]",
                       flush=True)
             cp.get_default_memory_pool().free_all_blocks()
 
 
+def launched(fn) -> str:
+    """The partial kernel (family and tile) that one call of ``fn`` launches first."""
+    from cuflash._runtime import launch
+
+    seen = []
+    real = launch.launch_kernel
+
+    def record(variant, *args, **kwargs):
+        if hasattr(variant, "family") and not seen:
+            seen.append(variant)
+        return real(variant, *args, **kwargs)
+    launch.launch_kernel = record
+    try:
+        fn()
+    finally:
+        launch.launch_kernel = real
+    t = seen[0].tile
+    return f"{seen[0].family} {t.block_m}x{t.block_n}x{t.warps}x{t.stages}@{t.ctas}"
+
+
 def _row(dtype: str, b: int, lk: int, head: int, lq: int, key, candidates: dict) -> dict:
-    """candidate -> (attention_forward us, paged 16 us), the better of two rounds."""
+    """candidate -> (attention_forward us, paged 16 us, the kernel the forward ran), the better of two rounds."""
     rng = cp.random.RandomState(0)
     dt = bench._cp_dtype(dtype)
     q, k, v = (bench_decode._normal(rng, s, dt) for s in ((b, 32, lq, head), (b, 8, lk, head), (b, 8, lk, head)))
@@ -99,11 +121,12 @@ def _row(dtype: str, b: int, lk: int, head: int, lq: int, key, candidates: dict)
             for label, tiles in candidates.items():
                 TABLES["split"][key] = tiles
                 select.clear_selection_caches()
+                ran = launched(lambda: cuflash.attention_forward(q, k, v))
                 dense = timed_us(lambda: cuflash.attention_forward(q, k, v))
                 paged = timed_us(lambda: cuflash.attention_with_kvcache(
                     q, kp, vp, cache_seqlens=lengths, block_table=pages, causal=True, validate=False))
                 old = best.get(label, (float("inf"), float("inf")))
-                best[label] = (min(old[0], dense), min(old[1], paged))
+                best[label] = (min(old[0], dense), min(old[1], paged), ran)
     finally:
         TABLES["split"][key] = table
         select.clear_selection_caches()

@@ -95,9 +95,9 @@ struct FwdDecodeTraits {
                   "the merge fits in the K/V stages");
 };
 
-// A warp's rows of the strip: O, and the row maximum and sum of the lane's two rows (g and g + 8).
-// at(t, r, e): the lane's element e of O's column tile t in its row r; stat(r, 0) / stat(r, 1): that
-// row's max / sum. LAYOUT 0 (16-bit and float32): m16n8 C fragments; 1 (float64): two 8-row tiles
+// A warp's rows of the strips: O, and the row maximum and sum of the lane's two rows (g and g + 8) of each.
+// at(m, t, r, e): the lane's element e of O's column tile t in its row r of strip m; stat(m, r, 0) /
+// stat(m, r, 1): that row's max / sum. LAYOUT 0 (16-bit and float32): m16n8 C fragments; 1 (float64): two 8-row tiles
 // (warp_gemm_f64.cuh); 2 (QUERY_MINOR): O^T's C fragments, the lane's rows the queries 2t and 2t + 1,
 // its elements of column tile t the columns 16t + g and 16t + g + 8.
 // LAYOUT 0 holds Tr::STRIPS strips (m); the other layouts one (m = 0).
@@ -304,7 +304,7 @@ flash_fwd_decode(const FwdParams p) {
     const int period = Flags::BAND ? p.mask.band_period : 0;
     const int band_row0 = period > 0 ? 0 : blk.m0;
     const TileRange keys = Split::keys(mod.key_tiles(band_row0, period > 0 ? period : blk.rows, BN), p);
-    // The tiles every row of the strip sees whole (the band's inside, short of the sequence's end).
+    // The tiles every row of the block sees whole (the band's inside, short of the sequence's end).
     const TileRange full = mod.full_key_tiles(band_row0, period > 0 ? period : BM, BN);
     // the lane's two rows: g and g + 8 of the (first) strip; QUERY_MINOR: the queries 2t and 2t + 1
     const int lane_row = blk.m0 + (Tr::QUERY_MINOR ? 2 * (lane % 4) : lane / 4);

@@ -9,6 +9,8 @@ import pytest
 
 import cuflash
 from cuflash._dispatch import plan as plan_
+from cuflash._dispatch.model import TABLES, Variant
+from cuflash._runtime import device
 
 from _gpu_checks import DTYPES, check_backward, check_forward, check_masked, seed_of
 from _tiers import sampled
@@ -106,16 +108,22 @@ def test_few_query_rows_take_the_decoding_kernel(dtype, d, hq, lq, causal, split
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hq, lq, causal, splits", [(8, 5, "bottom_right", 3), (8, 8, True, None),
-                                                    (8, 16, False, 7), (8, 11, "bottom_right", 64)])
+                                                    (8, 16, False, 7), (8, 11, "bottom_right", 64),
+                                                    (2, 24, "bottom_right", 3), (2, 20, True, None)])
 def test_blocks_of_several_strips_take_the_decoding_kernel(dtype, d, hq, lq, causal, splits, split_forward, launches):
-    """16-bit blocks of 17-64 packed rows (4 query heads of 5, 8, 16 or 11 positions over each of 2 K/V heads) on
-    the decoding kernel's tile of two strips at head dim 128 (every warp holding every strip over its keys) up to
-    32 rows, the split twin past it and at head dim 64; bands read a packed row's position as row % Lq."""
+    """16-bit blocks of 17-64 rows (4 query heads of 5, 8, 16 or 11 positions packed over each of 2 K/V heads; one
+    head of 24 or 20 positions unpacked) on the decoding kernel's tile of two strips at head dim 128 (every warp
+    holding every strip over its keys) up to 32 rows where the GPU's shared memory holds it, the split twin past
+    it and at head dim 64; bands read a packed row's position as row % Lq, an unpacked row's as its own."""
     split_forward(splits)
     check_forward(dtype, 2, hq, 2, lq, 2500, d, d, causal, seed_of(dtype, d, hq, lq, str(causal), splits, "strips"))
     rows = lq * hq // 2
-    expected = ("fwd_decode", True) if rows <= (16 if d == 64 else 32) else ("fwd_mma", True)
-    assert _families(launches)[0] == expected, _families(launches)
+    strips = [t for t in TABLES["split"].get(("sm80", "fwd_decode", dtype, d), ()) if t.block_m >= rows > 16]
+    fits = any(Variant("fwd_decode", dtype, d, vec=True, kv_split=True, tile=t).smem_bytes <= device.smem_limit()
+               for t in strips)
+    partial = launches[0]
+    assert (partial.family, partial.kv_split) == (("fwd_decode" if fits else "fwd_mma"), True), _families(launches)
+    assert partial.tile.block_m >= rows
 
 
 def test_prefill_shapes_stay_unsplit(launches):

@@ -405,7 +405,7 @@ def _decoding_tile(decode: Variant, rows: int, smem_limit: int, full: bool = Fal
     return decode.fitted(smem_limit, where=lambda tile: DECODE_ROWS < tile.block_m and rows <= tile.block_m)
 
 
-def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_ROWS + 1,
+def split_variants(portable: Variant, dv: int, smem_limit: int, rows: int = DECODE_MAX_ROWS + 1,
                    full: bool = False) -> Tuple[Variant, Variant]:
     """The split-KV forward's kernels for a call whose portable forward is ``portable`` (fitted) and
     whose blocks hold ``rows`` query rows (packed GQA: Lq x the heads packed): the partial kernel and

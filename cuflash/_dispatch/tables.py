@@ -51,10 +51,10 @@ add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registe
 # ~4.5 TFLOP/s a SM at full HBM bandwidth, d=128): 47-87% of the H200 HBM peak from 32768 keys, 16 query rows x 4
 # heads (benchmarks/bench_decode.py).
 add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 128, 4, 2, "one strip a warp: half the padded rows of 128x128; three CTAs "
-                                                          "an SM (168 registers): 1.08-1.12x two at B = 1-8, 0.95x at "
-                                                          "B = 64 (H200, 16 rows x 4 heads, tune_decode.py --family "
-                                                          "fwd_mma)", ctas=3),
-    split=True)
+                                                          "an SM (168 registers): 1.08-1.12x two at B = 1-8, 0.95-1.03x "
+                                                          "at B = 64 (H200, 16 rows x 4 heads, tune_decode.py --family "
+                                                          "fwd_mma)", ctas=3, split_only=True),
+    Tile(64, 128, 4, 2, "the packed forward's (cuflash.varlen): one strip a warp"), split=True)
 add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: two CTAs an SM stream K/V", ctas=2),
     split=True)
 # Decoding partial kernel (fwd_decode, flash_fwd_decode.cu): at most 16 packed query rows, the four warps split
@@ -77,8 +77,8 @@ add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB
     Tile(8, 64, 4, 2, "8 query rows, 16 keys a warp, 145 KB: one CTA an SM"), split=True)
 # Blocks of 17-32 rows at head dim 128 (8 query rows of 4 heads): two strips every warp holds over its 16 keys
 # (flash_fwd_decode.cu STRIPS), 8 warps, one CTA an SM: against the 64-row split twin (H200, bf16, tune_decode.py
-# --lq 8) 0.91-1.05x dense and 1.03-1.21x over pages of 16, which it reads within 1-4% of the contiguous cache
-# (the twin 5-21%). Four strips at head dim 64 on 16 keys a warp measured 0.55-0.65x the twin: the accumulators'
+# --lq 8) 0.91-1.05x dense and 0.94-1.21x over pages of 16, which it reads within 1-4% of the contiguous cache
+# (the twin 5-21%). Four strips at head dim 64 on 16 keys a warp measured 0.55-0.81x the twin: the accumulators'
 # rescale and the row statistics come every 16 keys for 64 rows; more keys a warp need more registers.
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 128, 4, 2, "32 keys a warp, 135 KB: one CTA an SM"),
     Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)", ctas=3),
