@@ -141,15 +141,12 @@ DECODE_KINDS = ("forward", "append", "paged 16 append")
 
 
 def queued_ms(fn, calls: int) -> float:
-    """Milliseconds a call of ``calls`` queued back to back (between two events: host time included)."""
-    start, end = cp.cuda.Event(), cp.cuda.Event()
+    """Milliseconds a call of ``calls`` queued back to back (between two events: host time included;
+    bench.py's timing, one run)."""
+    from bench import _time_queued
+
     cp.cuda.get_current_stream().synchronize()   # nothing earlier on the clock
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / calls
+    return _time_queued(fn, calls, runs=1)
 
 
 def run_decode_case(mods, row, kind, rounds, calls):
