@@ -576,6 +576,9 @@ class Mods:
                 lines.append("#define CUF_USER_SCORE_LIGHT 1")
         if self.mask:
             lines.append("#define CUF_USER_MASK 1")
+        special = sum(len(re.findall(r"\bcuf_tanh\s*\(", m.source)) for m in self.score) if fast_special else 0
+        if special:   # tanh on the special-function unit, beside the softmax's exp2 (user_mod.cuh)
+            lines.append(f"#define CUF_USER_SPECIAL {special}")
         if self.trainable:
             lines.append("#define CUF_USER_PARAM_GRADS 1")
         lines.append(_HELPERS)

@@ -498,7 +498,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p, const __grid_constant__ Fwd
             };
             // (LINEAR_BIAS with the block's A: the tile's offset c_h (n0 + BN / 2 - w0), c_h = c scale_log2)
             const bool moved = warp_softmax_step<Tr, 1, decltype(note_correction), decltype(keep_p),
-                                                 LINEAR_BIAS && !LIN_TILE_A>(
+                                                 LINEAR_BIAS && !LIN_TILE_A,
+                                                 fwd_exp2_on_fma<T, HEAD>()>(
                 s, row_max, row_sum, softmax_x_per_s(x_per_s), note_correction, keep_p,
                 lin_c * mod.scale_log2 * float(n0 + BN / 2 - warp_row0));
             // Dropout scales the fp32 probabilities after the statistics (row_sum counts every key).

@@ -17,6 +17,7 @@
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
+#include "user_mod.cuh"
 
 constexpr float RESCALE_SLACK = 8.0f;
 
@@ -205,6 +206,28 @@ __device__ __forceinline__ void stat_pair_of(const float* stats, int row, float 
     }
 }
 
+// 2^x for a lane's probability e of a tile (e = 4 n + 2 r + column, a constant once unrolled): the first
+// FMA_EXP2 of every 8 on the FMA pipe, the others one FFMA + MUFU.EX2 (with the subtraction before).
+template <int FMA_EXP2>
+__device__ __forceinline__ float softmax_exp2(float x, int e) {
+    if (FMA_EXP2 > 0 && e % 8 < FMA_EXP2) return fma_exp2(x);
+    return fast_exp2(x);
+}
+
+// FMA_EXP2 of the 16-bit Hopper forward at head dim HEAD: with a score modification on the special-function
+// unit (CUF_USER_SPECIAL, user_mod.cuh: softcap's tanh), 1 of 8 probabilities on the FMA pipe at head dims
+// from 128, where that unit bounds each tile's softmax; at 64 the instructions it adds cost more than they
+// save (benchmarks/exp2_split.py measures both). None without such a modification. CUF_EXP2_ON_FMA, defined
+// before the source, overrides the count (the benchmark's knob).
+template <typename T, int HEAD>
+__host__ __device__ constexpr int fwd_exp2_on_fma() {
+#ifdef CUF_EXP2_ON_FMA
+    return sizeof(T) == 2 && CUF_USER_SPECIAL > 0 ? CUF_EXP2_ON_FMA : 0;
+#else
+    return sizeof(T) == 2 && CUF_USER_SPECIAL > 0 && HEAD >= 128 ? 1 : 0;
+#endif
+}
+
 // One key tile's online-softmax step for all of this warp's rows: M strips, and
 // in each the two C-fragment rows lane/4 and lane/4 + 8 (held by 4 lanes each).
 // s holds scores with x = s * x_per_s > 0 (raw dot products with the scale
@@ -225,7 +248,10 @@ __device__ __forceinline__ void stat_pair_of(const float* stats, int row, float 
 // whether any row of the warp moved (warp-uniform).
 // OFFSET: every score of the tile is x + offset (log2 units; the linear bias's per-tile part,
 // linear_bias.cuh): added to the tile's max and taken off each row's exponent reference, two adds a row.
-template <typename Tr, int M, typename RescaleO, typename EmitP, bool OFFSET = false>
+// FMA_EXP2: of every 8 probabilities a lane forms (two n8 fragments), that many are fma_exp2's
+// (common.cuh) instead of a MUFU.EX2: it moves work off the special-function unit where a score
+// modification's tanh shares it (fwd_exp2_on_fma).
+template <typename Tr, int M, typename RescaleO, typename EmitP, bool OFFSET = false, int FMA_EXP2 = 0>
 __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4], float (&row_max)[M][2],
                                                   float (&row_sum)[M][2], float x_per_s, RescaleO rescale_o,
                                                   EmitP emit_p, float offset = 0.0f) {
@@ -266,9 +292,9 @@ __device__ __forceinline__ bool warp_softmax_step(float (&s)[M][Tr::S_TILES][4],
             float tile_sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < Tr::S_TILES; ++n) {
-                const float p0 = fast_exp2(s[m][n][2 * r] * x_per_s - ref);   // one FFMA + MUFU.EX2
+                const float p0 = softmax_exp2<FMA_EXP2>(s[m][n][2 * r] * x_per_s - ref, 4 * n + 2 * r);
                 tile_sum += p0;
-                const float p1 = fast_exp2(s[m][n][2 * r + 1] * x_per_s - ref);
+                const float p1 = softmax_exp2<FMA_EXP2>(s[m][n][2 * r + 1] * x_per_s - ref, 4 * n + 2 * r + 1);
                 tile_sum += p1;
                 emit_p(m, n, r, p0, p1);
             }

@@ -37,6 +37,12 @@
 #define CUF_USER_OUT_SCALE 1
 #endif
 
+// The score modifications' special-function-unit instructions an element (cuf_tanh under CUF_FAST_SPECIAL),
+// which share that unit with the softmax's exp2 (the forwards' FMA_EXP2: fwd_exp2_on_fma, softmax.cuh).
+#ifndef CUF_USER_SPECIAL
+#define CUF_USER_SPECIAL 0
+#endif
+
 constexpr bool USER_SCORE = CUF_USER_SCORE;
 constexpr bool USER_MASK = CUF_USER_MASK;
 // Every score modification may run at masked positions (ScoreMod everywhere=True): the kernels evaluate

@@ -184,6 +184,19 @@ def test_prelude_switches_and_slots():
     assert "CUF_USER_SCORE" not in plain and "CUF_USER_MASK 1" in plain
 
 
+def test_special_function_modifications_are_counted_for_the_softmax():
+    """CUF_USER_SPECIAL: the tanh calls a score modification makes on the special-function unit (the 16-bit
+    Hopper forward then forms part of its probabilities on the FMA pipe: softmax.cuh), only under
+    CUF_FAST_SPECIAL."""
+    softcap = M.resolve(cuflash.softcap(30.0))
+    assert "#define CUF_USER_SPECIAL 1" in softcap.prelude(True)
+    assert "CUF_USER_SPECIAL" not in softcap.prelude(False)
+    assert "CUF_USER_SPECIAL" not in M.resolve(cuflash.alibi(np.ones(4, np.float32))).prelude(True)
+    twice = M.resolve((cuflash.softcap(30.0), cuflash.ScoreMod("cuf_tanh(score) + cuf_tanh (score * 2)",
+                                                               grad="acc_t(0)")))
+    assert "#define CUF_USER_SPECIAL 3" in twice.prelude(True)
+
+
 def test_consts_are_compiled_in_and_reach_the_twins():
     """A const is a literal in the source (exact: the double's repr), takes no parameter word, enters the
     builds' key by value, and is passed to the NumPy twins by name."""

@@ -277,8 +277,9 @@ def test_a_mask_that_hides_everything_gives_zero_and_minus_inf():
     assert all(bool((g == 0).all()) for g in (dq, dk, dv))
 
 
-def test_nan_scores_propagate_through_a_modification():
-    q = np.random.default_rng(0).standard_normal((1, 1, 40, 64)).astype(np.float16)
+@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])   # at 128 part of P is fma_exp2's
+def test_nan_scores_propagate_through_a_modification(dtype, d):
+    q = np.random.default_rng(0).standard_normal((1, 1, 40, d)).astype(DTYPES[dtype])
     q[0, 0, 5, 3] = np.nan
     out = cuflash.attention(cp.asarray(q), cp.asarray(q), cp.asarray(q), score_mod=cuflash.softcap(30.0).on(cp))
     got = cp.asnumpy(out)
