@@ -154,14 +154,17 @@ __device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int6
     }
 }
 
-// The rows one thread copies in a K/V tile of a paged cache (MaskParams::page_table), in
-// load_tile_fixed_col's layout: thread t copies chunk t % PER_ROW of rows t / PER_ROW + k * ROW_STEP.
-// look_up reads the table entries of a tile and works out each row's element offset inside its page
-// (row, head and chunk: arithmetic that waits for no load); load_kv_tile calls it for the next tile
-// as it issues this tile's copies, so the table reads' latency passes during a step, and a copy then
-// needs one multiply-add a row, shared by K and V (the plan reads pages in place only where K and V
-// have the same strides). With the lookup in front of each copy, and its address worked out for K
-// and again for V, the 16-bit split forward streamed a paged cache at 0.45x the contiguous rate
+// The rows one thread copies in a K/V tile of a paged cache (MaskParams::page_table), into
+// load_tile_fixed_col's shared layout: thread t copies chunk t % PER_ROW of the COUNT consecutive rows
+// from (t / PER_ROW) * COUNT (load_tile_fixed_col's threads copy rows ROW_STEP apart instead). Pages
+// and COUNT are powers of two, so where a page holds at least COUNT positions a thread's rows lie in
+// one page (GROUPED): one table entry and one wide multiply-add a tile, the rows a stride apart; smaller
+// pages take an entry and a multiply-add a row. look_up reads the table entries of a tile and works out
+// the element offsets inside their pages (row, head and chunk: arithmetic that waits for no load);
+// load_kv_tile calls it for the next tile as it issues this tile's copies, so the table reads' latency
+// passes during a step; K and V share each address (the plan reads pages in place only where K and V
+// have the same strides). With the lookup in front of each copy, and its address worked out for K and
+// again for V, the 16-bit split forward streamed a paged cache at 0.45x the contiguous rate
 // (benchmarks/bench_decode.py).
 template <typename T, int ROWS, int COLS, int THREADS, bool VEC>
 struct PageCursor {
@@ -171,22 +174,31 @@ struct PageCursor {
     // 16-byte chunks only: element copies would hold a page a row (64 registers at head dim 64)
     static constexpr bool FITS = VEC && COLS % CHUNK == 0 && THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0;
     static constexpr int COUNT = FITS ? ROWS / ROW_STEP : 1;   // rows a thread copies a tile
-    int row0 = -1;        // the first key of the tile these entries describe (-1: none)
-    int page[COUNT];      // the table entry of row threadIdx.x / PER_ROW + k * ROW_STEP (not yet clamped)
-    int in_page[COUNT];   // that row's chunk's element offset inside its page (row, head, column)
+    static_assert((COUNT & (COUNT - 1)) == 0, "a thread's rows: a power of two, whole inside pages of as many");
+    int row0 = -1;          // the first key of the tile these entries describe (-1: none)
+    int page[COUNT];        // the table entry of row (threadIdx.x / PER_ROW) * COUNT + k (not yet clamped)
+    int in_page[COUNT];     // that row's chunk's element offset inside its page (row, head, column)
+
+    // A thread's rows of a tile in one page (page[0] and in_page[0] describe them all).
+    static __device__ __forceinline__ bool grouped(const MaskParams& m) { return m.page_size >= COUNT; }
 
     // Issues the table reads for the K/V head `head`'s tile at key row0_next (keys at or past lk read
     // nothing). `pages` is the K view (the V view has its strides).
     __device__ __forceinline__ void look_up(const MaskParams& m, const View& pages, int batch, int head, int row0_next,
                                             int lk) {
         const int* table = m.page_table + int64(batch) * m.pages_per_seq;
-        const int first_key = row0_next + int(threadIdx.x) / PER_ROW;
+        const int first_key = row0_next + int(threadIdx.x) / PER_ROW * COUNT;
         const int chunk = int(head * pages.head_stride) + int(threadIdx.x % PER_ROW) * CHUNK;
         const int shift = __ffs(m.page_size) - 1;   // page sizes are powers of two (the plan's rule)
         row0 = row0_next;
+        if (grouped(m)) {   // (a row past lk lies in its first row's page: that page, or page 0, is read from)
+            page[0] = first_key < lk ? table[first_key >> shift] : 0;
+            in_page[0] = (first_key & (m.page_size - 1)) * int(pages.row_stride) + chunk;
+            return;
+        }
 #pragma unroll
         for (int k = 0; k < COUNT; ++k) {
-            const int key = first_key + k * ROW_STEP;
+            const int key = first_key + k;
             page[k] = key < lk ? table[key >> shift] : 0;
             in_page[k] = (key & (m.page_size - 1)) * int(pages.row_stride) + chunk;
         }
@@ -196,34 +208,55 @@ struct PageCursor {
 // load_tile_fixed_col's 16-byte copy of the K and V rows [cursor.row0, cursor.row0 + ROWS) of one head
 // from a paged cache (K and V views of equal strides; the batch stride steps between pages), each row
 // in its page: rows past rows_valid and K / V columns past k_cols / v_cols are zeros. Page indices are
-// clamped to [0, num_pages): an unchecked table stays inside the cache. V_PITCH: V's row pitch where it
-// differs from K's (the fp64 decoding tiles: each operand's conflict-free pitch, warp_gemm_f64.cuh).
+// clamped to [0, num_pages): an unchecked table stays inside the cache, and so does every address
+// formed (a copy past rows_valid reads nothing, from its page). V_PITCH: V's row pitch where it differs
+// from K's (the fp64 decoding tiles: each operand's conflict-free pitch, warp_gemm_f64.cuh).
 template <typename T, int ROWS, int COLS, int PITCH, int THREADS, bool VEC, bool SWIZZLED = false, int V_PITCH = PITCH>
 __device__ __forceinline__ void load_paged_rows(T* k_smem, T* v_smem, const View& k, const View& v,
-                                                const PageCursor<T, ROWS, COLS, THREADS, VEC>& cursor, int num_pages,
-                                                int rows_valid, int k_cols, int v_cols) {
+                                                const PageCursor<T, ROWS, COLS, THREADS, VEC>& cursor,
+                                                const MaskParams& m, int rows_valid, int k_cols, int v_cols) {
     typedef PageCursor<T, ROWS, COLS, THREADS, VEC> Cursor;
+    constexpr int COUNT = Cursor::COUNT, CHUNK = Cursor::CHUNK;
     static_assert(Cursor::FITS, "load_tile_fixed_col's layout");
-    static_assert(!SWIZZLED || (PITCH == COLS && Cursor::PER_ROW % 8 == 0 && Cursor::ROW_STEP % 8 == 0),
+    static_assert(!SWIZZLED || (PITCH == COLS && Cursor::PER_ROW % 8 == 0),
                   "load_tile_fixed_col's swizzled layout");
-    const int col = (threadIdx.x % Cursor::PER_ROW) * Cursor::CHUNK, first_row = threadIdx.x / Cursor::PER_ROW;
+    const int col = (threadIdx.x % Cursor::PER_ROW) * CHUNK, first_row = threadIdx.x / Cursor::PER_ROW * COUNT;
     const bool k_col_valid = col < k_cols, v_col_valid = col < v_cols;
-    const int dst_col = SWIZZLED ? swizzled_chunk(first_row, col / Cursor::CHUNK) * Cursor::CHUNK : col;
-    const unsigned k_dst = smem_addr(k_smem + first_row * PITCH + dst_col);
-    const unsigned v_dst = smem_addr(v_smem + first_row * V_PITCH + dst_col);
+    // row first_row + r's chunk in shared memory, in bytes from the tile's start (swizzled: chunk ^ (row % 8),
+    // r % 8 where COUNT is a multiple of 8)
+    auto dst = [&](int r, int pitch) {
+        const int row_mod8 = COUNT % 8 == 0 ? r % 8 : (first_row + r) % 8;
+        const int c = SWIZZLED ? (col / CHUNK ^ row_mod8) * CHUNK : col;
+        return unsigned(((first_row + r) * pitch + c) * int(sizeof(T)));
+    };
+    const unsigned k_dst = smem_addr(k_smem), v_dst = smem_addr(v_smem);
     const T* k_base = static_cast<const T*>(k.ptr);
     const T* v_base = static_cast<const T*>(v.ptr);
+    const int num_pages = m.num_pages;
+    if (Cursor::grouped(m)) {
+        const int page = min(max(cursor.page[0], 0), num_pages - 1);
+        // a page's stride and the in-page offset fit 32 bits (the plan's rule): one wide multiply-add a tile
+        const int64 offset = int64(page) * int64(int(k.batch_stride)) + cursor.in_page[0];
+        const T* k_src = k_col_valid ? k_base + offset : k_base;   // (a column past the head: the cache's first
+        const T* v_src = v_col_valid ? v_base + offset : v_base;   // rows, never read)
 #pragma unroll
-    for (int k_row = 0; k_row < Cursor::COUNT; ++k_row) {
-        const bool row_valid = first_row + k_row * Cursor::ROW_STEP < rows_valid;
-        const int page = min(max(cursor.page[k_row], 0), num_pages - 1);
-        // a page's stride and the in-page offset fit 32 bits (the plan's rule): one wide multiply-add
-        const int64 offset = int64(page) * int64(int(k.batch_stride)) + cursor.in_page[k_row];
-        const unsigned k_step = k_row * Cursor::ROW_STEP * PITCH * int(sizeof(T));
-        const unsigned v_step = k_row * Cursor::ROW_STEP * V_PITCH * int(sizeof(T));
+        for (int r = 0; r < COUNT; ++r) {
+            const bool row_valid = first_row + r < rows_valid;
+            cp_async_16(k_dst + dst(r, PITCH), k_src, row_valid && k_col_valid);
+            cp_async_16(v_dst + dst(r, V_PITCH), v_src, row_valid && v_col_valid);
+            k_src += k.row_stride;
+            v_src += k.row_stride;
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < COUNT; ++r) {
+        const bool row_valid = first_row + r < rows_valid;
+        const int page = min(max(cursor.page[r], 0), num_pages - 1);
+        const int64 offset = int64(page) * int64(int(k.batch_stride)) + cursor.in_page[r];
         const bool k_valid = row_valid && k_col_valid, v_valid = row_valid && v_col_valid;
-        cp_async_16(k_dst + k_step, k_valid ? k_base + offset : k_base, k_valid);   // (no bytes read when not valid)
-        cp_async_16(v_dst + v_step, v_valid ? v_base + offset : v_base, v_valid);
+        cp_async_16(k_dst + dst(r, PITCH), k_valid ? k_base + offset : k_base, k_valid);   // (no bytes read when not valid)
+        cp_async_16(v_dst + dst(r, V_PITCH), v_valid ? v_base + offset : v_base, v_valid);
     }
 }
 
@@ -294,8 +327,8 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, T* bias_s, int stag
         if (p.mask.page_table != nullptr) {
             if (pages->row0 != n0) pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0, key_count);
             load_paged_rows<T, BN, HEAD, P, THREADS, VEC, SWIZZLED, V_PITCH>(
-                k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS, p.k, p.v, *pages, p.mask.num_pages, key_count - n0,
-                dims.d, dims.dv);
+                k_s + stage * KV_ELEMS, v_s + stage * KV_ELEMS, p.k, p.v, *pages, p.mask, key_count - n0, dims.d,
+                dims.dv);
             pages->look_up(p.mask, p.k, blk.batch, blk.kv_head, n0 + BN, key_count);
             return;
         }
