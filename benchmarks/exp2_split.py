@@ -53,19 +53,6 @@ def softcap_with(count: int):
     return mod
 
 
-def queued_ms(fn, reps: int = 20, runs: int = 5) -> float:
-    times = []
-    for _ in range(runs):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / reps)
-    return float(np.median(times))
-
-
 def as_f64(x, dtype: str):
     if dtype == "bfloat16":
         return (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
@@ -107,7 +94,7 @@ def main(argv=None) -> int:
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, fn in calls.items():
-                times[name].append(queued_ms(fn))
+                times[name].append(bench._time_queued(fn, 20))
         plain = float(np.median(times["plain"]))
         print(f"{args.dtype} D={d}: plain causal {plain:.4f} ms")
         for n in values:

@@ -34,19 +34,6 @@ ROWS = [(8, 32, 8, 16, 131072, 128), (1, 32, 8, 16, 131072, 128), (8, 32, 8, 16,
 PAGES = (16, 256)
 
 
-def queued_us(fn, calls: int, runs: int = 3) -> float:
-    times = []
-    for _ in range(runs):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / calls * 1e3)
-    return float(np.median(times))
-
-
 def run_row(row, rounds: int, calls: int, rng) -> str:
     b, hq, hk, lq, lk, d = row
     dt = bench._cp_dtype("bfloat16")
@@ -67,7 +54,7 @@ def run_row(row, rounds: int, calls: int, rng) -> str:
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(queued_us(fn, calls))
+            times[name].append(bench._time_queued(fn, calls, runs=3) * 1e3)
     med = {name: float(np.median(t)) for name, t in times.items()}
     paged = ", ".join(f"pages of {size} {med[size]:.1f} ({med[size] / med['contiguous']:.3f}x)" for size in PAGES)
     return (f"B={b} {hq}/{hk} Lq={lq} Lk={lk} D={d}: contiguous {med['contiguous']:.1f} us, {paged}"
