@@ -158,7 +158,7 @@ __device__ __forceinline__ void load_tile_fixed_col(T* smem, const T* gmem, int6
 // load_tile_fixed_col's shared layout: thread t copies chunk t % PER_ROW of the COUNT consecutive rows
 // from (t / PER_ROW) * COUNT (load_tile_fixed_col's threads copy rows ROW_STEP apart instead). Pages
 // and COUNT are powers of two, so where a page holds at least COUNT positions a thread's rows lie in
-// one page (GROUPED): one table entry and one wide multiply-add a tile, the rows a stride apart; smaller
+// one page (`grouped`): one table entry and one wide multiply-add a tile, the rows a stride apart; smaller
 // pages take an entry and a multiply-add a row. look_up reads the table entries of a tile and works out
 // the element offsets inside their pages (row, head and chunk: arithmetic that waits for no load);
 // load_kv_tile calls it for the next tile as it issues this tile's copies, so the table reads' latency
