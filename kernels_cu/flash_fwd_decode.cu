@@ -333,9 +333,10 @@ flash_fwd_decode(const FwdParams p) {
                                                         reinterpret_cast<float*>(q_s) + BM * P);
         }
     }
-    // Three stages: two tiles ahead, so that a CTA alone on its SM (float64 at head dim 128) keeps two tiles of
-    // copies in flight while it computes on a third; every step commits one group (empty past the split's
-    // end), so that waiting for all but the two latest leaves this step's tile landed.
+    // Three stages (a tuning candidate, tune_decode.py --stages; the table's tiles have two): two tiles ahead,
+    // so that a CTA alone on its SM keeps two tiles of copies in flight while it computes on a third; every
+    // step commits one group (empty past the split's end), so that waiting for all but the two latest leaves
+    // this step's tile landed.
     if constexpr (Cfg::STAGES == 3) {
         if (j + 1 < keys.end) load_kv(j + 1, 1);
         else cp_async_commit();

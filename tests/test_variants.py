@@ -429,8 +429,8 @@ def test_vec_only_tiles_serve_16_byte_loads_only():
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_decoding_tiles_by_rows_and_shared_memory(dtype):
     """The decoding kernel's tile: float32 blocks of at most 8 rows on the query-minor tile where one fits,
-    more rows (and float64) on a 16-row strip, the first of the table's that fits (head dim 128: three K/V
-    stages for float64 on 227 KB, two on the A100's 163 KB); no strip fits 99 KB."""
+    more rows (and float64) on a 16-row strip, the first of the table's that fits (head dim 128: float64 on six
+    warps of 48-key tiles on 227 KB, four warps of 32 on the A100's 163 KB); no strip fits 99 KB."""
     decode = M.Variant("fwd_decode", dtype, 128, vec=True, kv_split=True)
     h200, a100, small = (M.SMEM_LIMITS[k] for k in ("sm_90 (H100, H200)", "sm_80 (A100)",
                                                         "sm_86, sm_89, sm_120 (RTX 30/40/50, L40)"))
@@ -438,7 +438,9 @@ def test_decoding_tiles_by_rows_and_shared_memory(dtype):
         for limit in (h200, a100):
             tile = V._decoding_tile(decode, rows, limit).tile
             assert tile.block_m == (8 if dtype == "float32" and rows <= 8 else 16)
-            assert tile.stages == (3 if dtype == "float64" and limit == h200 else 2)
+            assert tile.stages == 2
+            wide = dtype == "float64" and limit == h200
+            assert (tile.block_n, tile.warps) == ((48, 6) if wide else (64, 4) if dtype == "float32" else (32, 4))
         with pytest.raises(ValueError):
             V._decoding_tile(decode, rows, small)
     if dtype == "float32":   # a strip that does not fit is not replaced by the 8-row tile for 9 rows or more

@@ -87,9 +87,11 @@ add("fwd_decode", HALF_TYPES, [128], Tile(16, 128, 4, 2, "32 keys a warp, 135 KB
 # need 64-key stages of 64 KB at d=128), four warps a CTA: a warp on each of an SM's schedulers (a 16-row split
 # twin of one warp a CTA, two CTAs an SM, left two of the four idle: 31-35% of the H200's HBM peak).
 add("fwd_decode", ["float64"], [64], Tile(16, 32, 4, 2, "8 keys a warp, 78 KB: two CTAs an SM", ctas=2), split=True)
-# float64 at head dim 128 (one CTA an SM): three K/V stages, two tiles in flight while one is computed, where the
-# GPU's shared memory holds them (1.002-1.012x two on the H200, tune_decode.py); two on the A100's 163 KB.
-add("fwd_decode", ["float64"], [128], Tile(16, 32, 4, 3, "8 keys a warp, three stages, 219 KB: one CTA an SM"),
+# float64 at head dim 128 (one CTA an SM): six warps on 48-key tiles of two stages, 1.5 warps a scheduler, where
+# the GPU's shared memory holds them (219 KB: 1.08-1.11x four warps on 32-key tiles of three stages, the same
+# 219 KB, on the H200: tune_decode.py --dtypes float64 --tiles 16x32x4x3@1,16x48x6x2@1); four warps of two
+# stages on the A100's 163 KB.
+add("fwd_decode", ["float64"], [128], Tile(16, 48, 6, 2, "8 keys a warp, six warps, 219 KB: one CTA an SM"),
     Tile(16, 32, 4, 2, "8 keys a warp, 152 KB: one CTA an SM"), split=True)
 
 # Hopper forward (fwd_wgmma, flash_fwd_wgmma.cu, arch "sm90a"): a TMA producer warpgroup and block_m / 64 consumer
