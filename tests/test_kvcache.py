@@ -274,16 +274,17 @@ def test_an_append_into_a_shared_page_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("page_size, d", [(16, 64), (64, 128), (256, 128), (8, 40), (24, 64), (16, 128), (4, 64),
                                           (8, 128), (2, 128)])
 @pytest.mark.parametrize("lq", [1, 6, 16])
 def test_pages_read_in_place_equal_the_contiguous_cache(dtype, page_size, d, lq):
-    """The 16-bit split kernels read the pages through the table (no gather; float32 gathers them): the
-    same output as the contiguous cache, for ragged lengths and an append; 6 new rows of 4 query heads a K/V
-    head (24 packed rows: the 16-bit decoding kernel's two strips at head dim 128, the split twin at 64), 16
-    (64 rows: the split twin). Pages of at least a thread's rows of a tile (8 or 16) take one table entry a
-    thread and tile, smaller ones (2, 4, 8 at head dim 128) an entry a row (tile_io.cuh, PageCursor)."""
+    """The 16-bit split kernels and every dtype's decoding kernel read the pages through the table (no
+    gather; the float32 and float64 split twins gather them): the same output as the contiguous cache, for
+    ragged lengths and an append; 6 new rows of 4 query heads a K/V head (24 packed rows: the 16-bit decoding
+    kernel's two strips at head dim 128, the split twin at 64), 16 (64 rows: the split twin). Pages of at least
+    a thread's rows of a tile (8 or 16; float64 at head dim 128: 16 rows of its 48-key tile) take one table
+    entry a thread and tile, smaller ones (2, 4, 8 at head dim 128) an entry a row (tile_io.cuh, PageCursor)."""
     cp = pytest.importorskip("cupy")
     cap = 3 * 1024   # whole pages of every size below
     q, kc, vc, kn, vn = _setup(cp, DTYPES[dtype], b=3, hq=8, hk=2, lq=lq, cap=cap, n_new=lq, d=d)
