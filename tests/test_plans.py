@@ -917,6 +917,7 @@ def test_a_paged_cache_goes_to_the_split_kernels_by_page_table(fake):
     cuflash.api.forward_with_key_lengths(q64, k64, v64, lengths, causal="bottom_right", page_table=table)
     partial, params, _, _ = launches[-1]
     assert partial.family == "fwd_decode" and partial.dtype == "float64"
+    assert (partial.tile.block_n, partial.tile.warps) == (48, 6)   # 16 rows a thread: one page entry from pages of 16
     assert int(_fwd_fields(params)["mask"]["page_table"]) == table.data.ptr
     q256 = dev.empty((2, 8, 1, 256), np.float64)
     k256, v256 = (dev.empty((40, 2, 16, 256), np.float64) for _ in range(2))
