@@ -238,8 +238,8 @@ def _tbps(row):
     return None if row.get("GB/s") is None else row["GB/s"] / 1e3
 
 
-PLOTTED = {"HBM read ceiling": "tab:gray", "cuflash": "tab:red", "cuflash kvcache unchecked": "tab:purple", "cuflash paged 16": "tab:orange",
-           "torch flash": "tab:blue", "torch cudnn": "tab:green"}
+PLOTTED = {"HBM read ceiling": "tab:gray", "cuflash": "tab:red", "cuflash kvcache unchecked": "tab:purple",
+           "cuflash paged 16": "tab:orange", "torch flash": "tab:blue", "torch cudnn": "tab:green"}
 
 
 def plot(results, path, device) -> None:

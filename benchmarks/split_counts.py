@@ -5,8 +5,8 @@ PyTorch): does the split rule (select.split_count) take the fastest count?
 
 bf16, 32 query heads over 8 K/V heads, one query row; rows (B, Lk, D) below. Each: cuflash with the rule's count
 ("auto"), PyTorch SDPA's cuDNN backend on the same buffers, then cuflash with ``num_splits`` forced to each count
-of COUNTS whose grid (B x 8 x n CTAs) stays within 32 CTAs an SM. Time: the better of two medians of 9 runs of 20 queued calls
-(bench.py's timing), in us.
+of COUNTS whose grid (B x 8 x n CTAs) stays within 32 CTAs an SM. Time: the better of two medians of 9 runs of 20
+queued calls (bench.py's timing), in us.
 """
 import sys
 from pathlib import Path

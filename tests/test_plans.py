@@ -770,8 +770,8 @@ def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
     """Three new query rows a sequence (causal, bottom right) of 32 query heads over 8 K/V heads: the
     decoding kernel's strip holds a K/V head's 4 query heads x 3 positions, the band reading a row's
     position as row % 3 (MaskParams::band_period); 5 rows (20 packed) alike on its tile of two strips (32 rows
-    at head dim 128), 16 (64 packed) on the 16-bit portable split twin; float32's split twin reads no period: 5 rows of 2 query heads in the decoding kernel's strip
-    instead of 4 heads' 20 rows. 128 query heads over 8 (16 a K/V head) of 16 rows: as many heads as fill one
+    at head dim 128), 16 (64 packed) on the 16-bit portable split twin; float32's split twin reads no period:
+    5 rows of 2 query heads in the decoding kernel's strip instead of 4 heads' 20 rows. 128 query heads over 8 (16 a K/V head) of 16 rows: as many heads as fill one
     block of the portable kernel, so that the keys still split."""
     dev, launches = fake
     q = dev.empty((2, 32, 3, 128), np.float16)

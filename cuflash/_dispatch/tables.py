@@ -50,10 +50,10 @@ add("fwd_mma", HALF_TYPES, [256], Tile(64, 32, 4, 2, "acc_o alone is 128 registe
 # (64 rows) halves it against the prefill tiles' 128 and leaves K/V streaming the bound on paper (H200: ~2.3 of
 # ~4.5 TFLOP/s a SM at full HBM bandwidth, d=128): 47-87% of the H200 HBM peak from 32768 keys, 16 query rows x 4
 # heads (benchmarks/bench_decode.py).
-add("fwd_mma", HALF_TYPES, [32, 64], Tile(64, 128, 4, 2, "one strip a warp: half the padded rows of 128x128; three CTAs "
-                                                          "an SM (168 registers): 1.08-1.12x two at B = 1-8, 0.95-1.03x "
-                                                          "at B = 64 (H200, 16 rows x 4 heads, tune_decode.py --family "
-                                                          "fwd_mma)", ctas=3, split_only=True),
+add("fwd_mma", HALF_TYPES, [32, 64],
+    Tile(64, 128, 4, 2, "one strip a warp: half the padded rows of 128x128; three CTAs an SM (168 registers): "
+         "1.08-1.12x two at B = 1-8, 0.95-1.03x at B = 64 (H200, 16 rows x 4 heads, tune_decode.py --family fwd_mma)",
+         ctas=3, split_only=True),
     Tile(64, 128, 4, 2, "the packed forward's (cuflash.varlen): one strip a warp"), split=True)
 add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: two CTAs an SM stream K/V", ctas=2),
     split=True)
