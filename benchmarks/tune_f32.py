@@ -59,9 +59,9 @@ FWD_WGMMA_CANDIDATES = {
 }
 BWD_CANDIDATES = {
     64: [None,
-         Tile(16, 64, 4, 2, "rounded", split=1)],                # the table before
+         Tile(32, 64, 8, 2, "query groups", split=2)],                # two warps a 16-key strip
     128: [None,
-          Tile(16, 64, 4, 2, "rounded", passes=2, split=1)],     # the table before
+          Tile(16, 64, 4, 2, "one warp a strip", passes=2, split=2)],   # the table before
 }
 
 

@@ -58,10 +58,22 @@ struct DkdvTf32Traits {
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
     static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
+    // Query groups: with WARPS = 2 x BN / 16, two warps own each 16-key strip, one the step's first
+    // BM / 2 queries and one the rest, each with its own dK / dV accumulators (summed through shared
+    // memory at the end): twice the warps an SM of one warp a strip in the same shared memory, whose
+    // K and V parts fill it (head dim 128, one 4-warp CTA an SM: a warp a scheduler waiting on its MMAs).
+    static constexpr int KEY_WARPS = BN / 16;
+    static constexpr int QUERY_GROUPS = WARPS / KEY_WARPS;
+    static constexpr int WARP_QUERIES = BM / QUERY_GROUPS;   // a warp's queries of each step
+    // The end's sum: the accumulators of the warps of query groups 1.. in K / V's tiles (read no more).
+    static constexpr int SUM_FLOATS = (QUERY_GROUPS - 1) * KEY_WARPS * 32 * (HEAD / 8) * 4 * 2;
     static constexpr int SMEM_BYTES =
         ((SPLIT ? 4 : 2) * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS + 2 * BM) + DS_ELEMS) * int(sizeof(float));
     static_assert(HEAD % 32 == 0 && BM % 16 == 0, "tiles: n8 pairs; pitches = 4 (mod 32)");
-    static_assert(BN == 16 * WARPS, "each warp owns one 16-key strip");
+    static_assert(BN % 16 == 0 && WARPS % KEY_WARPS == 0, "each warp owns one 16-key strip");
+    static_assert(QUERY_GROUPS == 1 || (!EXTRA && WARP_QUERIES % 16 == 0),
+                  "query groups: plain variants, n8 pairs of queries a warp");
+    static_assert(SUM_FLOATS <= (SPLIT ? 4 : 2) * KV_ELEMS, "the end's sum fits K and V's tiles");
     static_assert(WARPS % (BM / 16) == 0, "dQ: whole row strips per warp group");
     static_assert(DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0, "dQ column blocks of whole 16-column groups");
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single or double buffered");
@@ -128,6 +140,40 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
     }
 }
 
+// The dK / dV accumulators of a 16-key strip's query groups summed into group 0's (Tr::QUERY_GROUPS): groups
+// 1.. store theirs in `scratch` (K / V's tiles, after the last step), lane-major so that a warp's stores and
+// loads are whole 128-byte rows; true for the warps of group 0, which hold the sums.
+template <typename Tr, bool DO_DK, bool DO_DV, int NK, int NV>
+__device__ __forceinline__ bool sum_query_groups(float* scratch, float (&acc_dk)[NK][4], float (&acc_dv)[NV][4],
+                                                 int query_group, int key_warp, int lane) {
+    constexpr int FRAG_FLOATS = 32 * (Tr::HEAD / 8) * 4;   // one warp's dK or dV fragments
+    __syncthreads();   // every warp is past its last read of K and V (the dQ GEMMs included)
+    if (query_group > 0) {
+        float* mine = scratch + ((query_group - 1) * Tr::KEY_WARPS + key_warp) * 2 * FRAG_FLOATS + lane;
+#pragma unroll
+        for (int n = 0; n < Tr::HEAD / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (DO_DK) mine[(4 * n + i) * 32] = acc_dk[DO_DK ? n : 0][i];
+                if (DO_DV) mine[FRAG_FLOATS + (4 * n + i) * 32] = acc_dv[DO_DV ? n : 0][i];
+            }
+    }
+    __syncthreads();
+    if (query_group > 0) return false;
+#pragma unroll 1
+    for (int g = 1; g < Tr::QUERY_GROUPS; ++g) {
+        const float* theirs = scratch + ((g - 1) * Tr::KEY_WARPS + key_warp) * 2 * FRAG_FLOATS + lane;
+#pragma unroll
+        for (int n = 0; n < Tr::HEAD / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (DO_DK) acc_dk[DO_DK ? n : 0][i] += theirs[(4 * n + i) * 32];
+                if (DO_DV) acc_dv[DO_DV ? n : 0][i] += theirs[FRAG_FLOATS + (4 * n + i) * 32];
+            }
+    }
+    return true;
+}
+
 // PASS: 0 computes dK and dV together; 1 dV only, 2 dK (and dQ) only, each recomputing S^T
 // (the variant table splits the passes where one pass's tile does not fit: cuflash/_dispatch/tables.py).
 // Grid: ceil(Lk / BN) x Hk x B CTAs (SCHEDULE_ONE_A_BLOCK, scheduler.cuh), key block 0 (the most causal work) first.
@@ -139,7 +185,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dkdv_tf32(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
     typedef DkdvTf32Traits<Cfg, SPLIT, ATOMIC_DQ, Flags::EXTRA> Tr;
-    constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH, QT = BM / 8;
+    constexpr int BN = Tr::BN, BM = Tr::BM, HEAD = Tr::HEAD, P = Tr::PITCH, WQ = Tr::WARP_QUERIES, QT = WQ / 8;
     constexpr bool DO_DV = PASS != 2, DO_DK = PASS != 1;
     static_assert(DO_DK || !ATOMIC_DQ, "dQ needs dS, which the dV-only pass does not form");
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -162,7 +208,9 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     const int n0 = blk.n0, batch = blk.batch, keys_valid = blk.keys;
     const int q_batch = PACKED ? seq.q_start : batch;   // the query side's batch index (packed: its first row)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int key0 = warp * 16;                                   // this warp's first key within the block
+    const int key0 = warp % Tr::KEY_WARPS * 16;                   // this warp's first key within the block
+    const int query_group = warp / Tr::KEY_WARPS;
+    const int q_first = query_group * WQ;                         // this warp's first query of a step
     const float scale = float(p.scale);
     typedef ScoreMod<Flags, float, float, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
     Mod mod = [&]() {
@@ -185,7 +233,7 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
     // n8 query tile n is at ds_lane + 8 r DS_PITCH + 8 n (up to a 2-way bank conflict, a half-warp's
     // rows g DS_PITCH apart with DS_PITCH = 4 (mod 16); the loads that read them back, once per
     // column block, are conflict-free: tests/test_fragments_tf32.py).
-    float* ds_lane = ds_s + (key0 + lane / 4) * Tr::DS_PITCH + 2 * (lane % 4);
+    float* ds_lane = ds_s + (key0 + lane / 4) * Tr::DS_PITCH + q_first + 2 * (lane % 4);
     // Steps walk (query head of the group, query block) pairs over the query blocks that can see
     // this key block; every block when dbias contributions take turns (DBIAS_ORDERED: each step
     // passes its turn; a tile nothing sees adds zeros).
@@ -228,16 +276,16 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
         const float* stats = stat_stages + stage * 2 * BM;
         const float* q_s = q_stages + stage * Tr::QD_ELEMS;
         const float* do_s = do_stages + stage * Tr::QD_ELEMS;
-        float st[QT][4], dpt[QT][4];   // S^T, dP^T: this warp's 16 keys x BM queries
+        float st[QT][4], dpt[QT][4];   // S^T, dP^T: this warp's 16 keys x WQ queries
         zero_frags(st);
         zero_frags(dpt);
-        warp_gemm_qk_tf32<SPLIT, 1, BM, HEAD, P>(one_strip(st), k_s + key0 * P, k_small_s + key0 * P, q_s,
-                                                 lane);                                       // S^T = K Q^T
+        warp_gemm_qk_tf32<SPLIT, 1, WQ, HEAD, P>(one_strip(st), k_s + key0 * P, k_small_s + key0 * P,
+                                                 q_s + q_first * P, lane);                    // S^T = K Q^T
         if (DO_DK)
-            warp_gemm_qk_tf32<SPLIT, 1, BM, HEAD, P>(one_strip(dpt), v_s + key0 * P, v_small_s + key0 * P, do_s,
-                                                     lane);                                   // dP^T = V dO^T
+            warp_gemm_qk_tf32<SPLIT, 1, WQ, HEAD, P>(one_strip(dpt), v_s + key0 * P, v_small_s + key0 * P,
+                                                     do_s + q_first * P, lane);               // dP^T = V dO^T
         // Rows of these tiles are keys, columns queries; the mask is decided for this warp's keys.
-        const bool partial = mod.tile_is_partial(m0, BM, n0 + key0, 16);
+        const bool partial = mod.tile_is_partial(m0 + q_first, WQ, n0 + key0, 16);
         unsigned kept = 0;   // EXTRA with dropout: the step's keep bits (drop_factor)
         if constexpr (Flags::EXTRA) {
             auto coord = [&](int n, int i, int& row, int& col) {
@@ -254,18 +302,19 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             apply_score_mod_bits(st, mod, partial, coord);
             if (mod.has_dropout()) kept = dropout_frag_bits_t<QT>(mod, m0, n0 + key0, lane);
         } else if (partial) {
-            mask_partial_strip_t<BM>(st, mod, n0 + key0 + lane / 4, m0 + 2 * (lane % 4));
+            mask_partial_strip_t<WQ>(st, mod, n0 + key0 + lane / 4, m0 + q_first + 2 * (lane % 4));
         }
         // P^T and dS^T in place, in fp32 (st: P^T, dpt: dS^T).
 #pragma unroll
         for (int n = 0; n < QT; ++n) {
             // This lane's columns of tile n are queries 2t, 2t + 1: each stat pair in one 8-byte load.
             float lse_log2[2], dsum[2];
-            stat_pair_of<BM>(stats, frag_col(lane, n, 0), lse_log2, dsum);
+            stat_pair_of<BM>(stats, q_first + frag_col(lane, n, 0), lse_log2, dsum);
 #pragma unroll
             for (int i = 0; i < 4; ++i)   // (x_per_s is 1 with EXTRA: ScoreMod::scores_stay_raw)
                 mod.template prob_and_dscore_at<DO_DK>(st[n][i], dpt[n][i], lse_log2[i % 2], dsum[i % 2],
-                                                       drop_factor(mod, kept, n, i), x_per_s, m0 + frag_col(lane, n, i),
+                                                       drop_factor(mod, kept, n, i), x_per_s,
+                                                       m0 + q_first + frag_col(lane, n, i),
                                                        n0 + key0 + frag_row(lane, i));
             if (ATOMIC_DQ)
 #pragma unroll
@@ -281,10 +330,10 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
             add_dbias_frags_t_f32(p.dbias, dpt, batch, head, m0, n0 + key0, dims, lane);
             if (ordered) turn.pass_turn();
         }
-        if constexpr (DO_DV)
-            warp_gemm_pv_tf32<SPLIT, 1, HEAD, BM, P>(one_strip(acc_dv), one_strip(st), do_s, lane);   // dV += P^T dO
-        if constexpr (DO_DK)
-            warp_gemm_pv_tf32<SPLIT, 1, HEAD, BM, P>(one_strip(acc_dk), one_strip(dpt), q_s, lane);   // dK += dS^T Q
+        if constexpr (DO_DV)                                                       // dV += P^T dO
+            warp_gemm_pv_tf32<SPLIT, 1, HEAD, WQ, P>(one_strip(acc_dv), one_strip(st), do_s + q_first * P, lane);
+        if constexpr (DO_DK)                                                       // dK += dS^T Q
+            warp_gemm_pv_tf32<SPLIT, 1, HEAD, WQ, P>(one_strip(acc_dk), one_strip(dpt), q_s + q_first * P, lane);
         if constexpr (ATOMIC_DQ) {                                                 // dQ += scale dS K
             __syncthreads();
             const int strip = warp / Tr::Q_SPLIT;
@@ -316,6 +365,8 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
         else if (cur.t < steps.count) issue_query_block(cur, 0);
     }
 
+    if constexpr (Tr::QUERY_GROUPS > 1)
+        if (!sum_query_groups<Tr, DO_DK, DO_DV>(k_s, acc_dk, acc_dv, query_group, warp % Tr::KEY_WARPS, lane)) return;
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys (lane / 4 + 8 r of the warp's strip).
     // Keys past lk are not written.
 #pragma unroll
