@@ -61,7 +61,8 @@ BWD_CANDIDATES = {
     64: [None,
          Tile(32, 64, 8, 2, "query groups", split=2)],                # two warps a 16-key strip
     128: [None,
-          Tile(16, 64, 4, 2, "one warp a strip", passes=2, split=2)],   # the table before
+          Tile(32, 64, 8, 2, "query groups, two passes", passes=2, split=2),   # element loads, packed, modifications
+          Tile(16, 64, 4, 2, "one warp a strip", passes=2, split=2)],          # the table before
 }
 
 

@@ -56,8 +56,9 @@ struct DkdvTf32Traits {
     // dQ = dS K: BM/16 row strips x Q_SPLIT column blocks, one per warp, formed DQ_CHUNK
     // columns at a time (16 fp32 registers of partial product at most).
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
+    static constexpr int DQ_CHUNK_MAX = WARPS > BN / 16 ? 16 : 32;
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
-    static constexpr int DQ_CHUNK = DQ_COLS < 32 ? DQ_COLS : 32;
+    static constexpr int DQ_CHUNK = DQ_COLS < DQ_CHUNK_MAX ? DQ_COLS : DQ_CHUNK_MAX;
     // Query groups: with WARPS = 2 x BN / 16, two warps own each 16-key strip, one the step's first
     // BM / 2 queries and one the rest, each with its own dK / dV accumulators (summed through shared
     // memory at the end): twice the warps an SM of one warp a strip in the same shared memory, whose
@@ -65,7 +66,7 @@ struct DkdvTf32Traits {
     static constexpr int KEY_WARPS = BN / 16;
     static constexpr int QUERY_GROUPS = WARPS / KEY_WARPS;
     static constexpr int WARP_QUERIES = BM / QUERY_GROUPS;   // a warp's queries of each step
-    // The end's sum: the accumulators of the warps of query groups 1.. in K / V's tiles (read no more).
+    // The end's sum (sum_over_warp_groups): the accumulators of query groups 1.. in K and V's tiles.
     static constexpr int SUM_FLOATS = (QUERY_GROUPS - 1) * KEY_WARPS * 32 * (HEAD / 8) * 4 * 2;
     static constexpr int SMEM_BYTES =
         ((SPLIT ? 4 : 2) * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS + 2 * BM) + DS_ELEMS) * int(sizeof(float));
@@ -92,8 +93,17 @@ struct DqTf32Traits {
     static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage
     static constexpr int SMEM_BYTES =
         ((SPLIT ? 4 : 2) * QD_ELEMS + Cfg::STAGES * (2 * KV_ELEMS + BIAS_ELEMS)) * int(sizeof(float));
+    // Key groups: with WARPS = 2 x BM / 16, two warps own each 16-row strip, one the first BN / 2 keys of
+    // each step and one the rest, each with its own dQ accumulator (summed through shared memory at the
+    // end): as the dK/dV kernel's query groups, twice the warps an SM where Q and dO's parts fill it.
+    static constexpr int STRIP_WARPS = BM / 16;
+    static constexpr int KEY_GROUPS = WARPS / STRIP_WARPS;
+    static constexpr int WARP_KEYS = BN / KEY_GROUPS;   // a warp's keys of each step
+    static constexpr int SUM_FLOATS = (KEY_GROUPS - 1) * STRIP_WARPS * 32 * (HEAD / 8) * 4;
     static_assert(HEAD % 32 == 0 && BN % 16 == 0, "tiles: n8 pairs; pitches = 4 (mod 32)");
-    static_assert(BM == 16 * WARPS, "each warp owns one 16-row strip");
+    static_assert(BM % 16 == 0 && WARPS % STRIP_WARPS == 0, "each warp owns one 16-row strip");
+    static_assert(KEY_GROUPS == 1 || (!EXTRA && WARP_KEYS % 16 == 0), "key groups: plain variants, n8 pairs of keys");
+    static_assert(SUM_FLOATS <= Cfg::STAGES * 2 * KV_ELEMS, "the end's sum fits the K / V stages");
     static_assert(Cfg::STAGES == 2, "K/V tiles are double-buffered");
     static_assert(Cfg::THREADS == THREADS, "the variant table's thread count");
     static_assert(Cfg::SMEM_BYTES == SMEM_BYTES, "the variant table's shared-memory size");
@@ -140,36 +150,43 @@ __device__ __forceinline__ void add_dbias_frags_t_f32(const DbiasParams& g, cons
     }
 }
 
-// The dK / dV accumulators of a 16-key strip's query groups summed into group 0's (Tr::QUERY_GROUPS): groups
-// 1.. store theirs in `scratch` (K / V's tiles, after the last step), lane-major so that a warp's stores and
-// loads are whole 128-byte rows; true for the warps of group 0, which hold the sums.
-template <typename Tr, bool DO_DK, bool DO_DV, int NK, int NV>
-__device__ __forceinline__ bool sum_query_groups(float* scratch, float (&acc_dk)[NK][4], float (&acc_dv)[NV][4],
-                                                 int query_group, int key_warp, int lane) {
-    constexpr int FRAG_FLOATS = 32 * (Tr::HEAD / 8) * 4;   // one warp's dK or dV fragments
-    __syncthreads();   // every warp is past its last read of K and V (the dQ GEMMs included)
-    if (query_group > 0) {
-        float* mine = scratch + ((query_group - 1) * Tr::KEY_WARPS + key_warp) * 2 * FRAG_FLOATS + lane;
+// Accumulators of warps that own the same rows but different queries (dK/dV: query groups) or keys (dQ: key
+// groups) of each step, summed into group 0's: each warp holds A (and, USE_B, B) for row block `member`; groups
+// 1.. store theirs in `scratch` (tiles no warp reads any more), lane-major so that a warp's stores and loads
+// are whole 128-byte rows. True for the warps of group 0, which hold the sums.
+template <int GROUPS, int MEMBERS, bool USE_A, bool USE_B, int NA, int NB>
+__device__ __forceinline__ bool sum_over_warp_groups(float* scratch, float (&a)[NA][4], float (&b)[NB][4], int group,
+                                                     int member, int lane) {
+    constexpr int A_FLOATS = USE_A ? 32 * NA * 4 : 0, WARP_FLOATS = A_FLOATS + (USE_B ? 32 * NB * 4 : 0);
+    __syncthreads();   // every warp is past its last read of the tiles `scratch` overlays
+    if (group > 0) {
+        float* mine = scratch + ((group - 1) * MEMBERS + member) * WARP_FLOATS + lane;
 #pragma unroll
-        for (int n = 0; n < Tr::HEAD / 8; ++n)
+        for (int n = 0; n < NA; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (DO_DK) mine[(4 * n + i) * 32] = acc_dk[DO_DK ? n : 0][i];
-                if (DO_DV) mine[FRAG_FLOATS + (4 * n + i) * 32] = acc_dv[DO_DV ? n : 0][i];
-            }
+            for (int i = 0; i < 4; ++i)
+                if (USE_A) mine[(4 * n + i) * 32] = a[n][i];
+#pragma unroll
+        for (int n = 0; n < NB; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (USE_B) mine[A_FLOATS + (4 * n + i) * 32] = b[n][i];
     }
     __syncthreads();
-    if (query_group > 0) return false;
+    if (group > 0) return false;
 #pragma unroll 1
-    for (int g = 1; g < Tr::QUERY_GROUPS; ++g) {
-        const float* theirs = scratch + ((g - 1) * Tr::KEY_WARPS + key_warp) * 2 * FRAG_FLOATS + lane;
+    for (int g = 1; g < GROUPS; ++g) {
+        const float* theirs = scratch + ((g - 1) * MEMBERS + member) * WARP_FLOATS + lane;
 #pragma unroll
-        for (int n = 0; n < Tr::HEAD / 8; ++n)
+        for (int n = 0; n < NA; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (DO_DK) acc_dk[DO_DK ? n : 0][i] += theirs[(4 * n + i) * 32];
-                if (DO_DV) acc_dv[DO_DV ? n : 0][i] += theirs[FRAG_FLOATS + (4 * n + i) * 32];
-            }
+            for (int i = 0; i < 4; ++i)
+                if (USE_A) a[n][i] += theirs[(4 * n + i) * 32];
+#pragma unroll
+        for (int n = 0; n < NB; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (USE_B) b[n][i] += theirs[A_FLOATS + (4 * n + i) * 32];
     }
     return true;
 }
@@ -365,8 +382,10 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
         else if (cur.t < steps.count) issue_query_block(cur, 0);
     }
 
-    if constexpr (Tr::QUERY_GROUPS > 1)
-        if (!sum_query_groups<Tr, DO_DK, DO_DV>(k_s, acc_dk, acc_dv, query_group, warp % Tr::KEY_WARPS, lane)) return;
+    if constexpr (Tr::QUERY_GROUPS > 1)   // K and V's tiles are free after the last step
+        if (!sum_over_warp_groups<Tr::QUERY_GROUPS, Tr::KEY_WARPS, DO_DK, DO_DV>(k_s, acc_dk, acc_dv, query_group,
+                                                                                warp % Tr::KEY_WARPS, lane))
+            return;
     // dK = scale * sum dS^T Q, dV = sum P^T dO; rows are keys (lane / 4 + 8 r of the warp's strip).
     // Keys past lk are not written.
 #pragma unroll
@@ -393,7 +412,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS)
 flash_bwd_dq_tf32(const BwdParams p) {
     static_assert(sizeof(T) == sizeof(float), "TF32 tensor cores: float32 only");
     typedef DqTf32Traits<Cfg, SPLIT, Flags::EXTRA> Tr;
-    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH;
+    constexpr int BM = Tr::BM, BN = Tr::BN, HEAD = Tr::HEAD, P = Tr::PITCH, WK = Tr::WARP_KEYS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* q_s = reinterpret_cast<float*>(smem_raw);              // Q, then its big part
     float* do_s = q_s + Tr::QD_ELEMS;                             // dO, then its big part
@@ -409,7 +428,9 @@ flash_bwd_dq_tf32(const BwdParams p) {
     const QueryBlock blk = PACKED ? seq.query_block(dims, BM)
                                   : QueryBlock::from_grid<BM>(dims, shared_scores_head_group<Flags::EXTRA>(p.mask));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int row0 = warp * 16;                                   // this warp's first row within the block
+    const int row0 = warp % Tr::STRIP_WARPS * 16;                 // this warp's first row within the block
+    const int key_group = warp / Tr::STRIP_WARPS;
+    const int k_first = key_group * WK;                           // this warp's first key of a step
     typedef ScoreMod<Flags, float, float, PACKED> Mod;   // PACKED: the sequence's own counts (PER_SEQ)
     const Mod mod = [&]() {
         if constexpr (PACKED) return Mod(p.mask, seq, p.scale_log2_f, blk.head);
@@ -456,29 +477,29 @@ flash_bwd_dq_tf32(const BwdParams p) {
         prefetch_next_step<2>(next, keys.end, stage, load_kv);   // the next visible tile into the other stage
         __syncthreads();
         const float* k_tile = k_s + stage * Tr::KV_ELEMS;
-        float s[BN / 8][4], dp[BN / 8][4];
+        float s[WK / 8][4], dp[WK / 8][4];   // this warp's 16 rows x WK keys
         zero_frags(s);
         zero_frags(dp);
-        warp_gemm_qk_tf32<SPLIT, 1, BN, HEAD, P>(one_strip(s), q_s + row0 * P, q_small_s + row0 * P, k_tile,
-                                                 lane);                                      // S = Q K^T
-        warp_gemm_qk_tf32<SPLIT, 1, BN, HEAD, P>(one_strip(dp), do_s + row0 * P, do_small_s + row0 * P,
-                                                 v_s + stage * Tr::KV_ELEMS, lane);          // dP = dO V^T
-        const int n0 = j * BN;
-        const bool partial = mod.tile_is_partial(blk.m0 + row0, 16, n0, BN);
+        warp_gemm_qk_tf32<SPLIT, 1, WK, HEAD, P>(one_strip(s), q_s + row0 * P, q_small_s + row0 * P,
+                                                 k_tile + k_first * P, lane);                // S = Q K^T
+        warp_gemm_qk_tf32<SPLIT, 1, WK, HEAD, P>(one_strip(dp), do_s + row0 * P, do_small_s + row0 * P,
+                                                 v_s + stage * Tr::KV_ELEMS + k_first * P, lane);   // dP = dO V^T
+        const int n0 = j * BN + k_first;     // this warp's first key
+        const bool partial = mod.tile_is_partial(blk.m0 + row0, 16, n0, WK);
         auto coord = [&](int n, int i, int& row, int& col) {
             row = blk.m0 + row0 + frag_row(lane, i);
             col = n0 + frag_col(lane, n, i);
         };
         if constexpr (Flags::EXTRA) {
             if (mod.has_bias())   // this warp's rows of the bias tile
-                scale_add_bias_frags_f32<BN, Tr::BIAS_PITCH>(s, bias_s + stage * Tr::BIAS_ELEMS + row0 * Tr::BIAS_PITCH,
-                                                             lane, mod.scale_log2);
+                scale_add_bias_frags_f32<WK, Tr::BIAS_PITCH>(s, bias_s + stage * Tr::BIAS_ELEMS + row0 * Tr::BIAS_PITCH
+                                                                    + k_first, lane, mod.scale_log2);
             apply_score_mod(s, mod, partial, coord);
         } else if (partial) {
             mask_partial_strip(s, mod, blk.m0 + row0 + lane / 4, n0 + 2 * (lane % 4));
         }
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+        for (int n = 0; n < WK / 8; ++n)
 #pragma unroll
             for (int i = 0; i < 4; i += 2) {   // elements i, i + 1: one row, keys col and col + 1 (one Philox draw)
                 float keep0 = 1.0f, keep1 = 1.0f;
@@ -490,10 +511,15 @@ flash_bwd_dq_tf32(const BwdParams p) {
                 mod.template prob_and_dscore_at<false>(s[n][i + 1], dp[n][i + 1], lse_log2[i / 2], dsum[i / 2], keep1,
                                                        x_per_s, row, col + 1);
             }
-        warp_gemm_pv_tf32<SPLIT, 1, HEAD, BN, P>(one_strip(acc_dq), one_strip(dp), k_tile, lane);   // dQ += dS K
+        warp_gemm_pv_tf32<SPLIT, 1, HEAD, WK, P>(one_strip(acc_dq), one_strip(dp), k_tile + k_first * P,
+                                                 lane);                                      // dQ += dS K
         __syncthreads();   // the next iteration's prefetch overwrites this stage
         j = next;
     }
+    if constexpr (Tr::KEY_GROUPS > 1)   // the K / V stages are free after the last step
+        if (!sum_over_warp_groups<Tr::KEY_GROUPS, Tr::STRIP_WARPS, true, false>(k_s, acc_dq, acc_dq, key_group,
+                                                                               warp % Tr::STRIP_WARPS, lane))
+            return;
 
     // dQ = scale sum dS K. Rows past lq are not written.
     const float scale = float(p.scale);

@@ -195,10 +195,20 @@ def test_selection_rules():
         assert plan[1].split == (precision == "highest") and not plan[1].atomic_dq
         assert [v.family for v in V.backward_variants("float32", 256, band=False, vec=True, deterministic=True,
                                                       precision=precision)] == ["bwd_dsum", "bwd_dkdv_fma", "bwd_dq_fma"]
-    # 3xTF32 at head dim 128: dV, then dK (and the atomic dQ), each pass recomputing S^T (Tile.passes).
+    # 3xTF32 at head dim 128 on query groups: one pass with 16-byte loads and dQ atomics; else dV, then dK,
+    # each pass recomputing S^T (Tile.vec_only, Tile.passes, select._dkdv_passes), packed calls too.
     plan = V.backward_variants("float32", 128, band=True, vec=True, deterministic=False)
     assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
-        ("bwd_dsum", 0, False), ("bwd_dkdv_tf32x3", 1, False), ("bwd_dkdv_tf32x3", 2, True), ("bwd_convert_dq", 0, False)]
+        ("bwd_dsum", 0, False), ("bwd_dkdv_tf32x3", 0, True), ("bwd_convert_dq", 0, False)]
+    assert plan[1].tile.warps == 2 * plan[1].tile.block_n // 16
+    two = [("bwd_dkdv_tf32x3", 1, False), ("bwd_dkdv_tf32x3", 2, True)]
+    plan = V.backward_variants("float32", 128, band=True, vec=False, deterministic=False)
+    assert [(v.family, v.pass_, v.atomic_dq) for v in plan][1:3] == two
+    plan = V.backward_variants("float32", 128, band=True, vec=True, deterministic=True)
+    assert [(v.family, v.pass_, v.atomic_dq) for v in plan] == [
+        ("bwd_dsum", 0, False), *[(f, p, False) for f, p, _ in two], ("bwd_dq_tf32x3", 0, False)]
+    plan = V.packed_backward_variants("float32", 128, band=True, vec=True, smem_limit=M.SMEM_MAX, deterministic=False)
+    assert [(v.family, v.pass_, v.atomic_dq, v.packed) for v in plan][1:3] == [t + (True,) for t in two]
     # On 99 KB GPUs at head dim 128 no 3xTF32 dK/dV tile fits, but the dQ kernel's does (without EXTRA):
     # the fallback is kernel by kernel.
     plan = V.backward_variants("float32", 128, band=False, vec=True, deterministic=True, smem_limit=small)

@@ -530,6 +530,9 @@ class Variant:
         if self.family.startswith("bwd_dkdv_tf32") and self.tile.warps != self.tile.block_n // 16 \
                 and (self.extra or self.tile.warps != 2 * (self.tile.block_n // 16)):
             raise ValueError("bwd_dkdv_tf32: a warp a 16-key strip, or two (query groups) without EXTRA")
+        if self.family.startswith("bwd_dq_tf32") and self.tile.warps != self.tile.block_m // 16 \
+                and (self.extra or self.tile.warps != 2 * (self.tile.block_m // 16)):
+            raise ValueError("bwd_dq_tf32: a warp a 16-row strip, or two (key groups) without EXTRA")
         if self.tile.park and self.family != "fwd_mma":
             raise ValueError("park: only for fwd_mma")
         if self.tile.late_copies and self.family != "bwd_dkdv_mma":

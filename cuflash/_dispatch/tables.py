@@ -402,8 +402,9 @@ add("bwd_dkdv_tf32x3", ["float32"], [64], Tile(16, 64, 4, 2, "fast split, 16-que
 _TF32X3_DKDV_128 = (Tile(16, 64, 4, 2, "fast split, two passes (one spills), 16-query steps: 1.11x the rounded "
                          "split (tune_f32.py); 174 KB (EXTRA 183)", passes=2, split=2),
                     Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2, split=2))
-add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(32, 64, 8, 2, "two query groups of 16 a step, two passes: 212 KB",
-                                                passes=2, split=2), *_TF32X3_DKDV_128)
+add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(32, 64, 8, 2, "two query groups of 16 a step, one pass (16-byte "
+                                                "loads; select._dkdv_passes): 212 KB", split=2, vec_only=True),
+    Tile(32, 64, 8, 2, "two query groups of 16 a step, two passes: 212 KB", passes=2, split=2), *_TF32X3_DKDV_128)
 add("bwd_dkdv_tf32x3", ["float32"], [128], *_TF32X3_DKDV_128, extra=True)   # query groups: plain variants
 add("bwd_dkdv_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 73 KB (EXTRA 108)"),
      Tile(32, 64, 4, 2, "32-query steps: 46 KB (EXTRA 64), " + _SMALL_BYTES))
@@ -414,8 +415,12 @@ add("bwd_dq_tf32x3", ["float32"], [32], Tile(64, 64, 4, 2, "16 rows a warp, 64-k
      Tile(64, 32, 4, 2, "32-key steps: EXTRA 76 KB, " + _SMALL_BYTES))
 add("bwd_dq_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "16 rows a warp, 32-key steps: 104 KB (EXTRA 125)"),
      Tile(32, 32, 2, 2, "two warps: 70 KB (EXTRA 80), " + _SMALL_BYTES))
-add("bwd_dq_tf32x3", ["float32"], [128], Tile(64, 16, 4, 2, "16 rows a warp, 16-key steps: 169 KB (EXTRA 181)"),
-     Tile(32, 16, 2, 2, "two warps: 101 KB (EXTRA 108), the A100"))
+# Head dim 128: Q and dO's parts fill the shared memory, one CTA an SM; eight warps, two a 16-row strip (key groups,
+# DqTf32Traits), on 32-key steps: MEASURED.
+_TF32X3_DQ_128 = (Tile(64, 16, 4, 2, "16 rows a warp, 16-key steps: 169 KB (EXTRA 181)"),
+                  Tile(32, 16, 2, 2, "two warps: 101 KB (EXTRA 108), the A100"))
+add("bwd_dq_tf32x3", ["float32"], [128], Tile(64, 32, 8, 2, "two key groups of 16 a step: 203 KB"), *_TF32X3_DQ_128)
+add("bwd_dq_tf32x3", ["float32"], [128], *_TF32X3_DQ_128, extra=True)   # key groups: plain variants
 add("bwd_dq_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 rows a warp, 64-key steps: 55 KB (EXTRA 92)"))
 add("bwd_dq_tf32", ["float32"], [64], Tile(64, 64, 4, 2, "16 rows a warp, 64-key steps: 104 KB (EXTRA 141)"),
      Tile(64, 32, 4, 2, "32-key steps: 70 KB (EXTRA 90), " + _SMALL_BYTES))
