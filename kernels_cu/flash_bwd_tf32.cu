@@ -6,8 +6,9 @@
 //         three MMAs in a fresh fragment added to the accumulator by FADD: float32 accuracy.
 //   plain (precision="tf32"): one MMA a product, ~2^-11 an operand.
 //
-// flash_bwd_dkdv_tf32: one CTA (WARPS warps) per (key block of BN = 16 WARPS keys, K/V head,
-// batch). Warp w owns the 16 keys key0 = 16 w.. and, per step (query head, query block i),
+// flash_bwd_dkdv_tf32: one CTA (WARPS warps) per (key block of BN = 16 WARPS keys, or 8 WARPS with two
+// query groups, K/V head, batch). Warp w owns the 16 keys key0 = 16 (w % (BN / 16)).. and, per step
+// (query head, query block i; its half of the block's queries with query groups),
 //     S^T = K_j Q_i^T,  dP^T = V_j dO_i^T         (warp_gemm_qk_tf32; A: the warp's keys)
 //     P^T = 2^(x - lse),  dS^T = P^T (dP^T - Dsum)
 //     dV_j += P^T dO_i,  dK_j += dS^T Q_i         (warp_gemm_pv_tf32; A: P^T, dS^T in registers)
@@ -23,7 +24,8 @@
 // vector reductions into a key-major accumulator, as the Hopper kernel: no dbias kernel).
 //
 // flash_bwd_dq_tf32: the deterministic dQ. One CTA per (query block, head, batch); warp w owns
-// the 16 query rows 16 w.. and walks the key blocks in order, K/V (and the bias) double-buffered:
+// the 16 query rows 16 (w % (BM / 16)).. (with two key groups, half of each key block) and walks the
+// key blocks in order, K/V (and the bias) double-buffered:
 //     S = Q_i K_j^T,  dP = dO_i V_j^T             (warp_gemm_qk_tf32; Q, dO split once per CTA)
 //     dS = P (dP - Dsum),  dQ_i += dS K_j         (warp_gemm_pv_tf32, as the forward's O += P V)
 //
@@ -72,8 +74,7 @@ struct DkdvTf32Traits {
         ((SPLIT ? 4 : 2) * KV_ELEMS + STAGES * (2 * QD_ELEMS + BIAS_ELEMS + 2 * BM) + DS_ELEMS) * int(sizeof(float));
     static_assert(HEAD % 32 == 0 && BM % 16 == 0, "tiles: n8 pairs; pitches = 4 (mod 32)");
     static_assert(BN % 16 == 0 && WARPS % KEY_WARPS == 0, "each warp owns one 16-key strip");
-    static_assert(QUERY_GROUPS == 1 || (!EXTRA && WARP_QUERIES % 16 == 0),
-                  "query groups: plain variants, n8 pairs of queries a warp");
+    static_assert(QUERY_GROUPS == 1 || WARP_QUERIES % 16 == 0, "query groups: n8 pairs of queries a warp");
     static_assert(SUM_FLOATS <= (SPLIT ? 4 : 2) * KV_ELEMS, "the end's sum fits K and V's tiles");
     static_assert(WARPS % (BM / 16) == 0, "dQ: whole row strips per warp group");
     static_assert(DQ_COLS % DQ_CHUNK == 0 && DQ_CHUNK % 16 == 0, "dQ column blocks of whole 16-column groups");
@@ -306,18 +307,18 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
         unsigned kept = 0;   // EXTRA with dropout: the step's keep bits (drop_factor)
         if constexpr (Flags::EXTRA) {
             auto coord = [&](int n, int i, int& row, int& col) {
-                row = m0 + frag_col(lane, n, i);
+                row = m0 + q_first + frag_col(lane, n, i);
                 col = n0 + key0 + frag_row(lane, i);
             };
             // The bias tile is [query][key]; read transposed, it lands in S^T's fragments.
             if (mod.has_bias())
-                scale_add_bias_frags_f32_t<BM, Tr::BIAS_PITCH>(st, bias_stages + stage * Tr::BIAS_ELEMS + key0, lane,
-                                                               mod.scale_log2);
+                scale_add_bias_frags_f32_t<WQ, Tr::BIAS_PITCH>(
+                    st, bias_stages + stage * Tr::BIAS_ELEMS + q_first * Tr::BIAS_PITCH + key0, lane, mod.scale_log2);
             // The per-element tests and the Philox draws in loops, once a step, outside the
             // probability loop below: unrolled there per element, they make the EXTRA kernel's
             // loop ~25% more instructions than the plain one's.
             apply_score_mod_bits(st, mod, partial, coord);
-            if (mod.has_dropout()) kept = dropout_frag_bits_t<QT>(mod, m0, n0 + key0, lane);
+            if (mod.has_dropout()) kept = dropout_frag_bits_t<QT>(mod, m0 + q_first, n0 + key0, lane);
         } else if (partial) {
             mask_partial_strip_t<WQ>(st, mod, n0 + key0 + lane / 4, m0 + q_first + 2 * (lane % 4));
         }
@@ -344,7 +345,17 @@ flash_bwd_dkdv_tf32(const BwdParams p) {
                                                            ceil_div(dims.lk, BN))
                                            : DbiasTurn{nullptr, 0};
             if (ordered) turn.wait_turn();
-            add_dbias_frags_t_f32(p.dbias, dpt, batch, head, m0, n0 + key0, dims, lane);
+            if (Tr::QUERY_GROUPS > 1 && p.dbias.rows_broadcast) {
+                // a one-row bias: each key's element takes every query group's sum, one group after another
+#pragma unroll 1
+                for (int g = 0; g < Tr::QUERY_GROUPS; ++g) {
+                    if (g == query_group)
+                        add_dbias_frags_t_f32(p.dbias, dpt, batch, head, m0 + q_first, n0 + key0, dims, lane);
+                    __syncthreads();
+                }
+            } else {
+                add_dbias_frags_t_f32(p.dbias, dpt, batch, head, m0 + q_first, n0 + key0, dims, lane);
+            }
             if (ordered) turn.pass_turn();
         }
         if constexpr (DO_DV)                                                       // dV += P^T dO

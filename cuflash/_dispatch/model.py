@@ -527,9 +527,9 @@ class Variant:
                                           or self.tile.warps % 2):
             raise ValueError(f"head_split={self.tile.head_split}: 2 only for bwd_dkdv_dmma without EXTRA, an even "
                              "number of warps")
-        if self.family.startswith("bwd_dkdv_tf32") and self.tile.warps != self.tile.block_n // 16 \
-                and (self.extra or self.tile.warps != 2 * (self.tile.block_n // 16)):
-            raise ValueError("bwd_dkdv_tf32: a warp a 16-key strip, or two (query groups) without EXTRA")
+        if self.family.startswith("bwd_dkdv_tf32") and self.tile.warps not in (self.tile.block_n // 16,
+                                                                              2 * (self.tile.block_n // 16)):
+            raise ValueError("bwd_dkdv_tf32: a warp a 16-key strip, or two (query groups)")
         if self.family.startswith("bwd_dq_tf32") and self.tile.warps != self.tile.block_m // 16 \
                 and (self.extra or self.tile.warps != 2 * (self.tile.block_m // 16)):
             raise ValueError("bwd_dq_tf32: a warp a 16-row strip, or two (key groups) without EXTRA")

@@ -398,14 +398,14 @@ add("bwd_dkdv_tf32x3", ["float32"], [64], Tile(16, 64, 4, 2, "fast split, 16-que
 # Head dim 128: K and V's parts fill the shared memory, one CTA an SM, so four warps left one warp a scheduler
 # waiting on its MMAs (ncu: 6% occupancy). Eight warps, two a 16-key strip (query groups, DkdvTf32Traits), on
 # 32-query steps: backward 1.34x / 1.35x the four-warp tile non-causal / causal (H200, tune_f32.py, B=4 H=16 L=4096;
-# at head dim 64, two CTAs an SM already, 0.99-1.01x).
-_TF32X3_DKDV_128 = (Tile(16, 64, 4, 2, "fast split, two passes (one spills), 16-query steps: 1.11x the rounded "
-                         "split (tune_f32.py); 174 KB (EXTRA 183)", passes=2, split=2),
-                    Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2, split=2))
+# at head dim 64, two CTAs an SM already, 0.99-1.01x); EXTRA (bias, mask, dropout) 1.29-1.40x (benchmarks/NOTES.md).
+_TF32X3_DKDV_128 = Tile(16, 64, 4, 1, "one Q/dO stage: 157 KB (EXTRA 162), the A100", passes=2, split=2)
 add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(32, 64, 8, 2, "two query groups of 16 a step, one pass (16-byte "
                                                 "loads; select._dkdv_passes): 212 KB", split=2, vec_only=True),
-    Tile(32, 64, 8, 2, "two query groups of 16 a step, two passes: 212 KB", passes=2, split=2), *_TF32X3_DKDV_128)
-add("bwd_dkdv_tf32x3", ["float32"], [128], *_TF32X3_DKDV_128, extra=True)   # query groups: plain variants
+    Tile(32, 64, 8, 2, "two query groups of 16 a step, two passes: 212 KB", passes=2, split=2), _TF32X3_DKDV_128)
+add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(32, 64, 8, 2, "two query groups of 16 a step, two passes, a bias "
+                                                "stage beside Q / dO's: 225 KB", passes=2, split=2),
+    _TF32X3_DKDV_128, extra=True)
 add("bwd_dkdv_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 73 KB (EXTRA 108)"),
      Tile(32, 64, 4, 2, "32-query steps: 46 KB (EXTRA 64), " + _SMALL_BYTES))
 add("bwd_dkdv_tf32", ["float32"], [64], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 79 KB (EXTRA 97)"))
