@@ -409,8 +409,12 @@ add("bwd_dkdv_tf32x3", ["float32"], [128], Tile(32, 64, 8, 2, "two query groups 
 add("bwd_dkdv_tf32", ["float32"], [32], Tile(64, 64, 4, 2, "16 keys a warp, 64-query steps: 73 KB (EXTRA 108)"),
      Tile(32, 64, 4, 2, "32-query steps: 46 KB (EXTRA 64), " + _SMALL_BYTES))
 add("bwd_dkdv_tf32", ["float32"], [64], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 79 KB (EXTRA 97)"))
-add("bwd_dkdv_tf32", ["float32"], [128], Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 145 KB (EXTRA 162)"),
-     Tile(16, 64, 4, 1, "16-query steps, one Q/dO stage: 90 KB (EXTRA 94), " + _SMALL_BYTES))
+# precision="tf32" at head dim 128: query groups of 32 on 64-query steps (216 KB) 1.10x / 1.13x the 4-warp tile
+# non-causal / causal (H200, B=4 H=16 L=4096, a .dev A/B; benchmarks/NOTES.md); EXTRA (250 KB) keeps the 4-warp one.
+_TF32_DKDV_128 = (Tile(32, 64, 4, 2, "16 keys a warp, 32-query steps: 145 KB (EXTRA 162)"),
+                  Tile(16, 64, 4, 1, "16-query steps, one Q/dO stage: 90 KB (EXTRA 94), " + _SMALL_BYTES))
+add("bwd_dkdv_tf32", ["float32"], [128], Tile(64, 64, 8, 2, "two query groups of 32 a step: 216 KB"), *_TF32_DKDV_128)
+add("bwd_dkdv_tf32", ["float32"], [128], *_TF32_DKDV_128, extra=True)
 add("bwd_dq_tf32x3", ["float32"], [32], Tile(64, 64, 4, 2, "16 rows a warp, 64-key steps: 74 KB (EXTRA 111)"),
      Tile(64, 32, 4, 2, "32-key steps: EXTRA 76 KB, " + _SMALL_BYTES))
 add("bwd_dq_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "16 rows a warp, 32-key steps: 104 KB (EXTRA 125)"),
