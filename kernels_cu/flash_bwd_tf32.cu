@@ -56,7 +56,8 @@ struct DkdvTf32Traits {
     static constexpr int BIAS_PITCH = BN + 4;            // = 4 (mod 8): scale_add_bias_frags_f32_t
     static constexpr int BIAS_ELEMS = EXTRA ? BM * BIAS_PITCH : 0;   // one bias stage, [query][key]
     // dQ = dS K: BM/16 row strips x Q_SPLIT column blocks, one per warp, formed DQ_CHUNK
-    // columns at a time (16 fp32 registers of partial product at most).
+    // columns at a time (16 fp32 registers of partial product at most; 8 with query groups, whose
+    // one pass at head dim 128 holds 255 registers: 32 columns spilled 8 bytes, NVRTC 12.9).
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
     static constexpr int DQ_CHUNK_MAX = WARPS > BN / 16 ? 16 : 32;
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
