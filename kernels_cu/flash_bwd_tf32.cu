@@ -59,9 +59,7 @@ struct DkdvTf32Traits {
     // columns at a time (16 fp32 registers of partial product at most; 8 with query groups, whose
     // one pass at head dim 128 holds 255 registers: 32 columns spilled 8 bytes, NVRTC 12.9).
     static constexpr int Q_SPLIT = WARPS / (BM / 16);
-    static constexpr int DQ_CHUNK_MAX = WARPS > BN / 16 ? 16 : 32;
     static constexpr int DQ_COLS = HEAD / Q_SPLIT;
-    static constexpr int DQ_CHUNK = DQ_COLS < DQ_CHUNK_MAX ? DQ_COLS : DQ_CHUNK_MAX;
     // Query groups: with WARPS = 2 x BN / 16, two warps own each 16-key strip, one the step's first
     // BM / 2 queries and one the rest, each with its own dK / dV accumulators (summed through shared
     // memory at the end): twice the warps an SM of one warp a strip in the same shared memory, whose
@@ -69,6 +67,8 @@ struct DkdvTf32Traits {
     static constexpr int KEY_WARPS = BN / 16;
     static constexpr int QUERY_GROUPS = WARPS / KEY_WARPS;
     static constexpr int WARP_QUERIES = BM / QUERY_GROUPS;   // a warp's queries of each step
+    static constexpr int DQ_CHUNK_MAX = QUERY_GROUPS > 1 ? 16 : 32;   // DQ_CHUNK's bound (above)
+    static constexpr int DQ_CHUNK = DQ_COLS < DQ_CHUNK_MAX ? DQ_COLS : DQ_CHUNK_MAX;
     // The end's sum (sum_over_warp_groups): the accumulators of query groups 1.. in K and V's tiles.
     static constexpr int SUM_FLOATS = (QUERY_GROUPS - 1) * KEY_WARPS * 32 * (HEAD / 8) * 4 * 2;
     static constexpr int SMEM_BYTES =

@@ -10,7 +10,7 @@ import pytest
 import cuflash
 from cuflash import CompileError, mods as M, reference
 from cuflash._dispatch.model import LINEAR_BIAS_FAMILIES, SCORING_FAMILIES, linear_bias, takes_linear_bias
-from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, passes_for_mods,
+from cuflash._dispatch.select import (MODS_FWD_WGMMA_TILE, PLAIN_MODS_FAMILIES, all_variants, query_groups_in_two_passes,
                                       schedule_for, takes_plain_mods, with_mods)
 from cuflash._runtime.build import compile_offline
 
@@ -408,7 +408,7 @@ def test_every_scoring_variant_compiles_with_modifications(dtype, family):
     assert all("CUF_USER_SCORE_LIGHT 1" in p for p in light)
     for v in {with_mods(v, prelude)
               for u in all_variants() if u.dtype == dtype and u.family == family and not u.packed
-              for v in passes_for_mods([u])   # the dK/dV passes a call with modifications runs
+              for v in query_groups_in_two_passes([u])   # the dK/dV passes a call with modifications runs
               if (v.extra or takes_plain_mods(v)) and not (v.family == "bwd_dkdv_wgmma" and v.head == 256)
               for prelude in ((_every_library_mod(masks=v.extra).prelude(fast),) if v.extra
                               else (_every_library_mod(masks=False).prelude(fast), everywhere) + light)}:

@@ -31,7 +31,7 @@ from .model import MAX_GRID_X, SCORING_FAMILIES, head_bucket, takes_linear_bias
 from .packed import Spans, device_table
 from .select import (CACHES_OF_CHOICES, TF32_BWD_FAMILIES, backward_variants, ctas_per_sm,
                      DECODE_ROWS, forward_choice, packed_backward_variants, packed_variant, row_class, SPLIT_FILL,
-                     SPLIT_MIN_KEYS, passes_for_mods, split_count, split_variants, takes_plain_mods, vec_chunk,
+                     SPLIT_MIN_KEYS, query_groups_in_two_passes, split_count, split_variants, takes_plain_mods, vec_chunk,
                      with_mods)
 
 MAX_PLANS = 256
@@ -823,7 +823,7 @@ def _with_mods_list(choose, cc: int, prelude: str, linear: str = "") -> list:
     if prelude and not all(v.extra or takes_plain_mods(v) for v in variants if v.family in SCORING_FAMILIES):
         variants = choose(cc=cc, extra=True)
     if prelude:
-        variants = passes_for_mods(variants)
+        variants = query_groups_in_two_passes(variants)
     return [_with_linear_bias(v, linear, prelude) for v in variants]
 
 

@@ -14,16 +14,22 @@ from .model import (DTYPES, HALF_TYPES, HEAD_BUCKETS, KV_SPLIT_FAMILIES, MMA_BWD
                     SCORING_FAMILIES, SMEM_LIMITS, SMEM_MAX, TABLES, Tile, Variant, fits_resident, head_bucket, walkable)
 
 
+def _on_query_groups(family: str, tile: Tile) -> bool:
+    """Whether the float32 dK/dV kernel runs ``tile`` on query groups (two warps a 16-key strip, DkdvTf32Traits):
+    255 registers in one pass."""
+    return family.startswith("bwd_dkdv_tf32") and tile.warps > tile.block_n // 16
+
+
 def _dkdv_passes(tile: Tile, head: int, atomic_dq: bool, extra: bool = False,
-                 vec: bool = True, family: str = "bwd_dkdv_mma", packed: bool = False) -> List[Tuple[int, bool]]:
+                 vec: bool = True, family: str = "bwd_dkdv_mma") -> List[Tuple[int, bool]]:
     """(pass_, atomic_dq) launches of the tensor-core dK/dV kernel with ``tile``: dK and dV in one
     pass, or in two where the tile says so (``Tile.passes``); in the 16-bit kernel, at head dim
     64 with the EXTRA code, element-wise loads and atomic dQ (20-84 spilled bytes in one pass; with
     16-byte loads it fits in 254 registers since dbias has a kernel of its own); and in the float32
-    kernel on query groups (two warps a 16-key strip, 255 registers in one pass) without dQ atomics or
-    ``packed`` (4-16 bytes spilled in one pass, NVRTC 12.9)."""
+    kernel on query groups without dQ atomics (4 bytes spilled in one pass with a band, NVRTC 12.9;
+    packed calls and user modifications: :func:`query_groups_in_two_passes`)."""
     one = tile.passes == 1 and not (family == "bwd_dkdv_mma" and head == 64 and extra and atomic_dq and not vec)
-    if family.startswith("bwd_dkdv_tf32") and tile.warps > tile.block_n // 16 and (packed or not atomic_dq):
+    if _on_query_groups(family, tile) and not atomic_dq:
         one = False
     return [(0, atomic_dq)] if one else [(1, False), (2, atomic_dq)]
 
@@ -501,13 +507,13 @@ def with_mods(v: Variant, prelude: str) -> Variant:
     return replace(v, prelude=prelude)
 
 
-def passes_for_mods(variants: List[Variant]) -> List[Variant]:
-    """A backward list as a call with user modifications runs it: the float32 dK/dV kernel on query groups
-    (two warps a 16-key strip) in two passes where the list has it in one (255 registers in one pass: 16 bytes
-    spilled with every library modification, NVRTC 12.9; tests/test_mods.py's sweep)."""
+def query_groups_in_two_passes(variants: List[Variant]) -> List[Variant]:
+    """A backward list with the float32 dK/dV kernel on query groups in two passes where the list has it in
+    one: as a call with user modifications or packed sequences runs it (255 registers in one pass: 16 bytes
+    spilled packed and with every library modification, NVRTC 12.9; tests/test_mods.py's sweep)."""
     out = []
     for v in variants:
-        if v.family.startswith("bwd_dkdv_tf32") and v.pass_ == 0 and v.tile.warps > v.tile.block_n // 16:
+        if _on_query_groups(v.family, v.tile) and v.pass_ == 0:
             out += [replace(v, pass_=1, atomic_dq=False), replace(v, pass_=2)]
         else:
             out.append(v)
@@ -577,11 +583,7 @@ def packed_backward_variants(dtype: str, head: int, band: bool, vec: bool, smem_
             if any(v.tile.head_split > 1 for v in atomic):   # the fp64 head-split tile spills packed: the sm80 row
                 atomic = backward_variants(dtype, head, band=band, extra=False, vec=vec, deterministic=False,
                                            smem_limit=smem_limit, cc=80, precision=precision)
-            dsum, *dkdv, last = atomic
-            if len(dkdv) == 1:   # the packed twin's own passes (the same tile)
-                one = dkdv[0]
-                dkdv = [replace(one, pass_=p, atomic_dq=a)
-                        for p, a in _dkdv_passes(one.tile, head, True, vec=vec, family=one.family, packed=True)]
+            dsum, *dkdv, last = query_groups_in_two_passes(atomic)
             passes = [(v.pass_, v.atomic_dq) for v in dkdv]
             if (dsum.family == "bwd_dsum" and last.family == "bwd_convert_dq" and not last.dq_tiled
                     and passes in ([(0, True)], [(1, False), (2, True)])

@@ -420,7 +420,8 @@ add("bwd_dq_tf32x3", ["float32"], [32], Tile(64, 64, 4, 2, "16 rows a warp, 64-k
 add("bwd_dq_tf32x3", ["float32"], [64], Tile(64, 32, 4, 2, "16 rows a warp, 32-key steps: 104 KB (EXTRA 125)"),
      Tile(32, 32, 2, 2, "two warps: 70 KB (EXTRA 80), " + _SMALL_BYTES))
 # Head dim 128: Q and dO's parts fill the shared memory, one CTA an SM; eight warps, two a 16-row strip (key groups,
-# DqTf32Traits), on 32-key steps: MEASURED.
+# DqTf32Traits), on 32-key steps: the deterministic backward 1.08x / 1.09x non-causal / causal (H200, B=4 H=16
+# L=4096; benchmarks/NOTES.md).
 _TF32X3_DQ_128 = (Tile(64, 16, 4, 2, "16 rows a warp, 16-key steps: 169 KB (EXTRA 181)"),
                   Tile(32, 16, 2, 2, "two warps: 101 KB (EXTRA 108), the A100"))
 add("bwd_dq_tf32x3", ["float32"], [128], Tile(64, 32, 8, 2, "two key groups of 16 a step: 203 KB"), *_TF32X3_DQ_128)
