@@ -16,7 +16,8 @@
 //       S_w = Q K_j[w]^T, masked where the tile is partial (the band, the sequence's own end)
 //       online softmax of S_w; O_w += P_w V_j[w]
 //   merge the warps' O_w, max_w, sum_w; warp 0 writes O and lse of the split
-//   the block's last split to finish merges the splits into out and lse (combine_in_last_split)
+//   the block's last split to finish merges the splits into out and lse (combine_in_last_split);
+//   a call of one split without partial buffers writes out and lse at once
 // The K/V copies are flash_fwd_mma's (tile_io.cuh load_kv_tile, a paged cache included) into
 // swizzled rows without padding: the K/V stream is the kernel's bound, and copies into rows padded
 // by 16 bytes split a warp's 512 bytes over more shared-memory lines (1.5x the L2 sector reads
@@ -250,6 +251,18 @@ __device__ __forceinline__ void store_o_lse_query_minor(const FwdParams& p, cons
     }
 }
 
+// Warp 0's merged rows written as O and lse: into out and lse (OutT the call's dtype), or with KV_SPLIT into
+// the split's slice of the partial buffers (OutT the accumulator type).
+template <typename OutT, bool KV_SPLIT, typename Tr>
+__device__ __forceinline__ void store_o_lse(const FwdParams& p, const QueryBlock& blk, int lane, const StripRows<Tr>& rows) {
+    if constexpr (Tr::QUERY_MINOR)
+        store_o_lse_query_minor<KV_SPLIT>(p, blk, lane, rows);
+    else if constexpr (Tr::F64)
+        store_o_lse_f64_frags<true, OutT, KV_SPLIT>(p, blk, 0, lane, rows.acc_o, rows.row_max, rows.row_sum);
+    else
+        store_o_lse_c_frags<true, OutT, KV_SPLIT>(p, blk, 0, lane, rows.acc_o, rows.row_max, rows.row_sum);
+}
+
 // The combine in a query block's last split (FwdParams::split_counters), in place of the combine
 // kernel's launch: every CTA's partial rows are stored before it counts (a fence a thread, then one
 // atomic), and the CTA that counts last merges the block's rows (combine.cuh, a warp a row, reading the
@@ -424,15 +437,11 @@ flash_fwd_decode(const FwdParams p) {
     }
 
     merge_warps<Tr>(reinterpret_cast<A*>(k_s), warp, lane, rows);
+    const bool one_split = p.out_partial.ptr == nullptr;   // no partial buffers: the block's result
     if (warp == 0) {
-        if constexpr (Tr::QUERY_MINOR)
-            store_o_lse_query_minor<true>(p, Split::partial_block(blk, dims), lane, rows);
-        else if constexpr (Tr::F64)
-            store_o_lse_f64_frags<true, double, true>(p, Split::partial_block(blk, dims), 0, lane, rows.acc_o,
-                                                      rows.row_max, rows.row_sum);
-        else
-            store_o_lse_c_frags<true, float, true>(p, Split::partial_block(blk, dims), 0, lane, rows.acc_o,
-                                                   rows.row_max, rows.row_sum);
+        if (one_split) store_o_lse<T, false>(p, blk, lane, rows);
+        else store_o_lse<A, true>(p, Split::partial_block(blk, dims), lane, rows);
     }
-    if (p.split_counters != nullptr) combine_in_last_split<T, Tr>(p, blk, reinterpret_cast<int*>(q_s), warp, lane);
+    if (p.split_counters != nullptr && !one_split)
+        combine_in_last_split<T, Tr>(p, blk, reinterpret_cast<int*>(q_s), warp, lane);
 }

@@ -161,6 +161,7 @@ struct FwdParams {
     // [s * split_tiles, (s + 1) * split_tiles) of the variant's block_n, written in the accumulator
     // type as batch s * B + b of out_partial (S * B, Hq, Lq, >= Dv rounded up to even) and
     // lse_partial (S * B, Hq, Lq); the combine kernel (flash_fwd_combine.cu) merges them into out and lse.
+    // The decoding kernel over one split without partial buffers (out_partial.ptr null) writes out and lse.
     int num_splits, split_tiles;
     View out_partial, lse_partial;
     // SCHEDULE_QUEUE (scheduler.cuh): the host's block counter, zero at the launch, from which the

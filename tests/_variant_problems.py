@@ -20,6 +20,7 @@ from cuflash._dispatch.select import (HOPPER_FWD_MIN_KEYS, HOPPER_FWD_SHORT_KEYS
 # (and 3 * 32 + 34 for the 32-wide tiles); two query heads share one K/V head.
 BATCH, HEADS_Q, HEADS_K, LQ, LK = 2, 2, 1, 97, 130
 SPLITS = 3   # a split-KV variant's problem: three key ranges, the last one shorter
+FULL_SMS = 1   # the SMs of a GPU that a problem's BATCH x HEADS_K blocks fill (Problem.full)
 DECODE_LQ = 5   # the decoding partial kernel's problem: 5 query rows (10 with the two query heads packed)
 DECODE_LQ_MINOR = 3   # ... on its query-minor tile (float32, at most 8 rows): 6 packed rows
 DECODE_LQ_BAND = 9    # ... on its 16-row strip where a band leaves the query heads unpacked (9 rows)
@@ -51,6 +52,8 @@ class Problem:
     packed: bool = False          # packed sequences (cuflash.varlen) of these query and key counts:
     packed_lengths: tuple = PACKED_LENGTHS
     accumulator: bool = False     # the forward in float32 (api.forward_in_accumulator: the Hopper forward's acc_out twin)
+    full: bool = False            # the split blocks fill the GPU (plan._fills_gpu): the decoding kernel's tile of
+                                  # several CTAs an SM; run as on a GPU of FULL_SMS SMs
 
     @property
     def vec(self) -> bool:
@@ -78,9 +81,9 @@ class Problem:
             fwd = replace(fwd, acc_out=True)
         if self.num_splits > 1:   # rows a block holds: the query heads of a K/V head packed where nothing masks
             # (plan._gqa_packing), under a band where the partial kernel reads a packed row's position
-            packed = split_variants(fwd, self.dv, self.smem_limit, self.lq * (HEADS_Q // HEADS_K))
+            packed = split_variants(fwd, self.dv, self.smem_limit, self.lq * (HEADS_Q // HEADS_K), self.full)
             packs = not self.extra and (self.causal is False or packed[0].family in PERIODIC_BAND_FAMILIES)
-            return list(packed if packs else split_variants(fwd, self.dv, self.smem_limit, self.lq))
+            return list(packed if packs else split_variants(fwd, self.dv, self.smem_limit, self.lq, self.full))
         if not self.backward:
             return [fwd]
         return [fwd, *backward_variants(self.dtype, head, band=band, extra=self.extra, vec=self.vec,
@@ -115,9 +118,10 @@ def problem_for(v: Variant) -> Problem:
         causal = False if not v.band else ("bottom_right" if v.head in (64, 256) else True)
         precision = {"fwd_tf32": "tf32", "fwd_fma": "fma"}.get(v.family, "highest")
         lqs = (DECODE_LQ, DECODE_LQ_MINOR, DECODE_LQ_BAND, DECODE_LQ_STRIPS) if v.family == "fwd_decode" else (LQ,)
-        for lq, limit, cc in itertools.product(lqs, sorted(SMEM_LIMITS.values(), reverse=True), (80, 90)):
+        for full, lq, limit, cc in itertools.product((False, True), lqs, sorted(SMEM_LIMITS.values(), reverse=True),
+                                                     (80, 90)):
             p = Problem(v.dtype, d, d, causal, v.extra, False, False, limit, cc, precision=precision, num_splits=SPLITS,
-                        lq=lq)
+                        lq=lq, full=full)
             try:
                 if v in p.variants():
                     return p

@@ -735,7 +735,8 @@ def test_the_variant_sweeps_split_problems_launch_their_variants(fake, monkeypat
         p = vp.problem_for(v)
         if p.precision not in ("highest", "tf32"):
             continue
-        monkeypatch.setattr(device, "device_facts", lambda device_id, p=p: (p.cc, p.smem_limit, "fake", 132))
+        monkeypatch.setattr(device, "device_facts",
+                            lambda device_id, p=p: (p.cc, p.smem_limit, "fake", vp.FULL_SMS if p.full else 132))
         dt = {"bfloat16": ml_dtypes.bfloat16}.get(p.dtype, p.dtype)
         q = dev.empty((vp.BATCH, vp.HEADS_Q, p.lq, p.d), dt)
         k = dev.empty((vp.BATCH, vp.HEADS_K, p.lk, p.d), dt)
@@ -811,16 +812,25 @@ def test_a_causal_band_over_few_query_rows_still_packs_the_query_heads(fake):
         assert int(f["num_splits"]) > 1 and grid >= device.sm_count()
 
 
-def test_a_large_batch_of_packed_rows_still_splits(fake):
-    """64 sequences, 32 query heads over 8 K/V heads, one query row: 512 blocks fill the GPU, but unsplit
-    each K/V head would be read by its 4 query heads apart; the decoding kernel reads it once."""
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_a_large_batch_of_packed_rows_takes_one_split_of_the_decoding_kernel(fake, num_splits):
+    """64 sequences, 32 query heads over 8 K/V heads, one query row: 512 blocks fill the GPU, but the unsplit
+    kernels would read each K/V head by its 4 query heads apart; the decoding kernel over one split reads it
+    once, on a tile of several CTAs an SM, and writes out and lse itself (no partial buffers, no counters)."""
     dev, launches = fake
     q = dev.empty((64, 32, 1, 128), np.float16)
     k, v = (dev.empty((64, 8, 4096, 128), np.float16) for _ in range(2))
-    cuflash.attention_forward(q, k, v)
+    out, lse = cuflash.attention_forward(q, k, v, num_splits=num_splits)
     (partial, params, _, grid), = launches
-    assert partial.family == "fwd_decode"
-    assert grid == int(_fwd_fields(params)["num_splits"]) * 64 * 8 and grid >= 2 * 64 * 8
+    f = _fwd_fields(params)
+    assert partial.family == "fwd_decode" and partial.tile.ctas > 1
+    assert grid == 64 * 8 and int(f["num_splits"]) == 1
+    assert int(f["out_partial"]["ptr"]) == 0 and int(f["split_counters"]) == 0
+    assert int(f["out"]["ptr"]) == out.data.ptr and int(f["lse"]["ptr"]) == lse.data.ptr
+    assert int(f["dims"]["heads_q"]) == 8 and int(f["dims"]["lq"]) == 4     # 4 query heads a block's rows
+    cuflash.attention_forward(q, k, v, num_splits=2)
+    partial, params, _, grid = launches[-1]
+    assert grid == 2 * 64 * 8 and int(_fwd_fields(params)["split_counters"]) != 0
 
 
 def test_a_long_query_block_stays_unsplit(fake):
@@ -885,10 +895,11 @@ def test_key_lengths_go_to_the_split_kernels_by_address(fake):
     for _ in range(2):
         lengths = dev.empty((2,), np.int32)
         cuflash.api.forward_with_key_lengths(q, k, v, lengths, causal="bottom_right", num_splits=1)
-        partial, params, _, _ = launches[-1]      # the decoding kernel merges its splits itself
+        partial, params, _, _ = launches[-1]      # one split: the decoding kernel writes out and lse itself
         f = _fwd_fields(params)
         assert partial.kv_split and partial.family == "fwd_decode" and not partial.band
-        assert int(f["split_counters"]) != 0
+        assert int(f["split_counters"]) == 0 and int(f["out_partial"]["ptr"]) == 0
+        assert int(f["out"]["ptr"]) != 0 and int(f["lse"]["ptr"]) != 0
         assert int(f["mask"]["key_lengths"]) == lengths.data.ptr
         assert int(f["dims"]["lq"]) == 4 and int(f["dims"]["heads_q"]) == 2     # packed: 4 query heads a K/V head
     with pytest.raises(TypeError, match="int32"):

@@ -20,7 +20,7 @@ from cuflash._runtime import device
 from _errors import rel_error
 from _gpu_checks import (DTYPES, check_backward, check_backward_tf32, check_forward, check_forward_tf32,
                          check_masked, check_packed, seed_of)
-from _variant_problems import BATCH, HEADS_K, HEADS_Q, problem_for, variant_options
+from _variant_problems import BATCH, FULL_SMS, HEADS_K, HEADS_Q, problem_for, variant_options
 
 cp = pytest.importorskip("cupy")
 
@@ -36,6 +36,8 @@ def test_every_variant_against_reference(variant, launches, monkeypatch):
     assert device.smem_limit() >= p.smem_limit
     monkeypatch.setattr(device, "smem_limit", lambda: p.smem_limit)
     monkeypatch.setattr(device, "compute_capability", lambda: p.cc)
+    if p.full:   # the split blocks fill a GPU of FULL_SMS SMs: the decoding kernel's tile for a full GPU
+        monkeypatch.setattr(device, "sm_count", lambda: FULL_SMS)
     if p.precision == "fma":   # the float32 FMA kernels, which no public option selects (FLOAT32_PRECISIONS)
         choose, plan = plan_.forward_choice, plan_.backward_variants
         monkeypatch.setattr(plan_, "forward_choice", lambda *args: choose(*args[:-1], "fma"))

@@ -192,8 +192,8 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     if accumulator_out:   # the Hopper forward's twin that writes O in float32 (no O tensor map), unsplit
         variant, num_splits = replace(variant, acc_out=True), 1
     masked = extra or opts.mods is not None   # an option that reads a row's head: no packed GQA rows
-    splits = _auto_splits(p, portable, _gqa_packing(p, masked, band, q, portable, smem_limit), smem_limit) \
-        if num_splits is None else num_splits
+    pack = _gqa_packing(p, masked, band, q, portable, smem_limit)
+    splits = _auto_splits(p, portable, pack, smem_limit) if num_splits is None else num_splits
     if key_lengths:
         if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
             raise ValueError("per-sequence key lengths take no masking option and a positive scale")
@@ -205,7 +205,8 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
             raise PagesNotReadInPlace(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
         return replace(plan, key_lengths=True, paged=pages is not None,
                        params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
-    if splits > 1:
+    if splits > 1 or (not accumulator_out and p.lk >= SPLIT_MIN_KEYS and _one_split_decodes(p, portable, pack,
+                                                                                           smem_limit)):
         return _plan_split_forward(p, masking, masked, band, portable, splits, out_shape, lse_shape, lse_dtype,
                                    smem_limit)
     maps = None
@@ -284,6 +285,19 @@ def _fills_gpu(p, pack: int) -> bool:
     return p.batch * heads * -(-rows // DECODE_ROWS) >= SPLIT_FILL * device.sm_count()
 
 
+def _decodes(p, portable, pack: int, smem_limit: int) -> bool:
+    """Whether a call's blocks (``pack`` query heads of Lq rows) take the decoding kernel on the split path."""
+    return split_variants(portable, p.dv, smem_limit, p.lq * pack, _fills_gpu(p, pack))[0].family == "fwd_decode"
+
+
+def _one_split_decodes(p, portable, pack: int, smem_limit: int) -> bool:
+    """Whether an unsplit call runs the decoding kernel over one split, which writes out and lse itself: packed
+    GQA rows that the decoding kernel takes (each K/V byte read once, where the unsplit kernels read a K/V head
+    once a query head; on a full GPU 0.99-1.02x cuDNN where splits measured 0.93-0.98x: H200, bf16, one query
+    row of 4 heads, B = 32-132, 4096-16384 keys, benchmarks/bench_decode.py --splits)."""
+    return pack > 1 and _decodes(p, portable, pack, smem_limit)
+
+
 def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     """The key splits a call takes unasked: decoding-like calls only, whose (packed) query rows fit one
     block of the portable kernel over at least SPLIT_MIN_KEYS keys, split where their blocks leave the
@@ -308,8 +322,10 @@ def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     streams = None
     if partial.family == "fwd_decode":
         streams = device.sm_count() if partial.dtype in ("float16", "bfloat16") else slots
+    # One split of packed rows is the decoding kernel writing out and lse itself (_one_split_decodes); of
+    # packed rows on another partial kernel, the unsplit kernel, which reads each K/V head once a query head.
     return split_count(partial.grid(p.batch, heads, 1, rows, p.lk), key_tiles, slots, sms=streams,
-                       min_splits=2 if pack > 1 else 1)   # one split is the unpacked kernel
+                       min_splits=2 if pack > 1 and partial.family != "fwd_decode" else 1)
 
 
 def _band_is_full(band: Tuple[int, int], lq: int, lk: int) -> bool:
@@ -363,10 +379,13 @@ def _plan_split_forward(p, masking, masked: bool, band: bool, portable, splits: 
     blocks = partial.grid(b, heads, 1, rows, p.lk)
     kernels = (KernelLaunch(partial, splits * blocks), KernelLaunch(combine, combine.grid(b, heads, 1, rows, p.lk)))
     merged_in_partial = partial.family == "fwd_decode" and not partial_only
+    if merged_in_partial and splits == 1:   # no partial buffers: the decoding kernel writes out and lse
+        partial_shapes = None
     return ForwardPlan(q.data.device_id, kernels[:1] if partial_only or merged_in_partial else kernels, out_shape,
                        lse_shape, q.dtype, lse_dtype,
                        _without_addresses(params, _FWD_ADDRESSES + _FWD_QUEUE + _FWD_PARTIALS), None, False,
-                       partial_shapes, masking.keep_alive, partial_only, counters=blocks if merged_in_partial else 0)
+                       partial_shapes, masking.keep_alive, partial_only,
+                       counters=blocks if merged_in_partial and splits > 1 else 0)
 
 
 class _Strided:
@@ -863,8 +882,8 @@ the plans."""
 def _hooks() -> tuple:
     """The functions a plan's choice reads that tests and benchmarks replace: part of every key, so
     that a replaced one is a different key."""
-    return (device.compute_capability, device.smem_limit, device.device_facts, forward_choice, backward_variants,
-            split_variants, tma.tma_ok)
+    return (device.compute_capability, device.smem_limit, device.device_facts, device.sm_count, forward_choice,
+            backward_variants, split_variants, tma.tma_ok)
 
 
 def call_plan(key: tuple):

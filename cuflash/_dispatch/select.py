@@ -340,7 +340,7 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
     of ``slots`` CTA slots (SMs x CTAs an SM): 1 where the blocks fill most slots, else the smallest
     count whose waves are nearly as full as the best count's. Counts that leave some split's tile
     count unchanged from the count before are skipped (no less work a split). At least ``min_splits``
-    (packed GQA's rows need the split path), where there are two key tiles to split.
+    (packed GQA rows on the split twin need the split path), where there are two key tiles to split.
 
     ``sms`` (the decoding kernel: the SMs where it streams K/V at the HBM rate with one CTA an SM, its
     16-bit variants; else its CTA slots): instead the smallest count within one wave whose CTAs spread
@@ -359,8 +359,9 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
     if blocks >= SPLIT_FILL * slots:
         if min_splits == 1:
             return 1
-        # the GPU is full already (B=64, 8 K/V heads of 4 packed rows: 512 blocks, where unpacked each K/V
-        # head is read 4 times): of min_splits .. min_splits + 2, the count whose last wave is fullest
+        # the GPU is full already and one split is the unpacked kernel (packed rows on the split twin, where
+        # unpacked each K/V head is read once a query head): of min_splits .. min_splits + 2, the count whose
+        # last wave is fullest
         within = range(min_splits, min(min_splits + 2, key_tiles) + 1)
         best = max(fill(n) for n in within)
         return next(n for n in within if fill(n) >= 0.98 * best)
@@ -400,10 +401,10 @@ def _decoding_tile(decode: Variant, rows: int, smem_limit: int, full: bool = Fal
     """``decode`` fitted to ``smem_limit``: on its query-minor tile (block_m QUERY_MINOR_ROWS) where the blocks'
     ``rows`` fit one and the table has one that fits, else on a 16-row strip where they fit one, else on the
     first tile of more strips that holds them (ValueError where none fits).
-    ``full`` (the call's blocks fill the GPU): the first 16-row tile of several CTAs an SM where the table has one
-    (the one-CTA tiles leave each CTA's start and end bare between short splits: the H200, bf16, B = 64, one query
-    row of 4 heads a K/V head, 4096 keys at head dim 128, 0.98x / 0.94x paged; benchmarks/compare_trees.py
-    --decode)."""
+    ``full`` (the call's blocks fill the GPU, one split each: plan._auto_splits): the first 16-row tile of several
+    CTAs an SM where the table has one (a CTA's start and end then overlap another CTA's copies: the H200, bf16,
+    B = 64, one query row of 4 heads a K/V head, 4096 keys at head dim 64, 127 us against 130 on the one-CTA tile;
+    dispatch/tables.py)."""
     if rows <= QUERY_MINOR_ROWS:
         with contextlib.suppress(ValueError):
             return decode.fitted(smem_limit, where=_query_minor)

@@ -63,9 +63,12 @@ add("fwd_mma", HALF_TYPES, [128], Tile(64, 64, 4, 2, "one strip a warp, 87 KB: t
 # rows (benchmarks/bench_decode.py, benchmarks/stream_layout.py).
 # One CTA an SM of 8 warps over 256-key tiles (133 KB) or 4 warps over 128-key / 64-key tiles (135 KB at head dim
 # 128): 1.01-1.03x the three CTAs of 66-68 KB on one query row, paged 16 1.04-1.06x (H200, tune_decode.py --tiles);
-# the small tiles where the shared memory is 99 KB.
+# the small tiles where the shared memory is 99 KB. Blocks that fill the GPU (select._decoding_tile) run one split
+# on two CTAs an SM of three stages: B = 64, 4096 keys 127 us at head dim 64 (133 on two stages, 127-128 on
+# 64-key tiles of three or four CTAs), 16384 keys 483 at 64 and 954 at 128 (949 on the one-CTA tile; three CTAs of
+# two stages 1031: 1.3 waves of 396 slots; H200, bf16, one query row of 4 heads, tune_decode.py --tiles).
 add("fwd_decode", HALF_TYPES, [64], Tile(16, 256, 8, 2, "32 keys a warp, 133 KB: one CTA an SM"),
-    Tile(16, 128, 4, 2, "32 keys a warp, 66 KB: three CTAs an SM (H100, H200)", ctas=2), split=True)
+    Tile(16, 128, 4, 3, "32 keys a warp, three stages, 99 KB: two CTAs an SM (H100, H200)", ctas=2), split=True)
 # float32 (3xTF32, rows padded by 4 floats): 16 keys a warp. Second, for blocks of at most 8 query rows
 # (select.split_variants): the query-minor tile (S^T = K Q^T, 8 padded query rows, Q^T in registers), V rows padded
 # by 8 floats: one query row of 4 heads at d=128 on the H200 80-88% of the HBM peak, where the 16-row strip reached
@@ -81,7 +84,8 @@ add("fwd_decode", ["float32"], [128], Tile(16, 64, 4, 2, "16 keys a warp, 149 KB
 # (the twin 5-21%). Four strips at head dim 64 on 16 keys a warp measured 0.55-0.81x the twin: the accumulators'
 # rescale and the row statistics come every 16 keys for 64 rows; more keys a warp need more registers.
 add("fwd_decode", HALF_TYPES, [128], Tile(16, 128, 4, 2, "32 keys a warp, 135 KB: one CTA an SM"),
-    Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: three CTAs an SM (H100, H200)", ctas=3),
+    Tile(16, 64, 4, 3, "16 keys a warp, three stages, 101 KB: two CTAs an SM (H100, H200)", ctas=2),
+    Tile(16, 64, 4, 2, "16 keys a warp, 68 KB: where the shared memory is 99 KB", ctas=3),
     Tile(32, 128, 8, 2, "two strips, 16 keys a warp, 137 KB, 238 registers: one CTA an SM"), split=True)
 # float64 (fp64 tensor cores, Q / K rows padded by 4 doubles, V by 2): 8 keys a warp (an n8 tile; 16 would
 # need 64-key stages of 64 KB at d=128), four warps a CTA: a warp on each of an SM's schedulers (a 16-row split
