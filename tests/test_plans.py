@@ -690,13 +690,19 @@ def test_num_splits_is_taken_as_given(fake, num_splits):
     assert int(f["split_tiles"]) == -(-(-(-100 // partial.tile.block_n)) // num_splits)
 
 
-def test_unpacked_blocks_that_fill_the_sms_stay_unsplit(fake):
-    """One query head a block (no GQA to pack) and a block for every SM: one kernel, no split; the same
-    blocks' worth of K/V heads shared by four query heads each still split (benchmarks/bench_decode.py)."""
+def test_unpacked_blocks_that_fill_the_sms_take_one_split_of_the_decoding_kernel(fake):
+    """One query head a block (no GQA to pack) and a block for every SM: the decoding kernel over one split,
+    which writes out and lse itself; more query rows than plan.UNPACKED_ONE_SPLIT_ROWS, the unsplit kernel; K/V
+    heads shared by four query heads each, the decoding kernel too (benchmarks/bench_decode.py)."""
     dev, launches = fake
     q = dev.empty((4, 32, 1, 128), np.float16)
     k, v = (dev.empty((4, 32, 8192, 128), np.float16) for _ in range(2))
     cuflash.attention_forward(q, k, v)
+    (variant, params, _, grid), = launches
+    assert variant.family == "fwd_decode" and grid == 4 * 32 and int(_fwd_fields(params)["out_partial"]["ptr"]) == 0
+    launches.clear()
+    rows = plan.UNPACKED_ONE_SPLIT_ROWS + 1
+    cuflash.attention_forward(dev.empty((4, 32, rows, 128), np.float16), k, v)
     assert len(launches) == 1 and not launches[0][0].kv_split
     launches.clear()
     q = dev.empty((16, 32, 1, 128), np.float16)
@@ -851,18 +857,29 @@ def test_bad_num_splits_is_refused(fake, bad, err):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("lq, lk", [(50, 300), (5, 5000)])   # few rows over many keys: unsplit all the same
-def test_a_16_bit_forward_in_the_accumulator_type_on_hopper_is_the_float32_output_twin(fake, d, lq, lk):
+@pytest.mark.parametrize("lq, lk", [(50, 300), (5, 5000)])
+def test_a_16_bit_forward_in_the_accumulator_type_is_the_unsplit_calls_kernel(fake, d, lq, lk):
+    """forward_in_accumulator runs the kernel that attention_forward(num_splits=1) runs, writing O in float32:
+    the Hopper forward's float32-output twin, or where one split of the decoding kernel takes the call (5 rows
+    of 4 query heads at head dim 128, on its 32-row tile) that kernel's partial buffers."""
     dev, launches = fake
     q = dev.empty((2, 8, lq, d), np.float16)
     k, v = (dev.empty((2, 2, lk, d), np.float16) for _ in range(2))
     out, lse = cuflash.api.forward_in_accumulator(q, k, v, window=(None, 0))
     (variant, params, maps, grid), = launches
-    assert variant.family == "fwd_wgmma" and variant.acc_out and variant.band
+    cuflash.attention_forward(q, k, v, window=(None, 0), num_splits=1)
+    plain = launches[-1][0]
+    assert out.shape == (2, 8, lq, d) and out.dtype == np.float32 and lse.dtype == np.float32
+    f = _fwd_fields(params)
+    if (lq, d) == (5, 128):
+        assert variant == plain and variant.family == "fwd_decode" and variant.band
+        assert int(f["out"]["ptr"]) == 0 and int(f["out_partial"]["ptr"]) != 0 and int(f["num_splits"]) == 1
+        return
+    assert variant.family == "fwd_wgmma" and variant.acc_out and variant.band and plain == replace(variant,
+                                                                                                   acc_out=False)
     assert variant.name.endswith(", false, true>")   # PACKED false, ACC_OUT true
     assert not any(maps[384:])   # O leaves from the registers: its map left as zeros
-    assert out.shape == (2, 8, lq, d) and out.dtype == np.float32 and lse.dtype == np.float32
-    assert out.data.ptr == int(_fwd_fields(params)["out"]["ptr"])
+    assert out.data.ptr == int(f["out"]["ptr"])
 
 
 def test_a_float32_forward_in_the_accumulator_type_is_the_plain_forward(fake):

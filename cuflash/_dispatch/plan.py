@@ -185,14 +185,18 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
     out_shape, lse_shape = (p.batch, p.heads_q, p.lq, dv), (p.batch, p.heads_q, p.lq)
     lse_dtype = acc_dtype(p.dtype)
     accumulator_out = accumulator_out and np.dtype(q.dtype) != np.dtype(lse_dtype)
+    masked = extra or opts.mods is not None   # an option that reads a row's head: no packed GQA rows
+    pack = _gqa_packing(p, masked, band, q, portable, smem_limit)
+    one_split_decodes = not layouts and p.lk >= SPLIT_MIN_KEYS and _one_split_decodes(p, portable, pack, smem_limit)
+    if accumulator_out and one_split_decodes:   # the unsplit call's kernel, its result before the rounding
+        return _plan_split_forward(p, masking, masked, band, portable, 1, out_shape, lse_shape, lse_dtype,
+                                   smem_limit, partial_only=True)
     if accumulator_out and not (variant.family == "fwd_wgmma" and not extra and opts.mods is None
                                 and _maps_fit(masking, q, k, v)):
         return _plan_split_forward(p, masking, extra or band or opts.mods is not None, False, portable, 1,
                                    out_shape, lse_shape, lse_dtype, smem_limit, partial_only=True)
     if accumulator_out:   # the Hopper forward's twin that writes O in float32 (no O tensor map), unsplit
         variant, num_splits = replace(variant, acc_out=True), 1
-    masked = extra or opts.mods is not None   # an option that reads a row's head: no packed GQA rows
-    pack = _gqa_packing(p, masked, band, q, portable, smem_limit)
     splits = _auto_splits(p, portable, pack, smem_limit) if num_splits is None else num_splits
     if key_lengths:
         if extra:   # only the split kernels without EXTRA read the lengths (ScoreMod's PER_SEQ)
@@ -205,8 +209,7 @@ def plan_forward(p, opts, precision: str, num_splits: Optional[int] = None, accu
             raise PagesNotReadInPlace(f"the {plan.kernels[0].variant.family} split kernel reads no such paged cache")
         return replace(plan, key_lengths=True, paged=pages is not None,
                        params=_without_addresses(HostArg(plan.params), _FWD_KEY_LENGTHS + _FWD_PAGE_TABLE))
-    if splits > 1 or (not accumulator_out and p.lk >= SPLIT_MIN_KEYS and _one_split_decodes(p, portable, pack,
-                                                                                           smem_limit)):
+    if splits > 1 or one_split_decodes:
         return _plan_split_forward(p, masking, masked, band, portable, splits, out_shape, lse_shape, lse_dtype,
                                    smem_limit)
     maps = None
@@ -290,12 +293,19 @@ def _decodes(p, portable, pack: int, smem_limit: int) -> bool:
     return split_variants(portable, p.dv, smem_limit, p.lq * pack, _fills_gpu(p, pack))[0].family == "fwd_decode"
 
 
+UNPACKED_ONE_SPLIT_ROWS = 16
+"""Query rows up to which a block of one query head (no packed GQA) takes the decoding kernel over one split in
+place of the unsplit kernels (H200, bf16, 32 heads, one query row, head dim 128, 8192 keys: B = 4 127 us against
+129 for the Hopper forward, B = 16 487 against 511: benchmarks/bench_decode.py --quick's fourth row)."""
+
+
 def _one_split_decodes(p, portable, pack: int, smem_limit: int) -> bool:
     """Whether an unsplit call runs the decoding kernel over one split, which writes out and lse itself: packed
     GQA rows that the decoding kernel takes (each K/V byte read once, where the unsplit kernels read a K/V head
     once a query head; on a full GPU 0.99-1.02x cuDNN where splits measured 0.93-0.98x: H200, bf16, one query
-    row of 4 heads, B = 32-132, 4096-16384 keys, benchmarks/bench_decode.py --splits)."""
-    return pack > 1 and _decodes(p, portable, pack, smem_limit)
+    row of 4 heads, B = 32-132, 4096-16384 keys, benchmarks/bench_decode.py --splits), and blocks of one query
+    head of at most :data:`UNPACKED_ONE_SPLIT_ROWS` rows."""
+    return (pack > 1 or p.lq <= UNPACKED_ONE_SPLIT_ROWS) and _decodes(p, portable, pack, smem_limit)
 
 
 def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
