@@ -19,7 +19,8 @@ key count, whose last float pair the sequence end cuts). ``--portable``: the por
 (mma.sync / DMMA / TF32) even on an H100, e.g. the 16-bit dK/dV kernel of flash_bwd_mma.cu. ``--dtypes float32`` with it: the
 float32 Hopper forward (flash_fwd_wgmma_tf32.cu, head dims 64 and 128, both precisions).
 ``--split``: the split-KV forward (decoding shapes: one to 16 query rows over odd key counts, packed
-grouped-query heads, more splits than key tiles, masking options) and a backward from its result, and
+grouped-query heads, one split writing out itself, more splits than key tiles, masking options) and a backward
+from its result, and
 a KV cache of ragged lengths (0 included) with an append, contiguous and as shuffled pages of 16
 (``--kvcache``: that cache part alone). ``--varlen``: packed sequences (cuflash.varlen: empty, one-row and
 keyless sequences, more keys than queries and fewer; first sequences of equal lengths, which run the dense
@@ -227,7 +228,8 @@ def split_kv(dtypes) -> None:
     launched = _split_launches()
     rng = np.random.default_rng(0)
     for dtype, d, (lq, hq, splits, masked) in itertools.product(
-            dtypes, (40, 64, 128), ((1, 8, None, False), (3, 4, 5, False), (16, 4, 64, False), (2, 4, 7, True))):
+            dtypes, (40, 64, 128), ((1, 8, None, False), (1, 8, 1, False), (3, 4, 5, False), (16, 4, 64, False),
+                                     (2, 4, 7, True))):
         lk = 1333
         q = cp.asarray(rng.standard_normal((2, hq, lq, d)).astype(DTYPES[dtype]))
         k, v = (cp.asarray(rng.standard_normal((2, 2, lk, d)).astype(DTYPES[dtype])) for _ in range(2))
