@@ -1,13 +1,14 @@
 """One query row over a long cache with the split count forced, beside cuDNN in one process (needs a GPU and
 PyTorch): does the split rule (select.split_count) take the fastest count?
 
-    PYTHONPATH=. python benchmarks/split_counts.py
+    PYTHONPATH=. python benchmarks/split_counts.py [--rows B:Lk:D,...] [--counts 1,2,3,...]
 
-bf16, 32 query heads over 8 K/V heads, one query row; rows (B, Lk, D) below. Each: cuflash with the rule's count
+bf16, 32 query heads over 8 K/V heads, one query row; rows (B, Lk, D) below (or --rows). Each: cuflash with the rule's count
 ("auto"), PyTorch SDPA's cuDNN backend on the same buffers, then cuflash with ``num_splits`` forced to each count
-of COUNTS whose grid (B x 8 x n CTAs) stays within 32 CTAs an SM. Time: the better of two medians of 9 runs of 20
+of COUNTS (or --counts) whose grid (B x 8 x n CTAs) stays within 32 CTAs an SM. Time: the better of two medians of 9 runs of 20
 queued calls (bench.py's timing), in us.
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -33,8 +34,14 @@ def main() -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", help="B:Lk:D triples, comma-separated")
+    ap.add_argument("--counts", help="split counts, comma-separated")
+    args = ap.parse_args()
+    rows = [tuple(int(x) for x in r.split(":")) for r in args.rows.split(",")] if args.rows else ROWS
+    counts = [int(x) for x in args.counts.split(",")] if args.counts else COUNTS
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    for b, lk, d in ROWS:
+    for b, lk, d in rows:
         rng = cp.random.RandomState(0)
         dt = bench._cp_dtype("bfloat16")
         q = bench_decode._normal(rng, (b, 32, 1, d), dt)
@@ -45,7 +52,7 @@ def main() -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
         res = {"auto": us(lambda: cuflash.attention_forward(q, k, v)), "cudnn": us(cudnn)}
-        for n in COUNTS:
+        for n in counts:
             if b * n <= 4 * sms:
                 res[n] = us(lambda: cuflash.attention_forward(q, k, v, num_splits=n))
         print(f"B={b} Lk={lk} D={d}: " + "  ".join(f"{key}:{val:.1f}" for key, val in res.items()), flush=True)

@@ -642,18 +642,22 @@ def test_a_decoding_call_splits_its_keys_and_packs_its_query_heads(fake):
     assert int(g["split_counters"]) == counters
 
 
-@pytest.mark.parametrize("blocks, key_tiles, expected", [
-    (8, 2048, 16),    # 128 CTAs: one an SM but 4
-    (64, 512, 2),     # 128 CTAs
-    (128, 128, 1),    # every SM but 4 has a block already
-    (200, 512, 1),    # a second split would spill past one wave of 396 slots
-    (8, 4, 4),        # no more splits than key tiles
-    (1, 4096, 125),   # one CTA an SM on all but 7 (within SPLIT_BALANCE of even; 126 splits take 33 tiles too)
+@pytest.mark.parametrize("blocks, key_tiles, slots, expected", [
+    (8, 2048, 396, 16),    # 128 CTAs: one an SM but 4
+    (64, 512, 396, 2),     # 128 CTAs
+    (128, 128, 396, 1),    # every SM but 4 has a block already
+    (100, 512, 264, 1),    # a second split would spill past one wave of 264 slots
+    (8, 4, 396, 4),        # no more splits than key tiles
+    (1, 4096, 396, 125),   # one CTA an SM on all but 7 (within SPLIT_BALANCE of even; 126 splits take 33 tiles too)
+    (200, 512, 396, 5),    # more blocks than SMs: 1000 CTAs, 2.53 waves of 396 slots (1.52 for two splits)
+    (384, 128, 264, 2),    # 768 CTAs, 2.91 waves of 264 (one split: 1.45 waves)
+    (512, 128, 264, 1),    # 1.94 waves of 264 already
 ])
-def test_a_streaming_partial_kernel_takes_one_even_wave(blocks, key_tiles, expected):
+def test_a_streaming_partial_kernel_takes_one_even_wave(blocks, key_tiles, slots, expected):
     """The decoding kernel's split count (select.split_count with sms): the fewest splits within one wave
-    whose CTAs spread evenly over the SMs (132 SMs, 3 CTAs an SM)."""
-    assert select.split_count(blocks, key_tiles, 396, sms=132) == expected
+    whose CTAs spread evenly over the SMs (132 SMs); more blocks than SMs, the fewest splits within
+    SPLIT_MAX_WAVES waves whose last wave is nearly full."""
+    assert select.split_count(blocks, key_tiles, slots, sms=132) == expected
     assert select.split_count(128, 128, 396, sms=132, min_splits=2) == 2   # packed rows: the split path
     assert select.split_count(512, 64, 396, sms=132, min_splits=2) == 3    # a full GPU: 1536 CTAs, 3.9 waves
     assert select.split_count(512, 1, 396, sms=132, min_splits=2) == 1     # one key tile: nothing to split
@@ -670,8 +674,10 @@ def test_split_counts_stay_in_range(blocks, key_tiles, ctas, streams, min_splits
     assert 1 <= n <= max(1, min(select.MAX_SPLITS, key_tiles))
     if key_tiles >= 2 and min_splits == 2:
         assert n >= 2
-    if streams and blocks < select.SPLIT_FILL * slots and blocks * min_splits <= slots and key_tiles >= 2:
-        assert blocks * n <= slots
+    if streams and blocks <= 132 and blocks * min_splits <= slots and key_tiles >= 2:
+        assert blocks * n <= slots   # one wave
+    if streams and blocks > 132 and blocks * min_splits <= select.SPLIT_MAX_WAVES * slots:
+        assert blocks * n <= select.SPLIT_MAX_WAVES * slots
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 256])

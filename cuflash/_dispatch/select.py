@@ -334,6 +334,14 @@ SPLIT_BALANCE = 0.95
 CTAs spread over the SMs at least this fraction as evenly as the best count's."""
 
 
+SPLIT_MAX_WAVES = 4
+"""For a partial kernel bound by its K/V stream with more blocks than streams: the split counts considered are those
+of at most this many waves of its CTA slots (H200, bf16, one query row of 4 heads, 16384 keys, D = 64, two-CTA
+tile, 264 slots; us, one split / the rule's count / cuDNN: 136 blocks 142 / 139 (5) / 154, 200 205 / 201 (5) / 194,
+320 343 / 309 (3) / 305, 384 379 / 362 (2) / 355, 512 at 4096 keys 125 / 125 (1) / 125; D = 128: 320 692 / 603 /
+672; benchmarks/split_counts.py --rows 17:16384:64,25:16384:64,40:16384:64,48:16384:64 --counts 1,2,3,5)."""
+
+
 def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_SPLITS,
                 sms: Optional[int] = None, min_splits: int = 1) -> int:
     """The number of key splits for a forward of ``blocks`` CTAs over ``key_tiles`` key tiles on a GPU
@@ -343,9 +351,10 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
     (packed GQA rows on the split twin need the split path), where there are two key tiles to split.
 
     ``sms`` (the decoding kernel: the SMs where it streams K/V at the HBM rate with one CTA an SM, its
-    16-bit variants; else its CTA slots): instead the smallest count within one wave whose CTAs spread
-    evenly over the ``sms`` streams (:data:`SPLIT_BALANCE`): fewer, longer splits, and no SM with a CTA
-    more than the rest. The H200,
+    16-bit variants; else its CTA slots): instead, with at most as many blocks as streams, the smallest count
+    within one wave whose CTAs spread evenly over the ``sms`` streams (:data:`SPLIT_BALANCE`): fewer, longer
+    splits, and no SM with a CTA more than the rest; with more blocks, the smallest count within
+    :data:`SPLIT_MAX_WAVES` waves whose last wave is nearly as full as the best count's. The H200,
     bf16, D=128, one query row of 4 heads a K/V head: B=1, 8 K/V heads, 131072 keys: 16 splits (128
     CTAs) 131 us, 33 (264) 131, 42 (336, the wave rule's count) 137, 50 (400, past the 396 slots) 143;
     B=8: 2 splits (128 CTAs) 249 us, 4 245, 6 246, 5 (320) 258, 7 (448) 273 (benchmarks/bench_decode.py
@@ -356,6 +365,15 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
 
     if key_tiles < 2:
         return 1
+    limit = max(1, min(max_splits, key_tiles, slots))
+    counts = [n for n in range(1, limit + 1) if n == 1 or -(-key_tiles // n) != -(-key_tiles // (n - 1))]
+    counts = [n for n in counts if n >= min_splits] or [min(min_splits, limit)]
+    if sms is not None and blocks > sms:
+        # more blocks than streams: the fewest splits within SPLIT_MAX_WAVES waves of the slots whose last wave
+        # is nearly as full as the best count's (a wave's tail, not an SM's share, is what idles the GPU)
+        within = [n for n in counts if blocks * n <= SPLIT_MAX_WAVES * slots] or counts[:1]
+        best = max(fill(n) for n in within)
+        return next(n for n in within if fill(n) >= SPLIT_BALANCE * best)
     if blocks >= SPLIT_FILL * slots:
         if min_splits == 1:
             return 1
@@ -365,9 +383,6 @@ def split_count(blocks: int, key_tiles: int, slots: int, max_splits: int = MAX_S
         within = range(min_splits, min(min_splits + 2, key_tiles) + 1)
         best = max(fill(n) for n in within)
         return next(n for n in within if fill(n) >= 0.98 * best)
-    limit = max(1, min(max_splits, key_tiles, slots))
-    counts = [n for n in range(1, limit + 1) if n == 1 or -(-key_tiles // n) != -(-key_tiles // (n - 1))]
-    counts = [n for n in counts if n >= min_splits] or [min(min_splits, limit)]
     if sms is not None:
         one_wave = [n for n in counts if blocks * n <= slots] or counts[:1]
 
