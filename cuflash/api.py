@@ -87,8 +87,9 @@ def attention(q, k, v, *, causal: Causal = False, scale: Optional[float] = None,
         Split-KV forward: the keys are cut into this many ranges, each attended by its own thread
         blocks, and the partial results merged by their log-sum-exp (as :func:`merge_attention`),
         so that few long rows (decoding over a KV cache) still fill the GPU. None (default): split
-        where the query blocks alone would leave most of the GPU idle; 1: never. The result is
-        the same up to rounding. Ignored by NumPy inputs.
+        where the query blocks alone would leave most of the GPU idle; 1: never (blocks of a few
+        query rows still take the decoding kernel, over one range, which writes the result itself).
+        The result is the same up to rounding. Ignored by NumPy inputs.
     score_mod : cuflash.ScoreMod or a sequence of them, optional
         User modifications of each score (natural units, after the bias and before the softmax),
         CUDA source compiled into the kernels (:mod:`cuflash.mods`; library ones: ``cuflash.softcap``,
