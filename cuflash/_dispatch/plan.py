@@ -296,15 +296,16 @@ def _decodes(p, portable, pack: int, smem_limit: int) -> bool:
 UNPACKED_ONE_SPLIT_ROWS = 16
 """Query rows up to which a block of one query head (no packed GQA) takes the decoding kernel over one split in
 place of the unsplit kernels (H200, bf16, 32 heads, one query row, head dim 128, 8192 keys: B = 4 127 us against
-129 for the Hopper forward, B = 16 487 against 511: benchmarks/bench_decode.py --quick's fourth row)."""
+129 for the Hopper forward, B = 16 487 against 511: benchmarks/bench_decode.py --quick's fourth row, with this
+set to 0 for the Hopper forward)."""
 
 
 def _one_split_decodes(p, portable, pack: int, smem_limit: int) -> bool:
     """Whether an unsplit call runs the decoding kernel over one split, which writes out and lse itself: packed
     GQA rows that the decoding kernel takes (each K/V byte read once, where the unsplit kernels read a K/V head
     once a query head; on a full GPU 0.99-1.02x cuDNN where splits measured 0.93-0.98x: H200, bf16, one query
-    row of 4 heads, B = 32-132, 4096-16384 keys, benchmarks/bench_decode.py --splits), and blocks of one query
-    head of at most :data:`UNPACKED_ONE_SPLIT_ROWS` rows."""
+    row of 4 heads, B = 32-132, 4096-16384 keys, benchmarks/split_counts.py --rows 64:4096:64,64:16384:128
+    --counts 1,2,3), and blocks of one query head of at most :data:`UNPACKED_ONE_SPLIT_ROWS` rows."""
     return (pack > 1 or p.lq <= UNPACKED_ONE_SPLIT_ROWS) and _decodes(p, portable, pack, smem_limit)
 
 
