@@ -326,8 +326,8 @@ def _auto_splits(p, portable, pack: int, smem_limit: int) -> int:
     slots = device.sm_count() * ctas_per_sm(partial, smem_limit)
     key_tiles = -(-p.lk // partial.tile.block_n)
     # The 16-bit decoding kernel streams K/V at the HBM rate with one CTA an SM (benchmarks/split_counts.py: the
-    # rule's count the fastest of those tried; blocks that fill the GPU take split_count's full-GPU branch
-    # instead); float32 and float64 wait on their instructions' latency and fill every CTA slot evenly (H200, one
+    # rule's count the fastest of those tried; more blocks than SMs take split_count's wave rule instead);
+    # float32 and float64 wait on their instructions' latency and fill every CTA slot evenly (H200, one
     # query row of 4 heads, head dim 64, two CTAs an SM against one: float64 B=8, 32768 keys 87% / 58% of the HBM
     # peak; float32 B=1, 131072 keys, 264 CTAs 70%, 232 58%: benchmarks/bench_decode.py --splits).
     streams = None
